@@ -1,0 +1,94 @@
+"""Attention functions that record what no module returns: q/k after RoPE, scores, probs, context.
+
+transformers calls the function registered under `config._attn_implementation` with q/k after
+RoPE and k/v before `repeat_kv`. `recording_attention` registers a recording twin of the model's
+implementation (and the matching mask function, without which a registered function receives no
+mask) under a fresh name, switches the model to it, and undoes all three on exit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import repeat_kv
+
+Recorder = Callable[[str, torch.Tensor], None]
+_session_ids = itertools.count()
+
+
+def eager_recording(record: Recorder, names: dict[nn.Module, str]) -> Callable:
+    """transformers' `eager_attention_forward`, op for op, recording scores, probs and context."""
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        prefix = names[module]
+        record(f"{prefix}.q_rope", query)  # (1, H, T, D)
+        record(f"{prefix}.k_rope", key)  # (1, KV, T, D)
+        key_states = repeat_kv(key, module.num_key_value_groups)  # (1, H, T, D)
+        value_states = repeat_kv(value, module.num_key_value_groups)  # (1, H, T, D)
+        attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling  # (1, H, T, T)
+        record(f"{prefix}.scores", attn_weights)
+        if attention_mask is not None:
+            attn_weights = attn_weights + attention_mask
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        record(f"{prefix}.probs", attn_weights)
+        attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+        attn_output = torch.matmul(attn_weights, value_states)  # (1, H, T, D)
+        attn_output = attn_output.transpose(1, 2).contiguous()  # (1, T, H, D)
+        record(f"{prefix}.context", attn_output.flatten(2))  # (1, T, H*D)
+        return attn_output, attn_weights
+
+    return attention
+
+
+def fused_recording(inner: Callable, record: Recorder, names: dict[nn.Module, str]) -> Callable:
+    """Wraps a fused implementation (sdpa, ...): only its inputs and output can be recorded."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        prefix = names[module]
+        record(f"{prefix}.q_rope", query)  # (1, H, T, D)
+        record(f"{prefix}.k_rope", key)  # (1, KV, T, D)
+        attn_output, attn_weights = inner(module, query, key, value, attention_mask, **kwargs)
+        record(f"{prefix}.context", attn_output.flatten(2))  # (1, T, H, D) -> (1, T, H*D)
+        return attn_output, attn_weights
+
+    return attention
+
+
+def unobservable_points(implementation: str) -> dict[str, str]:
+    """Per-layer points (relative to `self_attn`) this implementation never materializes."""
+    if implementation == "eager":
+        return {}
+    reason = (
+        f"attn_implementation={implementation!r} fuses scores and softmax; "
+        "load the model with attn_implementation='eager' to record them"
+    )
+    return {"self_attn.scores": reason, "self_attn.probs": reason}
+
+
+@contextmanager
+def recording_attention(model, record: Recorder, names: dict[nn.Module, str]):
+    """Route `model`'s attention through a recording function for the duration of the block."""
+    implementation = model.config._attn_implementation
+    if implementation == "eager":
+        function = eager_recording(record, names)
+    else:
+        inner = ALL_ATTENTION_FUNCTIONS.get(implementation, sdpa_attention_forward)
+        function = fused_recording(inner, record, names)
+    name = f"tracer_{implementation}_{next(_session_ids)}"
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+    try:
+        model.set_attn_implementation(name)
+        yield
+    finally:
+        model.set_attn_implementation(implementation)
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)

@@ -1,0 +1,110 @@
+"""The `hf` engine: transformers' own `LlamaForCausalLM`, observed, never modified."""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import ExitStack
+
+import torch
+
+from tracer.engines import is_loaded_model, per_layer, trace_meta
+from tracer.errors import TracerError
+from tracer.llama import TORCH_DTYPES
+from tracer.trace import Trace, TraceRecorder
+from tracer.variants import check_engine
+
+from .attention import recording_attention, unobservable_points
+from .modules import recording_modules
+
+# A local directory never needs the hub; make sure nothing tries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_LAYER_NAME = re.compile(r"model\.layers\.\d+")
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, model, variant: dict, label: str):
+        self.model, self.variant, self.label = model, variant, label
+        self.layer_prefixes = [n for n, _ in model.named_modules() if _LAYER_NAME.fullmatch(n)]
+
+    @classmethod
+    def load(cls, source, variant: dict) -> HFEngine:
+        """`source`: a model path (None for the bundled default) or a loaded `LlamaForCausalLM`."""
+        check_engine(variant, cls.name)
+        if is_loaded_model(source):
+            if variant:
+                raise TracerError("variant knobs need a model path; an already loaded model is recorded as it is")
+            return cls(source.eval(), {}, source.config.to_dict().get("_name_or_path") or "loaded model")
+        from tracer.model import resolve_model
+
+        model_dir = resolve_model(source)
+        return cls(_load(model_dir, variant), variant, str(model_dir))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def record(self, tokens: list[int]) -> Trace:
+        recorder = TraceRecorder()
+        names = {module: name for name, module in self.model.named_modules()}
+        implementation = self.model.config._attn_implementation
+        with ExitStack() as stack, torch.inference_mode():
+            stack.enter_context(recording_modules(self.model, recorder, self.layer_prefixes))
+            stack.enter_context(recording_attention(self.model, recorder, names))
+            self.model(input_ids=torch.tensor([tokens]), use_cache=False)
+        not_recorded = per_layer(len(self.layer_prefixes), unobservable_points(implementation))
+        meta = trace_meta(self, self.label, tokens, self.model.dtype, not_recorded,
+                          num_layers=len(self.layer_prefixes), attn_implementation=implementation,
+                          unused_tensors=getattr(self.model, "tracer_unused_tensors", []))
+        return Trace(recorder.tensors, meta)
+
+    @torch.inference_mode()
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        return self.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
+
+
+def _load(model_dir, variant: dict):
+    """from_pretrained with the variant's config-level knobs applied before the weights load."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if "theta" in variant:
+        config.rope_parameters["rope_theta"] = variant["theta"]
+    if "eps" in variant:
+        config.rms_norm_eps = variant["eps"]
+    # Its progress bar and load report are noise next to tracer's own output and break one-line
+    # errors; what they say (missing, misshapen, unused tensors) is checked and said below.
+    bar_was_on, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = LlamaForCausalLM.from_pretrained(
+            model_dir,
+            config=config,
+            dtype=TORCH_DTYPES[variant.get("dtype", "f32")],
+            attn_implementation=variant.get("attn", "eager"),
+            output_loading_info=True,
+        )
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise TracerError(f"transformers cannot load {model_dir}: {str(exc).strip().splitlines()[0]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+    # transformers fills missing tensors with random values and only warns: that is another model.
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise TracerError(f"missing tensor {missing[0]} in {model_dir}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if info.get("mismatched_keys"):
+        name, *shapes = sorted(info["mismatched_keys"])[0]
+        raise TracerError(f"shape mismatch for {name} in {model_dir}: {shapes}")
+    model.tracer_unused_tensors = sorted(info.get("unexpected_keys") or [])
+    return model.eval()

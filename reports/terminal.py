@@ -1,0 +1,46 @@
+"""The short summary `tracer run` prints: verdict, where it starts, the figures."""
+
+from __future__ import annotations
+
+
+def _g(value) -> str:
+    return "n/a" if value is None else value if isinstance(value, str) else f"{value:.3g}"
+
+
+def terminal_summary(result, out_dir=None) -> str:
+    """A few lines for the terminal; `result` is a Result or its dict."""
+    s = result.to_dict() if hasattr(result, "to_dict") else result
+    lines = [f"tracer: {s['reference']['label']} vs {s['candidate']['label']} on {s['model']}"]
+    if s.get("prompt") is not None:
+        lines.append(f"  prompt {s['prompt']!r} ({len(s['tokens'])} tokens)")
+    if s["verdict"] == "error":
+        return "\n".join(lines + [f"verdict: ERROR  {s['error']}"])
+    recorded = [p for p in s["points"] if p["recorded"]]
+    lines.append(f"verdict: {s['verdict'].upper()}  ({len(recorded)} points compared, criterion {s['tolerance']['text']})")
+    first = s["first_divergence"]
+    if first:
+        if first["last_agreeing"]:
+            lines.append(f"  agrees up to {first['last_agreeing']} "
+                         f"(max rel_l2 {_g(first['upstream_max_rel_l2'])} over {first['upstream_points']} points)")
+        lines.append(f"  first divergence: {first['point']}  max|diff| {_g(first['max_abs'])}  "
+                     f"max|ref| {_g(first['max_ref'])}  rel_l2 {_g(first['rel_l2'])}")
+    else:
+        worst = max(recorded, key=lambda p: p["rel_l2"] if isinstance(p["rel_l2"], float) else 0.0, default=None)
+        if worst and worst["rel_l2"] == 0:
+            lines.append("  every recorded point is bitwise identical")
+        elif worst:
+            lines.append(f"  largest error: {worst['point']} rel_l2 {_g(worst['rel_l2'])}")
+    logits = s.get("logits")
+    if logits:
+        lines.append(f"  logits, last position: max|diff| {_g(logits['max_abs'])} (max|ref| {_g(logits['max_ref'])}); "
+                     f"all positions {_g(logits['max_abs_all'])}; argmax agrees at {logits['argmax_agree']:.0%} of positions")
+    greedy = s.get("greedy")
+    if greedy:
+        flip = f", first flip at step {greedy['first_flip']}" if greedy.get("first_flip") else ""
+        lines.append(f"  greedy: {greedy['same_prefix']}/{greedy['steps']} tokens same prefix{flip} "
+                     f"({greedy['same_positions']}/{greedy['steps']} positions agree)")
+    for note in s.get("notes", []):
+        lines.append(f"  note: {note}")
+    if out_dir is not None:
+        lines.append(f"report: {out_dir}/report.html")
+    return "\n".join(lines)

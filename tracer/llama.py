@@ -1,0 +1,308 @@
+"""Llama in plain torch, instrumented: the `reimpl` engine's model.
+
+Mirrors transformers 5.24's `models/llama/modeling_llama.py` with eager attention, op by op and
+dtype by dtype (RMSNorm in f32 then cast back, softmax in f32, the same matmul shapes with a batch
+of 1), so that with no variant every point agrees with the `hf` engine at rounding level and a
+difference is a real difference. It reads `config.json` and safetensors itself; transformers is
+never imported on this path.
+
+Every point of `tracer.points` is handed to one `record(name, tensor)` call; tensors keep their
+batch dimension of 1 here and the recorder drops it. Variant knobs are resolved once, before the
+forward, into a spec change or a small strategy function (`resolve_strategies`).
+
+Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, I intermediate size,
+V vocab size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tracer.config import LlamaSpec, load_config, read_hf
+from tracer.errors import TracerError
+
+Recorder = Callable[[str, torch.Tensor], None]
+TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+def _no_record(name: str, tensor: torch.Tensor) -> None:
+    pass
+
+
+# --- norm, rotary ----------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    input_dtype = x.dtype
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    x32 = x32 * torch.rsqrt(variance + eps)
+    return weight * x32.to(input_dtype)
+
+
+def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
+    """(D/2,) inverse frequencies, f32, with the config's rope scaling applied."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise TracerError(f"rope_type {kind!r} is not supported by the reimpl engine (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths slowed by `factor`, smooth ramp between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_cos_sin(spec: LlamaSpec, num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (1, T, D), in the half-split layout (frequencies repeated, not interleaved)."""
+    positions = torch.arange(num_tokens)[None]  # (1, T)
+    freqs = positions[..., None].float() * rope_inv_freq(spec)  # (1, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (1, T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's RoPE: x (1, heads, T, D), cos/sin (1, T, D)."""
+    cos, sin = cos[:, None], sin[:, None]  # (1, 1, T, D)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+# --- attention -------------------------------------------------------------------------------
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(1, KV, T, D) -> (1, KV*groups, T, D), each kv head repeated for its consecutive query heads."""
+    batch, kv_heads, tokens, dim = x.shape
+    if groups == 1:
+        return x
+    x = x[:, :, None].expand(batch, kv_heads, groups, tokens, dim)  # (1, KV, groups, T, D)
+    return x.reshape(batch, kv_heads * groups, tokens, dim)
+
+
+def causal_mask(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, T, T): 0 where attention is allowed, the dtype's most negative value above the diagonal."""
+    blocked = torch.ones(num_tokens, num_tokens, dtype=torch.bool).triu(1)
+    return torch.where(blocked, torch.finfo(dtype).min, 0.0).to(dtype)[None, None]
+
+
+def attention_eager(q, k, v, scale: float, groups: int, prefix: str, record: Recorder) -> torch.Tensor:
+    """matmul, add mask, softmax in f32, matmul: q (1, H, T, D), k/v (1, KV, T, D) -> (1, H, T, D)."""
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (1, H, T, D)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # (1, H, T, T)
+    record(f"{prefix}.scores", scores)
+    probs = F.softmax(scores + causal_mask(q.shape[2], q.dtype), dim=-1, dtype=torch.float32).to(q.dtype)
+    record(f"{prefix}.probs", probs)
+    return torch.matmul(probs, v)
+
+
+def attention_sdpa(q, k, v, scale: float, groups: int, prefix: str, record: Recorder) -> torch.Tensor:
+    """torch's fused kernel; scores and probs never exist as tensors, so they are not recorded."""
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (1, H, T, D)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
+
+
+ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa}
+
+
+@dataclass(frozen=True)
+class Strategies:
+    """The forward's replaceable steps, chosen once from the variant."""
+
+    attention: Callable = attention_eager
+    dtype: torch.dtype = torch.float32
+
+    def not_recorded(self) -> dict[str, str]:
+        if self.attention is attention_sdpa:
+            reason = "attn=sdpa fuses scores and softmax into one kernel"
+            return {"self_attn.scores": reason, "self_attn.probs": reason}
+        return {}
+
+
+def resolve_strategies(spec: LlamaSpec, variant: dict) -> tuple[LlamaSpec, Strategies]:
+    """Apply the knobs this engine honours: config values to the spec, the rest to strategies."""
+    changes = {"theta": "rope_theta", "eps": "rms_norm_eps"}
+    spec = spec.replace(**{changes[k]: v for k, v in variant.items() if k in changes})
+    strategies = Strategies(
+        attention=ATTENTION[variant.get("attn", "eager")],
+        dtype=TORCH_DTYPES[variant.get("dtype", "f32")],
+    )
+    return spec, strategies
+
+
+# --- blocks ----------------------------------------------------------------------------------
+
+
+def self_attention(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies, prefix: str, record: Recorder):
+    """x (1, T, C) -> (1, T, C), recording projections, RoPE, scores, probs, context, output."""
+    batch, tokens, _ = x.shape
+    hidden_shape = (batch, tokens, -1, spec.head_dim)
+    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))  # (1, T, H*D)
+    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))  # (1, T, KV*D)
+    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias"))  # (1, T, KV*D)
+    record(f"{prefix}.q_proj", q)
+    record(f"{prefix}.k_proj", k)
+    record(f"{prefix}.v_proj", v)
+    q = q.view(hidden_shape).transpose(1, 2)  # (1, H, T, D)
+    k = k.view(hidden_shape).transpose(1, 2)  # (1, KV, T, D)
+    v = v.view(hidden_shape).transpose(1, 2)  # (1, KV, T, D)
+    q, k = rope_half(q, cos, sin), rope_half(k, cos, sin)
+    record(f"{prefix}.q_rope", q)
+    record(f"{prefix}.k_rope", k)
+    context = strategies.attention(q, k, v, spec.head_dim**-0.5, spec.num_kv_groups, prefix, record)
+    context = context.transpose(1, 2).contiguous().reshape(batch, tokens, -1)  # (1, T, H*D)
+    record(f"{prefix}.context", context)
+    out = F.linear(context, w["o_proj.weight"], w.get("o_proj.bias"))  # (1, T, C)
+    record(f"{prefix}.o_proj", out)
+    return out
+
+
+def mlp(x, w: dict, spec: LlamaSpec, prefix: str, record: Recorder):
+    """x (1, T, C) -> (1, T, C): down(act(gate(x)) * up(x))."""
+    gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))  # (1, T, I)
+    record(f"{prefix}.gate_proj", gate)
+    up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))  # (1, T, I)
+    record(f"{prefix}.up_proj", up)
+    act = ACTIVATIONS[spec.hidden_act](gate) * up
+    record(f"{prefix}.act", act)
+    down = F.linear(act, w["down_proj.weight"], w.get("down_proj.bias"))  # (1, T, C)
+    record(f"{prefix}.down_proj", down)
+    return down
+
+
+def decoder_layer(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies, prefix: str, record: Recorder):
+    h = rms_norm(x, w["input_layernorm.weight"], spec.rms_norm_eps)
+    record(f"{prefix}.input_layernorm", h)
+    h = x + self_attention(h, _sub(w, "self_attn."), spec, cos, sin, strategies, f"{prefix}.self_attn", record)
+    record(f"{prefix}.resid_mid", h)
+    m = rms_norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps)
+    record(f"{prefix}.post_attention_layernorm", m)
+    out = h + mlp(m, _sub(w, "mlp."), spec, f"{prefix}.mlp", record)
+    record(prefix, out)
+    return out
+
+
+def _sub(weights: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+# --- model -----------------------------------------------------------------------------------
+
+
+class Llama:
+    """A loaded model: spec, weights (checked against the spec), and the variant's strategies.
+
+    Example:
+        >>> model = Llama.from_dir(tracer.default_model_path(), {"theta": 10000.0})
+        >>> logits = model.forward(torch.tensor([504, 3575, 282, 4649, 314]))  # (T, V)
+    """
+
+    def __init__(self, spec: LlamaSpec, weights: dict[str, torch.Tensor], variant: dict | None = None):
+        self.variant = dict(variant or {})
+        self.spec, self.strategies = resolve_strategies(spec, self.variant)
+        self.weights = check_weights(self.spec, weights, self.strategies.dtype)
+        self.unused_tensors = unused_tensors(self.spec, weights)
+        self.layers = [_sub(self.weights, f"model.layers.{i}.") for i in range(self.spec.num_hidden_layers)]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, variant: dict | None = None) -> Llama:
+        from tracer.model import read_weights
+
+        return cls(read_hf(load_config(model_dir)), read_weights(model_dir), variant)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, record: Recorder | None = None) -> torch.Tensor:
+        """tokens (T,) int64 -> logits (T, V); every point goes to `record`."""
+        record = record or _no_record
+        spec, w = self.spec, self.weights
+        ids = tokens[None]  # (1, T)
+        h = F.embedding(ids, w["model.embed_tokens.weight"])  # (1, T, C)
+        record("model.embed_tokens", h)
+        cos, sin = rotary_cos_sin(spec, ids.shape[1], h.dtype)  # (1, T, D) each
+        for i, layer in enumerate(self.layers):
+            h = decoder_layer(h, layer, spec, cos, sin, self.strategies, f"model.layers.{i}", record)
+        h = rms_norm(h, w["model.norm.weight"], spec.rms_norm_eps)
+        record("model.norm", h)
+        logits = F.linear(h, w["lm_head.weight"])  # (1, T, V)
+        record("lm_head", logits)
+        return logits[0]
+
+
+# --- weights ---------------------------------------------------------------------------------
+
+
+def expected_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor the spec needs, with its shape (HF names, as in the safetensors files)."""
+    c, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q_out, kv_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, c)}
+    for n in range(spec.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (c,),
+            p + "self_attn.q_proj.weight": (q_out, c),
+            p + "self_attn.k_proj.weight": (kv_out, c),
+            p + "self_attn.v_proj.weight": (kv_out, c),
+            p + "self_attn.o_proj.weight": (c, q_out),
+            p + "post_attention_layernorm.weight": (c,),
+            p + "mlp.gate_proj.weight": (i, c),
+            p + "mlp.up_proj.weight": (i, c),
+            p + "mlp.down_proj.weight": (c, i),
+        }
+        if spec.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                       p + "self_attn.v_proj.bias": (kv_out,), p + "self_attn.o_proj.bias": (c,)}
+        if spec.mlp_bias:
+            shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (c,)}
+    shapes["model.norm.weight"] = (c,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, c)
+    return shapes
+
+
+def check_weights(spec: LlamaSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The spec's tensors in `dtype`, with a tied lm_head; a missing or misshapen tensor is a TracerError."""
+    if spec.hidden_act not in ACTIVATIONS:
+        raise TracerError(f"hidden_act {spec.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    weights = {}
+    for name, shape in expected_shapes(spec).items():
+        if name not in tensors:
+            raise TracerError(f"missing tensor {name} (expected shape {shape})")
+        if tuple(tensors[name].shape) != shape:
+            raise TracerError(f"shape mismatch for {name}: expected {shape}, file has {tuple(tensors[name].shape)}")
+        weights[name] = tensors[name].to(dtype)
+    if spec.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def unused_tensors(spec: LlamaSpec, tensors: dict) -> list[str]:
+    """Tensors in the files that this spec does not use (e.g. biases a config says are absent)."""
+    needed = set(expected_shapes(spec)) | {"lm_head.weight"}
+    return sorted(name for name in tensors if name not in needed and not name.endswith("rotary_emb.inv_freq"))

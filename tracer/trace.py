@@ -1,0 +1,124 @@
+"""`Trace`: what one run recorded, as data.
+
+An ordered map point name -> tensor (execution order) plus metadata (engine, variant, model,
+token ids, dtype, library versions, points the engine could not observe). Saved as one
+safetensors file whose metadata holds a JSON manifest; never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tracer.errors import TracerError
+
+MANIFEST_KEY = "tracer"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Trace:
+    """One side's recording.
+
+    Attributes:
+        tensors: point name -> tensor in execution order, batch dimension dropped.
+        meta: JSON-able metadata. Keys tracer writes: ``engine``, ``variant`` (knob -> value),
+            ``model``, ``tokens`` (ids), ``dtype``, ``device``, ``versions``,
+            ``not_recorded`` ({point: reason}) for points this engine cannot observe.
+
+    Example:
+        >>> trace = tracer.record(None, "The capital of France is", engine="reimpl")
+        >>> trace["model.layers.0.self_attn.q_rope"].shape
+        torch.Size([9, 5, 64])
+        >>> trace.save("reimpl.safetensors"); Trace.load("reimpl.safetensors")
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def __getitem__(self, point: str) -> torch.Tensor:
+        return self.tensors[point]
+
+    def __contains__(self, point: str) -> bool:
+        return point in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def points(self) -> list[str]:
+        return list(self.tensors)
+
+    @property
+    def not_recorded(self) -> dict[str, str]:
+        return self.meta.get("not_recorded", {})
+
+    @property
+    def tokens(self) -> list[int] | None:
+        return self.meta.get("tokens")
+
+    @property
+    def label(self) -> str:
+        """`engine[knob=value,...]`, how reports and summaries name this side."""
+        return side_label(self.meta.get("engine", "?"), self.meta.get("variant", {}))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write one safetensors file; the manifest (order and metadata) goes in its header."""
+        path = Path(path)
+        manifest = {"format": FORMAT_VERSION, "points": self.points, "meta": self.meta}
+        tensors = {name: t.detach().contiguous() for name, t in self.tensors.items()}
+        tmp = path.with_name(path.name + ".partial")
+        save_file(tensors, str(tmp), metadata={MANIFEST_KEY: json.dumps(manifest)})
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Trace:
+        """Read a trace written by `save` (or any safetensors file of named tensors)."""
+        path = Path(path)
+        if not path.is_file():
+            raise TracerError(f"trace file not found: {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            raise TracerError(f"cannot read trace {path}: {str(exc).splitlines()[0]}") from None
+        manifest = json.loads(header[MANIFEST_KEY]) if MANIFEST_KEY in header else {}
+        order = [p for p in manifest.get("points", []) if p in tensors]
+        order += [p for p in tensors if p not in order]
+        meta = manifest.get("meta", {"engine": "file"})
+        return cls({p: tensors[p] for p in order}, meta)
+
+
+def side_label(engine: str, variant: dict) -> str:
+    if not variant:
+        return engine
+    knobs = ",".join(f"{k}={format_knob_value(v)}" for k, v in variant.items())
+    return f"{engine}[{knobs}]"
+
+
+def format_knob_value(value) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+class TraceRecorder:
+    """The `record(name, tensor)` callable both engines feed; drops the batch dimension of 1."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        # No clone: every recorded tensor is a fresh result that neither forward modifies in place.
+        self.tensors[name] = tensor.detach()[0]
