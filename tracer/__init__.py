@@ -6,25 +6,27 @@
     'model.layers.0.self_attn.q_rope'
 
 `record` (model, tokens -> Trace), `compare` (Trace, Trace -> Result) and `run` (both, plus
-greedy continuations and the report folder) are the API; the CLI maps onto them.
+greedy continuations and the report folder) are the API; the CLI maps onto them. Names load on
+first use, so `import tracer` (and `tracer variants`) does not pay for torch.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
-from tracer.api import record, run
-from tracer.diff import PointDiff, Result, Tolerance, compare
-from tracer.errors import TracerError
-from tracer.trace import Trace
+_EXPORTS = {
+    "record": "tracer.api", "run": "tracer.api",
+    "compare": "tracer.diff", "Result": "tracer.diff", "PointDiff": "tracer.diff", "Tolerance": "tracer.diff",
+    "Trace": "tracer.trace", "TracerError": "tracer.errors", "default_model_path": "tracer.model",
+}
+__all__ = sorted(_EXPORTS)
 
 
-def default_model_path(cache_dir=None, progress: bool = True):
-    """The bundled SmolLM2-135M-Instruct as a cached HF directory, converted on first use."""
-    from tracer.model import default_model_path as _default_model_path
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'tracer' has no attribute {name!r}")
 
-    return _default_model_path(cache_dir, progress=progress)
 
-
-__all__ = [
-    "PointDiff", "Result", "Tolerance", "Trace", "TracerError",
-    "compare", "default_model_path", "record", "run",
-]
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])
