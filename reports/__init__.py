@@ -1,0 +1,41 @@
+"""Reports: render a Result as files to attach to a bug issue. They only render, never recompute.
+
+Every function takes a `Result` (anything with `.to_dict()`) or the summary dict it returns,
+the same dict that is saved as summary.json, so a report can be rebuilt from that file alone.
+
+- `write_report(result, out_dir)`: the report folder (summary.json, points.csv, curve.png,
+  heatmap.png, report.html, summary.md), written atomically.
+- `curve_figure(summary)` / `layer_heatmap_figure(summary)`: matplotlib figures (Agg).
+- `render_html(result)`: the self-contained page as a string.
+- `markdown_summary(result)`: a short Markdown block to paste into an issue.
+"""
+
+from importlib import import_module
+
+# Attribute -> submodule. Loaded on first use: matplotlib and pandas cost most of a second, and
+# `tracer run` only needs them when it writes a report (the terminal summary needs neither).
+_EXPORTS = {
+    "FORMATS": "write",
+    "as_summary": "summary",
+    "curve_figure": "figures",
+    "figure_png": "figures",
+    "layer_heatmap_figure": "figures",
+    "markdown_summary": "markdown",
+    "points_frame": "table",
+    "render_html": "html",
+    "write_report": "write",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

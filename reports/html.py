@@ -1,0 +1,208 @@
+"""The self-contained HTML report: one page, figures inlined as PNG data URIs.
+
+Everything a user typed or a file supplied (prompt, model path, variant values, token texts,
+command, error) goes through Jinja2's autoescaping; only our own CSS and script are marked safe.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Mapping
+
+import jinja2
+
+from .figures import curve_figure, figure_png, layer_heatmap_figure
+from .summary import (
+    Summary, as_summary, comparison_title, fmt, first_difference, side_label, tolerance_text,
+    verdict_sentence,
+)
+from .table import display_rows
+from .template import CSS, PAGE, SORT_SCRIPT
+
+FIGURE_CAPTIONS = {
+    "curve.png": "Error per block output (log scale). Top: relative L2; bottom: max|diff| "
+                 "with max|ref| for scale.",
+    "heatmap.png": "Relative L2 of every recorded point, layer by sub-point (log colour scale).",
+}
+
+_ENV = jinja2.Environment(
+    autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True
+)
+_PAGE = _ENV.from_string(PAGE)
+
+
+def render_html(result, images: Mapping[str, bytes] | None = None) -> str:
+    """The report page for a Result (or its summary dict).
+
+    Args:
+        result: a `Result` or the dict `Result.to_dict()` returns.
+        images: PNG bytes by file name ("curve.png", "heatmap.png"), as `write_report` already
+            rendered them; None renders the figures here.
+    Returns:
+        The page as a string: no external resources, scripts optional.
+    """
+    summary = as_summary(result)
+    if images is None:
+        images = default_images(summary)
+    return _PAGE.render(page_context(summary, images))
+
+
+def default_images(summary: Summary) -> dict[str, bytes]:
+    if not summary.get("points"):
+        return {}  # a failed run has no curve; the banner carries the error
+    return {
+        "curve.png": figure_png(curve_figure(summary)),
+        "heatmap.png": figure_png(layer_heatmap_figure(summary)),
+    }
+
+
+def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
+    verdict = str(summary.get("verdict") or "error")
+    rows = display_rows(summary)
+    return {
+        "css": CSS,
+        "script": SORT_SCRIPT,
+        "verdict": verdict if verdict in ("match", "diverged") else "error",
+        "verdict_label": verdict.upper(),
+        "comparison": comparison_title(summary),
+        "reference_label": side_label(summary.get("reference")),
+        "candidate_label": side_label(summary.get("candidate")),
+        "sentence": verdict_sentence(summary),
+        "notes": [str(note) for note in summary.get("notes") or []],
+        "tolerance": tolerance_text(summary),
+        "tolerance_params": tolerance_params(summary),
+        "logits": logits_rows(summary.get("logits")),
+        "greedy": greedy_context(summary),
+        "figures": figure_entries(images) if summary.get("points") else [],
+        "rows": rows,
+        "has_first_row": any(r["first"] for r in rows),
+        "sides": [side_context("reference", summary.get("reference")),
+                  side_context("candidate", summary.get("candidate"))],
+        "model": summary.get("model") or "?",
+        "prompt": summary.get("prompt"),
+        **token_context(summary),
+        "command": summary.get("command"),
+        "environment": sorted((str(k), str(v)) for k, v in (summary.get("environment") or {}).items()),
+        "timings": [(str(k), fmt_seconds(v)) for k, v in (summary.get("timings") or {}).items()],
+        "tracer_version": summary.get("tracer_version") or "?",
+    }
+
+
+def figure_entries(images: Mapping[str, bytes]) -> list[dict]:
+    entries = []
+    for name, png in images.items():
+        caption = FIGURE_CAPTIONS.get(name, name)
+        entries.append({
+            "uri": "data:image/png;base64," + base64.b64encode(png).decode("ascii"),
+            "alt": caption,
+            "caption": caption,
+            "width": png_width(png) or 1100,
+        })
+    return entries
+
+
+def png_width(png: bytes) -> int | None:
+    """Pixel width from the IHDR chunk, so the <img> is shown at its natural size."""
+    if png[:8] != b"\x89PNG\r\n\x1a\n":
+        return None
+    return int.from_bytes(png[16:20], "big")
+
+
+def tolerance_params(summary: Summary) -> list[tuple[str, str]]:
+    tol = summary.get("tolerance") or {}
+    return [(k, str(v)) for k, v in tol.items() if k not in ("text", "criterion")]
+
+
+def logits_rows(logits: Mapping | None) -> list[tuple[str, str]]:
+    """The logits summary as label/value pairs, labelled the way the porting notes quote them."""
+    if not logits:
+        return []
+    rows = [
+        ("logits max|diff| (last position)", fmt(logits.get("max_abs"))),
+        ("logits max|ref| (last position)", fmt(logits.get("max_ref"))),
+        ("logits rel_l2 (last position)", fmt(logits.get("rel_l2"), ".2e")),
+        ("logits max|diff| (all positions)", fmt(logits.get("max_abs_all"))),
+    ]
+    agree = logits.get("argmax_agree")
+    if agree is not None:
+        n = logits.get("positions")
+        count = f"{round(agree * n)}/{n} positions, " if n else ""
+        rows.append(("argmax agreement", f"{count}{agree:.0%}"))
+    return rows
+
+
+def greedy_context(summary: Summary) -> dict | None:
+    greedy = summary.get("greedy")
+    if not greedy:
+        return None
+    ref, cand = list(greedy.get("reference") or []), list(greedy.get("candidate") or [])
+    first = first_difference(ref, cand, greedy.get("same_prefix"))
+    texts = greedy.get("reference_text"), greedy.get("candidate_text")
+    common = os.path.commonprefix([t for t in texts if t is not None]) if None not in texts else ""
+    return {
+        "prefix_text": greedy_prefix_text(greedy.get("same_prefix"), greedy_steps(greedy), first),
+        "sides": [
+            greedy_side("reference", summary.get("reference"), ref, texts[0], common, first),
+            greedy_side("candidate", summary.get("candidate"), cand, texts[1], common, first),
+        ],
+    }
+
+
+def greedy_steps(greedy: Mapping) -> int:
+    ref, cand = greedy.get("reference") or [], greedy.get("candidate") or []
+    return greedy.get("steps") or max(len(ref), len(cand))
+
+
+def greedy_prefix_text(same: int | None, n: int, first: int | None) -> str:
+    if same is None:
+        return "—"
+    if first is None:
+        return f"identical ({n}/{n} tokens)"
+    return f"{same}/{n} tokens identical; first difference at token {first}"
+
+
+def greedy_side(role, side, ids, text, common, first) -> dict:
+    """One column: the text (the part after the common prefix marked) and the ids."""
+    text = text or ""
+    split = len(common) if first is not None else len(text)
+    return {
+        "role": role,
+        "label": side_label(side),
+        "common": text[:split],
+        "rest": text[split:],
+        "ids": [{"id": tok, "css": id_css(i, first)} for i, tok in enumerate(ids)],
+    }
+
+
+def id_css(i: int, first: int | None) -> str:
+    if first is None or i < first:
+        return ""
+    return "first" if i == first else "after"
+
+
+def side_context(role: str, side: Mapping | None) -> dict:
+    side = side or {}
+    variant = side.get("variant") or {}
+    return {
+        "role": role,
+        "label": side_label(side),
+        "engine": side.get("engine") or "?",
+        "variant": [(str(k), str(v)) for k, v in variant.items()],
+    }
+
+
+def token_context(summary: Summary) -> dict:
+    ids = list(summary.get("tokens") or [])
+    texts = summary.get("token_texts")
+    return {
+        "tokens": [
+            {"index": i, "id": tok, "text": texts[i] if texts and i < len(texts) else ""}
+            for i, tok in enumerate(ids)
+        ],
+        "has_token_texts": bool(texts),
+    }
+
+
+def fmt_seconds(value) -> str:
+    return f"{value:.3g} s" if isinstance(value, (int, float)) else str(value)

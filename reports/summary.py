@@ -1,0 +1,174 @@
+"""Reading a result summary: the dict `Result.to_dict()` returns (and summary.json holds).
+
+Every renderer (figures, HTML, Markdown) takes this dict and nothing else, so a report can be
+rebuilt later from a saved summary.json. The helpers here only select and phrase what the
+summary already says; the numbers themselves are never recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import PurePath
+from typing import Any
+
+Summary = dict[str, Any]
+
+# Point fields in the order they are shown and written to points.csv.
+POINT_FIELDS = (
+    "point", "layer", "shape", "recorded", "missing_on",
+    "max_abs", "max_ref", "rel_l2", "cosine", "diverged",
+)
+
+DASH = "—"
+
+
+def as_summary(result: Any) -> Summary:
+    """The summary dict of a `Result` (anything with `.to_dict()`) or of a dict itself."""
+    if hasattr(result, "to_dict"):
+        result = result.to_dict()
+    if not isinstance(result, Mapping):
+        raise TypeError(f"expected a Result or its dict, got {type(result).__name__}")
+    return dict(result)
+
+
+def points(summary: Summary) -> list[dict]:
+    return list(summary.get("points") or [])
+
+
+def number(x) -> float | None:
+    """A metric as a float. JSON has no inf/NaN, so results carry those as the strings "inf", "nan"."""
+    if x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def fmt(x, spec: str = ".3g") -> str:
+    """Compact number for tables and sentences; an exact zero prints as 0, a missing value as —."""
+    x = number(x)
+    if x is None:
+        return DASH
+    if x == 0:
+        return "0"
+    return format(x, spec)
+
+
+def fmt_rel(x: float | None) -> str:
+    return fmt(x, ".2e")
+
+
+def model_name(summary: Summary) -> str:
+    """A short model name for titles: the last component of the model path, without .gguf."""
+    model = str(summary.get("model") or "?")
+    name = PurePath(model.rstrip("/\\")).name or model
+    return name.removesuffix(".gguf")
+
+
+def side_label(side: Mapping | None) -> str:
+    side = side or {}
+    return str(side.get("label") or side.get("engine") or "?")
+
+
+def short_prompt(summary: Summary, limit: int = 48) -> str | None:
+    prompt = summary.get("prompt")
+    if prompt is None:
+        return None
+    prompt = " ".join(str(prompt).split())  # newlines would break a one-line title
+    return prompt if len(prompt) <= limit else prompt[: limit - 1] + "…"
+
+
+def input_label(summary: Summary) -> str:
+    """"'The capital of France is' (5 tokens)", or "5 tokens" when only ids were given."""
+    n = len(summary.get("tokens") or [])
+    count = f"{n} token" + ("" if n == 1 else "s")
+    prompt = short_prompt(summary)
+    return count if prompt is None else f"'{prompt}' ({count})"
+
+
+def comparison_title(summary: Summary) -> str:
+    """"hf vs reimpl[theta=10000] — smollm2-135m — 'The capital of France is' (5 tokens)"."""
+    sides = f"{side_label(summary.get('reference'))} vs {side_label(summary.get('candidate'))}"
+    return f"{sides} — {model_name(summary)} — {input_label(summary)}"
+
+
+def tolerance_text(summary: Summary) -> str:
+    tol = summary.get("tolerance") or {}
+    return str(tol.get("text") or tol.get("criterion") or "?")
+
+
+def rel_l2_threshold(summary: Summary) -> float | None:
+    """The rel_l2 tolerance, when that is the criterion in use (else None)."""
+    tol = summary.get("tolerance") or {}
+    return tol.get("rel_l2") if tol.get("criterion") == "rel_l2" else None
+
+
+def missing_text(point: Mapping) -> str:
+    side = point.get("missing_on")
+    text = "not recorded on both sides" if side == "both" else f"not recorded on {side}" if side else "not recorded"
+    return f"{text} ({point['reason']})" if point.get("reason") else text
+
+
+def worst_point(summary: Summary) -> dict | None:
+    """The recorded point with the largest rel_l2 (for the 'all agree' sentence)."""
+    recorded = [p for p in points(summary) if number(p.get("rel_l2")) is not None]
+    # a NaN would compare false against everything; rank it above every finite error
+    return max(recorded, key=lambda p: _rank(number(p["rel_l2"])), default=None)
+
+
+def _rank(x: float) -> float:
+    return math.inf if math.isnan(x) else x
+
+
+def verdict_sentence(summary: Summary) -> str:
+    """One plain-text sentence saying what the verdict means for this run."""
+    verdict = summary.get("verdict")
+    if verdict == "error":
+        return f"The run failed: {summary.get('error') or 'no message'}"
+    if verdict == "diverged" and summary.get("first_divergence"):
+        return divergence_sentence(summary["first_divergence"])
+    return match_sentence(summary)
+
+
+def divergence_sentence(first: Mapping) -> str:
+    """"Everything up to X agrees at rounding level (...); the first divergence is Y: ..."."""
+    numbers = (
+        f"max|diff| {fmt(first.get('max_abs'))}, max|ref| {fmt(first.get('max_ref'))}, "
+        f"rel_l2 {fmt(first.get('rel_l2'), '.2g')}"
+    )
+    last = first.get("last_agreeing")
+    if not last:
+        return f"The very first point already diverges: {first['point']}: {numbers}"
+    n = first.get("upstream_points")
+    worst = number(first.get("upstream_max_rel_l2"))
+    exact = worst == 0
+    upstream = "rel_l2 = 0" if exact else f"rel_l2 ≤ {fmt(worst, '.2g')}"
+    if n is not None:
+        upstream += f" over {n} point" + ("" if n == 1 else "s")
+    how = "exactly" if exact else "at rounding level"
+    return (
+        f"Everything up to {last} agrees {how} ({upstream}); "
+        f"the first divergence is {first['point']}: {numbers}"
+    )
+
+
+def match_sentence(summary: Summary) -> str:
+    pts = points(summary)
+    compared = sum(1 for p in pts if p.get("recorded"))
+    missing = len(pts) - compared
+    text = f"All {compared} compared points are within tolerance (a point fails when {tolerance_text(summary)})"
+    worst = worst_point(summary)
+    if worst is not None:
+        text += f"; the largest rel_l2 is {fmt(worst['rel_l2'], '.2g')} at {worst['point']}"
+    if missing:
+        text += f"; {missing} point" + (" is" if missing == 1 else "s are") + " not recorded on one side"
+    return text
+
+
+def first_difference(reference: list, candidate: list, same_prefix: int | None) -> int | None:
+    """Index of the first differing greedy token, as the result states it (None if identical)."""
+    if same_prefix is None or (same_prefix >= len(reference) and same_prefix >= len(candidate)):
+        return None
+    return same_prefix

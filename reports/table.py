@@ -1,0 +1,72 @@
+"""The per-point table: a DataFrame for points.csv and display rows for the HTML page."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+
+from .summary import POINT_FIELDS, Summary, fmt, fmt_rel, missing_text, number, points
+
+
+def points_frame(summary: Summary) -> pd.DataFrame:
+    """One row per point, the summary's point fields in a fixed order (extra fields after)."""
+    rows = points(summary)
+    extra = [k for row in rows for k in row if k not in POINT_FIELDS]
+    columns = list(POINT_FIELDS) + list(dict.fromkeys(extra))
+    frame = pd.DataFrame(rows, columns=columns)
+    # nullable ints: a plain column would turn layers into floats (0.0) because of the nulls
+    frame["layer"] = frame["layer"].astype("Int64")
+    # JSON text ("[5, 576]") rather than Python's repr, so scripts can parse it back
+    frame["shape"] = [None if s is None else json.dumps(list(s)) for s in frame["shape"]]
+    return frame
+
+
+def write_points_csv(summary: Summary, path) -> None:
+    points_frame(summary).to_csv(path, index=False)
+
+
+def display_rows(summary: Summary) -> list[dict]:
+    """Points as the HTML table shows them: formatted cells, a row class and sort keys."""
+    first = (summary.get("first_divergence") or {}).get("point")
+    return [display_row(i, p, first) for i, p in enumerate(points(summary))]
+
+
+def display_row(index: int, p: dict, first: str | None) -> dict:
+    recorded = p.get("recorded", True)
+    if not recorded:
+        status, css = missing_text(p), "missing"
+    elif p.get("diverged"):
+        status, css = "diverged", "diverged"
+    else:
+        status, css = "ok", ""
+    is_first = p["point"] == first
+    if is_first:
+        status, css = "first divergence", css + " first"
+    if p["point"].endswith(".input_layernorm"):
+        css += " block"  # a rule above each block's first point
+    shape = p.get("shape")
+    return {
+        "index": index,
+        "point": p["point"],
+        "layer": "" if p.get("layer") is None else p["layer"],
+        "shape": "" if not shape else "×".join(str(d) for d in shape),
+        "cells": [  # (text, sort key): sort keys are raw numbers, -1 sorts missing first
+            (fmt(p.get("max_abs")), sort_key(p.get("max_abs"))),
+            (fmt(p.get("max_ref")), sort_key(p.get("max_ref"))),
+            (fmt_rel(p.get("rel_l2")), sort_key(p.get("rel_l2"))),
+            (fmt(p.get("cosine"), ".6g"), sort_key(p.get("cosine"))),
+        ],
+        "status": status,
+        "css": css.strip(),
+        "first": is_first,
+    }
+
+
+def sort_key(x) -> str:
+    """The cell's value for the sort script (JavaScript parseFloat): missing and NaN sort first."""
+    x = number(x)
+    if x is None or math.isnan(x):
+        return "-1"
+    return repr(x) if math.isfinite(x) else "Infinity"

@@ -1,0 +1,116 @@
+"""Writing a report folder atomically: everything into a temporary sibling, then one rename.
+
+A reader (a CI artifact upload, a browser refresh) sees either the previous complete report or
+the new complete one, never a mix; a failure while rendering leaves the old folder untouched
+and no temporary folder behind. A folder that is not a tracer report is never replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+from ..errors import TracerError
+from .figures import curve_figure, figure_png, layer_heatmap_figure
+from .html import render_html
+from .markdown import markdown_summary
+from .summary import Summary, as_summary
+from .table import write_points_csv
+
+# summary.json is always written: it is how a folder is recognised as a tracer report.
+FORMATS = ("csv", "png", "html", "md")
+MARKER = "summary.json"
+
+
+def write_report(result, out_dir, *, formats=None) -> Path:
+    """Write a report folder for a Result (or its summary dict) and return its path.
+
+    Args:
+        result: a `Result` (anything with `.to_dict()`) or the summary dict itself.
+        out_dir: the folder to create. An existing tracer report there (it holds summary.json)
+            is replaced as a whole; an existing folder with other content is refused.
+        formats: which files to write besides summary.json, from "csv" (points.csv), "png"
+            (curve.png, heatmap.png), "html" (report.html), "md" (summary.md); None = all.
+    Returns:
+        `out_dir` as a Path.
+    Raises:
+        TracerError: `out_dir` exists and is not a tracer report folder, or an unknown format.
+    Example:
+        >>> write_report(result, "tracer-report")          # doctest: +SKIP
+        PosixPath('tracer-report')
+    """
+    summary = as_summary(result)
+    chosen = check_formats(formats)
+    out = Path(out_dir).absolute()  # "." or "report/" still have a parent and a name
+    check_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # mkdir (not mkdtemp) so the folder gets the usual umask permissions, not 0700
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        write_files(summary, tmp, chosen)
+        replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Path(out_dir)
+
+
+def check_formats(formats) -> tuple[str, ...]:
+    if formats is None:
+        return FORMATS
+    chosen = tuple(formats)
+    unknown = [f for f in chosen if f not in FORMATS and f != "json"]
+    if unknown:
+        raise TracerError(f"unknown report format {unknown[0]!r}; choose from json, {', '.join(FORMATS)}")
+    return chosen
+
+
+def check_target(out: Path) -> None:
+    """Refuse to replace anything but a previous report (or an empty folder)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not out.is_symlink() and ((out / MARKER).is_file() or not any(out.iterdir())):
+        return
+    raise TracerError(f"refusing to overwrite {out}: it is not a tracer report folder")
+
+
+def write_files(summary: Summary, folder: Path, formats: tuple[str, ...]) -> None:
+    text = json.dumps(summary, indent=2, ensure_ascii=False)
+    (folder / MARKER).write_text(text + "\n", encoding="utf-8")
+    if "csv" in formats:
+        write_points_csv(summary, folder / "points.csv")
+    images = {}
+    if "png" in formats or "html" in formats:
+        images = render_images(summary)
+    if "png" in formats:
+        for name, png in images.items():
+            (folder / name).write_bytes(png)
+    if "html" in formats:
+        (folder / "report.html").write_text(render_html(summary, images), encoding="utf-8")
+    if "md" in formats:
+        (folder / "summary.md").write_text(markdown_summary(summary), encoding="utf-8")
+
+
+def render_images(summary: Summary) -> dict[str, bytes]:
+    return {
+        "curve.png": figure_png(curve_figure(summary)),
+        "heatmap.png": figure_png(layer_heatmap_figure(summary)),
+    }
+
+
+def replace_folder(new: Path, out: Path) -> None:
+    """Put `new` at `out`; a previous report is moved aside first and deleted only afterwards."""
+    if not out.exists():
+        new.rename(out)
+        return
+    old = out.with_name(f"{out.name}.old-{uuid.uuid4().hex[:8]}")
+    out.rename(old)
+    try:
+        new.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

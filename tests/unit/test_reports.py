@@ -1,0 +1,410 @@
+"""Reports render a result summary: files, figures, the HTML page, atomic folder replacement."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+import tracer.reports as reports
+import tracer.reports.write as report_write
+from tracer.diff import PointDiff, Result, Tolerance
+from tracer.errors import TracerError
+from tracer.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of
+
+TOL = 1e-4
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HOSTILE_PROMPT = 'Paris <script>alert(1)</script> & "q"'
+
+
+# --- realistic summaries -----------------------------------------------------------------------
+
+
+def shape_of(point: str, tokens: int, dims: dict) -> list[int]:
+    h, kv, d, hidden = dims["heads"], dims["kv_heads"], dims["head_dim"], dims["hidden"]
+    sub = point.split(".", 3)[-1] if layer_of(point) is not None else point
+    table = {
+        "self_attn.q_proj": [tokens, h * d], "self_attn.k_proj": [tokens, kv * d],
+        "self_attn.v_proj": [tokens, kv * d], "self_attn.q_rope": [h, tokens, d],
+        "self_attn.k_rope": [kv, tokens, d], "self_attn.scores": [h, tokens, tokens],
+        "self_attn.probs": [h, tokens, tokens], "self_attn.context": [tokens, h * d],
+        "mlp.gate_proj": [tokens, dims["inter"]], "mlp.up_proj": [tokens, dims["inter"]],
+        "mlp.act": [tokens, dims["inter"]], LOGITS: [tokens, dims["vocab"]],
+    }
+    return table.get(sub, [tokens, hidden])
+
+
+def scale_of(point: str, n_layers: int) -> float:
+    """max|ref| the way a real model grows it: massive activations from the middle on."""
+    if point == EMBED:
+        return 0.17
+    if point == LOGITS:
+        return 19.8
+    if point == FINAL_NORM:
+        return 41.0
+    layer = layer_of(point)
+    return 22500.0 if layer >= n_layers // 2 and point.count(".") == 2 else 3.0 + 2.0 * layer
+
+
+def make_points(n_layers: int, tokens: int, diverge_at: str | None, missing: tuple[str, ...] = (),
+                dims: dict | None = None) -> list[dict]:
+    dims = dims or {"heads": 4, "kv_heads": 2, "head_dim": 16, "hidden": 64, "inter": 128, "vocab": 256}
+    names = all_points(n_layers)
+    start = names.index(diverge_at) if diverge_at else len(names)
+    rows = []
+    for i, name in enumerate(names):
+        layer = layer_of(name)
+        if any(name.endswith(sub) for sub in missing):
+            rows.append({"point": name, "layer": layer, "shape": None, "recorded": False,
+                         "missing_on": "candidate", "max_abs": None, "max_ref": None,
+                         "rel_l2": None, "cosine": None, "diverged": False})
+            continue
+        if name == EMBED or name.endswith("input_layernorm") and layer == 0:
+            rel = 0.0  # identical inputs give identical embeddings: exact zeros exist
+        elif i < start:
+            rel = 1e-7 * (1 + (i * 37 % 11) / 4)
+        else:
+            rel = 0.21 if i == start else 0.05 + 0.02 * ((i * 13) % 7)
+        ref = scale_of(name, n_layers)
+        rows.append({"point": name, "layer": layer, "shape": shape_of(name, tokens, dims),
+                     "recorded": True, "missing_on": None, "max_abs": rel * ref * 2.5,
+                     "max_ref": ref, "rel_l2": rel, "cosine": 1 - rel * rel / 2,
+                     "diverged": rel > TOL})
+    return rows
+
+
+def first_divergence(rows: list[dict], point: str) -> dict:
+    index = next(i for i, r in enumerate(rows) if r["point"] == point)
+    upstream = [r for r in rows[:index] if r["recorded"]]
+    row = rows[index]
+    return {"point": point, "layer": row["layer"], "max_abs": row["max_abs"],
+            "max_ref": row["max_ref"], "rel_l2": row["rel_l2"], "cosine": row["cosine"],
+            "last_agreeing": upstream[-1]["point"],
+            "upstream_max_rel_l2": max(r["rel_l2"] for r in upstream),
+            "upstream_points": len(upstream)}
+
+
+def make_summary(verdict: str = "diverged", n_layers: int = 4, prompt: str | None = "The capital of France is",
+                 missing: tuple[str, ...] = ("self_attn.scores",), diverge_at: str | None = None,
+                 **dims) -> dict:
+    tokens = [504, 3575, 282, 4649, 314]
+    if verdict == "diverged" and diverge_at is None:
+        diverge_at = "model.layers.1.self_attn.q_rope"
+    rows = [] if verdict == "error" else make_points(n_layers, len(tokens), diverge_at, missing, dims or None)
+    theta = verdict != "match"
+    greedy = None if verdict == "error" else {
+        "reference": [7042, 30, 378, 3575, 282, 4649, 314, 7042] + [30] * 12,
+        "candidate": [7042, 30, 378, 3575, 282, 4649, 314, 7042] + [30] * 10 + ([30, 30] if not theta else [216, 9]),
+        "same_prefix": 20 if not theta else 18,
+        "steps": 20,
+        "reference_text": " Paris. The capital of France is Paris...",
+        "candidate_text": " Paris. The capital of France is Paris..." + ("" if not theta else " <b>oops</b>"),
+    }
+    return {
+        "tracer_version": "0.1.0",
+        "verdict": verdict,
+        "model": "/root/.cache/tracer/smollm2-135m-instruct-q4_1",
+        "prompt": prompt,
+        "tokens": tokens,
+        "token_texts": ["The", " capital", " of", " France", " is"],
+        "reference": {"engine": "hf", "variant": {}, "label": "hf"},
+        "candidate": {"engine": "reimpl", "variant": {"theta": 10000.0} if theta else {},
+                      "label": "reimpl[theta=10000]" if theta else "reimpl"},
+        "tolerance": {"criterion": "rel_l2", "rel_l2": TOL, "text": "rel_l2 > 1e-04"},
+        "first_divergence": first_divergence(rows, diverge_at) if verdict == "diverged" else None,
+        "points": rows,
+        "logits": None if verdict == "error" else {
+            "max_abs": 0.79 if theta else 2.8e-5, "max_ref": 19.8, "rel_l2": 0.02 if theta else 1e-6,
+            "max_abs_all": 1.22 if theta else 3.1e-5, "argmax_agree": 0.8 if theta else 1.0, "positions": 5},
+        "greedy": greedy,
+        "environment": {"python": "3.11.7", "torch": "2.13.0+cpu", "transformers": "5.24.0",
+                        "platform": "Linux-6.8-x86_64"},
+        "command": "tracer run --variant theta=10000" if theta else "tracer run",
+        "timings": {"reference_s": 1.2, "candidate_s": 0.4},
+        "notes": ["reimpl: 30 points not recorded (scores: fused kernel)"] if verdict != "error" else [],
+        "error": "unreadable file model.safetensors: header too large" if verdict == "error" else None,
+    }
+
+
+class FakeResult:
+    """Anything with .to_dict() is accepted, like tracer's Result."""
+
+    def __init__(self, summary: dict):
+        self.summary = summary
+
+    def to_dict(self) -> dict:
+        return self.summary
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == PNG_SIGNATURE
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+# --- the report folder -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verdict", ["match", "diverged", "error"])
+def test_write_report_writes_every_file(tmp_path, verdict):
+    summary = make_summary(verdict)
+    out = reports.write_report(FakeResult(summary), tmp_path / "report")
+    assert out == tmp_path / "report"
+    names = {p.name for p in out.iterdir()}
+    assert names == {"summary.json", "points.csv", "curve.png", "heatmap.png", "report.html", "summary.md"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no temp folder left
+
+
+def test_summary_json_round_trips(tmp_path):
+    summary = make_summary("diverged", prompt=HOSTILE_PROMPT)
+    out = reports.write_report(summary, tmp_path / "r")
+    assert json.loads((out / "summary.json").read_text(encoding="utf-8")) == summary
+
+
+def test_points_csv_has_one_row_per_point(tmp_path):
+    summary = make_summary("diverged")
+    out = reports.write_report(summary, tmp_path / "r")
+    frame = pd.read_csv(out / "points.csv")
+    assert len(frame) == len(summary["points"]) == 1 + 4 * 17 + 2
+    assert list(frame.columns[:3]) == ["point", "layer", "shape"]
+    assert list(frame["point"]) == [p["point"] for p in summary["points"]]
+    q_rope = frame.set_index("point").loc["model.layers.1.self_attn.q_rope"]
+    assert q_rope["layer"] == 1 and bool(q_rope["diverged"]) and q_rope["rel_l2"] == pytest.approx(0.21)
+    assert json.loads(q_rope["shape"]) == [4, 5, 16]
+    missing = frame.set_index("point").loc["model.layers.0.self_attn.scores"]
+    assert not missing["recorded"] and missing["missing_on"] == "candidate" and math.isnan(missing["rel_l2"])
+
+
+def test_points_csv_of_a_failed_run_is_a_header(tmp_path):
+    out = reports.write_report(make_summary("error"), tmp_path / "r")
+    frame = pd.read_csv(out / "points.csv")
+    assert len(frame) == 0 and "rel_l2" in frame.columns
+
+
+def test_pngs_are_legible_images(tmp_path):
+    out = reports.write_report(make_summary("diverged"), tmp_path / "r")
+    width, height = png_size((out / "curve.png").read_bytes())
+    assert 900 <= width <= 1600 and 450 <= height <= 900
+    width, height = png_size((out / "heatmap.png").read_bytes())
+    assert width >= 900 and height >= 300
+
+
+def test_formats_select_files(tmp_path):
+    out = reports.write_report(make_summary("match"), tmp_path / "r", formats=["html"])
+    assert sorted(p.name for p in out.iterdir()) == ["report.html", "summary.json"]
+    assert "data:image/png;base64," in (out / "report.html").read_text(encoding="utf-8")
+    with pytest.raises(TracerError, match="unknown report format 'pdf'"):
+        reports.write_report(make_summary("match"), tmp_path / "s", formats=["pdf"])
+
+
+# --- atomic replacement ------------------------------------------------------------------------
+
+
+def explode(summary):
+    raise RuntimeError("figure failed")
+
+
+def test_failure_while_rendering_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(report_write, "curve_figure", explode)
+    with pytest.raises(RuntimeError, match="figure failed"):
+        reports.write_report(make_summary("diverged"), tmp_path / "r")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_keeps_the_previous_report(tmp_path, monkeypatch):
+    out = reports.write_report(make_summary("match"), tmp_path / "r", formats=["csv"])
+    before = (out / "summary.json").read_text(encoding="utf-8")
+    monkeypatch.setattr(report_write, "layer_heatmap_figure", explode)
+    with pytest.raises(RuntimeError):
+        reports.write_report(make_summary("diverged"), out)
+    assert (out / "summary.json").read_text(encoding="utf-8") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_previous_report_is_replaced_as_a_whole(tmp_path):
+    out = reports.write_report(make_summary("match"), tmp_path / "r", formats=["csv"])
+    (out / "stale.txt").write_text("from an older run")
+    reports.write_report(make_summary("diverged"), out, formats=["csv"])
+    assert not (out / "stale.txt").exists()
+    assert json.loads((out / "summary.json").read_text(encoding="utf-8"))["verdict"] == "diverged"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_refuses_to_overwrite_other_folders(tmp_path):
+    folder = tmp_path / "thesis"
+    folder.mkdir()
+    (folder / "chapter1.tex").write_text("precious")
+    with pytest.raises(TracerError, match=r"refusing to overwrite .*thesis: it is not a tracer report folder"):
+        reports.write_report(make_summary("match"), folder)
+    assert [p.name for p in folder.iterdir()] == ["chapter1.tex"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis"]
+
+
+def test_refuses_to_overwrite_a_file(tmp_path):
+    target = tmp_path / "report"
+    target.write_text("not a folder")
+    with pytest.raises(TracerError, match="not a tracer report folder"):
+        reports.write_report(make_summary("match"), target)
+
+
+def test_writes_into_an_empty_folder_and_creates_parents(tmp_path):
+    (tmp_path / "empty").mkdir()
+    reports.write_report(make_summary("match"), tmp_path / "empty", formats=["csv"])
+    out = reports.write_report(make_summary("match"), tmp_path / "a" / "b" / "r", formats=["csv"])
+    assert (tmp_path / "empty" / "points.csv").is_file() and (out / "points.csv").is_file()
+
+
+# --- the HTML page -----------------------------------------------------------------------------
+
+
+def render(summary, images: dict | None = {}) -> str:
+    """The page; without figures unless asked (images=None renders them), to keep tests fast."""
+    return reports.render_html(summary, images)
+
+
+def test_html_states_verdict_and_first_divergence():
+    page = render(make_summary("diverged"), images=None)
+    assert "DIVERGED" in page and 'class="banner diverged"' in page
+    assert "the first divergence is model.layers.1.self_attn.q_rope: max|diff|" in page
+    assert "Everything up to model.layers.1.self_attn.v_proj agrees at rounding level" in page
+    assert 'id="first-divergence"' in page
+    assert "18/20 tokens identical; first difference at token 18" in page
+    assert "4/5 positions, 80%" in page
+    assert page.count("data:image/png;base64,") == 2
+
+
+def test_sentence_says_exact_when_upstream_is_exact():
+    summary = make_summary("diverged")
+    summary["first_divergence"]["upstream_max_rel_l2"] = 0.0
+    assert "agrees exactly (rel_l2 = 0 over 21 points)" in render(summary)
+
+
+def test_html_for_match_and_error():
+    page = render(make_summary("match"))
+    assert "MATCH" in page and 'class="banner match"' in page and "within tolerance" in page
+    page = render(make_summary("error"), images=None)
+    assert 'class="banner error"' in page and "header too large" in page
+    assert "data:image/png" not in page  # nothing to plot; the banner says why
+
+
+def test_html_has_no_remote_resources():
+    page = render(make_summary("diverged"), images=None)
+    assert "http://" not in page and "https://" not in page
+    assert "<link" not in page and " src=\"data:image/png" in page
+
+
+def test_html_escapes_user_text():
+    summary = make_summary("diverged", prompt=HOSTILE_PROMPT)
+    summary["model"] = "/models/<img src=x onerror=alert(2)>"
+    summary["token_texts"][1] = "<b>"
+    summary["candidate"]["variant"]["rope"] = "<i>x</i>"
+    summary["command"] = "tracer run --prompt '<script>alert(1)</script>'"
+    page = render(summary)
+    assert "<script>alert(1)" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; &#34;q&#34;" in page
+    assert "<img src=x" not in page and "<b>" not in page and "<i>x</i>" not in page
+    assert "&lt;b&gt;oops&lt;/b&gt;" in page  # greedy text too
+    markdown = reports.markdown_summary(summary)
+    prose, code = markdown.split("```sh", 1)  # a fenced block shows text literally, unescaped
+    assert "<script>" not in prose and "&lt;script&gt;alert(1)&lt;/script&gt;" in prose
+    assert "'<script>alert(1)</script>'" in code
+
+
+def test_html_marks_missing_points_and_diverged_rows():
+    page = render(make_summary("diverged"))
+    assert page.count('<tr class="missing"') == 4
+    assert "not recorded on candidate" in page
+    assert '<tr class="diverged' in page
+
+
+# --- figures -----------------------------------------------------------------------------------
+
+
+def test_curve_figure_marks_tolerance_and_first_divergence():
+    summary = make_summary("diverged")
+    fig = reports.curve_figure(summary)
+    top, bottom = fig.axes
+    assert top.get_yscale() == "log" and bottom.get_yscale() == "log"
+    labels = [t.get_text() for t in bottom.get_xticklabels()]
+    assert labels == ["embed", "0", "1", "2", "3", "norm", "logits"]
+    assert any(line.get_label().startswith("tolerance") for line in top.get_lines())
+    notes = [t.get_text() for t in top.texts]
+    assert any("model.layers.1.self_attn.q_rope" in note for note in notes)
+    assert "hf vs reimpl[theta=10000]" in fig.get_suptitle() and "(5 tokens)" in fig.get_suptitle()
+
+
+def test_curve_figure_draws_zeros_at_a_floor():
+    fig = reports.curve_figure(make_summary("match"))
+    top = fig.axes[0]
+    exact = [line for line in top.get_lines() if line.get_label().startswith("exact")]
+    assert exact and all(y > 0 and math.isfinite(y) for y in exact[0].get_ydata())
+    low, _ = top.get_ylim()
+    assert low < min(exact[0].get_ydata())
+
+
+def test_curve_handles_mathtext_and_many_layers():
+    summary = make_summary("diverged", n_layers=30, prompt="costs $x^{$ and $5",
+                           diverge_at="model.layers.0.self_attn.q_rope")
+    png = reports.figure_png(reports.curve_figure(summary))
+    assert png_size(png)[0] >= 900
+    png = reports.figure_png(reports.layer_heatmap_figure(summary))
+    assert png[:8] == PNG_SIGNATURE
+
+
+def test_heatmap_greys_unrecorded_cells():
+    fig = reports.layer_heatmap_figure(make_summary("diverged"))
+    image = fig.axes[0].images[0]
+    data = image.get_array()
+    assert data.shape == (4, 17)
+    assert data.mask[:, 6].all() and not data.mask[:, 4].any()  # scores not recorded, q_rope is
+    assert type(image.norm).__name__ == "LogNorm"
+
+
+def test_coarse_points_are_the_curve():
+    summary = make_summary("match")
+    coarse = [p["point"] for p in summary["points"] if is_coarse(p["point"])]
+    fig = reports.curve_figure(summary)
+    assert len(fig.axes[1].get_xticks()) == len(coarse)
+
+
+# --- the real Result, and values JSON cannot hold ----------------------------------------------
+
+
+def real_result() -> Result:
+    """A Result as tracer.diff builds it: inf/NaN metrics become the strings "inf"/"nan"."""
+    rows = make_points(2, 5, "model.layers.1.self_attn.q_rope", missing=("self_attn.scores",))
+    diffs = [
+        PointDiff(r["point"], r["layer"], tuple(r["shape"]) if r["shape"] else None,
+                  missing_on=r["missing_on"], max_abs=r["max_abs"], max_ref=r["max_ref"],
+                  rel_l2=r["rel_l2"], cosine=r["cosine"], diverged=r["diverged"],
+                  reason="fused kernel" if not r["recorded"] else None)
+        for r in rows
+    ]
+    at = next(i for i, d in enumerate(diffs) if d.point == "model.layers.1.mlp.act")
+    diffs[at] = PointDiff(diffs[at].point, 1, (5, 128), max_abs=math.inf, max_ref=0.0,
+                          rel_l2=math.inf, cosine=math.nan, diverged=True)
+    return Result(
+        verdict="diverged", points=diffs, tolerance=Tolerance(),
+        first_divergence=first_divergence(rows, "model.layers.1.self_attn.q_rope"),
+        logits=None, reference={"engine": "hf", "variant": {}, "label": "hf"},
+        candidate={"engine": "file", "variant": {}, "label": "file:<run>.safetensors"},
+        model="tiny", tokens=[1, 2, 3, 4, 5], notes=["hf: config keys not read: <rope_scaling>"],
+    )
+
+
+def test_real_result_with_non_finite_metrics(tmp_path):
+    result = real_result()
+    out = reports.write_report(result, tmp_path / "r")
+    saved = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert saved == json.loads(result.to_json())
+    assert saved["points"][-5]["rel_l2"] == "inf"  # model.layers.1.mlp.act, as JSON has it
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert ">inf<" in page and "not recorded on candidate (fused kernel)" in page
+    assert "config keys not read: &lt;rope_scaling&gt;" in page
+    assert "file:&lt;run&gt;.safetensors" in page
+    assert len(pd.read_csv(out / "points.csv")) == len(result.points)
+    fig = reports.curve_figure(result)
+    assert all(math.isfinite(v) for v in fig.axes[0].get_ylim())
+    heat = reports.layer_heatmap_figure(result).axes[0].images[0]
+    assert math.isfinite(heat.norm.vmax) and heat.get_array()[1, 14] == heat.norm.vmax
