@@ -14,6 +14,7 @@ import jinja2
 
 from .figures import curve_figure, figure_png, layer_heatmap_figure
 from .summary import (
+    greedy_text,
     Summary, as_summary, comparison_title, fmt, first_difference, side_label, tolerance_text,
     verdict_sentence,
 )
@@ -141,25 +142,12 @@ def greedy_context(summary: Summary) -> dict | None:
     texts = greedy.get("reference_text"), greedy.get("candidate_text")
     common = os.path.commonprefix([t for t in texts if t is not None]) if None not in texts else ""
     return {
-        "prefix_text": greedy_prefix_text(greedy.get("same_prefix"), greedy_steps(greedy), first),
+        "prefix_text": greedy_text(greedy),
         "sides": [
             greedy_side("reference", summary.get("reference"), ref, texts[0], common, first),
             greedy_side("candidate", summary.get("candidate"), cand, texts[1], common, first),
         ],
     }
-
-
-def greedy_steps(greedy: Mapping) -> int:
-    ref, cand = greedy.get("reference") or [], greedy.get("candidate") or []
-    return greedy.get("steps") or max(len(ref), len(cand))
-
-
-def greedy_prefix_text(same: int | None, n: int, first: int | None) -> str:
-    if same is None:
-        return "—"
-    if first is None:
-        return f"identical ({n}/{n} tokens)"
-    return f"{same}/{n} tokens identical; first difference at token {first}"
 
 
 def greedy_side(role, side, ids, text, common, first) -> dict:

@@ -10,9 +10,10 @@ import html
 import re
 
 from ..points import is_coarse
-from .html import greedy_prefix_text, greedy_steps, logits_rows
+from .html import logits_rows
 from .summary import (
-    Summary, as_summary, comparison_title, first_difference, fmt, fmt_rel, points,
+    greedy_text,
+    Summary, as_summary, comparison_title, fmt, fmt_rel, points,
     tolerance_text, verdict_sentence,
 )
 
@@ -59,9 +60,7 @@ def key_table(summary: Summary) -> str:
     rows += [(key, value) for key, value in logits_rows(summary.get("logits"))]
     greedy = summary.get("greedy")
     if greedy:
-        ref, cand = greedy.get("reference") or [], greedy.get("candidate") or []
-        first = first_difference(ref, cand, greedy.get("same_prefix"))
-        rows.append(("greedy", greedy_prefix_text(greedy.get("same_prefix"), greedy_steps(greedy), first)))
+        rows.append(("greedy", greedy_text(greedy)))
     lines = ["| | |", "|---|---|"] + [f"| {cell(k)} | {cell(v)} |" for k, v in rows]
     return "\n".join(lines)
 

@@ -172,3 +172,18 @@ def first_difference(reference: list, candidate: list, same_prefix: int | None) 
     if same_prefix is None or (same_prefix >= len(reference) and same_prefix >= len(candidate)):
         return None
     return same_prefix
+
+
+def greedy_text(greedy: dict) -> str:
+    """'17/20 tokens same prefix, first flip at step 18 (18/20 positions agree)'."""
+    ref, cand = greedy.get("reference") or [], greedy.get("candidate") or []
+    steps = greedy.get("steps") or max(len(ref), len(cand))
+    same = greedy.get("same_prefix")
+    if same is None:
+        return "—"
+    if same >= steps:
+        return f"identical ({steps}/{steps} tokens)"
+    flip = greedy.get("first_flip") or same + 1
+    positions = greedy.get("same_positions")
+    agree = f" ({positions}/{steps} positions agree)" if positions is not None else ""
+    return f"{same}/{steps} tokens same prefix, first flip at step {flip}{agree}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .summary import greedy_text
+
 
 def _g(value) -> str:
     return "n/a" if value is None else value if isinstance(value, str) else f"{value:.3g}"
@@ -36,9 +38,7 @@ def terminal_summary(result, out_dir=None) -> str:
                      f"all positions {_g(logits['max_abs_all'])}; argmax agrees at {logits['argmax_agree']:.0%} of positions")
     greedy = s.get("greedy")
     if greedy:
-        flip = f", first flip at step {greedy['first_flip']}" if greedy.get("first_flip") else ""
-        lines.append(f"  greedy: {greedy['same_prefix']}/{greedy['steps']} tokens same prefix{flip} "
-                     f"({greedy['same_positions']}/{greedy['steps']} positions agree)")
+        lines.append(f"  greedy: {greedy_text(greedy)}")
     for note in s.get("notes", []):
         lines.append(f"  note: {note}")
     if out_dir is not None:

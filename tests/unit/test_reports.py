@@ -98,6 +98,8 @@ def make_summary(verdict: str = "diverged", n_layers: int = 4, prompt: str | Non
         "reference": [7042, 30, 378, 3575, 282, 4649, 314, 7042] + [30] * 12,
         "candidate": [7042, 30, 378, 3575, 282, 4649, 314, 7042] + [30] * 10 + ([30, 30] if not theta else [216, 9]),
         "same_prefix": 20 if not theta else 18,
+        "first_flip": None if not theta else 19,
+        "same_positions": 20 if not theta else 18,
         "steps": 20,
         "reference_text": " Paris. The capital of France is Paris...",
         "candidate_text": " Paris. The capital of France is Paris..." + ("" if not theta else " <b>oops</b>"),
@@ -269,7 +271,7 @@ def test_html_states_verdict_and_first_divergence():
     assert "the first divergence is model.layers.1.self_attn.q_rope: max|diff|" in page
     assert "Everything up to model.layers.1.self_attn.v_proj agrees at rounding level" in page
     assert 'id="first-divergence"' in page
-    assert "18/20 tokens identical; first difference at token 18" in page
+    assert "18/20 tokens same prefix, first flip at step 19 (18/20 positions agree)" in page
     assert "4/5 positions, 80%" in page
     assert page.count("data:image/png;base64,") == 2
 
