@@ -8,7 +8,10 @@ never imported on this path.
 
 Every point of `tracer.points` is handed to one `record(name, tensor)` call; tensors keep their
 batch dimension of 1 here and the recorder drops it. Variant knobs are resolved once, before the
-forward, into a spec change or a small strategy function (`resolve_strategies`).
+forward: config-level knobs into a different `LlamaSpec` (`tracer.config.apply_overrides`),
+semantic knobs into the small strategy functions of `Strategies` (`resolve_strategies`), picked
+from one lookup table per step (`NORMS`, `ROPES`, `KV_REPEATS`, `MASKS`, `ATTN_MATH`, `ATTENTION`,
+`LOGITS`). The forward calls whatever was picked; it never tests a knob.
 
 Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, I intermediate size,
 V vocab size.
@@ -16,6 +19,7 @@ V vocab size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,8 +27,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tracer.config import LlamaSpec, load_config, read_hf
+from tracer.config import LlamaSpec, apply_overrides, load_config, read_config
 from tracer.errors import TracerError
+from tracer.variants import expand_presets
 
 Recorder = Callable[[str, torch.Tensor], None]
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
@@ -44,6 +49,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x32.pow(2).mean(-1, keepdim=True)
     x32 = x32 * torch.rsqrt(variance + eps)
     return weight * x32.to(input_dtype)
+
+
+def rms_norm_candle(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """candle_nn::ops::rms_norm on CPU: sum of squares in f32, the root cast to the load dtype, then
+    x / root * weight in the load dtype (HF multiplies by rsqrt in f32 and casts before the weight)."""
+    root = torch.sqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x / root * weight
+
+
+NORMS = {"hf": rms_norm, "candle": rms_norm_candle}
 
 
 def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
@@ -94,6 +109,20 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return (x * cos) + (rotate_half(x) * sin)
 
 
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """candle's `rope_i` (the GGUF convention): rotates adjacent pairs (x0, x1), (x2, x3), ... by
+    frequency i of pair i. On HF-layout weights, which pair dim i with dim i + D/2, it is wrong."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :, :half], sin[:, None, :, :half]  # (1, 1, T, D/2): one angle per pair
+    pairs = x.unflatten(-1, (half, 2))  # (1, heads, T, D/2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]  # (1, heads, T, D/2) each
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)  # (1, heads, T, D/2, 2)
+    return rotated.flatten(-2)  # (1, heads, T, D)
+
+
+ROPES = {"half": rope_half, "interleaved": rope_interleaved}
+
+
 # --- attention -------------------------------------------------------------------------------
 
 
@@ -106,29 +135,88 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.reshape(batch, kv_heads * groups, tokens, dim)
 
 
+def repeat_kv_tile(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(1, KV, T, D) -> (1, KV*groups, T, D) in tile order (torch.cat / .repeat): query head h reads
+    kv head h % KV instead of h // groups."""
+    return x.repeat(1, groups, 1, 1)  # (1, KV*groups, T, D)
+
+
+KV_REPEATS = {"interleave": repeat_kv, "tile": repeat_kv_tile}
+
+
 def causal_mask(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """(1, 1, T, T): 0 where attention is allowed, the dtype's most negative value above the diagonal."""
     blocked = torch.ones(num_tokens, num_tokens, dtype=torch.bool).triu(1)
-    return torch.where(blocked, torch.finfo(dtype).min, 0.0).to(dtype)[None, None]
+    # Built in the target dtype: f64's most negative value does not fit the default f32.
+    return torch.zeros(blocked.shape, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
 
 
-def attention_eager(q, k, v, scale: float, groups: int, prefix: str, record: Recorder) -> torch.Tensor:
-    """matmul, add mask, softmax in f32, matmul: q (1, H, T, D), k/v (1, KV, T, D) -> (1, H, T, D)."""
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (1, H, T, D)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # (1, H, T, T)
+def mask_additive(scores: torch.Tensor) -> torch.Tensor:
+    """HF eager: add the min-float causal mask to the scores (1, H, T, T)."""
+    return scores + causal_mask(scores.shape[-1], scores.dtype)
+
+
+def mask_where(scores: torch.Tensor) -> torch.Tensor:
+    """candle's masked_fill: future positions replaced by -inf (a where, not an add)."""
+    blocked = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)  # (T, T)
+    return scores.masked_fill(blocked, float("-inf"))
+
+
+def mask_none(scores: torch.Tensor) -> torch.Tensor:
+    """No causal mask: every position attends to the future too."""
+    return scores
+
+
+MASKS = {"additive": mask_additive, "where": mask_where, "none": mask_none}
+
+
+def scale_multiply(scores: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """HF: scores * head_dim**-0.5."""
+    return scores * head_dim**-0.5
+
+
+def scale_divide(scores: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """candle: scores / sqrt(head_dim) (the same number only when sqrt(head_dim) is a power of 2)."""
+    return scores / math.sqrt(head_dim)
+
+
+# How scores are scaled, and the dtype attention runs in (None: the load dtype; candle: f32 throughout).
+ATTN_MATH = {"hf": (scale_multiply, None), "candle": (scale_divide, torch.float32)}
+
+
+def attention_eager(q, k, v, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder) -> torch.Tensor:
+    """matmul, mask, softmax in f32, matmul: q (1, H, T, D), k/v (1, KV, T, D) -> (1, H, T, D)."""
+    in_dtype = q.dtype
+    work = strategies.attention_dtype or in_dtype
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    k, v = strategies.repeat_kv(k, spec.num_kv_groups), strategies.repeat_kv(v, spec.num_kv_groups)  # (1, H, T, D)
+    scores = strategies.scale_scores(torch.matmul(q, k.transpose(2, 3)), spec.head_dim)  # (1, H, T, T)
     record(f"{prefix}.scores", scores)
-    probs = F.softmax(scores + causal_mask(q.shape[2], q.dtype), dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.softmax(strategies.mask(scores), dim=-1, dtype=torch.float32).to(work)
     record(f"{prefix}.probs", probs)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs, v).to(in_dtype)
 
 
-def attention_sdpa(q, k, v, scale: float, groups: int, prefix: str, record: Recorder) -> torch.Tensor:
-    """torch's fused kernel; scores and probs never exist as tensors, so they are not recorded."""
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (1, H, T, D)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
+def attention_sdpa(q, k, v, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder) -> torch.Tensor:
+    """torch's fused kernel with its own causal mask; scores and probs never exist as tensors."""
+    k, v = strategies.repeat_kv(k, spec.num_kv_groups), strategies.repeat_kv(v, spec.num_kv_groups)  # (1, H, T, D)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=spec.head_dim**-0.5)
 
 
 ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa}
+
+
+def logits_all(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(1, T, C) -> (1, T, V): every position, as transformers returns them."""
+    return F.linear(h, weight)
+
+
+def logits_last(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(1, T, C) -> (1, 1, V): candle's forward keeps the last position before lm_head."""
+    return F.linear(h[:, -1:], weight)
+
+
+LOGITS = {"all": logits_all, "last": logits_last}
 
 
 @dataclass(frozen=True)
@@ -137,6 +225,13 @@ class Strategies:
 
     attention: Callable = attention_eager
     dtype: torch.dtype = torch.float32
+    norm: Callable = rms_norm
+    rope: Callable = rope_half
+    repeat_kv: Callable = repeat_kv
+    mask: Callable = mask_additive
+    scale_scores: Callable = scale_multiply
+    attention_dtype: torch.dtype | None = None
+    logits: Callable = logits_all
 
     def not_recorded(self) -> dict[str, str]:
         if self.attention is attention_sdpa:
@@ -145,15 +240,28 @@ class Strategies:
         return {}
 
 
-def resolve_strategies(spec: LlamaSpec, variant: dict) -> tuple[LlamaSpec, Strategies]:
-    """Apply the knobs this engine honours: config values to the spec, the rest to strategies."""
-    changes = {"theta": "rope_theta", "eps": "rms_norm_eps"}
-    spec = spec.replace(**{changes[k]: v for k, v in variant.items() if k in changes})
-    strategies = Strategies(
-        attention=ATTENTION[variant.get("attn", "eager")],
-        dtype=TORCH_DTYPES[variant.get("dtype", "f32")],
+# Knobs the fused sdpa kernel cannot take: it masks and scales inside.
+EAGER_ONLY = {"mask": "additive", "attn_math": "hf"}
+
+
+def resolve_strategies(knobs: dict) -> Strategies:
+    """The strategy functions a variant's knobs (presets expanded) pick from the tables above."""
+    attn = knobs.get("attn", "eager")
+    clashing = [k for k, default in EAGER_ONLY.items() if attn == "sdpa" and knobs.get(k, default) != default]
+    if clashing:
+        raise TracerError(f"{clashing[0]}={knobs[clashing[0]]} needs attn=eager: sdpa masks and scales inside its fused kernel")
+    scale_scores, attention_dtype = ATTN_MATH[knobs.get("attn_math", "hf")]
+    return Strategies(
+        attention=ATTENTION[attn],
+        dtype=TORCH_DTYPES[knobs.get("dtype", "f32")],
+        norm=NORMS[knobs.get("norm", "hf")],
+        rope=ROPES[knobs.get("rope", "half")],
+        repeat_kv=KV_REPEATS[knobs.get("kv_repeat", "interleave")],
+        mask=MASKS[knobs.get("mask", "additive")],
+        scale_scores=scale_scores,
+        attention_dtype=attention_dtype,
+        logits=LOGITS[knobs.get("logits", "all")],
     )
-    return spec, strategies
 
 
 # --- blocks ----------------------------------------------------------------------------------
@@ -172,10 +280,10 @@ def self_attention(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies
     q = q.view(hidden_shape).transpose(1, 2)  # (1, H, T, D)
     k = k.view(hidden_shape).transpose(1, 2)  # (1, KV, T, D)
     v = v.view(hidden_shape).transpose(1, 2)  # (1, KV, T, D)
-    q, k = rope_half(q, cos, sin), rope_half(k, cos, sin)
+    q, k = strategies.rope(q, cos, sin), strategies.rope(k, cos, sin)
     record(f"{prefix}.q_rope", q)
     record(f"{prefix}.k_rope", k)
-    context = strategies.attention(q, k, v, spec.head_dim**-0.5, spec.num_kv_groups, prefix, record)
+    context = strategies.attention(q, k, v, spec, strategies, prefix, record)
     context = context.transpose(1, 2).contiguous().reshape(batch, tokens, -1)  # (1, T, H*D)
     record(f"{prefix}.context", context)
     out = F.linear(context, w["o_proj.weight"], w.get("o_proj.bias"))  # (1, T, C)
@@ -197,11 +305,11 @@ def mlp(x, w: dict, spec: LlamaSpec, prefix: str, record: Recorder):
 
 
 def decoder_layer(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies, prefix: str, record: Recorder):
-    h = rms_norm(x, w["input_layernorm.weight"], spec.rms_norm_eps)
+    h = strategies.norm(x, w["input_layernorm.weight"], spec.rms_norm_eps)
     record(f"{prefix}.input_layernorm", h)
     h = x + self_attention(h, _sub(w, "self_attn."), spec, cos, sin, strategies, f"{prefix}.self_attn", record)
     record(f"{prefix}.resid_mid", h)
-    m = rms_norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps)
+    m = strategies.norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps)
     record(f"{prefix}.post_attention_layernorm", m)
     out = h + mlp(m, _sub(w, "mlp."), spec, f"{prefix}.mlp", record)
     record(prefix, out)
@@ -218,6 +326,9 @@ def _sub(weights: dict, prefix: str) -> dict:
 class Llama:
     """A loaded model: spec, weights (checked against the spec), and the variant's strategies.
 
+    `spec` is the file as the variant's config reader sees it (`Llama.from_config` picks the
+    reader); the config-level knobs (theta, eps, layers, ...) are applied to it here.
+
     Example:
         >>> model = Llama.from_dir(tracer.default_model_path(), {"theta": 10000.0})
         >>> logits = model.forward(torch.tensor([504, 3575, 282, 4649, 314]))  # (T, V)
@@ -225,20 +336,26 @@ class Llama:
 
     def __init__(self, spec: LlamaSpec, weights: dict[str, torch.Tensor], variant: dict | None = None):
         self.variant = dict(variant or {})
-        self.spec, self.strategies = resolve_strategies(spec, self.variant)
+        knobs = expand_presets(self.variant)
+        self.spec, self.strategies = apply_overrides(spec, knobs), resolve_strategies(knobs)
         self.weights = check_weights(self.spec, weights, self.strategies.dtype)
         self.unused_tensors = unused_tensors(self.spec, weights)
         self.layers = [_sub(self.weights, f"model.layers.{i}.") for i in range(self.spec.num_hidden_layers)]
 
     @classmethod
+    def from_config(cls, config: dict, weights: dict[str, torch.Tensor], variant: dict | None = None) -> Llama:
+        """From a config.json dict, read by the variant's reader (`config`, `resave` knobs)."""
+        return cls(read_config(config, expand_presets(variant or {})), weights, variant)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path, variant: dict | None = None) -> Llama:
         from tracer.model import read_weights
 
-        return cls(read_hf(load_config(model_dir)), read_weights(model_dir), variant)
+        return cls.from_config(load_config(model_dir), read_weights(model_dir), variant)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, record: Recorder | None = None) -> torch.Tensor:
-        """tokens (T,) int64 -> logits (T, V); every point goes to `record`."""
+        """tokens (T,) int64 -> logits (T, V) ((1, V) with logits=last); every point goes to `record`."""
         record = record or _no_record
         spec, w = self.spec, self.weights
         ids = tokens[None]  # (1, T)
@@ -247,9 +364,9 @@ class Llama:
         cos, sin = rotary_cos_sin(spec, ids.shape[1], h.dtype)  # (1, T, D) each
         for i, layer in enumerate(self.layers):
             h = decoder_layer(h, layer, spec, cos, sin, self.strategies, f"model.layers.{i}", record)
-        h = rms_norm(h, w["model.norm.weight"], spec.rms_norm_eps)
+        h = self.strategies.norm(h, w["model.norm.weight"], spec.rms_norm_eps)
         record("model.norm", h)
-        logits = F.linear(h, w["lm_head.weight"])  # (1, T, V)
+        logits = self.strategies.logits(h, w["lm_head.weight"])  # (1, T, V), or (1, 1, V) for logits=last
         record("lm_head", logits)
         return logits[0]
 

@@ -2,8 +2,10 @@
 
 A variant is an ordered mapping knob -> value, written on the command line as
 `theta=10000,attn=sdpa`. This module only parses and validates; each engine applies the knobs it
-honours (`tracer.llama.resolve_strategies`, `tracer.hooks.engine`). A knob an engine cannot honour
-is an error naming the engines that can, never silently ignored.
+honours. Config-level knobs (`BOTH`) become a different `LlamaSpec` (`tracer.config.read_config`
+and `tracer.llama.apply_overrides`), which the hf engine writes into transformers' config too;
+semantic knobs (`REIMPL`) become strategy functions in `tracer.llama.resolve_strategies`. A knob
+an engine cannot honour is an error naming the engines that can, never silently ignored.
 """
 
 from __future__ import annotations
@@ -24,11 +26,20 @@ class Knob:
     default: str
     engines: tuple[str, ...]
     reproduces: str
+    # The variant `tracer sweep` runs for this knob by default, given the model's spec.
+    representative: Callable[[Any], str] = lambda spec: ""
 
 
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
         raise ValueError(text)
     return value
 
@@ -42,19 +53,74 @@ def _choice(*values: str) -> Callable[[str], str]:
     return parse
 
 
+def _fixed(text: str) -> Callable[[Any], str]:
+    return lambda spec: text
+
+
+BOTH = ("reimpl", "hf")  # config-level knobs: they change what transformers is given, too
+REIMPL = ("reimpl",)  # semantic knobs: they change an operation only tracer's Llama exposes
+
 KNOBS: dict[str, Knob] = {
     knob.name: knob
     for knob in (
-        Knob("theta", _positive_float, "a positive number, e.g. theta=10000", "from config.json",
-             ("reimpl", "hf"), "rope_theta silently 10000 (candle's serde default)"),
-        Knob("eps", _positive_float, "a positive number, e.g. eps=1e-6", "from config.json",
-             ("reimpl", "hf"), "a wrong rms_norm_eps"),
-        Knob("attn", _choice("eager", "sdpa"), "eager | sdpa", "eager",
-             ("reimpl", "hf"), "the attention implementation (sdpa fuses scores and softmax)"),
-        Knob("dtype", _choice(*DTYPES), " | ".join(DTYPES), "f32",
-             ("reimpl", "hf"), "the load dtype"),
+        Knob("theta", _positive_float, "a positive number, e.g. theta=10000", "from config.json", BOTH,
+             "rope_theta silently 10000 (candle's serde default)",
+             lambda spec: "theta=10000" if spec.rope_theta != 10_000 else "theta=500000"),
+        Knob("eps", _positive_float, "a positive number, e.g. eps=1e-6", "from config.json", BOTH,
+             "a wrong rms_norm_eps", _fixed("eps=1e-3")),
+        Knob("attn", _choice("eager", "sdpa"), "eager | sdpa", "eager", BOTH,
+             "the attention implementation (sdpa fuses scores and softmax)", _fixed("attn=sdpa")),
+        Knob("dtype", _choice(*DTYPES), " | ".join(DTYPES), "f32", BOTH,
+             "the load dtype", _fixed("dtype=bf16")),
+        Knob("rope", _choice("half", "interleaved"), "half | interleaved", "half", REIMPL,
+             "candle rope_i (adjacent pairs, the GGUF convention) on HF-layout weights", _fixed("rope=interleaved")),
+        Knob("rope_scaling", _choice("keep", "drop"), "keep | drop", "keep", BOTH,
+             "Llama-3 rope_scaling lost (candle reading a transformers 5 config)", _fixed("rope_scaling=drop")),
+        Knob("kv_repeat", _choice("interleave", "tile"), "interleave | tile", "interleave", REIMPL,
+             "GQA head order: tile (torch.cat / .repeat) instead of HF repeat_kv", _fixed("kv_repeat=tile")),
+        Knob("mask", _choice("additive", "where", "none"), "additive | where | none", "additive", REIMPL,
+             "HF's min-float add vs candle's masked_fill -inf; none forgets the causal mask", _fixed("mask=none")),
+        Knob("attn_math", _choice("hf", "candle"), "hf | candle", "hf", REIMPL,
+             "candle's attention: q, k, v upcast to f32 throughout, scores divided by sqrt(D)",
+             _fixed("attn_math=candle")),
+        Knob("norm", _choice("hf", "candle"), "hf | candle", "hf", REIMPL,
+             "candle's RMSNorm: x / root in the load dtype (HF: x * rsqrt in f32, cast, then weight)", _fixed("norm=candle")),
+        Knob("bias", _choice("keep", "ignore"), "keep | ignore", "keep", BOTH,
+             "candle's linear_no_bias drops projection biases", _fixed("bias=ignore")),
+        Knob("logits", _choice("all", "last"), "all | last", "all", REIMPL,
+             "candle computes lm_head on the last position only", _fixed("logits=last")),
+        Knob("config", _choice("hf", "candle"), "hf | candle", "hf", BOTH,
+             "which reader parses config.json (candle 0.11: 13 keys, see `tracer config`)", _fixed("config=candle")),
+        Knob("resave", _choice("none", "tf5"), "none | tf5", "none", BOTH,
+             "config re-saved by transformers 5 (theta and scaling move into rope_parameters)",
+             _fixed("config=candle,resave=tf5")),
+        Knob("preset", _choice("candle"), "candle", "none", REIMPL,
+             "every candle-0.11 llama.rs choice at once (explicit knobs override it)", _fixed("preset=candle")),
+        Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json", BOTH,
+             "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}"),
+        Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json", BOTH,
+             "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}"),
     )
 }
+
+# What `preset=candle` stands for: candle-transformers 0.11 `models/llama.rs` read op by op.
+# rope (half-split pairing) and repeat_kv (interleave order) already agree with transformers.
+PRESETS: dict[str, dict[str, Any]] = {
+    "candle": {"config": "candle", "mask": "where", "attn_math": "candle", "norm": "candle", "logits": "last"},
+}
+
+
+def expand_presets(variant: dict) -> dict:
+    """The knobs a variant stands for: its preset's knobs, overridden by the ones given explicitly."""
+    preset = PRESETS.get(variant.get("preset"), {})
+    return {**preset, **{k: v for k, v in variant.items() if k != "preset"}}
+
+
+def variant_text(variant: dict) -> str:
+    """{"theta": 10000.0, "rope": "interleaved"} -> "theta=10000,rope=interleaved"."""
+    from tracer.trace import format_knob_value
+
+    return ",".join(f"{k}={format_knob_value(v)}" for k, v in variant.items())
 
 
 def parse_variant(spec: str | dict | None) -> dict[str, Any]:

@@ -1,0 +1,45 @@
+"""Issue-4 figures on the bundled SmolLM2: the theta signature, the greedy flip, a long text."""
+
+from pathlib import Path
+
+import pytest
+
+import tracer
+
+PROMPT = "The capital of France is"
+TEXT = (Path(__file__).resolve().parents[1] / "data" / "porting.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def theta_run(default_model):
+    return tracer.run(default_model, PROMPT, variant="theta=10000")
+
+
+def test_theta_signature_is_positional(theta_run):
+    first = theta_run.first_divergence
+    positions = first["by_position"]
+    assert len(positions) == 5 and positions[0] == 0.0
+    assert all(later > 0 for later in positions[1:]) and positions[-1] > positions[1]
+    assert len(first["by_head"]) == 9
+    assert any("positional encoding" in hint for hint in first["hints"])
+
+
+def test_every_point_is_judged_against_its_measured_noise(theta_run):
+    recorded = [p for p in theta_run.points if p.recorded]
+    assert all(p.noise is not None and p.threshold >= 1e-6 for p in recorded)
+    assert max(p.noise for p in recorded) < 1e-5  # f32 rounding on this model stays below 1e-5
+
+
+def test_greedy_first_flip_and_where_the_sides_part_at_that_step(theta_run):
+    greedy = theta_run.greedy
+    assert greedy["first_flip"] == 18
+    assert greedy["first_flip_divergence"]["point"] == "model.layers.0.self_attn.q_rope"
+
+
+def test_long_text_argmax_agreement(default_model):
+    result = tracer.run(default_model, TEXT, variant="theta=10000", greedy=0)
+    logits = result.logits
+    assert logits["positions"] > 250
+    assert 0.6 <= logits["argmax_agree"] <= 0.95  # the notes measured 84% on 249 tokens
+    accuracy = logits["next_token_accuracy"]
+    assert 0 < accuracy["reference"] < 1 and 0 < accuracy["candidate"] < 1

@@ -1,0 +1,91 @@
+"""Why a point diverges: breakdowns of its error and hints read from their signature.
+
+Pure functions over the two tensors of one point (reference, candidate), in the point layouts
+of `tracer.points`: most points are (T, X); q_rope/k_rope are (heads, T, D) and scores/probs
+(H, T, T), whose query position is axis 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tracer.points import EMBED, has_head_axis, is_causal
+
+TOP_CHANNELS = 5
+# A position or head counts as untouched when its error is this small against the largest one.
+QUIET = 1e-6
+
+
+def _error(point: str, ref: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """|cand - ref| in f64, with never-attended (masked) entries zeroed."""
+    diff = (cand.double() - ref.double()).abs()
+    if is_causal(point):
+        diff = diff * torch.ones(diff.shape[-2:], dtype=torch.float64).tril()  # (T, T)
+    return diff
+
+
+def by_position(point: str, ref: torch.Tensor, cand: torch.Tensor) -> list[float]:
+    """max |diff| per token position (the query position for attention matrices)."""
+    diff = _error(point, ref, cand)
+    if has_head_axis(point):
+        diff = diff.transpose(0, 1)  # (T, heads, ...)
+    return diff.reshape(diff.shape[0], -1).amax(dim=1).tolist()
+
+
+def by_head(point: str, ref: torch.Tensor, cand: torch.Tensor, num_heads: int | None = None) -> list[float] | None:
+    """max |diff| per head, for points that have heads: (heads, T, ...) or (T, heads*D) when `num_heads` is known."""
+    diff = _error(point, ref, cand)
+    if has_head_axis(point):
+        return diff.reshape(diff.shape[0], -1).amax(dim=1).tolist()
+    if num_heads and point.endswith(("self_attn.q_proj", "self_attn.context")) and diff.shape[-1] % num_heads == 0:
+        heads = diff.reshape(diff.shape[0], num_heads, -1)  # (T, H, D)
+        return heads.transpose(0, 1).reshape(num_heads, -1).amax(dim=1).tolist()
+    return None
+
+
+def top_channels(point: str, ref: torch.Tensor, cand: torch.Tensor, k: int = TOP_CHANNELS) -> list[dict] | None:
+    """The channels (last axis of a (T, X) point) with the largest max |diff|."""
+    if has_head_axis(point) or ref.dim() != 2:
+        return None
+    per_channel = _error(point, ref, cand).amax(dim=0)  # (X,)
+    values, indices = per_channel.topk(min(k, per_channel.numel()))
+    return [{"channel": int(i), "max_abs": float(v)} for v, i in zip(values, indices)]
+
+
+def breakdown(point: str, ref: torch.Tensor, cand: torch.Tensor, num_heads: int | None = None) -> dict:
+    """Everything a reader wants to see about one diverged point."""
+    return {
+        "by_position": by_position(point, ref, cand),
+        "by_head": by_head(point, ref, cand, num_heads),
+        "top_channels": top_channels(point, ref, cand),
+    }
+
+
+def _quiet(values: list[float]) -> list[bool]:
+    top = max(values, default=0.0)
+    return [v <= QUIET * top for v in values]
+
+
+def hints(point: str, details: dict) -> list[str]:
+    """Short sentences an expert would say on seeing this signature."""
+    said = []
+    positions, heads = details.get("by_position") or [], details.get("by_head")
+    quiet = _quiet(positions)
+    if len(positions) > 1 and quiet[0] and not any(quiet[1:]):
+        growing = positions[-1] >= positions[1]
+        said.append(
+            "exact at position 0 and " + ("growing with position" if growing else "non-zero after it")
+            + ": positional encoding (rope_theta, rope scaling, or the rotary pairing: half-split vs interleaved)"
+        )
+    elif len(positions) > 1 and quiet[-1] and not all(quiet[:-1]):
+        said.append("exact at the last position only: the causal mask (the last query attends to every key anyway)")
+    if heads and any(_quiet(heads)) and not all(_quiet(heads)):
+        exact = [i for i, q in enumerate(_quiet(heads)) if q]
+        said.append(f"only some heads differ (heads {exact} are exact): the GQA head mapping (kv head repeat order)")
+    if point.endswith("layernorm") or point == "model.norm":
+        said.append("first error right after a norm: rms_norm_eps, or the norm's precision (f32 upcast)")
+    if point == EMBED:
+        said.append("error already at the embedding: the load dtype or the weights themselves")
+    if point.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+        said.append("first error at a projection: its weights (layout, quantization, a dropped bias) or matmul precision")
+    return said
