@@ -4,8 +4,10 @@ Every function takes a `Result` (anything with `.to_dict()`) or the summary dict
 the same dict that is saved as summary.json, so a report can be rebuilt from that file alone.
 
 - `write_report(result, out_dir)`: the report folder (summary.json, points.csv, curve.png,
-  heatmap.png, report.html, summary.md), written atomically.
-- `curve_figure(summary)` / `layer_heatmap_figure(summary)`: matplotlib figures (Agg).
+  heatmap.png, breakdown.png when there is one, report.html, summary.md), written atomically.
+- `curve_figure(summary)` / `layer_heatmap_figure(summary)` / `breakdown_figure(summary)`:
+  matplotlib figures (Agg); `plot(result, kind)` picks one by name (what `Result.plot` calls).
+- `result_html(result)` / `trace_html(trace)`: the scoped HTML fragments Jupyter shows.
 - `render_html(result)`: the self-contained page as a string.
 - `markdown_summary(result)`: a short Markdown block to paste into an issue.
 """
@@ -17,12 +19,23 @@ from importlib import import_module
 _EXPORTS = {
     "FORMATS": "write",
     "as_summary": "summary",
+    "breakdown_figure": "figures",
     "curve_figure": "figures",
     "figure_png": "figures",
     "layer_heatmap_figure": "figures",
     "markdown_summary": "markdown",
+    "plot": "notebook",
     "points_frame": "table",
     "render_html": "html",
+    "render_sweep_html": "sweep",
+    "sweep_figure": "sweep",
+    "sweep_frame": "sweep",
+    "sweep_markdown": "sweep",
+    "write_sweep_report": "sweep",
+    "report_images": "figures",
+    "result_html": "notebook",
+    "sweep_html": "notebook",
+    "trace_html": "notebook",
     "write_report": "write",
 }
 

@@ -135,11 +135,15 @@ def curve_figure(summary) -> Figure:
         diverged = np.array([bool(p.get("diverged")) for p in coarse])
         rel = as_array([p.get("rel_l2") for p in coarse])
         threshold = rel_l2_threshold(summary)
-        floor = floor_for(rel, below=threshold)
+        bounds, noise = as_array([p.get("threshold") for p in coarse]), as_array([p.get("noise") for p in coarse])
+        floor = floor_for(rel, bounds, noise, below=threshold)
         missing = missing_mask(coarse, "rel_l2")
         plot_series(top, x, rel, missing, diverged, floor, COLORS["rel"], "relative L2  ‖cand − ref‖ / ‖ref‖")
         set_log_limits(top, floor, rel)
-        add_tolerance(top, threshold)
+        if np.isfinite(bounds).any():  # judged per point against its rounding noise
+            add_noise_bands(top, x, bounds, noise, floor)
+        else:
+            add_tolerance(top, threshold)
         top.set_ylabel("relative L2")
         abs_, ref = as_array([p.get("max_abs") for p in coarse]), as_array([p.get("max_ref") for p in coarse])
         # max|ref| gives the scale of the tensors: absolute errors mean little without it
@@ -205,6 +209,25 @@ def add_tolerance(ax, threshold: float | None) -> None:
     ax.set_ylim(low, high)
 
 
+def add_noise_bands(ax, x: np.ndarray, bounds: np.ndarray, noise: np.ndarray, floor: float) -> None:
+    """Per-point criterion: the rounding noise (grey band) and the bound derived from it (dotted).
+
+    Each point has its own bound (a multiple of the error f32 rounding makes there), so the
+    tolerance is a line that follows the points rather than one horizontal level.
+    """
+    if np.isfinite(noise).any():
+        shown = np.where(noise > 0, noise, floor)
+        ax.fill_between(x, floor, shown, color=COLORS["ref"], alpha=0.25, lw=0, step="mid",
+                        label="rounding noise (f32 vs f64)")
+    ax.plot(x, bounds, color=COLORS["tol"], ls=":", lw=1.6, drawstyle="steps-mid",
+            label="tolerance per point (from the noise)")
+    low, high = ax.get_ylim()
+    high = max(high, np.nanmax(bounds) * 30)
+    ax.fill_between(x, np.where(np.isfinite(bounds), bounds, high), high, color=COLORS["bad"], alpha=0.05,
+                    lw=0, step="mid", zorder=0)  # out of tolerance
+    ax.set_ylim(low, high)
+
+
 def set_coarse_ticks(ax, coarse: list[dict], x: np.ndarray) -> None:
     """Every label up to ~40 ticks; beyond that every k-th block, always embed/norm/logits."""
     labels = [coarse_label(p["point"]) for p in coarse]
@@ -249,7 +272,7 @@ def figure_legend(fig: Figure, axes) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
     # measurements first, then reference lines, then marker meanings
-    rank = ("relative", "max |cand", "max |ref", "tolerance", "out of", "exact", "not rec")
+    rank = ("relative", "max |cand", "max |ref", "rounding", "tolerance", "out of", "exact", "not rec")
     order = sorted(entries, key=lambda lab: next((i for i, r in enumerate(rank) if lab.startswith(r)), 99))
     entries = {label: entries[label] for label in order}
     fig.legend(entries.values(), entries.keys(), loc="outside lower center",
@@ -308,17 +331,47 @@ def layer_heatmap_figure(summary) -> Figure:
         shown = np.where(grid == 0, floor, grid)
         shown[recorded & ~finite] = vmax  # inf / NaN: as bad as it gets
         shown[~recorded] = np.nan
-        image = ax.imshow(np.ma.masked_invalid(shown), cmap=error_cmap(floor, vmax, threshold),
-                          aspect="auto", norm=LogNorm(vmin=floor, vmax=vmax), interpolation="nearest")
+        norm = LogNorm(vmin=floor, vmax=vmax)
+        cmap = error_cmap(floor, vmax, threshold)
+        if threshold is None and has_point_thresholds(summary):
+            # each point has its own bound: colour by the verdict of the cell, shade by its error
+            within = np.where(layer_status(summary, grid.shape), np.nan, shown)
+            ax.imshow(np.ma.masked_invalid(within), cmap=cool_cmap(), aspect="auto", norm=norm,
+                      interpolation="nearest")
+            shown = np.where(layer_status(summary, grid.shape), shown, np.nan)
+            cmap = cmap.with_extremes(bad=(0, 0, 0, 0))  # the blue layer shows through
+            ax.set_facecolor("#d9d9d9")  # unrecorded cells, under both layers
+        image = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap,
+                          aspect="auto", norm=norm, interpolation="nearest")
         hatch_missing(ax, recorded)
         label_non_finite(ax, grid, recorded & ~finite)
         label_heatmap_axes(ax, grid.shape[0])
         colorbar(fig, ax, image, summary)
         outline_first_divergence(ax, summary)
         fig.suptitle(plain(comparison_title(summary)), fontsize=11, fontweight="bold")
-        ax.set_title(f"relative L2 per layer and sub-point · grey hatched: not recorded · "
+        within = "blue: within its tolerance · " if threshold is None and has_point_thresholds(summary) else ""
+        ax.set_title(f"relative L2 per layer and sub-point · {within}grey hatched: not recorded · "
                      f"exact 0 shown as {floor:.0e}", loc="left", color="#444444")
     return fig
+
+
+def has_point_thresholds(summary: Summary) -> bool:
+    return any(number(p.get("threshold")) is not None for p in points(summary))
+
+
+def layer_status(summary: Summary, shape: tuple[int, int]) -> np.ndarray:
+    """True where the (layer, sub-point) cell is out of tolerance, as the diff engine judged it."""
+    diverged = np.zeros(shape, dtype=bool)
+    for p in points(summary):
+        sub = p["point"].removeprefix(f"model.layers.{p.get('layer')}").lstrip(".")
+        if p.get("layer") is not None and sub in LAYER_POINTS and p.get("diverged"):
+            diverged[p["layer"], LAYER_POINTS.index(sub)] = True
+    return diverged
+
+
+def cool_cmap():
+    colors = matplotlib.colormaps["Blues"](np.linspace(0.08, 0.6, 256))
+    return ListedColormap(colors).with_extremes(bad=(0, 0, 0, 0))
 
 
 def error_cmap(floor: float, vmax: float, threshold: float | None):
@@ -383,3 +436,116 @@ def outline_first_divergence(ax, summary: Summary) -> None:
     ax.annotate(plain(f"first divergence: {first['point']}"), xy=(col, layer),
                 xytext=(12, -4), textcoords="offset points", fontsize=8, color="black",
                 va="top", bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "black"})
+
+
+# --- the first divergence, per position and per head ------------------------------------------
+
+METRIC_LABELS = {"max_abs": "max |cand − ref|", "rel_l2": "relative L2"}
+MAX_TOKEN_LABELS = 40  # beyond this many tokens the x axis shows indices only
+
+
+def breakdowns(summary: Summary) -> dict[str, list]:
+    """The first divergence's breakdowns the result carries: {"by_position": [...], "by_head": [...]}."""
+    first = summary.get("first_divergence") or {}
+    return {key: list(first[key]) for key in ("by_position", "by_head") if first.get(key)}
+
+
+def has_breakdown(summary) -> bool:
+    return bool(breakdowns(as_summary(summary)))
+
+
+def breakdown_figure(summary) -> Figure:
+    """Where inside the first diverging tensor the error sits: per token (and per head).
+
+    Bars of the per-position values (x labelled with the token texts when the run had them) and,
+    for attention points, of the per-head values, as the diff engine stored them in
+    `first_divergence["by_position"]` / `["by_head"]`. A result without them draws a figure that
+    says so rather than failing.
+
+    Args:
+        summary: a `Result` or its summary dict.
+    Returns:
+        A Figure on an Agg canvas.
+    """
+    summary = as_summary(summary)
+    parts = breakdowns(summary)
+    first = summary.get("first_divergence") or {}
+    with matplotlib.rc_context(STYLE):
+        fig = new_figure((10.5, 4.6))
+        if not parts:
+            reason = ("the result has no per-position breakdown of its first divergence" if first
+                      else summary.get("error") or "nothing diverged")
+            return empty_figure(fig, {**summary, "error": reason})
+        widths = [max(3, len(parts["by_position"])) if "by_position" in parts else 0,
+                  max(3, len(parts["by_head"]) * 0.8) if "by_head" in parts else 0]
+        axes = fig.subplots(1, len(parts), width_ratios=[w for w in widths if w], squeeze=False)[0]
+        metric = METRIC_LABELS.get(first.get("breakdown_metric", "max_abs"), str(first.get("breakdown_metric")))
+        for ax, (key, values) in zip(axes, parts.items()):
+            labels = position_labels(summary, len(values)) if key == "by_position" else head_labels(first, len(values))
+            draw_bars(ax, as_array(values), labels)
+            ax.set_ylabel(metric)
+            ax.set_xlabel("token (position: text)" if key == "by_position" else head_axis(first))
+            ax.set_title("per position" if key == "by_position" else "per head", loc="left", color="#444444")
+        fig.suptitle(plain(f"{comparison_title(summary)}\nfirst divergence: {first.get('point')}"),
+                     fontsize=10.5, fontweight="bold")
+    return fig
+
+
+def position_labels(summary: Summary, n: int) -> list[str]:
+    texts = summary.get("token_texts") or []
+    if n > MAX_TOKEN_LABELS or len(texts) != n:
+        step = max(1, math.ceil(n / MAX_TOKEN_LABELS))
+        return [str(i) if i % step == 0 else "" for i in range(n)]
+    # repr-like quoting shows leading spaces; long pieces are cut so the axis stays legible
+    return [plain(f"{i}: {shorten(t)}") for i, t in enumerate(texts)]
+
+
+def shorten(text: str, limit: int = 12) -> str:
+    text = text.replace("\n", "\\n")
+    text = text if len(text) <= limit else text[: limit - 1] + "…"
+    return f"'{text}'"
+
+
+def is_kv_point(first: dict) -> bool:
+    return str(first.get("point", "")).endswith(("k_proj", "v_proj", "k_rope"))
+
+
+def head_axis(first: dict) -> str:
+    return "kv head" if is_kv_point(first) else "query head"
+
+
+def head_labels(first: dict, n: int) -> list[str]:
+    kind = "kv" if is_kv_point(first) else "q"
+    return [f"{kind}{i}" for i in range(n)]
+
+
+def draw_bars(ax, values: np.ndarray, labels: list[str]) -> None:
+    """Bars on a linear axis (the shape of the growth is the message); exact zeros as open
+    triangles on the baseline so a zero is not mistaken for a missing bar."""
+    x = np.arange(len(values))
+    finite = np.isfinite(values)
+    ax.bar(x[finite], values[finite], color=COLORS["bad"], alpha=0.85, width=0.75)
+    zero = values == 0
+    if zero.any():
+        ax.plot(x[zero], np.zeros(zero.sum()), ls="none", marker="^", ms=7, mfc="white",
+                mec=COLORS["rel"], mew=1.4, clip_on=False, label="exact 0")
+        ax.legend(loc="upper left")
+    if (~finite).any():
+        ax.plot(x[~finite], np.full((~finite).sum(), 0.93), ls="none", marker="^", ms=8,
+                color=COLORS["bad"], transform=ax.get_xaxis_transform(), label="inf / NaN")
+    rotate = max((len(lab) for lab in labels), default=0) > 3
+    ax.set_xticks(x, labels, rotation=45 if rotate else 0, ha="right" if rotate else "center", fontsize=8)
+    ax.set_xlim(-0.7, len(values) - 0.3)
+    top = max(np.max(values[finite], initial=0.0) * 1.12, 1e-30)
+    ax.set_ylim(-0.015 * top, top)  # the zero markers sit on the baseline, not half under it
+    ax.grid(axis="x", visible=False)
+
+
+def report_images(summary) -> dict[str, bytes]:
+    """Every figure of a report as PNG bytes by file name (a failed run's figures say why)."""
+    summary = as_summary(summary)
+    images = {"curve.png": figure_png(curve_figure(summary))}
+    if breakdowns(summary):  # where the error starts, right under where it shows
+        images["breakdown.png"] = figure_png(breakdown_figure(summary))
+    images["heatmap.png"] = figure_png(layer_heatmap_figure(summary))
+    return images

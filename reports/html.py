@@ -7,17 +7,19 @@ command, error) goes through Jinja2's autoescaping; only our own CSS and script 
 from __future__ import annotations
 
 import base64
+import json
 import os
 from collections.abc import Mapping
 
 import jinja2
 
-from .figures import curve_figure, figure_png, layer_heatmap_figure
+from .figures import report_images
 from .summary import (
-    greedy_text,
+    greedy_text, hints,
     Summary, as_summary, comparison_title, fmt, first_difference, side_label, tolerance_text,
     verdict_sentence,
 )
+from ..trace import format_knob_value
 from .table import display_rows
 from .template import CSS, PAGE, SORT_SCRIPT
 
@@ -25,6 +27,8 @@ FIGURE_CAPTIONS = {
     "curve.png": "Error per block output (log scale). Top: relative L2; bottom: max|diff| "
                  "with max|ref| for scale.",
     "heatmap.png": "Relative L2 of every recorded point, layer by sub-point (log colour scale).",
+    "breakdown.png": "The first divergence broken down per token position (and per head for "
+                     "attention points): where inside the tensor the error sits.",
 }
 
 _ENV = jinja2.Environment(
@@ -45,17 +49,8 @@ def render_html(result, images: Mapping[str, bytes] | None = None) -> str:
     """
     summary = as_summary(result)
     if images is None:
-        images = default_images(summary)
+        images = report_images(summary)
     return _PAGE.render(page_context(summary, images))
-
-
-def default_images(summary: Summary) -> dict[str, bytes]:
-    if not summary.get("points"):
-        return {}  # a failed run has no curve; the banner carries the error
-    return {
-        "curve.png": figure_png(curve_figure(summary)),
-        "heatmap.png": figure_png(layer_heatmap_figure(summary)),
-    }
 
 
 def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
@@ -71,6 +66,8 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
         "candidate_label": side_label(summary.get("candidate")),
         "sentence": verdict_sentence(summary),
         "notes": [str(note) for note in summary.get("notes") or []],
+        "hints": hints(summary),
+        "audit": audit_context(summary.get("config_audit")),
         "tolerance": tolerance_text(summary),
         "tolerance_params": tolerance_params(summary),
         "logits": logits_rows(summary.get("logits")),
@@ -78,6 +75,7 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
         "figures": figure_entries(images) if summary.get("points") else [],
         "rows": rows,
         "has_first_row": any(r["first"] for r in rows),
+        "has_bounds": any(p.get("threshold") is not None for p in summary.get("points") or []),
         "sides": [side_context("reference", summary.get("reference")),
                   side_context("candidate", summary.get("candidate"))],
         "model": summary.get("model") or "?",
@@ -87,6 +85,42 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
         "environment": sorted((str(k), str(v)) for k, v in (summary.get("environment") or {}).items()),
         "timings": [(str(k), fmt_seconds(v)) for k, v in (summary.get("timings") or {}).items()],
         "tracer_version": summary.get("tracer_version") or "?",
+    }
+
+
+def audit_context(audit) -> dict | None:
+    """The config audit (what each config reader read, defaulted, ignored; where they differ).
+
+    Anything not shaped like `tracer.config.audit`'s dict is shown verbatim as JSON, never dropped.
+    """
+    if not audit:
+        return None
+    readers = audit.get("readers") if isinstance(audit, Mapping) else None
+    if not isinstance(readers, Mapping):
+        return {"readers": None, "raw": json.dumps(audit, indent=2, default=str)}
+    names = [str(name) for name in readers]
+    differences = [
+        (str(key), [json.dumps(values.get(name), default=str) for name in names])
+        for key, values in (audit.get("differences") or {}).items()
+    ]
+    return {
+        "resave": audit.get("resave") if audit.get("resave") not in (None, "none") else None,
+        "reader_names": names,
+        "differences": differences,
+        "readers": [reader_context(name, entry) for name, entry in readers.items()],
+    }
+
+
+def reader_context(name, entry: Mapping) -> dict:
+    defaulted = entry.get("defaulted") or {}
+    if not isinstance(defaulted, Mapping):
+        defaulted = {key: "?" for key in defaulted}
+    return {
+        "name": str(name),
+        "error": entry.get("error"),
+        "reads": [str(key) for key in entry.get("reads") or []],
+        "defaulted": [(str(k), json.dumps(v, default=str)) for k, v in defaulted.items()],
+        "ignored": [str(key) for key in entry.get("ignored") or []],
     }
 
 
@@ -176,7 +210,7 @@ def side_context(role: str, side: Mapping | None) -> dict:
         "role": role,
         "label": side_label(side),
         "engine": side.get("engine") or "?",
-        "variant": [(str(k), str(v)) for k, v in variant.items()],
+        "variant": [(str(k), format_knob_value(v)) for k, v in variant.items()],
     }
 
 

@@ -12,7 +12,7 @@ import re
 from ..points import is_coarse
 from .html import logits_rows
 from .summary import (
-    greedy_text,
+    greedy_text, hints,
     Summary, as_summary, comparison_title, fmt, fmt_rel, points,
     tolerance_text, verdict_sentence,
 )
@@ -42,10 +42,15 @@ def markdown_summary(result) -> str:
         text(verdict_sentence(summary)),
         key_table(summary),
     ]
-    notes = summary.get("notes") or []
-    if notes:
-        parts.insert(2, "\n".join(f"- {text(note)}" for note in notes))
+    listed = [f"- hint: {text(hint)}" for hint in hints(summary)]
+    listed += [f"- {text(note)}" for note in summary.get("notes") or []]
+    if listed:
+        parts.insert(2, "\n".join(listed))
+    differences = audit_differences(summary.get("config_audit"))
+    if differences:
+        parts.append(differences)
     if summary.get("points"):
+        parts.append(FIGURE_LINE)
         parts.append(coarse_table(summary))
     if summary.get("command"):
         parts.append("Reproduce:\n\n" + fenced(str(summary["command"]), "sh"))
@@ -55,8 +60,34 @@ def markdown_summary(result) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+# The report folder's PNG by file name: it renders next to summary.md (a local viewer, a gist);
+# in an issue comment, dropping the file in replaces the link with GitHub's upload.
+FIGURE_LINE = ("![per-layer error curve](curve.png)\n\n"
+               "_`curve.png`, `heatmap.png` and `report.html` are in the report folder: drag them into "
+               "the comment to attach them._")
+
+
+def audit_differences(audit) -> str | None:
+    """The config readers' disagreements as a small table (the full audit is in report.html)."""
+    if not isinstance(audit, dict) or not isinstance(audit.get("readers"), dict):
+        return None
+    differences = audit.get("differences") or {}
+    if not differences:
+        return None
+    names = list(audit["readers"])
+    lines = ["| config value | " + " | ".join(f"{cell(n)} reader" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    lines += [f"| `{cell(key)}` | " + " | ".join(cell(values.get(n)) for n in names) + " |"
+              for key, values in differences.items()]
+    return "Config readers disagree:\n\n" + "\n".join(lines)
+
+
 def key_table(summary: Summary) -> str:
-    rows = [("tolerance: fails when", tolerance_text(summary))]
+    rows = []
+    first = summary.get("first_divergence")
+    if first:
+        rows.append(("first divergence", first.get("point")))
+    rows.append(("tolerance: fails when", tolerance_text(summary)))
     rows += [(key, value) for key, value in logits_rows(summary.get("logits"))]
     greedy = summary.get("greedy")
     if greedy:

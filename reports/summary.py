@@ -100,9 +100,15 @@ def tolerance_text(summary: Summary) -> str:
 
 
 def rel_l2_threshold(summary: Summary) -> float | None:
-    """The rel_l2 tolerance, when that is the criterion in use (else None)."""
+    """The one rel_l2 tolerance every point was judged by (else None: elementwise criterion, or
+    each point judged against its own noise-derived bound, `points[].threshold`)."""
     tol = summary.get("tolerance") or {}
-    return tol.get("rel_l2") if tol.get("criterion") == "rel_l2" else None
+    if tol.get("criterion") != "rel_l2":
+        return None
+    bounds = {number(p.get("threshold")) for p in points(summary) if p.get("threshold") is not None}
+    if bounds - {number(tol.get("rel_l2"))}:
+        return None
+    return tol.get("rel_l2")
 
 
 def missing_text(point: Mapping) -> str:
@@ -127,9 +133,20 @@ def verdict_sentence(summary: Summary) -> str:
     verdict = summary.get("verdict")
     if verdict == "error":
         return f"The run failed: {summary.get('error') or 'no message'}"
+    nonfinite = nonfinite_text(summary.get("first_nonfinite"))
     if verdict == "diverged" and summary.get("first_divergence"):
-        return divergence_sentence(summary["first_divergence"])
+        return divergence_sentence(summary["first_divergence"]) + (f". {nonfinite}" if nonfinite else "")
     return match_sentence(summary)
+
+
+def nonfinite_text(nonfinite: Mapping | None) -> str | None:
+    """"First NaN/Inf: <point> on the candidate (124 values: 124 inf)", or None when all finite."""
+    if not nonfinite:
+        return None
+    where = "both sides" if nonfinite.get("side") == "both" else f"the {nonfinite.get('side')}"
+    kinds = ", ".join(f"{nonfinite[k]} {k}" for k in ("inf", "nan") if nonfinite.get(k))
+    return f"First NaN/Inf: {nonfinite.get('point')} on {where} ({nonfinite.get('count')} values" + \
+        (f": {kinds})" if kinds else ")")
 
 
 def divergence_sentence(first: Mapping) -> str:
@@ -165,6 +182,13 @@ def match_sentence(summary: Summary) -> str:
     if missing:
         text += f"; {missing} point" + (" is" if missing == 1 else "s are") + " not recorded on one side"
     return text
+
+
+def hints(summary: Summary) -> list[str]:
+    """The diff engine's hints about the first divergence (what its signature suggests), if any."""
+    first = summary.get("first_divergence") or {}
+    return [str(hint.get("text", hint)) if isinstance(hint, Mapping) else str(hint)
+            for hint in first.get("hints") or []]
 
 
 def first_difference(reference: list, candidate: list, same_prefix: int | None) -> int | None:

@@ -58,6 +58,8 @@ def display_row(index: int, p: dict, first: str | None) -> dict:
             (fmt_rel(p.get("rel_l2")), sort_key(p.get("rel_l2"))),
             (fmt(p.get("cosine"), ".6g"), sort_key(p.get("cosine"))),
         ],
+        # the bound this point was judged against, when each point has its own (noise floor)
+        "bound": (fmt_rel(p.get("threshold")), sort_key(p.get("threshold"))),
         "status": status,
         "css": css.strip(),
         "first": is_first,

@@ -24,6 +24,8 @@ pre { background: #f6f8fa; border: 1px solid var(--line); border-radius: 4px; pa
 .banner.error { background: var(--err); }
 .banner code { color: inherit; font-weight: 600; }
 .banner a { color: inherit; }
+.banner ul.hints { margin: 6px 0 0; padding-left: 20px; }
+table.audit tr.differs td { background: #fff3e0; }
 table { border-collapse: collapse; margin: 4px 0; }
 th, td { padding: 3px 9px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
 th { background: #f3f3f3; font-weight: 600; }
@@ -83,6 +85,7 @@ PAGE = """<!DOCTYPE html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'">
 <title>tracer: {{ verdict_label }} — {{ comparison }}</title>
 <style>{{ css | safe }}</style>
 </head>
@@ -94,6 +97,7 @@ PAGE = """<!DOCTYPE html>
   <span class="verdict">{{ verdict_label }}</span>
   <span>{{ reference_label }} vs {{ candidate_label }} · fails when {{ tolerance }}</span>
   <p>{{ sentence }}{% if has_first_row %} <a class="noprint" href="#first-divergence">(row)</a>{% endif %}</p>
+  {% if hints %}<ul class="hints">{% for hint in hints %}<li>{{ hint }}</li>{% endfor %}</ul>{% endif %}
 </div>
 {% if notes %}
 <ul class="notes">
@@ -116,7 +120,7 @@ PAGE = """<!DOCTYPE html>
 {% endif %}
 
 {% if figures %}
-<h2>Error curve</h2>
+<h2>Figures</h2>
 {% for fig in figures %}
 <figure>
   <img src="{{ fig.uri }}" alt="{{ fig.alt }}" width="{{ fig.width }}">
@@ -145,16 +149,42 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
 <table id="points">
 <thead><tr><th class="num">#</th><th>point</th><th class="num">layer</th><th>shape</th>
 <th class="num">max|diff|</th><th class="num">max|ref|</th><th class="num">rel_l2</th>
-<th class="num">cosine</th><th>status</th></tr></thead>
+<th class="num">cosine</th>{% if has_bounds %}<th class="num" title="the rel_l2 this point may reach: a multiple of its rounding noise">tolerance</th>{% endif %}<th>status</th></tr></thead>
 <tbody>
 {% for r in rows %}<tr{% if r.css %} class="{{ r.css }}"{% endif %}{% if r.first %} id="first-divergence"{% endif %}>
 <td class="num" data-v="{{ r.index }}">{{ r.index }}</td><td class="point">{{ r.point }}</td>
 <td class="num">{{ r.layer }}</td><td class="mono">{{ r.shape }}</td>
 {% for text, key in r.cells %}<td class="num" data-v="{{ key }}">{{ text }}</td>{% endfor %}
-<td>{{ r.status }}</td></tr>
+{% if has_bounds %}<td class="num" data-v="{{ r.bound[1] }}">{{ r.bound[0] }}</td>{% endif %}<td>{{ r.status }}</td></tr>
 {% endfor %}
 </tbody>
 </table>
+{% endif %}
+
+{% if audit %}
+<h2>Config audit</h2>
+{% if audit.readers %}
+{% if audit.resave %}<p class="muted">config.json as read after re-saving: <code>{{ audit.resave }}</code></p>{% endif %}
+{% if audit.differences %}
+<table class="audit">
+<thead><tr><th>spec value</th>{% for name in audit.reader_names %}<th>{{ name }} reader</th>{% endfor %}</tr></thead>
+<tbody>{% for key, values in audit.differences %}<tr class="differs"><td><code>{{ key }}</code></td>{% for value in values %}<td><code>{{ value }}</code></td>{% endfor %}</tr>{% endfor %}</tbody>
+</table>
+{% else %}<p>The readers agree on every spec value.</p>{% endif %}
+<div class="grid2">
+  {% for reader in audit.readers %}
+  <div>
+    <h3>{{ reader.name }} reader</h3>
+    <table class="kv">
+      {% if reader.error %}<tr><th>error</th><td>{{ reader.error }}</td></tr>{% endif %}
+      <tr><th>reads</th><td>{% for key in reader.reads %}<code>{{ key }}</code>{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none</span>{% endfor %}</td></tr>
+      <tr><th>defaulted</th><td>{% for key, value in reader.defaulted %}<code>{{ key }}={{ value }}</code>{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none</span>{% endfor %}</td></tr>
+      <tr><th>ignored</th><td>{% for key in reader.ignored %}<code>{{ key }}</code>{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none</span>{% endfor %}</td></tr>
+    </table>
+  </div>
+  {% endfor %}
+</div>
+{% else %}<pre>{{ audit.raw }}</pre>{% endif %}
 {% endif %}
 
 <h2>Settings</h2>

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import TracerError
-from .figures import curve_figure, figure_png, layer_heatmap_figure
+from .figures import report_images
 from .html import render_html
 from .markdown import markdown_summary
 from .summary import Summary, as_summary
@@ -32,7 +32,8 @@ def write_report(result, out_dir, *, formats=None) -> Path:
         out_dir: the folder to create. An existing tracer report there (it holds summary.json)
             is replaced as a whole; an existing folder with other content is refused.
         formats: which files to write besides summary.json, from "csv" (points.csv), "png"
-            (curve.png, heatmap.png), "html" (report.html), "md" (summary.md); None = all.
+            (curve.png, heatmap.png, and breakdown.png when the first divergence has per-position
+            or per-head values), "html" (report.html), "md" (summary.md); None = all.
     Returns:
         `out_dir` as a Path.
     Raises:
@@ -84,7 +85,7 @@ def write_files(summary: Summary, folder: Path, formats: tuple[str, ...]) -> Non
         write_points_csv(summary, folder / "points.csv")
     images = {}
     if "png" in formats or "html" in formats:
-        images = render_images(summary)
+        images = report_images(summary)
     if "png" in formats:
         for name, png in images.items():
             (folder / name).write_bytes(png)
@@ -92,13 +93,6 @@ def write_files(summary: Summary, folder: Path, formats: tuple[str, ...]) -> Non
         (folder / "report.html").write_text(render_html(summary, images), encoding="utf-8")
     if "md" in formats:
         (folder / "summary.md").write_text(markdown_summary(summary), encoding="utf-8")
-
-
-def render_images(summary: Summary) -> dict[str, bytes]:
-    return {
-        "curve.png": figure_png(curve_figure(summary)),
-        "heatmap.png": figure_png(layer_heatmap_figure(summary)),
-    }
 
 
 def replace_folder(new: Path, out: Path) -> None:

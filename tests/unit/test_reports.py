@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pandas as pd
 import pytest
 
 import tracer.reports as reports
-import tracer.reports.write as report_write
+import tracer.reports.figures as report_figures
 from tracer.diff import PointDiff, Result, Tolerance
 from tracer.errors import TracerError
-from tracer.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of
+from tracer.points import EMBED, FINAL_NORM, LAYER_POINTS, LOGITS, all_points, is_coarse, layer_of
 
 TOL = 1e-4
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HOSTILE_PROMPT = 'Paris <script>alert(1)</script> & "q"'
+LAYER_POINTS_INDEX = {sub: i for i, sub in enumerate(LAYER_POINTS)}
 
 
 # --- realistic summaries -----------------------------------------------------------------------
@@ -208,7 +210,7 @@ def explode(summary):
 
 
 def test_failure_while_rendering_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(report_write, "curve_figure", explode)
+    monkeypatch.setattr(report_figures, "curve_figure", explode)
     with pytest.raises(RuntimeError, match="figure failed"):
         reports.write_report(make_summary("diverged"), tmp_path / "r")
     assert list(tmp_path.iterdir()) == []
@@ -217,7 +219,7 @@ def test_failure_while_rendering_leaves_nothing(tmp_path, monkeypatch):
 def test_failure_keeps_the_previous_report(tmp_path, monkeypatch):
     out = reports.write_report(make_summary("match"), tmp_path / "r", formats=["csv"])
     before = (out / "summary.json").read_text(encoding="utf-8")
-    monkeypatch.setattr(report_write, "layer_heatmap_figure", explode)
+    monkeypatch.setattr(report_figures, "layer_heatmap_figure", explode)
     with pytest.raises(RuntimeError):
         reports.write_report(make_summary("diverged"), out)
     assert (out / "summary.json").read_text(encoding="utf-8") == before
@@ -410,3 +412,128 @@ def test_real_result_with_non_finite_metrics(tmp_path):
     assert all(math.isfinite(v) for v in fig.axes[0].get_ylim())
     heat = reports.layer_heatmap_figure(result).axes[0].images[0]
     assert math.isfinite(heat.norm.vmax) and heat.get_array()[1, 14] == heat.norm.vmax
+
+
+# --- the first divergence per position and per head --------------------------------------------
+
+
+def with_breakdown(summary: dict, heads: bool = True) -> dict:
+    """What the diff engine adds at the first divergence: max|diff| per token and per head."""
+    first = summary["first_divergence"]
+    first["by_position"] = [0.0, 0.23, 0.41, 0.66, 0.97]  # RoPE leaves position 0 alone
+    first["by_head"] = [0.51, 0.97, 0.12, 0.33] if heads else None
+    first["hints"] = ["exact at position 0 and growing with position: positional encoding <rope>"]
+    return summary
+
+
+def test_breakdown_figure_draws_positions_and_heads():
+    summary = with_breakdown(make_summary("diverged"))
+    fig = reports.breakdown_figure(summary)
+    positions, heads = fig.axes
+    assert [p.get_height() for p in positions.patches] == pytest.approx([0.0, 0.23, 0.41, 0.66, 0.97])
+    assert [p.get_height() for p in heads.patches] == pytest.approx([0.51, 0.97, 0.12, 0.33])
+    labels = [t.get_text() for t in positions.get_xticklabels()]
+    assert labels == ["0: 'The'", "1: ' capital'", "2: ' of'", "3: ' France'", "4: ' is'"]
+    assert [t.get_text() for t in heads.get_xticklabels()] == ["q0", "q1", "q2", "q3"]
+    zero = [line for line in positions.get_lines() if line.get_label() == "exact 0"]
+    assert list(zero[0].get_xdata()) == [0]  # the exact zero is marked, not an invisible bar
+    assert positions.get_ylabel() == heads.get_ylabel() == "max |cand − ref|"
+    assert "first divergence: model.layers.1.self_attn.q_rope" in fig.get_suptitle()
+
+
+def test_breakdown_without_heads_and_with_many_tokens():
+    summary = with_breakdown(make_summary("diverged"), heads=False)
+    summary["first_divergence"]["by_position"] = [float(i) for i in range(120)]
+    fig = reports.breakdown_figure(summary)
+    assert len(fig.axes) == 1
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels[:4] == ["0", "", "", "3"] and len(labels) == 120  # indices only, every third
+
+
+def test_breakdown_png_only_when_the_result_has_one(tmp_path):
+    out = reports.write_report(with_breakdown(make_summary("diverged")), tmp_path / "r")
+    assert png_size((out / "breakdown.png").read_bytes())[0] >= 900
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert page.count("data:image/png;base64,") == 3 and "per token position" in page
+    assert "positional encoding &lt;rope&gt;" in page  # the hint, escaped
+    out = reports.write_report(make_summary("diverged"), tmp_path / "s")
+    assert not (out / "breakdown.png").exists()
+
+
+# --- per-point tolerance from the noise floor --------------------------------------------------
+
+
+def with_noise(summary: dict) -> dict:
+    """Points judged against 10 × their rounding noise (at least 1e-6), as the diff engine does."""
+    summary["tolerance"]["text"] = "rel_l2 > max(1e-06, 10 × noise)"
+    for i, p in enumerate(summary["points"]):
+        if p["recorded"]:
+            p["noise"] = 1e-8 * (1 + i % 5) if p["point"] != EMBED else 0.0
+            p["threshold"] = max(1e-6, 10 * p["noise"])
+    return summary
+
+
+def test_curve_draws_the_noise_band_and_per_point_tolerance():
+    fig = reports.curve_figure(with_noise(make_summary("diverged")))
+    top = fig.axes[0]
+    labels = [h.get_label() for h in top.get_lines() + top.collections]
+    assert "tolerance per point (from the noise)" in labels and "rounding noise (f32 vs f64)" in labels
+    assert not any(label.startswith("tolerance (rel_l2") for label in labels)  # no single level
+    low, _ = top.get_ylim()
+    assert low < 1e-8
+
+
+def test_heatmap_colours_cells_by_their_own_verdict():
+    summary = with_noise(make_summary("diverged"))
+    images = reports.layer_heatmap_figure(summary).axes[0].images
+    within, out = (image.get_array() for image in images)
+    q_rope = LAYER_POINTS_INDEX["self_attn.q_rope"]
+    assert within.mask[1, q_rope] and not out.mask[1, q_rope]  # layer 1 q_rope diverged
+    assert not within.mask[0, q_rope] and out.mask[0, q_rope]  # layer 0 q_rope within
+
+
+# --- config audit, Markdown size ---------------------------------------------------------------
+
+
+def tf5_audit() -> dict:
+    """tracer.config's audit of a transformers-5 re-save: candle's reader loses theta 100000."""
+    from tracer.config import audit
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+              "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+              "num_key_value_heads": 3, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+              "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+              "hidden_act": "silu", "torch_dtype": "<float32>"}
+    return audit(config, resave="tf5")
+
+
+def test_html_renders_the_config_audit():
+    summary = make_summary("diverged") | {"config_audit": tf5_audit()}
+    page = render(summary)
+    assert "<h2>Config audit</h2>" in page
+    row = re.search(r'<tr class="differs"><td><code>rope_theta</code></td>(.*?)</tr>', page).group(1)
+    assert re.findall(r"<code>([^<]*)</code>", row) == ["100000.0", "10000.0"]
+    assert "<code>rope_parameters</code>" in page  # candle ignores it
+    markdown = reports.markdown_summary(summary)
+    assert "| `rope_theta` | 100000.0 | 10000.0 |" in markdown
+
+
+def test_unknown_audit_shapes_are_shown_not_dropped():
+    page = render(make_summary("diverged") | {"config_audit": {"note": "<odd>"}})
+    assert "<h2>Config audit</h2>" in page and "&lt;odd&gt;" in page
+
+
+def test_markdown_is_sized_for_a_comment_and_names_the_png():
+    summary = with_breakdown(make_summary("diverged", n_layers=30, diverge_at="model.layers.0.self_attn.q_rope"))
+    markdown = reports.markdown_summary(summary)
+    assert len(markdown) < 10_000
+    assert "| first divergence | model.layers.0.self_attn.q_rope |" in markdown
+    assert "![per-layer error curve](curve.png)" in markdown
+    assert "```sh\ntracer run --variant theta=10000\n```" in markdown
+    assert "- hint: exact at position 0" in markdown
+
+
+def test_html_forbids_remote_loads_and_prints():
+    page = render(make_summary("diverged"))
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page
+    assert "@media print" in page
