@@ -1,0 +1,216 @@
+"""The sweep report: every variant's per-layer error curve in one figure, and one table row each.
+
+Like the rest of `reports/`, it only renders: every function takes a `Sweep` (anything with
+`.to_dict()`) or the dict saved as sweep.json, and nothing is recomputed. The page reuses the run
+report's stylesheet and Jinja2 autoescaping, so every variant text and error is escaped.
+
+- `sweep_frame(sweep)`: one row per variant, a pandas DataFrame (also sweep.csv).
+- `sweep_figure(sweep)`: rel_l2 per block output, one line per variant, log scale.
+- `render_sweep_html(sweep)`, `sweep_markdown(sweep)`.
+- `write_sweep_report(sweep, out_dir)`: sweep.json, sweep.csv, sweep.png, sweep.html, sweep.md,
+  written atomically like `write_report`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import jinja2
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from ..errors import TracerError
+from .figures import (
+    COLORS, STYLE, add_tolerance, as_array, coarse_x, figure_png, floor_for, new_figure, plain, set_coarse_ticks,
+    set_log_limits,
+)
+from .html import figure_entries
+from .summary import DASH, as_summary, fmt, fmt_rel, model_name, rel_l2_threshold, short_prompt, tolerance_text
+from .template import CSS
+from .write import replace_folder
+
+MARKER = "sweep.json"
+SWEEP_SIZE = (12.0, 5.5)  # inches
+CAPTION = ("Relative L2 per block output, one line per variant (log scale; exact zeros on the floor line); "
+           "dotted: the tolerance each point is judged by.")
+
+
+def as_sweep(sweep) -> dict:
+    return as_summary(sweep)
+
+
+def greedy_cell(greedy: dict | None) -> str:
+    if not greedy:
+        return DASH
+    return f"{greedy.get('same_prefix')}/{greedy.get('steps')}"
+
+
+def sweep_rows(summary: dict) -> list[dict]:
+    """The table's rows, as plain values (the DataFrame, CSV, HTML and Markdown all show these)."""
+    rows = []
+    for entry in summary.get("variants") or []:
+        first, logits = entry.get("first_divergence") or {}, entry.get("logits") or {}
+        rows.append({
+            "variant": entry.get("variant"),
+            "verdict": entry.get("verdict"),
+            "first_divergence": first.get("point"),
+            "rel_l2_at_first": first.get("rel_l2"),
+            "logits_max_abs": logits.get("max_abs"),
+            "logits_max_abs_all": logits.get("max_abs_all"),
+            "argmax_agree": logits.get("argmax_agree"),
+            "greedy_same_prefix": (entry.get("greedy") or {}).get("same_prefix"),
+            "greedy_steps": (entry.get("greedy") or {}).get("steps"),
+            "error": entry.get("error"),
+            "seconds": entry.get("seconds"),
+        })
+    return rows
+
+
+def sweep_frame(sweep) -> pd.DataFrame:
+    """One row per variant: verdict, first divergence, logits max|diff|, greedy agreement, error."""
+    frame = pd.DataFrame(sweep_rows(as_sweep(sweep)))
+    return frame.set_index("variant") if not frame.empty else frame
+
+
+def sweep_figure(sweep) -> Figure:
+    """rel_l2 per block output (embed, every layer, norm, logits), one line per variant.
+
+    Variants that failed to load have no curve; those that match lie under the tolerance line.
+    """
+    summary = as_sweep(sweep)
+    curves = [(e["variant"], e["curve"]) for e in summary.get("variants") or [] if e.get("curve")]
+    with matplotlib.rc_context(STYLE):
+        fig = new_figure(SWEEP_SIZE)
+        ax = fig.subplots()
+        if not curves:
+            ax.text(0.5, 0.5, "no variant produced a curve", ha="center", va="center", transform=ax.transAxes)
+            ax.set_axis_off()
+            return fig
+        longest = max((curve for _, curve in curves), key=len)
+        x_of = dict(zip((p["point"] for p in longest), coarse_x(longest)))
+        values = [as_array([p.get("rel_l2") for p in curve]) for _, curve in curves]
+        threshold = rel_l2_threshold(summary)
+        floor = floor_for(*values, below=threshold)
+        cycle = matplotlib.colormaps["tab20"].colors
+        for i, ((variant, curve), rel) in enumerate(zip(curves, values)):
+            x = np.array([x_of.get(p["point"], np.nan) for p in curve])
+            ax.plot(x, np.where(rel == 0, floor, rel), color=cycle[i % len(cycle)], lw=1.4, marker="o", ms=2.5,
+                    label=plain(variant))
+        set_log_limits(ax, floor, *values)
+        per_point = as_array([p.get("threshold") for p in longest])
+        if np.isfinite(per_point).any():  # judged against each point's noise floor, as in `run`
+            ax.plot(coarse_x(longest), per_point, color=COLORS["tol"], ls=":", lw=1.6, label="tolerance (per point)")
+        else:
+            add_tolerance(ax, threshold)
+        ax.axhline(floor, color="#bbbbbb", lw=0.8)
+        ax.text(1.004, floor, "exact 0", transform=ax.get_yaxis_transform(), ha="left", va="center", fontsize=7.5,
+                color="#777777", clip_on=False)
+        set_coarse_ticks(ax, longest, coarse_x(longest))
+        ax.set_xlabel("block output (layer index)")
+        ax.set_ylabel("relative L2")
+        fig.legend(loc="outside right upper", fontsize=7.5, frameon=False)
+        failed = len(summary.get("variants") or []) - len(curves)
+        fig.suptitle(plain(f"tracer sweep: {len(curves)} variants vs {(summary.get('reference') or {}).get('label', '?')}"
+                           f" on {model_name(summary)}" + (f" ({failed} more failed to load)" if failed else "")),
+                     fontsize=11, fontweight="bold")
+    return fig
+
+
+_ENV = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+_PAGE = _ENV.from_string("""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src data:; style-src 'unsafe-inline'">
+<title>tracer sweep — {{ model }}</title>
+<style>{{ css | safe }}</style>
+</head>
+<body>
+<h1>tracer sweep</h1>
+<p class="sub">{{ reference }} vs {{ candidate }}[variant] on {{ model }}{% if prompt %} · prompt “{{ prompt }}”{% endif %} · fails when {{ tolerance }} · greedy {{ greedy_steps }} tokens per variant</p>
+<table id="points">
+<thead><tr><th>variant</th><th>verdict</th><th>first divergence</th><th class="num">rel_l2 there</th>
+<th class="num">logits max|diff| (last)</th><th class="num">argmax agree</th><th class="num">greedy same prefix</th><th>error</th></tr></thead>
+<tbody>
+{% for row in rows %}
+<tr class="{{ row.css }}"><td class="point">{{ row.variant }}</td><td>{{ row.verdict }}</td><td class="point">{{ row.first }}</td>
+<td class="num">{{ row.rel }}</td><td class="num">{{ row.logits }}</td><td class="num">{{ row.agree }}</td>
+<td class="num">{{ row.greedy }}</td><td>{{ row.error }}</td></tr>
+{% endfor %}
+</tbody>
+</table>
+{% for fig in figures %}
+<figure><img src="{{ fig.uri }}" alt="{{ fig.alt }}" width="{{ fig.width }}"><figcaption>{{ fig.caption }}</figcaption></figure>
+{% endfor %}
+{% if command %}<h2>Command</h2><pre>{{ command }}</pre>{% endif %}
+<footer>tracer {{ version }} · {{ timings }}</footer>
+</body>
+</html>
+""")
+
+
+def render_sweep_html(sweep, images: dict[str, bytes] | None = None) -> str:
+    """The self-contained sweep page (figure inlined as a data URI, everything user-given escaped)."""
+    summary = as_sweep(sweep)
+    if images is None:
+        images = {"sweep.png": figure_png(sweep_figure(summary))}
+    rows = [{
+        "variant": r["variant"], "verdict": r["verdict"], "first": r["first_divergence"] or DASH,
+        "rel": fmt_rel(r["rel_l2_at_first"]), "logits": fmt(r["logits_max_abs"]),
+        "agree": DASH if r["argmax_agree"] is None else f"{r['argmax_agree']:.0%}",
+        "greedy": DASH if r["greedy_same_prefix"] is None else f"{r['greedy_same_prefix']}/{r['greedy_steps']}",
+        "error": r["error"] or "", "css": {"diverged": "diverged", "error": "missing"}.get(r["verdict"], ""),
+    } for r in sweep_rows(summary)]
+    figures = [dict(entry, caption=CAPTION, alt=CAPTION) for entry in figure_entries(images)]
+    return _PAGE.render(
+        css=CSS, model=model_name(summary), prompt=short_prompt(summary),
+        reference=(summary.get("reference") or {}).get("label", "?"),
+        candidate=(summary.get("candidate") or {}).get("engine", "?"), tolerance=tolerance_text(summary),
+        greedy_steps=summary.get("greedy_steps"), rows=rows, figures=figures, command=summary.get("command"),
+        version=summary.get("tracer_version") or "?",
+        timings=", ".join(f"{k} {v:.1f} s" for k, v in (summary.get("timings") or {}).items()),
+    )
+
+
+def sweep_markdown(sweep) -> str:
+    """A Markdown table to paste into an issue."""
+    summary = as_sweep(sweep)
+    lines = [f"**tracer sweep** on `{model_name(summary)}` ({tolerance_text(summary)})", "",
+             "| variant | verdict | first divergence | logits max\\|diff\\| | greedy |", "|---|---|---|---|---|"]
+    for r in sweep_rows(summary):
+        first = f"`{r['first_divergence']}`" if r["first_divergence"] else (r["error"] or DASH).replace("|", "\\|")
+        greedy = DASH if r["greedy_same_prefix"] is None else f"{r['greedy_same_prefix']}/{r['greedy_steps']}"
+        lines.append(f"| `{r['variant']}` | {r['verdict']} | {first} | {fmt(r['logits_max_abs'])} | {greedy} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep_report(sweep, out_dir) -> Path:
+    """Write sweep.json, sweep.csv, sweep.png, sweep.html and sweep.md into `out_dir`, atomically.
+
+    An existing sweep report there (it holds sweep.json) or an empty folder is replaced; anything
+    else is refused with a TracerError.
+    """
+    summary = as_sweep(sweep)
+    out = Path(out_dir).absolute()
+    if out.exists() and not (out.is_dir() and ((out / MARKER).is_file() or not any(out.iterdir()))):
+        raise TracerError(f"refusing to overwrite {out}: it is not a tracer sweep folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        (tmp / MARKER).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        sweep_frame(summary).to_csv(tmp / "sweep.csv")
+        png = figure_png(sweep_figure(summary))
+        (tmp / "sweep.png").write_bytes(png)
+        (tmp / "sweep.html").write_text(render_sweep_html(summary, {"sweep.png": png}), encoding="utf-8")
+        (tmp / "sweep.md").write_text(sweep_markdown(summary), encoding="utf-8")
+        replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Path(out_dir)
