@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "cache_root",
+    "check_weight_files",
     "default_model_path",
     "detokenize",
     "gguf_model_path",
@@ -123,12 +124,31 @@ def gguf_model_path(
     gguf = Path(gguf_file).expanduser().resolve()
     if not gguf.is_file():
         raise TracerError(f"GGUF file not found: {gguf}")
+    check_gguf_header(gguf)
     target = cache_root(cache_dir) / _gguf_cache_name(gguf)
     if _is_complete(target):
         return target
     source = {"gguf_file": str(gguf), "gguf_size": gguf.stat().st_size}
     build = functools.partial(_convert_gguf, gguf, source=source, progress=progress, expected=None)
     return _cached_build(target, build, progress=progress)
+
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # what transformers' GGUF reader handles
+
+
+def check_gguf_header(gguf: Path) -> None:
+    """Refuse a file that is not GGUF (or a version transformers cannot read) before converting."""
+    try:
+        with open(gguf, "rb") as handle:
+            head = handle.read(8)
+    except OSError as exc:
+        raise TracerError(f"cannot read GGUF file {gguf}: {exc.strerror}") from None
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise TracerError(f"not a GGUF file (no GGUF magic bytes): {gguf}")
+    version = struct.unpack("<I", head[4:])[0]
+    if version not in GGUF_VERSIONS:
+        raise TracerError(f"GGUF file {gguf} is version {version}; transformers reads versions 2 and 3")
 
 
 def _bundled_gguf() -> Path:
@@ -482,6 +502,23 @@ def _check_index_complete(folder: Path, tensors: dict[str, Any]) -> None:
             raise TracerError(f"tensor {name} listed in {index} is not in {folder / shard}")
 
 
+def check_weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """Open the header of every weights file (cheap: no tensor is read); name any damaged file.
+
+    For readers that would otherwise fail deep inside a library on a truncated or garbage file.
+    """
+    from safetensors import safe_open
+
+    files = _weight_files(Path(model_dir))
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - any failure here means an unreadable user file
+            raise TracerError(f"cannot read safetensors file {file}: {_one_line(exc)}") from exc
+    return files
+
+
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -496,8 +533,7 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
 
 def tokenize(model_dir: str | os.PathLike, prompt: str) -> list[int]:
     """Token ids of ``prompt`` exactly as the HF tokenizer gives them (special tokens included)."""
-    if prompt == "":
-        raise TracerError("empty prompt")
+    check_prompt(prompt)
     tokenizer = _tokenizer(model_dir)
     if tokenizer is None:
         raise TracerError(f"model {model_dir} has no tokenizer.json; pass token ids with --tokens")
@@ -505,6 +541,16 @@ def tokenize(model_dir: str | os.PathLike, prompt: str) -> list[int]:
     if not ids:
         raise TracerError(f"prompt gives no tokens: {prompt!r}")
     return list(ids)
+
+
+def check_prompt(prompt: str) -> None:
+    """An empty or whitespace-only prompt is almost always an unset shell variable, not a choice;
+    whoever means to trace bare whitespace can pass its token ids."""
+    if not isinstance(prompt, str):
+        raise TracerError(f"the prompt must be text, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise TracerError("empty prompt" if not prompt else f"the prompt is only whitespace ({prompt!r}); "
+                          "pass token ids to trace whitespace")
 
 
 def detokenize(model_dir: str | os.PathLike, ids: Iterable[int]) -> str | None:
