@@ -1,13 +1,22 @@
-"""The `hf` engine: transformers' own `LlamaForCausalLM`, observed, never modified."""
+"""The `hf` engine: transformers' own `LlamaForCausalLM`, observed, never modified.
+
+Config-level knobs (`theta`, `eps`, `layers`, `head_dim`, `rope_scaling`, `bias`, `config`,
+`resave`) build the same `LlamaSpec` the reimpl engine builds (`tracer.config.variant_spec`); the
+fields where it differs from transformers' own reading are written into the `LlamaConfig` before
+the weights load, so transformers runs exactly that model. `dtype` and `attn` go to
+`from_pretrained`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from contextlib import ExitStack
 
 import torch
 
+from tracer.config import LlamaSpec, load_config, read_hf, variant_spec
 from tracer.engines import is_loaded_model, per_layer, trace_meta
 from tracer.errors import TracerError
 from tracer.llama import TORCH_DTYPES
@@ -76,10 +85,9 @@ def _load(model_dir, variant: dict):
     from transformers.utils import logging as hf_logging
 
     config = AutoConfig.from_pretrained(model_dir)
-    if "theta" in variant:
-        config.rope_parameters["rope_theta"] = variant["theta"]
-    if "eps" in variant:
-        config.rms_norm_eps = variant["eps"]
+    if variant:
+        file_config = load_config(model_dir)
+        write_spec(config, read_hf(file_config), variant_spec(file_config, variant))
     # Its progress bar and load report are noise next to tracer's own output and break one-line
     # errors; what they say (missing, misshapen, unused tensors) is checked and said below.
     bar_was_on, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
@@ -108,3 +116,20 @@ def _load(model_dir, variant: dict):
         raise TracerError(f"shape mismatch for {name} in {model_dir}: {shapes}")
     model.tracer_unused_tensors = sorted(info.get("unexpected_keys") or [])
     return model.eval()
+
+
+def _write_rope(config, spec: LlamaSpec) -> None:
+    config.rope_parameters = {"rope_type": "default", **(spec.rope_scaling or {}), "rope_theta": spec.rope_theta}
+
+
+# LlamaSpec field -> how transformers' LlamaConfig holds it (default: the attribute of that name).
+_CONFIG_WRITERS = {"rope_theta": _write_rope, "rope_scaling": _write_rope}
+
+
+def write_spec(config, file_spec: LlamaSpec, spec: LlamaSpec) -> None:
+    """Write into transformers' `config` every field where `spec` differs from its own reading."""
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if field.compare and value != getattr(file_spec, field.name):
+            writer = _CONFIG_WRITERS.get(field.name)
+            writer(config, spec) if writer else setattr(config, field.name, value)
