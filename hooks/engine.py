@@ -84,6 +84,12 @@ def _load(model_dir, variant: dict):
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from tracer.model import check_weight_files
+
+    # transformers would answer a damaged file with a traceback, and a missing key with a silent
+    # default (hidden_size 4096); our readers name the file or the key in one line first.
+    read_hf(load_config(model_dir))
+    check_weight_files(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     if variant:
         file_config = load_config(model_dir)
@@ -100,6 +106,9 @@ def _load(model_dir, variant: dict):
             dtype=TORCH_DTYPES[variant.get("dtype", "f32")],
             attn_implementation=variant.get("attn", "eager"),
             output_loading_info=True,
+            # Mismatches are then listed in `info` (named below) instead of raised as a RuntimeError
+            # that only points at a report we silence.
+            ignore_mismatched_sizes=True,
         )
     except (OSError, RuntimeError, ValueError) as exc:
         raise TracerError(f"transformers cannot load {model_dir}: {str(exc).strip().splitlines()[0]}") from None
@@ -110,10 +119,12 @@ def _load(model_dir, variant: dict):
     # transformers fills missing tensors with random values and only warns: that is another model.
     if info.get("missing_keys"):
         missing = sorted(info["missing_keys"])
-        raise TracerError(f"missing tensor {missing[0]} in {model_dir}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        shape = tuple(model.get_parameter(missing[0]).shape)  # the same words as the reimpl engine's check
+        raise TracerError(f"missing tensor {missing[0]} (expected shape {shape})"
+                          + (f"; {len(missing) - 1} more missing" if len(missing) > 1 else ""))
     if info.get("mismatched_keys"):
-        name, *shapes = sorted(info["mismatched_keys"])[0]
-        raise TracerError(f"shape mismatch for {name} in {model_dir}: {shapes}")
+        name, file_shape, model_shape = sorted(info["mismatched_keys"])[0]
+        raise TracerError(f"shape mismatch for {name}: expected {tuple(model_shape)}, file has {tuple(file_shape)}")
     model.tracer_unused_tensors = sorted(info.get("unexpected_keys") or [])
     return model.eval()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .summary import greedy_text
+from .summary import greedy_text, nonfinite_text
 
 
 def _g(value) -> str:
@@ -32,6 +32,8 @@ def terminal_summary(result, out_dir=None) -> str:
             lines.append("  every recorded point is bitwise identical")
         elif worst:
             lines.append(f"  largest error: {worst['point']} rel_l2 {_g(worst['rel_l2'])}")
+    if s.get("first_nonfinite"):
+        lines.append(f"  {nonfinite_text(s['first_nonfinite'])}")
     logits = s.get("logits")
     if logits:
         lines.append(f"  logits, last position: max|diff| {_g(logits['max_abs'])} (max|ref| {_g(logits['max_ref'])}); "

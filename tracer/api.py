@@ -15,6 +15,7 @@ import torch
 from tracer.diff import Result, Tolerance, compare
 from tracer.engines import environment, is_loaded_model, load_engine
 from tracer.errors import TracerError
+from tracer.model import check_prompt
 from tracer.trace import Trace
 from tracer.variants import parse_variant
 
@@ -74,9 +75,11 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, progres
     Example:
         >>> trace = tracer.record(None, "The capital of France is", engine="reimpl", variant="theta=10000")
     """
+    is_prompt = isinstance(tokens_or_prompt, str)
+    if is_prompt:
+        check_prompt(tokens_or_prompt)  # before loading anything: a bad prompt fails in no time
     source = resolve_source(model, progress)
     runner = load_engine(engine, source, parse_variant(variant))
-    is_prompt = isinstance(tokens_or_prompt, str)
     ids = token_ids(source, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt)
     check_tokens(ids, runner)
     trace = runner.record(ids)
@@ -148,6 +151,8 @@ def run(
         'model.layers.0.self_attn.q_rope'
     """
     reference_variant, variant = parse_variant(reference_variant), parse_variant(variant)
+    if tokens is None and prompt is not None:
+        check_prompt(prompt)  # before loading anything: a bad prompt fails in no time
     timings = {}
     started = time.perf_counter()
     source = resolve_source(model, progress)

@@ -125,8 +125,11 @@ def _write_json(payload: dict, target: str) -> None:
     text = json.dumps(payload, indent=2)
     if target == "-":
         _STDOUT[0].write(text + "\n")
-    else:
+        return
+    try:
         Path(target).write_text(text + "\n")
+    except OSError as exc:
+        raise TracerError(f"cannot write JSON to {target}: {exc.strerror or exc}") from None
 
 
 def _error_payload(message: str) -> dict:
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc)
         print(f"tracer: error: {message}", file=sys.stderr)
         if args is not None and getattr(args, "json", None):
-            _write_json(_error_payload(message), args.json)
+            with contextlib.suppress(TracerError):  # an unwritable --json FILE was said above
+                _write_json(_error_payload(message), args.json)
         return 2
     except KeyboardInterrupt:
         print("tracer: interrupted", file=sys.stderr)
