@@ -98,9 +98,12 @@ def test_resolve_none_is_default(monkeypatch, tmp_path):
     assert tm.resolve_model(None) == tmp_path / "default"
 
 
+GGUF_V3_HEADER = b"GGUF\x03\x00\x00\x00"  # magic + little-endian version 3: passes the header check
+
+
 def test_resolve_gguf_goes_through_cache(monkeypatch, tmp_path):
     gguf = tmp_path / "Tiny.Q8_0.GGUF"
-    gguf.write_bytes(b"GGUF")
+    gguf.write_bytes(GGUF_V3_HEADER)
     calls: list = []
     monkeypatch.setattr(tm, "_convert_gguf", fake_converter(calls))
     monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "cache"))
@@ -143,13 +146,13 @@ def test_default_model_cached_is_instant_without_package(monkeypatch, tmp_path):
 
 def test_gguf_changed_file_reconverts(monkeypatch, tmp_path):
     gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF v1")
+    gguf.write_bytes(GGUF_V3_HEADER + b" v1")
     calls: list = []
     monkeypatch.setattr(tm, "_convert_gguf", fake_converter(calls))
     first = tm.gguf_model_path(gguf, tmp_path / "c", progress=False)
     assert tm.gguf_model_path(gguf, tmp_path / "c", progress=False) == first
     assert len(calls) == 1
-    gguf.write_bytes(b"GGUF v2, longer")
+    gguf.write_bytes(GGUF_V3_HEADER + b" v2, longer")
     second = tm.gguf_model_path(gguf, tmp_path / "c", progress=False)
     assert second != first
     assert len(calls) == 2

@@ -1,0 +1,462 @@
+"""Every mistake a user can make, through the real CLI: one line, exit code 2, nothing written.
+
+Each row builds a bad input on a tiny model, runs `python -m tracer ...` in a fresh process and
+checks what a user sees: stderr is exactly one line "tracer: error: <message>" (no traceback),
+stdout is empty, the exit code is 2, and the folder the command was told to write into holds
+nothing new (no report, no partial trace, no temporary folder). The same message comes from the
+Python API as a `TracerError`, and with `--json -` stdout is exactly one JSON object saying it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import tracer
+from tests.conftest import TOKENS, write_tiny_llama
+from tracer.cli import main
+from tracer.errors import TracerError
+from tracer.variants import KNOBS
+
+TOKEN_ARG = ",".join(map(str, TOKENS))
+ERROR_PREFIX = "tracer: error: "
+
+
+@dataclass
+class Row:
+    """One bad input: `make(tmp_path)` returns the CLI arguments and the equivalent API call."""
+
+    name: str
+    message: str  # a regex the whole message (after "tracer: error: ") must match
+    make: Callable[[Path], tuple[list[str], Callable[[], object] | None]]
+
+
+ROWS: list[Row] = []
+
+
+def row(name: str, message: str):
+    def register(make):
+        ROWS.append(Row(name, message, make))
+        return make
+
+    return register
+
+
+# --- helpers that build bad inputs ------------------------------------------------------------
+
+
+def model(tmp: Path, name: str = "model", **overrides) -> Path:
+    return write_tiny_llama(tmp / name, **overrides)
+
+
+def edit_config(folder: Path, change: Callable[[dict], None]) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def edit_weights(folder: Path, change: Callable[[dict], None]) -> Path:
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def run_args(tmp: Path, folder: Path, *extra: str, tokens: str | None = TOKEN_ARG) -> list[str]:
+    """`tracer run` on `folder`, reference hf, candidate reimpl, report into tmp/report."""
+    args = ["run", "--model", str(folder), "--out", str(tmp / "report"), "--greedy", "2"]
+    if tokens is not None:
+        args += ["--tokens", tokens]
+    return args + list(extra)
+
+
+def api_run(folder: Path, tmp: Path, engines: str = "hf", **kwargs):
+    reference = "reimpl" if engines == "reimpl" else "hf"
+    kwargs.setdefault("tokens", TOKENS)
+    return lambda: tracer.run(folder, reference=reference, greedy=2, out=tmp / "report", progress=False, **kwargs)
+
+
+def saved_trace(tmp: Path, tokens=TOKENS, name: str = "trace.safetensors") -> Path:
+    """A real trace, recorded by the reimpl engine on the tiny model (kept outside `tmp`'s
+    snapshot by being made before it)."""
+    folder = tmp / "traced-model"
+    if not folder.exists():
+        write_tiny_llama(folder)
+    return tracer.record(folder, list(tokens), engine="reimpl").save(tmp / name)
+
+
+# --- the table --------------------------------------------------------------------------------
+
+
+@row("unknown knob", r"unknown knob 'thetta'; valid knobs: " + re.escape(", ".join(KNOBS)))
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--variant", "thetta=10000"), api_run(m, tmp, variant="thetta=10000")
+
+
+@row("bad knob value", r"bad value 'abc' for knob 'theta'; expected " + re.escape(KNOBS["theta"].accepted))
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--variant", "theta=abc"), api_run(m, tmp, variant="theta=abc")
+
+
+@row("malformed variant", r"bad variant 'theta'; expected knob=value, e\.g\. theta=10000")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--variant", "theta"), api_run(m, tmp, variant="theta")
+
+
+@row("missing model path", r"model path not found: .*/no-such-model")
+def _(tmp):
+    return run_args(tmp, tmp / "no-such-model"), api_run(tmp / "no-such-model", tmp)
+
+
+@row("model path is some other file", r"unsupported model file \(expected a directory with config\.json or a \.gguf file\): .*/notes\.txt")
+def _(tmp):
+    (tmp / "notes.txt").write_text("hello")
+    return run_args(tmp, tmp / "notes.txt"), api_run(tmp / "notes.txt", tmp)
+
+
+@row("folder without config.json", r"not a model directory \(no config\.json\): .*/empty")
+def _(tmp):
+    (tmp / "empty").mkdir()
+    return run_args(tmp, tmp / "empty"), api_run(tmp / "empty", tmp)
+
+
+@row("unreadable config.json", r"cannot read .*/config\.json: Permission denied")
+def _(tmp):
+    if os.geteuid() == 0:
+        pytest.skip("root reads files without read permission")
+    m = model(tmp)
+    (m / "config.json").chmod(0)
+    return run_args(tmp, m), api_run(m, tmp)
+
+
+@row("GGUF that is not GGUF", r"not a GGUF file \(no GGUF magic bytes\): .*/fake\.gguf")
+def _(tmp):
+    (tmp / "fake.gguf").write_bytes(b"<html>404 not found</html>")
+    return run_args(tmp, tmp / "fake.gguf"), api_run(tmp / "fake.gguf", tmp)
+
+
+@row("GGUF of an unknown version", r"GGUF file .*/future\.gguf is version 9; transformers reads versions 2 and 3")
+def _(tmp):
+    (tmp / "future.gguf").write_bytes(b"GGUF\x09\x00\x00\x00" + bytes(64))
+    return run_args(tmp, tmp / "future.gguf"), api_run(tmp / "future.gguf", tmp)
+
+
+def both(m: Path, tmp: Path, **kwargs) -> list[Callable[[], object]]:
+    """The API call through both loaders: transformers' (reference hf) and ours (reimpl only)."""
+    return [api_run(m, tmp, "hf", **kwargs), api_run(m, tmp, "reimpl", **kwargs)]
+
+
+# The model-file errors: the CLI runs the default reference (hf, transformers' loader); the API
+# call goes through both loaders.
+
+
+@row("config.json not JSON", r"config\.json is not valid JSON: .*/model/config\.json \(.*\)")
+def _(tmp):
+    m = model(tmp)
+    (m / "config.json").write_text('{"hidden_size": 64,')
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("config.json not an object", r"config\.json is not a JSON object: .*/model/config\.json")
+def _(tmp):
+    m = model(tmp)
+    (m / "config.json").write_text("[64, 4]")
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("config.json lacks a key", r"config\.json lacks the required key 'hidden_size'")
+def _(tmp):
+    m = edit_config(model(tmp), lambda c: c.pop("hidden_size"))
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("config.json key of the wrong type",
+     r"config\.json key 'num_attention_heads' must be a positive integer, got '4'")
+def _(tmp):
+    m = edit_config(model(tmp), lambda c: c.update(num_attention_heads="4"))
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("truncated safetensors",
+     r"cannot read safetensors file .*/model/model\.safetensors: Error while deserializing header: .*")
+def _(tmp):
+    m = model(tmp)
+    data = (m / "model.safetensors").read_bytes()
+    (m / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("garbage safetensors",
+     r"cannot read safetensors file .*/model/model\.safetensors: Error while deserializing header: .*")
+def _(tmp):
+    m = model(tmp)
+    (m / "model.safetensors").write_bytes(b"PK\x03\x04 this is a zip, not safetensors" * 8)
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("tensor shape mismatch",
+     r"shape mismatch for model\.layers\.1\.self_attn\.q_proj\.weight: expected \(64, 64\), file has \(60, 64\)")
+def _(tmp):
+    def shrink(tensors):
+        tensors["model.layers.1.self_attn.q_proj.weight"] = tensors["model.layers.1.self_attn.q_proj.weight"][:60]
+
+    m = edit_weights(model(tmp), shrink)
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("missing tensor", r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight\b.*")
+def _(tmp):
+    m = edit_weights(model(tmp), lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("token id outside the vocabulary", r"token id 97 is outside the vocabulary \(0\.\.96\)")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, tokens="1,2,97"), both(m, tmp, tokens=[1, 2, 97])
+
+
+@row("prompt longer than the positions", r"the prompt has 129 tokens; the model has 128 positions")
+def _(tmp):
+    m = model(tmp)
+    ids = [1] * 129
+    return run_args(tmp, m, tokens=",".join(map(str, ids))), both(m, tmp, tokens=ids)
+
+
+@row("negative token id", r"token id -3 is outside the vocabulary \(0\.\.96\)")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--tokens=1,-3", tokens=None), api_run(m, tmp, tokens=[1, -3])
+
+
+@row("token ids that are not integers", r"--tokens takes comma-separated integers, got '1,two'")
+def _(tmp):
+    return run_args(tmp, model(tmp), tokens="1,two"), None
+
+
+@row("empty prompt", r"empty prompt")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--prompt", "", tokens=None), lambda: tracer.run(m, "", out=tmp / "report")
+
+
+@row("whitespace-only prompt", r"the prompt is only whitespace \(' \\n\\t'\); pass token ids to trace whitespace")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--prompt", " \n\t", tokens=None), lambda: tracer.run(m, " \n\t", out=tmp / "report")
+
+
+@row("missing prompt file", r"cannot read prompt file .*/prompt\.txt: .*No such file or directory.*")
+def _(tmp):
+    return run_args(tmp, model(tmp), "--prompt-file", str(tmp / "prompt.txt"), tokens=None), None
+
+
+@row("unknown engine", r"unknown engine 'candle'; engines: hf, reimpl, file:PATH")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--candidate", "candle"), lambda: tracer.run(m, tokens=TOKENS, candidate="candle")
+
+
+@row("reference file that is not a trace", r"cannot read trace .*/notes\.txt: .*")
+def _(tmp):
+    m = model(tmp)
+    (tmp / "notes.txt").write_text("not a trace at all")
+    return (run_args(tmp, m, "--reference", f"file:{tmp / 'notes.txt'}"),
+            lambda: tracer.run(m, tokens=TOKENS, reference=f"file:{tmp / 'notes.txt'}", out=tmp / "report"))
+
+
+@row("reference trace on other token ids", r"trace .*/trace\.safetensors was recorded on tokens \[1, 17, 5, 42, 8, 63, 3\], not \[1, 2, 3\]")
+def _(tmp):
+    m = model(tmp)
+    trace = saved_trace(tmp)
+    return (run_args(tmp, m, "--reference", f"file:{trace}", tokens="1,2,3"),
+            lambda: tracer.run(m, tokens=[1, 2, 3], reference=f"file:{trace}", out=tmp / "report"))
+
+
+@row("compare: an argument that is not a trace", r"cannot read trace .*/notes\.txt: .*")
+def _(tmp):
+    trace = saved_trace(tmp)
+    (tmp / "notes.txt").write_text("not a trace at all")
+    args = ["compare", str(tmp / "notes.txt"), str(trace), "--out", str(tmp / "report")]
+    return args, lambda: tracer.compare_files(tmp / "notes.txt", trace, out=tmp / "report")
+
+
+@row("compare: a trace file that does not exist", r"trace file not found: .*/nope\.safetensors")
+def _(tmp):
+    trace = saved_trace(tmp)
+    args = ["compare", str(trace), str(tmp / "nope.safetensors"), "--out", str(tmp / "report")]
+    return args, lambda: tracer.compare_files(trace, tmp / "nope.safetensors", out=tmp / "report")
+
+
+@row("compare: traces on different token ids",
+     r"the traces were recorded on different token ids: \[1, 17, 5, 42, 8, 63, 3\] vs \[1, 2, 3\]")
+def _(tmp):
+    a, b = saved_trace(tmp), saved_trace(tmp, [1, 2, 3], "other.safetensors")
+    args = ["compare", str(a), str(b), "--out", str(tmp / "report")]
+    return args, lambda: tracer.compare_files(a, b, out=tmp / "report")
+
+
+@row("--out is a folder that is not a report", r"refusing to overwrite .*/report: it is not a tracer report folder")
+def _(tmp):
+    m = model(tmp)
+    (tmp / "report").mkdir()
+    (tmp / "report" / "thesis.tex").write_text("years of work")
+    return run_args(tmp, m, "--greedy", "0"), lambda: tracer.run(m, tokens=TOKENS, greedy=0, out=tmp / "report")
+
+
+@row("record into a folder that does not exist", r"cannot write trace .*/missing/t\.safetensors: no folder .*/missing")
+def _(tmp):
+    m = model(tmp)
+    args = ["record", "--engine", "reimpl", "--model", str(m), "--tokens", TOKEN_ARG,
+            "-o", str(tmp / "missing" / "t.safetensors")]
+    return args, lambda: tracer.record(m, TOKENS, engine="reimpl").save(tmp / "missing" / "t.safetensors")
+
+
+ROWS_BY_NAME = {r.name: r for r in ROWS}
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under `folder` with size and mtime: a new, removed or rewritten
+    entry shows up as a difference."""
+    return {str(p.relative_to(folder)): (p.stat().st_size if p.is_file() else -1, p.stat().st_mtime_ns)
+            for p in folder.rglob("*")}
+
+
+def screen_lines(raw: bytes) -> list[str]:
+    """stderr as a terminal shows it: a progress bar redrawn with carriage returns and cleared
+    at the end (tqdm leave=False) leaves nothing; every other line stays."""
+    shown = (line.rsplit("\r", 1)[-1].rstrip() for line in raw.decode().split("\n"))
+    return [line for line in shown if line]
+
+
+def cli_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "tracer", *args]
+
+
+@dataclass
+class Outcome:
+    folder: Path
+    api_calls: list
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+    before: dict
+    after: dict
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, Outcome | BaseException]:
+    """Every row through the real CLI, a few fresh processes at a time (each pays the torch and
+    transformers imports; run one after another they would take minutes)."""
+    prepared = {}
+    for case in ROWS:
+        folder = tmp_path_factory.mktemp("row")
+        try:
+            args, api_calls = case.make(folder)
+        except pytest.skip.Exception as skipped:
+            prepared[case.name] = skipped
+            continue
+        api_calls = [] if api_calls is None else api_calls if isinstance(api_calls, list) else [api_calls]
+        prepared[case.name] = (folder, args, api_calls, snapshot(folder))
+    results: dict[str, Outcome | BaseException] = {
+        name: item for name, item in prepared.items() if isinstance(item, BaseException)}
+    pending = [(name, item) for name, item in prepared.items() if not isinstance(item, BaseException)]
+    running: list = []
+    while pending or running:
+        while pending and len(running) < 4:
+            name, (folder, args, api_calls, before) = pending.pop(0)
+            env = {**os.environ, "TRACER_CACHE": str(folder / "cache")}
+            process = subprocess.Popen(cli_command(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+            running.append((name, folder, api_calls, before, process))
+        name, folder, api_calls, before, process = running.pop(0)
+        stdout, stderr = process.communicate(timeout=600)
+        results[name] = Outcome(folder, api_calls, process.returncode, stdout, stderr, before, snapshot(folder))
+    return results
+
+
+@pytest.mark.parametrize("name", list(ROWS_BY_NAME))
+def test_user_error_is_one_line_exit_2_and_writes_nothing(name, outcomes):
+    case, outcome = ROWS_BY_NAME[name], outcomes[name]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    stderr = outcome.stderr.decode()
+    assert outcome.returncode == 2, stderr
+    assert outcome.stdout == b""
+    lines = screen_lines(outcome.stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith(ERROR_PREFIX)
+    message = lines[0].removeprefix(ERROR_PREFIX)
+    assert re.fullmatch(case.message, message), message
+    assert outcome.after == outcome.before  # no report, no partial trace, no temporary folder, nothing
+
+    for api_call in outcome.api_calls:  # the same message from the Python API, and still nothing written
+        with pytest.raises(TracerError) as raised:
+            api_call()
+        assert str(raised.value) == message
+        assert snapshot(outcome.folder) == outcome.before
+
+
+JSON_ROWS = [r.name for r in ROWS if r.name.startswith(("unknown knob", "missing model path", "truncated safetensors",
+                                                         "tensor shape mismatch", "compare:", "empty prompt"))]
+
+
+@pytest.mark.parametrize("name", JSON_ROWS)
+def test_user_error_with_json_is_one_json_object(name, tmp_path, capsys):
+    case = ROWS_BY_NAME[name]
+    args, _ = case.make(tmp_path)
+    before = snapshot(tmp_path)
+    assert main([*args, "--json", "-"]) == 2
+    out, err = capsys.readouterr()
+    payload = json.loads(out)  # exactly one object: json.loads refuses trailing text
+    assert payload["verdict"] == "error" and re.fullmatch(case.message, payload["error"])
+    assert err.splitlines()[-1] == ERROR_PREFIX + payload["error"]
+    assert snapshot(tmp_path) == before
+
+
+def test_an_error_leaves_a_previous_report_untouched(tmp_path, capsys):
+    m = write_tiny_llama(tmp_path / "model")
+    report = tmp_path / "report"
+    assert main(["run", "--model", str(m), "--tokens", TOKEN_ARG, "--reference", "reimpl", "--greedy", "0",
+                 "--out", str(report)]) == 0
+    before = {p.name: p.read_bytes() for p in report.iterdir()}
+    capsys.readouterr()
+    assert main(["run", "--model", str(m), "--tokens", "1,2,500", "--reference", "reimpl", "--out", str(report)]) == 2
+    assert capsys.readouterr().err.endswith(f"{ERROR_PREFIX}token id 500 is outside the vocabulary (0..96)\n")
+    assert {p.name: p.read_bytes() for p in report.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "report"]  # no temporary sibling
+
+
+def test_json_file_that_cannot_be_written_is_one_line(tmp_path):
+    m = write_tiny_llama(tmp_path / "model")
+    target = tmp_path / "missing" / "r.json"
+    proc = subprocess.run(cli_command(["run", "--model", str(m), "--tokens", TOKEN_ARG, "--reference", "reimpl",
+                                       "--greedy", "0", "--no-report", "--json", str(target)]), capture_output=True)
+    assert proc.returncode == 2 and b"Traceback" not in proc.stderr
+    assert screen_lines(proc.stderr) == [f"{ERROR_PREFIX}cannot write JSON to {target}: No such file or directory"]
+
+
+def test_user_text_is_escaped_in_the_html_report(tmp_path):
+    """A model folder name and a config key come from strangers' files; the page must show them
+    as text, never run them."""
+    hostile = "<img src=x onerror=alert(1)>"
+    m = write_tiny_llama(tmp_path / hostile)
+    edit_config(m, lambda c: c.update({"<script>alert(2)</script>": 1}))
+    assert main(["run", "--model", str(m), "--tokens", TOKEN_ARG, "--reference", "reimpl", "--greedy", "0",
+                 "--out", str(tmp_path / "report")]) == 0
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "<img src=x" not in page and "<script>alert" not in page
+    assert "&lt;img src=x onerror=alert(1)&gt;" in page  # shown, escaped
+    assert "&lt;script&gt;alert(2)&lt;/script&gt;" in page
