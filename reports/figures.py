@@ -476,8 +476,10 @@ def breakdown_figure(summary) -> Figure:
             reason = ("the result has no per-position breakdown of its first divergence" if first
                       else summary.get("error") or "nothing diverged")
             return empty_figure(fig, {**summary, "error": reason})
-        widths = [max(3, len(parts["by_position"])) if "by_position" in parts else 0,
-                  max(3, len(parts["by_head"]) * 0.8) if "by_head" in parts else 0]
+        head_width = max(3, len(parts["by_head"]) * 0.8) if "by_head" in parts else 0
+        # the per-position panel carries the main message: never narrower than the heads'
+        widths = [max(5, len(parts["by_position"]), 1.4 * head_width) if "by_position" in parts else 0,
+                  head_width]
         axes = fig.subplots(1, len(parts), width_ratios=[w for w in widths if w], squeeze=False)[0]
         metric = METRIC_LABELS.get(first.get("breakdown_metric", "max_abs"), str(first.get("breakdown_metric")))
         for ax, (key, values) in zip(axes, parts.items()):

@@ -3,7 +3,8 @@
 `tqdm.auto` picks the notebook widget inside a Jupyter kernel (with ipywidgets installed; tqdm
 falls back to the text bar, with a warning, without it) and the text bar on stderr elsewhere.
 The bar is `leave=False`: it disappears when the call returns, so what stays on screen is the
-result. `progress=False` (what `tracer run --json -` passes) shows nothing.
+result. The text bar shows only when stderr is a terminal (a log or a pipe gets no carriage-return
+noise); `progress=False` (what `tracer run --json -` passes) shows nothing anywhere.
 
     @with_stages("load", "reference", "candidate")
     def run(..., progress=True):
@@ -27,7 +28,9 @@ class Stages:
         from tqdm.auto import tqdm
 
         self.names = names
-        self.bar = tqdm(total=len(names), disable=not enabled, leave=False, desc=f"tracer: {names[0]}",
+        # None: the text bar only on a terminal (not in logs, pipes or a CLI error's one line);
+        # the notebook bar takes None as "show"
+        self.bar = tqdm(total=len(names), disable=None if enabled else True, leave=False, desc=f"tracer: {names[0]}",
                         bar_format="{desc} {bar:12} {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
 
     def stage(self, name: str) -> None:

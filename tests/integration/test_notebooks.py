@@ -9,12 +9,36 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, default_model, tmp_path, monkeypatch):
-    notebook = nbformat.read(path, as_version=4)
+@pytest.fixture(scope="module", params=NOTEBOOKS, ids=lambda p: p.name)
+def executed(request, default_model, tmp_path_factory):
+    notebook = nbformat.read(request.param, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), "strip outputs"
-    monkeypatch.chdir(tmp_path)
-    NotebookClient(notebook, timeout=300, kernel_name="python3").execute()
-    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
-    assert not [out for out in outputs if out.output_type == "error"]
-    assert "model.layers.0.self_attn.q_rope" in str(outputs)
+    assert all(cell.get("execution_count") is None for cell in notebook.cells if cell.cell_type == "code")
+    workdir = tmp_path_factory.mktemp(request.param.stem)
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
+    return request.param.name, notebook
+
+
+def outputs(notebook) -> list:
+    return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+
+
+def test_notebook_runs_without_errors(executed):
+    _, executed = executed
+    assert not [out for out in outputs(executed) if out.output_type == "error"]
+    stderr = " ".join(out.text for out in outputs(executed) if out.output_type == "stream" and out.name == "stderr")
+    assert "Warning" not in stderr and "Traceback" not in stderr
+
+
+def test_rope_theta_story_shows_rich_outputs(executed):
+    name, executed = executed
+    if name != "rope_theta.ipynb":
+        pytest.skip("the rope_theta story only")
+    data = [out.get("data", {}) for out in outputs(executed)]
+    html = [d["text/html"] for d in data if "text/html" in d]
+    assert any('class="tracer-nb"' in h and "model.layers.0.self_attn.q_rope" in h and "DIVERGED" in h for h in html)
+    assert any("Trace</b> <code>reimpl[theta=10000]</code>" in h for h in html)
+    assert sum("image/png" in d for d in data) >= 2  # result.plot() and result.plot("breakdown")
+    # the long steps show tqdm's notebook widget
+    assert any("application/vnd.jupyter.widget-view+json" in d for d in data)
+    assert "model.layers.0.self_attn.q_rope" in str(outputs(executed))
