@@ -85,16 +85,58 @@ def _num(value: float | None):
     return str(value)
 
 
+def _json_safe(value):
+    """`_num` through a whole JSON tree (logits figures, breakdowns): NaN and Inf as strings."""
+    if isinstance(value, float):
+        return _num(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def compared_entries(point: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The entries metrics look at: causal points keep only what a query may attend to (masked
+    scores are -inf or dtype-min by design, not a finding)."""
+    if not is_causal(point):
+        return tensor
+    allowed = torch.ones(tensor.shape[-2:], dtype=torch.bool).tril()  # (T, T) entries a query may attend to
+    return tensor[..., allowed]
+
+
+def first_nonfinite(points: list[str], reference: Trace, candidate: Trace) -> dict | None:
+    """The first point (in `points` order) where either side holds NaN or Inf, and which side.
+
+    An f16 overflow is a finding about the candidate, not a crash: the metrics there are NaN or
+    Inf (said as strings in JSON) and the point counts as diverged.
+    """
+    for point in points:
+        counts = {}
+        for name, trace in (("reference", reference), ("candidate", candidate)):
+            if point in trace and trace[point].is_floating_point():
+                values = compared_entries(point, trace[point])
+                counts[name] = (int(values.isnan().sum()), int(values.isinf().sum()))
+        bad = [name for name, (nan, inf) in counts.items() if nan + inf]
+        if bad:
+            return {
+                "point": point, "layer": layer_of(point), "side": bad[0] if len(bad) == 1 else "both",
+                "count": sum(sum(counts[name]) for name in bad),
+                "nan": sum(counts[name][0] for name in bad), "inf": sum(counts[name][1] for name in bad),
+            }
+    return None
+
+
 def compare_point(point: str, ref: torch.Tensor, cand: torch.Tensor, tolerance: Tolerance) -> PointDiff:
     if tuple(ref.shape) != tuple(cand.shape):
         raise TracerError(f"shape mismatch at {point}: reference {tuple(ref.shape)}, candidate {tuple(cand.shape)}")
-    r, c = ref.double(), cand.double()
-    if is_causal(point):
-        allowed = torch.ones(r.shape[-2:], dtype=torch.bool).tril()  # (T, T) entries a query may attend to
-        r, c = r[..., allowed], c[..., allowed]
+    r, c = compared_entries(point, ref.double()), compared_entries(point, cand.double())
     diff = c - r
     ref_norm, diff_norm = float(r.norm()), float(diff.norm())
-    rel_l2 = diff_norm / ref_norm if ref_norm > 0 else (0.0 if diff_norm == 0 else math.inf)
+    if math.isnan(ref_norm) or math.isnan(diff_norm):
+        rel_l2 = math.nan  # a NaN on either side: never within any tolerance, not even rel_l2 <= inf
+    else:
+        rel_l2 = diff_norm / ref_norm if ref_norm > 0 else (0.0 if diff_norm == 0 else math.inf)
     cand_norm = float(c.norm())
     cosine = float((c * r).sum()) / (cand_norm * ref_norm) if cand_norm * ref_norm > 0 else float(diff_norm == 0)
     return PointDiff(
@@ -197,6 +239,7 @@ class Result:
     timings: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    first_nonfinite: dict | None = None  # {"point", "layer", "side", "count", "nan", "inf"}
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -208,15 +251,15 @@ class Result:
     def to_dict(self) -> dict:
         from tracer import __version__
 
-        return {
+        return _json_safe({
             "tracer_version": __version__,
             "verdict": self.verdict, "model": self.model, "prompt": self.prompt, "tokens": self.tokens,
             "token_texts": self.token_texts, "reference": self.reference, "candidate": self.candidate,
             "tolerance": self.tolerance.to_dict(), "first_divergence": self.first_divergence,
             "points": [p.to_dict() for p in self.points], "logits": self.logits, "greedy": self.greedy,
             "environment": self.environment, "command": self.command, "timings": self.timings,
-            "notes": self.notes, "error": self.error,
-        }
+            "notes": self.notes, "error": self.error, "first_nonfinite": self.first_nonfinite,
+        })
 
     def to_json(self, indent: int | None = 2) -> str:
         import json
@@ -265,4 +308,5 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         candidate=side(candidate),
         model=reference.meta.get("model"),
         tokens=ref_tokens or cand_tokens,
+        first_nonfinite=first_nonfinite([p.point for p in points], reference, candidate),
     )

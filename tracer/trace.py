@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tracer.errors import TracerError
 
 MANIFEST_KEY = "tracer"
+MAX_LAYERS = 10_000  # far above any Llama (405B has 126 blocks)
 FORMAT_VERSION = 1
 
 
@@ -95,9 +96,19 @@ class Trace:
         path = Path(path)
         manifest = {"format": FORMAT_VERSION, "points": self.points, "meta": self.meta}
         tensors = {name: t.detach().contiguous() for name, t in self.tensors.items()}
+        if not path.parent.is_dir():
+            raise TracerError(f"cannot write trace {path}: no folder {path.parent}")
         tmp = path.with_name(path.name + ".partial")
-        save_file(tensors, str(tmp), metadata={MANIFEST_KEY: json.dumps(manifest)})
-        os.replace(tmp, path)
+        try:
+            save_file(tensors, str(tmp), metadata={MANIFEST_KEY: json.dumps(manifest)})
+            os.replace(tmp, path)
+        except Exception as exc:
+            tmp.unlink(missing_ok=True)
+            # A full disk or a read-only folder is the user's to fix; safetensors raises several types.
+            raise TracerError(f"cannot write trace {path}: {str(exc).strip().splitlines()[0]}") from exc
+        except BaseException:  # Ctrl-C: no .partial file left behind either
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod
@@ -112,11 +123,31 @@ class Trace:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise TracerError(f"cannot read trace {path}: {str(exc).splitlines()[0]}") from None
-        manifest = json.loads(header[MANIFEST_KEY]) if MANIFEST_KEY in header else {}
+        manifest = _manifest(path, header[MANIFEST_KEY]) if MANIFEST_KEY in header else {}
         order = [p for p in manifest.get("points", []) if p in tensors]
         order += [p for p in tensors if p not in order]
         meta = manifest.get("meta", {"engine": "file"})
         return cls({p: tensors[p] for p in order}, meta)
+
+
+def _manifest(path: Path, text: str) -> dict:
+    """tracer's manifest of a trace file, checked as far as `load` and `compare` rely on it."""
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        raise TracerError(f"cannot read trace {path}: its manifest is not valid JSON") from None
+    points, meta = (manifest.get("points", []), manifest.get("meta", {})) if isinstance(manifest, dict) else (None, None)
+    if not (isinstance(points, list) and all(isinstance(p, str) for p in points) and isinstance(meta, dict)
+            and all(isinstance(meta.get(key, {}), dict) for key in ("variant", "not_recorded"))):
+        raise TracerError(f"cannot read trace {path}: its manifest is malformed")
+    tokens = meta.get("tokens")
+    if tokens is not None and not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+        raise TracerError(f"cannot read trace {path}: its token ids are malformed")
+    layers = meta.get("num_layers", 0)
+    # num_layers sizes the point vocabulary compare() builds: a forged 10**12 must not eat the memory.
+    if not isinstance(meta.get("engine", ""), str) or type(layers) is not int or not 0 <= layers <= MAX_LAYERS:
+        raise TracerError(f"cannot read trace {path}: its engine or num_layers is malformed")
+    return manifest
 
 
 def side_label(engine: str, variant: dict) -> str:
