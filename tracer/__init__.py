@@ -15,7 +15,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "record": "tracer.api", "run": "tracer.api",
+    "record": "tracer.api", "run": "tracer.api", "compare_files": "tracer.api",
     "compare": "tracer.diff", "Result": "tracer.diff", "PointDiff": "tracer.diff", "Tolerance": "tracer.diff",
     "Trace": "tracer.trace", "TracerError": "tracer.errors", "default_model_path": "tracer.model",
 }

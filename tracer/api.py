@@ -8,6 +8,7 @@ tokens, adds greedy continuations, and writes the report folder.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -15,12 +16,15 @@ import torch
 from tracer.diff import Result, Tolerance, compare
 from tracer.engines import environment, is_loaded_model, load_engine
 from tracer.errors import TracerError
+from tracer.progress import detail, stage, with_stages
+from tracer.spill import spill_folder
 from tracer.model import check_prompt
 from tracer.trace import Trace
 from tracer.variants import parse_variant
 
 DEFAULT_PROMPT = "The capital of France is"
 GREEDY_STEPS = 20
+LONG_PROMPT = 128  # past this, greedy decoding (a whole forward per step and side) is off by default
 
 
 def resolve_source(model, progress: bool = True):
@@ -59,6 +63,7 @@ def check_tokens(ids: list[int], engine) -> None:
         raise TracerError(f"the prompt has {len(ids)} tokens; the model has {engine.max_positions} positions")
 
 
+@with_stages("load", "record")
 def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, progress: bool = True) -> Trace:
     """Record every point of one forward pass.
 
@@ -82,6 +87,7 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, progres
     runner = load_engine(engine, source, parse_variant(variant))
     ids = token_ids(source, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt)
     check_tokens(ids, runner)
+    stage("record")
     trace = runner.record(ids)
     if is_prompt:
         trace.meta["prompt"] = tokens_or_prompt
@@ -93,7 +99,8 @@ def greedy_continuation(engine, tokens: list[int], steps: int) -> list[int] | No
     if engine.max_positions is not None:
         steps = min(steps, engine.max_positions - len(tokens))
     ids = list(tokens)
-    for _ in range(steps):
+    for step in range(steps):
+        detail(f"token {step + 1}/{steps}")
         logits = engine.logits(ids)
         if logits is None:
             return None
@@ -114,6 +121,7 @@ def greedy_summary(reference: list[int] | None, candidate: list[int] | None, det
     }
 
 
+@with_stages("load", "reference", "candidate", "noise floor", "greedy", "report")
 def run(
     model=None,
     prompt: str | None = DEFAULT_PROMPT,
@@ -125,10 +133,12 @@ def run(
     reference_variant=None,
     atol: float | None = None,
     rtol: float | None = None,
-    greedy: int = GREEDY_STEPS,
+    greedy: int | None = None,
     out: str | Path | None = None,
     command: str | None = None,
     progress: bool = True,
+    noise_floor: bool = True,
+    max_tokens: int | None = None,
 ) -> Result:
     """Trace a reference and a candidate on the same tokens and localize the first divergence.
 
@@ -139,8 +149,16 @@ def run(
         reference, candidate: engines, "hf", "reimpl" or "file:PATH".
         variant, reference_variant: knobs for each side, e.g. "theta=10000".
         atol, rtol: elementwise tolerance replacing the default relative-L2 criterion.
-        greedy: greedy tokens to generate on both sides (0: none).
+        greedy: greedy tokens to generate on both sides (0: none; default 20, or 0 for prompts
+            over 128 tokens, where each step reruns the whole prompt on both sides).
         out: write the report folder there (summary.json, points.csv, curve.png, report.html).
+        noise_floor: judge each point against the rounding noise measured by an f64 run of the
+            reference model (default); False: against the fixed `Tolerance.rel_l2`.
+        max_tokens: keep only the first `max_tokens` tokens of the prompt.
+
+    Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
+    there (`tracer.spill`), and attention matrices over 128 tokens keep their last 128 query
+    rows, so memory stays bounded (SmolLM2 at 2048 tokens: under 4 GB resident).
 
     Returns:
         A `Result`; `bool(result)` is True when every point is within tolerance.
@@ -160,34 +178,197 @@ def run(
     cand_engine = load_engine(candidate, source, variant)
     timings["load_s"] = time.perf_counter() - started
     ids = token_ids(source, None if tokens is not None else prompt, tokens)
+    truncated = max_tokens is not None and len(ids) > max_tokens
+    notes = [f"prompt truncated from {len(ids)} to its first {max_tokens} tokens"] if truncated else []
+    ids = ids[:max_tokens] if truncated else ids
     for engine in (ref_engine, cand_engine):
         check_tokens(ids, engine)
-
-    started = time.perf_counter()
-    ref_trace = ref_engine.record(ids)
-    timings["reference_s"] = time.perf_counter() - started
-    started = time.perf_counter()
-    cand_trace = cand_engine.record(ids)
-    timings["candidate_s"] = time.perf_counter() - started
-
-    result = compare(ref_trace, cand_trace, Tolerance(atol=atol, rtol=rtol))
+    if greedy is None:
+        greedy = GREEDY_STEPS if len(ids) <= LONG_PROMPT else 0
+        notes += [] if greedy else [f"no greedy continuation for a {len(ids)}-token prompt (pass greedy=N to force)"]
+    with spill_folder(len(ids)) as sink:
+        result = _recorded_comparison(source, (reference, ref_engine, reference_variant), cand_engine, ids,
+                                      Tolerance(atol=atol, rtol=rtol), noise_floor, sink, timings)
+    result.notes = notes + result.notes
     detokenize = _detokenizer(source)
+    stage("greedy")
     started = time.perf_counter()
     ref_greedy = greedy_continuation(ref_engine, ids, greedy) if greedy else None
     cand_greedy = greedy_continuation(cand_engine, ids, greedy) if ref_greedy is not None else None
     result.greedy = greedy_summary(ref_greedy, cand_greedy, detokenize)
+    if result.greedy and result.greedy["first_flip"]:
+        # Where the two sides part at the step whose argmax flips: same tokens on both sides.
+        flip_ids = ids + ref_greedy[: result.greedy["first_flip"] - 1]
+        at_flip = compare(ref_engine.record(flip_ids), cand_engine.record(flip_ids), result.tolerance)
+        result.greedy["first_flip_divergence"] = at_flip.first_divergence and {
+            k: at_flip.first_divergence[k] for k in ("point", "layer", "max_abs", "max_ref", "rel_l2")}
     timings["greedy_s"] = time.perf_counter() - started
     result.prompt = prompt if tokens is None else None
     result.token_texts = [detokenize([t]) for t in ids] if detokenize([ids[0]]) is not None else None
     result.environment = environment()
-    result.command = command
+    result.command = command if command is not None else run_command(
+        model, prompt, ids if tokens is not None else None, reference, candidate, variant,
+        reference_variant, atol, rtol, greedy, noise_floor, out, max_tokens if tokens is None else None)
     result.timings = timings
-    result.notes = _notes(ref_trace, cand_trace)
+    if out is not None:
+        from tracer.reports import write_report
+
+        stage("report")
+        write_report(result, out)
+    return result
+
+
+def compare_files(
+    reference,
+    candidate,
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    aliases=None,
+    out: str | Path | None = None,
+    command: str | None = None,
+) -> Result:
+    """Compare two saved traces: tracer's own, or dumps from candle, llama.cpp, MLX, PyTorch.
+
+    Names are mapped onto points (`tracer.aliases`), layouts brought to ours (`tracer.layouts`),
+    and only the points both sides have are compared; the Result's `notes` say what was missing
+    on each side, which names were not recognized and which layout was assumed.
+
+    Args:
+        reference, candidate: paths to safetensors files (docs/trace-format.md) or `Trace`s.
+        atol, rtol: elementwise tolerance replacing the default relative-L2 criterion.
+        aliases: a user name mapping: a dict, a JSON file path, or an `AliasTable`.
+        out: write the report folder there.
+
+    Returns:
+        A `Result`; `bool(result)` is True when every compared point is within tolerance.
+
+    Raises:
+        TracerError: unreadable file, different token ids, shapes that cannot be reconciled.
+
+    Example:
+        >>> result = tracer.compare_files("hf.safetensors", "candle-dump.safetensors")
+        >>> result.first_divergence["point"]
+        'model.layers.7.mlp.down_proj'
+    """
+    from tracer.aliases import alias_table
+
+    table = alias_table(aliases)  # a bad mapping file is an error even when both traces are tracer's own
+    ref_trace, cand_trace = load_trace(reference, table), load_trace(candidate, table)
+    result = compare(ref_trace, cand_trace, Tolerance(atol=atol, rtol=rtol))
+    result.prompt = ref_trace.meta.get("prompt") or cand_trace.meta.get("prompt")
+    result.environment = environment()
+    result.command = command
+    result.notes += _notes(ref_trace, cand_trace)
     if out is not None:
         from tracer.reports import write_report
 
         write_report(result, out)
     return result
+
+
+def load_trace(trace_or_path, aliases=None) -> Trace:
+    """A Trace as it is; a file read with `Trace.load`, or a dict name -> tensor, with foreign
+    names mapped through the aliases."""
+    if isinstance(trace_or_path, Trace):
+        return trace_or_path
+    if isinstance(trace_or_path, dict):
+        from tracer.trace import import_foreign
+
+        return import_foreign(trace_or_path, {}, Path("<dict>"), aliases)
+    return Trace.load(trace_or_path, aliases)
+
+
+def _recorded_comparison(source, reference_side, cand_engine, ids, tolerance, noise_floor, sink, timings) -> Result:
+    """Record both sides (into `sink(side)`: memory or a spill folder), measure noise and local error, compare."""
+    reference, ref_engine, reference_variant = reference_side
+    with timed(timings, "reference_s"):
+        stage("reference")
+        ref_trace = ref_engine.record(ids, sink("reference"))
+    with timed(timings, "candidate_s"):
+        stage("candidate")
+        cand_trace = cand_engine.record(ids, sink("candidate"))
+    with timed(timings, "noise_s"):
+        stage("noise floor")
+        noise, noise_note = _noise(source, reference, ref_trace, reference_variant, sink) if noise_floor else (None, [])
+    with timed(timings, "local_s"):
+        local = _local_errors(cand_engine, ref_trace, sink)
+    result = compare(ref_trace, cand_trace, tolerance, noise=noise, local=local)
+    result.notes += noise_note + _notes(ref_trace, cand_trace) + _memory_notes(len(ids))
+    return result
+
+
+def _memory_notes(num_tokens: int) -> list[str]:
+    from tracer.spill import SPILL_TOKENS
+    from tracer.trace import ATTENTION_ROWS
+
+    notes = []
+    if num_tokens > ATTENTION_ROWS:
+        notes.append(f"attention scores and probs are kept and compared on their last {ATTENTION_ROWS} query rows "
+                     f"(of {num_tokens}) to bound memory")
+    if num_tokens > SPILL_TOKENS:
+        notes.append(f"{num_tokens} tokens: traces were written to a temporary folder point by point and compared "
+                     "from there, then deleted")
+    return notes
+
+
+@contextmanager
+def timed(timings: dict, key: str):
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = time.perf_counter() - started
+
+
+def _noise(source, reference: str, ref_trace: Trace, reference_variant: dict, sink):
+    """(noise per point, notes): nothing to measure against for a saved reference trace."""
+    if reference.startswith("file:"):
+        return None, ["no noise floor for a saved reference trace: points judged by the fixed rel_l2 bound"]
+    from tracer.noise import estimate_noise
+
+    try:
+        return estimate_noise(source, ref_trace, reference_variant, sink("noise")), []
+    except TracerError as exc:
+        return None, [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
+
+
+def _local_errors(engine, reference: Trace, sink) -> dict[str, float] | None:
+    """The reimplementation can rerun each block on the reference's inputs; other engines cannot."""
+    if not hasattr(engine, "llama"):
+        return None
+    from tracer.localize import local_errors
+
+    return local_errors(engine.llama, reference, sink("local"))
+
+
+def run_command(model, prompt, tokens, reference, candidate, variant, reference_variant,
+                atol, rtol, greedy, noise_floor, out, max_tokens=None) -> str | None:
+    """The `tracer run` line that repeats a Python `run` call, for the report (None for a model
+    object, which no command line can name). Defaults are left out, like a person would."""
+    if is_loaded_model(model):
+        return None
+    import shlex
+
+    from tracer.trace import format_knob_value
+
+    args = ["tracer", "run"] + (["--model", str(model)] if model is not None else [])
+    if tokens is not None:
+        args += ["--tokens", ",".join(map(str, tokens))]
+    elif prompt != DEFAULT_PROMPT:
+        args += ["--prompt", prompt]
+    args += ["--max-tokens", str(max_tokens)] if max_tokens is not None else []
+    args += ["--reference", reference] if reference != "hf" else []
+    args += ["--candidate", candidate] if candidate != "reimpl" else []
+    for flag, knobs in (("--reference-variant", reference_variant), ("--variant", variant)):
+        if knobs:
+            args += [flag, ",".join(f"{k}={format_knob_value(v)}" for k, v in knobs.items())]
+    args += ["--atol", repr(atol)] if atol is not None else []
+    args += ["--rtol", repr(rtol)] if rtol is not None else []
+    args += ["--greedy", str(greedy)] if greedy != GREEDY_STEPS else []
+    args += [] if noise_floor else ["--no-noise"]
+    args += ["--out", str(out)] if out is not None else ["--no-report"]
+    return shlex.join(args)
 
 
 def _detokenizer(source):
@@ -211,3 +392,8 @@ def _notes(*traces: Trace) -> list[str]:
             reasons = sorted(set(trace.not_recorded.values()))
             notes.append(f"{trace.label}: {len(trace.not_recorded)} points not recorded ({'; '.join(reasons)})")
     return notes
+
+
+# `sweep`: the reference once, many variants against it (tracer/sweep.py). Not re-exported as
+# `tracer.sweep`, which is that submodule's name: use `tracer.api.sweep`.
+from tracer.sweep import Sweep, sweep  # noqa: E402

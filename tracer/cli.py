@@ -16,6 +16,7 @@ from pathlib import Path
 from tracer.errors import TracerError
 
 DEFAULT_OUT = "tracer-report"
+DEFAULT_SWEEP_OUT = "tracer-sweep"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,10 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
                      help="knobs for the reference side")
     run.add_argument("--atol", type=float, help="elementwise absolute tolerance (replaces the rel_l2 criterion)")
     run.add_argument("--rtol", type=float, help="elementwise relative tolerance (replaces the rel_l2 criterion)")
-    run.add_argument("--greedy", type=int, default=20, help="greedy tokens generated on both sides (default 20)")
+    run.add_argument("--greedy", type=int,
+                     help="greedy tokens generated on both sides (default 20; 0 for prompts over 128 tokens)")
+    run.add_argument("--max-tokens", type=int, help="keep only the first N tokens of the prompt")
+    run.add_argument("--no-noise", action="store_true",
+                     help="skip the f64 noise-floor run; judge points by the fixed rel_l2 bound (1e-4)")
     run.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default ./{DEFAULT_OUT})")
     run.add_argument("--no-report", action="store_true", help="write no report folder")
     run.add_argument("--json", metavar="-|FILE", help="write the result as JSON (- for stdout, nothing else there)")
+    run.add_argument("--fail-on-divergence", action="store_true", help="exit with code 1 when a point diverges")
+
+    cmp = commands.add_parser("compare", help="compare two saved traces (tracer's, or another runtime's dump)")
+    cmp.add_argument("reference", help="reference trace file (.safetensors)")
+    cmp.add_argument("candidate", help="candidate trace file (.safetensors; candle, llama.cpp, ... names accepted)")
+    cmp.add_argument("--aliases", type=Path, metavar="FILE",
+                     help='JSON name mapping {"their_name_pattern": "our_point_pattern"}, {i} for the layer')
+    cmp.add_argument("--atol", type=float, help="elementwise absolute tolerance (replaces the rel_l2 criterion)")
+    cmp.add_argument("--rtol", type=float, help="elementwise relative tolerance (replaces the rel_l2 criterion)")
+    cmp.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default ./{DEFAULT_OUT})")
+    cmp.add_argument("--no-report", action="store_true", help="write no report folder")
+    cmp.add_argument("--json", metavar="-|FILE", help="write the result as JSON (- for stdout, nothing else there)")
+    cmp.add_argument("--fail-on-divergence", action="store_true", help="exit with code 1 when a point diverges")
 
     rec = commands.add_parser("record", help="save one engine's trace as a safetensors file")
     _model_and_input(rec)
@@ -56,6 +74,38 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("-o", "--output", required=True, type=Path, help="trace file to write (.safetensors)")
 
     commands.add_parser("variants", help="list every knob: values, default, engines, what it reproduces")
+
+    diag = commands.add_parser("diagnose", help="rank the variant catalogue by resemblance to a trace recorded elsewhere")
+    diag.add_argument("trace", type=Path, help="the observed candidate trace (safetensors, with token ids)")
+    diag.add_argument("--model", help="the model it ran (default: bundled SmolLM2-135M-Instruct)")
+    diag.add_argument("--variants", action="append", metavar="K=V[,K=V][;...]",
+                      help="variants to try (default: the catalogue)")
+    diag.add_argument("--json", metavar="-|FILE", help="write the ranking as JSON (- for stdout, nothing else there)")
+
+    swp = commands.add_parser("sweep", help="the reference once, then every variant against it (default: one per knob)")
+    swp.add_argument("--model", help="HF Llama directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    swp_input = swp.add_mutually_exclusive_group()
+    swp_input.add_argument("--prompt", help='text to run (default: "The capital of France is")')
+    swp_input.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
+    swp_input.add_argument("--tokens", help="comma-separated token ids, for models without a tokenizer")
+    swp.add_argument("--variants", action="extend", nargs="+", metavar="K=V[,K=V]",
+                     help="variants to run (several, or one argument with ';' between them; default: one per knob)")
+    swp.add_argument("--reference", default="hf", help="reference engine: hf | reimpl (default hf)")
+    swp.add_argument("--reference-variant", action="append", default=[], metavar="K=V[,K=V]",
+                     help="knobs for the reference side")
+    swp.add_argument("--candidate", default="reimpl", help="engine the variants run on: reimpl | hf (default reimpl)")
+    swp.add_argument("--greedy", type=int, default=5, help="greedy tokens per variant (default 5)")
+    swp.add_argument("--no-noise", action="store_true",
+                     help="skip the f64 noise-floor run; judge points by the fixed rel_l2 bound (1e-4)")
+    swp.add_argument("--out", default=DEFAULT_SWEEP_OUT, help=f"report folder (default ./{DEFAULT_SWEEP_OUT})")
+    swp.add_argument("--no-report", action="store_true", help="write no report folder")
+    swp.add_argument("--json", metavar="-|FILE", help="write the sweep as JSON (- for stdout, nothing else there)")
+
+    cfg = commands.add_parser("config", help="how transformers and candle 0.11 read config.json, and where they differ")
+    cfg.add_argument("--model", help="HF Llama directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    cfg.add_argument("--resave", default="none", choices=("none", "tf5"),
+                     help="first rewrite the config as transformers 5's save_pretrained does")
+    cfg.add_argument("--json", metavar="-|FILE", help="write the audit as JSON (- for stdout, nothing else there)")
     return parser
 
 
@@ -86,13 +136,33 @@ def cmd_run(args) -> int:
         args.model, prompt, tokens=tokens, reference=args.reference, candidate=args.candidate,
         variant=args.variant, reference_variant=args.reference_variant, atol=args.atol, rtol=args.rtol,
         greedy=args.greedy, out=None if args.no_report else args.out, command=_command_line(),
+        noise_floor=not args.no_noise, max_tokens=args.max_tokens,
         progress=args.json != "-",
     )
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
         print(terminal_summary(result, None if args.no_report else args.out))
-    return 0
+    return _exit_code(result, args)
+
+
+def cmd_compare(args) -> int:
+    import tracer
+    from tracer.reports.terminal import terminal_summary
+
+    result = tracer.compare_files(args.reference, args.candidate, atol=args.atol, rtol=args.rtol,
+                                  aliases=args.aliases, out=None if args.no_report else args.out,
+                                  command=_command_line())
+    if args.json:
+        _write_json(result.to_dict(), args.json)
+    if args.json != "-":
+        print(terminal_summary(result, None if args.no_report else args.out))
+    return _exit_code(result, args)
+
+
+def _exit_code(result, args) -> int:
+    """1 for a divergence when asked (porting CI); 2 stays for user errors."""
+    return 1 if args.fail_on_divergence and result.verdict == "diverged" else 0
 
 
 def cmd_record(args) -> int:
@@ -107,14 +177,83 @@ def cmd_record(args) -> int:
 
 
 def cmd_variants(args) -> int:
-    from tracer.variants import KNOBS
+    from tracer.variants import KNOBS, PRESETS, variant_text
 
     rows = [("knob", "values", "default", "engines", "reproduces")]
     rows += [(k.name, k.accepted, k.default, ", ".join(k.engines), k.reproduces) for k in KNOBS.values()]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    for name, knobs in PRESETS.items():
+        print(f"\npreset={name} stands for {variant_text(knobs)} (explicit knobs override it)")
+    print("knobs combine: --variant theta=10000,rope=interleaved")
     return 0
+
+
+def cmd_sweep(args) -> int:
+    from tracer.api import sweep
+    from tracer.reports.sweep import sweep_markdown
+
+    prompt, tokens = _prompt_and_tokens(args)
+    result = sweep(args.model, prompt, tokens=tokens, variants=args.variants, reference=args.reference,
+                   reference_variant=args.reference_variant, candidate=args.candidate, greedy=args.greedy,
+                   out=None if args.no_report else args.out, command=_command_line(), progress=args.json != "-",
+                   noise_floor=not args.no_noise)
+    if args.json:
+        _write_json(result.to_dict(), args.json)
+    if args.json != "-":
+        print(sweep_markdown(result), end="")
+        print(f"{len(result.rows)} variants in {result.timings['total_s']:.1f} s"
+              + ("" if args.no_report else f"; report: {Path(args.out) / 'sweep.html'}"))
+    return 0
+
+
+def cmd_diagnose(args) -> int:
+    from tracer.diagnose import diagnose
+    from tracer.sweep import split_variants
+
+    variants = split_variants(args.variants) if args.variants else None
+    result = diagnose(args.trace, args.model, variants=variants, progress=args.json != "-")
+    if args.json:
+        _write_json(result.to_dict(), args.json)
+    if args.json != "-":
+        first = result.observed.first_divergence
+        print(f"observed: {result.observed.verdict}" + (f", first divergence {first['point']}" if first else ""))
+        for rank, entry in enumerate(result.ranking[:5], 1):
+            print(f"  {rank}. {entry['variant']:<28} resemblance {entry['score']:.2f}  "
+                  f"({entry['verdict']}{', from ' + entry['first_divergence'] if entry['first_divergence'] else ''})")
+        if result.best:
+            print(f"your trace behaves most like {result.best['variant']}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from tracer.config import audit, load_config
+    from tracer.model import resolve_model
+
+    report = audit(load_config(resolve_model(args.model, progress=args.json != "-")), args.resave)
+    if args.json:
+        _write_json(report, args.json)
+    if args.json != "-":
+        print(_audit_text(report))
+    return 0
+
+
+def _audit_text(report: dict) -> str:
+    lines = [] if report["resave"] == "none" else [f"config as re-saved by transformers 5 (resave={report['resave']})"]
+    for name, entry in report["readers"].items():
+        lines.append(f"{name} reader:")
+        if entry["error"]:
+            lines.append(f"  error: {entry['error']}")
+        lines.append(f"  reads      {', '.join(entry['reads']) or '-'}")
+        defaulted = ", ".join(f"{k}={json.dumps(v)}" for k, v in entry["defaulted"].items())
+        lines.append(f"  defaults   {defaulted or '-'}")
+        lines.append(f"  ignores    {', '.join(entry['ignored']) or '-'}")
+    differences = report["differences"]
+    lines.append("readers differ on: " + ("; ".join(
+        f"{key} " + ", ".join(f"{reader} {json.dumps(value)}" for reader, value in values.items())
+        for key, values in differences.items()) if differences else "nothing"))
+    return "\n".join(lines)
 
 
 def _command_line() -> str:
@@ -138,7 +277,8 @@ def _error_payload(message: str) -> dict:
 
 
 _STDOUT = [sys.stdout]  # the real stdout, kept while library output is redirected to stderr
-COMMANDS = {"run": cmd_run, "record": cmd_record, "variants": cmd_variants}
+COMMANDS = {"run": cmd_run, "compare": cmd_compare, "record": cmd_record, "variants": cmd_variants,
+            "sweep": cmd_sweep, "config": cmd_config, "diagnose": cmd_diagnose}
 
 
 def main(argv: list[str] | None = None) -> int:

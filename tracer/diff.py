@@ -9,42 +9,68 @@ noise of reordered f32 sums stays below 1e-5 relative everywhere (eager vs sdpa:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from tracer.errors import TracerError
-from tracer.points import LOGITS, is_causal, layer_of
+from tracer.points import LOGITS, causal_allowed, is_causal, layer_of
 from tracer.trace import Trace
 
 DEFAULT_REL_L2 = 1e-4
+# On SmolLM2 the f32-vs-f64 noise bounds eager-vs-sdpa at every point (ratio at most 0.98).
+NOISE_FACTOR = 10.0
+NOISE_FLOOR = 1e-6
+CHUNK = 1 << 22  # values per f64 chunk when reducing a point's metrics
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """When a point counts as diverged. Either a relative-L2 bound or elementwise atol/rtol."""
+    """When a point counts as diverged.
+
+    By default a point diverges when its relative L2 error leaves its noise floor: more than
+    `noise_factor` times the error pure f32 rounding makes there (the reference against an f64
+    run of the same model), and at least `noise_floor`. Where no noise estimate exists (two saved
+    traces), the fixed bound `rel_l2` applies. `atol`/`rtol` replace both with elementwise bounds.
+    """
 
     rel_l2: float = DEFAULT_REL_L2
     atol: float | None = None
     rtol: float | None = None
+    noise_factor: float = NOISE_FACTOR
+    noise_floor: float = NOISE_FLOOR
+
+    def threshold(self, noise: float | None) -> float:
+        """The relative-L2 bound for a point whose rounding noise is `noise` (None: unknown)."""
+        if noise is None or not math.isfinite(noise):
+            return self.rel_l2
+        return max(self.noise_floor, self.noise_factor * noise)
 
     @property
     def elementwise(self) -> bool:
         return self.atol is not None or self.rtol is not None
 
-    def exceeded(self, diff: torch.Tensor, ref: torch.Tensor, rel_l2: float) -> bool:
+    def outside(self, diff: torch.Tensor, ref: torch.Tensor) -> bool:
+        """Elementwise mode: does any entry of this chunk exceed atol + rtol·|ref|?"""
+        bound = (self.atol or 0.0) + (self.rtol or 0.0) * ref.abs()
+        return bool((diff.abs() > bound).any())
+
+    def exceeded(self, rel_l2: float, noise: float | None = None, any_outside: bool = False) -> bool:
         if self.elementwise:
-            bound = (self.atol or 0.0) + (self.rtol or 0.0) * ref.abs()
-            return bool((diff.abs() > bound).any()) or not math.isfinite(rel_l2)
-        return not rel_l2 <= self.rel_l2  # NaN diverges
+            return any_outside or not math.isfinite(rel_l2)
+        return not rel_l2 <= self.threshold(noise)  # NaN diverges
 
     def to_dict(self) -> dict:
         if self.elementwise:
             atol, rtol = self.atol or 0.0, self.rtol or 0.0
             return {"criterion": "allclose", "atol": atol, "rtol": rtol,
                     "text": f"|diff| > {atol:.0e} + {rtol:.0e}·|ref| anywhere"}
-        return {"criterion": "rel_l2", "rel_l2": self.rel_l2, "text": f"rel_l2 > {self.rel_l2:.0e}"}
+        return {"criterion": "rel_l2", "rel_l2": self.rel_l2, "noise_factor": self.noise_factor,
+                "noise_floor": self.noise_floor,
+                "text": f"rel_l2 > max({self.noise_floor:.0e}, {self.noise_factor:g} × noise) "
+                        f"(rel_l2 > {self.rel_l2:.0e} where no noise estimate exists)"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +87,9 @@ class PointDiff:
     cosine: float | None = None
     diverged: bool = False
     reason: str | None = None  # why a side did not record it
+    noise: float | None = None  # rel_l2 that f32 rounding alone makes here
+    local_rel_l2: float | None = None  # rel_l2 introduced here, on the reference's inputs
+    threshold: float | None = None  # the rel_l2 bound this point was judged against
 
     @property
     def recorded(self) -> bool:
@@ -74,7 +103,9 @@ class PointDiff:
             "point": self.point, "layer": self.layer, "shape": list(self.shape) if self.shape else None,
             "recorded": self.recorded, "missing_on": self.missing_on, "max_abs": _num(self.max_abs),
             "max_ref": _num(self.max_ref), "rel_l2": _num(self.rel_l2), "cosine": _num(self.cosine),
-            "diverged": self.diverged, **({"reason": self.reason} if self.reason else {}),
+            "diverged": self.diverged, "noise": _num(self.noise), "threshold": _num(self.threshold),
+            "local_rel_l2": _num(self.local_rel_l2),
+            **({"reason": self.reason} if self.reason else {}),
         }
 
 
@@ -101,7 +132,7 @@ def compared_entries(point: str, tensor: torch.Tensor) -> torch.Tensor:
     scores are -inf or dtype-min by design, not a finding)."""
     if not is_causal(point):
         return tensor
-    allowed = torch.ones(tensor.shape[-2:], dtype=torch.bool).tril()  # (T, T) entries a query may attend to
+    allowed = causal_allowed(*tensor.shape[-2:])  # (rows, T) entries a query may attend to
     return tensor[..., allowed]
 
 
@@ -127,27 +158,42 @@ def first_nonfinite(points: list[str], reference: Trace, candidate: Trace) -> di
     return None
 
 
-def compare_point(point: str, ref: torch.Tensor, cand: torch.Tensor, tolerance: Tolerance) -> PointDiff:
+def _nan_max(a: float, b: float) -> float:
+    """max() that keeps a NaN (Python's max drops it depending on argument order)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def compare_point(point: str, ref: torch.Tensor, cand: torch.Tensor, tolerance: Tolerance,
+                  noise: float | None = None) -> PointDiff:
     if tuple(ref.shape) != tuple(cand.shape):
         raise TracerError(f"shape mismatch at {point}: reference {tuple(ref.shape)}, candidate {tuple(cand.shape)}")
-    r, c = compared_entries(point, ref.double()), compared_entries(point, cand.double())
-    diff = c - r
-    ref_norm, diff_norm = float(r.norm()), float(diff.norm())
+    r_all = compared_entries(point, ref).reshape(-1)
+    c_all = compared_entries(point, cand).reshape(-1)
+    # f64 sums in chunks: a 2048-token lm_head is 100M values, 800 MB per f64 copy.
+    sq_ref = sq_diff = sq_cand = dot = max_abs = max_ref = 0.0
+    any_outside = False
+    for start in range(0, r_all.numel(), CHUNK):
+        r, c = r_all[start:start + CHUNK].double(), c_all[start:start + CHUNK].double()
+        diff = c - r
+        sq_ref, sq_diff = sq_ref + float(r.square().sum()), sq_diff + float(diff.square().sum())
+        sq_cand, dot = sq_cand + float(c.square().sum()), dot + float((c * r).sum())
+        max_abs, max_ref = _nan_max(max_abs, float(diff.abs().max())), _nan_max(max_ref, float(r.abs().max()))
+        any_outside = any_outside or (tolerance.elementwise and tolerance.outside(diff, r))
+    ref_norm, diff_norm, cand_norm = math.sqrt(sq_ref), math.sqrt(sq_diff), math.sqrt(sq_cand)
     if math.isnan(ref_norm) or math.isnan(diff_norm):
         rel_l2 = math.nan  # a NaN on either side: never within any tolerance, not even rel_l2 <= inf
     else:
         rel_l2 = diff_norm / ref_norm if ref_norm > 0 else (0.0 if diff_norm == 0 else math.inf)
-    cand_norm = float(c.norm())
-    cosine = float((c * r).sum()) / (cand_norm * ref_norm) if cand_norm * ref_norm > 0 else float(diff_norm == 0)
+    cosine = dot / (cand_norm * ref_norm) if cand_norm * ref_norm > 0 else float(diff_norm == 0)
     return PointDiff(
-        point, layer_of(point), tuple(ref.shape),
-        max_abs=float(diff.abs().max()) if diff.numel() else 0.0,
-        max_ref=float(r.abs().max()) if r.numel() else 0.0,
-        rel_l2=rel_l2, cosine=cosine, diverged=tolerance.exceeded(diff, r, rel_l2),
+        point, layer_of(point), tuple(ref.shape), max_abs=max_abs, max_ref=max_ref,
+        rel_l2=rel_l2, cosine=cosine, diverged=tolerance.exceeded(rel_l2, noise, any_outside),
+        noise=noise, threshold=None if tolerance.elementwise else tolerance.threshold(noise),
     )
 
 
-def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance) -> list[PointDiff]:
+def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
+                   noise: dict[str, float] | None = None) -> list[PointDiff]:
     """Every point either side recorded or declared unobservable, in execution order."""
     order = list(reference.points)
     for extra in [*candidate.points, *reference.not_recorded, *candidate.not_recorded]:
@@ -158,7 +204,8 @@ def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance) -> 
     for point in order:
         in_ref, in_cand = point in reference, point in candidate
         if in_ref and in_cand:
-            results.append(compare_point(point, reference[point], candidate[point], tolerance))
+            pair = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
+            results.append(compare_point(point, *pair, tolerance, (noise or {}).get(point)))
             continue
         missing_on = "both" if not (in_ref or in_cand) else ("candidate" if in_ref else "reference")
         reason = candidate.not_recorded.get(point) or reference.not_recorded.get(point)
@@ -178,37 +225,85 @@ def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> li
     return sorted(names, key=lambda p: rank.get(p, len(rank)))
 
 
+def last_rows_if_one_side_kept_one(point: str, ref: torch.Tensor, cand: torch.Tensor):
+    """candle's forward keeps only the last position's logits ([1, V]); transformers has [T, V].
+    Then both are compared on the last position alone (`compare` says so in its notes)."""
+    if point == LOGITS and ref.dim() == cand.dim() == 2 and 1 in (ref.shape[0], cand.shape[0]):
+        return ref[-1:], cand[-1:]
+    return ref, cand
+
+
+def logits_note(reference: Trace, candidate: Trace) -> list[str]:
+    if LOGITS not in reference or LOGITS not in candidate:
+        return []
+    rows = {"reference": reference[LOGITS].shape[0], "candidate": candidate[LOGITS].shape[0]}
+    if len(set(rows.values())) == 1 or 1 not in rows.values():
+        return []
+    short = next(side for side, n in rows.items() if n == 1)
+    return [f"the {short} recorded lm_head at the last position only; logits are compared there alone"]
+
+
 def logits_summary(reference: Trace, candidate: Trace) -> dict | None:
     """Logits at the last position (what candle returns and the notes quote) and over all positions."""
     if LOGITS not in reference or LOGITS not in candidate:
         return None
-    ref, cand = reference[LOGITS].double(), candidate[LOGITS].double()
+    ref, cand = last_rows_if_one_side_kept_one(LOGITS, reference[LOGITS], candidate[LOGITS])
     if ref.shape != cand.shape:
         return None  # already reported as a shape mismatch by compare_points
-    last_diff = cand[-1] - ref[-1]
+    last_ref, last_diff = ref[-1].double(), cand[-1].double() - ref[-1].double()
+    rows = max(1, CHUNK // max(1, ref.shape[-1]))  # f64 copies of a long text's logits do not fit twice
+    max_abs_all = max(float((cand[i:i + rows].double() - ref[i:i + rows].double()).abs().max())
+                      for i in range(0, ref.shape[0], rows))
     return {
         "max_abs": float(last_diff.abs().max()),
-        "max_ref": float(ref[-1].abs().max()),
-        "rel_l2": float(last_diff.norm() / ref[-1].norm()),
-        "max_abs_all": float((cand - ref).abs().max()),
+        "max_ref": float(last_ref.abs().max()),
+        "rel_l2": float(last_diff.norm() / last_ref.norm()),
+        "max_abs_all": max_abs_all,
         "argmax_agree": float((cand.argmax(-1) == ref.argmax(-1)).double().mean()),
         "positions": int(ref.shape[0]),
+        "next_token_accuracy": _next_token_accuracy(ref, cand, reference.tokens),
     }
 
 
+def _next_token_accuracy(ref: torch.Tensor, cand: torch.Tensor, tokens: list[int] | None) -> dict | None:
+    """How often each side's argmax at position t is the text's token t+1 (positions aligned to the end)."""
+    if not tokens or ref.shape[0] < 2 or ref.shape[0] > len(tokens):
+        return None
+    targets = torch.tensor(tokens[len(tokens) - ref.shape[0] + 1:])  # (rows - 1,)
+    return {side: float((logits[:-1].argmax(-1) == targets).double().mean())
+            for side, logits in (("reference", ref), ("candidate", cand))}
+
+
+def introduces_error(p: PointDiff) -> bool:
+    """Its local error (on the reference's inputs) leaves the floor; without one, its total error does."""
+    if p.local_rel_l2 is None or p.threshold is None:
+        return p.diverged
+    return not p.local_rel_l2 <= p.threshold
+
+
 def first_divergence(points: list[PointDiff]) -> dict | None:
-    """The first diverged point, with how well everything upstream of it agrees."""
-    for index, p in enumerate(points):
-        if p.diverged:
-            upstream = [q for q in points[:index] if q.recorded]
-            return {
-                **{k: v for k, v in p.to_dict().items() if k not in ("recorded", "missing_on", "diverged")},
-                "index": index,
-                "last_agreeing": upstream[-1].point if upstream else None,
-                "upstream_points": len(upstream),
-                "upstream_max_rel_l2": max((q.rel_l2 for q in upstream), default=None),
-            }
-    return None
+    """The first point that introduces error, with how well everything upstream of it agrees.
+
+    With local errors known, that is the first point whose *local* error leaves the floor; if
+    error only accumulates past tolerance without any op introducing it, the first point whose
+    total error does.
+    """
+    index = next((i for i, p in enumerate(points) if p.diverged and introduces_error(p)), None)
+    localized_by = "local" if any(p.local_rel_l2 is not None for p in points) else "total"
+    if index is None:
+        index, localized_by = next((i for i, p in enumerate(points) if p.diverged), None), "total"
+    if index is None:
+        return None
+    p = points[index]
+    upstream = [q for q in points[:index] if q.recorded]
+    return {
+        **{k: v for k, v in p.to_dict().items() if k not in ("recorded", "missing_on", "diverged")},
+        "index": index,
+        "localized_by": localized_by,
+        "last_agreeing": upstream[-1].point if upstream else None,
+        "upstream_points": len(upstream),
+        "upstream_max_rel_l2": max((q.rel_l2 for q in upstream), default=None),
+    }
 
 
 @dataclass
@@ -240,6 +335,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     first_nonfinite: dict | None = None  # {"point", "layer", "side", "count", "nan", "inf"}
+    amplification: list[dict] = field(default_factory=list)  # ops ranked by error gain over their input
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -259,6 +355,7 @@ class Result:
             "points": [p.to_dict() for p in self.points], "logits": self.logits, "greedy": self.greedy,
             "environment": self.environment, "command": self.command, "timings": self.timings,
             "notes": self.notes, "error": self.error, "first_nonfinite": self.first_nonfinite,
+            "amplification": self.amplification,
         })
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -286,18 +383,49 @@ class Result:
         return result_html(self)
 
 
+def num_heads(trace: Trace, layer: int | None) -> int | None:
+    """Query heads, read off the recorded q after RoPE (heads, T, D) of that layer."""
+    q_rope = f"model.layers.{layer}.self_attn.q_rope"
+    return int(trace[q_rope].shape[0]) if layer is not None and q_rope in trace else None
+
+
+def explain_divergence(point: str, reference: Trace, candidate: Trace) -> dict:
+    """Breakdowns (per position, head, channel) of the first divergence and the hints they suggest."""
+    from tracer.explain import breakdown, hints
+
+    ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
+    details = breakdown(point, ref, cand, num_heads(reference, layer_of(point)))
+    return {**details, "hints": hints(point, details)}
+
+
 def side(trace: Trace) -> dict:
     return {"engine": trace.meta.get("engine", "file"), "variant": trace.meta.get("variant", {}), "label": trace.label}
 
 
-def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None) -> Result:
-    """Diff two traces point by point; name the first divergence."""
+def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,
+            noise: dict[str, float] | None = None, local: dict[str, float] | None = None) -> Result:
+    """Diff two traces point by point; name the first divergence and explain it.
+
+    Args:
+        noise: per point, the rel_l2 pure f32 rounding makes (`tracer.noise.estimate_noise`);
+            points are judged against it. Without it the fixed `tolerance.rel_l2` applies.
+        local: per point, the rel_l2 the candidate introduces on the reference's inputs
+            (`tracer.localize.local_errors`); localization then names the first point whose
+            local error leaves the floor, and `amplification` ranks ops by error gain.
+    """
     tolerance = tolerance or Tolerance()
     ref_tokens, cand_tokens = reference.tokens, candidate.tokens
     if ref_tokens is not None and cand_tokens is not None and list(ref_tokens) != list(cand_tokens):
         raise TracerError(f"the traces were recorded on different token ids: {ref_tokens} vs {cand_tokens}")
-    points = compare_points(reference, candidate, tolerance)
+    from tracer.layouts import align  # another runtime's names and layouts, brought to ours
+
+    reference, candidate, layout_notes = align(reference, candidate)
+    points = compare_points(reference, candidate, tolerance, noise)
+    if local:
+        points = [dataclasses.replace(p, local_rel_l2=local.get(p.point)) if p.recorded else p for p in points]
     first = first_divergence(points)
+    if first:
+        first |= explain_divergence(first["point"], reference, candidate)
     return Result(
         verdict="diverged" if first else "match",
         points=points,
@@ -308,5 +436,13 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         candidate=side(candidate),
         model=reference.meta.get("model"),
         tokens=ref_tokens or cand_tokens,
+        notes=[*layout_notes, *logits_note(reference, candidate)],
         first_nonfinite=first_nonfinite([p.point for p in points], reference, candidate),
+        amplification=_amplification(points),
     )
+
+
+def _amplification(points: list[PointDiff]) -> list[dict]:
+    from tracer.explain import amplification
+
+    return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None})

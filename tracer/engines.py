@@ -70,14 +70,13 @@ class ReimplEngine:
 
     @classmethod
     def load(cls, source, variant: dict) -> ReimplEngine:
-        from tracer.config import read_hf
         from tracer.model import resolve_model
 
         check_engine(variant, cls.name)
         if is_loaded_model(source):
             # An already loaded transformers model: its config and weights, read our own way.
             config = source.config.to_dict()
-            return cls(Llama(read_hf(config), dict(source.state_dict()), variant), config.get("_name_or_path", "loaded model"))
+            return cls(Llama.from_config(config, dict(source.state_dict()), variant), config.get("_name_or_path", "loaded model"))
         model_dir = resolve_model(source)
         return cls(Llama.from_dir(model_dir, variant), str(model_dir))
 
@@ -89,8 +88,9 @@ class ReimplEngine:
     def max_positions(self) -> int:
         return self.llama.spec.max_position_embeddings
 
-    def record(self, tokens: list[int]) -> Trace:
-        recorder = TraceRecorder()
+    def record(self, tokens: list[int], recorder=None) -> Trace:
+        """Every point of one forward; `recorder` (default in memory) may spill to disk instead."""
+        recorder = recorder if recorder is not None else TraceRecorder()
         self.llama.forward(torch.tensor(tokens), recorder)
         spec = self.llama.spec
         not_recorded = per_layer(spec.num_hidden_layers, self.llama.strategies.not_recorded())
@@ -108,13 +108,14 @@ class FileEngine:
 
     name = "file"
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, aliases=None):
         self.path = Path(path)
-        self.trace = Trace.load(self.path)
+        self.trace = Trace.load(self.path, aliases)  # another runtime's dump: names mapped onto points
         self.variant = self.trace.meta.get("variant", {})
         self.vocab_size = self.max_positions = None
 
-    def record(self, tokens: list[int]) -> Trace:
+    def record(self, tokens: list[int], recorder=None) -> Trace:
+        """The saved trace itself (it is already on disk or in memory; `recorder` has nothing to do)."""
         recorded = self.trace.tokens
         if recorded is not None and list(recorded) != list(tokens):
             raise TracerError(f"trace {self.path} was recorded on tokens {recorded}, not {list(tokens)}")

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tracer.errors import TracerError
+from tracer.points import is_causal
 
 MANIFEST_KEY = "tracer"
 MAX_LAYERS = 10_000  # far above any Llama (405B has 126 blocks)
@@ -88,8 +89,12 @@ class Trace:
 
     @property
     def label(self) -> str:
-        """`engine[knob=value,...]`, how reports and summaries name this side."""
-        return side_label(self.meta.get("engine", "?"), self.meta.get("variant", {}))
+        """`engine[knob=value,...]`, how reports and summaries name this side; `candle (file)` for a
+        dump whose metadata names its runtime."""
+        engine = self.meta.get("engine", "?")
+        if engine == "file" and self.meta.get("runtime"):
+            engine = f"{self.meta['runtime']} (file)"
+        return side_label(engine, self.meta.get("variant", {}))
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write one safetensors file; the manifest (order and metadata) goes in its header."""
@@ -112,8 +117,14 @@ class Trace:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Trace:
-        """Read a trace written by `save` (or any safetensors file of named tensors)."""
+    def load(cls, path: str | os.PathLike, aliases=None) -> Trace:
+        """Read a trace written by `save`, or a dump from another runtime (docs/trace-format.md).
+
+        A file without tracer's manifest is imported: its names go through the alias table
+        (`tracer.aliases`; `aliases` adds a user mapping: a dict, a JSON file path or an
+        AliasTable), its metadata keys (`tokens`, `runtime`, `model`, `qk_order`, head counts)
+        become the trace's meta, and names that map to no point are kept in `meta["unknown_names"]`.
+        """
         path = Path(path)
         if not path.is_file():
             raise TracerError(f"trace file not found: {path}")
@@ -123,11 +134,72 @@ class Trace:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise TracerError(f"cannot read trace {path}: {str(exc).splitlines()[0]}") from None
-        manifest = _manifest(path, header[MANIFEST_KEY]) if MANIFEST_KEY in header else {}
+        if MANIFEST_KEY not in header:
+            return import_foreign(tensors, header, path, aliases)
+        manifest = _manifest(path, header[MANIFEST_KEY])
         order = [p for p in manifest.get("points", []) if p in tensors]
         order += [p for p in tensors if p not in order]
         meta = manifest.get("meta", {"engine": "file"})
         return cls({p: tensors[p] for p in order}, meta)
+
+
+# Metadata keys a foreign file may carry (all safetensors metadata values are strings).
+FOREIGN_TEXT_KEYS = ("runtime", "model", "prompt", "dtype")
+FOREIGN_INT_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim")
+QK_ORDERS = ("half", "interleaved")
+
+
+def import_foreign(tensors: dict[str, torch.Tensor], header: dict[str, str], path: Path, aliases=None) -> Trace:
+    """A dump from another runtime as a Trace: names mapped onto points, metadata read."""
+    from tracer.aliases import TOKEN_TENSORS, alias_table, rename
+
+    meta: dict = {"engine": "file", "file": str(path)}
+    meta.update({key: header[key] for key in FOREIGN_TEXT_KEYS if key in header})
+    for key in FOREIGN_INT_KEYS:
+        if key in header:
+            meta[key] = _int_metadata(header[key], key, path)
+    token_tensor = next((name for name in TOKEN_TENSORS if name in tensors), None)
+    if "tokens" in header:
+        meta["tokens"] = _token_metadata(header["tokens"], path)
+    elif token_tensor is not None:
+        meta["tokens"] = [int(t) for t in tensors[token_tensor].reshape(-1).tolist()]
+    floats = {name: t for name, t in tensors.items() if name not in TOKEN_TENSORS}
+    renamed = rename(floats, alias_table(aliases))
+    if "qk_order" in header:
+        if header["qk_order"] not in QK_ORDERS:
+            raise TracerError(f"{path}: metadata qk_order is {header['qk_order']!r}; expected half or interleaved")
+        for source in renamed.sources.values():
+            source["qk_order"] = header["qk_order"]
+    for point, tensor in renamed.tensors.items():
+        if not tensor.is_floating_point():
+            raise TracerError(f"{path}: tensor {renamed.sources[point]['name']} ({point}) is {tensor.dtype}, "
+                              f"not a floating-point activation")
+    meta["sources"] = renamed.sources
+    meta["unknown_names"] = renamed.unknown
+    meta["skipped_names"] = renamed.skipped
+    meta["duplicate_names"] = renamed.duplicates
+    layers = [int(p.split(".")[2]) for p in renamed.tensors if p.startswith("model.layers.")]
+    if layers:
+        meta["num_layers"] = max(layers) + 1
+    return Trace(renamed.tensors, meta)
+
+
+def _int_metadata(text: str, key: str, path: Path) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise TracerError(f"{path}: metadata {key} is {text!r}; expected an integer") from None
+
+
+def _token_metadata(text: str, path: Path) -> list[int]:
+    """Token ids written as a JSON list ("[1, 2, 3]") or comma-separated ("1,2,3")."""
+    try:
+        ids = json.loads(text) if text.strip().startswith("[") else [int(t) for t in text.split(",") if t.strip()]
+        if not all(isinstance(t, int) for t in ids):
+            raise ValueError
+        return ids
+    except ValueError:
+        raise TracerError(f"{path}: metadata tokens is {text[:60]!r}; expected a JSON list of ids or 1,2,3") from None
 
 
 def _manifest(path: Path, text: str) -> dict:
@@ -163,12 +235,25 @@ def format_knob_value(value) -> str:
     return str(value)
 
 
+# Attention matrices are (H, T, T): 9 GB per trace for SmolLM2 at 2048 tokens. Past this many
+# tokens only their last query rows are kept, (H, ATTENTION_ROWS, T), by every recorder alike.
+ATTENTION_ROWS = 128
+
+
+def kept(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What a recorder keeps of a point: batch dropped, long attention matrices cut to their last rows."""
+    value = tensor.detach()[0]
+    if is_causal(name) and value.shape[-2] > ATTENTION_ROWS:
+        return value[..., -ATTENTION_ROWS:, :].clone()  # (H, rows, T); a view would keep (H, T, T) alive
+    return value
+
+
 class TraceRecorder:
-    """The `record(name, tensor)` callable both engines feed; drops the batch dimension of 1."""
+    """The `record(name, tensor)` callable both engines feed, keeping every point in memory."""
 
     def __init__(self):
         self.tensors: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
         # No clone: every recorded tensor is a fresh result that neither forward modifies in place.
-        self.tensors[name] = tensor.detach()[0]
+        self.tensors[name] = kept(name, tensor)

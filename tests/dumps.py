@@ -1,0 +1,124 @@
+"""Build other runtimes' dumps from a recorded trace, the way those runtimes lay them out.
+
+The names come from each runtime's own code (candle's llama.rs fields, llama.cpp's graph names),
+written here by hand rather than derived from tracer's alias table, so a wrong alias fails the
+tests instead of agreeing with itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tracer.layouts import to_interleaved
+from tracer.points import layer_of
+
+# our point (layer part as {i}) -> candle llama.rs field path
+CANDLE_NAMES = {
+    "model.embed_tokens": "wte",
+    "model.layers.{i}.input_layernorm": "blocks.{i}.rms_1",
+    "model.layers.{i}.self_attn.q_proj": "blocks.{i}.attn.q_proj",
+    "model.layers.{i}.self_attn.k_proj": "blocks.{i}.attn.k_proj",
+    "model.layers.{i}.self_attn.v_proj": "blocks.{i}.attn.v_proj",
+    "model.layers.{i}.self_attn.o_proj": "blocks.{i}.attn.o_proj",
+    "model.layers.{i}.post_attention_layernorm": "blocks.{i}.rms_2",
+    "model.layers.{i}.mlp.gate_proj": "blocks.{i}.mlp.c_fc1",
+    "model.layers.{i}.mlp.up_proj": "blocks.{i}.mlp.c_fc2",
+    "model.layers.{i}.mlp.down_proj": "blocks.{i}.mlp.c_proj",
+    "model.layers.{i}": "blocks.{i}",
+    "model.norm": "ln_f",
+    "lm_head": "lm_head",
+}
+
+# our point -> llama.cpp's eval-callback name ("name-il")
+GGML_NAMES = {
+    "model.embed_tokens": "inp_embd",
+    "model.layers.{i}.input_layernorm": "attn_norm-{i}",
+    "model.layers.{i}.self_attn.q_rope": "Qcur-{i}",
+    "model.layers.{i}.self_attn.k_rope": "Kcur-{i}",
+    "model.layers.{i}.self_attn.v_proj": "Vcur-{i}",
+    "model.layers.{i}.self_attn.probs": "kq_soft_max-{i}",
+    "model.layers.{i}.self_attn.context": "kqv_out-{i}",
+    "model.layers.{i}.self_attn.o_proj": "attn_out-{i}",
+    "model.layers.{i}.resid_mid": "ffn_inp-{i}",
+    "model.layers.{i}.post_attention_layernorm": "ffn_norm-{i}",
+    "model.layers.{i}.mlp.gate_proj": "ffn_gate-{i}",
+    "model.layers.{i}.mlp.up_proj": "ffn_up-{i}",
+    "model.layers.{i}.mlp.act": "ffn_swiglu-{i}",
+    "model.layers.{i}.mlp.down_proj": "ffn_out-{i}",
+    "model.layers.{i}": "l_out-{i}",
+    "model.norm": "result_norm",
+    "lm_head": "result_output",
+}
+
+
+def their_name(point: str, names: dict[str, str]) -> str | None:
+    layer = layer_of(point)
+    pattern = point if layer is None else point.replace(f"model.layers.{layer}", "model.layers.{i}", 1)
+    name = names.get(pattern)
+    return None if name is None else name.replace("{i}", str(layer))
+
+
+def candle_dump(trace) -> dict[str, torch.Tensor]:
+    """candle llama.rs: field names, a batch dimension of 1, logits of the last position only ((1, V))."""
+    dump = {}
+    for point, tensor in trace.tensors.items():
+        name = their_name(point, CANDLE_NAMES)
+        if name is not None:
+            dump[name] = (tensor[-1:] if point == "lm_head" else tensor[None]).contiguous()
+    return dump
+
+
+def ggml_dump(trace, points=None) -> dict[str, torch.Tensor]:
+    """llama.cpp: graph names; Qcur/Kcur after RoPE as (T, H, D) in GGUF's interleaved order,
+    Vcur as (T, KV, D), kq_soft_max over a KV cache padded by 3 keys; from ffn_inp of the last layer on, only the last row (llama.cpp's
+    inp_out_ids); row-major order of ggml's ne (reversed)."""
+    last_layer = trace.meta["num_layers"] - 1
+    dump = {}
+    for point, tensor in trace.tensors.items():
+        name = their_name(point, GGML_NAMES)
+        if name is None or (points is not None and point not in points):
+            continue
+        sub = point.removeprefix(f"model.layers.{layer_of(point)}.")
+        if sub in ("self_attn.q_rope", "self_attn.k_rope"):
+            heads, tokens, dim = tensor.shape
+            tensor = to_interleaved(tensor.transpose(0, 1).reshape(tokens, heads * dim), dim)  # (T, H*D) GGUF order
+            tensor = tensor.reshape(tokens, heads, dim)  # (T, H, D)
+        elif sub == "self_attn.probs":  # (H, T, n_kv): the KV cache is padded, its extra keys masked to 0
+            tensor = torch.cat((tensor, tensor.new_zeros(*tensor.shape[:2], 3)), dim=-1)
+        elif sub == "self_attn.v_proj":
+            tensor = tensor.reshape(tensor.shape[0], -1, trace["model.layers.0.self_attn.k_rope"].shape[-1])  # (T, KV, D)
+        if layer_of(point) == last_layer and sub in ("resid_mid", "post_attention_layernorm", "mlp.gate_proj",
+                                                       "mlp.up_proj", "mlp.act", "mlp.down_proj"):
+            tensor = tensor[-1:]
+        if point in ("model.norm", "lm_head", f"model.layers.{last_layer}"):
+            tensor = tensor[-1:]
+        dump[name] = tensor.contiguous()
+    return dump
+
+
+def save_dump(dump: dict, path: Path, tokens=None, **metadata) -> Path:
+    meta = {key: str(value) for key, value in metadata.items()}
+    if tokens is not None:
+        meta["tokens"] = json.dumps(list(tokens))
+    save_file(dump, str(path), metadata=meta)
+    return path
+
+
+def faulty_trace(model_dir: Path, tokens, layer: int, scale: float = 0.01):
+    """The reimpl engine with one layer's mlp.down_proj weight perturbed by `scale`·N(0, 1) relative
+    noise: a fault at that op whose effect propagates downstream like a real one."""
+    from tracer.config import load_config, read_hf
+    from tracer.engines import ReimplEngine
+    from tracer.llama import Llama
+    from tracer.model import read_weights
+
+    weights = read_weights(model_dir)
+    name = f"model.layers.{layer}.mlp.down_proj.weight"
+    noise = torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(0))
+    weights[name] = weights[name] * (1 + scale * noise)
+    llama = Llama(read_hf(load_config(model_dir)), weights)
+    return ReimplEngine(llama, str(model_dir)).record(list(tokens))

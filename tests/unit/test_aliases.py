@@ -1,0 +1,144 @@
+"""The alias table: other runtimes' names onto points, a user mapping file, unknown names listed."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tracer.aliases import AliasTable, alias_table, is_point, load_alias_file, rename
+from tracer.errors import TracerError
+from tracer.points import all_points
+from tracer.trace import Trace
+from tests.dumps import CANDLE_NAMES, GGML_NAMES
+
+
+@pytest.mark.parametrize("name, point", [
+    # candle llama.rs fields
+    ("wte", "model.embed_tokens"),
+    ("blocks.4.rms_1", "model.layers.4.input_layernorm"),
+    ("blocks.4.attn.k_proj", "model.layers.4.self_attn.k_proj"),
+    ("blocks.4.attn", "model.layers.4.self_attn.o_proj"),
+    ("blocks.12.mlp.c_fc1", "model.layers.12.mlp.gate_proj"),
+    ("blocks.12.mlp.c_fc2", "model.layers.12.mlp.up_proj"),
+    ("blocks.12.mlp.c_proj", "model.layers.12.mlp.down_proj"),
+    ("blocks.12", "model.layers.12"),
+    ("ln_f", "model.norm"),
+    ("lm_head", "lm_head"),
+    # llama.cpp graph names
+    ("inp_embd", "model.embed_tokens"),
+    ("Qcur-3", "model.layers.3.self_attn.q_rope"),
+    ("Vcur-3", "model.layers.3.self_attn.v_proj"),
+    ("kqv_out-3", "model.layers.3.self_attn.context"),
+    ("ffn_inp-3", "model.layers.3.resid_mid"),
+    ("ffn_out-3", "model.layers.3.mlp.down_proj"),
+    ("l_out-29", "model.layers.29"),
+    ("result_norm", "model.norm"),
+    ("result_output", "lm_head"),
+    # GGUF tensor names
+    ("blk.2.attn_q", "model.layers.2.self_attn.q_proj"),
+    ("blk.2.ffn_down", "model.layers.2.mlp.down_proj"),
+    ("output_norm", "model.norm"),
+    # TransformerLens hooks
+    ("hook_embed", "model.embed_tokens"),
+    ("blocks.1.attn.hook_rot_q", "model.layers.1.self_attn.q_rope"),
+    ("blocks.1.attn.hook_pattern", "model.layers.1.self_attn.probs"),
+    ("blocks.1.attn.hook_z", "model.layers.1.self_attn.context"),
+    ("blocks.1.mlp.hook_pre", "model.layers.1.mlp.gate_proj"),
+    ("blocks.1.mlp.hook_pre_linear", "model.layers.1.mlp.up_proj"),
+    ("blocks.1.mlp.hook_post", "model.layers.1.mlp.act"),
+    ("blocks.1.hook_resid_post", "model.layers.1"),
+    # HF module paths (and MLX's): the points themselves, plus two module outputs
+    ("model.layers.7.self_attn.q_rope", "model.layers.7.self_attn.q_rope"),
+    ("model.layers.7.mlp", "model.layers.7.mlp.down_proj"),
+])
+def test_known_names_map_onto_points(name, point):
+    assert AliasTable().resolve(name).point == point
+
+
+def test_every_runtime_name_the_test_dumps_use_resolves_to_its_point():
+    table = AliasTable()
+    for names in (CANDLE_NAMES, GGML_NAMES):
+        for ours, theirs in names.items():
+            assert table.resolve(theirs.replace("{i}", "5")).point == ours.replace("{i}", "5")
+
+
+def test_layout_hints_follow_the_runtime():
+    table = AliasTable()
+    assert table.resolve("Qcur-0").alias.qk_order == "interleaved"
+    assert table.resolve("blk.0.attn_k").alias.qk_order == "interleaved"
+    assert table.resolve("blocks.0.attn.hook_rot_q").alias.qk_order == "half"
+    assert table.resolve("Qcur-0").alias.layout == "THD" and table.resolve("blocks.0.attn.q_proj").alias.layout == "HTD"
+
+
+def test_every_point_is_a_point_and_near_misses_are_not():
+    assert all(is_point(p) for p in all_points(3))
+    for name in ("model.layers.0.mlp.act_fn", "model.layers.x", "model.norm.weight", "blocks.0.attn.q_rope"):
+        assert not is_point(name) and AliasTable().resolve(name) is None
+
+
+def test_rename_lists_unknown_names_and_says_why_known_ones_are_skipped():
+    tensors = {"blocks.0.mlp.c_proj": torch.ones(2), "kq-0": torch.ones(2), "my_custom_thing": torch.ones(2),
+               "blocks.0.ln1.hook_normalized": torch.ones(2)}
+    renamed = rename(tensors, AliasTable())
+    assert list(renamed.tensors) == ["model.layers.0.mlp.down_proj"]
+    assert renamed.unknown == ["my_custom_thing"]
+    assert "before the 1/sqrt(head_dim) scale" in renamed.skipped["kq-0"]
+    assert "before the norm weight" in renamed.skipped["blocks.0.ln1.hook_normalized"]
+
+
+def test_two_names_for_one_point_keep_the_first_and_say_so():
+    renamed = rename({"blocks.1.attn.o_proj": torch.ones(2), "blocks.1.attn": torch.zeros(2)}, AliasTable())
+    assert renamed.sources["model.layers.1.self_attn.o_proj"]["name"] == "blocks.1.attn.o_proj"
+    assert renamed.duplicates == {"model.layers.1.self_attn.o_proj": ["blocks.1.attn"]}
+
+
+def test_user_mapping_file_extends_and_overrides(tmp_path):
+    path = tmp_path / "aliases.json"
+    path.write_text(json.dumps({"h{i}.mlp_out": "model.layers.{i}.mlp.down_proj",
+                                "Qcur-{i}": "model.layers.{i}.self_attn.q_proj",  # the pre-RoPE Qcur
+                                "debug_norm-{i}": None}))
+    table = alias_table(path)
+    assert table.resolve("h3.mlp_out").point == "model.layers.3.mlp.down_proj"
+    resolved = table.resolve("Qcur-2")
+    assert resolved.point == "model.layers.2.self_attn.q_proj"
+    assert resolved.alias.qk_order == "interleaved"  # still llama.cpp's GGUF order
+    assert table.resolve("l_out-2").point == "model.layers.2"  # built-ins still there
+    assert table.resolve("debug_norm-1") is None and table.skip_reason("debug_norm-1") == "ignored by the aliases file"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "cannot read aliases file"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"a": 3}', "expected a point name or null"),
+    ('{"x{i}": "model.layers.{i}.mlp.down"}', "which is not a tracer point"),
+    ('{"x": "model.layers.{i}"}', "use {i} on both sides"),
+])
+def test_bad_mapping_files_are_one_clear_error(tmp_path, content, message):
+    path = tmp_path / "a.json"
+    path.write_text(content)
+    with pytest.raises(TracerError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        load_alias_file(path)
+
+
+def test_loading_a_foreign_file_maps_names_and_reads_metadata(tmp_path):
+    path = tmp_path / "dump.safetensors"
+    save_file({"blocks.0.mlp.c_proj": torch.ones(1, 3, 4), "mystery": torch.ones(2), "tokens": torch.tensor([5, 6, 7])},
+              str(path), metadata={"runtime": "candle 0.11", "head_dim": "64"})
+    trace = Trace.load(path)
+    assert trace.points == ["model.layers.0.mlp.down_proj"]
+    assert trace.tokens == [5, 6, 7] and trace.meta["runtime"] == "candle 0.11" and trace.meta["head_dim"] == 64
+    assert trace.meta["unknown_names"] == ["mystery"] and trace.meta["engine"] == "file"
+    assert trace.meta["sources"]["model.layers.0.mlp.down_proj"]["name"] == "blocks.0.mlp.c_proj"
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({"tokens": "1,x"}, "metadata tokens"),
+    ({"head_dim": "sixty"}, "metadata head_dim"),
+    ({"qk_order": "sideways"}, "metadata qk_order"),
+])
+def test_bad_foreign_metadata_is_one_clear_error(tmp_path, metadata, message):
+    path = tmp_path / "dump.safetensors"
+    save_file({"l_out-0": torch.ones(2, 3)}, str(path), metadata=metadata)
+    with pytest.raises(TracerError, match=message):
+        Trace.load(path)

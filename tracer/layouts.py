@@ -1,0 +1,300 @@
+"""Layout normalization: another runtime's tensor brought to the point's shape before metrics.
+
+tracer's points have one shape each (DESIGN.md, "Points"; batch dropped): [T, C] for hidden
+states, [T, H·D] for projections and the merged context, [H, T, D] for q/k after RoPE, [H, T, T]
+for scores and probabilities. A dump from candle, llama.cpp, TransformerLens or MLX holds the
+same values laid out its own way; `align` reconciles each shared point against the side in
+tracer's layout (a tracer trace, or a file written with our names) and says what it did:
+
+- a leading batch dimension of 1 is dropped;
+- per-head tensors [T, H, D], [H, T, D] and [T, H·D] are converted; when T == H the shape cannot
+  tell, and the runtime's own layout (from its alias) is used and named in the notes;
+- rows: a side that holds only the last position(s) (candle's logits, llama.cpp's last layer
+  from `ffn_inp` on) is compared on those rows of the other side;
+- q/k in GGUF's interleaved order (llama.cpp's converter permutes the q/k weight rows so that
+  each RoPE pair is adjacent: row 2j is HF's row j, row 2j+1 is HF's row j + D/2) are put back
+  in HF's half-split order;
+- llama.cpp's attention probabilities over a padded KV cache lose their all-zero key columns;
+- dtypes may differ: the metrics up-cast both sides to f64 (said in the notes).
+
+A shape that none of these reconcile is a TracerError naming the point and both shapes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from tracer.errors import TracerError
+from tracer.points import layer_of
+from tracer.trace import Trace
+
+MERGED_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.context")  # [T, heads·D]
+HEADS_FIRST = ("self_attn.q_rope", "self_attn.k_rope")  # [heads, T, D]
+ATTENTION = ("self_attn.scores", "self_attn.probs")  # [H, T, T]
+QK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.q_rope", "self_attn.k_rope")
+LAYOUT_NAMES = {"THD": "[T, H, D]", "HTD": "[H, T, D]"}
+
+
+def sub_point(point: str) -> str:
+    """`self_attn.q_rope` for `model.layers.3.self_attn.q_rope`; the point itself outside layers."""
+    layer = layer_of(point)
+    if layer is None:
+        return point
+    return point.removeprefix(f"model.layers.{layer}").removeprefix(".") or "block"
+
+
+def kind_of(point: str) -> str:
+    sub = sub_point(point)
+    if sub in MERGED_HEADS:
+        return "merged"
+    if sub in HEADS_FIRST:
+        return "heads"
+    if sub in ATTENTION:
+        return "attention"
+    return "rows"
+
+
+MAX_NDIM = {"rows": 2, "merged": 3, "heads": 3, "attention": 3}
+
+
+# --- single-tensor conversions ---------------------------------------------------------------
+
+
+def drop_batch(x: torch.Tensor, max_ndim: int) -> tuple[torch.Tensor, bool]:
+    """Leading dimensions of 1 beyond what the point's layouts can have."""
+    dropped = False
+    while x.ndim > max_ndim and x.shape[0] == 1:
+        x, dropped = x[0], True
+    return x, dropped
+
+
+def from_interleaved(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """GGUF q/k order -> HF half-split order along the last axis, per head of `head_dim`.
+
+    GGUF row 2j holds HF row j and row 2j+1 holds HF row j + D/2 (llama.cpp's convert permutes
+    the q/k weights this way), so HF's first half is the even entries and its second half the odd.
+    """
+    *lead, width = x.shape
+    heads = x.reshape(*lead, width // head_dim, head_dim)  # (..., heads, D)
+    unpermuted = torch.cat((heads[..., 0::2], heads[..., 1::2]), dim=-1)  # (..., heads, D)
+    return unpermuted.reshape(*lead, width)
+
+
+def to_interleaved(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """HF half-split order -> GGUF interleaved order (the inverse of `from_interleaved`)."""
+    *lead, width = x.shape
+    heads = x.reshape(*lead, width // head_dim, 2, head_dim // 2)  # (..., heads, 2, D/2)
+    return heads.transpose(-1, -2).reshape(*lead, width)  # (..., heads, D/2, 2) -> (..., width)
+
+
+def merge_heads(x: torch.Tensor, width: int, hint: str | None) -> tuple[torch.Tensor, str | None, bool]:
+    """[T, heads, D] or [heads, T, D] -> [T, heads·D] (`width` = heads·D). Returns the layout read
+    and whether the shape alone was ambiguous (T == heads)."""
+    if x.ndim != 3:
+        return x, None, False
+    a, b, d = x.shape
+    fits = [layout for layout, heads in (("THD", b), ("HTD", a)) if heads * d == width]
+    if not fits:
+        return x, None, False
+    layout = fits[0] if len(fits) == 1 else (hint or "THD")
+    tokens_first = x if layout == "THD" else x.transpose(0, 1)  # (T, heads, D)
+    return tokens_first.reshape(tokens_first.shape[0], width), layout, len(fits) > 1
+
+
+def heads_first(x: torch.Tensor, shape: tuple[int, ...], hint: str | None) -> tuple[torch.Tensor, str | None, bool]:
+    """[T, heads, D] or [T, heads·D] -> [heads, T, D] like `shape`. Returns as `merge_heads`."""
+    heads, _, dim = shape
+    if x.ndim == 2 and x.shape[1] == heads * dim:
+        return x.reshape(x.shape[0], heads, dim).transpose(0, 1), "T(HD)", False  # (heads, T, D)
+    if x.ndim != 3 or x.shape[2] != dim:
+        return x, None, False
+    fits = [layout for layout, axis in (("HTD", 0), ("THD", 1)) if x.shape[axis] == heads]
+    if not fits:
+        return x, None, False
+    layout = fits[0] if len(fits) == 1 else (hint or "HTD")
+    return (x if layout == "HTD" else x.transpose(0, 1)), layout, len(fits) > 1
+
+
+def trim_padded_keys(x: torch.Tensor, keys: int) -> tuple[torch.Tensor, bool]:
+    """[H, T, n_kv] probabilities over a padded KV cache -> [H, T, keys] when the rest is exactly 0."""
+    if x.ndim == 3 and x.shape[2] > keys and not x[..., keys:].any():
+        return x[..., :keys], True
+    return x, False
+
+
+# --- one point ---------------------------------------------------------------------------------
+
+
+class Fixes:
+    """What was done to which points, collected so the notes say it once per kind."""
+
+    def __init__(self):
+        self.points: dict[str, list[str]] = defaultdict(list)
+
+    def add(self, what: str, point: str) -> None:
+        self.points[what].append(point)
+
+
+def reconcile(point: str, canon: torch.Tensor, other: torch.Tensor, source: dict | None, head_dim: int | None,
+              fixes: Fixes, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`other` (a foreign layout) brought to `canon`'s shape; `canon` cut to `other`'s rows if fewer.
+
+    Raises:
+        TracerError: the shapes cannot be reconciled (naming the point, both shapes, the source name).
+    """
+    original = tuple(other.shape)
+    source = source or {}
+    kind = kind_of(point)
+    hint = source.get("layout")
+    other, dropped = drop_batch(other, MAX_NDIM[kind])
+    if dropped:
+        fixes.add(f"batch:{side}", point)
+    layout, ambiguous = None, False
+    if kind == "merged":
+        if other.ndim == 3:
+            head_dim = other.shape[2]
+        other, layout, ambiguous = merge_heads(other, canon.shape[-1], hint)
+    elif kind == "heads" and canon.ndim == 3:
+        head_dim = canon.shape[2]
+        other, layout, ambiguous = heads_first(other, tuple(canon.shape), hint)
+    elif kind == "attention" and canon.ndim == 3:
+        other, trimmed = trim_padded_keys(other, canon.shape[2])
+        if trimmed:
+            fixes.add(f"padded:{side}", point)
+    if ambiguous:
+        fixes.add(f"ambiguous:{layout}:{side}", point)
+    if sub_point(point) in QK and source.get("qk_order") == "interleaved":
+        if head_dim is None:
+            raise TracerError(f"{point}: cannot un-permute GGUF-ordered q/k without the head size; record "
+                              f"q_rope in the other trace or write head_dim in the dump's metadata")
+        other = from_interleaved(other, head_dim)
+        fixes.add(f"interleaved:{side}", point)
+    if kind in ("rows", "merged"):
+        if other.ndim == canon.ndim - 1 and tuple(other.shape) == tuple(canon.shape[1:]):
+            other = other[None]  # one position without its row axis: (1, ...)
+        if (other.ndim == canon.ndim and other.ndim >= 2 and other.shape[1:] == canon.shape[1:]
+                and 0 < other.shape[0] < canon.shape[0]):
+            canon = canon[-other.shape[0]:]
+            fixes.add(f"rows:{other.shape[0]}:{side}", point)
+    if tuple(other.shape) != tuple(canon.shape):
+        name = source.get("name", point)
+        origin = f" (from {name!r})" if name != point else ""
+        raise TracerError(f"shape mismatch at {point}: cannot reconcile the {side}'s {original}{origin} with "
+                          f"the other side's {tuple(canon.shape)}")
+    if not other.is_floating_point():
+        raise TracerError(f"{point}: the {side} holds {other.dtype}, not a floating-point activation")
+    if other.dtype != canon.dtype:
+        fixes.add(f"dtype:{str(other.dtype).removeprefix('torch.')}:{str(canon.dtype).removeprefix('torch.')}:{side}",
+                  point)
+    return canon, other
+
+
+# --- two traces --------------------------------------------------------------------------------
+
+
+def is_foreign(trace: Trace, point: str) -> bool:
+    """A point imported from another runtime's dump (maybe in its layout), not recorded by tracer."""
+    return point in trace.meta.get("sources", {})
+
+
+def head_dim_of(*traces: Trace) -> int | None:
+    """The head size: written in a dump's metadata, or the last axis of a q/k after RoPE in tracer's layout."""
+    for trace in traces:
+        if trace.meta.get("head_dim"):
+            return int(trace.meta["head_dim"])
+    for trace in traces:
+        for point, tensor in trace.tensors.items():
+            if sub_point(point) in HEADS_FIRST and not is_foreign(trace, point) and tensor.ndim == 3:
+                return int(tensor.shape[-1])
+    return None
+
+
+def align(reference: Trace, candidate: Trace) -> tuple[Trace, Trace, list[str]]:
+    """Both traces with every shared point in one shape, and the notes saying how.
+
+    The side in tracer's layout is the template. Points where neither side was imported under
+    another runtime's name are left as they are (`compare_point` checks their shapes).
+    """
+    fixes = Fixes()
+    ref_tensors, cand_tensors = dict(reference.tensors), dict(candidate.tensors)
+    head_dim = head_dim_of(reference, candidate)
+    for point in [p for p in reference.points if p in candidate]:
+        if not (is_foreign(reference, point) or is_foreign(candidate, point)):
+            continue
+        if is_foreign(reference, point) and not is_foreign(candidate, point):
+            source = reference.meta["sources"][point]
+            cand, ref = reconcile(point, cand_tensors[point], ref_tensors[point], source, head_dim, fixes, "reference")
+        else:
+            source = candidate.meta.get("sources", {}).get(point)
+            ref, cand = reconcile(point, ref_tensors[point], cand_tensors[point], source, head_dim, fixes, "candidate")
+        ref_tensors[point], cand_tensors[point] = ref, cand
+    notes = [*fix_notes(fixes), *name_notes(reference, "reference"), *name_notes(candidate, "candidate"),
+             *missing_notes(reference, candidate)]
+    return Trace(ref_tensors, reference.meta), Trace(cand_tensors, candidate.meta), notes
+
+
+# --- notes -------------------------------------------------------------------------------------
+
+
+def _some(points: list[str], limit: int = 3) -> str:
+    shown = ", ".join(points[:limit])
+    return shown + (f" and {len(points) - limit} more" if len(points) > limit else "")
+
+
+def fix_notes(fixes: Fixes) -> list[str]:
+    notes = []
+    for what, points in fixes.points.items():
+        kind, *args, side = what.split(":")
+        if kind == "batch":
+            notes.append(f"{side}: dropped a leading batch dimension of 1 at {len(points)} points")
+        elif kind == "rows":
+            rows = int(args[0])
+            where = "the last position" if rows == 1 else f"the last {rows} positions"
+            notes.append(f"{side} holds only {where} at {_some(points)}: compared on those rows only")
+        elif kind == "interleaved":
+            notes.append(f"{side}: q/k un-permuted from GGUF's interleaved order to HF's half-split order "
+                         f"before comparing ({len(points)} points: {_some(points, 2)})")
+        elif kind == "ambiguous":
+            notes.append(f"{side}: T equals the head count, so the shape was ambiguous at {_some(points, 2)}; "
+                         f"read as {LAYOUT_NAMES.get(args[0], args[0])}, the runtime's own layout")
+        elif kind == "padded":
+            notes.append(f"{side}: dropped all-zero padded KV-cache key columns at {_some(points, 2)}")
+        elif kind == "dtype":
+            notes.append(f"{side} is {args[0]}, the other side {args[1]}, at {len(points)} points: "
+                         f"both up-cast to f64 for the metrics")
+    return notes
+
+
+def name_notes(trace: Trace, side: str) -> list[str]:
+    """A dump's names that mapped to no point, or to a point another name already took."""
+    notes = []
+    unknown = trace.meta.get("unknown_names") or []
+    if unknown:
+        notes.append(f"{side}: {len(unknown)} tensor names match no alias and were not compared: {_some(unknown, 5)} "
+                     f"(map them with an aliases file, see docs/trace-format.md)")
+    skipped = trace.meta.get("skipped_names") or {}
+    for name, reason in list(skipped.items())[:5]:
+        notes.append(f"{side}: {name} not compared: {reason}")
+    if len(skipped) > 5:
+        notes.append(f"{side}: {len(skipped) - 5} more names not compared for the same reasons")
+    for point, names in (trace.meta.get("duplicate_names") or {}).items():
+        used = trace.meta["sources"][point]["name"]
+        notes.append(f"{side}: {', '.join(names)} also name {point}; compared {used}")
+    return notes
+
+
+def missing_notes(reference: Trace, candidate: Trace) -> list[str]:
+    """What one side has and the other lacks (beyond points declared unobservable), by kind of point."""
+    notes = []
+    for side, have, lack in (("candidate", reference, candidate), ("reference", candidate, reference)):
+        missing = [p for p in have.points if p not in lack and p not in lack.not_recorded]
+        if not missing:
+            continue
+        kinds: dict[str, int] = defaultdict(int)
+        for point in missing:
+            kinds[sub_point(point)] += 1
+        listed = ", ".join(f"{sub} ×{n}" if n > 1 else sub for sub, n in kinds.items())
+        notes.append(f"not in the {side}: {len(missing)} points, compared on the rest ({listed})")
+    return notes
