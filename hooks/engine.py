@@ -60,8 +60,9 @@ class HFEngine:
     def max_positions(self) -> int:
         return self.model.config.max_position_embeddings
 
-    def record(self, tokens: list[int]) -> Trace:
-        recorder = TraceRecorder()
+    def record(self, tokens: list[int], recorder=None) -> Trace:
+        """Every point of one forward; `recorder` (default in memory) may spill to disk instead."""
+        recorder = recorder if recorder is not None else TraceRecorder()
         names = {module: name for name, module in self.model.named_modules()}
         implementation = self.model.config._attn_implementation
         with ExitStack() as stack, torch.inference_mode():

@@ -14,7 +14,8 @@ def terminal_summary(result, out_dir=None) -> str:
     s = result.to_dict() if hasattr(result, "to_dict") else result
     lines = [f"tracer: {s['reference']['label']} vs {s['candidate']['label']} on {s['model']}"]
     if s.get("prompt") is not None:
-        lines.append(f"  prompt {s['prompt']!r} ({len(s['tokens'])} tokens)")
+        prompt = s["prompt"] if len(s["prompt"]) <= 80 else s["prompt"][:77] + "..."
+        lines.append(f"  prompt {prompt!r} ({len(s['tokens'])} tokens)")
     if s["verdict"] == "error":
         return "\n".join(lines + [f"verdict: ERROR  {s['error']}"])
     recorded = [p for p in s["points"] if p["recorded"]]

@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import torch
 
-from tracer.points import EMBED, has_head_axis, is_causal
+from tracer.points import EMBED, FINAL_NORM, LOGITS, causal_allowed, has_head_axis, is_causal, layer_point
+
+# Per-layer point -> the point (relative to the same layer) it is computed from; "<in>" is the
+# block's input (the previous block's output, or the embeddings).
+OP_INPUT = {
+    "input_layernorm": "<in>",
+    "self_attn.q_proj": "input_layernorm", "self_attn.k_proj": "input_layernorm", "self_attn.v_proj": "input_layernorm",
+    "self_attn.q_rope": "self_attn.q_proj", "self_attn.k_rope": "self_attn.k_proj",
+    "self_attn.scores": "self_attn.q_rope", "self_attn.probs": "self_attn.scores",
+    "self_attn.context": "self_attn.probs", "self_attn.o_proj": "self_attn.context",
+    "resid_mid": "self_attn.o_proj", "post_attention_layernorm": "resid_mid",
+    "mlp.gate_proj": "post_attention_layernorm", "mlp.up_proj": "post_attention_layernorm",
+    "mlp.act": "mlp.gate_proj", "mlp.down_proj": "mlp.act", "": "mlp.down_proj",
+}
 
 TOP_CHANNELS = 5
 # A position or head counts as untouched when its error is this small against the largest one.
@@ -20,7 +33,7 @@ def _error(point: str, ref: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     """|cand - ref| in f64, with never-attended (masked) entries zeroed."""
     diff = (cand.double() - ref.double()).abs()
     if is_causal(point):
-        diff = diff * torch.ones(diff.shape[-2:], dtype=torch.float64).tril()  # (T, T)
+        diff = diff * causal_allowed(*diff.shape[-2:])  # (rows, T)
     return diff
 
 
@@ -89,3 +102,32 @@ def hints(point: str, details: dict) -> list[str]:
     if point.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
         said.append("first error at a projection: its weights (layout, quantization, a dropped bias) or matmul precision")
     return said
+
+
+# --- amplification: the op whose output error most exceeds its input's (a norm dividing by a
+# small RMS, a softmax saturating) is where error grows fastest.
+
+
+def op_input(point: str) -> str | None:
+    """The point `point` is computed from, in the vocabulary (None for the embeddings)."""
+    if point == FINAL_NORM or point == LOGITS:
+        return None
+    parts = point.split(".")
+    if len(parts) < 3 or parts[0:2] != ["model", "layers"]:
+        return None
+    layer, sub = int(parts[2]), ".".join(parts[3:])
+    source = OP_INPUT.get(sub)
+    if source == "<in>":
+        return EMBED if layer == 0 else layer_point(layer - 1, "")
+    return layer_point(layer, source) if source is not None else None
+
+
+def amplification(rel_l2: dict[str, float], top: int = 5) -> list[dict]:
+    """Ops ranked by how much they multiply the relative error of their input."""
+    gains = []
+    for point, error in rel_l2.items():
+        source = op_input(point)
+        inherited = rel_l2.get(source) if source else None
+        if inherited and inherited > 0 and error is not None:
+            gains.append({"point": point, "gain": error / inherited, "input": source})
+    return sorted(gains, key=lambda g: g["gain"], reverse=True)[:top]

@@ -13,7 +13,10 @@ from tracer.engines import ReimplEngine
 from tracer.trace import Trace
 
 
-def estimate_noise(source, reference: Trace, reference_variant: dict) -> dict[str, float]:
-    """Per point, rel_l2 between `reference` and an f64 run of the same model and variant."""
-    exact = ReimplEngine.load(source, {**reference_variant, "dtype": "f64"}).record(reference.tokens)
+def estimate_noise(source, reference: Trace, reference_variant: dict, recorder=None) -> dict[str, float]:
+    """Per point, rel_l2 between `reference` and an f64 run of the same model and variant.
+
+    `recorder` (default: in memory) receives the f64 run's points, e.g. a `DiskRecorder` for long prompts.
+    """
+    exact = ReimplEngine.load(source, {**reference_variant, "dtype": "f64"}).record(reference.tokens, recorder)
     return {p.point: p.rel_l2 for p in compare_points(reference, exact, Tolerance()) if p.recorded}

@@ -37,6 +37,9 @@ LOGITS = "lm_head"
 # they are excluded from metrics.
 CAUSAL_SUFFIXES = ("self_attn.scores", "self_attn.probs")
 
+# Points laid out (heads, T, ...) rather than (T, ...).
+HEAD_FIRST_SUFFIXES = ("self_attn.q_rope", "self_attn.k_rope", "self_attn.scores", "self_attn.probs")
+
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")
 
 
@@ -65,6 +68,18 @@ def layer_of(point: str) -> int | None:
 
 def is_causal(point: str) -> bool:
     return point.endswith(CAUSAL_SUFFIXES)
+
+
+def causal_allowed(queries: int, keys: int):
+    """(queries, keys) bool: what each query may attend to. Queries are the *last* `queries`
+    positions, so a matrix reduced to its last rows keeps the right diagonal."""
+    import torch
+
+    return torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+
+
+def has_head_axis(point: str) -> bool:
+    return point.endswith(HEAD_FIRST_SUFFIXES)
 
 
 def is_coarse(point: str) -> bool:

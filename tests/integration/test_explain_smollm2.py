@@ -43,3 +43,15 @@ def test_long_text_argmax_agreement(default_model):
     assert 0.6 <= logits["argmax_agree"] <= 0.95  # the notes measured 84% on 249 tokens
     accuracy = logits["next_token_accuracy"]
     assert 0 < accuracy["reference"] < 1 and 0 < accuracy["candidate"] < 1
+
+
+@pytest.mark.parametrize("variant", ["theta=10000", "rope=interleaved", "eps=1e-4"])
+def test_diagnose_names_the_mistake_a_recorded_trace_makes(default_model, tmp_path, variant):
+    from tracer.diagnose import diagnose
+    from tracer.variants import KNOBS, parse_variant
+
+    path = tracer.record(default_model, PROMPT, engine="reimpl", variant=variant).save(tmp_path / "t.safetensors")
+    result = diagnose(path, default_model, progress=False)
+    knob = next(iter(parse_variant(variant)))
+    assert knob in KNOBS and result.best["variant"].startswith(f"{knob}=")
+    assert result.best["score"] > 0.9

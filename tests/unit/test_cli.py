@@ -63,7 +63,7 @@ def drop_tensor(model_dir, name):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("bad knob", "tracer: error: unknown knob 'thetta'; valid knobs: theta, eps, attn, dtype"),
+    ("bad knob", "tracer: error: unknown knob 'thetta'; valid knobs: theta, eps, attn, dtype, "),
     ("missing dir", "tracer: error: model path not found: "),
     ("missing tensor", "tracer: error: missing tensor model.layers.1.mlp.up_proj.weight"),
     ("token out of vocab", "tracer: error: token id 500 is outside the vocabulary (0..96)"),

@@ -12,7 +12,7 @@ def test_parse_pairs_lists_and_dicts():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("thetta=10000", r"unknown knob 'thetta'; valid knobs: theta, eps, attn, dtype"),
+    ("thetta=10000", r"unknown knob 'thetta'; valid knobs: theta, eps, attn, dtype, rope, "),
     ("theta=abc", r"bad value 'abc' for knob 'theta'; expected a positive number"),
     ("theta=-5", r"bad value '-5' for knob 'theta'"),
     ("attn=flash", r"bad value 'flash' for knob 'attn'; expected eager \| sdpa"),

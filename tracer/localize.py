@@ -1,0 +1,48 @@
+"""Local vs inherited error: which point introduces error, and which only carries it on.
+
+The reimplementation reruns every block on the *reference's* input to that block (and the final
+norm and lm_head on the reference's own inputs). A point's error in that run is what the
+candidate's computation introduces there (`local_rel_l2`); the rest of its error in the plain
+run is inherited from upstream. An injected fault in one block is then local to that block even
+though every later block inherits it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tracer.diff import Tolerance, compare_points
+from tracer.llama import Llama, decoder_layer, rotary_cos_sin
+from tracer.points import EMBED, FINAL_NORM, LOGITS, layer_point
+from tracer.trace import Trace, TraceRecorder
+
+
+@torch.inference_mode()
+def teacher_forced_trace(llama: Llama, reference: Trace, recorder=None) -> Trace:
+    """The candidate's points with every block fed the reference's input to that block."""
+    recorder = recorder if recorder is not None else TraceRecorder()
+    w, spec, strategies = llama.weights, llama.spec, llama.strategies
+    tokens = torch.tensor(reference.tokens)
+    embedded = torch.nn.functional.embedding(tokens[None], w["model.embed_tokens.weight"])  # (1, T, C)
+    recorder(EMBED, embedded)
+    cos, sin = rotary_cos_sin(spec, tokens.shape[0], embedded.dtype)  # (1, T, D)
+    block_input = EMBED
+    for i, layer in enumerate(llama.layers):
+        if block_input not in reference:
+            break
+        h = reference[block_input][None].to(strategies.dtype)  # (1, T, C)
+        decoder_layer(h, layer, spec, cos, sin, strategies, layer_point(i, ""), recorder)
+        block_input = layer_point(i, "")
+    last_block = layer_point(spec.num_hidden_layers - 1, "")
+    if last_block in reference:
+        recorder(FINAL_NORM, strategies.norm(reference[last_block][None].to(strategies.dtype),
+                                             w["model.norm.weight"], spec.rms_norm_eps))
+    if FINAL_NORM in reference:
+        recorder(LOGITS, strategies.logits(reference[FINAL_NORM][None].to(strategies.dtype), w["lm_head.weight"]))
+    return Trace(recorder.tensors, {"engine": "reimpl", "variant": llama.variant, "tokens": reference.tokens})
+
+
+def local_errors(llama: Llama, reference: Trace, recorder=None) -> dict[str, float]:
+    """Per point, the rel_l2 the candidate introduces there given the reference's inputs."""
+    forced = teacher_forced_trace(llama, reference, recorder)
+    return {p.point: p.rel_l2 for p in compare_points(reference, forced, Tolerance()) if p.recorded}
