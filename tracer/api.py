@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tracer.diff import Result, Tolerance, compare
-from tracer.engines import environment, is_loaded_model, load_engine
+from tracer.engines import check_engine_name, environment, is_loaded_model, load_engine
 from tracer.errors import TracerError
 from tracer.progress import detail, stage, with_stages
 from tracer.spill import spill_folder
@@ -169,6 +169,8 @@ def run(
         'model.layers.0.self_attn.q_rope'
     """
     reference_variant, variant = parse_variant(reference_variant), parse_variant(variant)
+    for engine_name in (reference, candidate):
+        check_engine_name(engine_name)
     if tokens is None and prompt is not None:
         check_prompt(prompt)  # before loading anything: a bad prompt fails in no time
     timings = {}
@@ -210,6 +212,7 @@ def run(
         model, prompt, ids if tokens is not None else None, reference, candidate, variant,
         reference_variant, atol, rtol, greedy, noise_floor, out, max_tokens if tokens is None else None)
     result.timings = timings
+    result.config_audit = _config_audit(source, variant)
     if out is not None:
         from tracer.reports import write_report
 
@@ -296,6 +299,15 @@ def _recorded_comparison(source, reference_side, cand_engine, ids, tolerance, no
     result = compare(ref_trace, cand_trace, tolerance, noise=noise, local=local)
     result.notes += noise_note + _notes(ref_trace, cand_trace) + _memory_notes(len(ids))
     return result
+
+
+def _config_audit(source, variant: dict) -> dict | None:
+    """The audit of the model's config.json (with the candidate's re-save applied), for the report."""
+    if is_loaded_model(source):
+        return None
+    from tracer.config import audit, load_config
+
+    return audit(load_config(source), variant.get("resave", "none"))
 
 
 def _memory_notes(num_tokens: int) -> list[str]:

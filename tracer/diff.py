@@ -336,6 +336,7 @@ class Result:
     error: str | None = None
     first_nonfinite: dict | None = None  # {"point", "layer", "side", "count", "nan", "inf"}
     amplification: list[dict] = field(default_factory=list)  # ops ranked by error gain over their input
+    config_audit: dict | None = None  # what each config reader makes of the model's config.json
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -355,7 +356,7 @@ class Result:
             "points": [p.to_dict() for p in self.points], "logits": self.logits, "greedy": self.greedy,
             "environment": self.environment, "command": self.command, "timings": self.timings,
             "notes": self.notes, "error": self.error, "first_nonfinite": self.first_nonfinite,
-            "amplification": self.amplification,
+            "amplification": self.amplification, "config_audit": self.config_audit,
         })
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -421,6 +422,11 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
 
     reference, candidate, layout_notes = align(reference, candidate)
     points = compare_points(reference, candidate, tolerance, noise)
+    if not any(p.recorded for p in points):
+        unknown = [*reference.meta.get("unknown_names", []), *candidate.meta.get("unknown_names", [])]
+        said = f"; names that match no alias: {', '.join(unknown[:3])}" if unknown else ""
+        raise TracerError(f"the traces share no point to compare (reference: {len(reference)} points, "
+                          f"candidate: {len(candidate)}{said}); see docs/trace-format.md for the names tracer reads")
     if local:
         points = [dataclasses.replace(p, local_rel_l2=local.get(p.point)) if p.recorded else p for p in points]
     first = first_divergence(points)

@@ -125,8 +125,15 @@ class FileEngine:
         return None
 
 
+def check_engine_name(name: str) -> None:
+    """Refuse an unknown engine before any model loads."""
+    if name not in ("hf", "reimpl") and not name.startswith("file:"):
+        raise TracerError(f"unknown engine {name!r}; engines: {', '.join(ENGINES)}")
+
+
 def load_engine(name: str, source, variant: dict):
     """`hf`, `reimpl` or `file:PATH` -> an engine ready to record."""
+    check_engine_name(name)
     if name == "reimpl":
         return ReimplEngine.load(source, variant)
     if name == "hf":
@@ -137,4 +144,3 @@ def load_engine(name: str, source, variant: dict):
         if variant:
             raise TracerError("a saved trace (file:PATH) cannot take variant knobs")
         return FileEngine(name.removeprefix("file:"))
-    raise TracerError(f"unknown engine {name!r}; engines: {', '.join(ENGINES)}")

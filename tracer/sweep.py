@@ -101,6 +101,17 @@ class Sweep:
 
         return sweep_frame(self.to_dict())
 
+    def plot(self):
+        """Every variant's per-layer error curve overlaid, as a matplotlib figure."""
+        from tracer.reports.sweep import sweep_figure
+
+        return sweep_figure(self)
+
+    def _repr_html_(self) -> str:
+        from tracer.reports import sweep_html
+
+        return sweep_html(self)
+
 
 def split_variants(variants) -> list[str]:
     """`"theta=10000; kv_repeat=tile"` or a list of such strings -> one string per variant."""

@@ -96,3 +96,15 @@ def test_result_json_contract():
     assert d["verdict"] == "match" and bool(result)
     assert set(d["points"][0]) >= {"point", "layer", "max_abs", "max_ref", "rel_l2", "cosine", "diverged"}
     assert result.table().loc["lm_head", "rel_l2"] == 0.0
+
+
+def test_traces_with_no_point_in_common_are_not_a_match():
+    with pytest.raises(TracerError, match="share no point to compare"):
+        compare(trace({"model.norm": torch.ones(3, 4)}), trace({"lm_head": torch.ones(3, 4)}))
+
+
+def test_an_unknown_engine_is_refused_before_anything_loads(tmp_path):
+    import tracer
+
+    with pytest.raises(TracerError, match="unknown engine 'jax'"):
+        tracer.run(tmp_path / "not-even-a-model", candidate="jax")

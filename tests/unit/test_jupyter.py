@@ -215,3 +215,22 @@ def test_sweep_html_overlays_and_tabulates(tiny_dir):
     assert rows == [("theta=500", "diverged"), ("layers=9", "error")]
     assert "model.layers.0.self_attn.q_rope" in fragment
     assert "missing tensor model.layers.2" in fragment  # the failed variant's one line, not an abort
+
+
+def test_sweep_renders_in_a_notebook_and_plots(tiny_llama):
+    from matplotlib.figure import Figure
+
+    from tracer.api import sweep
+
+    result = sweep(tiny_llama(), tokens=[1, 5, 9, 2], variants=["theta=500", "attn=sdpa"], greedy=0, progress=False)
+    html = result._repr_html_()
+    assert "theta=500" in html and "attn=sdpa" in html and "<html" not in html.lower()
+    assert isinstance(result.plot(), Figure)
+
+
+def test_run_summary_carries_the_config_audit(tiny_llama):
+    import tracer
+
+    result = tracer.run(tiny_llama(), tokens=[1, 5, 9, 2], variant="config=candle,resave=tf5", greedy=0)
+    audit = result.to_dict()["config_audit"]
+    assert set(audit["readers"]) >= {"hf", "candle"} and audit["resave"] == "tf5"
