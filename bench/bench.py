@@ -62,7 +62,7 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, fl
     token_tensor = torch.tensor(tokens)
     timings = {
         "plain eager forward (transformers)": median_time(plain, repeats),
-        "tracer.record(model, tokens, engine='hf')": median_time(lambda: tracer.record(model, tokens, engine="hf"), repeats),
+        "tracer.record(model, tokens, engine='hf')": median_time(lambda: tracer.record(model, tokens, engine="hf", progress=False), repeats),
         "reimpl forward, every point recorded": median_time(lambda: llama.forward(token_tensor, TraceRecorder()), repeats),
         "reimpl forward, nothing recorded": median_time(lambda: llama.forward(token_tensor), repeats),
     }

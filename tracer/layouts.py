@@ -23,6 +23,7 @@ A shape that none of these reconcile is a TracerError naming the point and both 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 import torch
 
@@ -211,6 +212,28 @@ def head_dim_of(*traces: Trace) -> int | None:
     return None
 
 
+class Overlay(Mapping):
+    """`base` with some points replaced; reading a point reads `base` only when it was not replaced."""
+
+    def __init__(self, base: Mapping):
+        self.base, self.changed = base, {}
+
+    def __getitem__(self, point):
+        return self.changed[point] if point in self.changed else self.base[point]
+
+    def __setitem__(self, point, tensor):
+        self.changed[point] = tensor
+
+    def __iter__(self):
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __contains__(self, point) -> bool:
+        return point in self.base
+
+
 def align(reference: Trace, candidate: Trace) -> tuple[Trace, Trace, list[str]]:
     """Both traces with every shared point in one shape, and the notes saying how.
 
@@ -218,7 +241,8 @@ def align(reference: Trace, candidate: Trace) -> tuple[Trace, Trace, list[str]]:
     another runtime's name are left as they are (`compare_point` checks their shapes).
     """
     fixes = Fixes()
-    ref_tensors, cand_tensors = dict(reference.tensors), dict(candidate.tensors)
+    # Overlays, not copies: a spilled trace's tensors stay on disk until a point is read.
+    ref_tensors, cand_tensors = Overlay(reference.tensors), Overlay(candidate.tensors)
     head_dim = head_dim_of(reference, candidate)
     for point in [p for p in reference.points if p in candidate]:
         if not (is_foreign(reference, point) or is_foreign(candidate, point)):

@@ -45,3 +45,22 @@ def test_spilled_trace_compares_like_the_in_memory_one(tiny_llama, tmp_path):
     from_disk, from_memory = tracer.compare(reference, spilled), tracer.compare(reference, in_memory)
     assert from_disk.first_divergence["point"] == from_memory.first_divergence["point"]
     assert [p.rel_l2 for p in from_disk.points] == [p.rel_l2 for p in from_memory.points]
+
+
+def test_aligning_two_native_traces_reads_no_tensor(tiny_llama, tmp_path):
+    """A spilled trace stays on disk through `align`: at most a few shapes are looked at (head_dim)."""
+    from tracer.layouts import align
+    from tracer.spill import SpilledTensors
+
+    class Counting(SpilledTensors):
+        reads = 0
+
+        def __getitem__(self, point):
+            Counting.reads += 1
+            return super().__getitem__(point)
+
+    engine = ReimplEngine.load(tiny_llama(), {})
+    spilled = engine.record([1, 5, 9, 2], DiskRecorder(tmp_path / "a"))
+    counted = tracer.Trace(Counting(spilled.tensors.files), spilled.meta)
+    align(counted, counted)
+    assert Counting.reads < len(spilled) / 4

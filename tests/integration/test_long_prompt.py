@@ -1,0 +1,29 @@
+"""A 2048-token run on the bundled model stays under 4 GB resident (issue 7's bound)."""
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+TEXT = (Path(__file__).resolve().parents[1] / "data" / "porting.txt").read_text()
+
+
+def test_2048_tokens_in_bounded_memory(default_model, tmp_path):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text((TEXT + "\n") * 8)  # ~2460 tokens, cut to 2048
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run([sys.executable, "-m", "tracer", "run", "--prompt-file", str(prompt), "--max-tokens", "2048",
+                           "--variant", "theta=10000", "--no-report", "--json", "-"],
+                          capture_output=True, text=True, timeout=1200)
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads(proc.stdout)
+    assert len(payload["tokens"]) == 2048
+    assert payload["first_divergence"]["point"] == "model.layers.0.self_attn.q_rope"
+    assert any("last 128 query rows" in note for note in payload["notes"])
+    assert any("temporary folder" in note for note in payload["notes"])
+    scores = next(p for p in payload["points"] if p["point"] == "model.layers.0.self_attn.scores")
+    assert scores["shape"] == [9, 128, 2048]
+    assert peak_kb > before or before < 4_000_000  # this child is the largest so far, or all stayed below
+    assert peak_kb < 4_000_000, f"peak resident {peak_kb / 1e6:.2f} GB"
