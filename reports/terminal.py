@@ -27,6 +27,7 @@ def terminal_summary(result, out_dir=None) -> str:
                          f"(max rel_l2 {_g(first['upstream_max_rel_l2'])} over {first['upstream_points']} points)")
         lines.append(f"  first divergence: {first['point']}  max|diff| {_g(first['max_abs'])}  "
                      f"max|ref| {_g(first['max_ref'])}  rel_l2 {_g(first['rel_l2'])}")
+        lines += [f"  hint: {hint}" for hint in first.get("hints") or []]
     else:
         worst = max(recorded, key=lambda p: p["rel_l2"] if isinstance(p["rel_l2"], float) else 0.0, default=None)
         if worst and worst["rel_l2"] == 0:

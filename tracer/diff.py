@@ -69,8 +69,8 @@ class Tolerance:
                     "text": f"|diff| > {atol:.0e} + {rtol:.0e}·|ref| anywhere"}
         return {"criterion": "rel_l2", "rel_l2": self.rel_l2, "noise_factor": self.noise_factor,
                 "noise_floor": self.noise_floor,
-                "text": f"rel_l2 > max({self.noise_floor:.0e}, {self.noise_factor:g} × noise) "
-                        f"(rel_l2 > {self.rel_l2:.0e} where no noise estimate exists)"}
+                "text": f"rel_l2 > max({self.noise_floor:.0e}, {self.noise_factor:g} × noise), "
+                        f"else > {self.rel_l2:.0e}"}
 
 
 @dataclass(frozen=True)
