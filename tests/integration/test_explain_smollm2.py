@@ -55,3 +55,14 @@ def test_diagnose_names_the_mistake_a_recorded_trace_makes(default_model, tmp_pa
     knob = next(iter(parse_variant(variant)))
     assert knob in KNOBS and result.best["variant"].startswith(f"{knob}=")
     assert result.best["score"] > 0.9
+
+
+def test_kv_repeat_tile_differs_only_in_heads_whose_kv_head_moves(default_model):
+    result = tracer.run(default_model, PROMPT, variant="kv_repeat=tile", greedy=0)
+    first = result.first_divergence
+    assert first["point"] == "model.layers.0.self_attn.scores"
+    # 9 query heads on 3 kv heads: interleave gives head h kv head h // 3, tile gives h % 3.
+    same_kv = [h for h in range(9) if h // 3 == h % 3]
+    assert same_kv == [0, 4, 8]
+    assert [h for h, value in enumerate(first["by_head"]) if value == 0.0] == same_kv
+    assert any("GQA head mapping" in hint for hint in first["hints"])
