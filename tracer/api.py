@@ -284,7 +284,7 @@ def load_trace(trace_or_path, aliases=None) -> Trace:
 
 def _recorded_comparison(source, reference_side, cand_engine, ids, tolerance, noise_floor, sink, timings) -> Result:
     """Record both sides (into `sink(side)`: memory or a spill folder), measure noise and local error, compare."""
-    reference, ref_engine, reference_variant = reference_side
+    ref_engine = reference_side[1]  # (engine name, engine, variant)
     with timed(timings, "reference_s"):
         stage("reference")
         ref_trace = ref_engine.record(ids, sink("reference"))
@@ -293,7 +293,7 @@ def _recorded_comparison(source, reference_side, cand_engine, ids, tolerance, no
         cand_trace = cand_engine.record(ids, sink("candidate"))
     with timed(timings, "noise_s"):
         stage("noise floor")
-        noise, noise_note = _noise(source, reference, ref_trace, reference_variant, sink) if noise_floor else (None, [])
+        noise, noise_note = _noise(source, reference_side, ref_trace, sink) if noise_floor else (None, [])
     with timed(timings, "local_s"):
         local = _local_errors(cand_engine, ref_trace, sink)
     result = compare(ref_trace, cand_trace, tolerance, noise=noise, local=local)
@@ -333,14 +333,24 @@ def timed(timings: dict, key: str):
         timings[key] = time.perf_counter() - started
 
 
-def _noise(source, reference: str, ref_trace: Trace, reference_variant: dict, sink):
-    """(noise per point, notes): nothing to measure against for a saved reference trace."""
-    if reference.startswith("file:"):
-        return None, ["no noise floor for a saved reference trace: points judged by the fixed rel_l2 bound"]
-    from tracer.noise import estimate_noise
+def _noise(source, reference: tuple, ref_trace: Trace, sink):
+    """(noise per point, notes): nothing to measure against for a saved reference trace.
 
+    Past NOISE_TOKENS tokens the noise is measured on the prompt's first NOISE_TOKENS: an f64
+    forward costs twice the memory of the f32 one, and rounding noise is a per-op property.
+    """
+    name, engine, reference_variant = reference
+    if name.startswith("file:"):
+        return None, ["no noise floor for a saved reference trace: points judged by the fixed rel_l2 bound"]
+    from tracer.noise import NOISE_TOKENS, estimate_noise
+
+    notes = []
+    if len(ref_trace.tokens) > NOISE_TOKENS:
+        ref_trace = engine.record(ref_trace.tokens[:NOISE_TOKENS])
+        notes.append(f"noise floor measured on the first {NOISE_TOKENS} tokens (an f64 run of all of them "
+                     "would double the memory)")
     try:
-        return estimate_noise(source, ref_trace, reference_variant, sink("noise")), []
+        return estimate_noise(source, ref_trace, reference_variant, sink("noise")), notes
     except TracerError as exc:
         return None, [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
 

@@ -12,6 +12,8 @@ from tracer.diff import compare_points, Tolerance
 from tracer.engines import ReimplEngine
 from tracer.trace import Trace
 
+NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many first tokens
+
 
 def estimate_noise(source, reference: Trace, reference_variant: dict, recorder=None) -> dict[str, float]:
     """Per point, rel_l2 between `reference` and an f64 run of the same model and variant.
