@@ -169,7 +169,7 @@ def sweep(
             prompt. A variant that fails to load is a row with its error instead.
     """
     from tracer.api import (
-        DEFAULT_PROMPT, _detokenizer, _notes, check_tokens, greedy_continuation, greedy_summary, resolve_source,
+        DEFAULT_PROMPT, _detokenizer, _noise, _notes, check_tokens, greedy_continuation, greedy_summary, resolve_source,
         token_ids,
     )
     from tracer.model import check_prompt
@@ -188,7 +188,8 @@ def sweep(
     check_tokens(ids, ref_engine)
     ref_trace = ref_engine.record(ids)
     ref_greedy = greedy_continuation(ref_engine, ids, greedy) if greedy else None
-    noise, noise_notes = _noise_floor(source, reference, ref_trace, reference_knobs) if noise_floor else (None, [])
+    noise, noise_notes = (_noise(source, (reference, ref_engine, reference_knobs), ref_trace, lambda side: None)
+                          if noise_floor else (None, []))
     load_candidate = _candidate_loader(candidate, source)
     if parsed is None:
         texts = default_variants(load_candidate.spec if hasattr(load_candidate, "spec") else _file_spec(source))
@@ -252,18 +253,6 @@ def _candidate_loader(candidate: str, source):
     if candidate.startswith("file:"):
         raise TracerError("a sweep runs variants; a saved trace (file:PATH) cannot be the candidate")
     return lambda knobs: load_engine(candidate, source, knobs)
-
-
-def _noise_floor(source, reference: str, ref_trace, knobs: dict) -> tuple[dict | None, list[str]]:
-    """The reference's f32 rounding noise per point, measured once for every row (as `run` does)."""
-    from tracer.noise import estimate_noise
-
-    if reference.startswith("file:"):
-        return None, ["no noise floor for a saved reference trace: points judged by the fixed rel_l2 bound"]
-    try:
-        return estimate_noise(source, ref_trace, knobs), []
-    except TracerError as exc:
-        return None, [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
 
 
 def _file_spec(source):
