@@ -10,6 +10,7 @@ Python API as a `TracerError`, and with `--json -` stdout is exactly one JSON ob
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -24,6 +25,7 @@ from safetensors.torch import load_file, save_file
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tracer.cli import main
+from tracer.config import HF_ACTIVATIONS
 from tracer.errors import TracerError
 from tracer.variants import KNOBS
 
@@ -184,10 +186,76 @@ def _(tmp):
 
 
 @row("config.json key of the wrong type",
-     r"config\.json key 'num_attention_heads' must be a positive integer, got '4'")
+     r"config\.json key 'num_attention_heads' must be a positive integer, got \"4\"")
 def _(tmp):
     m = edit_config(model(tmp), lambda c: c.update(num_attention_heads="4"))
     return run_args(tmp, m), both(m, tmp)
+
+
+# A malformed value of a key the readers read: both loaders name it before transformers sees the
+# file, as the file spells it (JSON: "2", null, NaN). One row per kind of check; the other values
+# of each kind, and the candle reader, are in test_config.py. (key, value written, what it must be)
+BAD_CONFIG_VALUES = [
+    ("rope_theta", "abc", "a positive finite number"),
+    ("rope_theta", 0, "a positive finite number"),
+    ("rope_theta", math.nan, "a positive finite number"),  # Python's json module writes and reads NaN
+    ("rms_norm_eps", -1e-5, "a positive finite float such as 1e-05"),
+    ("rms_norm_eps", 1, "a positive finite float such as 1e-05"),  # transformers' strict config: float only
+    ("max_position_embeddings", "x", "a positive integer"),
+    ("num_key_value_heads", 3, "a divisor of num_attention_heads (4)"),
+    ("num_key_value_heads", "2", "a positive integer"),
+    ("head_dim", 0, "an even positive integer (RoPE rotates pairs)"),
+    ("tie_word_embeddings", "no", "true or false"),  # bool("no") is True: it read as a tied model
+    ("attention_bias", "false", "true or false"),
+    ("hidden_act", "swishy", f"an activation transformers knows ({', '.join(sorted(HF_ACTIVATIONS))})"),
+    ("rope_scaling", "linear", "an object or null"),
+]
+
+
+def bad_value_row(key: str, value, expected: str) -> None:
+    written = json.dumps(value)
+
+    @row(f"config.json {key}: {written}",
+         rf"config\.json key '{key}' must be {re.escape(expected)}, got {re.escape(written)}")
+    def _(tmp):
+        m = edit_config(model(tmp), lambda c: c.update({key: value}))
+        return run_args(tmp, m), both(m, tmp)
+
+
+for bad in BAD_CONFIG_VALUES:
+    bad_value_row(*bad)
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 4}
+
+
+@row("config.json rope_parameters.rope_theta: -1.0",
+     r"config\.json key 'rope_parameters\.rope_theta' must be a positive finite number, got -1\.0")
+def _(tmp):
+    m = model(tmp, rope_format="v5", rope_theta=-1.0)
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("config.json rope_scaling linear without factor",
+     r"config\.json key 'rope_scaling' lacks the key 'factor' that rope_type 'linear' requires")
+def _(tmp):
+    m = model(tmp, rope_scaling={"rope_type": "linear"})
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("config.json rope_parameters llama3 without factor",
+     r"config\.json key 'rope_parameters' lacks the key 'factor' that rope_type 'llama3' requires")
+def _(tmp):
+    m = model(tmp, rope_format="v5", rope_scaling={k: v for k, v in LLAMA3.items() if k != "factor"})
+    return run_args(tmp, m), both(m, tmp)
+
+
+@row("config.json value only candle reads, under config=candle",
+     r"config\.json key 'rope_theta' must be a positive finite number, got \"abc\"")
+def _(tmp):
+    # transformers takes theta from rope_parameters and never reads the top-level key; candle reads only it.
+    m = edit_config(model(tmp, rope_format="v5"), lambda c: c.update(rope_theta="abc"))
+    return run_args(tmp, m, "--variant", "config=candle"), api_run(m, tmp, variant="config=candle")
 
 
 @row("truncated safetensors",
