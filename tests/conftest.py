@@ -71,6 +71,11 @@ def tiny_llama(tmp_path):
 
 TOKENS = [1, 17, 5, 42, 8, 63, 3]
 
+# Python source for a child process's own peak resident size in kB. Not ru_maxrss: across exec,
+# Linux carries the parent's high-water mark into the child's ru_maxrss, so a child of a test
+# suite holding 4 GB would report at least 4 GB. VmHWM belongs to the child's own address space.
+OWN_PEAK_KB = "int(next(line for line in open('/proc/self/status') if line.startswith('VmHWM')).split()[1])"
+
 
 @pytest.fixture(scope="session")
 def default_model():
