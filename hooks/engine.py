@@ -17,8 +17,8 @@ from contextlib import ExitStack
 import torch
 
 from tracer.config import LlamaSpec, load_config, read_hf, variant_spec
-from tracer.engines import is_loaded_model, per_layer, trace_meta
-from tracer.errors import TracerError
+from tracer.engines import check_device, is_loaded_model, per_layer, trace_meta
+from tracer.errors import TracerError, one_line
 from tracer.llama import TORCH_DTYPES
 from tracer.trace import Trace, TraceRecorder
 from tracer.variants import check_engine
@@ -39,9 +39,14 @@ class HFEngine:
         self.model, self.variant, self.label = model, variant, label
         self.layer_prefixes = [n for n, _ in model.named_modules() if _LAYER_NAME.fullmatch(n)]
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     @classmethod
-    def load(cls, source, variant: dict) -> HFEngine:
-        """`source`: a model path (None for the bundled default) or a loaded `LlamaForCausalLM`."""
+    def load(cls, source, variant: dict, device: str | torch.device = "cpu") -> HFEngine:
+        """`source`: a model path (None for the bundled default) or a loaded `LlamaForCausalLM`,
+        which is recorded where it is (its own device; `device` is for models loaded here)."""
         check_engine(variant, cls.name)
         if is_loaded_model(source):
             if variant:
@@ -49,8 +54,9 @@ class HFEngine:
             return cls(source.eval(), {}, source.config.to_dict().get("_name_or_path") or "loaded model")
         from tracer.model import resolve_model
 
+        device = check_device(device)
         model_dir = resolve_model(source)
-        return cls(_load(model_dir, variant), variant, str(model_dir))
+        return cls(_load(model_dir, variant).to(device), variant, str(model_dir))
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +74,7 @@ class HFEngine:
         with ExitStack() as stack, torch.inference_mode():
             stack.enter_context(recording_modules(self.model, recorder, self.layer_prefixes))
             stack.enter_context(recording_attention(self.model, recorder, names))
-            self.model(input_ids=torch.tensor([tokens]), use_cache=False)
+            self.model(input_ids=self._ids(tokens), use_cache=False)
         not_recorded = per_layer(len(self.layer_prefixes), unobservable_points(implementation))
         meta = trace_meta(self, self.label, tokens, self.model.dtype, not_recorded,
                           num_layers=len(self.layer_prefixes), attn_implementation=implementation,
@@ -77,7 +83,10 @@ class HFEngine:
 
     @torch.inference_mode()
     def logits(self, tokens: list[int]) -> torch.Tensor:
-        return self.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
+        return self.model(input_ids=self._ids(tokens), use_cache=False).logits[0]
+
+    def _ids(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor([tokens], device=self.model.device)  # (1, T)
 
 
 def _load(model_dir, variant: dict):
@@ -91,7 +100,10 @@ def _load(model_dir, variant: dict):
     # default (hidden_size 4096); our readers name the file or the key in one line first.
     read_hf(load_config(model_dir))
     check_weight_files(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - e.g. "use_cache": "yes", a key our readers do not use
+        raise TracerError(f"transformers cannot read {model_dir}/config.json: {one_line(exc)}") from None
     if variant:
         file_config = load_config(model_dir)
         write_spec(config, read_hf(file_config), variant_spec(file_config, variant))
@@ -112,7 +124,7 @@ def _load(model_dir, variant: dict):
             ignore_mismatched_sizes=True,
         )
     except (OSError, RuntimeError, ValueError) as exc:
-        raise TracerError(f"transformers cannot load {model_dir}: {str(exc).strip().splitlines()[0]}") from None
+        raise TracerError(f"transformers cannot load {model_dir}: {one_line(exc)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bar_was_on:

@@ -132,7 +132,7 @@ _PAGE = _ENV.from_string("""<!DOCTYPE html>
 </head>
 <body>
 <h1>tracer sweep</h1>
-<p class="sub">{{ reference }} vs {{ candidate }}[variant] on {{ model }}{% if prompt %} · prompt “{{ prompt }}”{% endif %} · fails when {{ tolerance }} · greedy {{ greedy_steps }} tokens per variant</p>
+<p class="sub">{{ reference }} vs {{ candidate }}[variant] on {{ model }}{% if prompt %} · prompt “{{ prompt }}”{% endif %} · fails when {{ tolerance }} · {% if greedy_steps %}greedy {{ greedy_steps }} tokens per variant{% else %}no greedy decoding{% endif %}</p>
 <table id="points">
 <thead><tr><th>variant</th><th>verdict</th><th>first divergence</th><th class="num">rel_l2 there</th>
 <th class="num">logits max|diff| (last)</th><th class="num">argmax agree</th><th class="num">greedy same prefix</th><th>error</th></tr></thead>

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, one_line
 from tracer.points import EMBED, FINAL_NORM, LAYER_POINTS, LOGITS
 
 L = "model.layers.{i}"
@@ -242,7 +242,7 @@ def load_alias_file(path: str | Path) -> dict[str, str | None]:
     try:
         mapping = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TracerError(f"cannot read aliases file {path}: {str(exc).splitlines()[0]}") from None
+        raise TracerError(f"cannot read aliases file {path}: {one_line(exc)}") from None
     if not isinstance(mapping, dict):
         raise TracerError(f"aliases file {path}: expected a JSON object {{\"their_name\": \"our_point\"}}")
     for theirs, ours in mapping.items():

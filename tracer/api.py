@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tracer.diff import Result, Tolerance, compare
-from tracer.engines import check_engine_name, environment, is_loaded_model, load_engine
+from tracer.engines import check_device, check_engine_name, environment, is_loaded_model, load_engine
 from tracer.errors import TracerError
 from tracer.progress import detail, stage, with_stages
 from tracer.spill import spill_folder
@@ -64,7 +64,8 @@ def check_tokens(ids: list[int], engine) -> None:
 
 
 @with_stages("load", "record")
-def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, progress: bool = True) -> Trace:
+def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device: str = "cpu", stream: bool = False,
+           progress: bool = True) -> Trace:
     """Record every point of one forward pass.
 
     Args:
@@ -73,6 +74,9 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, progres
         tokens_or_prompt: a prompt (tokenized with the model's tokenizer) or a list of token ids.
         engine: "hf" (transformers, observed) or "reimpl" (tracer's own Llama).
         variant: knobs such as "theta=10000" or {"theta": 10000}; see `tracer variants`.
+        device: where the model runs ("cpu", "cuda", "cuda:1", "mps"); the trace is kept on the CPU.
+        stream: reimpl only: read each block's weights from the memory-mapped files when it runs,
+            so memory holds one block (for checkpoints larger than memory).
 
     Returns:
         The `Trace`: point name -> tensor in execution order, with metadata.
@@ -83,8 +87,12 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, progres
     is_prompt = isinstance(tokens_or_prompt, str)
     if is_prompt:
         check_prompt(tokens_or_prompt)  # before loading anything: a bad prompt fails in no time
+    check_engine_name(engine)
+    check_device(device)
+    if stream and engine != "reimpl":
+        raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); the {engine} engine cannot")
     source = resolve_source(model, progress)
-    runner = load_engine(engine, source, parse_variant(variant))
+    runner = load_engine(engine, source, parse_variant(variant), device=device, stream=stream)
     ids = token_ids(source, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt)
     check_tokens(ids, runner)
     stage("record")
@@ -139,6 +147,8 @@ def run(
     progress: bool = True,
     noise_floor: bool = True,
     max_tokens: int | None = None,
+    device: str = "cpu",
+    stream: bool = False,
 ) -> Result:
     """Trace a reference and a candidate on the same tokens and localize the first divergence.
 
@@ -155,6 +165,9 @@ def run(
         noise_floor: judge each point against the rounding noise measured by an f64 run of the
             reference model (default); False: against the fixed `Tolerance.rel_l2`.
         max_tokens: keep only the first `max_tokens` tokens of the prompt.
+        device: where both models run ("cpu", "cuda", "cuda:1", "mps"); traces are kept on the CPU.
+        stream: a reimpl side reads each block's weights from the files when it runs (one block
+            in memory); an hf side loads the whole model, which the notes say.
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
     there (`tracer.spill`), and attention matrices over 128 tokens keep their last 128 query
@@ -171,17 +184,19 @@ def run(
     reference_variant, variant = parse_variant(reference_variant), parse_variant(variant)
     for engine_name in (reference, candidate):
         check_engine_name(engine_name)
+    check_device(device)
     if tokens is None and prompt is not None:
         check_prompt(prompt)  # before loading anything: a bad prompt fails in no time
     timings = {}
     started = time.perf_counter()
     source = resolve_source(model, progress)
-    ref_engine = load_engine(reference, source, reference_variant)
-    cand_engine = load_engine(candidate, source, variant)
+    ref_engine = load_engine(reference, source, reference_variant, device=device, stream=stream)
+    cand_engine = load_engine(candidate, source, variant, device=device, stream=stream)
     timings["load_s"] = time.perf_counter() - started
     ids = token_ids(source, None if tokens is not None else prompt, tokens)
     truncated = max_tokens is not None and len(ids) > max_tokens
     notes = [f"prompt truncated from {len(ids)} to its first {max_tokens} tokens"] if truncated else []
+    notes += _stream_notes(stream, (reference, candidate))
     ids = ids[:max_tokens] if truncated else ids
     for engine in (ref_engine, cand_engine):
         check_tokens(ids, engine)
@@ -210,7 +225,7 @@ def run(
     result.environment = environment()
     result.command = command if command is not None else run_command(
         model, prompt, ids if tokens is not None else None, reference, candidate, variant,
-        reference_variant, atol, rtol, greedy, noise_floor, out, max_tokens if tokens is None else None)
+        reference_variant, atol, rtol, greedy, noise_floor, out, max_tokens if tokens is None else None, device, stream)
     result.timings = timings
     result.config_audit = _config_audit(source, variant)
     if out is not None:
@@ -310,6 +325,13 @@ def _config_audit(source, variant: dict) -> dict | None:
     return audit(load_config(source), variant.get("resave", "none"))
 
 
+def _stream_notes(stream: bool, engines: tuple[str, ...]) -> list[str]:
+    """Streaming is the reimplementation's; an hf side asked to stream loads its whole model, said here."""
+    if stream and "hf" in engines:
+        return ["stream: the hf engine loads its whole model (only the reimpl engine reads weights block by block)"]
+    return []
+
+
 def _memory_notes(num_tokens: int) -> list[str]:
     from tracer.spill import SPILL_TOKENS
     from tracer.trace import ATTENTION_ROWS
@@ -350,7 +372,7 @@ def _noise(source, reference: tuple, ref_trace: Trace, sink):
         notes.append(f"noise floor measured on the first {NOISE_TOKENS} tokens (an f64 run of all of them "
                      "would double the memory)")
     try:
-        return estimate_noise(source, ref_trace, reference_variant, sink("noise")), notes
+        return estimate_noise(source, ref_trace, reference_variant, sink("noise"), engine.device), notes
     except TracerError as exc:
         return None, [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
 
@@ -365,7 +387,7 @@ def _local_errors(engine, reference: Trace, sink) -> dict[str, float] | None:
 
 
 def run_command(model, prompt, tokens, reference, candidate, variant, reference_variant,
-                atol, rtol, greedy, noise_floor, out, max_tokens=None) -> str | None:
+                atol, rtol, greedy, noise_floor, out, max_tokens=None, device="cpu", stream=False) -> str | None:
     """The `tracer run` line that repeats a Python `run` call, for the report (None for a model
     object, which no command line can name). Defaults are left out, like a person would."""
     if is_loaded_model(model):
@@ -389,6 +411,8 @@ def run_command(model, prompt, tokens, reference, candidate, variant, reference_
     args += ["--rtol", repr(rtol)] if rtol is not None else []
     args += ["--greedy", str(greedy)] if greedy != GREEDY_STEPS else []
     args += [] if noise_floor else ["--no-noise"]
+    args += ["--device", str(device)] if str(device) != "cpu" else []
+    args += ["--stream"] if stream else []
     args += ["--out", str(out)] if out is not None else ["--no-report"]
     return shlex.join(args)
 

@@ -34,6 +34,12 @@ def _model_and_input(parser: argparse.ArgumentParser) -> None:
                         help="candidate knobs, e.g. theta=10000 (repeatable; see `tracer variants`)")
 
 
+def _placement(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="where the models run: cpu | cuda | cuda:N | mps (default cpu)")
+    parser.add_argument("--stream", action="store_true",
+                        help="reimpl reads each block's weights from the files when it runs: one block in memory")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tracer", description="Find where a Llama port diverges from transformers.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -55,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-report", action="store_true", help="write no report folder")
     run.add_argument("--json", metavar="-|FILE", help="write the result as JSON (- for stdout, nothing else there)")
     run.add_argument("--fail-on-divergence", action="store_true", help="exit with code 1 when a point diverges")
+    _placement(run)
 
     cmp = commands.add_parser("compare", help="compare two saved traces (tracer's, or another runtime's dump)")
     cmp.add_argument("reference", help="reference trace file (.safetensors)")
@@ -72,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_and_input(rec)
     rec.add_argument("--engine", default="hf", choices=("hf", "reimpl"))
     rec.add_argument("-o", "--output", required=True, type=Path, help="trace file to write (.safetensors)")
+    _placement(rec)
 
     commands.add_parser("variants", help="list every knob: values, default, engines, what it reproduces")
 
@@ -81,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--variants", action="append", metavar="K=V[,K=V][;...]",
                       help="variants to try (default: the catalogue)")
     diag.add_argument("--json", metavar="-|FILE", help="write the ranking as JSON (- for stdout, nothing else there)")
+    _placement(diag)
 
     swp = commands.add_parser("sweep", help="the reference once, then every variant against it (default: one per knob)")
     swp.add_argument("--model", help="HF Llama directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
@@ -94,12 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     swp.add_argument("--reference-variant", action="append", default=[], metavar="K=V[,K=V]",
                      help="knobs for the reference side")
     swp.add_argument("--candidate", default="reimpl", help="engine the variants run on: reimpl | hf (default reimpl)")
-    swp.add_argument("--greedy", type=int, default=5, help="greedy tokens per variant (default 5)")
+    swp.add_argument("--greedy", type=int, default=0, help="greedy tokens per variant, each a forward (default 0)")
     swp.add_argument("--no-noise", action="store_true",
                      help="skip the f64 noise-floor run; judge points by the fixed rel_l2 bound (1e-4)")
     swp.add_argument("--out", default=DEFAULT_SWEEP_OUT, help=f"report folder (default ./{DEFAULT_SWEEP_OUT})")
     swp.add_argument("--no-report", action="store_true", help="write no report folder")
     swp.add_argument("--json", metavar="-|FILE", help="write the sweep as JSON (- for stdout, nothing else there)")
+    _placement(swp)
 
     cfg = commands.add_parser("config", help="how transformers and candle 0.11 read config.json, and where they differ")
     cfg.add_argument("--model", help="HF Llama directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
@@ -136,7 +146,7 @@ def cmd_run(args) -> int:
         args.model, prompt, tokens=tokens, reference=args.reference, candidate=args.candidate,
         variant=args.variant, reference_variant=args.reference_variant, atol=args.atol, rtol=args.rtol,
         greedy=args.greedy, out=None if args.no_report else args.out, command=_command_line(),
-        noise_floor=not args.no_noise, max_tokens=args.max_tokens,
+        noise_floor=not args.no_noise, max_tokens=args.max_tokens, device=args.device, stream=args.stream,
         progress=args.json != "-",
     )
     if args.json:
@@ -170,7 +180,7 @@ def cmd_record(args) -> int:
 
     prompt, tokens = _prompt_and_tokens(args)
     trace = tracer.record(args.model, tokens if tokens is not None else prompt, engine=args.engine,
-                          variant=args.variant)
+                          variant=args.variant, device=args.device, stream=args.stream)
     trace.save(args.output)
     print(f"{trace.label}: {len(trace)} points on {len(trace.tokens)} tokens -> {args.output}")
     return 0
@@ -198,7 +208,7 @@ def cmd_sweep(args) -> int:
     result = sweep(args.model, prompt, tokens=tokens, variants=args.variants, reference=args.reference,
                    reference_variant=args.reference_variant, candidate=args.candidate, greedy=args.greedy,
                    out=None if args.no_report else args.out, command=_command_line(), progress=args.json != "-",
-                   noise_floor=not args.no_noise)
+                   noise_floor=not args.no_noise, device=args.device, stream=args.stream)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
@@ -213,7 +223,8 @@ def cmd_diagnose(args) -> int:
     from tracer.sweep import split_variants
 
     variants = split_variants(args.variants) if args.variants else None
-    result = diagnose(args.trace, args.model, variants=variants, progress=args.json != "-")
+    result = diagnose(args.trace, args.model, variants=variants, device=args.device, stream=args.stream,
+                      progress=args.json != "-")
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":

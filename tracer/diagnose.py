@@ -83,7 +83,8 @@ def catalogue(spec) -> list[str]:
     return variants
 
 
-def diagnose(trace, model=None, *, variants=None, progress: bool = True) -> Diagnosis:
+def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: bool = False,
+             progress: bool = True) -> Diagnosis:
     """Rank the variant catalogue by how well each reproduces an observed trace's error.
 
     Args:
@@ -109,8 +110,9 @@ def diagnose(trace, model=None, *, variants=None, progress: bool = True) -> Diag
     source = resolve_source(model, progress)
     with tempfile.TemporaryDirectory(prefix="tracer-diagnose-") as folder:
         path = observed_trace.save(Path(folder) / "observed.safetensors") if not isinstance(trace, (str, Path)) else trace
-        observed = run(source, tokens=observed_trace.tokens, candidate=f"file:{path}", greedy=0, progress=progress)
-    tried = sweep(source, tokens=observed_trace.tokens, greedy=0, progress=progress,
+        observed = run(source, tokens=observed_trace.tokens, candidate=f"file:{path}", greedy=0, progress=progress,
+                       device=device, stream=stream)
+    tried = sweep(source, tokens=observed_trace.tokens, greedy=0, progress=progress, device=device, stream=stream,
                   variants=variants if variants is not None else catalogue(read_hf(load_config(source))))
     ranking = [
         {"variant": row.variant, "score": resemblance(observed, row.result) if row.result is not None else 0.0,

@@ -11,7 +11,6 @@ Each engine has `name`, `variant`, `vocab_size`, `max_positions`, `record(tokens
 from __future__ import annotations
 
 import platform
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from tracer.trace import Trace, TraceRecorder
 from tracer.variants import check_engine
 
 ENGINES = ("hf", "reimpl", "file:PATH")
+DEVICES = ("cpu", "cuda", "mps")
 
 
 def environment() -> dict:
@@ -36,6 +36,23 @@ def environment() -> dict:
     return versions
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """A device this torch can run the model on; anything else is the user's error, in one line."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in DEVICES:
+        raise TracerError(f"unknown device {str(device)!r}; devices: {', '.join(DEVICES)} (cuda:N for one GPU of several)")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise TracerError(f"device {device}: torch {torch.__version__} sees no CUDA GPU here")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise TracerError(f"device {device}: there are {torch.cuda.device_count()} CUDA GPUs (cuda:0..)")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise TracerError(f"device {device}: torch {torch.__version__} sees no Apple GPU here")
+    return parsed
+
+
 def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype, not_recorded: dict, **extra) -> dict:
     """The metadata every engine writes into its traces."""
     return {
@@ -44,7 +61,7 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype, not_re
         "model": model,
         "tokens": list(tokens),
         "dtype": str(dtype).removeprefix("torch."),
-        "device": "cpu",
+        "device": str(engine.device),
         "versions": environment(),
         "not_recorded": not_recorded,
         **extra,
@@ -68,17 +85,24 @@ class ReimplEngine:
     def __init__(self, llama: Llama, model: str):
         self.llama, self.model, self.variant = llama, model, llama.variant
 
+    @property
+    def device(self) -> torch.device:
+        return self.llama.device
+
     @classmethod
-    def load(cls, source, variant: dict) -> ReimplEngine:
+    def load(cls, source, variant: dict, device: str | torch.device = "cpu", stream: bool = False) -> ReimplEngine:
+        """`stream`: read each block's weights from the memory-mapped files when it runs (one block in memory)."""
         from tracer.model import resolve_model
 
         check_engine(variant, cls.name)
+        placement = {"device": check_device(device), "stream": stream}
         if is_loaded_model(source):
             # An already loaded transformers model: its config and weights, read our own way.
             config = source.config.to_dict()
-            return cls(Llama.from_config(config, dict(source.state_dict()), variant), config.get("_name_or_path", "loaded model"))
+            llama = Llama.from_config(config, dict(source.state_dict()), variant, **placement)
+            return cls(llama, config.get("_name_or_path", "loaded model"))
         model_dir = resolve_model(source)
-        return cls(Llama.from_dir(model_dir, variant), str(model_dir))
+        return cls(Llama.from_dir(model_dir, variant, **placement), str(model_dir))
 
     @property
     def vocab_size(self) -> int:
@@ -107,6 +131,7 @@ class FileEngine:
     """A saved trace standing in for an engine: it can be compared, not run again."""
 
     name = "file"
+    device = "cpu"
 
     def __init__(self, path: str | Path, aliases=None):
         self.path = Path(path)
@@ -131,15 +156,19 @@ def check_engine_name(name: str) -> None:
         raise TracerError(f"unknown engine {name!r}; engines: {', '.join(ENGINES)}")
 
 
-def load_engine(name: str, source, variant: dict):
-    """`hf`, `reimpl` or `file:PATH` -> an engine ready to record."""
+def load_engine(name: str, source, variant: dict, *, device: str | torch.device = "cpu", stream: bool = False):
+    """`hf`, `reimpl` or `file:PATH` -> an engine ready to record, its model on `device`.
+
+    `stream` (reimpl only) keeps one block's weights in memory at a time; the hf engine loads the
+    whole model (for checkpoints larger than memory, see transformers' `device_map` offloading).
+    """
     check_engine_name(name)
     if name == "reimpl":
-        return ReimplEngine.load(source, variant)
+        return ReimplEngine.load(source, variant, device, stream)
     if name == "hf":
         from tracer.hooks import HFEngine
 
-        return HFEngine.load(source, variant)
+        return HFEngine.load(source, variant, device)
     if name.startswith("file:"):
         if variant:
             raise TracerError("a saved trace (file:PATH) cannot take variant knobs")

@@ -7,3 +7,9 @@ the same message. Anything else escaping is a bug in tracer.
 
 class TracerError(Exception):
     """A user-caused error: bad variant, missing file or tensor, shape mismatch, bad prompt."""
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """Another library's exception message as one line, short enough for a one-line CLI error."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -20,6 +20,7 @@ V vocab size.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -90,10 +91,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotary_cos_sin(spec: LlamaSpec, num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(spec: LlamaSpec, num_tokens: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (1, T, D), in the half-split layout (frequencies repeated, not interleaved)."""
-    positions = torch.arange(num_tokens)[None]  # (1, T)
-    freqs = positions[..., None].float() * rope_inv_freq(spec)  # (1, T, D/2)
+    positions = torch.arange(num_tokens, device=device)[None]  # (1, T)
+    # On the run's device, as transformers computes them: a GPU's cos/sin differ from the CPU's in the last bit.
+    freqs = positions[..., None].float() * rope_inv_freq(spec).to(device)  # (1, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (1, T, D)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -144,21 +147,21 @@ def repeat_kv_tile(x: torch.Tensor, groups: int) -> torch.Tensor:
 KV_REPEATS = {"interleave": repeat_kv, "tile": repeat_kv_tile}
 
 
-def causal_mask(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def causal_mask(num_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """(1, 1, T, T): 0 where attention is allowed, the dtype's most negative value above the diagonal."""
-    blocked = torch.ones(num_tokens, num_tokens, dtype=torch.bool).triu(1)
+    blocked = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).triu(1)
     # Built in the target dtype: f64's most negative value does not fit the default f32.
-    return torch.zeros(blocked.shape, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
+    return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
 
 
 def mask_additive(scores: torch.Tensor) -> torch.Tensor:
     """HF eager: add the min-float causal mask to the scores (1, H, T, T)."""
-    return scores + causal_mask(scores.shape[-1], scores.dtype)
+    return scores + causal_mask(scores.shape[-1], scores.dtype, scores.device)
 
 
 def mask_where(scores: torch.Tensor) -> torch.Tensor:
     """candle's masked_fill: future positions replaced by -inf (a where, not an add)."""
-    blocked = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)  # (T, T)
+    blocked = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)  # (T, T)
     return scores.masked_fill(blocked, float("-inf"))
 
 
@@ -307,17 +310,27 @@ def mlp(x, w: dict, spec: LlamaSpec, prefix: str, record: Recorder):
 def decoder_layer(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies, prefix: str, record: Recorder):
     h = strategies.norm(x, w["input_layernorm.weight"], spec.rms_norm_eps)
     record(f"{prefix}.input_layernorm", h)
-    h = x + self_attention(h, _sub(w, "self_attn."), spec, cos, sin, strategies, f"{prefix}.self_attn", record)
+    h = x + self_attention(h, Prefixed(w, "self_attn."), spec, cos, sin, strategies, f"{prefix}.self_attn", record)
     record(f"{prefix}.resid_mid", h)
     m = strategies.norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps)
     record(f"{prefix}.post_attention_layernorm", m)
-    out = h + mlp(m, _sub(w, "mlp."), spec, f"{prefix}.mlp", record)
+    out = h + mlp(m, Prefixed(w, "mlp."), spec, f"{prefix}.mlp", record)
     record(prefix, out)
     return out
 
 
-def _sub(weights: dict, prefix: str) -> dict:
-    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+class Prefixed:
+    """The weights under one module path, e.g. a layer's `self_attn.q_proj.weight` (a view: with
+    streamed weights nothing is read until a tensor is asked for)."""
+
+    def __init__(self, weights, prefix: str):
+        self.weights, self.prefix = weights, prefix
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[self.prefix + name]
+
+    def get(self, name: str, default=None):
+        return self.weights.get(self.prefix + name, default)
 
 
 # --- model -----------------------------------------------------------------------------------
@@ -327,41 +340,49 @@ class Llama:
     """A loaded model: spec, weights (checked against the spec), and the variant's strategies.
 
     `spec` is the file as the variant's config reader sees it (`Llama.from_config` picks the
-    reader); the config-level knobs (theta, eps, layers, ...) are applied to it here.
+    reader); the config-level knobs (theta, eps, layers, ...) are applied to it here. The
+    weights are converted to the variant's dtype on `device` once, or, with `stream=True`, read
+    and converted block by block during every forward, so that memory holds one block's
+    weights instead of the model's (for checkpoints larger than memory, and for the f64 copy
+    that measures the noise floor).
 
     Example:
         >>> model = Llama.from_dir(tracer.default_model_path(), {"theta": 10000.0})
         >>> logits = model.forward(torch.tensor([504, 3575, 282, 4649, 314]))  # (T, V)
     """
 
-    def __init__(self, spec: LlamaSpec, weights: dict[str, torch.Tensor], variant: dict | None = None):
+    def __init__(self, spec: LlamaSpec, weights: Mapping[str, torch.Tensor], variant: dict | None = None, *,
+                 device: torch.device | str = "cpu", stream: bool = False):
         self.variant = dict(variant or {})
         knobs = expand_presets(self.variant)
         self.spec, self.strategies = apply_overrides(spec, knobs), resolve_strategies(knobs)
-        self.weights = check_weights(self.spec, weights, self.strategies.dtype)
+        self.device = torch.device(device)
+        self.weights = prepare_weights(self.spec, weights, self.strategies.dtype, self.device, stream)
         self.unused_tensors = unused_tensors(self.spec, weights)
-        self.layers = [_sub(self.weights, f"model.layers.{i}.") for i in range(self.spec.num_hidden_layers)]
+        self.layers = [Prefixed(self.weights, f"model.layers.{i}.") for i in range(self.spec.num_hidden_layers)]
 
     @classmethod
-    def from_config(cls, config: dict, weights: dict[str, torch.Tensor], variant: dict | None = None) -> Llama:
+    def from_config(cls, config: dict, weights: Mapping[str, torch.Tensor], variant: dict | None = None,
+                    **placement) -> Llama:
         """From a config.json dict, read by the variant's reader (`config`, `resave` knobs)."""
-        return cls(read_config(config, expand_presets(variant or {})), weights, variant)
+        return cls(read_config(config, expand_presets(variant or {})), weights, variant, **placement)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, variant: dict | None = None) -> Llama:
-        from tracer.model import read_weights
+    def from_dir(cls, model_dir: str | Path, variant: dict | None = None, **placement) -> Llama:
+        """`placement`: `device`, and `stream=True` to read each block's weights from the files when it runs."""
+        from tracer.model import WeightFiles
 
-        return cls.from_config(load_config(model_dir), read_weights(model_dir), variant)
+        return cls.from_config(load_config(model_dir), WeightFiles(model_dir), variant, **placement)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, record: Recorder | None = None) -> torch.Tensor:
         """tokens (T,) int64 -> logits (T, V) ((1, V) with logits=last); every point goes to `record`."""
         record = record or _no_record
         spec, w = self.spec, self.weights
-        ids = tokens[None]  # (1, T)
+        ids = tokens.to(self.device)[None]  # (1, T)
         h = F.embedding(ids, w["model.embed_tokens.weight"])  # (1, T, C)
         record("model.embed_tokens", h)
-        cos, sin = rotary_cos_sin(spec, ids.shape[1], h.dtype)  # (1, T, D) each
+        cos, sin = rotary_cos_sin(spec, ids.shape[1], h.dtype, self.device)  # (1, T, D) each
         for i, layer in enumerate(self.layers):
             h = decoder_layer(h, layer, spec, cos, sin, self.strategies, f"model.layers.{i}", record)
         h = self.strategies.norm(h, w["model.norm.weight"], spec.rms_norm_eps)
@@ -403,20 +424,46 @@ def expected_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(spec: LlamaSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The spec's tensors in `dtype`, with a tied lm_head; a missing or misshapen tensor is a TracerError."""
+def check_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor the spec needs is there with its shape (read from the headers for weight
+    files); a missing or misshapen tensor, or an activation we lack, is a TracerError."""
     if spec.hidden_act not in ACTIVATIONS:
         raise TracerError(f"hidden_act {spec.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
-    weights = {}
+    shapes = tensors.shapes() if hasattr(tensors, "shapes") else {name: tuple(t.shape) for name, t in tensors.items()}
     for name, shape in expected_shapes(spec).items():
-        if name not in tensors:
+        if name not in shapes:
             raise TracerError(f"missing tensor {name} (expected shape {shape})")
-        if tuple(tensors[name].shape) != shape:
-            raise TracerError(f"shape mismatch for {name}: expected {shape}, file has {tuple(tensors[name].shape)}")
-        weights[name] = tensors[name].to(dtype)
+        if shapes[name] != shape:
+            raise TracerError(f"shape mismatch for {name}: expected {shape}, file has {shapes[name]}")
+
+
+def prepare_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                    device: torch.device, stream: bool) -> Mapping[str, torch.Tensor]:
+    """The spec's tensors in `dtype` on `device`, `lm_head.weight` tied to the embedding where the
+    config says so: converted now, or (`stream`) on every access."""
+    check_weights(spec, tensors)
+    names = {name: name for name in expected_shapes(spec)}
     if spec.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    return weights
+        names["lm_head.weight"] = "model.embed_tokens.weight"
+    if stream:
+        return StreamedWeights(tensors, names, dtype, device)
+    converted = {name: tensors[name].to(dtype=dtype, device=device) for name in expected_shapes(spec)}
+    return {name: converted[source] for name, source in names.items()}
+
+
+class StreamedWeights:
+    """name -> tensor, read from the (memory-mapped) files and converted on every access: a forward
+    holds the weights of the op it runs, at the price of reading them once per forward."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], dtype: torch.dtype,
+                 device: torch.device):
+        self.tensors, self.names, self.dtype, self.device = tensors, names, dtype, device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[self.names[name]].to(dtype=self.dtype, device=self.device)
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self.names else default
 
 
 def unused_tensors(spec: LlamaSpec, tensors: dict) -> list[str]:

@@ -22,23 +22,25 @@ def teacher_forced_trace(llama: Llama, reference: Trace, recorder=None) -> Trace
     """The candidate's points with every block fed the reference's input to that block."""
     recorder = recorder if recorder is not None else TraceRecorder()
     w, spec, strategies = llama.weights, llama.spec, llama.strategies
-    tokens = torch.tensor(reference.tokens)
+
+    def reference_input(point: str) -> torch.Tensor:
+        return reference[point][None].to(dtype=strategies.dtype, device=llama.device)  # (1, T, C)
+
+    tokens = torch.tensor(reference.tokens, device=llama.device)
     embedded = torch.nn.functional.embedding(tokens[None], w["model.embed_tokens.weight"])  # (1, T, C)
     recorder(EMBED, embedded)
-    cos, sin = rotary_cos_sin(spec, tokens.shape[0], embedded.dtype)  # (1, T, D)
+    cos, sin = rotary_cos_sin(spec, tokens.shape[0], embedded.dtype, llama.device)  # (1, T, D)
     block_input = EMBED
     for i, layer in enumerate(llama.layers):
         if block_input not in reference:
             break
-        h = reference[block_input][None].to(strategies.dtype)  # (1, T, C)
-        decoder_layer(h, layer, spec, cos, sin, strategies, layer_point(i, ""), recorder)
+        decoder_layer(reference_input(block_input), layer, spec, cos, sin, strategies, layer_point(i, ""), recorder)
         block_input = layer_point(i, "")
     last_block = layer_point(spec.num_hidden_layers - 1, "")
     if last_block in reference:
-        recorder(FINAL_NORM, strategies.norm(reference[last_block][None].to(strategies.dtype),
-                                             w["model.norm.weight"], spec.rms_norm_eps))
+        recorder(FINAL_NORM, strategies.norm(reference_input(last_block), w["model.norm.weight"], spec.rms_norm_eps))
     if FINAL_NORM in reference:
-        recorder(LOGITS, strategies.logits(reference[FINAL_NORM][None].to(strategies.dtype), w["lm_head.weight"]))
+        recorder(LOGITS, strategies.logits(reference_input(FINAL_NORM), w["lm_head.weight"]))
     return Trace(recorder.tensors, {"engine": "reimpl", "variant": llama.variant, "tokens": reference.tokens})
 
 

@@ -30,11 +30,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, one_line
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +47,7 @@ __all__ = [
     "detokenize",
     "gguf_model_path",
     "read_weights",
+    "WeightFiles",
     "resolve_model",
     "tokenize",
 ]
@@ -304,7 +305,7 @@ def _load_gguf_model(gguf: Path):
         # Damaged files and unsupported architectures surface here as anything from
         # struct.error to ValueError; the message keeps the reason and the chained exception
         # keeps the full traceback for anyone debugging with the API.
-        raise TracerError(f"cannot convert GGUF file {gguf}: {_one_line(exc)}") from exc
+        raise TracerError(f"cannot convert GGUF file {gguf}: {one_line(exc)}") from exc
     if model.config.model_type != "llama":
         raise TracerError(
             f"GGUF file {gguf} holds a {model.config.model_type!r} model; only Llama is supported"
@@ -363,7 +364,7 @@ def _write_tokenizer(gguf: Path, out: Path) -> None:
         tokenizer.save_pretrained(str(out))
     except Exception as exc:  # noqa: BLE001
         # The model is still usable with --tokens, so this is a warning, not a failure.
-        print(f"tracer: warning: no tokenizer from {gguf.name}: {_one_line(exc)}", file=sys.stderr)
+        print(f"tracer: warning: no tokenizer from {gguf.name}: {one_line(exc)}", file=sys.stderr)
         return
     if not (out / TOKENIZER_FILE).is_file():
         print(f"tracer: warning: no tokenizer.json could be made from {gguf.name}", file=sys.stderr)
@@ -447,20 +448,47 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- weights
 
 
+class WeightFiles(Mapping):
+    """Every tensor of a model directory (one file, an indexed set of shards, or all files), by
+    name, read from disk when asked for and not kept.
+
+    Opening reads only the headers: names, shapes and the checks (a damaged file, a tensor in two
+    files, an index naming an absent tensor) cost no tensor data. Reads are plain reads, not a
+    memory map, so a tensor nobody holds any more leaves resident memory: this is what lets the
+    reimplementation hold one block's weights at a time (`Llama(..., stream=True)`).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike):
+        from tracer.tensorfile import TensorFile
+
+        folder = Path(model_dir)
+        self.files = _weight_files(folder)
+        self._origin: dict[str, TensorFile] = {}
+        for file in self.files:
+            opened = TensorFile(file)
+            for name in opened.names():
+                if name in self._origin:
+                    raise TracerError(f"tensor {name} is in both {self._origin[name].path} and {file}")
+                self._origin[name] = opened
+        _check_index_complete(folder, self._origin)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._origin[name].read(name)
+
+    def __iter__(self):
+        return iter(self._origin)
+
+    def __len__(self) -> int:
+        return len(self._origin)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """name -> shape, from the headers alone."""
+        return {name: opened.shape(name) for name, opened in self._origin.items()}
+
+
 def read_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a model directory: one file, an indexed set of shards, or all files."""
-    folder = Path(model_dir)
-    files = _weight_files(folder)
-    tensors: dict[str, torch.Tensor] = {}
-    origin: dict[str, Path] = {}
-    for file in files:
-        for name, tensor in _read_safetensors(file).items():
-            if name in tensors:
-                raise TracerError(f"tensor {name} is in both {origin[name]} and {file}")
-            tensors[name] = tensor
-            origin[name] = file
-    _check_index_complete(folder, tensors)
-    return tensors
+    """Every tensor of a model directory, read into memory."""
+    return dict(WeightFiles(model_dir))
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -479,7 +507,7 @@ def _read_index(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise TracerError(f"cannot read index {index}: {_one_line(exc)}") from exc
+        raise TracerError(f"cannot read index {index}: {one_line(exc)}") from exc
     if not isinstance(weight_map, dict) or not weight_map:
         raise TracerError(f"cannot read index {index}: empty or malformed weight_map")
     return weight_map
@@ -507,25 +535,7 @@ def check_weight_files(model_dir: str | os.PathLike) -> list[Path]:
 
     For readers that would otherwise fail deep inside a library on a truncated or garbage file.
     """
-    from safetensors import safe_open
-
-    files = _weight_files(Path(model_dir))
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt"):
-                pass
-        except Exception as exc:  # noqa: BLE001 - any failure here means an unreadable user file
-            raise TracerError(f"cannot read safetensors file {file}: {_one_line(exc)}") from exc
-    return files
-
-
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(file))
-    except Exception as exc:  # noqa: BLE001 - any failure here means an unreadable user file
-        raise TracerError(f"cannot read safetensors file {file}: {_one_line(exc)}") from exc
+    return WeightFiles(model_dir).files
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -580,13 +590,4 @@ def _load_tokenizer(path: str, mtime_ns: int) -> Tokenizer:
     try:
         return Tokenizer.from_file(path)
     except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception on bad files
-        raise TracerError(f"cannot read tokenizer {path}: {_one_line(exc)}") from exc
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _one_line(exc: BaseException, limit: int = 160) -> str:
-    """The first line of an exception message, short enough for a one-line CLI error."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+        raise TracerError(f"cannot read tokenizer {path}: {one_line(exc)}") from exc

@@ -15,10 +15,13 @@ from tracer.trace import Trace
 NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many first tokens
 
 
-def estimate_noise(source, reference: Trace, reference_variant: dict, recorder=None) -> dict[str, float]:
+def estimate_noise(source, reference: Trace, reference_variant: dict, recorder=None, device="cpu") -> dict[str, float]:
     """Per point, rel_l2 between `reference` and an f64 run of the same model and variant.
 
     `recorder` (default: in memory) receives the f64 run's points, e.g. a `DiskRecorder` for long prompts.
+    The f64 weights are streamed block by block: a whole f64 copy would be the largest thing in
+    memory (twice the f32 model), for one forward.
     """
-    exact = ReimplEngine.load(source, {**reference_variant, "dtype": "f64"}).record(reference.tokens, recorder)
+    engine = ReimplEngine.load(source, {**reference_variant, "dtype": "f64"}, device, stream=True)
+    exact = engine.record(reference.tokens, recorder)
     return {p.point: p.rel_l2 for p in compare_points(reference, exact, Tolerance()) if p.recorded}

@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tracer.tensorfile import TensorFile
 from tracer.trace import kept
 
 # Past this many tokens a run spills its traces: SmolLM2's trace is ~1.5 MB per token in f32.
@@ -55,8 +55,8 @@ class SpilledTensors(Mapping):
         self.files = dict(files)
 
     def __getitem__(self, point: str) -> torch.Tensor:
-        with safe_open(str(self.files[point]), framework="pt") as f:
-            return f.get_tensor("value")
+        # A plain read, not a memory map: the point leaves resident memory with its last reference.
+        return TensorFile(self.files[point]).read("value")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)

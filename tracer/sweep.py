@@ -6,8 +6,9 @@ candidate (for reimpl, from the config and weights read once), records it and is
 variant that fails to load (`layers=31`, `head_dim=32`) is a row holding its error, not an abort;
 a variant that does not parse is an error before anything runs.
 
-Greedy decoding recomputes the whole sequence per token, so a sweep generates `SWEEP_GREEDY`
-tokens per variant by default instead of `run`'s 20.
+A variant costs one candidate forward and its diff. Greedy decoding recomputes the whole sequence
+per token (a forward per token and variant), so a sweep decodes none unless asked (`greedy=N`);
+the rows' logits (max |diff|, argmax agreement) already say what a variant does to the output.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tracer.diff import Result, Tolerance, compare
-from tracer.engines import ReimplEngine, environment, is_loaded_model, load_engine
+from tracer.engines import ReimplEngine, check_device, environment, is_loaded_model, load_engine
 from tracer.errors import TracerError
 from tracer.points import is_coarse
 from tracer.variants import KNOBS, check_engine, parse_variant, variant_text
 
-SWEEP_GREEDY = 5
+SWEEP_GREEDY = 0
 
 
 @dataclass
@@ -145,6 +146,8 @@ def sweep(
     command: str | None = None,
     progress: bool = True,
     noise_floor: bool = True,
+    device: str = "cpu",
+    stream: bool = False,
 ) -> Sweep:
     """Record the reference once and compare every variant of the candidate with it.
 
@@ -156,10 +159,11 @@ def sweep(
         reference, reference_variant: the reference engine and its knobs (default hf, none).
         candidate: the engine every variant runs on, "reimpl" (default) or "hf".
         atol, rtol: elementwise tolerance replacing the default relative-L2 criterion.
-        greedy: greedy tokens per variant (default 5; 0: none).
+        greedy: greedy tokens per variant (default 0: none; each token is a forward per variant).
         out: write the sweep report folder there (sweep.json, sweep.csv, sweep.png, sweep.html).
         noise_floor: judge points against the f64 rounding noise of the reference, measured once
             (as `tracer.run` does); False: against the fixed `Tolerance.rel_l2`.
+        device, stream: as in `tracer.run`.
 
     Returns:
         A `Sweep`: `rows` in the order given, `table()`, `to_dict()`.
@@ -178,19 +182,20 @@ def sweep(
     texts = None if variants is None else split_variants(variants)
     parsed = None if texts is None else [parse_variant(text) for text in texts]
     reference_knobs = parse_variant(reference_variant)
+    check_device(device)
     prompt = DEFAULT_PROMPT if prompt is None and tokens is None else prompt
     if tokens is None:
         check_prompt(prompt)  # before loading anything
     tolerance = Tolerance(atol=atol, rtol=rtol)
     source = resolve_source(model, progress)
-    ref_engine = load_engine(reference, source, reference_knobs)
+    ref_engine = load_engine(reference, source, reference_knobs, device=device, stream=stream)
     ids = token_ids(source, None if tokens is not None else prompt, tokens)
     check_tokens(ids, ref_engine)
     ref_trace = ref_engine.record(ids)
     ref_greedy = greedy_continuation(ref_engine, ids, greedy) if greedy else None
     noise, noise_notes = (_noise(source, (reference, ref_engine, reference_knobs), ref_trace, lambda side: None)
                           if noise_floor else (None, []))
-    load_candidate = _candidate_loader(candidate, source)
+    load_candidate = _candidate_loader(candidate, source, device, stream)
     if parsed is None:
         texts = default_variants(load_candidate.spec if hasattr(load_candidate, "spec") else _file_spec(source))
         parsed = [parse_variant(text) for text in texts]
@@ -230,29 +235,32 @@ def sweep(
 
 
 class _ReimplFromParts:
-    """Builds a reimpl candidate per variant from the config and weights read once."""
+    """Builds a reimpl candidate per variant from the config and weights read once (streamed:
+    the files opened once, each variant reading its blocks from them)."""
 
-    def __init__(self, source):
+    def __init__(self, source, device: str, stream: bool):
         from tracer.config import load_config, read_hf
-        from tracer.model import read_weights
+        from tracer.model import WeightFiles, read_weights
 
         self.label = str(source)
-        self.config, self.weights = load_config(source), read_weights(source)
+        self.config = load_config(source)
+        self.weights = WeightFiles(source) if stream else read_weights(source)
         self.spec = read_hf(self.config)
+        self.placement = {"device": check_device(device), "stream": stream}
 
     def __call__(self, knobs: dict) -> ReimplEngine:
         from tracer.llama import Llama
 
         check_engine(knobs, ReimplEngine.name)
-        return ReimplEngine(Llama.from_config(self.config, self.weights, knobs), self.label)
+        return ReimplEngine(Llama.from_config(self.config, self.weights, knobs, **self.placement), self.label)
 
 
-def _candidate_loader(candidate: str, source):
+def _candidate_loader(candidate: str, source, device: str, stream: bool):
     if candidate == "reimpl" and not is_loaded_model(source):
-        return _ReimplFromParts(source)
+        return _ReimplFromParts(source, device, stream)
     if candidate.startswith("file:"):
         raise TracerError("a sweep runs variants; a saved trace (file:PATH) cannot be the candidate")
-    return lambda knobs: load_engine(candidate, source, knobs)
+    return lambda knobs: load_engine(candidate, source, knobs, device=device, stream=stream)
 
 
 def _file_spec(source):

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, one_line
 from tracer.points import is_causal
 
 MANIFEST_KEY = "tracer"
@@ -110,7 +110,7 @@ class Trace:
         except Exception as exc:
             tmp.unlink(missing_ok=True)
             # A full disk or a read-only folder is the user's to fix; safetensors raises several types.
-            raise TracerError(f"cannot write trace {path}: {str(exc).strip().splitlines()[0]}") from exc
+            raise TracerError(f"cannot write trace {path}: {one_line(exc)}") from exc
         except BaseException:  # Ctrl-C: no .partial file left behind either
             tmp.unlink(missing_ok=True)
             raise
@@ -133,7 +133,7 @@ class Trace:
                 header = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as exc:  # safetensors raises several types for corrupt files
-            raise TracerError(f"cannot read trace {path}: {str(exc).splitlines()[0]}") from None
+            raise TracerError(f"cannot read trace {path}: {one_line(exc)}") from None
         if MANIFEST_KEY not in header:
             return import_foreign(tensors, header, path, aliases)
         manifest = _manifest(path, header[MANIFEST_KEY])
@@ -244,8 +244,10 @@ def kept(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """What a recorder keeps of a point: batch dropped, long attention matrices cut to their last rows."""
     value = tensor.detach()[0]
     if is_causal(name) and value.shape[-2] > ATTENTION_ROWS:
-        return value[..., -ATTENTION_ROWS:, :].clone()  # (H, rows, T); a view would keep (H, T, T) alive
-    return value
+        value = value[..., -ATTENTION_ROWS:, :]  # (H, rows, T)
+        # A view would keep (H, T, T) alive; a point from an accelerator comes to the CPU anyway.
+        return value.clone() if value.device.type == "cpu" else value.cpu()
+    return value.cpu()  # traces live on the CPU: compared, saved and kept apart from the device's memory
 
 
 class TraceRecorder:

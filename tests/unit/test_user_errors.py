@@ -393,6 +393,39 @@ def _(tmp):
     return args, lambda: tracer.record(m, TOKENS, engine="reimpl").save(tmp / "missing" / "t.safetensors")
 
 
+
+@row("unknown device", r"unknown device 'tpu'; devices: cpu, cuda, mps \(cuda:N for one GPU of several\)")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--device", "tpu"), api_run(m, tmp, device="tpu")
+
+
+@row("a GPU device on a machine without one", r"device cuda:0: torch .* sees no CUDA GPU here")
+def _(tmp):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    m = model(tmp)
+    return run_args(tmp, m, "--device", "cuda:0"), api_run(m, tmp, device="cuda:0")
+
+
+@row("record --stream on the hf engine",
+     r"stream is the reimpl engine's \(it reads weights block by block\); the hf engine cannot")
+def _(tmp):
+    m = model(tmp)
+    args = ["record", "--engine", "hf", "--stream", "--model", str(m), "--tokens", TOKEN_ARG,
+            "-o", str(tmp / "t.safetensors")]
+    return args, lambda: tracer.record(m, TOKENS, engine="hf", stream=True)
+
+
+@row("a config value only transformers checks",
+     r"transformers cannot read .*/config\.json: Validation error for field 'use_cache': .*expected bool, got str.*")
+def _(tmp):
+    m = edit_config(model(tmp), lambda c: c.update(use_cache="yes"))
+    return run_args(tmp, m), api_run(m, tmp)
+
+
 ROWS_BY_NAME = {r.name: r for r in ROWS}
 
 

@@ -1,0 +1,76 @@
+"""Reading safetensors files with plain reads instead of a memory map.
+
+A memory-mapped tensor stays resident, and counted in the process's resident size, for as long
+as its mapping lives; a tensor read here is ordinary memory, freed with its last reference. That
+is what lets the reimplementation stream one block's weights at a time and the diff read one
+spilled point at a time in bounded resident memory. `safetensors` itself validates each file
+when it is opened (its messages say what is wrong with a damaged one); this module reads bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+from tracer.errors import TracerError, one_line
+
+# safetensors dtype names -> torch dtypes (the float8 ones where this torch has them).
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+    **{name: getattr(torch, attr) for name, attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+       if hasattr(torch, attr)},
+}
+
+
+class TensorFile:
+    """One safetensors file: its header read once, each tensor read from disk when asked for."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        _validate(self.path)
+        with open(self.path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        self.data_start = 8 + size
+        self.entries: dict[str, dict] = header
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor `name`, in ordinary (not mapped) memory."""
+        entry = self.entries[name]
+        dtype = DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise TracerError(f"cannot read {name} in {self.path}: dtype {entry['dtype']} is not supported")
+        if sys.byteorder != "little":
+            raise TracerError("safetensors data is little-endian; this machine is not")
+        begin, end = entry["data_offsets"]
+        buffer = bytearray(end - begin)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + begin)
+            if f.readinto(buffer) != len(buffer):
+                raise TracerError(f"cannot read safetensors file {self.path}: it ends inside tensor {name}")
+        if not buffer:
+            return torch.empty(entry["shape"], dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(entry["shape"])
+
+
+def _validate(path: Path) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except Exception as exc:  # noqa: BLE001 - any failure here means an unreadable file
+        raise TracerError(f"cannot read safetensors file {path}: {one_line(exc)}") from exc
