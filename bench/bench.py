@@ -2,10 +2,12 @@
 
     python bench/bench.py            # full: 512 tokens, 5 repeats, whole-run timings
     python bench/bench.py --quick    # CI-sized: 256 tokens, 3 repeats (well under two minutes)
+    python bench/bench.py --threads 1   # steadier figures on a small, busy machine
 
 Prints a table and writes it to bench/results.md (the machine is named in it). Each timing is
-the median of the repeats after one warm-up; ratios divide by the plain forward of the same
-loaded model, so the machine's speed cancels out. Forward hooks cloning every module output
+the best of the repeats after one warm-up (as `timeit` reports: what else runs on the machine
+only ever adds time); ratios divide by the plain forward of the same loaded model, so the
+machine's speed cancels out. A sweep's cost per variant is given in the same unit. Forward hooks cloning every module output
 are measured as a baseline; where nnsight or TransformerLens are installed they are measured
 side by side (each on its own copy of the model, as both rewire the modules they wrap), and the
 table names those that are not.
@@ -18,7 +20,6 @@ import copy
 import importlib.util
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -27,18 +28,20 @@ from pathlib import Path
 
 import torch
 
+from tracer.errors import one_line
+
 HERE = Path(__file__).resolve().parent
 TEXT = HERE.parent / "tests" / "data" / "porting.txt"
 
 
-def median_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int) -> float:
     fn()  # warm-up: first-call allocations and lazy imports are not what we measure
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return min(times)
 
 
 def bench_tokens(model_dir: Path, count: int) -> list[int]:
@@ -63,16 +66,30 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
         with torch.inference_mode():
             model(input_ids=ids, use_cache=False)
 
-    llama = Llama.from_dir(model_dir)
+    llama, streamed = Llama.from_dir(model_dir), Llama.from_dir(model_dir, stream=True)
     token_tensor = torch.tensor(tokens)
     timings = {
-        "plain eager forward (transformers)": median_time(plain, repeats),
-        "tracer.record(model, tokens, engine='hf')": median_time(lambda: tracer.record(model, tokens, engine="hf", progress=False), repeats),
-        "reimpl forward, every point recorded": median_time(lambda: llama.forward(token_tensor, TraceRecorder()), repeats),
-        "reimpl forward, nothing recorded": median_time(lambda: llama.forward(token_tensor), repeats),
+        "plain eager forward (transformers)": best_time(plain, repeats),
+        "tracer.record(model, tokens, engine='hf')": best_time(lambda: tracer.record(model, tokens, engine="hf", progress=False), repeats),
+        "reimpl forward, every point recorded": best_time(lambda: llama.forward(token_tensor, TraceRecorder()), repeats),
+        "reimpl forward, nothing recorded": best_time(lambda: llama.forward(token_tensor), repeats),
+        "reimpl forward, weights streamed block by block (--stream), every point recorded":
+            best_time(lambda: streamed.forward(token_tensor, TraceRecorder()), repeats),
+        "sweep: added cost per variant (reimpl forward, diff)": _sweep_per_variant(model_dir, tokens),
     }
     others, missing = _others(model, ids, repeats)
     return {**timings, **others}, missing
+
+
+SWEEP_VARIANTS = ["theta=10000", "eps=1e-3", "kv_repeat=tile", "rope=interleaved", "mask=none"]
+
+
+def _sweep_per_variant(model_dir: Path, tokens: list[int]) -> float:
+    """The best of the variants' own times in a sweep (the reference, recorded once, excluded)."""
+    from tracer.api import sweep
+
+    result = sweep(model_dir, tokens=tokens, variants=SWEEP_VARIANTS, noise_floor=False, progress=False)
+    return min(row.seconds for row in result.rows)
 
 
 def _others(model, ids, repeats: int) -> tuple[dict[str, float | str], list[str]]:
@@ -87,14 +104,10 @@ def _others(model, ids, repeats: int) -> tuple[dict[str, float | str], list[str]
         try:
             name, seconds = measure(model, ids, repeats)
         except Exception as error:  # one tool's failure is a row of the table, not the end of the bench
-            name, seconds = package, f"failed: {type(error).__name__}: {_first_line(error)}"
+            # A "|" would split the markdown row.
+            name, seconds = package, f"failed: {type(error).__name__}: {one_line(error)}".replace("|", "/")
         found[name] = seconds
     return found, missing
-
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).splitlines() or [""]
-    return lines[0][:200].replace("|", "/")  # a "|" would split the markdown row
 
 
 def _forward_hooks(model, ids, repeats: int) -> tuple[str, float]:
@@ -108,7 +121,7 @@ def _forward_hooks(model, ids, repeats: int) -> tuple[str, float]:
             model(input_ids=ids, use_cache=False)
 
     try:
-        seconds = median_time(hooked, repeats)
+        seconds = best_time(hooked, repeats)
     finally:
         for handle in handles:
             handle.remove()
@@ -136,7 +149,7 @@ def _nnsight(model, ids, repeats: int) -> tuple[str, float]:
         with torch.inference_mode(), wrapped.trace(ids, use_cache=False):
             nnsight.save([envoy.output for envoy in envoys])  # the list is what leaves the trace
 
-    return f"nnsight {version('nnsight')} trace saving all {len(envoys)} module outputs (not cloned)", median_time(nnsight_save, repeats)
+    return f"nnsight {version('nnsight')} trace saving all {len(envoys)} module outputs (not cloned)", best_time(nnsight_save, repeats)
 
 
 def _output_order(model, ids) -> list[str]:
@@ -165,7 +178,7 @@ def _transformer_lens(model, ids, repeats: int) -> tuple[str, float]:
         with torch.inference_mode():
             cached[:] = [bridge.run_with_cache(ids)[1]]
 
-    seconds = median_time(run_with_cache, repeats)
+    seconds = best_time(run_with_cache, repeats)
     return f"TransformerLens {version('transformer_lens')} TransformerBridge.run_with_cache, all {len(cached[0])} hook points (not cloned)", seconds
 
 
@@ -185,7 +198,7 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, float]:
             "--out", str(out), "--json", str(HERE / ".bench-summary.json")],
     }
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return {name: median_time(lambda cmd=cmd: subprocess.run(cmd, check=True, capture_output=True, env=env), repeats)
+    return {name: best_time(lambda cmd=cmd: subprocess.run(cmd, check=True, capture_output=True, env=env), repeats)
             for name, cmd in commands.items()}
 
 
@@ -203,7 +216,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized: fewer tokens and repeats")
     parser.add_argument("--tokens", type=int, help="prompt length (default 512, quick 256)")
+    parser.add_argument("--threads", type=int, help="torch threads, here and in the timed processes (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the whole-run processes
     import tracer
 
     model_dir = tracer.default_model_path()

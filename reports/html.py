@@ -210,6 +210,7 @@ def side_context(role: str, side: Mapping | None) -> dict:
         "role": role,
         "label": side_label(side),
         "engine": side.get("engine") or "?",
+        "device": side.get("device"),
         "variant": [(str(k), format_knob_value(v)) for k, v in variant.items()],
     }
 

@@ -194,6 +194,7 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
     <h3>{{ side.role }}: <code>{{ side.label }}</code></h3>
     <table class="kv">
       <tr><th>engine</th><td><code>{{ side.engine }}</code></td></tr>
+      {% if side.device %}<tr><th>device</th><td><code>{{ side.device }}</code></td></tr>{% endif %}
       <tr><th>variant</th><td>{% for key, value in side.variant %}<code>{{ key }}={{ value }}</code>{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none (defaults)</span>{% endfor %}</td></tr>
     </table>
   </div>

@@ -208,18 +208,9 @@ def run(
                                       Tolerance(atol=atol, rtol=rtol), noise_floor, sink, timings)
     result.notes = notes + result.notes
     detokenize = _detokenizer(source)
-    stage("greedy")
-    started = time.perf_counter()
-    ref_greedy = greedy_continuation(ref_engine, ids, greedy) if greedy else None
-    cand_greedy = greedy_continuation(cand_engine, ids, greedy) if ref_greedy is not None else None
-    result.greedy = greedy_summary(ref_greedy, cand_greedy, detokenize)
-    if result.greedy and result.greedy["first_flip"]:
-        # Where the two sides part at the step whose argmax flips: same tokens on both sides.
-        flip_ids = ids + ref_greedy[: result.greedy["first_flip"] - 1]
-        at_flip = compare(ref_engine.record(flip_ids), cand_engine.record(flip_ids), result.tolerance)
-        result.greedy["first_flip_divergence"] = at_flip.first_divergence and {
-            k: at_flip.first_divergence[k] for k in ("point", "layer", "max_abs", "max_ref", "rel_l2")}
-    timings["greedy_s"] = time.perf_counter() - started
+    with timed(timings, "greedy_s"):
+        stage("greedy")
+        result.greedy = _greedy(ref_engine, cand_engine, ids, greedy, result.tolerance, detokenize)
     result.prompt = prompt if tokens is None else None
     result.token_texts = [detokenize([t]) for t in ids] if detokenize([ids[0]]) is not None else None
     result.environment = environment()
@@ -234,6 +225,20 @@ def run(
         stage("report")
         write_report(result, out)
     return result
+
+
+def _greedy(ref_engine, cand_engine, ids: list[int], steps: int, tolerance: Tolerance, detokenize) -> dict | None:
+    """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
+    ref_greedy = greedy_continuation(ref_engine, ids, steps) if steps else None
+    cand_greedy = greedy_continuation(cand_engine, ids, steps) if ref_greedy is not None else None
+    summary = greedy_summary(ref_greedy, cand_greedy, detokenize)
+    if summary and summary["first_flip"]:
+        # Where the two sides part at the step whose argmax flips: same tokens on both sides.
+        flip_ids = ids + ref_greedy[: summary["first_flip"] - 1]
+        at_flip = compare(ref_engine.record(flip_ids), cand_engine.record(flip_ids), tolerance)
+        summary["first_flip_divergence"] = at_flip.first_divergence and {
+            k: at_flip.first_divergence[k] for k in ("point", "layer", "max_abs", "max_ref", "rel_l2")}
+    return summary
 
 
 def compare_files(

@@ -322,7 +322,7 @@ class Result:
     first_divergence: dict | None
     logits: dict | None
     tolerance: Tolerance
-    reference: dict  # {"engine", "variant", "label"}
+    reference: dict  # {"engine", "variant", "label", "device"}
     candidate: dict
     model: str | None = None
     prompt: str | None = None
@@ -400,7 +400,8 @@ def explain_divergence(point: str, reference: Trace, candidate: Trace) -> dict:
 
 
 def side(trace: Trace) -> dict:
-    return {"engine": trace.meta.get("engine", "file"), "variant": trace.meta.get("variant", {}), "label": trace.label}
+    return {"engine": trace.meta.get("engine", "file"), "variant": trace.meta.get("variant", {}), "label": trace.label,
+            "device": trace.meta.get("device")}
 
 
 def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,

@@ -27,7 +27,8 @@ def test_run_json_stdout_is_one_object_and_report_is_written(tiny_llama, tmp_pat
     payload = json.loads(out)  # nothing but the JSON object on stdout
     assert payload["verdict"] == "diverged"
     assert payload["first_divergence"]["point"] == "model.layers.0.self_attn.q_rope"
-    assert payload["candidate"] == {"engine": "reimpl", "variant": {"theta": 500.0}, "label": "reimpl[theta=500]"}
+    assert payload["candidate"] == {"engine": "reimpl", "variant": {"theta": 500.0}, "label": "reimpl[theta=500]",
+                                    "device": "cpu"}
     assert payload["tokens"] == TOKENS and len(payload["greedy"]["candidate"]) == 4
     assert len(payload["points"]) == 37
     for name in ("summary.json", "points.csv", "curve.png", "report.html"):

@@ -119,3 +119,21 @@ def test_cli_sweep_prints_one_json_object(tiny_llama, capsys, tmp_path):
                  "--greedy", "0", "--out", str(tmp_path / "s")])
     out, _ = capsys.readouterr()
     assert code == 0 and "`model.layers.0.input_layernorm`" in out and (tmp_path / "s" / "sweep.html").is_file()
+
+
+def test_a_variant_costs_one_candidate_forward_unless_greedy_is_asked(tiny_llama, monkeypatch):
+    from tracer.llama import Llama
+
+    calls = []
+    forward = Llama.forward
+    monkeypatch.setattr(Llama, "forward", lambda self, tokens, record=None: calls.append(len(tokens)) or
+                        forward(self, tokens, record))
+    model = tiny_llama()
+    result = sweep(model, tokens=TOKENS, variants=["theta=500", "eps=1e-3", "kv_repeat=tile"], noise_floor=False,
+                   progress=False)
+    assert calls == [len(TOKENS)] * 3  # the reference is hf: every reimpl forward is a variant's
+    assert all(row.greedy is None for row in result.rows) and result.greedy_steps == 0
+    calls.clear()
+    result = sweep(model, tokens=TOKENS, variants=["theta=500"], noise_floor=False, greedy=2, progress=False)
+    assert calls == [len(TOKENS), len(TOKENS), len(TOKENS) + 1]
+    assert result.rows[0].greedy["steps"] == 2
