@@ -102,18 +102,46 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
     return trace
 
 
-def greedy_continuation(engine, tokens: list[int], steps: int) -> list[int] | None:
-    """`steps` greedy tokens, recomputing the whole sequence each step (no cache on either side)."""
+def greedy_continuation(engine, tokens: list[int], steps: int, guess: list[int] | None = None) -> list[int] | None:
+    """`steps` greedy tokens, recomputing the whole sequence each step (no cache on either side).
+
+    `guess`, the other side's continuation, saves most of those forwards: one forward over the
+    prompt and the guess gives this engine's argmax after every prefix of it, and as long as
+    they agree the guess is this engine's continuation too. The first disagreement is then
+    confirmed by the step's own forward (a longer sequence may round differently), and decoding
+    goes on step by step from there. Two sides that agree cost one forward instead of `steps`.
+    """
     if engine.max_positions is not None:
         steps = min(steps, engine.max_positions - len(tokens))
-    ids = list(tokens)
-    for step in range(steps):
-        detail(f"token {step + 1}/{steps}")
-        logits = engine.logits(ids)
+    out: list[int] = []
+    checked = False  # `out` ends where a check against the guess found a disagreement
+    while len(out) < steps:
+        detail(f"token {len(out) + 1}/{steps}")
+        on_guess = guess is not None and len(guess) >= steps and out == guess[:len(out)]
+        if on_guess and not checked and len(out) < steps - 1:
+            agreeing = _agreeing_prefix(engine, tokens, out, guess[:steps])
+            if agreeing is None:  # it cannot check a guess: decode step by step
+                guess = None
+                continue
+            out, checked = out + guess[len(out):len(out) + agreeing], True
+            continue
+        logits = engine.logits(tokens + out)
         if logits is None:
             return None
-        ids.append(int(logits[-1].argmax()))
-    return ids[len(tokens):]
+        out.append(int(logits[-1].argmax()))
+        checked = False
+    return out
+
+
+def _agreeing_prefix(engine, tokens: list[int], done: list[int], guess: list[int]) -> int | None:
+    """How many of `guess`'s tokens after `done` this engine would itself pick, from one forward
+    over the prompt and the guess; None if it cannot say (no logits, or the last position's only)."""
+    logits = engine.logits(tokens + guess[:-1])  # (T + steps - 1, V)
+    if logits is None or logits.shape[0] < len(tokens) + len(guess) - 1:
+        return None
+    picked = logits[len(tokens) - 1 + len(done):].argmax(-1).tolist()  # after each prefix of the guess
+    rest = guess[len(done):]
+    return next((i for i, (a, b) in enumerate(zip(picked, rest)) if a != b), len(rest))
 
 
 def greedy_summary(reference: list[int] | None, candidate: list[int] | None, detokenize) -> dict | None:
@@ -230,7 +258,7 @@ def run(
 def _greedy(ref_engine, cand_engine, ids: list[int], steps: int, tolerance: Tolerance, detokenize) -> dict | None:
     """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
     ref_greedy = greedy_continuation(ref_engine, ids, steps) if steps else None
-    cand_greedy = greedy_continuation(cand_engine, ids, steps) if ref_greedy is not None else None
+    cand_greedy = greedy_continuation(cand_engine, ids, steps, guess=ref_greedy) if ref_greedy is not None else None
     summary = greedy_summary(ref_greedy, cand_greedy, detokenize)
     if summary and summary["first_flip"]:
         # Where the two sides part at the step whose argmax flips: same tokens on both sides.

@@ -370,9 +370,10 @@ class Llama:
     @classmethod
     def from_dir(cls, model_dir: str | Path, variant: dict | None = None, **placement) -> Llama:
         """`placement`: `device`, and `stream=True` to read each block's weights from the files when it runs."""
-        from tracer.model import WeightFiles
+        from tracer.model import WeightFiles, read_weights
 
-        return cls.from_config(load_config(model_dir), WeightFiles(model_dir), variant, **placement)
+        weights = WeightFiles(model_dir) if placement.get("stream") else read_weights(model_dir)
+        return cls.from_config(load_config(model_dir), weights, variant, **placement)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, record: Recorder | None = None) -> torch.Tensor:

@@ -487,8 +487,17 @@ class WeightFiles(Mapping):
 
 
 def read_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a model directory, read into memory."""
-    return dict(WeightFiles(model_dir))
+    """Every tensor of a model directory, memory-mapped (the fastest way to hold all of them)."""
+    from safetensors.torch import load_file
+
+    files = WeightFiles(model_dir)  # the headers and their checks first
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files.files:
+        try:
+            tensors |= load_file(str(file))
+        except Exception as exc:  # noqa: BLE001 - a truncated or damaged user file
+            raise TracerError(f"cannot read safetensors file {file}: {one_line(exc)}") from exc
+    return tensors
 
 
 def _weight_files(folder: Path) -> list[Path]:

