@@ -6,11 +6,15 @@
 
 Prints a table and writes it to bench/results.md (the machine is named in it). Each timing is
 the best of the repeats after one warm-up (as `timeit` reports: what else runs on the machine
-only ever adds time); ratios divide by the plain forward of the same loaded model, so the
-machine's speed cancels out. A sweep's cost per variant is given in the same unit. Forward hooks cloning every module output
-are measured as a baseline; where nnsight or TransformerLens are installed they are measured
-side by side (each on its own copy of the model, as both rewire the modules they wrap), and the
-table names those that are not.
+only ever adds time). Each in-process measure is timed in rounds alternating with a plain eager
+forward of the same loaded model, and its ratio divides by that forward's time from the same
+rounds, so that the machine's speed, and its drift, cancel out; the whole run is timed the same
+way against a bare transformers script. A sweep's cost per variant is given in the same unit.
+
+Forward hooks cloning every module output are measured as a baseline; where nnsight or
+TransformerLens are installed (`pip install -e '.[bench]'`) they are measured side by side,
+each on its own copy of the model as both rewire the modules they wrap, and the table names
+those that are not.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,14 +39,18 @@ HERE = Path(__file__).resolve().parent
 TEXT = HERE.parent / "tests" / "data" / "porting.txt"
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocations and lazy imports are not what we measure
-    times = []
+def best_times(measures: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Seconds per measure: the best of `repeats` after one warm-up each, taken in rounds (every
+    measure once per round) so that a machine whose speed drifts affects all of them alike."""
+    for fn in measures.values():
+        fn()  # warm-up: first-call allocations and lazy imports are not what we measure
+    times: dict[str, list[float]] = {name: [] for name in measures}
     for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+        for name, fn in measures.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return {name: min(values) for name, values in times.items()}
 
 
 def bench_tokens(model_dir: Path, count: int) -> list[int]:
@@ -68,19 +77,27 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
 
     llama, streamed = Llama.from_dir(model_dir), Llama.from_dir(model_dir, stream=True)
     token_tensor = torch.tensor(tokens)
-    timings = {
-        "plain eager forward (transformers)": best_time(plain, repeats),
-        "tracer.record(model, tokens, engine='hf')": best_time(lambda: tracer.record(model, tokens, engine="hf", progress=False), repeats),
-        "reimpl forward, every point recorded": best_time(lambda: llama.forward(token_tensor, TraceRecorder()), repeats),
-        "reimpl forward, nothing recorded": best_time(lambda: llama.forward(token_tensor), repeats),
+    measures = {
+        PLAIN: plain,  # against itself: how steady the machine is
+        "tracer.record(model, tokens, engine='hf')": lambda: tracer.record(model, tokens, engine="hf", progress=False),
+        "reimpl forward, every point recorded": lambda: llama.forward(token_tensor, TraceRecorder()),
+        "reimpl forward, nothing recorded": lambda: llama.forward(token_tensor),
         "reimpl forward, weights streamed block by block (--stream), every point recorded":
-            best_time(lambda: streamed.forward(token_tensor, TraceRecorder()), repeats),
-        "sweep: added cost per variant (reimpl forward, diff)": _sweep_per_variant(model_dir, tokens),
+            lambda: streamed.forward(token_tensor, TraceRecorder()),
     }
-    others, missing = _others(model, ids, repeats)
-    return {**timings, **others}, missing
+    others, failed, missing = _others(model, ids)
+    timings: dict[str, tuple[float, float] | str] = {}
+    for name, fn in {**measures, **others}.items():
+        # Each against the plain forward timed in the same rounds: an A/B, as the machine drifts.
+        pair = best_times({PLAIN: plain, name: fn}, repeats)
+        timings[name] = (pair[name], pair[name] / pair[PLAIN])
+    sweep_seconds = _sweep_per_variant(model_dir, tokens)
+    timings["sweep: added cost per variant (reimpl forward, diff)"] = (
+        sweep_seconds, sweep_seconds / best_times({PLAIN: plain}, repeats)[PLAIN])
+    return {**timings, **failed}, missing
 
 
+PLAIN = "plain eager forward (transformers)"
 SWEEP_VARIANTS = ["theta=10000", "eps=1e-3", "kv_repeat=tile", "rope=interleaved", "mask=none"]
 
 
@@ -92,40 +109,38 @@ def _sweep_per_variant(model_dir: Path, tokens: list[int]) -> float:
     return min(row.seconds for row in result.rows)
 
 
-def _others(model, ids, repeats: int) -> tuple[dict[str, float | str], list[str]]:
-    """Other ways of recording every module output of the same model: seconds, or the error
-    of a tool that is installed but failed; and the tools that are not installed."""
-    found: dict[str, float | str] = dict([_forward_hooks(model, ids, repeats)])
-    missing = []
-    for package, measure in {"nnsight": _nnsight, "transformer_lens": _transformer_lens}.items():
+def _others(model, ids) -> tuple[dict[str, Callable[[], object]], dict[str, str], list[str]]:
+    """Other ways of recording every module output, each on its own copy of the model (nnsight
+    and TransformerLens rewire the modules they wrap): the measures, the errors of tools that are
+    installed but failed to set up, and the tools that are not installed."""
+    measures = dict([_forward_hooks(copy.deepcopy(model), ids)])
+    failed, missing = {}, []
+    for package, setup in {"nnsight": _nnsight, "transformer_lens": _transformer_lens}.items():
         if importlib.util.find_spec(package) is None:
             missing.append(package)
             continue
         try:
-            name, seconds = measure(model, ids, repeats)
-        except Exception as error:  # one tool's failure is a row of the table, not the end of the bench
+            name, fn = setup(copy.deepcopy(model), ids)
+            fn()  # a tool that fails at its first run is a row with its error, not the end of the bench
+            measures[name] = fn
+        except Exception as error:  # noqa: BLE001
             # A "|" would split the markdown row.
-            name, seconds = package, f"failed: {type(error).__name__}: {one_line(error)}".replace("|", "/")
-        found[name] = seconds
-    return found, missing
+            failed[package] = f"failed: {type(error).__name__}: {one_line(error)}".replace("|", "/")
+    return measures, failed, missing
 
 
-def _forward_hooks(model, ids, repeats: int) -> tuple[str, float]:
+def _forward_hooks(model, ids) -> tuple[str, Callable[[], object]]:
     kept = []
-    handles = [module.register_forward_hook(lambda module, args, output: kept.append(_clone(output)))
-               for module in model.modules()]
+    for module in model.modules():
+        module.register_forward_hook(lambda module, args, output: kept.append(_clone(output)))
 
     def hooked():
         kept.clear()
         with torch.inference_mode():
             model(input_ids=ids, use_cache=False)
 
-    try:
-        seconds = best_time(hooked, repeats)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return f"forward hooks cloning every module output ({len(kept)} modules)", seconds
+    hooked()
+    return f"forward hooks cloning every module output ({len(kept)} modules)", hooked
 
 
 def _clone(output):
@@ -136,11 +151,11 @@ def _clone(output):
     return [_clone(value) for value in output] if isinstance(output, (tuple, list)) else output
 
 
-def _nnsight(model, ids, repeats: int) -> tuple[str, float]:
+def _nnsight(model, ids) -> tuple[str, Callable[[], object]]:
     import nnsight
 
     order = _output_order(model, ids)
-    wrapped = nnsight.NNsight(copy.deepcopy(model))  # nnsight instruments the modules it wraps
+    wrapped = nnsight.NNsight(model)  # nnsight instruments the modules it wraps
     # nnsight hands each output over as the model produces it: asking for one it already
     # produced is an OutOfOrderError, so the outputs are asked for in the order they come.
     envoys = [wrapped.get(name) if name else wrapped for name in order]
@@ -149,7 +164,7 @@ def _nnsight(model, ids, repeats: int) -> tuple[str, float]:
         with torch.inference_mode(), wrapped.trace(ids, use_cache=False):
             nnsight.save([envoy.output for envoy in envoys])  # the list is what leaves the trace
 
-    return f"nnsight {version('nnsight')} trace saving all {len(envoys)} module outputs (not cloned)", best_time(nnsight_save, repeats)
+    return f"nnsight {version('nnsight')} trace saving all {len(envoys)} module outputs (not cloned)", nnsight_save
 
 
 def _output_order(model, ids) -> list[str]:
@@ -166,20 +181,21 @@ def _output_order(model, ids) -> list[str]:
     return order
 
 
-def _transformer_lens(model, ids, repeats: int) -> tuple[str, float]:
+def _transformer_lens(model, ids) -> tuple[str, Callable[[], object]]:
     from transformer_lens.model_bridge import TransformerBridge
 
-    # The bridge swaps the model's submodules for its own in place, hence a copy; it keeps
-    # the HF weights unprocessed, so it computes what the plain forward computes.
-    bridge = TransformerBridge.boot_transformers(model.name_or_path, hf_model=copy.deepcopy(model), device="cpu")
-    cached = []
+    # The bridge swaps the model's submodules for its own in place (this is a copy); it keeps the
+    # HF weights unprocessed, so it computes what the plain forward computes.
+    bridge = TransformerBridge.boot_transformers(model.name_or_path, hf_model=model, device="cpu")
+    with torch.inference_mode():
+        hook_points = len(bridge.run_with_cache(ids)[1])
 
     def run_with_cache():
         with torch.inference_mode():
-            cached[:] = [bridge.run_with_cache(ids)[1]]
+            bridge.run_with_cache(ids)
 
-    seconds = best_time(run_with_cache, repeats)
-    return f"TransformerLens {version('transformer_lens')} TransformerBridge.run_with_cache, all {len(cached[0])} hook points (not cloned)", seconds
+    return (f"TransformerLens {version('transformer_lens')} TransformerBridge.run_with_cache, all {hook_points} "
+            "hook points (not cloned)"), run_with_cache
 
 
 def whole_run(model_dir: Path, repeats: int) -> dict[str, float]:
@@ -198,18 +214,20 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, float]:
             "--out", str(out), "--json", str(HERE / ".bench-summary.json")],
     }
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return {name: best_time(lambda cmd=cmd: subprocess.run(cmd, check=True, capture_output=True, env=env), repeats)
-            for name, cmd in commands.items()}
+    return best_times({name: lambda cmd=cmd: subprocess.run(cmd, check=True, capture_output=True, env=env)
+                       for name, cmd in commands.items()}, repeats)
 
 
-def table(timings: dict[str, float | str], baseline: str) -> list[str]:
+def table(timings: dict[str, tuple[float, float] | str]) -> list[str]:
+    """Rows of (seconds, ratio), or a tool's error instead of figures."""
     rows = ["| measurement | seconds | ratio |", "|---|--:|--:|"]
-    for name, seconds in timings.items():
-        if isinstance(seconds, str):  # a tool that failed: its error instead of figures
-            rows.append(f"| {name} | {seconds} | |")
-        else:
-            rows.append(f"| {name} | {seconds:.3f} | {seconds / timings[baseline]:.2f}× |")
+    for name, entry in timings.items():
+        rows.append(f"| {name} | {entry} | |" if isinstance(entry, str) else f"| {name} | {entry[0]:.3f} | {entry[1]:.2f}× |")
     return rows
+
+
+def ratios(timings: dict[str, float], baseline: str) -> dict[str, tuple[float, float]]:
+    return {name: (seconds, seconds / timings[baseline]) for name, seconds in timings.items()}
 
 
 def main() -> None:
@@ -230,10 +248,10 @@ def main() -> None:
     runs = whole_run(model_dir, 1 if args.quick else 3)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
     lines = [f"# tracer benchmark ({count} tokens, bundled SmolLM2, f32, {torch.get_num_threads()} threads; {machine})", ""]
-    lines += table(forward, "plain eager forward (transformers)") + [""]
+    lines += table(forward) + [""]
     if missing:
         lines += [f"Not installed, so not measured: {', '.join(missing)}.", ""]
-    lines += table(runs, "bare script: import transformers, load, one forward")
+    lines += table(ratios(runs, "bare script: import transformers, load, one forward"))
     text = "\n".join(lines)
     print(text)
     (HERE / "results.md").write_text(text + "\n")

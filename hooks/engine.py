@@ -85,6 +85,19 @@ class HFEngine:
     def logits(self, tokens: list[int]) -> torch.Tensor:
         return self.model(input_ids=self._ids(tokens), use_cache=False).logits[0]
 
+    @torch.inference_mode()
+    def draft(self, tokens: list[int], steps: int) -> list[int]:
+        """A quick guess at the greedy continuation, decoded with transformers' KV cache (one
+        token per step); `greedy_continuation` checks it with uncached forwards."""
+        out = self.model(input_ids=self._ids(tokens), use_cache=True)
+        picks = [int(out.logits[0, -1].argmax())]
+        while len(picks) < steps:
+            # transformers 5.24 names the cache `cache`; earlier 5.x releases `past_key_values`
+            cache = {"cache": out["cache"]} if "cache" in out else {"past_key_values": out["past_key_values"]}
+            out = self.model(input_ids=self._ids(picks[-1:]), use_cache=True, **cache)
+            picks.append(int(out.logits[0, -1].argmax()))
+        return picks
+
     def _ids(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor([tokens], device=self.model.device)  # (1, T)
 

@@ -255,9 +255,18 @@ def run(
     return result
 
 
+def _draft(engine, tokens: list[int], steps: int) -> list[int] | None:
+    """A cached decode to check instead of decoding step by step, where the engine has one (hf)."""
+    if not hasattr(engine, "draft") or steps < 2:
+        return None
+    if engine.max_positions is not None:
+        steps = min(steps, engine.max_positions - len(tokens))
+    return engine.draft(tokens, steps) if steps > 0 else None
+
+
 def _greedy(ref_engine, cand_engine, ids: list[int], steps: int, tolerance: Tolerance, detokenize) -> dict | None:
     """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
-    ref_greedy = greedy_continuation(ref_engine, ids, steps) if steps else None
+    ref_greedy = greedy_continuation(ref_engine, ids, steps, guess=_draft(ref_engine, ids, steps)) if steps else None
     cand_greedy = greedy_continuation(cand_engine, ids, steps, guess=ref_greedy) if ref_greedy is not None else None
     summary = greedy_summary(ref_greedy, cand_greedy, detokenize)
     if summary and summary["first_flip"]:

@@ -173,7 +173,8 @@ def sweep(
             prompt. A variant that fails to load is a row with its error instead.
     """
     from tracer.api import (
-        DEFAULT_PROMPT, _detokenizer, _noise, _notes, check_tokens, greedy_continuation, greedy_summary, resolve_source,
+        DEFAULT_PROMPT, _detokenizer, _draft, _noise, _notes, check_tokens, greedy_continuation, greedy_summary,
+        resolve_source,
         token_ids,
     )
     from tracer.model import check_prompt
@@ -192,7 +193,7 @@ def sweep(
     ids = token_ids(source, None if tokens is not None else prompt, tokens)
     check_tokens(ids, ref_engine)
     ref_trace = ref_engine.record(ids)
-    ref_greedy = greedy_continuation(ref_engine, ids, greedy) if greedy else None
+    ref_greedy = greedy_continuation(ref_engine, ids, greedy, guess=_draft(ref_engine, ids, greedy)) if greedy else None
     noise, noise_notes = (_noise(source, (reference, ref_engine, reference_knobs), ref_trace, lambda side: None)
                           if noise_floor else (None, []))
     load_candidate = _candidate_loader(candidate, source, device, stream)

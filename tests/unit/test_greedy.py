@@ -78,3 +78,15 @@ def test_a_real_disagreement_is_decoded_from_there():
     engine = RuleEngine(long=10**6, odd_row=0)
     assert greedy_continuation(engine, prompt, STEPS, guess=wrong_guess) == truth
     assert engine.forwards == 1 + (STEPS - 2)  # the check, then steps 3..8 one by one
+
+
+def test_the_reference_checks_its_cached_decode_in_one_forward(tiny_llama):
+    from tracer.api import _draft
+
+    engine = load_engine("hf", tiny_llama(), {})
+    stepwise = greedy_continuation(engine, TOKENS, STEPS)
+    draft = _draft(engine, TOKENS, STEPS)
+    assert draft == stepwise
+    counting = Counting(engine)
+    assert greedy_continuation(counting, TOKENS, STEPS, guess=draft) == stepwise
+    assert counting.forwards == 1
