@@ -1,7 +1,8 @@
 """A 2048-token run on the bundled model in bounded memory: under 4 GB resident.
 
-Measured on this project's 2-core machine: 2.86 GB (9.96 GB when `layouts.align` copied spilled
-traces into memory, 3.27 GB before the noise floor's f64 copy was streamed block by block).
+Measured on this project's 2-core machine: 2.31 GB (9.96 GB when `layouts.align` copied spilled
+traces into memory, 3.27 GB before the noise floor's f64 copy was streamed block by block and
+the diff reduced in cache-sized chunks).
 """
 
 import json
