@@ -103,7 +103,8 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
 
 
 def greedy_continuation(engine, tokens: list[int], steps: int, guess: list[int] | None = None) -> list[int] | None:
-    """`steps` greedy tokens, recomputing the whole sequence each step (no cache on either side).
+    """`steps` greedy tokens, as decoding step by step without a cache (the whole sequence
+    recomputed each step) gives them.
 
     `guess`, the other side's continuation, saves most of those forwards: one forward over the
     prompt and the guess gives this engine's argmax after every prefix of it, and as long as
@@ -116,7 +117,6 @@ def greedy_continuation(engine, tokens: list[int], steps: int, guess: list[int] 
     out: list[int] = []
     checked = False  # `out` ends where a check against the guess found a disagreement
     while len(out) < steps:
-        detail(f"token {len(out) + 1}/{steps}")
         on_guess = guess is not None and len(guess) >= steps and out == guess[:len(out)]
         if on_guess and not checked and len(out) < steps - 1:
             agreeing = _agreeing_prefix(engine, tokens, out, guess[:steps])
@@ -124,12 +124,12 @@ def greedy_continuation(engine, tokens: list[int], steps: int, guess: list[int] 
                 guess = None
                 continue
             out, checked = out + guess[len(out):len(out) + agreeing], True
-            continue
-        logits = engine.logits(tokens + out)
-        if logits is None:
-            return None
-        out.append(int(logits[-1].argmax()))
-        checked = False
+        else:
+            logits = engine.logits(tokens + out)
+            if logits is None:
+                return None
+            out, checked = out + [int(logits[-1].argmax())], False
+        detail(f"token {len(out)}/{steps}")
     return out
 
 

@@ -34,6 +34,7 @@ def test_run_json_stdout_is_one_object_and_report_is_written(tiny_llama, tmp_pat
     for name in ("summary.json", "points.csv", "curve.png", "report.html"):
         assert (tmp_path / "report" / name).is_file(), name
     assert json.loads((tmp_path / "report" / "summary.json").read_text())["verdict"] == "diverged"
+    assert (tmp_path / "report" / "report.html").read_text().count("<th>device</th><td><code>cpu</code>") == 2
 
 
 def test_run_prints_a_summary_naming_the_first_divergence(tiny_llama, tmp_path, capsys):
