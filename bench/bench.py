@@ -78,7 +78,7 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
     llama, streamed = Llama.from_dir(model_dir), Llama.from_dir(model_dir, stream=True)
     token_tensor = torch.tensor(tokens)
     measures = {
-        PLAIN: plain,  # against itself: how steady the machine is
+        PLAIN: plain,  # the baseline row: its own best time, ratio 1 by definition
         "tracer.record(model, tokens, engine='hf')": lambda: tracer.record(model, tokens, engine="hf", progress=False),
         "reimpl forward, every point recorded": lambda: llama.forward(token_tensor, TraceRecorder()),
         "reimpl forward, nothing recorded": lambda: llama.forward(token_tensor),

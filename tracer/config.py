@@ -106,12 +106,7 @@ def read_hf(config: dict) -> LlamaSpec:
     head_dim = _given(config, "head_dim", None)  # null: derived, as in transformers
     head_dim = _derived_head_dim(hidden, heads) if head_dim is None else _positive_int("head_dim", head_dim, even=True)
     return LlamaSpec(
-        vocab_size=_required(config, "vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=_required(config, "intermediate_size"),
-        num_hidden_layers=_required(config, "num_hidden_layers"),
-        num_attention_heads=heads,
-        num_key_value_heads=_kv_heads(config, heads),
+        **_sizes(config, hidden, heads),
         head_dim=head_dim,
         rope_theta=rope_theta,
         # transformers' strict LlamaConfig takes a float only: an integer eps is refused there.
@@ -297,6 +292,17 @@ HF_FIELDS = {
 }
 
 
+def _sizes(config: dict, hidden: int, heads: int) -> dict:
+    """The sizes both readers take the same way: required positive integers, kv heads defaulting
+    to the heads."""
+    return {
+        "vocab_size": _required(config, "vocab_size"), "hidden_size": hidden,
+        "intermediate_size": _required(config, "intermediate_size"),
+        "num_hidden_layers": _required(config, "num_hidden_layers"), "num_attention_heads": heads,
+        "num_key_value_heads": _kv_heads(config, heads),
+    }
+
+
 def read_candle(config: dict) -> LlamaSpec:
     """Read a config dict the way candle 0.11's serde `LlamaConfig::into_config` does.
 
@@ -310,12 +316,7 @@ def read_candle(config: dict) -> LlamaSpec:
         raise TracerError(f"candle 0.11 cannot parse config.json: missing field `{missing[0]}`")
     heads, hidden = _required(config, "num_attention_heads"), _required(config, "hidden_size")
     return LlamaSpec(
-        vocab_size=_required(config, "vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=_required(config, "intermediate_size"),
-        num_hidden_layers=_required(config, "num_hidden_layers"),
-        num_attention_heads=heads,
-        num_key_value_heads=_kv_heads(config, heads),  # Option<usize>: null reads as absent
+        **_sizes(config, hidden, heads),  # kv heads: candle's Option<usize> reads null as absent, too
         head_dim=_derived_head_dim(hidden, heads),  # candle derives it; a `head_dim` key is never read
         rope_theta=_positive_number("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA)),
         rms_norm_eps=_positive_number("rms_norm_eps", config["rms_norm_eps"]),  # serde's f64 takes an integer

@@ -4,8 +4,9 @@
 - `reimpl`: our instrumented Llama (`tracer.llama`); no transformers import.
 - `file:PATH`: a trace saved earlier, here or by another runtime.
 
-Each engine has `name`, `variant`, `vocab_size`, `max_positions`, `record(tokens) -> Trace` and
-`logits(tokens) -> (T, V) tensor or None` (an unrecorded forward, used for greedy decoding).
+Each engine has `name`, `variant`, `device` (where its model runs), `vocab_size`, `max_positions`,
+`record(tokens) -> Trace` and `logits(tokens) -> (T, V) tensor or None` (an unrecorded forward,
+used for greedy decoding).
 """
 
 from __future__ import annotations
