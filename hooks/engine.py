@@ -17,11 +17,11 @@ from contextlib import ExitStack
 import torch
 
 from tracer.config import LlamaSpec, load_config, read_hf, variant_spec
-from tracer.engines import check_device, is_loaded_model, per_layer, trace_meta
+from tracer.engines.base import is_loaded_model, per_layer, trace_meta
+from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
 from tracer.llama import TORCH_DTYPES
 from tracer.trace import Trace, TraceRecorder
-from tracer.variants import check_engine
 
 from .attention import recording_attention, unobservable_points
 from .modules import recording_modules
@@ -33,7 +33,8 @@ _LAYER_NAME = re.compile(r"model\.layers\.\d+")
 
 
 class HFEngine:
-    name = "hf"
+    entry = ENGINES["hf"]
+    name = entry.name
 
     def __init__(self, model, variant: dict, label: str):
         self.model, self.variant, self.label = model, variant, label
@@ -42,21 +43,6 @@ class HFEngine:
     @property
     def device(self) -> torch.device:
         return self.model.device
-
-    @classmethod
-    def load(cls, source, variant: dict, device: str | torch.device = "cpu") -> HFEngine:
-        """`source`: a model path (None for the bundled default) or a loaded `LlamaForCausalLM`,
-        which is recorded where it is (its own device; `device` is for models loaded here)."""
-        check_engine(variant, cls.name)
-        if is_loaded_model(source):
-            if variant:
-                raise TracerError("variant knobs need a model path; an already loaded model is recorded as it is")
-            return cls(source.eval(), {}, source.config.to_dict().get("_name_or_path") or "loaded model")
-        from tracer.model import resolve_model
-
-        device = check_device(device)
-        model_dir = resolve_model(source)
-        return cls(_load(model_dir, variant).to(device), variant, str(model_dir))
 
     @property
     def vocab_size(self) -> int:
@@ -100,6 +86,20 @@ class HFEngine:
 
     def _ids(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor([tokens], device=self.model.device)  # (1, T)
+
+
+def load(source, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
+         stream: bool = False) -> HFEngine:
+    """`source`: a model path (None for the bundled default) or a loaded `LlamaForCausalLM`,
+    which is recorded where it is (its own device; `device` is for models loaded here)."""
+    if is_loaded_model(source):
+        if variant:
+            raise TracerError("variant knobs need a model path; an already loaded model is recorded as it is")
+        return HFEngine(source.eval(), {}, source.config.to_dict().get("_name_or_path") or "loaded model")
+    from tracer.model import resolve_model
+
+    model_dir = resolve_model(source)
+    return HFEngine(_load(model_dir, variant).to(device), variant, str(model_dir))
 
 
 def _load(model_dir, variant: dict):

@@ -112,7 +112,7 @@ def faulty_trace(model_dir: Path, tokens, layer: int, scale: float = 0.01):
     """The reimpl engine with one layer's mlp.down_proj weight perturbed by `scale`·N(0, 1) relative
     noise: a fault at that op whose effect propagates downstream like a real one."""
     from tracer.config import load_config, read_hf
-    from tracer.engines import ReimplEngine
+    from tracer.engines.reimpl import ReimplEngine
     from tracer.llama import Llama
     from tracer.model import read_weights
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from tracer.diff import Result, Tolerance, compare
-from tracer.engines import check_device, check_engine_name, environment, is_loaded_model, load_engine
+from tracer.diff import Result, Tolerance, compare, compare_points
+from tracer.engines.base import check_device, environment, is_loaded_model
+from tracer.engines.load import check_engine_name, load_engine
 from tracer.errors import TracerError
 from tracer.progress import detail, stage, with_stages
 from tracer.spill import spill_folder
@@ -89,7 +90,9 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
         check_prompt(tokens_or_prompt)  # before loading anything: a bad prompt fails in no time
     check_engine_name(engine)
     check_device(device)
-    if stream and engine != "reimpl":
+    from tracer.engines.registry import parse_engine
+
+    if stream and not parse_engine(engine)[0].stream:
         raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); the {engine} engine cannot")
     source = resolve_source(model, progress)
     runner = load_engine(engine, source, parse_variant(variant), device=device, stream=stream)
@@ -257,7 +260,7 @@ def run(
 
 def _draft(engine, tokens: list[int], steps: int) -> list[int] | None:
     """A cached decode to check instead of decoding step by step, where the engine has one (hf)."""
-    if not hasattr(engine, "draft") or steps < 2:
+    if not engine.entry.draft or steps < 2:
         return None
     if engine.max_positions is not None:
         steps = min(steps, engine.max_positions - len(tokens))
@@ -421,11 +424,9 @@ def _noise(source, reference: tuple, ref_trace: Trace, sink):
 
 def _local_errors(engine, reference: Trace, sink) -> dict[str, float] | None:
     """The reimplementation can rerun each block on the reference's inputs; other engines cannot."""
-    if not hasattr(engine, "llama"):
-        return None
-    from tracer.localize import local_errors
+    from tracer.pipeline import local_errors
 
-    return local_errors(engine.llama, reference, sink("local"))
+    return local_errors(engine, reference, sink("local"))
 
 
 def run_command(model, prompt, tokens, reference, candidate, variant, reference_variant,
@@ -436,7 +437,7 @@ def run_command(model, prompt, tokens, reference, candidate, variant, reference_
         return None
     import shlex
 
-    from tracer.trace import format_knob_value
+    from tracer.variants import format_knob_value
 
     args = ["tracer", "run"] + (["--model", str(model)] if model is not None else [])
     if tokens is not None:

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from tracer.diff import Tolerance, compare_points
 from tracer.llama import Llama, decoder_layer, rotary_cos_sin
 from tracer.points import EMBED, FINAL_NORM, LOGITS, layer_point
 from tracer.trace import Trace, TraceRecorder
 
 
 @torch.inference_mode()
-def teacher_forced_trace(llama: Llama, reference: Trace, recorder=None) -> Trace:
-    """The candidate's points with every block fed the reference's input to that block."""
+def teacher_forced_points(llama: Llama, reference: Trace, recorder=None):
+    """The candidate's points (point -> tensor, recording order) with every block fed the
+    reference's input to that block."""
     recorder = recorder if recorder is not None else TraceRecorder()
     w, spec, strategies = llama.weights, llama.spec, llama.strategies
 
@@ -41,10 +41,4 @@ def teacher_forced_trace(llama: Llama, reference: Trace, recorder=None) -> Trace
         recorder(FINAL_NORM, strategies.norm(reference_input(last_block), w["model.norm.weight"], spec.rms_norm_eps))
     if FINAL_NORM in reference:
         recorder(LOGITS, strategies.logits(reference_input(FINAL_NORM), w["lm_head.weight"]))
-    return Trace(recorder.tensors, {"engine": "reimpl", "variant": llama.variant, "tokens": reference.tokens})
-
-
-def local_errors(llama: Llama, reference: Trace, recorder=None) -> dict[str, float]:
-    """Per point, the rel_l2 the candidate introduces there given the reference's inputs."""
-    forced = teacher_forced_trace(llama, reference, recorder)
-    return {p.point: p.rel_l2 for p in compare_points(reference, forced, Tolerance()) if p.recorded}
+    return recorder.tensors

@@ -9,7 +9,7 @@ to 5e-6 (layer-10 MLP) and bounds the eager-vs-sdpa difference at every point.
 from __future__ import annotations
 
 from tracer.diff import compare_points, Tolerance
-from tracer.engines import ReimplEngine
+from tracer.engines.load import load_engine
 from tracer.trace import Trace
 
 NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many first tokens
@@ -22,6 +22,6 @@ def estimate_noise(source, reference: Trace, reference_variant: dict, recorder=N
     The f64 weights are streamed block by block: a whole f64 copy would be the largest thing in
     memory (twice the f32 model), for one forward.
     """
-    engine = ReimplEngine.load(source, {**reference_variant, "dtype": "f64"}, device, stream=True)
+    engine = load_engine("reimpl", source, {**reference_variant, "dtype": "f64"}, device=device, stream=True)
     exact = engine.record(reference.tokens, recorder)
     return {p.point: p.rel_l2 for p in compare_points(reference, exact, Tolerance()) if p.recorded}

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tracer.diff import Result, Tolerance, compare
-from tracer.engines import ReimplEngine, check_device, environment, is_loaded_model, load_engine
+from tracer.engines.base import check_device, environment, is_loaded_model
+from tracer.engines.load import load_engine
 from tracer.errors import TracerError
 from tracer.points import is_coarse
 from tracer.variants import KNOBS, check_engine, parse_variant, variant_text
@@ -249,11 +250,11 @@ class _ReimplFromParts:
         self.spec = read_hf(self.config)
         self.placement = {"device": check_device(device), "stream": stream}
 
-    def __call__(self, knobs: dict) -> ReimplEngine:
-        from tracer.llama import Llama
+    def __call__(self, knobs: dict):
+        from tracer.engines.reimpl import from_parts
 
-        check_engine(knobs, ReimplEngine.name)
-        return ReimplEngine(Llama.from_config(self.config, self.weights, knobs, **self.placement), self.label)
+        check_engine(knobs, "reimpl")
+        return from_parts(self.config, self.weights, knobs, self.label, **self.placement)
 
 
 def _candidate_loader(candidate: str, source, device: str, stream: bool):

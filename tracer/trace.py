@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from tracer.errors import TracerError, one_line
 from tracer.points import is_causal
+from tracer.variants import side_label
 
 MANIFEST_KEY = "tracer"
 MAX_LAYERS = 10_000  # far above any Llama (405B has 126 blocks)
@@ -220,19 +221,6 @@ def _manifest(path: Path, text: str) -> dict:
     if not isinstance(meta.get("engine", ""), str) or type(layers) is not int or not 0 <= layers <= MAX_LAYERS:
         raise TracerError(f"cannot read trace {path}: its engine or num_layers is malformed")
     return manifest
-
-
-def side_label(engine: str, variant: dict) -> str:
-    if not variant:
-        return engine
-    knobs = ",".join(f"{k}={format_knob_value(v)}" for k, v in variant.items())
-    return f"{engine}[{knobs}]"
-
-
-def format_knob_value(value) -> str:
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
 
 
 # Attention matrices are (H, T, T): 9 GB per trace for SmolLM2 at 2048 tokens. Past this many

@@ -2,10 +2,11 @@
 
 A variant is an ordered mapping knob -> value, written on the command line as
 `theta=10000,attn=sdpa`. This module only parses and validates; each engine applies the knobs it
-honours. Config-level knobs (`BOTH`) become a different `LlamaSpec` (`tracer.config.read_config`
-and `tracer.llama.apply_overrides`), which the hf engine writes into transformers' config too;
-semantic knobs (`REIMPL`) become strategy functions in `tracer.llama.resolve_strategies`. A knob
-an engine cannot honour is an error naming the engines that can, never silently ignored.
+honours, and declares which in its registry entry (`tracer.engines.registry`). Config-level knobs
+become a different `LlamaSpec` (`tracer.config.read_config` and `tracer.config.apply_overrides`),
+which the hf engine writes into transformers' config too; semantic knobs become strategy
+functions in `tracer.llama.resolve_strategies`. A knob an engine cannot honour is an error naming
+the engines that can, never silently ignored. No torch here: `tracer variants` starts fast.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tracer.engines.registry import engines_honouring
 from tracer.errors import TracerError
 
 DTYPES = ("f32", "bf16", "f16", "f64")
@@ -24,10 +26,14 @@ class Knob:
     parse: Callable[[str], Any]  # raises ValueError on a bad value
     accepted: str  # the accepted form, quoted in errors and `tracer variants`
     default: str
-    engines: tuple[str, ...]
     reproduces: str
     # The variant `tracer sweep` runs for this knob by default, given the model's spec.
     representative: Callable[[Any], str] = lambda spec: ""
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The engines that honour it, as their registry entries declare."""
+        return engines_honouring(self.name)
 
 
 def _positive_float(text: str) -> float:
@@ -57,48 +63,45 @@ def _fixed(text: str) -> Callable[[Any], str]:
     return lambda spec: text
 
 
-BOTH = ("reimpl", "hf")  # config-level knobs: they change what transformers is given, too
-REIMPL = ("reimpl",)  # semantic knobs: they change an operation only tracer's Llama exposes
-
 KNOBS: dict[str, Knob] = {
     knob.name: knob
     for knob in (
-        Knob("theta", _positive_float, "a positive number, e.g. theta=10000", "from config.json", BOTH,
+        Knob("theta", _positive_float, "a positive number, e.g. theta=10000", "from config.json",
              "rope_theta silently 10000 (candle's serde default)",
              lambda spec: "theta=10000" if spec.rope_theta != 10_000 else "theta=500000"),
-        Knob("eps", _positive_float, "a positive number, e.g. eps=1e-6", "from config.json", BOTH,
+        Knob("eps", _positive_float, "a positive number, e.g. eps=1e-6", "from config.json",
              "a wrong rms_norm_eps", _fixed("eps=1e-3")),
-        Knob("attn", _choice("eager", "sdpa"), "eager | sdpa", "eager", BOTH,
+        Knob("attn", _choice("eager", "sdpa"), "eager | sdpa", "eager",
              "the attention implementation (sdpa fuses scores and softmax)", _fixed("attn=sdpa")),
-        Knob("dtype", _choice(*DTYPES), " | ".join(DTYPES), "f32", BOTH,
+        Knob("dtype", _choice(*DTYPES), " | ".join(DTYPES), "f32",
              "the load dtype", _fixed("dtype=bf16")),
-        Knob("rope", _choice("half", "interleaved"), "half | interleaved", "half", REIMPL,
+        Knob("rope", _choice("half", "interleaved"), "half | interleaved", "half",
              "candle rope_i (adjacent pairs, the GGUF convention) on HF-layout weights", _fixed("rope=interleaved")),
-        Knob("rope_scaling", _choice("keep", "drop"), "keep | drop", "keep", BOTH,
+        Knob("rope_scaling", _choice("keep", "drop"), "keep | drop", "keep",
              "Llama-3 rope_scaling lost (candle reading a transformers 5 config)", _fixed("rope_scaling=drop")),
-        Knob("kv_repeat", _choice("interleave", "tile"), "interleave | tile", "interleave", REIMPL,
+        Knob("kv_repeat", _choice("interleave", "tile"), "interleave | tile", "interleave",
              "GQA head order: tile (torch.cat / .repeat) instead of HF repeat_kv", _fixed("kv_repeat=tile")),
-        Knob("mask", _choice("additive", "where", "none"), "additive | where | none", "additive", REIMPL,
+        Knob("mask", _choice("additive", "where", "none"), "additive | where | none", "additive",
              "HF's min-float add vs candle's masked_fill -inf; none forgets the causal mask", _fixed("mask=none")),
-        Knob("attn_math", _choice("hf", "candle"), "hf | candle", "hf", REIMPL,
+        Knob("attn_math", _choice("hf", "candle"), "hf | candle", "hf",
              "candle's attention: q, k, v upcast to f32 throughout, scores divided by sqrt(D)",
              _fixed("attn_math=candle")),
-        Knob("norm", _choice("hf", "candle"), "hf | candle", "hf", REIMPL,
+        Knob("norm", _choice("hf", "candle"), "hf | candle", "hf",
              "candle's RMSNorm: x / root in the load dtype (HF: x * rsqrt in f32, cast, then weight)", _fixed("norm=candle")),
-        Knob("bias", _choice("keep", "ignore"), "keep | ignore", "keep", BOTH,
+        Knob("bias", _choice("keep", "ignore"), "keep | ignore", "keep",
              "candle's linear_no_bias drops projection biases", _fixed("bias=ignore")),
-        Knob("logits", _choice("all", "last"), "all | last", "all", REIMPL,
+        Knob("logits", _choice("all", "last"), "all | last", "all",
              "candle computes lm_head on the last position only", _fixed("logits=last")),
-        Knob("config", _choice("hf", "candle"), "hf | candle", "hf", BOTH,
+        Knob("config", _choice("hf", "candle"), "hf | candle", "hf",
              "which reader parses config.json (candle 0.11: 13 keys, see `tracer config`)", _fixed("config=candle")),
-        Knob("resave", _choice("none", "tf5"), "none | tf5", "none", BOTH,
+        Knob("resave", _choice("none", "tf5"), "none | tf5", "none",
              "config re-saved by transformers 5 (theta and scaling move into rope_parameters)",
              _fixed("config=candle,resave=tf5")),
-        Knob("preset", _choice("candle"), "candle", "none", REIMPL,
+        Knob("preset", _choice("candle"), "candle", "none",
              "every candle-0.11 llama.rs choice at once (explicit knobs override it)", _fixed("preset=candle")),
-        Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json", BOTH,
+        Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json",
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}"),
-        Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json", BOTH,
+        Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
              "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}"),
     )
 }
@@ -116,11 +119,21 @@ def expand_presets(variant: dict) -> dict:
     return {**preset, **{k: v for k, v in variant.items() if k != "preset"}}
 
 
+def format_knob_value(value) -> str:
+    """10000.0 -> "10000", 1e-05 -> "1e-05": how a knob's value is written back."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def variant_text(variant: dict) -> str:
     """{"theta": 10000.0, "rope": "interleaved"} -> "theta=10000,rope=interleaved"."""
-    from tracer.trace import format_knob_value
-
     return ",".join(f"{k}={format_knob_value(v)}" for k, v in variant.items())
+
+
+def side_label(engine: str, variant: dict) -> str:
+    """`engine[knob=value,...]`: how reports name one side of a comparison."""
+    return f"{engine}[{variant_text(variant)}]" if variant else engine
 
 
 def parse_variant(spec: str | dict | None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import TOKENS
 from tracer.api import greedy_continuation
-from tracer.engines import load_engine
+from tracer.engines.load import load_engine
 
 STEPS = 8
 

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tracer
-from tracer.engines import ReimplEngine
+from tracer.engines.load import load_engine
 from tracer.explain import amplification, op_input
-from tracer.localize import local_errors
+from tracer.pipeline import local_errors
 from tracer.noise import estimate_noise
 from tests.conftest import TOKENS
 
@@ -28,9 +28,9 @@ def test_a_single_block_fault_is_local_to_that_block(tiny_llama, tmp_path):
     model = tiny_llama(num_hidden_layers=4)
     faulty = faulty_copy(model, tmp_path, "model.layers.1.mlp.down_proj.weight")
     reference = tracer.record(model, TOKENS, engine="hf")
-    engine = ReimplEngine.load(faulty, {})
+    engine = load_engine("reimpl", faulty, {})
     candidate = engine.record(TOKENS)
-    local = local_errors(engine.llama, reference)
+    local = local_errors(engine, reference)
     result = tracer.compare(reference, candidate, noise=estimate_noise(model, reference, {}), local=local)
 
     first = result.first_divergence
@@ -44,7 +44,7 @@ def test_a_single_block_fault_is_local_to_that_block(tiny_llama, tmp_path):
 def test_local_error_of_a_clean_reimplementation_is_zero(tiny_llama):
     model = tiny_llama()
     reference = tracer.record(model, TOKENS, engine="hf")
-    local = local_errors(ReimplEngine.load(model, {}).llama, reference)
+    local = local_errors(load_engine("reimpl", model, {}), reference)
     assert set(local) == set(reference.points) and max(local.values()) == 0.0
 
 

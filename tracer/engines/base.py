@@ -1,0 +1,106 @@
+"""What every engine is and shares: the `Engine` protocol, trace metadata, device checks.
+
+An engine is built by its module's `load(source, variant, *, argument, device, stream)` (see
+`tracer.engines.load`) and answers to the protocol below. What it *can* do is declared once in
+its registry entry (`tracer.engines.registry.EngineEntry`), which it carries as `entry`; the
+pipeline reads capabilities there, never by probing attributes.
+"""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from typing import Protocol
+
+from tracer.engines.registry import EngineEntry
+from tracer.errors import TracerError
+from tracer.points import LAYER_POINTS, layer_point
+from tracer.trace import Trace
+
+DEVICES = ("cpu", "cuda", "mps")
+
+
+class Engine(Protocol):
+    """What the pipeline asks of an engine.
+
+    `draft` exists where `entry.draft`, `local_trace` where `entry.local_errors`; `logits`
+    returns None where `entry.logits` is False.
+    """
+
+    entry: EngineEntry
+    name: str  # the registry name ("hf", "reimpl", "file", ...)
+    variant: dict  # the knobs it runs with
+    device: torch.device | str
+    vocab_size: int | None  # None: unknown (a saved trace)
+    max_positions: int | None
+
+    def record(self, tokens: list[int], recorder=None) -> Trace:
+        """Every point it can observe on one forward over `tokens`; `recorder` (a
+        `TraceRecorder` by default) may spill points to disk instead of memory."""
+
+    def logits(self, tokens: list[int]) -> torch.Tensor | None:
+        """(T, V) logits of an unrecorded forward, for greedy decoding."""
+
+    def draft(self, tokens: list[int], steps: int) -> list[int]:
+        """A cheap guess at `steps` greedy tokens (a cached decode), checked by the caller."""
+
+    def local_trace(self, reference: Trace, recorder=None) -> Trace:
+        """Its points with every block fed the reference's input to that block."""
+
+
+def environment() -> dict:
+    versions = {"python": platform.python_version(), "platform": platform.platform()}
+    for package in ("torch", "transformers", "safetensors"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """A device this torch can run the model on; anything else is the user's error, in one line."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in DEVICES:
+        raise TracerError(f"unknown device {str(device)!r}; devices: {', '.join(DEVICES)} (cuda:N for one GPU of several)")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise TracerError(f"device {device}: torch {torch.__version__} sees no CUDA GPU here")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise TracerError(f"device {device}: there are {torch.cuda.device_count()} CUDA GPUs (cuda:0..)")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise TracerError(f"device {device}: torch {torch.__version__} sees no Apple GPU here")
+    return parsed
+
+
+def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, not_recorded: dict, **extra) -> dict:
+    """The metadata every engine writes into its traces (`runtime`: {name, version} of a
+    non-PyTorch runtime, shown in reports)."""
+    return {
+        "engine": engine.name,
+        "variant": dict(engine.variant),
+        "model": model,
+        "tokens": list(tokens),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "versions": environment(),
+        "not_recorded": not_recorded,
+        **extra,
+    }
+
+
+def per_layer(num_layers: int, reasons: dict[str, str]) -> dict[str, str]:
+    """Expand {"self_attn.scores": reason} to every layer's point, in execution order."""
+    return {
+        layer_point(i, sub): reasons[sub] for i in range(num_layers) for sub in LAYER_POINTS if sub in reasons
+    }
+
+
+def is_loaded_model(source) -> bool:
+    return hasattr(source, "state_dict") and hasattr(source, "config")

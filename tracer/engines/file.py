@@ -1,0 +1,38 @@
+"""The `file:PATH` engine: a trace saved earlier, by tracer or another runtime. It can be compared,
+not run again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tracer.engines.registry import ENGINES
+from tracer.errors import TracerError
+from tracer.trace import Trace
+
+
+class FileEngine:
+    entry = ENGINES["file"]
+    name = entry.name
+    device = "cpu"
+    vocab_size = max_positions = None
+
+    def __init__(self, path: str | Path, aliases=None):
+        self.path = Path(path)
+        self.trace = Trace.load(self.path, aliases)  # another runtime's dump: names mapped onto points
+        self.variant = self.trace.meta.get("variant", {})
+
+    def record(self, tokens: list[int], recorder=None) -> Trace:
+        """The saved trace itself (it is already on disk or in memory; `recorder` has nothing to do)."""
+        recorded = self.trace.tokens
+        if recorded is not None and list(recorded) != list(tokens):
+            raise TracerError(f"trace {self.path} was recorded on tokens {recorded}, not {list(tokens)}")
+        return self.trace
+
+    def logits(self, tokens: list[int]) -> None:
+        return None
+
+
+def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False) -> FileEngine:
+    if variant:
+        raise TracerError("a saved trace (file:PATH) cannot take variant knobs")
+    return FileEngine(argument)

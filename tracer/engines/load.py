@@ -1,0 +1,33 @@
+"""`load_engine`: an engine built from its registry entry, after every check a user can fail."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from tracer.engines.base import check_device
+from tracer.engines.registry import check_runtime, parse_engine
+from tracer.errors import TracerError
+from tracer.variants import check_engine
+
+
+def check_engine_name(name: str) -> None:
+    """Refuse an unknown engine, a missing argument or a missing runtime before any model loads."""
+    check_runtime(parse_engine(name)[0])
+
+
+def load_engine(name: str, source, variant: dict, *, device: str | torch.device = "cpu", stream: bool = False):
+    """`hf`, `reimpl`, `file:PATH`, ... -> an engine ready to record, its model on `device`.
+
+    `stream` is passed on to engines that can read weights block by block and dropped for the
+    others (the caller says so in its notes; `tracer.record` refuses it instead).
+    """
+    entry, argument = parse_engine(name)
+    check_runtime(entry)
+    check_engine(variant, entry.name)
+    parsed = check_device(device)
+    if parsed.type not in entry.devices:
+        raise TracerError(f"the {entry.name} engine runs on {', '.join(entry.devices)}, not {device}")
+    module = importlib.import_module(entry.module)
+    return module.load(source, variant, argument=argument, device=parsed, stream=stream and entry.stream)

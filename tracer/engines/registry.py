@@ -1,0 +1,127 @@
+"""Every engine as data: its capabilities, declared once, read by the pipeline, `tracer engines`
+and `tracer variants`. No torch here (both commands start in well under a second).
+
+An engine name may carry an argument after a colon: `file:PATH` (a saved trace),
+`llamacpp:PATH.gguf` (another GGUF file than the model's own).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+
+from tracer.errors import TracerError
+
+# Config-level knobs: they change the model every PyTorch engine builds (the spec it reads).
+CONFIG_KNOBS = ("theta", "eps", "attn", "dtype", "rope_scaling", "bias", "config", "resave", "layers", "head_dim")
+# Semantic knobs: they change one operation of tracer's own Llama.
+SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "preset")
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One engine and what it can do.
+
+    Attributes:
+        name: what `--reference` / `--candidate` take (before any `:argument`).
+        module: the module whose `load(source, variant, *, argument, device, stream)` builds it.
+        summary: one line for `tracer engines`.
+        knobs: the variant knobs it honours; any other knob is refused, naming the engines that can.
+        unobservable: per-layer sub-points (`self_attn.scores`, ...) it can never record.
+        local_errors: it can rerun each block on the reference's inputs (`local_trace`), which
+            separates the error a point introduces from the error it inherits.
+        draft: it has a cached decode (`draft(tokens, steps)`) that greedy decoding checks.
+        logits: it can run an unrecorded forward (`logits(tokens)`), which greedy decoding needs.
+        devices: the torch device types it takes.
+        stream: it can read weights block by block (`stream=True`).
+        argument: what follows the colon ("PATH"), or None; `argument_required` when it must.
+        extra: the pip extra that installs its runtime (`pip install -e '.[extra]'`).
+        requires: (import name, distribution) pairs its runtime needs.
+    """
+
+    name: str
+    module: str
+    summary: str
+    knobs: tuple[str, ...] = ()
+    unobservable: tuple[str, ...] = ()
+    local_errors: bool = False
+    draft: bool = False
+    logits: bool = True
+    devices: tuple[str, ...] = ("cpu",)
+    stream: bool = False
+    argument: str | None = None
+    argument_required: bool = False
+    extra: str | None = None
+    requires: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def usage(self) -> str:
+        if self.argument is None:
+            return self.name
+        return f"{self.name}:{self.argument}" if self.argument_required else f"{self.name}[:{self.argument}]"
+
+    def missing_runtime(self) -> list[str]:
+        """The distributions its runtime needs that are not installed here."""
+        return [dist for module, dist in self.requires if importlib.util.find_spec(module) is None]
+
+    def runtime_versions(self) -> dict[str, str | None]:
+        """distribution -> installed version (None when missing)."""
+        versions = {}
+        for _, dist in self.requires:
+            try:
+                versions[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                versions[dist] = None
+        return versions
+
+
+ENGINES: dict[str, EngineEntry] = {
+    entry.name: entry
+    for entry in (
+        EngineEntry(
+            "hf", "tracer.hooks.engine",
+            "transformers' own model, observed through forward hooks and a registered attention function",
+            knobs=CONFIG_KNOBS, draft=True, devices=("cpu", "cuda", "mps"),
+            requires=(("transformers", "transformers"),),
+        ),
+        EngineEntry(
+            "reimpl", "tracer.engines.reimpl",
+            "tracer's own Llama in plain torch (tracer/llama.py), every knob as a strategy",
+            knobs=CONFIG_KNOBS + SEMANTIC_KNOBS, local_errors=True, devices=("cpu", "cuda", "mps"), stream=True,
+        ),
+        EngineEntry(
+            "file", "tracer.engines.file",
+            "a trace saved earlier: tracer's own, or a dump from another runtime (docs/trace-format.md)",
+            logits=False, argument="PATH", argument_required=True,
+        ),
+    )
+}
+
+
+def parse_engine(name: str) -> tuple[EngineEntry, str | None]:
+    """`"file:trace.safetensors"` -> (the file entry, "trace.safetensors"); an unknown name or a
+    missing or unexpected argument is the user's error, said before anything loads."""
+    if not isinstance(name, str):
+        raise TracerError(f"an engine is named by a string, got {name!r}")
+    base, colon, argument = name.partition(":")
+    entry = ENGINES.get(base)
+    if entry is None:
+        raise TracerError(f"unknown engine {name!r}; engines: {', '.join(e.usage for e in ENGINES.values())}")
+    if colon and entry.argument is None:
+        raise TracerError(f"the {base} engine takes no argument after ':' (got {name!r})")
+    if entry.argument_required and not argument:
+        raise TracerError(f"the {base} engine needs a {entry.argument}: {base}:{entry.argument}")
+    return entry, (argument or None)
+
+
+def check_runtime(entry: EngineEntry) -> None:
+    """A runtime that is not installed is one line naming the extra that installs it."""
+    missing = entry.missing_runtime()
+    if missing:
+        install = f"pip install -e '.[{entry.extra}]'" if entry.extra else f"pip install {' '.join(missing)}"
+        raise TracerError(f"the {entry.name} engine needs {', '.join(missing)}, which is not installed: {install}")
+
+
+def engines_honouring(knob: str) -> tuple[str, ...]:
+    return tuple(name for name, entry in ENGINES.items() if knob in entry.knobs)

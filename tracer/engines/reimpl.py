@@ -1,0 +1,75 @@
+"""The `reimpl` engine: tracer's own instrumented Llama (`tracer.llama`), no transformers import."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tracer.engines.base import check_device, is_loaded_model, per_layer, trace_meta
+from tracer.engines.registry import ENGINES
+from tracer.llama import Llama
+from tracer.trace import Trace, TraceRecorder
+
+
+class ReimplEngine:
+    entry = ENGINES["reimpl"]
+    name = entry.name
+
+    def __init__(self, llama: Llama, model: str):
+        self.llama, self.model, self.variant = llama, model, llama.variant
+
+    @property
+    def device(self) -> torch.device:
+        return self.llama.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llama.spec.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.llama.spec.max_position_embeddings
+
+    def record(self, tokens: list[int], recorder=None) -> Trace:
+        """Every point of one forward; `recorder` (default in memory) may spill to disk instead."""
+        recorder = recorder if recorder is not None else TraceRecorder()
+        self.llama.forward(torch.tensor(tokens), recorder)
+        return Trace(recorder.tensors, self._meta(tokens))
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        return self.llama.forward(torch.tensor(tokens))
+
+    def local_trace(self, reference: Trace, recorder=None) -> Trace:
+        """Every block rerun on the reference's input to that block (`tracer.localize`)."""
+        from tracer.localize import teacher_forced_points
+
+        return Trace(teacher_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
+
+    def _meta(self, tokens: list[int]) -> dict:
+        spec = self.llama.spec
+        not_recorded = per_layer(spec.num_hidden_layers, self.llama.strategies.not_recorded())
+        return trace_meta(self, self.model, tokens, self.llama.strategies.dtype, not_recorded,
+                          num_layers=spec.num_hidden_layers, unused_config_keys=list(spec.unused_keys),
+                          unused_tensors=self.llama.unused_tensors)
+
+
+def load(source, variant: dict, *, argument: str | None = None, device: str | torch.device = "cpu",
+         stream: bool = False) -> ReimplEngine:
+    """From a model directory, or an already loaded transformers model (its config and state dict
+    read our own way). `stream`: each block's weights read from the files when it runs."""
+    from tracer.model import resolve_model
+
+    placement = {"device": check_device(device), "stream": stream}
+    if is_loaded_model(source):
+        config = source.config.to_dict()
+        llama = Llama.from_config(config, dict(source.state_dict()), variant, **placement)
+        return ReimplEngine(llama, config.get("_name_or_path", "loaded model"))
+    model_dir = resolve_model(source)
+    return ReimplEngine(Llama.from_dir(model_dir, variant, **placement), str(model_dir))
+
+
+def from_parts(config: dict, weights: Mapping[str, torch.Tensor], variant: dict, label: str, *,
+               device: str | torch.device = "cpu", stream: bool = False) -> ReimplEngine:
+    """A reimpl engine from a config dict and weights already read (a sweep reads them once)."""
+    return ReimplEngine(Llama.from_config(config, weights, variant, device=check_device(device), stream=stream), label)
