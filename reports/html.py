@@ -19,7 +19,7 @@ from .summary import (
     Summary, as_summary, comparison_title, fmt, first_difference, side_label, tolerance_text,
     verdict_sentence,
 )
-from ..trace import format_knob_value
+from ..variants import format_knob_value
 from .table import display_rows
 from .template import CSS, PAGE, SORT_SCRIPT
 
