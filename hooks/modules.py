@@ -1,8 +1,10 @@
 """Forward hooks on the module outputs (and inputs) that are points.
 
-Module outputs are recorded under their HF module path. Two points are module *inputs*: the
-residual stream after attention (`resid_mid`, input of `post_attention_layernorm`) and the MLP's
-`act(gate) * up` (`mlp.act`, input of `down_proj`); forward pre-hooks take them.
+Module outputs are recorded under their HF module path. Points that are module *inputs* (the
+residual stream after attention, `resid_mid`, is the input of `post_attention_layernorm`; the MLP's
+`act(gate) * up`, `mlp.act`, the input of `down_proj`) are taken by forward pre-hooks. Which is
+which is read from the point table (`tracer.points.SUB_POINTS`, its `observed` field); a module
+this model does not have (another family's point) is not hooked.
 """
 
 from __future__ import annotations
@@ -13,16 +15,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tracer.points import MODEL_POINTS, SUB_POINTS
+
 Recorder = Callable[[str, torch.Tensor], None]
 
-# Per-layer submodules whose output is the point of the same name.
-LAYER_OUTPUTS = (
-    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "",
-)
-# Per-layer point -> submodule whose first input it is.
-LAYER_INPUTS = {"resid_mid": "post_attention_layernorm", "mlp.act": "mlp.down_proj"}
-MODEL_OUTPUTS = ("model.embed_tokens", "model.norm", "lm_head")
+# What the table says each point is: a module's output, or the first input of a module.
+LAYER_OUTPUTS = tuple(sub.name for sub in SUB_POINTS.values() if sub.observed == "output")
+LAYER_INPUTS = {sub.name: sub.observed.removeprefix("input:") for sub in SUB_POINTS.values()
+                if sub.observed.startswith("input:")}
+MODEL_OUTPUTS = tuple(MODEL_POINTS)
 
 
 def _first_tensor(value) -> torch.Tensor:
@@ -52,10 +53,12 @@ def recording_modules(model: nn.Module, record: Recorder, layer_prefixes: list[s
         for prefix in layer_prefixes:
             for sub in LAYER_OUTPUTS:
                 point = _join(prefix, sub)
-                handles.append(modules[point].register_forward_hook(_output_hook(record, point)))
+                if point in modules:
+                    handles.append(modules[point].register_forward_hook(_output_hook(record, point)))
             for sub, module_name in LAYER_INPUTS.items():
-                module = modules[_join(prefix, module_name)]
-                handles.append(module.register_forward_pre_hook(_input_hook(record, _join(prefix, sub))))
+                module = modules.get(_join(prefix, module_name))
+                if module is not None:
+                    handles.append(module.register_forward_pre_hook(_input_hook(record, _join(prefix, sub))))
         yield
     finally:
         for handle in handles:

@@ -19,7 +19,7 @@ from matplotlib.colors import ListedColormap, LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..points import EMBED, FINAL_NORM, LAYER_POINTS, LOGITS, is_coarse, layer_of
+from ..points import EMBED, FINAL_NORM, LOGITS, is_coarse, label, layer_of, layer_point, split_point
 from .summary import (
     Summary, as_summary, comparison_title, fmt, number, points, rel_l2_threshold, tolerance_text,
 )
@@ -40,12 +40,6 @@ STYLE = {
     "legend.framealpha": 0.9,
 }
 
-COARSE_LABELS = {EMBED: "embed", FINAL_NORM: "norm", LOGITS: "logits"}
-# Column labels of the heatmap, one per entry of LAYER_POINTS.
-SUB_LABELS = (
-    "in_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "scores", "probs", "context",
-    "o_proj", "resid_mid", "post_norm", "gate", "up", "act", "down", "block out",
-)
 
 
 def plain(text: str) -> str:
@@ -70,9 +64,8 @@ def figure_png(fig: Figure) -> bytes:
 
 
 def coarse_label(point: str) -> str:
-    if point in COARSE_LABELS:
-        return COARSE_LABELS[point]
-    return str(layer_of(point))
+    layer = layer_of(point)
+    return label(point) if layer is None else str(layer)
 
 
 def coarse_x(coarse: list[dict]) -> np.ndarray:
@@ -233,7 +226,8 @@ def set_coarse_ticks(ax, coarse: list[dict], x: np.ndarray) -> None:
     labels = [coarse_label(p["point"]) for p in coarse]
     step = max(1, math.ceil(len(labels) / 40))
     shown = [
-        lab if (i % step == 0 or lab in COARSE_LABELS.values()) else "" for i, lab in enumerate(labels)
+        lab if (i % step == 0 or layer_of(p["point"]) is None) else ""
+        for i, (lab, p) in enumerate(zip(labels, coarse))
     ]
     ax.set_xticks(x, shown, fontsize=8)
     ax.set_xlim(x.min() - 0.7, x.max() + 0.7)
@@ -298,17 +292,34 @@ def empty_figure(fig: Figure, summary: Summary) -> Figure:
 # --- the layer × sub-point heatmap -----------------------------------------------------------
 
 
+def layer_columns(summary: Summary) -> list[str]:
+    """The heatmap's columns: every sub-point the result has, in execution order (a family's own)."""
+    columns: dict[str, None] = {}
+    for p in points(summary):
+        layer, sub = split_point(p["point"])
+        if layer is not None:
+            columns.setdefault(sub)
+    return list(columns)
+
+
+def layer_cells(summary: Summary):
+    """(point entry, (layer, column)) for every per-layer point of the result."""
+    columns = {sub: i for i, sub in enumerate(layer_columns(summary))}
+    for p in points(summary):
+        layer, sub = split_point(p["point"])
+        if layer is not None:
+            yield p, (layer, columns[sub])
+
+
 def layer_grid(summary: Summary) -> tuple[np.ndarray, np.ndarray]:
     """rel_l2 per (layer, sub-point) (inf/NaN kept) and the mask of cells that were recorded."""
-    layered = [p for p in points(summary) if p.get("layer") is not None]
-    n_layers = max((p["layer"] for p in layered), default=-1) + 1
-    grid = np.full((n_layers, len(LAYER_POINTS)), np.nan)
+    cells = list(layer_cells(summary))
+    n_layers = max((layer for _, (layer, _) in cells), default=-1) + 1
+    grid = np.full((n_layers, len(layer_columns(summary))), np.nan)
     recorded = np.zeros(grid.shape, dtype=bool)
-    for p in layered:
-        sub = p["point"].removeprefix(f"model.layers.{p['layer']}").lstrip(".")
+    for p, cell in cells:
         value = number(p.get("rel_l2"))
-        if sub in LAYER_POINTS and value is not None:
-            cell = p["layer"], LAYER_POINTS.index(sub)
+        if value is not None:
             grid[cell], recorded[cell] = value, True
     return grid, recorded
 
@@ -345,7 +356,7 @@ def layer_heatmap_figure(summary) -> Figure:
                           aspect="auto", norm=norm, interpolation="nearest")
         hatch_missing(ax, recorded)
         label_non_finite(ax, grid, recorded & ~finite)
-        label_heatmap_axes(ax, grid.shape[0])
+        label_heatmap_axes(ax, grid.shape[0], [label(layer_point(0, sub)) for sub in layer_columns(summary)])
         colorbar(fig, ax, image, summary)
         outline_first_divergence(ax, summary)
         fig.suptitle(plain(comparison_title(summary)), fontsize=11, fontweight="bold")
@@ -362,10 +373,8 @@ def has_point_thresholds(summary: Summary) -> bool:
 def layer_status(summary: Summary, shape: tuple[int, int]) -> np.ndarray:
     """True where the (layer, sub-point) cell is out of tolerance, as the diff engine judged it."""
     diverged = np.zeros(shape, dtype=bool)
-    for p in points(summary):
-        sub = p["point"].removeprefix(f"model.layers.{p.get('layer')}").lstrip(".")
-        if p.get("layer") is not None and sub in LAYER_POINTS and p.get("diverged"):
-            diverged[p["layer"], LAYER_POINTS.index(sub)] = True
+    for p, cell in layer_cells(summary):
+        diverged[cell] = bool(p.get("diverged"))
     return diverged
 
 
@@ -399,14 +408,14 @@ def label_non_finite(ax, grid: np.ndarray, cells: np.ndarray) -> None:
                 fontsize=7.5, color="white", fontweight="bold")
 
 
-def label_heatmap_axes(ax, n_layers: int) -> None:
-    ax.set_xticks(range(len(SUB_LABELS)), SUB_LABELS, rotation=40, ha="right", fontsize=8)
+def label_heatmap_axes(ax, n_layers: int, labels: list[str]) -> None:
+    ax.set_xticks(range(len(labels)), labels, rotation=40, ha="right", fontsize=8)
     step = max(1, math.ceil(n_layers / 40))
     ax.set_yticks(range(0, n_layers, step))
     ax.tick_params(axis="y", labelsize=8)
     ax.set_ylabel("layer")
     # thin white lines between cells keep neighbouring equal colours apart
-    ax.set_xticks(np.arange(-0.5, len(SUB_LABELS)), minor=True)
+    ax.set_xticks(np.arange(-0.5, len(labels)), minor=True)
     ax.set_yticks(np.arange(-0.5, n_layers), minor=True)
     ax.grid(which="minor", color="white", lw=0.6)
     ax.tick_params(which="minor", length=0)
@@ -428,10 +437,11 @@ def outline_first_divergence(ax, summary: Summary) -> None:
     layer = first.get("layer")
     if layer is None:
         return
-    sub = first["point"].removeprefix(f"model.layers.{layer}").lstrip(".")
-    if sub not in LAYER_POINTS:
+    columns = layer_columns(summary)
+    sub = split_point(first["point"])[1]
+    if sub not in columns:
         return
-    col = LAYER_POINTS.index(sub)
+    col = columns.index(sub)
     ax.add_patch(Rectangle((col - 0.5, layer - 0.5), 1, 1, fill=False, ec="black", lw=2.5, clip_on=False))
     ax.annotate(plain(f"first divergence: {first['point']}"), xy=(col, layer),
                 xytext=(12, -4), textcoords="offset points", fontsize=8, color="black",

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import jinja2
 
 from ..errors import TracerError
-from ..points import LAYER_POINTS, is_coarse, layer_of
+from ..points import folded, is_coarse, layer_of, rank
 from .figures import breakdown_figure, curve_figure, figure_png, has_breakdown, layer_heatmap_figure
 from .html import logits_rows
 from .summary import (
@@ -250,24 +250,14 @@ def folded_rows(trace) -> list[dict]:
     """One row per point name with the layer index replaced by {i}: 513 points in ~20 rows."""
     groups: dict[tuple, list] = {}
     for name, tensor in trace.tensors.items():
-        layer = layer_of(name)
-        pattern = name if layer is None else name.replace(f"model.layers.{layer}", "model.layers.{i}", 1)
-        key = (pattern, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-        groups.setdefault(key, []).append(layer)
+        key = (folded(name), tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        groups.setdefault(key, []).append(layer_of(name))
     rows = [
         {"point": pattern, "layers": layer_ranges(layers), "shape": "×".join(map(str, shape)) or "scalar",
          "dtype": dtype}
         for (pattern, shape, dtype), layers in groups.items()
     ]
-    return sorted(rows, key=lambda r: _point_rank(r["point"]))
-
-
-def _point_rank(pattern: str) -> tuple:
-    """Execution order of a folded name: embeddings, the block's points in order, norm, logits."""
-    if "{i}" not in pattern:
-        return (0,) if pattern == "model.embed_tokens" else (2, pattern != "model.norm", pattern)
-    sub = pattern.removeprefix("model.layers.{i}").lstrip(".")
-    return (1, LAYER_POINTS.index(sub) if sub in LAYER_POINTS else len(LAYER_POINTS), sub)
+    return sorted(rows, key=lambda r: rank(r["point"]))
 
 
 def layer_ranges(layers: list) -> str:
@@ -284,10 +274,8 @@ def layer_ranges(layers: list) -> str:
 
 def fold_not_recorded(items: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Unrecorded points, layer index folded the same way ("model.layers.{i}.self_attn.scores")."""
-    folded: dict[tuple[str, str], list] = {}
+    groups: dict[tuple[str, str], list] = {}
     for name, reason in items:
-        layer = layer_of(name)
-        pattern = name if layer is None else name.replace(f"model.layers.{layer}", "model.layers.{i}", 1)
-        folded.setdefault((pattern, str(reason)), []).append(layer)
+        groups.setdefault((folded(name), str(reason)), []).append(layer_of(name))
     return [(f"{pattern} [{layer_ranges(layers)}]" if layer_ranges(layers) else pattern, reason)
-            for (pattern, reason), layers in folded.items()]
+            for (pattern, reason), layers in groups.items()]

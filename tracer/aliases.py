@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tracer.errors import TracerError, one_line
-from tracer.points import EMBED, FINAL_NORM, LAYER_POINTS, LOGITS
+from tracer.points import EMBED, FINAL_NORM, LOGITS, MODEL_POINTS, SUB_POINTS, split_point
 
 L = "model.layers.{i}"
 
@@ -167,10 +167,8 @@ def _compile(pattern: str) -> re.Pattern:
 
 def is_point(name: str) -> bool:
     """A name of tracer's vocabulary (for any number of layers)."""
-    if name in (EMBED, FINAL_NORM, LOGITS):
-        return True
-    match = re.fullmatch(r"model\.layers\.\d+(?:\.(.+))?", name)
-    return match is not None and (match.group(1) or "") in LAYER_POINTS
+    layer, sub = split_point(name)
+    return name in MODEL_POINTS if layer is None else sub in SUB_POINTS
 
 
 def _is_point_pattern(pattern: str) -> bool:

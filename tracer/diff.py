@@ -223,13 +223,9 @@ def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
 
 def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> list[str]:
     """Unrecorded points take their place in the vocabulary's order, not the end of the list."""
-    from tracer.points import all_points
+    from tracer.points import rank
 
-    num_layers = reference.meta.get("num_layers") or candidate.meta.get("num_layers")
-    if not num_layers:
-        return names
-    rank = {p: i for i, p in enumerate(all_points(num_layers))}
-    return sorted(names, key=lambda p: rank.get(p, len(rank)))
+    return sorted(names, key=rank)
 
 
 def last_rows_if_one_side_kept_one(point: str, ref: torch.Tensor, cand: torch.Tensor):

@@ -9,20 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tracer.points import EMBED, FINAL_NORM, LOGITS, causal_allowed, has_head_axis, is_causal, layer_point
-
-# Per-layer point -> the point (relative to the same layer) it is computed from; "<in>" is the
-# block's input (the previous block's output, or the embeddings).
-OP_INPUT = {
-    "input_layernorm": "<in>",
-    "self_attn.q_proj": "input_layernorm", "self_attn.k_proj": "input_layernorm", "self_attn.v_proj": "input_layernorm",
-    "self_attn.q_rope": "self_attn.q_proj", "self_attn.k_rope": "self_attn.k_proj",
-    "self_attn.scores": "self_attn.q_rope", "self_attn.probs": "self_attn.scores",
-    "self_attn.context": "self_attn.probs", "self_attn.o_proj": "self_attn.context",
-    "resid_mid": "self_attn.o_proj", "post_attention_layernorm": "resid_mid",
-    "mlp.gate_proj": "post_attention_layernorm", "mlp.up_proj": "post_attention_layernorm",
-    "mlp.act": "mlp.gate_proj", "mlp.down_proj": "mlp.act", "": "mlp.down_proj",
-}
+from tracer.points import causal_allowed, has_head_axis, is_causal, op_kind, source_point
 
 TOP_CHANNELS = 5
 # A position or head counts as untouched when its error is this small against the largest one.
@@ -95,38 +82,27 @@ def hints(point: str, details: dict) -> list[str]:
     if heads and any(_quiet(heads)) and not all(_quiet(heads)):
         exact = [i for i, q in enumerate(_quiet(heads)) if q]
         said.append(f"only some heads differ (heads {exact} are exact): the GQA head mapping (kv head repeat order)")
-    if point.endswith("layernorm") or point == "model.norm":
-        said.append("first error right after a norm: rms_norm_eps, or the norm's precision (f32 upcast)")
-    if point == EMBED:
-        said.append("error already at the embedding: the load dtype or the weights themselves")
-    if point.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
-        said.append("first error at a projection: its weights (layout, quantization, a dropped bias) or matmul precision")
+    said += OP_HINTS.get(op_kind(point), [])
     return said
+
+
+# What an expert suspects first when the first error is made by an op of this kind (tracer.points).
+OP_HINTS = {
+    "norm": ["first error right after a norm: rms_norm_eps, or the norm's precision (f32 upcast)"],
+    "embedding": ["error already at the embedding: the load dtype or the weights themselves"],
+    "projection": ["first error at a projection: its weights (layout, quantization, a dropped bias) or matmul precision"],
+}
 
 
 # --- amplification: the op whose output error most exceeds its input's (a norm dividing by a
 # small RMS, a softmax saturating) is where error grows fastest.
 
 
-def op_input(point: str) -> str | None:
-    """The point `point` is computed from, in the vocabulary (None for the embeddings)."""
-    if point == FINAL_NORM or point == LOGITS:
-        return None
-    parts = point.split(".")
-    if len(parts) < 3 or parts[0:2] != ["model", "layers"]:
-        return None
-    layer, sub = int(parts[2]), ".".join(parts[3:])
-    source = OP_INPUT.get(sub)
-    if source == "<in>":
-        return EMBED if layer == 0 else layer_point(layer - 1, "")
-    return layer_point(layer, source) if source is not None else None
-
-
 def amplification(rel_l2: dict[str, float], top: int = 5) -> list[dict]:
     """Ops ranked by how much they multiply the relative error of their input."""
     gains = []
     for point, error in rel_l2.items():
-        source = op_input(point)
+        source = source_point(point)
         inherited = rel_l2.get(source) if source else None
         if inherited and inherited > 0 and error is not None:
             gains.append({"point": point, "gain": error / inherited, "input": source})

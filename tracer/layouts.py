@@ -28,36 +28,21 @@ from collections.abc import Mapping
 import torch
 
 from tracer.errors import TracerError
-from tracer.points import layer_of
+from tracer.points import layout_of, split_point
 from tracer.trace import Trace
 
-MERGED_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.context")  # [T, heads·D]
-HEADS_FIRST = ("self_attn.q_rope", "self_attn.k_rope")  # [heads, T, D]
-ATTENTION = ("self_attn.scores", "self_attn.probs")  # [H, T, T]
+# q and k, whose rows GGUF's converter permutes (the RoPE pairs made adjacent)
 QK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.q_rope", "self_attn.k_rope")
 LAYOUT_NAMES = {"THD": "[T, H, D]", "HTD": "[H, T, D]"}
+# The most axes a point of each layout (tracer.points) may have in a dump, batch included.
+MAX_NDIM = {"rows": 2, "merged": 3, "heads": 3, "attention": 3}
 
 
 def sub_point(point: str) -> str:
-    """`self_attn.q_rope` for `model.layers.3.self_attn.q_rope`; the point itself outside layers."""
-    layer = layer_of(point)
-    if layer is None:
-        return point
-    return point.removeprefix(f"model.layers.{layer}").removeprefix(".") or "block"
-
-
-def kind_of(point: str) -> str:
-    sub = sub_point(point)
-    if sub in MERGED_HEADS:
-        return "merged"
-    if sub in HEADS_FIRST:
-        return "heads"
-    if sub in ATTENTION:
-        return "attention"
-    return "rows"
-
-
-MAX_NDIM = {"rows": 2, "merged": 3, "heads": 3, "attention": 3}
+    """`self_attn.q_rope` for `model.layers.3.self_attn.q_rope`, "block" for a block output; the
+    point itself outside the blocks (how the notes name kinds of points)."""
+    layer, sub = split_point(point)
+    return point if layer is None else sub or "block"
 
 
 # --- single-tensor conversions ---------------------------------------------------------------
@@ -147,7 +132,7 @@ def reconcile(point: str, canon: torch.Tensor, other: torch.Tensor, source: dict
     """
     original = tuple(other.shape)
     source = source or {}
-    kind = kind_of(point)
+    kind = layout_of(point)
     hint = source.get("layout")
     other, dropped = drop_batch(other, MAX_NDIM[kind])
     if dropped:
@@ -207,7 +192,7 @@ def head_dim_of(*traces: Trace) -> int | None:
             return int(trace.meta["head_dim"])
     for trace in traces:
         for point, tensor in trace.tensors.items():
-            if sub_point(point) in HEADS_FIRST and not is_foreign(trace, point) and tensor.ndim == 3:
+            if layout_of(point) == "heads" and not is_foreign(trace, point) and tensor.ndim == 3:
                 return int(tensor.shape[-1])
     return None
 

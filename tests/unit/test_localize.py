@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 import tracer
 from tracer.engines.load import load_engine
-from tracer.explain import amplification, op_input
+from tracer.explain import amplification
+from tracer.points import source_point
 from tracer.pipeline import local_errors
 from tracer.noise import estimate_noise
 from tests.conftest import TOKENS
@@ -49,10 +50,10 @@ def test_local_error_of_a_clean_reimplementation_is_zero(tiny_llama):
 
 
 def test_op_inputs_follow_the_forward():
-    assert op_input("model.layers.0.input_layernorm") == "model.embed_tokens"
-    assert op_input("model.layers.3.input_layernorm") == "model.layers.2"
-    assert op_input("model.layers.3.self_attn.q_rope") == "model.layers.3.self_attn.q_proj"
-    assert op_input("model.layers.3") == "model.layers.3.mlp.down_proj"
+    assert source_point("model.layers.0.input_layernorm") == "model.embed_tokens"
+    assert source_point("model.layers.3.input_layernorm") == "model.layers.2"
+    assert source_point("model.layers.3.self_attn.q_rope") == "model.layers.3.self_attn.q_proj"
+    assert source_point("model.layers.3") == "model.layers.3.mlp.down_proj"
     gains = amplification({"model.layers.0.self_attn.q_proj": 1e-6, "model.layers.0.self_attn.q_rope": 1e-3,
                            "model.layers.0.input_layernorm": 1e-6, "model.layers.0.self_attn.k_proj": 2e-6})
     assert gains[0]["point"] == "model.layers.0.self_attn.q_rope" and gains[0]["gain"] == pytest.approx(1000.0)

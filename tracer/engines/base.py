@@ -18,7 +18,7 @@ from typing import Protocol
 
 from tracer.engines.registry import EngineEntry
 from tracer.errors import TracerError
-from tracer.points import LAYER_POINTS, layer_point
+from tracer.points import layer_point
 from tracer.trace import Trace
 
 DEVICES = ("cpu", "cuda", "mps")
@@ -97,9 +97,7 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
 
 def per_layer(num_layers: int, reasons: dict[str, str]) -> dict[str, str]:
     """Expand {"self_attn.scores": reason} to every layer's point, in execution order."""
-    return {
-        layer_point(i, sub): reasons[sub] for i in range(num_layers) for sub in LAYER_POINTS if sub in reasons
-    }
+    return {layer_point(i, sub): reason for i in range(num_layers) for sub, reason in reasons.items()}
 
 
 def is_loaded_model(source) -> bool:
