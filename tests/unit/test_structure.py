@@ -108,3 +108,26 @@ def test_listing_variants_and_engines_leaves_torch_out():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
     assert "kv_repeat" in out and "file:PATH" in out
+
+
+def test_the_documented_functions_are_the_package_attributes():
+    import tracer
+    import tracer.reports
+
+    for name in ("record", "run", "sweep", "diagnose", "compare", "compare_files"):
+        assert callable(getattr(tracer, name)), name
+    assert tracer.sweep.__module__ == tracer.diagnose.__module__ == "tracer.api"  # no module shadows them
+    for name in tracer.reports.__all__:  # every advertised report function exists
+        assert getattr(tracer.reports, name) is not None, name
+
+
+def test_every_engine_module_and_knob_in_the_registry_exists():
+    import importlib.util
+
+    from tracer.engines.registry import ENGINES
+    from tracer.variants import KNOBS
+
+    for entry in ENGINES.values():
+        assert importlib.util.find_spec(entry.module) is not None, entry.module
+        assert set(entry.knobs) <= set(KNOBS), entry.name
+    assert all(KNOBS[name].engines for name in KNOBS)  # every knob has an engine that honours it
