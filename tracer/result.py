@@ -127,7 +127,7 @@ class Result:
         >>> result = tracer.run(variant="theta=10000", progress=False)
         >>> result.verdict, result.first_divergence["point"]
         ('diverged', 'model.layers.0.self_attn.q_rope')
-        >>> result.table().loc["model.layers.0.self_attn.q_rope", "diverged"]
+        >>> bool(result.table().loc["model.layers.0.self_attn.q_rope", "diverged"])
         True
     """
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tracer.model import COMPLETE_MARKER, DEFAULT_DIRNAME, bundled_gguf
+from tracer import model as tracer_model
+from tracer.model import COMPLETE_MARKER, DEFAULT_DIRNAME
 from tracer.errors import TracerError
 
 pytestmark = pytest.mark.integration
@@ -44,7 +45,7 @@ CONVERTING = "tracer: converting SmolLM2-135M-Instruct.Q4_1.gguf to f32"
 @pytest.fixture(scope="module", autouse=True)
 def bundled_gguf():
     try:
-        return bundled_gguf()
+        return tracer_model.bundled_gguf()
     except TracerError as exc:
         if os.environ.get("CI"):
             raise
