@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -92,14 +93,14 @@ class MLXEngine:
         import mlx.core as mx
 
         recorder = recorder if recorder is not None else TraceRecorder()
-        recorded: list[tuple[str, object]] = []
+        recorded: deque[tuple[str, object]] = deque()
         with recording_calls(self.model, lambda name, array: recorded.append((name, array))):
             logits = self._forward(tokens)
         recorded.append((LOGITS, logits))
         mx.eval([array for _, array in recorded])  # one evaluation of the whole lazy graph
-        for name, array in recorded:
+        while recorded:  # each MLX array let go once the recorder holds its copy
+            name, array = recorded.popleft()
             recorder(name, to_torch(array))
-        recorded.clear()
         not_recorded = per_layer(self.num_layers, UNOBSERVABLE)
         meta = trace_meta(self, self.label, tokens, TORCH_DTYPES[self.dtype], not_recorded,
                           num_layers=self.num_layers, runtime=runtime(),
@@ -212,7 +213,10 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
 
 
 def _load_model(model_dir: Path, dtype: str, device: torch.device):
-    import mlx.core as mx
+    try:
+        import mlx.core as mx
+    except ImportError as exc:  # Linux: `mlx` without `mlx-cpu` has no backend library to load
+        raise TracerError(f"MLX is installed without a backend ({one_line(exc)}): pip install -e '.[mlx]'") from None
     from mlx_lm.utils import load_model
 
     if not mx.is_available(getattr(mx, DEVICES[device.type])):
