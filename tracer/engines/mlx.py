@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.config import NON_FORWARD_KEYS, load_config
+from tracer.config import NON_FORWARD_KEYS, load_config, read_hf
 from tracer.engines.base import is_loaded_model, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
@@ -76,6 +76,7 @@ class MLXEngine:
         import mlx.core as mx
 
         self.model, self.config, self.variant, self.label, self.device = model, config, variant, label, device
+        self.spec = read_hf(config)  # what transformers reads: the positions the reference has
         self.stream = getattr(mx, DEVICES[device.type])
         self.num_layers = len(model.layers)
         self.dtype = variant.get("dtype", "f32")
@@ -85,8 +86,8 @@ class MLXEngine:
         return self.model.args.vocab_size
 
     @property
-    def max_positions(self) -> int | None:
-        return self.config.get("max_position_embeddings")
+    def max_positions(self) -> int:
+        return self.spec.max_position_embeddings
 
     def record(self, tokens: list[int], recorder=None) -> Trace:
         """Every point mlx-lm's forward exposes; `recorder` (default in memory) may spill to disk."""
@@ -207,6 +208,7 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
         raise TracerError(f"the mlx engine runs dtype {' | '.join(DTYPES)}, not {dtype}")
     model_dir = resolve_model(source)
     config = load_config(model_dir)
+    read_hf(config)  # a config transformers would refuse is one line here, not an error deep inside mlx-lm
     check_weight_files(model_dir)  # a damaged file is named in one line, not deep inside MLX
     model = _load_model(Path(model_dir), dtype, device)
     return MLXEngine(model, config, variant, str(model_dir), device)
