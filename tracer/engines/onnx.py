@@ -12,9 +12,10 @@ and `recording_attention`) with a recorder that collects the tensors and returns
 graph's outputs, named after their points. The exporter traces through the hooks, so the names come
 from the same code that names the hf reference, for any model transformers can export, and no rule
 reads the graph. The recorded tensors are the computation's own values, not copies beside it:
-each output but the logits feeds another node of the graph (checked in tests/unit/test_onnx.py),
-except the last-rows slices of scores and probs past `ATTENTION_ROWS` tokens, which `kept` would
-cut anyway (so ORT never hands back (H, T, T) matrices at 2048 tokens). Attention is exported in
+each output feeds another node of the graph (checked in tests/unit/test_onnx.py), except the
+logits, and scores and probs, which leave as a Slice of their last `ATTENTION_ROWS` query rows
+(all of them for shorter prompts; what `kept` keeps anyway, so ORT never hands back (H, T, T)
+matrices at 2048 tokens) of a value that does. Attention is exported in
 its eager form (transformers' `eager_attention_forward`, op for op), which is what makes scores and
 probabilities exist as values.
 
