@@ -11,6 +11,12 @@ forward of the same loaded model, and its ratio divides by that forward's time f
 rounds, so that the machine's speed, and its drift, cancel out; the whole run is timed the same
 way against a bare transformers script. A sweep's cost per variant is given in the same unit.
 
+The runtime engines (mlx, onnx; where installed) are each timed against their own runtime's
+plain forward instead, in the same alternating rounds: ORT running the plain export (the logits
+its only output) against ORT running the export whose outputs are every point, and mlx-lm's
+unrecorded forward against the recorded one. MLX's CPU build is slow, so its rows run on fewer
+tokens (`--mlx-tokens`); `--engines-only` measures only these.
+
 Forward hooks cloning every module output are measured as a baseline; where nnsight or
 TransformerLens are installed (`pip install -e '.[bench]'`) they are measured side by side,
 each on its own copy of the model as both rewire the modules they wrap, and the table names
@@ -198,6 +204,33 @@ def _transformer_lens(model, ids) -> tuple[str, Callable[[], object]]:
             "hook points (not cloned)"), run_with_cache
 
 
+# MLX's CPU build (a shared 2-core x86 VM) takes about 0.4 s per token of SmolLM2: 512 tokens would be
+# minutes per forward, so its rows run on fewer tokens (--mlx-tokens).
+MLX_TOKENS, MLX_TOKENS_QUICK = 32, 16
+
+
+def runtime_engines(model_dir: Path, tokens: dict[str, list[int]], repeats: int) -> tuple[list[str], list[str]]:
+    """Each installed runtime engine's recording cost against that runtime's own plain forward
+    (ORT: the plain export, logits its only output; MLX: the unrecorded forward), timed in
+    alternating rounds: table rows, and the runtimes not installed."""
+    from tracer.engines.load import load_engine
+    from tracer.engines.registry import ENGINES
+
+    rows = ["| engine (runtime) | tokens | plain forward, s | every point recorded, s | ratio |", "|---|--:|--:|--:|--:|"]
+    missing = []
+    for name, ids in tokens.items():
+        entry = ENGINES[name]
+        if entry.missing_runtime():
+            missing.append(f"{name} (pip install -e '.[{entry.extra}]')")
+            continue
+        engine = load_engine(name, model_dir, {})
+        pair = best_times({"plain": lambda: engine.logits(ids), "recorded": lambda: engine.record(ids)}, repeats)
+        runtime = engine.record(ids[:2]).meta["runtime"]
+        rows.append(f"| {name} ({runtime['name']} {runtime['version']}) | {len(ids)} | {pair['plain']:.3f} | "
+                    f"{pair['recorded']:.3f} | {pair['recorded'] / pair['plain']:.2f}× |")
+    return rows, missing
+
+
 def whole_run(model_dir: Path, repeats: int) -> dict[str, float]:
     """Seconds for `tracer run --variant theta=10000` as a process vs a bare transformers script."""
     bare = (
@@ -235,6 +268,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CI-sized: fewer tokens and repeats")
     parser.add_argument("--tokens", type=int, help="prompt length (default 512, quick 256)")
     parser.add_argument("--threads", type=int, help="torch threads, here and in the timed processes (default: torch's)")
+    parser.add_argument("--mlx-tokens", type=int, help=f"prompt length of the mlx rows (default {MLX_TOKENS}, "
+                                                        f"quick {MLX_TOKENS_QUICK}: MLX's CPU build is slow)")
+    parser.add_argument("--engines-only", action="store_true", help="only the runtime engines' rows")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -244,14 +280,21 @@ def main() -> None:
     model_dir = tracer.default_model_path()
     count = args.tokens or (256 if args.quick else 512)
     repeats = 3 if args.quick else 5
-    forward, missing = in_process(model_dir, bench_tokens(model_dir, count), repeats)
-    runs = whole_run(model_dir, 1 if args.quick else 3)
+    mlx_count = args.mlx_tokens or (MLX_TOKENS_QUICK if args.quick else MLX_TOKENS)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
     lines = [f"# tracer benchmark ({count} tokens, bundled SmolLM2, f32, {torch.get_num_threads()} threads; {machine})", ""]
-    lines += table(forward) + [""]
-    if missing:
-        lines += [f"Not installed, so not measured: {', '.join(missing)}.", ""]
-    lines += table(ratios(runs, "bare script: import transformers, load, one forward"))
+    if not args.engines_only:
+        forward, missing = in_process(model_dir, bench_tokens(model_dir, count), repeats)
+        runs = whole_run(model_dir, 1 if args.quick else 3)
+        lines += table(forward) + [""]
+        if missing:
+            lines += [f"Not installed, so not measured: {', '.join(missing)}.", ""]
+        lines += table(ratios(runs, "bare script: import transformers, load, one forward")) + [""]
+    engine_rows, engines_missing = runtime_engines(
+        model_dir, {"onnx": bench_tokens(model_dir, count), "mlx": bench_tokens(model_dir, mlx_count)}, repeats)
+    lines += ["Runtime engines, each against its own runtime's plain forward in alternating rounds:", ""] + engine_rows
+    if engines_missing:
+        lines += ["", f"Runtimes not installed, so not measured: {', '.join(engines_missing)}."]
     text = "\n".join(lines)
     print(text)
     (HERE / "results.md").write_text(text + "\n")

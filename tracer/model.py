@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "cache_root",
+    "cached_build",
     "check_weight_files",
     "bundled_gguf",
     "chat_text",
@@ -118,7 +119,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None, progress: boo
     build = functools.partial(
         _convert_gguf, gguf, source=source, progress=progress, expected="about 20 s"
     )
-    return _cached_build(target, build, progress=progress)
+    return cached_build(target, build, progress=progress)
 
 
 def gguf_model_path(
@@ -134,7 +135,7 @@ def gguf_model_path(
         return target
     source = {"gguf_file": str(gguf), "gguf_size": gguf.stat().st_size}
     build = functools.partial(_convert_gguf, gguf, source=source, progress=progress, expected=None)
-    return _cached_build(target, build, progress=progress)
+    return cached_build(target, build, progress=progress)
 
 
 GGUF_MAGIC = b"GGUF"
@@ -193,7 +194,7 @@ def _is_complete(target: Path) -> bool:
     return (target / COMPLETE_MARKER).is_file()
 
 
-def _cached_build(target: Path, build: Callable[[Path], None], progress: bool = True) -> Path:
+def cached_build(target: Path, build: Callable[[Path], None], progress: bool = True) -> Path:
     """Run ``build(tmp_dir)`` at most once per ``target``, across threads and processes.
 
     The build writes into a temporary sibling that is renamed into place only when complete,

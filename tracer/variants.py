@@ -99,6 +99,11 @@ KNOBS: dict[str, Knob] = {
              _fixed("config=candle,resave=tf5")),
         Knob("preset", _choice("candle"), "candle", "none",
              "every candle-0.11 llama.rs choice at once (explicit knobs override it)", _fixed("preset=candle")),
+        Knob("ort_opt", _choice("disable", "basic", "extended", "layout", "all"),
+             "disable | basic | extended | layout | all", "all",
+             "ONNX Runtime's graph optimization level (its fusions change the rounding)",
+             # None in the default sweep, which runs on reimpl: pass --variants ort_opt=disable with --candidate onnx
+             _fixed("")),
         Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json",
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}"),
         Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",

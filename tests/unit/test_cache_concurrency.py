@@ -1,6 +1,6 @@
 """The model cache under concurrency and interruption, with a stand-in build of a few seconds.
 
-`tracer.model._cached_build` is what converts the bundled GGUF once; here real processes race on
+`tracer.model.cached_build` is what converts the bundled GGUF once; here real processes race on
 it with a build that records each time it runs, so "exactly once" is counted, not assumed. The
 same on the real conversion is in tests/integration/test_cache_smollm2.py.
 """
@@ -21,7 +21,7 @@ from tracer.model import COMPLETE_MARKER
 CHILD = r"""
 import os, sys, time
 from pathlib import Path
-from tracer.model import _cached_build
+from tracer.model import cached_build
 
 target, runs, release = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 
@@ -33,7 +33,7 @@ def build(tmp):
         time.sleep(0.02)
     (tmp / "model.safetensors").write_bytes(b"whole file")
 
-print(_cached_build(target, build, progress=True))
+print(cached_build(target, build, progress=True))
 """
 
 

@@ -174,7 +174,7 @@ def test_racing_threads_build_once(tmp_path):
     target = tmp_path / "cache" / "model"
     results: list[Path] = []
     threads = [
-        threading.Thread(target=lambda: results.append(tm._cached_build(target, slow_build, False)))
+        threading.Thread(target=lambda: results.append(tm.cached_build(target, slow_build, False)))
         for _ in range(4)
     ]
     for thread in threads:
@@ -193,7 +193,7 @@ def test_racing_processes_build_once(tmp_path):
         """
         import os, sys, time
         from pathlib import Path
-        from tracer.model import _cached_build
+        from tracer.model import cached_build
 
         root = Path(sys.argv[1])
         while not (root / "go").exists():
@@ -205,7 +205,7 @@ def test_racing_processes_build_once(tmp_path):
             time.sleep(0.5)
             (out / "config.json").write_text("{}")
 
-        print(_cached_build(root / "cache" / "model", build, progress=False))
+        print(cached_build(root / "cache" / "model", build, progress=False))
         """
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -235,14 +235,14 @@ def test_failed_build_leaves_nothing(tmp_path):
         raise KeyboardInterrupt  # an interrupted conversion, the worst case
 
     with pytest.raises(KeyboardInterrupt):
-        tm._cached_build(target, broken)
+        tm.cached_build(target, broken)
     assert not target.exists()
     assert not list(tmp_path.glob(".model.tmp-*"))
 
     def good(out: Path) -> None:
         (out / "config.json").write_text("{}")
 
-    assert tm._cached_build(target, good) == target
+    assert tm.cached_build(target, good) == target
     assert (target / tm.COMPLETE_MARKER).is_file()
 
 
@@ -256,7 +256,7 @@ def test_leftovers_of_a_killed_build_are_replaced(tmp_path):
     def good(out: Path) -> None:
         (out / "config.json").write_text("{}")
 
-    tm._cached_build(target, good)
+    tm.cached_build(target, good)
     assert sorted(p.name for p in target.iterdir()) == [tm.COMPLETE_MARKER, "config.json"]
     assert not stale.exists()
 

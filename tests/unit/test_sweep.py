@@ -83,7 +83,8 @@ def test_default_sweep_has_one_variant_per_knob(tiny_llama):
     spec = read_hf(load_config(tiny_llama()))
     chosen = default_variants(spec)
     named = {pair.split("=")[0] for text in chosen for pair in text.split(",")}
-    assert named == set(KNOBS)
+    # ort_opt is an ONNX Runtime setting: the default sweep runs on reimpl, which has no such thing
+    assert named == set(KNOBS) - {"ort_opt"}
     assert "theta=500000" in chosen  # the tiny model's theta already is 10000
     assert "layers=3" in chosen and "head_dim=8" in chosen
 

@@ -99,6 +99,18 @@ ENGINES: dict[str, EngineEntry] = {
             "a trace saved earlier: tracer's own, or a dump from another runtime (docs/trace-format.md)",
             logits=False, argument="PATH", argument_required=True,
         ),
+        EngineEntry(
+            "mlx", "tracer.engines.mlx",
+            "Apple MLX through mlx-lm on the model directory, its modules' calls recorded (CPU; Metal as mps)",
+            knobs=("dtype",), unobservable=("self_attn.scores", "self_attn.probs"), devices=("cpu", "mps"),
+            extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
+        ),
+        EngineEntry(
+            "onnx", "tracer.engines.onnx",
+            "ONNX Runtime on tracer's cached dynamo export of the model, every point a named graph output",
+            knobs=("dtype", "ort_opt"),
+            extra="onnx", requires=(("onnxruntime", "onnxruntime"), ("onnx", "onnx"), ("onnxscript", "onnxscript")),
+        ),
     )
 }
 

@@ -1,0 +1,150 @@
+"""The mlx engine on tiny random Llamas: mlx-lm's own forward, recorded through its module calls."""
+
+import sys
+
+import pytest
+import torch
+
+import tracer
+from tracer import TracerError
+from tracer.engines.load import load_engine
+from tracer.points import all_points, layer_point
+
+from ..conftest import TOKENS
+
+FUSED = ("self_attn.scores", "self_attn.probs")
+
+
+@pytest.fixture
+def mlx():
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+
+
+@pytest.fixture
+def model(tiny_llama):
+    return tiny_llama("m", rope_theta=500.0)
+
+
+def test_a_missing_runtime_is_one_line_naming_the_extra(tiny_llama, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlx_lm", None)  # what find_spec says for a module not installed
+    with pytest.raises(TracerError, match=r"^the mlx engine needs mlx-lm, which is not installed: "
+                                          r"pip install -e '\.\[mlx\]'$"):
+        tracer.record(tiny_llama(), TOKENS, engine="mlx")
+
+
+SHAPES = {
+    "gqa": {},
+    "untied lm_head": dict(tie_word_embeddings=False),
+    "biases": dict(attention_bias=True, mlp_bias=True),
+    "llama3 rope scaling": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 4}),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_point_but_the_fused_attention_matches_transformers(mlx, tiny_llama, shape):
+    model = tiny_llama("m", rope_theta=500.0, **SHAPES[shape])
+    reference = tracer.record(model, TOKENS, engine="hf")
+    candidate = tracer.record(model, TOKENS, engine="mlx")
+    result = tracer.compare(reference, candidate)
+    assert result.verdict == "match"
+    unobservable = {layer_point(i, sub) for i in range(2) for sub in FUSED}
+    assert list(candidate.tensors) == [p for p in all_points(2) if p not in unobservable]  # execution order
+    assert set(candidate.not_recorded) == unobservable
+    assert "fused" in candidate.not_recorded["model.layers.0.self_attn.scores"]
+    missing = [p for p in result.points if not p.recorded]
+    assert {p.point for p in missing} == unobservable and not any(p.diverged for p in missing)
+    # q/k after RoPE are (heads, T, D) like the reference's; context and act are o_proj's / down_proj's inputs
+    assert candidate["model.layers.1.self_attn.q_rope"].shape == (4, len(TOKENS), 16)
+    assert candidate["model.layers.1.self_attn.k_rope"].shape == (2, len(TOKENS), 16)
+    worst = max(p.rel_l2 for p in result.points if p.recorded)
+    assert 0 < worst < 1e-5
+    assert candidate.meta["runtime"]["name"] == "mlx" and candidate.meta["runtime"]["version"]
+
+
+def test_logits_are_an_unrecorded_forward_equal_to_the_recorded_one(mlx, model):
+    engine = load_engine("mlx", model, {})
+    logits = engine.logits(TOKENS)
+    assert logits.shape == (len(TOKENS), 97)
+    assert torch.equal(logits, engine.record(TOKENS)["lm_head"])
+
+
+@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("f16", torch.float16)])
+def test_dtype_knob_runs_mlx_in_that_dtype_and_diverges_at_the_embedding(mlx, model, dtype, torch_dtype):
+    reference = tracer.record(model, TOKENS, engine="hf")
+    candidate = tracer.record(model, TOKENS, engine="mlx", variant=f"dtype={dtype}")
+    assert candidate["model.layers.0.input_layernorm"].dtype == torch_dtype and candidate.meta["dtype"] == str(
+        torch_dtype).removeprefix("torch.")
+    result = tracer.compare(reference, candidate)
+    assert result.first_divergence["point"] == "model.embed_tokens"
+    # the half-precision run is the same model: its logits stay close to the f32 ones
+    assert result.logits["argmax_agree"] > 0.5
+
+
+def test_half_precision_traces_agree_with_transformers_in_the_same_dtype(mlx, model):
+    """bf16 on both sides: the embedding is the same lookup, so the first divergence moves downstream."""
+    reference = tracer.record(model, TOKENS, engine="hf", variant="dtype=bf16")
+    candidate = tracer.record(model, TOKENS, engine="mlx", variant="dtype=bf16")
+    result = tracer.compare(reference, candidate)
+    embed = next(p for p in result.points if p.point == "model.embed_tokens")
+    assert embed.rel_l2 == 0
+
+
+def test_recording_leaves_every_module_as_it_was_even_when_the_forward_raises(mlx, model):
+    engine = load_engine("mlx", model, {})
+    classes = {path: type(module) for path, module in engine.model.named_modules()}
+    engine.record(TOKENS)
+    assert {path: type(module) for path, module in engine.model.named_modules()} == classes
+
+    def failing(name, tensor):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        engine.record(TOKENS, recorder=failing)
+    from tracer.engines.mlx import recording_calls
+
+    with pytest.raises(ValueError, match="boom"):
+        with recording_calls(engine.model, lambda name, array: None):
+            raise ValueError("boom")
+    assert {path: type(module) for path, module in engine.model.named_modules()} == classes
+    assert not any(cls.__name__.startswith("Recording") for cls in classes.values())
+
+
+def test_a_transformers_5_config_runs_with_mlx_lms_default_theta_and_says_so(mlx, tiny_llama):
+    """mlx-lm 0.32 reads only a top-level rope_theta: a config re-saved by transformers 5 (theta in
+    rope_parameters) silently runs at 10000. tracer localizes it at q/k after RoPE and names the key."""
+    model = tiny_llama("v5", rope_theta=500.0, rope_format="v5")
+    result = tracer.run(model, tokens=TOKENS, candidate="mlx", greedy=0, progress=False)
+    assert result.first_divergence["point"] == "model.layers.0.self_attn.q_rope"
+    # hidden_act too: mlx-lm's Llama always runs SiLU
+    assert "mlx: config keys not read: hidden_act, rope_parameters" in result.notes
+
+
+def test_run_reports_the_runtime_and_the_fused_points_as_not_recorded(mlx, model, tmp_path):
+    result = tracer.run(model, tokens=TOKENS, candidate="mlx", greedy=3, progress=False, out=tmp_path / "report")
+    summary = result.to_dict()
+    assert summary["verdict"] == "match"
+    assert summary["candidate"]["runtime"]["name"] == "mlx"
+    assert summary["greedy"]["same_prefix"] == 3
+    assert sum(not p["recorded"] for p in summary["points"]) == 4
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert f"mlx {summary['candidate']['runtime']['version']}" in page
+    assert f"candidate runtime | mlx {summary['candidate']['runtime']['version']}" in (
+        tmp_path / "report" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("dtype=f64", r"the mlx engine runs dtype f32 \| bf16 \| f16, not f64"),
+    ("theta=10", r"knob 'theta' is not honoured by the mlx engine; engines that honour it: hf, reimpl"),
+])
+def test_knobs_it_cannot_honour_are_one_line(mlx, model, variant, message):
+    with pytest.raises(TracerError, match=message):
+        tracer.record(model, TOKENS, engine="mlx", variant=variant)
+
+
+def test_a_loaded_model_is_refused(mlx, model):
+    from transformers import LlamaForCausalLM
+
+    with pytest.raises(TracerError, match="pass a path, not a loaded model"):
+        tracer.record(LlamaForCausalLM.from_pretrained(model), TOKENS, engine="mlx")

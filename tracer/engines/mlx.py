@@ -1,0 +1,234 @@
+"""The `mlx` engine: Apple's MLX running the model through mlx-lm, recorded under tracer's points.
+
+mlx-lm builds the model from the same directory (`config.json` read by its own `ModelArgs`,
+safetensors weights) and runs its own Llama forward (`mlx_lm/models/llama.py`). MLX has no hooks,
+so recording swaps the class of each observed module instance for a subclass whose `__call__`
+records what goes in and out, and swaps it back on exit (even when the forward raises): the model
+tree, its parameter paths and every other instance stay untouched, and nothing is left behind.
+mlx-lm's module paths are HF's (`model.layers.3.self_attn.q_proj`), so they are the point names.
+
+What each observed call gives (`LAYER_CALLS`): module outputs, plus three points that are module
+*inputs*: the context (input of `o_proj`), `resid_mid` (input of `post_attention_layernorm`)
+and `act(gate) * up` (input of `down_proj`). mlx-lm calls one RoPE module twice per layer,
+queries then keys, in the (B, H, T, D) layout of the q_rope / k_rope points. Attention is one
+fused call (`mx.fast.scaled_dot_product_attention`): scores and probabilities never exist as
+arrays, and are "not recorded". The logits are the model's output (`embed_tokens.as_linear`
+for tied embeddings, `lm_head` otherwise).
+
+MLX is lazy: the recorded arrays are collected during the forward and evaluated together with
+the logits in one `mx.eval`, then handed to the recorder one by one as torch tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tracer.config import NON_FORWARD_KEYS, load_config, read_hf
+from tracer.engines.base import is_loaded_model, per_layer, trace_meta
+from tracer.engines.registry import ENGINES
+from tracer.errors import TracerError, one_line
+from tracer.llama import TORCH_DTYPES
+from tracer.points import EMBED, FINAL_NORM, LOGITS, layer_point
+from tracer.trace import Trace, TraceRecorder
+
+# Observed module (relative to `model.layers.{i}`) -> one (input point, output point) per call,
+# in call order; None where that side of the call is not a point.
+LAYER_CALLS: dict[str, list[tuple[str | None, str | None]]] = {
+    "input_layernorm": [(None, "input_layernorm")],
+    "self_attn.q_proj": [(None, "self_attn.q_proj")],
+    "self_attn.k_proj": [(None, "self_attn.k_proj")],
+    "self_attn.v_proj": [(None, "self_attn.v_proj")],
+    "self_attn.rope": [(None, "self_attn.q_rope"), (None, "self_attn.k_rope")],  # (B, H, T, D) each
+    "self_attn.o_proj": [("self_attn.context", "self_attn.o_proj")],  # input (B, T, H*D)
+    "post_attention_layernorm": [("resid_mid", "post_attention_layernorm")],
+    "mlp.gate_proj": [(None, "mlp.gate_proj")],
+    "mlp.up_proj": [(None, "mlp.up_proj")],
+    "mlp.down_proj": [("mlp.act", "mlp.down_proj")],  # input: the compiled swiglu's output
+    "": [(None, "")],
+}
+MODEL_CALLS = {EMBED: [(None, EMBED)], FINAL_NORM: [(None, FINAL_NORM)]}
+
+FUSED = ("mlx-lm runs attention as one fused call (mx.fast.scaled_dot_product_attention): "
+         "scores and probabilities never exist as arrays")
+UNOBSERVABLE = {"self_attn.scores": FUSED, "self_attn.probs": FUSED}
+
+DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}  # knob value -> mlx.core dtype name
+DEVICES = {"cpu": "cpu", "mps": "gpu"}  # torch device type -> MLX device (mps: Metal on Apple silicon)
+
+
+def runtime() -> dict:
+    return {"name": "mlx", "version": importlib.metadata.version("mlx"),
+            "mlx_lm": importlib.metadata.version("mlx-lm")}
+
+
+class MLXEngine:
+    entry = ENGINES["mlx"]
+    name = entry.name
+
+    def __init__(self, model, config: dict, variant: dict, label: str, device: torch.device):
+        import mlx.core as mx
+
+        self.model, self.config, self.variant, self.label, self.device = model, config, variant, label, device
+        self.spec = read_hf(config)  # what transformers reads: the positions the reference has
+        self.stream = getattr(mx, DEVICES[device.type])
+        self.num_layers = len(model.layers)
+        self.dtype = variant.get("dtype", "f32")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.spec.max_position_embeddings
+
+    def record(self, tokens: list[int], recorder=None) -> Trace:
+        """Every point mlx-lm's forward exposes; `recorder` (default in memory) may spill to disk."""
+        import mlx.core as mx
+
+        recorder = recorder if recorder is not None else TraceRecorder()
+        recorded: deque[tuple[str, object]] = deque()
+        with recording_calls(self.model, lambda name, array: recorded.append((name, array))):
+            logits = self._forward(tokens)
+        recorded.append((LOGITS, logits))
+        mx.eval([array for _, array in recorded])  # one evaluation of the whole lazy graph
+        while recorded:  # each MLX array let go once the recorder holds its copy
+            name, array = recorded.popleft()
+            recorder(name, to_torch(array))
+        not_recorded = per_layer(self.num_layers, UNOBSERVABLE)
+        meta = trace_meta(self, self.label, tokens, TORCH_DTYPES[self.dtype], not_recorded,
+                          num_layers=self.num_layers, runtime=runtime(),
+                          unused_config_keys=unread_config_keys(self.config, type(self.model.args)))
+        return Trace(recorder.tensors, meta)
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        return to_torch(self._forward(tokens))[0]  # (T, V)
+
+    def _forward(self, tokens: list[int]):
+        import mlx.core as mx
+
+        with mx.stream(self.stream):
+            return self.model(mx.array([tokens]))  # (1, T, V), lazy
+
+
+def to_torch(array) -> torch.Tensor:
+    """An evaluated MLX array as a torch tensor of the same dtype (bf16, which numpy lacks, through
+    its bits)."""
+    import mlx.core as mx
+
+    if array.dtype == mx.bfloat16:
+        return torch.from_numpy(np.array(array.view(mx.uint16))).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array))
+
+
+def unread_config_keys(config: dict, args_class) -> list[str]:
+    """Keys of config.json that change the forward but mlx-lm's `ModelArgs` does not read (a
+    transformers-5 `rope_parameters`, for one: mlx-lm then runs its default theta, 10000)."""
+    fields = inspect.signature(args_class).parameters
+    return sorted(k for k in config if k not in fields and k not in NON_FORWARD_KEYS)
+
+
+# ----------------------------------------------------------------------------- recording
+
+
+def observed_calls(model) -> dict[str, list[tuple[str | None, str | None]]]:
+    """Module path -> its (input point, output point) per call, for every observed module of `model`."""
+    calls = dict(MODEL_CALLS)
+    for i in range(len(model.layers)):
+        for sub, points in LAYER_CALLS.items():
+            calls[layer_point(i, sub)] = [tuple(None if p is None else layer_point(i, p) for p in pair)
+                                          for pair in points]
+    return calls
+
+
+@contextmanager
+def recording_calls(model, record):
+    """Swap every observed module's class for a recording subclass; restore all of them on exit."""
+    modules = dict(model.named_modules())
+    calls = observed_calls(model)
+    missing = [path for path in calls if path not in modules]
+    if missing:
+        raise TracerError(f"mlx-lm built a model without {missing[0]}: not the Llama layout the mlx engine records")
+    plan = {id(modules[path]): (path, iter(points)) for path, points in calls.items()}
+    if len(plan) < len(calls):
+        raise TracerError("mlx-lm shares one module between two observed paths: their calls cannot be told apart")
+    swapped = []
+    try:
+        for path in calls:
+            module = modules[path]
+            original = type(module)
+            module.__class__ = _recording_class(original, plan, record)
+            swapped.append((module, original))
+        yield
+    finally:
+        for module, original in swapped:
+            module.__class__ = original
+
+
+def _recording_class(original: type, plan: dict, record) -> type:
+    """A subclass of `original` whose call records its planned input and output points."""
+
+    def __call__(self, *args, **kwargs):
+        path, points = plan[id(self)]
+        pair = next(points, None)
+        if pair is None:
+            raise TracerError(f"mlx-lm called {path} more often than its Llama forward does; the mlx engine "
+                              "cannot tell which point each call is")
+        input_point, output_point = pair
+        if input_point is not None:
+            record(input_point, args[0])
+        output = original.__call__(self, *args, **kwargs)
+        if output_point is not None:
+            record(output_point, output)
+        return output
+
+    return type(f"Recording{original.__name__}", (original,), {"__call__": __call__})
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load(source, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
+         stream: bool = False) -> MLXEngine:
+    """mlx-lm's model from a model directory (None: the bundled SmolLM2), in the `dtype` knob's dtype."""
+    if is_loaded_model(source):
+        raise TracerError("the mlx engine loads the model directory itself; pass a path, not a loaded model")
+    from tracer.model import check_weight_files, resolve_model
+
+    device = torch.device(device)
+    dtype = variant.get("dtype", "f32")
+    if dtype not in DTYPES:
+        raise TracerError(f"the mlx engine runs dtype {' | '.join(DTYPES)}, not {dtype}")
+    model_dir = resolve_model(source)
+    config = load_config(model_dir)
+    read_hf(config)  # a config transformers would refuse is one line here, not an error deep inside mlx-lm
+    check_weight_files(model_dir)  # a damaged file is named in one line, not deep inside MLX
+    model = _load_model(Path(model_dir), dtype, device)
+    return MLXEngine(model, config, variant, str(model_dir), device)
+
+
+def _load_model(model_dir: Path, dtype: str, device: torch.device):
+    try:
+        import mlx.core as mx
+    except ImportError as exc:  # Linux: `mlx` without `mlx-cpu` has no backend library to load
+        raise TracerError(f"MLX is installed without a backend ({one_line(exc)}): pip install -e '.[mlx]'") from None
+    from mlx_lm.utils import load_model
+
+    if not mx.is_available(getattr(mx, DEVICES[device.type])):
+        raise TracerError(f"device {device}: this MLX build ({runtime()['version']}) has no {DEVICES[device.type]} "
+                          "backend (Metal needs macOS on Apple silicon)")
+    try:
+        model, _ = load_model(model_dir)
+    except Exception as exc:  # noqa: BLE001 - mlx-lm raises ValueError, KeyError, FileNotFoundError...
+        raise TracerError(f"mlx-lm cannot load {model_dir}: {one_line(exc)}") from None
+    # Floating parameters only, as from_pretrained(dtype=...) does (a bf16 checkpoint runs in f32 by default).
+    model.set_dtype(getattr(mx, DTYPES[dtype]))
+    mx.eval(model.parameters())
+    return model
