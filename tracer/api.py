@@ -208,7 +208,8 @@ def sweep(
                             stream=stream, progress=progress, candidates=(candidate,)) as prepared:
         load_candidate = candidate_loader(candidate, prepared)
         if parsed is None:
-            parsed = [parse_variant(text) for text in default_variants(model_spec(prepared.source))]
+            spec = model_spec(prepared.source)
+            parsed = [parse_variant(text) for text in default_variants(spec, parse_engine(candidate)[0].name)]
         stage("candidate")
         rows = tuple(sweep_row(prepared, load_candidate, knobs) for knobs in parsed)
     result = Sweep(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from tracer.engines.registry import ENGINES
 from tracer.variants import KNOBS, parse_variant
 
 # Values of the numeric knobs tried beyond the sweep's representative one (the model's own is skipped).
@@ -17,12 +18,14 @@ def split_variants(variants) -> list[str]:
     return [part.strip() for text in texts for part in text.split(";") if part.strip()]
 
 
-def default_variants(spec) -> list[str]:
-    """One representative variant per knob of the catalogue, for this model's spec."""
+def default_variants(spec, engine: str = "reimpl") -> list[str]:
+    """One representative variant per knob of the catalogue that `engine` honours, for this
+    model's spec (a representative that needs another knob the engine lacks is left out too)."""
+    honoured = set(ENGINES[engine].knobs)
     chosen = []
     for knob in KNOBS.values():
         text = knob.representative(spec)
-        if text and text not in chosen:
+        if text and text not in chosen and set(parse_variant(text)) <= honoured:
             chosen.append(text)
     return chosen
 

@@ -83,10 +83,20 @@ def test_default_sweep_has_one_variant_per_knob(tiny_llama):
     spec = read_hf(load_config(tiny_llama()))
     chosen = default_variants(spec)
     named = {pair.split("=")[0] for text in chosen for pair in text.split(",")}
-    # ort_opt is an ONNX Runtime setting: the default sweep runs on reimpl, which has no such thing
-    assert named == set(KNOBS) - {"ort_opt"}
+    # every knob the reimpl engine honours and has a representative for, no other
+    assert named == {name for name in KNOBS if "reimpl" in KNOBS[name].engines and KNOBS[name].representative(spec)}
     assert "theta=500000" in chosen  # the tiny model's theta already is 10000
     assert "layers=3" in chosen and "head_dim=8" in chosen
+
+
+def test_a_runtime_engine_sweeps_only_the_knobs_it_honours(tiny_llama):
+    from tracer.engines.registry import ENGINES
+
+    spec = read_hf(load_config(tiny_llama()))
+    for engine in ("hf", "mlx", "onnx"):
+        chosen = default_variants(spec, engine)
+        assert chosen and all(set(pair.split("=")[0] for pair in text.split(",")) <= set(ENGINES[engine].knobs)
+                              for text in chosen), engine
 
 
 def test_variants_split_on_semicolons():
