@@ -29,7 +29,7 @@ def transformers_thetas(default_model):
     """Plain transformers, no tracer involved: logits and greedy generation with theta 100000 and 10000."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    ids = torch.tensor([token_ids(default_model, PROMPT)])
+    ids = torch.tensor([token_ids(default_model, PROMPT)[0]])
     runs = {}
     for theta in (100_000.0, 10_000.0):
         config = AutoConfig.from_pretrained(default_model)
