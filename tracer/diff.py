@@ -222,10 +222,17 @@ def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
 
 
 def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> list[str]:
-    """Unrecorded points take their place in the vocabulary's order, not the end of the list."""
+    """Unrecorded points take their place in the vocabulary's order (the traced family's), not the
+    end of the list."""
     from tracer.points import rank
 
-    return sorted(names, key=rank)
+    family = trace_family(reference, candidate)
+    return sorted(names, key=lambda name: rank(name, family))
+
+
+def trace_family(*traces: Trace) -> str | None:
+    """The model family the traces were recorded on (`meta["family"]`; None for a trace without it)."""
+    return next((t.meta["family"] for t in traces if t.meta.get("family")), None)
 
 
 def last_rows_if_one_side_kept_one(point: str, ref: torch.Tensor, cand: torch.Tensor):
@@ -399,7 +406,7 @@ def explain_divergence(point: str, reference: Trace, candidate: Trace) -> dict:
 
     ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
     details = breakdown(point, ref, cand, num_heads(reference, layer_of(point)))
-    return {**details, "hints": hints(point, details)}
+    return {**details, "hints": hints(point, details, trace_family(reference, candidate))}
 
 
 def side(trace: Trace) -> dict:
@@ -449,7 +456,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         notes=[*layout_notes, *logits_note(reference, candidate)],
         # A point whose metrics are all finite holds no NaN or Inf on either side: only the rest is scanned.
         first_nonfinite=first_nonfinite([p.point for p in points if not _finite_metrics(p)], reference, candidate),
-        amplification=_amplification(points),
+        amplification=_amplification(points, trace_family(reference, candidate)),
     )
 
 
@@ -457,7 +464,7 @@ def _finite_metrics(p: PointDiff) -> bool:
     return p.recorded and all(math.isfinite(v) for v in (p.max_abs, p.max_ref, p.rel_l2))
 
 
-def _amplification(points: list[PointDiff]) -> list[dict]:
+def _amplification(points: list[PointDiff], family: str | None = None) -> list[dict]:
     from tracer.explain import amplification
 
-    return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None})
+    return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None}, family=family)

@@ -22,7 +22,7 @@ from tracer.engines.base import check_device, environment, is_loaded_model
 from tracer.engines.load import load_engine
 from tracer.errors import TracerError
 from tracer.points import is_coarse
-from tracer.variants import KNOBS, check_engine, parse_variant, variant_text
+from tracer.variants import check_engine, knobs_for, parse_variant, variant_text
 
 SWEEP_GREEDY = 0
 
@@ -122,9 +122,11 @@ def split_variants(variants) -> list[str]:
 
 
 def default_variants(spec) -> list[str]:
-    """One representative variant per knob of the catalogue, for this model's spec."""
+    """One representative variant per knob that applies to this model's family (its classic porting
+    mistakes among them), for this model's spec; a knob whose feature the model lacks (a window, a
+    soft-cap) has none."""
     chosen = []
-    for knob in KNOBS.values():
+    for knob in knobs_for(spec.family):
         text = knob.representative(spec)
         if text and text not in chosen:
             chosen.append(text)
