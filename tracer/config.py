@@ -42,6 +42,7 @@ NON_FORWARD_KEYS = frozenset({
     "initializer_range", "attention_dropout", "pretraining_tp", "bos_token_id", "eos_token_id",
     "pad_token_id", "tracer_source", "rope_interleaved", "transformers.js_config",
     "_name_or_path", "is_llama_config", "output_attentions", "output_hidden_states",
+    "_sliding_window_pattern",  # Gemma 3's private copy of sliding_window_pattern, written by save_pretrained
 })
 
 

@@ -145,7 +145,8 @@ KNOBS: dict[str, Knob] = {
              "Gemma multiplies the embeddings by sqrt(hidden_size) rounded to the model's dtype: drop forgets it, "
              "f32 scales in f32 before the cast (differs in bf16/f16 only)",
              _fixed("embed_scale=drop"), families=("gemma2", "gemma3"),
-             expected="model.embed_tokens (f32: only with dtype=bf16 or f16)"),
+             expected="model.embed_tokens (f32: with dtype=bf16 or f16 only, rel_l2 ~2e-3, as large as bf16's "
+                      "own rounding there: seen against the fixed bound, --no-noise)"),
         Knob("softcap", _choice("keep", "drop"), "keep | drop", "keep",
              "Gemma 2's soft-capping of attention scores and final logits, cap·tanh(x/cap), forgotten",
              _if(lambda spec: spec.attn_logit_softcapping is not None or spec.final_logit_softcapping is not None,
