@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tracer.errors import TracerError
-from tracer.points import LOGITS, causal_allowed, is_causal, layer_of
+from tracer.points import FINAL_LOGITS, LOGITS, causal_allowed, is_causal, layer_of
 from tracer.trace import Trace
 
 DEFAULT_REL_L2 = 1e-4
@@ -238,7 +238,7 @@ def trace_family(*traces: Trace) -> str | None:
 def last_rows_if_one_side_kept_one(point: str, ref: torch.Tensor, cand: torch.Tensor):
     """candle's forward keeps only the last position's logits ([1, V]); transformers has [T, V].
     Then both are compared on the last position alone (`compare` says so in its notes)."""
-    if point == LOGITS and ref.dim() == cand.dim() == 2 and 1 in (ref.shape[0], cand.shape[0]):
+    if point in (LOGITS, FINAL_LOGITS) and ref.dim() == cand.dim() == 2 and 1 in (ref.shape[0], cand.shape[0]):
         return ref[-1:], cand[-1:]
     return ref, cand
 
@@ -253,11 +253,18 @@ def logits_note(reference: Trace, candidate: Trace) -> list[str]:
     return [f"the {short} recorded lm_head at the last position only; logits are compared there alone"]
 
 
+def output_logits(reference: Trace, candidate: Trace) -> str:
+    """The point holding what the model returns: Gemma's capped logits where both sides have them."""
+    return FINAL_LOGITS if FINAL_LOGITS in reference and FINAL_LOGITS in candidate else LOGITS
+
+
 def logits_summary(reference: Trace, candidate: Trace) -> dict | None:
-    """Logits at the last position (what candle returns and the notes quote) and over all positions."""
-    if LOGITS not in reference or LOGITS not in candidate:
+    """Logits at the last position (what candle returns and the notes quote) and over all positions:
+    the model's output (soft-capped in Gemma 2)."""
+    point = output_logits(reference, candidate)
+    if point not in reference or point not in candidate:
         return None
-    ref, cand = last_rows_if_one_side_kept_one(LOGITS, reference[LOGITS], candidate[LOGITS])
+    ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
     if ref.shape != cand.shape:
         return None  # already reported as a shape mismatch by compare_points
     last_ref, last_diff = ref[-1].double(), cand[-1].double() - ref[-1].double()

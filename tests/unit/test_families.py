@@ -169,6 +169,29 @@ def test_hooks_never_leak_and_change_nothing(tiny, family):
     assert torch.equal(trace[final], plain)  # the recording twin of eager attention is eager attention
 
 
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0], "long_factor": [3.0, 4.0, 5.0]}
+ROPES = {  # RoPE beyond the plain one: Phi-3's longrope (short factors, and long ones past the pretraining
+    # length, both with its attention factor) and Gemma 3's linear scaling of the global layers only
+    "phi3-longrope-short": ("phi3", dict(rope_scaling=LONGROPE, original_max_position_embeddings=64)),
+    "phi3-longrope-long": ("phi3", dict(rope_scaling=LONGROPE, original_max_position_embeddings=4)),
+    "gemma3-linear-global": ("gemma3", dict(rope_scaling={"rope_type": "linear", "factor": 8.0})),
+}
+
+
+@pytest.mark.parametrize("name", ROPES)
+def test_scaled_ropes_agree_bitwise(tmp_path, name):
+    family, overrides = ROPES[name]
+    model = write_tiny_family(tmp_path / name, family, **overrides)
+    reference = tracer.record(model, TOKENS, engine="hf")
+    candidate = tracer.record(model, TOKENS, engine="reimpl")
+    assert all(torch.equal(reference[p], candidate[p]) for p in reference.points)
+    plain = tracer.record(model, TOKENS, engine="reimpl", variant="rope_scaling=drop")
+    scaled = (L1,) if family == "gemma3" else (L0, L1)  # Gemma 3's layer 0 is local: its own base, never scaled
+    for layer in (L0, L1):
+        point = layer + "self_attn.q_rope"
+        assert torch.equal(plain[point], reference[point]) == (layer not in scaled)
+
+
 def test_windows_block_what_transformers_blocks(tiny):
     """On a sliding layer each query sees its last WINDOW keys; on a full layer the whole prefix."""
     trace = tracer.record(tiny["gemma2"], TOKENS, engine="reimpl")
@@ -227,8 +250,12 @@ def test_each_mistake_first_shows_where_the_family_does_it(tiny, family, variant
 def test_the_final_soft_cap_is_a_point_of_its_own(tiny):
     reference = tracer.record(tiny["gemma2"], TOKENS, engine="hf")
     capped, raw = reference["lm_head.softcap"], reference["lm_head"]
-    torch.testing.assert_close(capped, 10.0 * torch.tanh(raw / 10.0), rtol=0, atol=0)
-    assert capped.abs().max() < 10.0 < raw.abs().max() * 2  # the cap binds on this model
+    assert torch.equal(capped, torch.tanh(raw / 10.0) * 10.0)
+    assert raw.abs().max() > 10.0 > capped.abs().max()  # the cap binds on this model
+    # the logits summary is on what the model returns: the capped logits
+    uncapped = tracer.record(tiny["gemma2"], TOKENS, engine="reimpl", variant="softcap=drop")
+    summary = tracer.compare(reference, uncapped).logits
+    assert summary["max_abs_all"] == float((uncapped["lm_head.softcap"].double() - capped.double()).abs().max())
 
 
 def test_window_ignore_matches_while_the_prompt_fits_in_the_window(tiny):
