@@ -103,7 +103,7 @@ SWEEP_VARIANTS = ["theta=10000", "eps=1e-3", "kv_repeat=tile", "rope=interleaved
 
 def _sweep_per_variant(model_dir: Path, tokens: list[int]) -> float:
     """The best of the variants' own times in a sweep (the reference, recorded once, excluded)."""
-    from tracer.api import sweep
+    from tracer import sweep
 
     result = sweep(model_dir, tokens=tokens, variants=SWEEP_VARIANTS, noise_floor=False, progress=False)
     return min(row.seconds for row in result.rows)

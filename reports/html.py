@@ -11,17 +11,16 @@ import json
 import os
 from collections.abc import Mapping
 
-import jinja2
 
 from .figures import report_images
 from .summary import (
     greedy_text, hints,
-    Summary, as_summary, comparison_title, fmt, first_difference, side_label, tolerance_text,
+    Summary, as_summary, comparison_title, fmt, first_difference, runtime_text, side_label, tolerance_text,
     verdict_sentence,
 )
 from ..variants import format_knob_value
 from .table import display_rows
-from .template import CSS, PAGE, SORT_SCRIPT
+from .template import CSS, ENV, PAGE, SORT_SCRIPT
 
 FIGURE_CAPTIONS = {
     "curve.png": "Error per block output (log scale). Top: relative L2; bottom: max|diff| "
@@ -31,10 +30,7 @@ FIGURE_CAPTIONS = {
                      "attention points): where inside the tensor the error sits.",
 }
 
-_ENV = jinja2.Environment(
-    autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True
-)
-_PAGE = _ENV.from_string(PAGE)
+_PAGE = ENV.from_string(PAGE)
 
 
 def render_html(result, images: Mapping[str, bytes] | None = None) -> str:
@@ -80,6 +76,7 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
                   side_context("candidate", summary.get("candidate"))],
         "model": summary.get("model") or "?",
         "prompt": summary.get("prompt"),
+        "chat": summary.get("chat"),
         **token_context(summary),
         "command": summary.get("command"),
         "environment": sorted((str(k), str(v)) for k, v in (summary.get("environment") or {}).items()),
@@ -211,6 +208,7 @@ def side_context(role: str, side: Mapping | None) -> dict:
         "label": side_label(side),
         "engine": side.get("engine") or "?",
         "device": side.get("device"),
+        "runtime": runtime_text(side),
         "variant": [(str(k), format_knob_value(v)) for k, v in variant.items()],
     }
 

@@ -14,7 +14,7 @@ from .html import logits_rows
 from .summary import (
     greedy_text, hints,
     Summary, as_summary, comparison_title, fmt, fmt_rel, points,
-    tolerance_text, verdict_sentence,
+    runtime_text, tolerance_text, verdict_sentence,
 )
 
 
@@ -49,6 +49,10 @@ def markdown_summary(result) -> str:
     differences = audit_differences(summary.get("config_audit"))
     if differences:
         parts.append(differences)
+    chat = summary.get("chat")
+    if chat:
+        parts.append(f"Fed through the model's chat template ({chat.get('tokens')} tokens):\n\n"
+                     + fenced(str(chat.get("text"))))
     if summary.get("points"):
         parts.append(FIGURE_LINE)
         parts.append(coarse_table(summary))
@@ -88,6 +92,8 @@ def key_table(summary: Summary) -> str:
     if first:
         rows.append(("first divergence", first.get("point")))
     rows.append(("tolerance: fails when", tolerance_text(summary)))
+    rows += [(f"{role} runtime", runtime_text(summary.get(role))) for role in ("reference", "candidate")
+             if runtime_text(summary.get(role))]
     rows += [(key, value) for key, value in logits_rows(summary.get("logits"))]
     greedy = summary.get("greedy")
     if greedy:

@@ -12,7 +12,6 @@ import base64
 import sys
 from collections.abc import Mapping
 
-import jinja2
 
 from ..errors import TracerError
 from ..points import folded, is_coarse, layer_of, rank
@@ -23,6 +22,7 @@ from .summary import (
     verdict_sentence,
 )
 from .table import display_rows
+from .template import ENV
 
 SCOPE = "tracer-nb"
 
@@ -49,10 +49,8 @@ CSS = """
 .tracer-nb details > summary { cursor: pointer; margin: 4px 0; }
 """
 
-_ENV = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
-                          lstrip_blocks=True)
 
-RESULT = _ENV.from_string("""<div class="tracer-nb">
+RESULT = ENV.from_string("""<div class="tracer-nb">
 <style>{{ css | safe }}</style>
 <div class="tn-banner {{ verdict }}">
   <span class="tn-verdict">{{ verdict_label }}</span>
@@ -80,7 +78,7 @@ RESULT = _ENV.from_string("""<div class="tracer-nb">
 · <code>tracer.reports.write_report(result, "tracer-report")</code> the files for an issue</p>
 </div>""")
 
-TRACE = _ENV.from_string("""<div class="tracer-nb">
+TRACE = ENV.from_string("""<div class="tracer-nb">
 <style>{{ css | safe }}</style>
 <p><b>Trace</b> <code>{{ label }}</code> · {{ count }} points on {{ tokens }}{% if model %} · <code>{{ model }}</code>{% endif %}</p>
 {% if facts %}<table class="tn">{% for key, value in facts %}<tr><th>{{ key }}</th><td><code>{{ value }}</code></td></tr>{% endfor %}</table>{% endif %}
@@ -187,13 +185,13 @@ def _ipython_shell():
 
 # --- Sweep --------------------------------------------------------------------------------------
 
-SWEEP = _ENV.from_string("""<div class="tracer-nb">
+SWEEP = ENV.from_string("""<div class="tracer-nb">
 <style>{{ css | safe }}</style>
 <p><b>Sweep</b> of {{ rows | length }} variants against <code>{{ reference }}</code>{% if model %} on <code>{{ model }}</code>{% endif %}{% if prompt %} · {{ prompt }}{% endif %} · fails when {{ tolerance }}</p>
 {% if figure %}<img src="{{ figure }}" alt="every variant's per-layer error curve">{% endif %}
 <table class="tn">
 <tr><th>variant</th><th>verdict</th><th>first divergence</th><th>rel_l2 there</th><th>logits max|diff|</th><th>greedy same prefix</th></tr>
-{% for r in rows %}<tr{% if r.verdict == "diverged" %} class="diverged"{% elif r.verdict == "error" %} class="missing"{% endif %}>
+{% for r in rows %}<tr{% if r.css %} class="{{ r.css }}"{% endif %}>
 <td><code>{{ r.variant }}</code></td><td>{{ r.verdict }}</td>
 <td>{% if r.error %}{{ r.error }}{% else %}<code>{{ r.first }}</code>{% endif %}</td>
 <td class="num">{{ r.rel }}</td><td class="num">{{ r.logits }}</td><td class="num">{{ r.greedy }}</td></tr>
@@ -206,17 +204,10 @@ SWEEP = _ENV.from_string("""<div class="tracer-nb">
 def sweep_html(sweep, *, figure: bool = True) -> str:
     """The notebook view of a sweep (a `Sweep` or its dict): the overlay of every variant's curve
     and one row per variant, as `tracer.reports.sweep` renders them for the report."""
-    from .summary import fmt, fmt_rel
-    from .sweep import sweep_figure, sweep_rows
+    from .sweep import sweep_cells, sweep_figure, sweep_rows
 
     summary = as_summary(sweep)
-    rows = [
-        {"variant": r["variant"], "verdict": r["verdict"] or "?", "error": r["error"],
-         "first": r["first_divergence"] or "none", "rel": fmt_rel(r["rel_l2_at_first"]),
-         "logits": fmt(r["logits_max_abs"]),
-         "greedy": "—" if r["greedy_same_prefix"] is None else f"{r['greedy_same_prefix']}/{r['greedy_steps']}"}
-        for r in sweep_rows(summary)
-    ]
+    rows = [sweep_cells(r) for r in sweep_rows(summary)]
     image = None
     if figure and any(r["verdict"] != "error" for r in rows):
         image = "data:image/png;base64," + base64.b64encode(figure_png(sweep_figure(summary))).decode("ascii")

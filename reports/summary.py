@@ -72,6 +72,15 @@ def side_label(side: Mapping | None) -> str:
     return str(side.get("label") or side.get("engine") or "?")
 
 
+def runtime_text(side: Mapping | None) -> str | None:
+    """"llama.cpp 0.3.36": a non-PyTorch runtime's name and version, as a side records them (a
+    live engine writes {"name", "version"}; a foreign dump's metadata names its runtime in text)."""
+    runtime = (side or {}).get("runtime")
+    if not runtime or isinstance(runtime, str):
+        return runtime or None
+    return " ".join(str(runtime[k]) for k in ("name", "version") if runtime.get(k))
+
+
 def short_prompt(summary: Summary, limit: int = 48) -> str | None:
     prompt = summary.get("prompt")
     if prompt is None:
@@ -196,6 +205,11 @@ def first_difference(reference: list, candidate: list, same_prefix: int | None) 
     if same_prefix is None or (same_prefix >= len(reference) and same_prefix >= len(candidate)):
         return None
     return same_prefix
+
+
+def greedy_cell(same_prefix: int | None, steps: int | None) -> str:
+    """"17/20": the greedy agreement in a table cell."""
+    return DASH if same_prefix is None else f"{same_prefix}/{steps}"
 
 
 def greedy_text(greedy: dict) -> str:

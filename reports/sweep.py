@@ -14,25 +14,23 @@ report's stylesheet and Jinja2 autoescaping, so every variant text and error is 
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from pathlib import Path
 
-import jinja2
 import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..errors import TracerError
 from .figures import (
     COLORS, STYLE, add_tolerance, as_array, coarse_x, figure_png, floor_for, new_figure, plain, set_coarse_ticks,
     set_log_limits,
 )
 from .html import figure_entries
-from .summary import DASH, as_summary, fmt, fmt_rel, model_name, rel_l2_threshold, short_prompt, tolerance_text
-from .template import CSS
-from .write import replace_folder
+from .summary import (
+    DASH, as_summary, fmt, fmt_rel, greedy_cell, model_name, rel_l2_threshold, short_prompt, tolerance_text,
+)
+from .template import CSS, ENV
+from .write import write_folder
 
 MARKER = "sweep.json"
 SWEEP_SIZE = (12.0, 5.5)  # inches
@@ -42,12 +40,6 @@ CAPTION = ("Relative L2 per block output, one line per variant (log scale; exact
 
 def as_sweep(sweep) -> dict:
     return as_summary(sweep)
-
-
-def greedy_cell(greedy: dict | None) -> str:
-    if not greedy:
-        return DASH
-    return f"{greedy.get('same_prefix')}/{greedy.get('steps')}"
 
 
 def sweep_rows(summary: dict) -> list[dict]:
@@ -69,6 +61,18 @@ def sweep_rows(summary: dict) -> list[dict]:
             "seconds": entry.get("seconds"),
         })
     return rows
+
+
+def sweep_cells(row: dict) -> dict:
+    """How one row of `sweep_rows` reads, in every view (the HTML page, the notebook, Markdown)."""
+    return {
+        "variant": row["variant"], "verdict": row["verdict"] or "?", "error": row["error"] or "",
+        "first": row["first_divergence"] or DASH, "rel": fmt_rel(row["rel_l2_at_first"]),
+        "logits": fmt(row["logits_max_abs"]),
+        "agree": DASH if row["argmax_agree"] is None else f"{row['argmax_agree']:.0%}",
+        "greedy": greedy_cell(row["greedy_same_prefix"], row["greedy_steps"]),
+        "css": {"diverged": "diverged", "error": "missing"}.get(row["verdict"], ""),
+    }
 
 
 def sweep_frame(sweep) -> pd.DataFrame:
@@ -121,8 +125,7 @@ def sweep_figure(sweep) -> Figure:
     return fig
 
 
-_ENV = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-_PAGE = _ENV.from_string("""<!DOCTYPE html>
+_PAGE = ENV.from_string("""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
@@ -159,13 +162,7 @@ def render_sweep_html(sweep, images: dict[str, bytes] | None = None) -> str:
     summary = as_sweep(sweep)
     if images is None:
         images = {"sweep.png": figure_png(sweep_figure(summary))}
-    rows = [{
-        "variant": r["variant"], "verdict": r["verdict"], "first": r["first_divergence"] or DASH,
-        "rel": fmt_rel(r["rel_l2_at_first"]), "logits": fmt(r["logits_max_abs"]),
-        "agree": DASH if r["argmax_agree"] is None else f"{r['argmax_agree']:.0%}",
-        "greedy": DASH if r["greedy_same_prefix"] is None else f"{r['greedy_same_prefix']}/{r['greedy_steps']}",
-        "error": r["error"] or "", "css": {"diverged": "diverged", "error": "missing"}.get(r["verdict"], ""),
-    } for r in sweep_rows(summary)]
+    rows = [sweep_cells(r) for r in sweep_rows(summary)]
     figures = [dict(entry, caption=CAPTION, alt=CAPTION) for entry in figure_entries(images)]
     return _PAGE.render(
         css=CSS, model=model_name(summary), prompt=short_prompt(summary),
@@ -182,10 +179,9 @@ def sweep_markdown(sweep) -> str:
     summary = as_sweep(sweep)
     lines = [f"**tracer sweep** on `{model_name(summary)}` ({tolerance_text(summary)})", "",
              "| variant | verdict | first divergence | logits max\\|diff\\| | greedy |", "|---|---|---|---|---|"]
-    for r in sweep_rows(summary):
-        first = f"`{r['first_divergence']}`" if r["first_divergence"] else (r["error"] or DASH).replace("|", "\\|")
-        greedy = DASH if r["greedy_same_prefix"] is None else f"{r['greedy_same_prefix']}/{r['greedy_steps']}"
-        lines.append(f"| `{r['variant']}` | {r['verdict']} | {first} | {fmt(r['logits_max_abs'])} | {greedy} |")
+    for cells in map(sweep_cells, sweep_rows(summary)):
+        first = cells["error"].replace("|", "\\|") if cells["error"] else f"`{cells['first']}`"
+        lines.append(f"| `{cells['variant']}` | {cells['verdict']} | {first} | {cells['logits']} | {cells['greedy']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -196,21 +192,13 @@ def write_sweep_report(sweep, out_dir) -> Path:
     else is refused with a TracerError.
     """
     summary = as_sweep(sweep)
-    out = Path(out_dir).absolute()
-    if out.exists() and not (out.is_dir() and ((out / MARKER).is_file() or not any(out.iterdir()))):
-        raise TracerError(f"refusing to overwrite {out}: it is not a tracer sweep folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        (tmp / MARKER).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        sweep_frame(summary).to_csv(tmp / "sweep.csv")
+
+    def fill(folder: Path) -> None:
+        (folder / MARKER).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        sweep_frame(summary).to_csv(folder / "sweep.csv")
         png = figure_png(sweep_figure(summary))
-        (tmp / "sweep.png").write_bytes(png)
-        (tmp / "sweep.html").write_text(render_sweep_html(summary, {"sweep.png": png}), encoding="utf-8")
-        (tmp / "sweep.md").write_text(sweep_markdown(summary), encoding="utf-8")
-        replace_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return Path(out_dir)
+        (folder / "sweep.png").write_bytes(png)
+        (folder / "sweep.html").write_text(render_sweep_html(summary, {"sweep.png": png}), encoding="utf-8")
+        (folder / "sweep.md").write_text(sweep_markdown(summary), encoding="utf-8")
+
+    return write_folder(out_dir, MARKER, fill, "sweep")

@@ -5,6 +5,13 @@ Kept as a Python string rather than a package data file so that every kind of in
 alone: no URL of any kind, images arrive as data URIs, and it reads fine with scripts off.
 """
 
+import jinja2
+
+# The one template environment of every HTML view: autoescaped (every model path, variant, prompt
+# and error a user gives is escaped), strict about undefined names.
+ENV = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+
+
 CSS = """
 :root { --ok: #2e7d32; --bad: #c62828; --err: #6d4c41; --muted: #6b6b6b; --line: #ddd; }
 * { box-sizing: border-box; }
@@ -195,6 +202,7 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
     <table class="kv">
       <tr><th>engine</th><td><code>{{ side.engine }}</code></td></tr>
       {% if side.device %}<tr><th>device</th><td><code>{{ side.device }}</code></td></tr>{% endif %}
+      {% if side.runtime %}<tr><th>runtime</th><td><code>{{ side.runtime }}</code></td></tr>{% endif %}
       <tr><th>variant</th><td>{% for key, value in side.variant %}<code>{{ key }}={{ value }}</code>{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none (defaults)</span>{% endfor %}</td></tr>
     </table>
   </div>
@@ -208,6 +216,7 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
 
 <h2>Input</h2>
 {% if prompt is not none %}<p>Prompt:</p><pre>{{ prompt }}</pre>{% endif %}
+{% if chat %}<p>Fed through the model's chat template{% if chat.system is not none %} with a system message{% endif %} ({{ chat.tokens }} tokens):</p><pre>{{ chat.text }}</pre>{% endif %}
 <div class="tokens">{% for t in tokens %}<span class="tokcell"><span class="muted">{{ t.index }}</span><span class="mono">{{ t.id }}</span>{% if has_token_texts %}<span class="tok">{{ t.text }}</span>{% endif %}</span>{% endfor %}</div>
 
 <h2>Reproduce</h2>

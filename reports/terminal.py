@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .summary import greedy_text, nonfinite_text
+from .summary import greedy_text, nonfinite_text, runtime_text, worst_point
 
 
 def _g(value) -> str:
@@ -13,9 +13,12 @@ def terminal_summary(result, out_dir=None) -> str:
     """A few lines for the terminal; `result` is a Result or its dict."""
     s = result.to_dict() if hasattr(result, "to_dict") else result
     lines = [f"tracer: {s['reference']['label']} vs {s['candidate']['label']} on {s['model']}"]
+    lines += [f"  {role} runtime: {runtime_text(s[role])}" for role in ("reference", "candidate")
+              if runtime_text(s.get(role))]
     if s.get("prompt") is not None:
         prompt = s["prompt"] if len(s["prompt"]) <= 80 else s["prompt"][:77] + "..."
-        lines.append(f"  prompt {prompt!r} ({len(s['tokens'])} tokens)")
+        chat = " through the chat template" if s.get("chat") else ""
+        lines.append(f"  prompt {prompt!r}{chat} ({len(s['tokens'])} tokens)")
     if s["verdict"] == "error":
         return "\n".join(lines + [f"verdict: ERROR  {s['error']}"])
     recorded = [p for p in s["points"] if p["recorded"]]
@@ -29,7 +32,7 @@ def terminal_summary(result, out_dir=None) -> str:
                      f"max|ref| {_g(first['max_ref'])}  rel_l2 {_g(first['rel_l2'])}")
         lines += [f"  hint: {hint}" for hint in first.get("hints") or []]
     else:
-        worst = max(recorded, key=lambda p: p["rel_l2"] if isinstance(p["rel_l2"], float) else 0.0, default=None)
+        worst = worst_point(s)  # the report's choice too: a NaN ranks above every finite error
         if worst and worst["rel_l2"] == 0:
             lines.append("  every recorded point is bitwise identical")
         elif worst:

@@ -39,19 +39,28 @@ def write_report(result, out_dir, *, formats=None) -> Path:
     Raises:
         TracerError: `out_dir` exists and is not a tracer report folder, or an unknown format.
     Example:
-        >>> write_report(result, "tracer-report")          # doctest: +SKIP
+        >>> trace = tracer.record(None, "The capital of France is", engine="reimpl", progress=False)
+        >>> write_report(tracer.compare(trace, trace), "tracer-report")
         PosixPath('tracer-report')
     """
     summary = as_summary(result)
     chosen = check_formats(formats)
+    return write_folder(out_dir, MARKER, lambda folder: write_files(summary, folder, chosen))
+
+
+def write_folder(out_dir, marker: str, fill, what: str = "report") -> Path:
+    """The one atomic folder writer: `fill(folder)` writes into a temporary sibling of `out_dir`,
+    which then replaces it in one rename. An existing folder is replaced only if it holds
+    `marker` (it is a previous tracer report of this kind) or is empty; anything else is refused.
+    """
     out = Path(out_dir).absolute()  # "." or "report/" still have a parent and a name
-    check_target(out)
+    check_target(out, marker, what)
     out.parent.mkdir(parents=True, exist_ok=True)
     # mkdir (not mkdtemp) so the folder gets the usual umask permissions, not 0700
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        write_files(summary, tmp, chosen)
+        fill(tmp)
         replace_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -69,13 +78,13 @@ def check_formats(formats) -> tuple[str, ...]:
     return chosen
 
 
-def check_target(out: Path) -> None:
-    """Refuse to replace anything but a previous report (or an empty folder)."""
+def check_target(out: Path, marker: str = MARKER, what: str = "report") -> None:
+    """Refuse to replace anything but a previous report of this kind (or an empty folder)."""
     if not out.exists() and not out.is_symlink():
         return
-    if out.is_dir() and not out.is_symlink() and ((out / MARKER).is_file() or not any(out.iterdir())):
+    if out.is_dir() and not out.is_symlink() and ((out / marker).is_file() or not any(out.iterdir())):
         return
-    raise TracerError(f"refusing to overwrite {out}: it is not a tracer report folder")
+    raise TracerError(f"refusing to overwrite {out}: it is not a tracer {what} folder")
 
 
 def write_files(summary: Summary, folder: Path, formats: tuple[str, ...]) -> None:

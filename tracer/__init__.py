@@ -1,13 +1,15 @@
 """tracer: a layer-by-layer divergence tracer for Llama-family language models.
 
     >>> import tracer
-    >>> result = tracer.run(variant="theta=10000")       # hf vs reimpl on the bundled SmolLM2
+    >>> result = tracer.run(variant="theta=10000", progress=False)  # hf vs reimpl, bundled SmolLM2
     >>> result.first_divergence["point"]
     'model.layers.0.self_attn.q_rope'
 
-`record` (model, tokens -> Trace), `compare` (Trace, Trace -> Result) and `run` (both, plus
-greedy continuations and the report folder) are the API; the CLI maps onto them. Names load on
-first use, so `import tracer` (and `tracer variants`) does not pay for torch.
+`record` (model, tokens -> Trace), `compare` (Trace, Trace -> Result), `run` (both, plus
+greedy continuations and the report folder), `sweep` (many variants against one reference),
+`diagnose` (which known mistake a foreign trace looks like) and `compare_files` (two saved
+traces, any runtime's names) are the API; the CLI maps onto them. Names load on first use, so
+`import tracer` (and `tracer variants`) does not pay for torch.
 """
 
 import importlib
@@ -15,8 +17,10 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "record": "tracer.api", "run": "tracer.api", "compare_files": "tracer.api",
-    "compare": "tracer.diff", "Result": "tracer.diff", "PointDiff": "tracer.diff", "Tolerance": "tracer.diff",
+    "record": "tracer.api", "run": "tracer.api", "sweep": "tracer.api", "diagnose": "tracer.api",
+    "compare_files": "tracer.api", "compare": "tracer.diff",
+    "Result": "tracer.result", "PointDiff": "tracer.result", "Tolerance": "tracer.result",
+    "Sweep": "tracer.result", "SweepRow": "tracer.result", "Diagnosis": "tracer.result",
     "Trace": "tracer.trace", "TracerError": "tracer.errors", "default_model_path": "tracer.model",
 }
 __all__ = sorted(_EXPORTS)

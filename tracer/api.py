@@ -1,166 +1,79 @@
-"""The Python API: `record`, `compare`, `run`. The CLI is a thin map over these.
+"""The public API: `record`, `run`, `sweep`, `diagnose`, `compare_files`. The CLI maps onto these.
 
-Run first, compare later: `record` turns a model and tokens into a `Trace`, `compare` turns two
-traces into a `Result`, `run` does both for a reference and a candidate engine on the same
-tokens, adds greedy continuations, and writes the report folder.
+Run first, compare later: `record` turns a model and tokens into a `Trace`; `tracer.compare`
+(`tracer.diff`) turns two traces into a `Result`. The other functions compose the two steps of
+`tracer.pipeline` (prepare the reference once, compare a candidate against it) and add the report
+folder.
 """
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
+import shlex
 from pathlib import Path
 
-import torch
-
-from tracer.diff import Result, Tolerance, compare, compare_points
-from tracer.engines.base import check_device, environment, is_loaded_model
+from tracer.catalogue import default_variants, diagnosis_variants, split_variants
+from tracer.engines.base import environment
 from tracer.engines.load import check_engine_name, load_engine
+from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
-from tracer.progress import detail, stage, with_stages
-from tracer.spill import spill_folder
-from tracer.model import check_prompt
+from tracer.fingerprint import resemblance
+from tracer.greedy import GREEDY_STEPS
+from tracer.pipeline import (
+    DEFAULT_PROMPT, candidate_loader, check_input, check_tokens, compare_candidate, config_audit, prepared_from_trace,
+    prepared_reference, resolve_source, sweep_row, token_ids,
+)
+from tracer.progress import stage, with_stages
+from tracer.result import Diagnosis, Result, Sweep, Tolerance
 from tracer.trace import Trace
-from tracer.variants import parse_variant
-
-DEFAULT_PROMPT = "The capital of France is"
-GREEDY_STEPS = 20
-LONG_PROMPT = 128  # past this, greedy decoding (a whole forward per step and side) is off by default
-
-
-def resolve_source(model, progress: bool = True):
-    """A loaded transformers model as it is; a path (None: the bundled default) as its HF directory."""
-    if is_loaded_model(model):
-        return model
-    from tracer.model import resolve_model
-
-    return resolve_model(model, progress=progress)
-
-
-def token_ids(source, prompt: str | None = None, tokens=None) -> list[int]:
-    """The ids to run: given directly, or the prompt tokenized with the model's tokenizer.json."""
-    if tokens is not None:
-        ids = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
-        if not ids:
-            raise TracerError("empty token list")
-        return ids
-    if prompt is None:
-        raise TracerError("give a prompt or token ids")
-    from tracer.model import tokenize
-
-    model_dir = source if not is_loaded_model(source) else source.config.to_dict().get("_name_or_path")
-    if not model_dir or not Path(model_dir, "config.json").is_file():
-        raise TracerError("this loaded model has no tokenizer folder; pass token ids instead of a prompt")
-    return tokenize(model_dir, prompt)
-
-
-def check_tokens(ids: list[int], engine) -> None:
-    """Ids the model cannot embed, or more positions than it has, are the user's error, said plainly."""
-    if engine.vocab_size is not None:
-        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
-        if bad:
-            raise TracerError(f"token id {bad[0]} is outside the vocabulary (0..{engine.vocab_size - 1})")
-    if engine.max_positions is not None and len(ids) > engine.max_positions:
-        raise TracerError(f"the prompt has {len(ids)} tokens; the model has {engine.max_positions} positions")
+from tracer.variants import format_knob_value, parse_variant
 
 
 @with_stages("load", "record")
 def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device: str = "cpu", stream: bool = False,
-           progress: bool = True) -> Trace:
+           chat: bool = False, system: str | None = None, progress: bool = True) -> Trace:
     """Record every point of one forward pass.
 
     Args:
         model: a model directory, a `.gguf` file, None for the bundled SmolLM2, or an already
-            loaded transformers `LlamaForCausalLM`.
+            loaded transformers model.
         tokens_or_prompt: a prompt (tokenized with the model's tokenizer) or a list of token ids.
-        engine: "hf" (transformers, observed) or "reimpl" (tracer's own Llama).
+        engine: "hf" (transformers, observed), "reimpl" (tracer's own model) or another engine
+            of `tracer engines`.
         variant: knobs such as "theta=10000" or {"theta": 10000}; see `tracer variants`.
         device: where the model runs ("cpu", "cuda", "cuda:1", "mps"); the trace is kept on the CPU.
-        stream: reimpl only: read each block's weights from the memory-mapped files when it runs,
-            so memory holds one block (for checkpoints larger than memory).
+        stream: read each block's weights from the files when it runs (engines that can), so
+            memory holds one block (for checkpoints larger than memory).
+        chat, system: feed the prompt through the model's chat template (with a system message).
 
     Returns:
         The `Trace`: point name -> tensor in execution order, with metadata.
 
     Example:
-        >>> trace = tracer.record(None, "The capital of France is", engine="reimpl", variant="theta=10000")
+        >>> trace = tracer.record(None, "The capital of France is", engine="reimpl", variant="theta=10000",
+        ...                       progress=False)
+        >>> trace["model.layers.0.self_attn.q_rope"].shape
+        torch.Size([9, 5, 64])
     """
     is_prompt = isinstance(tokens_or_prompt, str)
-    if is_prompt:
-        check_prompt(tokens_or_prompt)  # before loading anything: a bad prompt fails in no time
+    check_input(tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt)
     check_engine_name(engine)
-    check_device(device)
-    from tracer.engines.registry import parse_engine
-
     if stream and not parse_engine(engine)[0].stream:
         raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); the {engine} engine cannot")
     source = resolve_source(model, progress)
     runner = load_engine(engine, source, parse_variant(variant), device=device, stream=stream)
-    ids = token_ids(source, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt)
+    ids, chat_info = token_ids(source, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
+                               chat=chat, system=system)
     check_tokens(ids, runner)
     stage("record")
     trace = runner.record(ids)
     if is_prompt:
         trace.meta["prompt"] = tokens_or_prompt
+    if chat_info:
+        trace.meta["chat"] = chat_info
     return trace
 
 
-def greedy_continuation(engine, tokens: list[int], steps: int, guess: list[int] | None = None) -> list[int] | None:
-    """`steps` greedy tokens, as decoding step by step without a cache (the whole sequence
-    recomputed each step) gives them.
-
-    `guess`, the other side's continuation, saves most of those forwards: one forward over the
-    prompt and the guess gives this engine's argmax after every prefix of it, and as long as
-    they agree the guess is this engine's continuation too. The first disagreement is then
-    confirmed by the step's own forward (a longer sequence may round differently), and decoding
-    goes on step by step from there. Two sides that agree cost one forward instead of `steps`.
-    """
-    if engine.max_positions is not None:
-        steps = min(steps, engine.max_positions - len(tokens))
-    out: list[int] = []
-    checked = False  # `out` ends where a check against the guess found a disagreement
-    while len(out) < steps:
-        on_guess = guess is not None and len(guess) >= steps and out == guess[:len(out)]
-        if on_guess and not checked and len(out) < steps - 1:
-            agreeing = _agreeing_prefix(engine, tokens, out, guess[:steps])
-            if agreeing is None:  # it cannot check a guess: decode step by step
-                guess = None
-                continue
-            out, checked = out + guess[len(out):len(out) + agreeing], True
-        else:
-            logits = engine.logits(tokens + out)
-            if logits is None:
-                return None
-            out, checked = out + [int(logits[-1].argmax())], False
-        detail(f"token {len(out)}/{steps}")
-    return out
-
-
-def _agreeing_prefix(engine, tokens: list[int], done: list[int], guess: list[int]) -> int | None:
-    """How many of `guess`'s tokens after `done` this engine would itself pick, from one forward
-    over the prompt and the guess; None if it cannot say (no logits, or the last position's only)."""
-    logits = engine.logits(tokens + guess[:-1])  # (T + steps - 1, V)
-    if logits is None or logits.shape[0] < len(tokens) + len(guess) - 1:
-        return None
-    picked = logits[len(tokens) - 1 + len(done):].argmax(-1).tolist()  # after each prefix of the guess
-    rest = guess[len(done):]
-    return next((i for i, (a, b) in enumerate(zip(picked, rest)) if a != b), len(rest))
-
-
-def greedy_summary(reference: list[int] | None, candidate: list[int] | None, detokenize) -> dict | None:
-    if reference is None or candidate is None:
-        return None
-    same = next((i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b), min(len(reference), len(candidate)))
-    return {
-        "reference": reference, "candidate": candidate, "steps": len(reference),
-        "same_prefix": same,  # tokens before the first flip
-        "first_flip": same + 1 if same < len(reference) else None,  # 1-based step of the first differing token
-        "same_positions": sum(a == b for a, b in zip(reference, candidate)),
-        "reference_text": detokenize(reference), "candidate_text": detokenize(candidate),
-    }
-
-
-@with_stages("load", "reference", "candidate", "noise floor", "greedy", "report")
+@with_stages("load", "reference", "noise floor", "candidate", "greedy", "report")
 def run(
     model=None,
     prompt: str | None = DEFAULT_PROMPT,
@@ -178,6 +91,8 @@ def run(
     progress: bool = True,
     noise_floor: bool = True,
     max_tokens: int | None = None,
+    chat: bool = False,
+    system: str | None = None,
     device: str = "cpu",
     stream: bool = False,
 ) -> Result:
@@ -187,7 +102,7 @@ def run(
         model: as in `record` (None: the bundled SmolLM2-135M-Instruct).
         prompt: the text to run; ignored when `tokens` is given.
         tokens: token ids, for models without a tokenizer.
-        reference, candidate: engines, "hf", "reimpl" or "file:PATH".
+        reference, candidate: engines ("hf", "reimpl", "file:PATH", ...; see `tracer engines`).
         variant, reference_variant: knobs for each side, e.g. "theta=10000".
         atol, rtol: elementwise tolerance replacing the default relative-L2 criterion.
         greedy: greedy tokens to generate on both sides (0: none; default 20, or 0 for prompts
@@ -196,9 +111,11 @@ def run(
         noise_floor: judge each point against the rounding noise measured by an f64 run of the
             reference model (default); False: against the fixed `Tolerance.rel_l2`.
         max_tokens: keep only the first `max_tokens` tokens of the prompt.
+        chat, system: feed the prompt through the model's chat template, as an instruct model
+            is used (with a system message); the report shows the templated text.
         device: where both models run ("cpu", "cuda", "cuda:1", "mps"); traces are kept on the CPU.
-        stream: a reimpl side reads each block's weights from the files when it runs (one block
-            in memory); an hf side loads the whole model, which the notes say.
+        stream: a side whose engine can stream reads each block's weights from the files when it
+            runs (one block in memory); the others load their whole model, which the notes say.
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
     there (`tracer.spill`), and attention matrices over 128 tokens keep their last 128 query
@@ -208,48 +125,21 @@ def run(
         A `Result`; `bool(result)` is True when every point is within tolerance.
 
     Example:
-        >>> result = tracer.run(variant="theta=10000", out="tracer-report")
+        >>> result = tracer.run(variant="theta=10000", greedy=0, progress=False)
         >>> result.first_divergence["point"]
         'model.layers.0.self_attn.q_rope'
     """
-    reference_variant, variant = parse_variant(reference_variant), parse_variant(variant)
-    for engine_name in (reference, candidate):
-        check_engine_name(engine_name)
-    check_device(device)
-    if tokens is None and prompt is not None:
-        check_prompt(prompt)  # before loading anything: a bad prompt fails in no time
-    timings = {}
-    started = time.perf_counter()
-    source = resolve_source(model, progress)
-    ref_engine = load_engine(reference, source, reference_variant, device=device, stream=stream)
-    cand_engine = load_engine(candidate, source, variant, device=device, stream=stream)
-    timings["load_s"] = time.perf_counter() - started
-    ids = token_ids(source, None if tokens is not None else prompt, tokens)
-    truncated = max_tokens is not None and len(ids) > max_tokens
-    notes = [f"prompt truncated from {len(ids)} to its first {max_tokens} tokens"] if truncated else []
-    notes += _stream_notes(stream, (reference, candidate))
-    ids = ids[:max_tokens] if truncated else ids
-    for engine in (ref_engine, cand_engine):
-        check_tokens(ids, engine)
-    if greedy is None:
-        greedy = GREEDY_STEPS if len(ids) <= LONG_PROMPT else 0
-        notes += [] if greedy else [f"no greedy continuation for a {len(ids)}-token prompt (pass greedy=N to force)"]
-    with spill_folder(len(ids)) as sink:
-        result = _recorded_comparison(source, (reference, ref_engine, reference_variant), cand_engine, ids,
-                                      Tolerance(atol=atol, rtol=rtol), noise_floor, sink, timings)
-    result.notes = notes + result.notes
-    detokenize = _detokenizer(source)
-    with timed(timings, "greedy_s"):
-        stage("greedy")
-        result.greedy = _greedy(ref_engine, cand_engine, ids, greedy, result.tolerance, detokenize)
-    result.prompt = prompt if tokens is None else None
-    result.token_texts = [detokenize([t]) for t in ids] if detokenize([ids[0]]) is not None else None
-    result.environment = environment()
-    result.command = command if command is not None else run_command(
-        model, prompt, ids if tokens is not None else None, reference, candidate, variant,
-        reference_variant, atol, rtol, greedy, noise_floor, out, max_tokens if tokens is None else None, device, stream)
-    result.timings = timings
-    result.config_audit = _config_audit(source, variant)
+    variant = parse_variant(variant)
+    with prepared_reference(model, prompt, tokens=tokens, chat=chat, system=system, reference=reference,
+                            reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
+                            noise_floor=noise_floor, greedy_steps=greedy, max_tokens=max_tokens, device=device,
+                            stream=stream, progress=progress, candidates=(candidate,)) as prepared:
+        engine = load_engine(candidate, prepared.source, variant, device=device, stream=stream)
+        if command is None:
+            command = run_command(model, prompt, tokens, reference, candidate, variant, prepared.variant, atol, rtol,
+                                  greedy, noise_floor, out, max_tokens, chat, system, device, stream)
+        result = compare_candidate(prepared, engine, command=command, notes=stream_notes(stream, candidate),
+                                   config_audit=config_audit(prepared.source, variant))
     if out is not None:
         from tracer.reports import write_report
 
@@ -258,27 +148,127 @@ def run(
     return result
 
 
-def _draft(engine, tokens: list[int], steps: int) -> list[int] | None:
-    """A cached decode to check instead of decoding step by step, where the engine has one (hf)."""
-    if not engine.entry.draft or steps < 2:
-        return None
-    if engine.max_positions is not None:
-        steps = min(steps, engine.max_positions - len(tokens))
-    return engine.draft(tokens, steps) if steps > 0 else None
+@with_stages("load", "reference", "noise floor", "candidate", "report")
+def sweep(
+    model=None,
+    prompt: str | None = None,
+    *,
+    tokens=None,
+    variants=None,
+    reference: str = "hf",
+    reference_variant=None,
+    candidate: str = "reimpl",
+    atol: float | None = None,
+    rtol: float | None = None,
+    greedy: int = 0,
+    out: str | Path | None = None,
+    command: str | None = None,
+    progress: bool = True,
+    noise_floor: bool = True,
+    max_tokens: int | None = None,
+    chat: bool = False,
+    system: str | None = None,
+    device: str = "cpu",
+    stream: bool = False,
+) -> Sweep:
+    """Record the reference once and compare every variant of the candidate with it.
+
+    Each row is what `tracer.run(..., variant=V)` finds for that variant (the same pipeline:
+    noise floor, local errors, long-prompt spilling), at the cost of one candidate forward and
+    its diff. A variant that fails to load (`layers=31`) is a row holding its error.
+
+    Args:
+        model, prompt, tokens, max_tokens, chat, system: the input, as in `tracer.run`.
+        variants: variant strings ("theta=10000,rope=interleaved"), a list of them, or one string
+            with `;` between variants; None: one representative value of every knob.
+        reference, reference_variant: the reference engine and its knobs (default hf, none).
+        candidate: the engine every variant runs on ("reimpl", "hf", or another engine taking knobs).
+        atol, rtol, noise_floor, device, stream: as in `tracer.run`.
+        greedy: greedy tokens per variant (default 0: none; each token is a forward per variant).
+        out: write the sweep report folder there (sweep.json, sweep.csv, sweep.png, sweep.html).
+
+    Returns:
+        A `Sweep`: `rows` in the order given, `table()`, `to_dict()`.
+
+    Raises:
+        TracerError: a variant that does not parse, an unknown engine, a missing model, a bad
+            prompt.
+
+    Example:
+        >>> sweep = tracer.sweep(variants="theta=10000; eps=1e-3", progress=False)
+        >>> [row.first_divergence["point"] for row in sweep.rows]
+        ['model.layers.0.self_attn.q_rope', 'model.layers.0.input_layernorm']
+    """
+    texts = None if variants is None else split_variants(variants)
+    parsed = None if texts is None else [parse_variant(text) for text in texts]  # before anything loads
+    prompt = DEFAULT_PROMPT if prompt is None and tokens is None else prompt
+    with prepared_reference(model, prompt, tokens=tokens, chat=chat, system=system, reference=reference,
+                            reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
+                            noise_floor=noise_floor, greedy_steps=greedy, max_tokens=max_tokens, device=device,
+                            stream=stream, progress=progress, candidates=(candidate,)) as prepared:
+        load_candidate = candidate_loader(candidate, prepared)
+        if parsed is None:
+            parsed = [parse_variant(text) for text in default_variants(model_spec(prepared.source))]
+        stage("candidate")
+        rows = tuple(sweep_row(prepared, load_candidate, knobs) for knobs in parsed)
+    result = Sweep(
+        rows=rows, reference={"engine": reference, "variant": prepared.variant, "label": prepared.trace.label},
+        candidate={"engine": candidate}, tolerance=prepared.tolerance, model=prepared.trace.meta.get("model"),
+        prompt=prepared.prompt, tokens=prepared.ids, chat=prepared.chat, greedy_steps=prepared.greedy_steps,
+        reference_greedy=prepared.reference_greedy, environment=environment(), command=command,
+        timings={**prepared.timings, "variants_s": sum(row.seconds or 0.0 for row in rows)}, notes=prepared.notes,
+    )
+    if out is not None:
+        from tracer.reports import write_sweep_report
+
+        stage("report")
+        write_sweep_report(result, out)
+    return result
 
 
-def _greedy(ref_engine, cand_engine, ids: list[int], steps: int, tolerance: Tolerance, detokenize) -> dict | None:
-    """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
-    ref_greedy = greedy_continuation(ref_engine, ids, steps, guess=_draft(ref_engine, ids, steps)) if steps else None
-    cand_greedy = greedy_continuation(cand_engine, ids, steps, guess=ref_greedy) if ref_greedy is not None else None
-    summary = greedy_summary(ref_greedy, cand_greedy, detokenize)
-    if summary and summary["first_flip"]:
-        # Where the two sides part at the step whose argmax flips: same tokens on both sides.
-        flip_ids = ids + ref_greedy[: summary["first_flip"] - 1]
-        at_flip = compare(ref_engine.record(flip_ids), cand_engine.record(flip_ids), tolerance)
-        summary["first_flip_divergence"] = at_flip.first_divergence and {
-            k: at_flip.first_divergence[k] for k in ("point", "layer", "max_abs", "max_ref", "rel_l2")}
-    return summary
+@with_stages("load", "reference", "noise floor", "candidate")
+def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: bool = False,
+             progress: bool = True) -> Diagnosis:
+    """Rank the variant catalogue by how well each reproduces an observed trace's error.
+
+    The observed trace (a port's dump, another runtime's) is compared with the reference; then
+    every variant of the catalogue runs on the reimplementation against the same reference, and
+    each variant's error fingerprint (`tracer.fingerprint`) is matched with the observed one.
+
+    Args:
+        trace: the observed candidate: a `Trace` or a trace file (any runtime's, see
+            docs/trace-format.md); it must carry its token ids.
+        model: the model it ran (None: the bundled SmolLM2).
+        variants: the variants to try (default: `tracer.catalogue.diagnosis_variants`).
+
+    Returns:
+        A `Diagnosis`: `observed` (the comparison with the reference) and `ranking`, best first.
+
+    Example:
+        >>> observed = tracer.record(None, "The capital of France is", engine="reimpl", variant="eps=1e-4",
+        ...                          progress=False)
+        >>> tracer.diagnose(observed, variants="theta=10000; eps=1e-4", progress=False).best["variant"]
+        'eps=0.0001'
+    """
+    from tracer.engines.file import FileEngine
+
+    observed_trace = load_trace(trace)
+    if not observed_trace.tokens:
+        raise TracerError("the trace carries no token ids; diagnose needs them to rerun the same input")
+    tried = None if variants is None else [parse_variant(text) for text in split_variants(variants)]
+    with prepared_reference(model, tokens=observed_trace.tokens, greedy_steps=0, device=device, stream=stream,
+                            progress=progress) as prepared:
+        observed = compare_candidate(prepared, FileEngine(observed_trace))
+        if tried is None:
+            tried = [parse_variant(text) for text in diagnosis_variants(model_spec(prepared.source))]
+        stage("candidate")
+        load_candidate = candidate_loader("reimpl", prepared)
+        rows = [sweep_row(prepared, load_candidate, knobs) for knobs in tried]
+    ranking = sorted((
+        {"variant": row.variant, "score": resemblance(observed, row.result) if row.result is not None else 0.0,
+         "verdict": row.verdict, "first_divergence": (row.first_divergence or {}).get("point"), "error": row.error}
+        for row in rows), key=lambda entry: entry["score"], reverse=True)
+    return Diagnosis(observed, tuple(ranking))
 
 
 def compare_files(
@@ -310,19 +300,21 @@ def compare_files(
         TracerError: unreadable file, different token ids, shapes that cannot be reconciled.
 
     Example:
-        >>> result = tracer.compare_files("hf.safetensors", "candle-dump.safetensors")
-        >>> result.first_divergence["point"]
-        'model.layers.7.mlp.down_proj'
+        >>> ref = tracer.record(None, "The capital of France is", engine="reimpl", progress=False)
+        >>> cand = tracer.record(None, "The capital of France is", engine="reimpl", variant="theta=10000",
+        ...                      progress=False)
+        >>> tracer.compare_files(ref, cand).first_divergence["point"]
+        'model.layers.0.self_attn.q_rope'
     """
     from tracer.aliases import alias_table
+    from tracer.engines.file import FileEngine
 
     table = alias_table(aliases)  # a bad mapping file is an error even when both traces are tracer's own
     ref_trace, cand_trace = load_trace(reference, table), load_trace(candidate, table)
-    result = compare(ref_trace, cand_trace, Tolerance(atol=atol, rtol=rtol))
-    result.prompt = ref_trace.meta.get("prompt") or cand_trace.meta.get("prompt")
-    result.environment = environment()
-    result.command = command
-    result.notes += _notes(ref_trace, cand_trace)
+    prepared = prepared_from_trace(ref_trace, Tolerance(atol=atol, rtol=rtol), cand_trace.tokens)
+    result = compare_candidate(prepared, FileEngine(cand_trace), command=command)
+    if result.prompt is None and cand_trace.meta.get("prompt"):
+        result = result.with_context(prompt=cand_trace.meta["prompt"])
     if out is not None:
         from tracer.reports import write_report
 
@@ -342,109 +334,36 @@ def load_trace(trace_or_path, aliases=None) -> Trace:
     return Trace.load(trace_or_path, aliases)
 
 
-def _recorded_comparison(source, reference_side, cand_engine, ids, tolerance, noise_floor, sink, timings) -> Result:
-    """Record both sides (into `sink(side)`: memory or a spill folder), measure noise and local error, compare."""
-    ref_engine = reference_side[1]  # (engine name, engine, variant)
-    with timed(timings, "reference_s"):
-        stage("reference")
-        ref_trace = ref_engine.record(ids, sink("reference"))
-    with timed(timings, "candidate_s"):
-        stage("candidate")
-        cand_trace = cand_engine.record(ids, sink("candidate"))
-    with timed(timings, "noise_s"):
-        stage("noise floor")
-        noise, noise_note = _noise(source, reference_side, ref_trace, sink) if noise_floor else (None, [])
-    with timed(timings, "local_s"):
-        local = _local_errors(cand_engine, ref_trace, sink)
-    result = compare(ref_trace, cand_trace, tolerance, noise=noise, local=local)
-    result.notes += noise_note + _notes(ref_trace, cand_trace) + _memory_notes(len(ids))
-    return result
+def model_spec(source):
+    """What the hf reader makes of the model's config (for the variants worth trying on it)."""
+    from tracer.config import load_config, read_hf
+
+    config = source.config.to_dict() if hasattr(source, "config") else load_config(source)
+    return read_hf(config)
 
 
-def _config_audit(source, variant: dict) -> dict | None:
-    """The audit of the model's config.json (with the candidate's re-save applied), for the report."""
-    if is_loaded_model(source):
-        return None
-    from tracer.config import audit, load_config
-
-    return audit(load_config(source), variant.get("resave", "none"))
-
-
-def _stream_notes(stream: bool, engines: tuple[str, ...]) -> list[str]:
-    """Streaming is the reimplementation's; an hf side asked to stream loads its whole model, said here."""
-    if stream and "hf" in engines:
-        return ["stream: the hf engine loads its whole model (only the reimpl engine reads weights block by block)"]
-    return []
+def stream_notes(stream: bool, candidate: str) -> tuple[str, ...]:
+    """A candidate engine that cannot stream loads its whole model: said."""
+    if stream and not parse_engine(candidate)[0].stream:
+        return (f"stream: the {candidate} engine loads its whole model (only engines that stream read weights "
+                "block by block)",)
+    return ()
 
 
-def _memory_notes(num_tokens: int) -> list[str]:
-    from tracer.spill import SPILL_TOKENS
-    from tracer.trace import ATTENTION_ROWS
-
-    notes = []
-    if num_tokens > ATTENTION_ROWS:
-        notes.append(f"attention scores and probs are kept and compared on their last {ATTENTION_ROWS} query rows "
-                     f"(of {num_tokens}) to bound memory")
-    if num_tokens > SPILL_TOKENS:
-        notes.append(f"{num_tokens} tokens: traces were written to a temporary folder point by point and compared "
-                     "from there, then deleted")
-    return notes
-
-
-@contextmanager
-def timed(timings: dict, key: str):
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[key] = time.perf_counter() - started
-
-
-def _noise(source, reference: tuple, ref_trace: Trace, sink):
-    """(noise per point, notes): nothing to measure against for a saved reference trace.
-
-    Past NOISE_TOKENS tokens the noise is measured on the prompt's first NOISE_TOKENS: an f64
-    forward costs twice the memory of the f32 one, and rounding noise is a per-op property.
-    """
-    name, engine, reference_variant = reference
-    if name.startswith("file:"):
-        return None, ["no noise floor for a saved reference trace: points judged by the fixed rel_l2 bound"]
-    from tracer.noise import NOISE_TOKENS, estimate_noise
-
-    notes = []
-    if len(ref_trace.tokens) > NOISE_TOKENS:
-        ref_trace = engine.record(ref_trace.tokens[:NOISE_TOKENS])
-        notes.append(f"noise floor measured on the first {NOISE_TOKENS} tokens (an f64 run of all of them "
-                     "would double the memory)")
-    try:
-        return estimate_noise(source, ref_trace, reference_variant, sink("noise"), engine.device), notes
-    except TracerError as exc:
-        return None, [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
-
-
-def _local_errors(engine, reference: Trace, sink) -> dict[str, float] | None:
-    """The reimplementation can rerun each block on the reference's inputs; other engines cannot."""
-    from tracer.pipeline import local_errors
-
-    return local_errors(engine, reference, sink("local"))
-
-
-def run_command(model, prompt, tokens, reference, candidate, variant, reference_variant,
-                atol, rtol, greedy, noise_floor, out, max_tokens=None, device="cpu", stream=False) -> str | None:
+def run_command(model, prompt, tokens, reference, candidate, variant, reference_variant, atol, rtol, greedy,
+                noise_floor, out, max_tokens=None, chat=False, system=None, device="cpu", stream=False) -> str | None:
     """The `tracer run` line that repeats a Python `run` call, for the report (None for a model
     object, which no command line can name). Defaults are left out, like a person would."""
-    if is_loaded_model(model):
+    if hasattr(model, "state_dict"):
         return None
-    import shlex
-
-    from tracer.variants import format_knob_value
-
     args = ["tracer", "run"] + (["--model", str(model)] if model is not None else [])
     if tokens is not None:
         args += ["--tokens", ",".join(map(str, tokens))]
     elif prompt != DEFAULT_PROMPT:
         args += ["--prompt", prompt]
-    args += ["--max-tokens", str(max_tokens)] if max_tokens is not None else []
+    args += ["--chat"] if chat else []
+    args += ["--system", system] if system is not None else []
+    args += ["--max-tokens", str(max_tokens)] if max_tokens is not None and tokens is None else []
     args += ["--reference", reference] if reference != "hf" else []
     args += ["--candidate", candidate] if candidate != "reimpl" else []
     for flag, knobs in (("--reference-variant", reference_variant), ("--variant", variant)):
@@ -452,37 +371,9 @@ def run_command(model, prompt, tokens, reference, candidate, variant, reference_
             args += [flag, ",".join(f"{k}={format_knob_value(v)}" for k, v in knobs.items())]
     args += ["--atol", repr(atol)] if atol is not None else []
     args += ["--rtol", repr(rtol)] if rtol is not None else []
-    args += ["--greedy", str(greedy)] if greedy != GREEDY_STEPS else []
+    args += ["--greedy", str(greedy)] if greedy is not None and greedy != GREEDY_STEPS else []
     args += [] if noise_floor else ["--no-noise"]
     args += ["--device", str(device)] if str(device) != "cpu" else []
     args += ["--stream"] if stream else []
     args += ["--out", str(out)] if out is not None else ["--no-report"]
     return shlex.join(args)
-
-
-def _detokenizer(source):
-    from tracer.model import detokenize
-
-    if is_loaded_model(source):
-        return lambda ids: None
-    return lambda ids: detokenize(source, ids)
-
-
-def _notes(*traces: Trace) -> list[str]:
-    """What a side skipped or could not use, said rather than ignored."""
-    notes = []
-    for trace in traces:
-        if trace.meta.get("unused_config_keys"):
-            notes.append(f"{trace.label}: config keys not read: {', '.join(trace.meta['unused_config_keys'])}")
-        if trace.meta.get("unused_tensors"):
-            names = trace.meta["unused_tensors"]
-            notes.append(f"{trace.label}: {len(names)} tensors in the files are not used, e.g. {names[0]}")
-        if trace.not_recorded:
-            reasons = sorted(set(trace.not_recorded.values()))
-            notes.append(f"{trace.label}: {len(trace.not_recorded)} points not recorded ({'; '.join(reasons)})")
-    return notes
-
-
-# `sweep`: the reference once, many variants against it (tracer/sweep.py). Not re-exported as
-# `tracer.sweep`, which is that submodule's name: use `tracer.api.sweep`.
-from tracer.sweep import Sweep, sweep  # noqa: E402

@@ -33,6 +33,13 @@ def _model_and_input(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--tokens", help="comma-separated token ids, for models without a tokenizer")
     parser.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V]",
                         help="candidate knobs, e.g. theta=10000 (repeatable; see `tracer variants`)")
+    _chat(parser)
+
+
+def _chat(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat", action="store_true",
+                        help="feed the prompt through the model's chat template, as an instruct model is used")
+    parser.add_argument("--system", help="a system message before the prompt (with --chat)")
 
 
 def _placement(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="trace a reference and a candidate, localize the first divergence")
     _model_and_input(run)
-    run.add_argument("--reference", default="hf", help="reference engine: hf | reimpl | file:PATH (default hf)")
-    run.add_argument("--candidate", default="reimpl", help="candidate engine: reimpl | hf | file:PATH (default reimpl)")
+    run.add_argument("--reference", default="hf", help="reference engine, see `tracer engines` (default hf)")
+    run.add_argument("--candidate", default="reimpl",
+                     help="candidate engine: reimpl | hf | file:PATH | ..., see `tracer engines` (default reimpl)")
     run.add_argument("--reference-variant", action="append", default=[], metavar="K=V[,K=V]",
                      help="knobs for the reference side")
     run.add_argument("--atol", type=float, help="elementwise absolute tolerance (replaces the rel_l2 criterion)")
@@ -78,13 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     rec = commands.add_parser("record", help="save one engine's trace as a safetensors file")
     _model_and_input(rec)
-    rec.add_argument("--engine", default="hf", choices=("hf", "reimpl"))
+    rec.add_argument("--engine", default="hf", help="the engine to record, see `tracer engines` (default hf)")
     rec.add_argument("-o", "--output", required=True, type=Path, help="trace file to write (.safetensors)")
     _placement(rec)
 
     var = commands.add_parser("variants", help="list every knob: values, default, engines, what it reproduces")
     var.add_argument("--family", help="only the knobs of one model family (llama, qwen2, qwen3, mistral, gemma2, "
                                       "gemma3, phi3, olmo2), with where each first diverges")
+    commands.add_parser("engines", help="list every engine: what it records and honours, whether its runtime is installed")
 
     diag = commands.add_parser("diagnose", help="rank the variant catalogue by resemblance to a trace recorded elsewhere")
     diag.add_argument("trace", type=Path, help="the observed candidate trace (safetensors, with token ids)")
@@ -100,12 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     swp_input.add_argument("--prompt", help='text to run (default: "The capital of France is")')
     swp_input.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
     swp_input.add_argument("--tokens", help="comma-separated token ids, for models without a tokenizer")
+    _chat(swp)
     swp.add_argument("--variants", action="extend", nargs="+", metavar="K=V[,K=V]",
                      help="variants to run (several, or one argument with ';' between them; default: one per knob)")
-    swp.add_argument("--reference", default="hf", help="reference engine: hf | reimpl (default hf)")
+    swp.add_argument("--reference", default="hf", help="reference engine, see `tracer engines` (default hf)")
     swp.add_argument("--reference-variant", action="append", default=[], metavar="K=V[,K=V]",
                      help="knobs for the reference side")
-    swp.add_argument("--candidate", default="reimpl", help="engine the variants run on: reimpl | hf (default reimpl)")
+    swp.add_argument("--candidate", default="reimpl",
+                     help="engine the variants run on: reimpl | hf | ..., see `tracer engines` (default reimpl)")
+    swp.add_argument("--max-tokens", type=int, help="keep only the first N tokens of the prompt")
     swp.add_argument("--greedy", type=int, default=0, help="greedy tokens per variant, each a forward (default 0)")
     swp.add_argument("--no-noise", action="store_true",
                      help="skip the f64 noise-floor run; judge points by the fixed rel_l2 bound (1e-4)")
@@ -150,8 +162,8 @@ def cmd_run(args) -> int:
         args.model, prompt, tokens=tokens, reference=args.reference, candidate=args.candidate,
         variant=args.variant, reference_variant=args.reference_variant, atol=args.atol, rtol=args.rtol,
         greedy=args.greedy, out=None if args.no_report else args.out, command=_command_line(),
-        noise_floor=not args.no_noise, max_tokens=args.max_tokens, device=args.device, stream=args.stream,
-        progress=args.json != "-",
+        noise_floor=not args.no_noise, max_tokens=args.max_tokens, chat=args.chat, system=args.system,
+        device=args.device, stream=args.stream, progress=args.json != "-",
     )
     if args.json:
         _write_json(result.to_dict(), args.json)
@@ -184,7 +196,8 @@ def cmd_record(args) -> int:
 
     prompt, tokens = _prompt_and_tokens(args)
     trace = tracer.record(args.model, tokens if tokens is not None else prompt, engine=args.engine,
-                          variant=args.variant, device=args.device, stream=args.stream)
+                          variant=args.variant, device=args.device, stream=args.stream, chat=args.chat,
+                          system=args.system)
     trace.save(args.output)
     print(f"{trace.label}: {len(trace)} points on {len(trace.tokens)} tokens -> {args.output}")
     return 0
@@ -223,31 +236,49 @@ def _print_columns(rows: list[tuple]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
 
 
+def cmd_engines(args) -> int:
+    from tracer.engines.registry import ENGINES
+
+    for entry in ENGINES.values():
+        missing = entry.missing_runtime()
+        versions = ", ".join(f"{dist} {version}" for dist, version in entry.runtime_versions().items() if version)
+        installed = (f"not installed: pip install -e '.[{entry.extra}]'" if missing and entry.extra
+                     else f"not installed: {', '.join(missing)}" if missing else f"installed ({versions or 'built in'})")
+        print(f"{entry.usage}: {entry.summary}")
+        print(f"  runtime    {installed}")
+        print(f"  knobs      {', '.join(entry.knobs) or 'none'}")
+        print(f"  records    every point" + (f" but {', '.join(entry.unobservable)}" if entry.unobservable else ""))
+        abilities = [("local (teacher-forced) errors", entry.local_errors), ("greedy decoding", entry.logits),
+                     ("a cached draft", entry.draft), ("streamed weights", entry.stream)]
+        print(f"  can        {', '.join(name for name, able in abilities if able) or 'compare only'}")
+        print(f"  devices    {', '.join(entry.devices)}")
+    return 0
+
+
 def cmd_sweep(args) -> int:
-    from tracer.api import sweep
+    import tracer
     from tracer.reports.sweep import sweep_markdown
 
     prompt, tokens = _prompt_and_tokens(args)
-    result = sweep(args.model, prompt, tokens=tokens, variants=args.variants, reference=args.reference,
-                   reference_variant=args.reference_variant, candidate=args.candidate, greedy=args.greedy,
-                   out=None if args.no_report else args.out, command=_command_line(), progress=args.json != "-",
-                   noise_floor=not args.no_noise, device=args.device, stream=args.stream)
+    result = tracer.sweep(args.model, prompt, tokens=tokens, variants=args.variants, reference=args.reference,
+                          reference_variant=args.reference_variant, candidate=args.candidate, greedy=args.greedy,
+                          out=None if args.no_report else args.out, command=_command_line(),
+                          progress=args.json != "-", noise_floor=not args.no_noise, max_tokens=args.max_tokens,
+                          chat=args.chat, system=args.system, device=args.device, stream=args.stream)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
         print(sweep_markdown(result), end="")
-        print(f"{len(result.rows)} variants in {result.timings['total_s']:.1f} s"
+        print(f"{len(result.rows)} variants in {sum(result.timings.values()):.1f} s"
               + ("" if args.no_report else f"; report: {Path(args.out) / 'sweep.html'}"))
     return 0
 
 
 def cmd_diagnose(args) -> int:
-    from tracer.diagnose import diagnose
-    from tracer.sweep import split_variants
+    import tracer
 
-    variants = split_variants(args.variants) if args.variants else None
-    result = diagnose(args.trace, args.model, variants=variants, device=args.device, stream=args.stream,
-                      progress=args.json != "-")
+    result = tracer.diagnose(args.trace, args.model, variants=args.variants or None, device=args.device,
+                             stream=args.stream, progress=args.json != "-")
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
@@ -312,7 +343,7 @@ def _error_payload(message: str) -> dict:
 
 _STDOUT = [sys.stdout]  # the real stdout, kept while library output is redirected to stderr
 COMMANDS = {"run": cmd_run, "compare": cmd_compare, "record": cmd_record, "variants": cmd_variants,
-            "sweep": cmd_sweep, "config": cmd_config, "diagnose": cmd_diagnose}
+            "engines": cmd_engines, "sweep": cmd_sweep, "config": cmd_config, "diagnose": cmd_diagnose}
 
 
 def main(argv: list[str] | None = None) -> int:

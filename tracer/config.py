@@ -594,7 +594,7 @@ def audit(config: dict, resave: str = "none") -> dict:
     spec values on which the readers disagree.
 
     Example:
-        >>> audit(load_config(model_dir), resave="tf5")["differences"]
+        >>> audit(load_config(tracer.default_model_path()), resave="tf5")["differences"]
         {'rope_theta': {'hf': 100000.0, 'candle': 10000.0}}
     """
     config = RESAVES[resave](config)

@@ -1,7 +1,7 @@
-"""The diff engine: pure functions from two traces to a `Result`.
+"""The diff engine: pure functions from two traces to a `Result` (the values: `tracer.result`).
 
 Metrics are computed in f64 on the candidate minus the reference. The default criterion is scale
-aware: a point diverges when its relative L2 error exceeds `DEFAULT_REL_L2`. Absolute tolerances
+aware: a point diverges when its relative L2 error leaves its noise floor (`Tolerance`). Absolute tolerances
 mean nothing on SmolLM2's hidden states, which reach |x| ~ 22,500 from layer 12 on, while the
 noise of reordered f32 sums stays below 1e-5 relative everywhere (eager vs sdpa: at most 2e-6).
 `--atol/--rtol` replace it with `|c - r| <= atol + rtol * |r|` elementwise (torch.allclose).
@@ -11,120 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 
 import torch
 
 from tracer.errors import TracerError
 from tracer.points import FINAL_LOGITS, LOGITS, causal_allowed, is_causal, layer_of
+from tracer.result import PointDiff, Result, Tolerance
 from tracer.trace import Trace
 
-DEFAULT_REL_L2 = 1e-4
-# On SmolLM2 the f32-vs-f64 noise bounds eager-vs-sdpa at every point (ratio at most 0.98).
-NOISE_FACTOR = 10.0
-NOISE_FLOOR = 1e-6
 CHUNK = 1 << 16  # values per f64 chunk when reducing a point's metrics: 512 kB, in cache
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """When a point counts as diverged.
-
-    By default a point diverges when its relative L2 error leaves its noise floor: more than
-    `noise_factor` times the error pure f32 rounding makes there (the reference against an f64
-    run of the same model), and at least `noise_floor`. Where no noise estimate exists (two saved
-    traces), the fixed bound `rel_l2` applies. `atol`/`rtol` replace both with elementwise bounds.
-    """
-
-    rel_l2: float = DEFAULT_REL_L2
-    atol: float | None = None
-    rtol: float | None = None
-    noise_factor: float = NOISE_FACTOR
-    noise_floor: float = NOISE_FLOOR
-
-    def threshold(self, noise: float | None) -> float:
-        """The relative-L2 bound for a point whose rounding noise is `noise` (None: unknown)."""
-        if noise is None or not math.isfinite(noise):
-            return self.rel_l2
-        return max(self.noise_floor, self.noise_factor * noise)
-
-    @property
-    def elementwise(self) -> bool:
-        return self.atol is not None or self.rtol is not None
-
-    def outside(self, diff: torch.Tensor, ref: torch.Tensor) -> bool:
-        """Elementwise mode: does any entry of this chunk exceed atol + rtol·|ref|?"""
-        bound = (self.atol or 0.0) + (self.rtol or 0.0) * ref.abs()
-        return bool((diff.abs() > bound).any())
-
-    def exceeded(self, rel_l2: float, noise: float | None = None, any_outside: bool = False) -> bool:
-        if self.elementwise:
-            return any_outside or not math.isfinite(rel_l2)
-        return not rel_l2 <= self.threshold(noise)  # NaN diverges
-
-    def to_dict(self) -> dict:
-        if self.elementwise:
-            atol, rtol = self.atol or 0.0, self.rtol or 0.0
-            return {"criterion": "allclose", "atol": atol, "rtol": rtol,
-                    "text": f"|diff| > {atol:.0e} + {rtol:.0e}·|ref| anywhere"}
-        return {"criterion": "rel_l2", "rel_l2": self.rel_l2, "noise_factor": self.noise_factor,
-                "noise_floor": self.noise_floor,
-                "text": f"rel_l2 > max({self.noise_floor:.0e}, {self.noise_factor:g} × noise), "
-                        f"else > {self.rel_l2:.0e}"}
-
-
-@dataclass(frozen=True)
-class PointDiff:
-    """One point's comparison. `bool(point_diff)` is True when it is within tolerance."""
-
-    point: str
-    layer: int | None
-    shape: tuple[int, ...] | None
-    missing_on: str | None = None  # "reference", "candidate" or "both" when not recorded
-    max_abs: float | None = None
-    max_ref: float | None = None
-    rel_l2: float | None = None
-    cosine: float | None = None
-    diverged: bool = False
-    reason: str | None = None  # why a side did not record it
-    noise: float | None = None  # rel_l2 that f32 rounding alone makes here
-    local_rel_l2: float | None = None  # rel_l2 introduced here, on the reference's inputs
-    threshold: float | None = None  # the rel_l2 bound this point was judged against
-
-    @property
-    def recorded(self) -> bool:
-        return self.missing_on is None
-
-    def __bool__(self) -> bool:
-        return not self.diverged
-
-    def to_dict(self) -> dict:
-        return {
-            "point": self.point, "layer": self.layer, "shape": list(self.shape) if self.shape else None,
-            "recorded": self.recorded, "missing_on": self.missing_on, "max_abs": _num(self.max_abs),
-            "max_ref": _num(self.max_ref), "rel_l2": _num(self.rel_l2), "cosine": _num(self.cosine),
-            "diverged": self.diverged, "noise": _num(self.noise), "threshold": _num(self.threshold),
-            "local_rel_l2": _num(self.local_rel_l2),
-            **({"reason": self.reason} if self.reason else {}),
-        }
-
-
-def _num(value: float | None):
-    """JSON has no NaN or Infinity; say them as strings rather than lie with a number."""
-    if value is None or math.isfinite(value):
-        return value
-    return str(value)
-
-
-def _json_safe(value):
-    """`_num` through a whole JSON tree (logits figures, breakdowns): NaN and Inf as strings."""
-    if isinstance(value, float):
-        return _num(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
+def outside(tolerance: Tolerance, diff: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Elementwise mode: does any entry of this chunk exceed atol + rtol·|ref|?"""
+    bound = (tolerance.atol or 0.0) + (tolerance.rtol or 0.0) * ref.abs()
+    return bool((diff.abs() > bound).any())
 
 
 def compared_entries(point: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -185,7 +86,7 @@ def compare_point(point: str, ref: torch.Tensor, cand: torch.Tensor, tolerance: 
         sq_ref, sq_diff = sq_ref + float(r.dot(r)), sq_diff + float(diff.dot(diff))
         sq_cand, dot = sq_cand + float(c.dot(c)), dot + float(c.dot(r))
         max_abs, max_ref = _nan_max(max_abs, _max_magnitude(diff)), _nan_max(max_ref, _max_magnitude(r))
-        any_outside = any_outside or (tolerance.elementwise and tolerance.outside(diff, r))
+        any_outside = any_outside or (tolerance.elementwise and outside(tolerance, diff, r))
     ref_norm, diff_norm, cand_norm = math.sqrt(sq_ref), math.sqrt(sq_diff), math.sqrt(sq_cand)
     if math.isnan(ref_norm) or math.isnan(diff_norm):
         rel_l2 = math.nan  # a NaN on either side: never within any tolerance, not even rel_l2 <= inf
@@ -323,84 +224,6 @@ def first_divergence(points: list[PointDiff]) -> dict | None:
     }
 
 
-@dataclass
-class Result:
-    """The comparison of a candidate trace with a reference. `bool(result)`: no divergence.
-
-    Example:
-        >>> result = tracer.run(variant="theta=10000")
-        >>> result.verdict, result.first_divergence["point"]
-        ('diverged', 'model.layers.0.self_attn.q_rope')
-        >>> result.table()  # per-point pandas DataFrame
-    """
-
-    verdict: str
-    points: list[PointDiff]
-    first_divergence: dict | None
-    logits: dict | None
-    tolerance: Tolerance
-    reference: dict  # {"engine", "variant", "label", "device"}
-    candidate: dict
-    model: str | None = None
-    prompt: str | None = None
-    tokens: list[int] | None = None
-    token_texts: list[str] | None = None
-    greedy: dict | None = None
-    environment: dict = field(default_factory=dict)
-    command: str | None = None
-    timings: dict = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    error: str | None = None
-    first_nonfinite: dict | None = None  # {"point", "layer", "side", "count", "nan", "inf"}
-    amplification: list[dict] = field(default_factory=list)  # ops ranked by error gain over their input
-    config_audit: dict | None = None  # what each config reader makes of the model's config.json
-
-    def __bool__(self) -> bool:
-        return self.verdict == "match"
-
-    @property
-    def not_recorded(self) -> list[PointDiff]:
-        return [p for p in self.points if not p.recorded]
-
-    def to_dict(self) -> dict:
-        from tracer import __version__
-
-        return _json_safe({
-            "tracer_version": __version__,
-            "verdict": self.verdict, "model": self.model, "prompt": self.prompt, "tokens": self.tokens,
-            "token_texts": self.token_texts, "reference": self.reference, "candidate": self.candidate,
-            "tolerance": self.tolerance.to_dict(), "first_divergence": self.first_divergence,
-            "points": [p.to_dict() for p in self.points], "logits": self.logits, "greedy": self.greedy,
-            "environment": self.environment, "command": self.command, "timings": self.timings,
-            "notes": self.notes, "error": self.error, "first_nonfinite": self.first_nonfinite,
-            "amplification": self.amplification, "config_audit": self.config_audit,
-        })
-
-    def to_json(self, indent: int | None = 2) -> str:
-        import json
-
-        return json.dumps(self.to_dict(), indent=indent)
-
-    def table(self):
-        """The per-point comparison as a pandas DataFrame, one row per point in execution order."""
-        import pandas as pd
-
-        return pd.DataFrame([p.to_dict() for p in self.points]).set_index("point")
-
-    def plot(self, kind: str = "curve"):
-        """A matplotlib Figure: "curve" (per-layer error), "heatmap" (layer × sub-point) or
-        "breakdown" (the first divergence per position and head). Shown inline in Jupyter."""
-        from tracer.reports import plot
-
-        return plot(self, kind)
-
-    def _repr_html_(self) -> str:
-        """Jupyter's view: verdict, first divergence, curve, the diverging block (scoped CSS)."""
-        from tracer.reports import result_html
-
-        return result_html(self)
-
-
 def num_heads(trace: Trace, layer: int | None) -> int | None:
     """Query heads, read off the recorded q after RoPE (heads, T, D) of that layer."""
     q_rope = f"model.layers.{layer}.self_attn.q_rope"
@@ -417,8 +240,11 @@ def explain_divergence(point: str, reference: Trace, candidate: Trace) -> dict:
 
 
 def side(trace: Trace) -> dict:
+    """How a result names one side: engine, knobs, label, device, and a non-PyTorch runtime's
+    name and version."""
+    runtime = trace.meta.get("runtime")
     return {"engine": trace.meta.get("engine", "file"), "variant": trace.meta.get("variant", {}), "label": trace.label,
-            "device": trace.meta.get("device")}
+            "device": trace.meta.get("device"), **({"runtime": runtime} if runtime else {})}
 
 
 def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,
@@ -452,7 +278,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         first |= explain_divergence(first["point"], reference, candidate)
     return Result(
         verdict="diverged" if first else "match",
-        points=points,
+        points=tuple(points),
         first_divergence=first,
         logits=logits_summary(reference, candidate),
         tolerance=tolerance,
@@ -460,10 +286,10 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         candidate=side(candidate),
         model=reference.meta.get("model"),
         tokens=ref_tokens or cand_tokens,
-        notes=[*layout_notes, *logits_note(reference, candidate)],
+        notes=(*layout_notes, *logits_note(reference, candidate)),
         # A point whose metrics are all finite holds no NaN or Inf on either side: only the rest is scanned.
         first_nonfinite=first_nonfinite([p.point for p in points if not _finite_metrics(p)], reference, candidate),
-        amplification=_amplification(points, trace_family(reference, candidate)),
+        amplification=tuple(_amplification(points, trace_family(reference, candidate))),
     )
 
 

@@ -46,6 +46,8 @@ __all__ = [
     "cache_root",
     "check_weight_files",
     "bundled_gguf",
+    "chat_text",
+    "chat_tokens",
     "default_model_path",
     "detokenize",
     "gguf_model_path",
@@ -601,6 +603,57 @@ def tokenize(model_dir: str | os.PathLike, prompt: str) -> list[int]:
     if not ids:
         raise TracerError(f"prompt gives no tokens: {prompt!r}")
     return list(ids)
+
+
+def chat_text(model_dir: str | os.PathLike, prompt: str, system: str | None = None) -> str:
+    """The prompt as an instruct model is fed it: the model's chat template applied to one user
+    message (after `system`, if given), ending with the assistant's turn, as transformers'
+    `apply_chat_template(..., add_generation_prompt=True)` renders it.
+
+    Raises:
+        TracerError: the model has no chat template.
+    """
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    check_prompt(prompt)
+    template, special = _chat_template(Path(model_dir))
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": prompt}]
+
+    def raise_exception(message):
+        raise TracerError(f"the chat template of {model_dir} refuses this conversation: {message}")
+
+    # transformers renders with these options and this sandbox (utils/chat_template_utils.py)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+
+
+def chat_tokens(model_dir: str | os.PathLike, text: str) -> list[int]:
+    """Token ids of an already templated text: the template wrote the special tokens itself."""
+    tokenizer = _tokenizer(model_dir)
+    if tokenizer is None:
+        raise TracerError(f"model {model_dir} has no tokenizer.json; pass token ids with --tokens")
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _chat_template(model_dir: Path) -> tuple[str, dict[str, str]]:
+    """(template, special tokens it may name) from chat_template.jinja or tokenizer_config.json."""
+    config_path = model_dir / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise TracerError(f"cannot read {config_path}: {exc}") from None
+    special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+    template_file = model_dir / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8"), special
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str):
+        raise TracerError(f"model {model_dir} has no chat template (chat_template.jinja or tokenizer_config.json)")
+    return template, special
 
 
 def check_prompt(prompt: str) -> None:

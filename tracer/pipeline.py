@@ -1,10 +1,217 @@
-"""The run pipeline: prepare a reference once, compare candidates against it.
-(Being filled in: see `local_errors`.)"""
+"""The run pipeline, in two steps every command composes.
+
+1. `prepared_reference(...)`: the model source, the token ids, the reference engine and its
+   trace, the noise floor, the reference's greedy continuation, and the notes about all of that.
+   A context manager: long prompts spill traces to a temporary folder that lives as long as the
+   block.
+2. `compare_candidate(prepared, engine)`: the candidate's trace, its local (teacher-forced)
+   errors where its engine can run them, the diff against the reference, both greedy
+   continuations, and the notes: one `Result` with the run's context attached once.
+
+`tracer.run` is one candidate; `tracer.sweep` many (one per variant, `sweep_row`);
+`tracer.diagnose` one observed trace plus the catalogue; `tracer.compare_files` two traces with
+no model (`prepared_from_trace`). Because they share these steps, a sweep row says what
+`tracer run --variant V` says for the same variant.
+"""
 
 from __future__ import annotations
 
-from tracer.diff import Tolerance, compare_points
-from tracer.trace import Trace
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tracer import greedy
+from tracer.diff import compare, compare_points
+from tracer.engines.base import check_device, environment, is_loaded_model
+from tracer.engines.load import check_engine_name, load_engine
+from tracer.engines.registry import parse_engine
+from tracer.errors import TracerError
+from tracer.points import is_coarse
+from tracer.progress import stage
+from tracer.result import Result, SweepRow, Tolerance
+from tracer.spill import SPILL_TOKENS, spill_folder
+from tracer.trace import ATTENTION_ROWS, Trace
+from tracer.variants import parse_variant, variant_text
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The reference side of a run, prepared once and shared by every candidate compared with it.
+
+    `source` is the resolved model (None for two saved traces); `prompt` the text as the user
+    gave it and `chat` the templated text when it went through a chat template; `sink(side)`
+    gives a recorder for a side (None: in memory; a `DiskRecorder` for long prompts).
+    """
+
+    source: object
+    ids: list[int]
+    prompt: str | None
+    chat: dict | None
+    reference: str  # the engine name as given ("hf", "file:PATH")
+    engine: object | None
+    variant: dict
+    trace: Trace
+    noise: dict | None
+    tolerance: Tolerance
+    greedy_steps: int
+    reference_greedy: list[int] | None
+    detokenize: Callable
+    sink: Callable
+    device: str = "cpu"
+    stream: bool = False
+    notes: tuple[str, ...] = ()
+    timings: dict = field(default_factory=dict)
+
+
+def resolve_source(model, progress: bool = True):
+    """A loaded transformers model as it is; a path (None: the bundled default) as its HF directory."""
+    if is_loaded_model(model):
+        return model
+    from tracer.model import resolve_model
+
+    return resolve_model(model, progress=progress)
+
+
+def token_ids(source, prompt: str | None = None, tokens=None, *, chat: bool = False,
+              system: str | None = None) -> tuple[list[int], dict | None]:
+    """(ids, chat) for the run: ids given directly, or the prompt tokenized with the model's
+    tokenizer (through its chat template when `chat`; `chat` then says what was fed)."""
+    if tokens is not None:
+        if chat or system is not None:
+            raise TracerError("chat templates apply to a prompt, not to token ids")
+        ids = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
+        if not ids:
+            raise TracerError("empty token list")
+        return ids, None
+    if prompt is None:
+        raise TracerError("give a prompt or token ids")
+    if system is not None and not chat:
+        raise TracerError("a system message needs the chat template: pass chat=True (--chat)")
+    from tracer.model import chat_text, chat_tokens, tokenize
+
+    model_dir = source.config.to_dict().get("_name_or_path") if is_loaded_model(source) else source
+    if not model_dir or not Path(model_dir, "config.json").is_file():
+        raise TracerError("this loaded model has no tokenizer folder; pass token ids instead of a prompt")
+    if not chat:
+        return tokenize(model_dir, prompt), None
+    text = chat_text(model_dir, prompt, system)
+    ids = chat_tokens(model_dir, text)
+    return ids, {"system": system, "text": text, "tokens": len(ids)}
+
+
+def check_tokens(ids: list[int], engine) -> None:
+    """Ids the model cannot embed, or more positions than it has, are the user's error, said plainly."""
+    if engine.vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise TracerError(f"token id {bad[0]} is outside the vocabulary (0..{engine.vocab_size - 1})")
+    if engine.max_positions is not None and len(ids) > engine.max_positions:
+        raise TracerError(f"the prompt has {len(ids)} tokens; the model has {engine.max_positions} positions")
+
+
+def check_input(prompt: str | None, tokens) -> None:
+    """A bad prompt fails before anything loads."""
+    if tokens is None and prompt is not None:
+        from tracer.model import check_prompt
+
+        check_prompt(prompt)
+
+
+@contextmanager
+def prepared_reference(model=None, prompt: str | None = DEFAULT_PROMPT, *, tokens=None, chat: bool = False,
+                       system: str | None = None, reference: str = "hf", reference_variant=None,
+                       tolerance: Tolerance | None = None, noise_floor: bool = True, greedy_steps: int | None = None,
+                       max_tokens: int | None = None, device: str = "cpu", stream: bool = False,
+                       progress: bool = True, candidates: tuple[str, ...] = ()):
+    """Load the model and the reference engine, tokenize, record the reference, measure its noise
+    floor and decode its greedy continuation; yield a `Prepared`.
+
+    `candidates`: the engine names that will be compared, checked here before anything loads.
+    `greedy_steps`: None for the default (20, or none past 128 tokens).
+    """
+    reference_variant = parse_variant(reference_variant)
+    for name in (reference, *candidates):
+        check_engine_name(name)
+    check_device(device)
+    check_input(prompt, tokens)
+    timings: dict[str, float] = {}
+    with timed(timings, "load_s"):
+        stage("load")
+        source = resolve_source(model, progress)
+        engine = load_engine(reference, source, reference_variant, device=device, stream=stream)
+    ids, chat_info = token_ids(source, None if tokens is not None else prompt, tokens, chat=chat, system=system)
+    notes = []
+    if max_tokens is not None and len(ids) > max_tokens:
+        notes.append(f"prompt truncated from {len(ids)} to its first {max_tokens} tokens")
+        ids = ids[:max_tokens]
+    check_tokens(ids, engine)
+    if stream and not parse_engine(reference)[0].stream:
+        notes.append(f"stream: the {reference} engine loads its whole model (only engines that stream read weights "
+                     "block by block)")
+    if greedy_steps is None:
+        greedy_steps = greedy.default_steps(len(ids))
+        if not greedy_steps:
+            notes.append(f"no greedy continuation for a {len(ids)}-token prompt (pass greedy=N to force)")
+    with spill_folder(len(ids)) as sink:
+        with timed(timings, "reference_s"):
+            stage("reference")
+            trace = engine.record(ids, sink("reference"))
+        with timed(timings, "noise_s"):
+            stage("noise floor")
+            noise, noise_notes = reference_noise(source, reference, reference_variant, engine, trace, sink) \
+                if noise_floor else (None, [])
+        with timed(timings, "reference_greedy_s"):
+            stage("reference greedy")
+            reference_greedy = greedy.continuation(engine, ids, greedy_steps, guess=greedy.draft(engine, ids, greedy_steps)) \
+                if greedy_steps else None
+        yield Prepared(
+            source=source, ids=ids, prompt=None if tokens is not None else prompt, chat=chat_info,
+            reference=reference, engine=engine, variant=reference_variant, trace=trace, noise=noise,
+            tolerance=tolerance or Tolerance(), greedy_steps=greedy_steps, reference_greedy=reference_greedy,
+            detokenize=detokenizer(source), sink=sink, device=str(device), stream=stream,
+            notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings,
+        )
+
+
+def prepared_from_trace(trace: Trace, tolerance: Tolerance | None = None, tokens: list[int] | None = None) -> Prepared:
+    """A saved reference trace standing alone (no model, no noise floor, no greedy decoding);
+    `tokens` when the trace does not carry its own."""
+    return Prepared(
+        source=None, ids=list(trace.tokens or tokens or []), prompt=trace.meta.get("prompt"), chat=None,
+        reference="file", engine=None, variant=trace.meta.get("variant", {}), trace=trace, noise=None,
+        tolerance=tolerance or Tolerance(), greedy_steps=0, reference_greedy=None,
+        detokenize=lambda ids: None, sink=lambda side: None,
+    )
+
+
+def compare_candidate(prepared: Prepared, engine, *, command: str | None = None, notes: tuple[str, ...] = (),
+                      config_audit: dict | None = None) -> Result:
+    """Record `engine` on the prepared tokens and compare it with the reference: the `Result`,
+    with local errors, greedy continuations and the run's context attached."""
+    check_tokens(prepared.ids, engine)
+    timings = dict(prepared.timings)
+    with timed(timings, "candidate_s"):
+        stage("candidate")
+        trace = engine.record(prepared.ids, prepared.sink("candidate"))
+    with timed(timings, "local_s"):
+        local = local_errors(engine, prepared.trace, prepared.sink("local"))
+    result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=local)
+    with timed(timings, "greedy_s"):
+        stage("greedy")
+        continuations = greedy_comparison(prepared, engine, prepared.tolerance)
+    detokenize = prepared.detokenize
+    return result.with_context(
+        notes=(*notes, *prepared.notes, *trace_notes(prepared.trace, trace)),
+        prompt=prepared.prompt, chat=prepared.chat, greedy=continuations,
+        token_texts=[detokenize([t]) for t in prepared.ids] if prepared.ids and detokenize(prepared.ids[:1]) else None,
+        environment=environment(), command=command, timings=timings, config_audit=config_audit,
+    )
 
 
 def local_errors(engine, reference: Trace, recorder=None) -> dict[str, float] | None:
@@ -14,3 +221,128 @@ def local_errors(engine, reference: Trace, recorder=None) -> dict[str, float] | 
         return None
     forced = engine.local_trace(reference, recorder)
     return {p.point: p.rel_l2 for p in compare_points(reference, forced, Tolerance()) if p.recorded}
+
+
+def greedy_comparison(prepared: Prepared, engine, tolerance: Tolerance) -> dict | None:
+    """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
+    if prepared.reference_greedy is None:
+        return None
+    candidate = greedy.continuation(engine, prepared.ids, prepared.greedy_steps, guess=prepared.reference_greedy)
+    summary = greedy.summary(prepared.reference_greedy, candidate, prepared.detokenize)
+    if summary and summary["first_flip"]:
+        # Where the two sides part at the step whose argmax flips: same tokens on both sides.
+        flip_ids = prepared.ids + prepared.reference_greedy[: summary["first_flip"] - 1]
+        at_flip = compare(prepared.engine.record(flip_ids), engine.record(flip_ids), tolerance).first_divergence
+        summary["first_flip_divergence"] = at_flip and {
+            k: at_flip[k] for k in ("point", "layer", "max_abs", "max_ref", "rel_l2")}
+    return summary
+
+
+def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], object]:
+    """knobs -> a candidate engine on the prepared model; a reimpl candidate on a model directory
+    reuses the config and weights read once (a sweep builds one per variant)."""
+    if parse_engine(candidate)[0].argument_required:
+        raise TracerError(f"{candidate} is a saved trace; variants need an engine that runs the model")
+    if candidate == "reimpl" and prepared.source is not None and not is_loaded_model(prepared.source):
+        from tracer.config import load_config
+        from tracer.engines.reimpl import from_parts
+        from tracer.model import WeightFiles, read_weights
+        from tracer.variants import check_engine
+
+        config = load_config(prepared.source)
+        weights = WeightFiles(prepared.source) if prepared.stream else read_weights(prepared.source)
+
+        def load_reimpl(knobs: dict):
+            check_engine(knobs, "reimpl")
+            return from_parts(config, weights, knobs, str(prepared.source), device=prepared.device,
+                              stream=prepared.stream)
+
+        return load_reimpl
+    return lambda knobs: load_engine(candidate, prepared.source, knobs, device=prepared.device, stream=prepared.stream)
+
+
+def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], object], knobs: dict) -> SweepRow:
+    """One variant against the prepared reference; a variant that fails to load is a row with its error."""
+    started = time.perf_counter()
+    label = variant_text(knobs)
+    try:
+        result = compare_candidate(prepared, load_candidate(knobs), config_audit=None)
+    except TracerError as exc:
+        return SweepRow(label, knobs, "error", error=str(exc), seconds=time.perf_counter() - started)
+    curve = tuple({key: p.to_dict().get(key) for key in ("point", "layer", "rel_l2", "threshold", "diverged")}
+                  for p in result.points if p.recorded and is_coarse(p.point))
+    return SweepRow(label, knobs, result.verdict, result.first_divergence, result.logits, result.greedy,
+                    curve=curve, notes=result.notes, seconds=time.perf_counter() - started, result=result)
+
+
+def reference_noise(source, reference: str, variant: dict, engine, trace: Trace, sink):
+    """(noise per point, notes): what f32 rounding alone makes at each point of the reference.
+
+    Past NOISE_TOKENS tokens the noise is measured on the prompt's first NOISE_TOKENS: an f64
+    forward costs twice the memory of the f32 one, and rounding noise is a per-op property.
+    """
+    if parse_engine(reference)[0].argument_required:
+        return None, ["no noise floor for a saved reference trace: points judged by the fixed rel_l2 bound"]
+    from tracer.noise import NOISE_TOKENS, estimate_noise
+
+    notes = []
+    if len(trace.tokens) > NOISE_TOKENS:
+        trace = engine.record(trace.tokens[:NOISE_TOKENS])
+        notes.append(f"noise floor measured on the first {NOISE_TOKENS} tokens (an f64 run of all of them "
+                     "would double the memory)")
+    try:
+        return estimate_noise(source, trace, variant, sink("noise"), engine.device), notes
+    except TracerError as exc:
+        return None, [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
+
+
+def memory_notes(num_tokens: int) -> list[str]:
+    notes = []
+    if num_tokens > ATTENTION_ROWS:
+        notes.append(f"attention scores and probs are kept and compared on their last {ATTENTION_ROWS} query rows "
+                     f"(of {num_tokens}) to bound memory")
+    if num_tokens > SPILL_TOKENS:
+        notes.append(f"{num_tokens} tokens: traces were written to a temporary folder point by point and compared "
+                     "from there, then deleted")
+    return notes
+
+
+def trace_notes(*traces: Trace) -> list[str]:
+    """What a side skipped or could not use, said rather than ignored."""
+    notes = []
+    for trace in traces:
+        if trace.meta.get("unused_config_keys"):
+            notes.append(f"{trace.label}: config keys not read: {', '.join(trace.meta['unused_config_keys'])}")
+        if trace.meta.get("unused_tensors"):
+            names = trace.meta["unused_tensors"]
+            notes.append(f"{trace.label}: {len(names)} tensors in the files are not used, e.g. {names[0]}")
+        if trace.not_recorded:
+            reasons = sorted(set(trace.not_recorded.values()))
+            notes.append(f"{trace.label}: {len(trace.not_recorded)} points not recorded ({'; '.join(reasons)})")
+    return notes
+
+
+def config_audit(source, variant: dict) -> dict | None:
+    """The audit of the model's config.json (with the candidate's re-save applied), for the report."""
+    if source is None or is_loaded_model(source):
+        return None
+    from tracer.config import audit, load_config
+
+    return audit(load_config(source), variant.get("resave", "none"))
+
+
+def detokenizer(source) -> Callable:
+    if source is None or is_loaded_model(source):
+        return lambda ids: None
+    from tracer.model import detokenize
+
+    return lambda ids: detokenize(source, ids)
+
+
+@contextmanager
+def timed(timings: dict, key: str):
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - started

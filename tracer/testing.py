@@ -30,7 +30,10 @@ def assert_traces_close(reference, candidate, *, atol: float | None = None, rtol
             shapes that cannot be reconciled).
 
     Example:
-        >>> assert_traces_close("hf.safetensors", "candle.safetensors", aliases={"my_out-{i}": "model.layers.{i}"})
+        >>> ref = tracer.record(None, "The capital of France is", engine="hf", progress=False)
+        >>> port = {f"my_out-{i}": t for i, t in enumerate(ref[f"model.layers.{i}"] for i in range(30))}
+        >>> port["tokens"] = torch.tensor(ref.tokens)
+        >>> assert_traces_close(ref, port, aliases={"my_out-{i}": "model.layers.{i}"})  # a dump with its own names
     """
     from tracer.api import compare_files
     from tracer.reports.terminal import terminal_summary

@@ -36,10 +36,11 @@ class Trace:
             ``not_recorded`` ({point: reason}) for points this engine cannot observe.
 
     Example:
-        >>> trace = tracer.record(None, "The capital of France is", engine="reimpl")
+        >>> trace = tracer.record(None, "The capital of France is", engine="reimpl", progress=False)
         >>> trace["model.layers.0.self_attn.q_rope"].shape
         torch.Size([9, 5, 64])
-        >>> trace.save("reimpl.safetensors"); Trace.load("reimpl.safetensors")
+        >>> Trace.load(trace.save("reimpl.safetensors")).points == trace.points
+        True
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -92,9 +93,9 @@ class Trace:
     def label(self) -> str:
         """`engine[knob=value,...]`, how reports and summaries name this side; `candle (file)` for a
         dump whose metadata names its runtime."""
-        engine = self.meta.get("engine", "?")
-        if engine == "file" and self.meta.get("runtime"):
-            engine = f"{self.meta['runtime']} (file)"
+        engine, runtime = self.meta.get("engine", "?"), self.meta.get("runtime")
+        if engine == "file" and runtime:  # a dump's metadata names its runtime; a live engine's {"name", ...}
+            engine = f"{runtime.get('name') if isinstance(runtime, dict) else runtime} (file)"
         return side_label(engine, self.meta.get("variant", {}))
 
     def save(self, path: str | os.PathLike) -> Path:

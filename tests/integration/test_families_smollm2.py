@@ -7,7 +7,7 @@ import torch
 import tracer
 from tracer.config import load_config, read_hf
 from tracer.points import all_points
-from tracer.sweep import default_variants
+from tracer.catalogue import default_variants
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tracer
-from tracer.api import token_ids
+from tracer.pipeline import token_ids
 from tracer.points import LAYER_POINTS, all_points
 
 PROMPT = "The capital of France is"

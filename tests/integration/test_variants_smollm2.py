@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tracer.api import sweep
+from tracer import sweep
 
 PROMPT = "The capital of France is"
 L0 = "model.layers.0.self_attn."

@@ -6,7 +6,9 @@ import pytest
 
 import tracer
 from tracer.cli import main
-from tracer.diagnose import catalogue, diagnose, resemblance
+from tracer import diagnose
+from tracer.catalogue import diagnosis_variants as catalogue
+from tracer.fingerprint import resemblance
 from tracer.config import load_config, read_hf
 from tracer.variants import parse_variant, variant_text
 from tests.conftest import TOKENS

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tracer import Trace, TracerError, compare
-from tracer.diff import Tolerance, compare_point
+from tracer.diff import compare_point
+from tracer.result import Tolerance
 
 
 def trace(tensors, **meta):

@@ -305,8 +305,7 @@ def test_config_level_family_knobs_mean_the_same_on_hf(tiny):
 
 
 def test_sweep_and_diagnose_use_the_familys_knobs(tiny):
-    from tracer.diagnose import diagnose
-    from tracer.sweep import default_variants
+    from tracer.catalogue import default_variants
 
     spec = read_hf(load_config(tiny["gemma3"]))
     chosen = default_variants(spec)
@@ -314,7 +313,7 @@ def test_sweep_and_diagnose_use_the_familys_knobs(tiny):
             "act=gelu"} <= set(chosen)
     assert not {"config=candle", "preset=candle", "norm=candle", "softcap=drop"} & set(chosen)  # Llama's / no caps
     observed = tracer.record(tiny["gemma2"], TOKENS, engine="reimpl", variant="norm_offset=drop")
-    diagnosis = diagnose(observed, tiny["gemma2"], progress=False)
+    diagnosis = tracer.diagnose(observed, tiny["gemma2"], progress=False)
     assert diagnosis.best["variant"] == "norm_offset=drop"
     assert {"softcap=drop", "embed_scale=drop", "window=ignore"} <= {entry["variant"] for entry in diagnosis.ranking}
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from tests.conftest import TOKENS
-from tracer.api import greedy_continuation
+from tracer.engines.registry import ENGINES
+from tracer.greedy import continuation as greedy_continuation
+from tracer.greedy import draft
 from tracer.engines.load import load_engine
 
 STEPS = 8
@@ -18,7 +20,7 @@ class Counting:
 
     def __init__(self, engine):
         self.engine, self.forwards = engine, 0
-        self.max_positions = engine.max_positions
+        self.entry, self.max_positions = engine.entry, engine.max_positions
 
     def logits(self, tokens):
         self.forwards += 1
@@ -44,6 +46,7 @@ class RuleEngine:
     """Next token = a fixed rule of the prefix; a forward over more than `long` tokens picks
     another token at position `odd_row`, as a longer sequence rounding differently at a near-tie would."""
 
+    entry = ENGINES["reimpl"]  # an engine with logits, decoded step by step
     max_positions = None
     vocab = 11
 
@@ -81,12 +84,10 @@ def test_a_real_disagreement_is_decoded_from_there():
 
 
 def test_the_reference_checks_its_cached_decode_in_one_forward(tiny_llama):
-    from tracer.api import _draft
-
     engine = load_engine("hf", tiny_llama(), {})
     stepwise = greedy_continuation(engine, TOKENS, STEPS)
-    draft = _draft(engine, TOKENS, STEPS)
-    assert draft == stepwise
+    guess = draft(engine, TOKENS, STEPS)
+    assert guess == stepwise
     counting = Counting(engine)
-    assert greedy_continuation(counting, TOKENS, STEPS, guess=draft) == stepwise
+    assert greedy_continuation(counting, TOKENS, STEPS, guess=guess) == stepwise
     assert counting.forwards == 1

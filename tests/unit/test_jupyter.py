@@ -205,7 +205,7 @@ def test_python_run_records_the_equivalent_command(tiny_dir, tmp_path, monkeypat
 
 def test_sweep_html_overlays_and_tabulates(tiny_dir):
     from tracer.reports import sweep_html
-    from tracer.sweep import sweep
+    from tracer import sweep
 
     swept = sweep(tiny_dir, tokens=TOKENS, variants=["theta=500", "layers=9"], greedy=0, progress=False)
     fragment = sweep_html(swept)
@@ -220,7 +220,7 @@ def test_sweep_html_overlays_and_tabulates(tiny_dir):
 def test_sweep_renders_in_a_notebook_and_plots(tiny_llama):
     from matplotlib.figure import Figure
 
-    from tracer.api import sweep
+    from tracer import sweep
 
     result = sweep(tiny_llama(), tokens=[1, 5, 9, 2], variants=["theta=500", "attn=sdpa"], greedy=0, progress=False)
     html = result._repr_html_()

@@ -153,7 +153,7 @@ BOTH_ENGINES = {
 
 @pytest.mark.parametrize("variant", BOTH_ENGINES)
 def test_config_level_knobs_mean_the_same_on_hf_and_reimpl(tiny_llama, variant):
-    assert all(KNOBS[k.split("=")[0]].engines == ("reimpl", "hf") for k in variant.split(","))
+    assert all({"reimpl", "hf"} <= set(KNOBS[k.split("=")[0]].engines) for k in variant.split(","))
     model = tiny_llama("m", **BOTH_ENGINES[variant])
     on_hf = tracer.record(model, TOKENS, engine="hf", variant=variant)
     on_reimpl = tracer.record(model, TOKENS, engine="reimpl", variant=variant)

@@ -11,7 +11,7 @@ import pytest
 
 import tracer.reports as reports
 import tracer.reports.figures as report_figures
-from tracer.diff import PointDiff, Result, Tolerance
+from tracer.result import PointDiff, Result, Tolerance
 from tracer.errors import TracerError
 from tracer.points import EMBED, FINAL_NORM, LAYER_POINTS, LOGITS, all_points, is_coarse, layer_of
 

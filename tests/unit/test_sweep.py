@@ -5,9 +5,9 @@ import json
 import pytest
 
 from tracer import TracerError
-from tracer.api import sweep
+from tracer import sweep
 from tracer.reports.sweep import render_sweep_html, sweep_frame, sweep_markdown
-from tracer.sweep import default_variants, split_variants
+from tracer.catalogue import default_variants, split_variants
 from tracer.config import read_hf, load_config
 from tracer.variants import KNOBS, knobs_for
 from tests.conftest import TOKENS
@@ -35,7 +35,7 @@ def test_one_row_per_variant_in_order(tiny_sweep):
 def test_a_variant_that_fails_to_load_is_a_row_with_its_error(tiny_sweep):
     row = tiny_sweep[0]["layers=3"]
     assert row.error == "missing tensor model.layers.2.input_layernorm.weight (expected shape (64,))"
-    assert row.first_divergence is None and row.curve == []
+    assert row.first_divergence is None and row.curve == ()
 
 
 def test_rows_carry_logits_greedy_and_the_coarse_curve(tiny_sweep):

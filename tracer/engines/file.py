@@ -16,15 +16,16 @@ class FileEngine:
     device = "cpu"
     vocab_size = max_positions = None
 
-    def __init__(self, path: str | Path, aliases=None):
-        self.path = Path(path)
-        self.trace = Trace.load(self.path, aliases)  # another runtime's dump: names mapped onto points
+    def __init__(self, trace: Trace, path: str | Path | None = None):
+        self.trace, self.path = trace, path
         self.variant = self.trace.meta.get("variant", {})
 
     def record(self, tokens: list[int], recorder=None) -> Trace:
         """The saved trace itself (it is already on disk or in memory; `recorder` has nothing to do)."""
         recorded = self.trace.tokens
-        if recorded is not None and list(recorded) != list(tokens):
+        if recorded is not None and tokens and list(recorded) != list(tokens):
+            if self.path is None:  # two traces compared as they are
+                raise TracerError(f"the traces were recorded on different token ids: {list(tokens)} vs {recorded}")
             raise TracerError(f"trace {self.path} was recorded on tokens {recorded}, not {list(tokens)}")
         return self.trace
 
@@ -35,4 +36,4 @@ class FileEngine:
 def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False) -> FileEngine:
     if variant:
         raise TracerError("a saved trace (file:PATH) cannot take variant knobs")
-    return FileEngine(argument)
+    return FileEngine(Trace.load(argument), argument)  # another runtime's dump: names mapped onto points

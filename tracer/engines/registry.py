@@ -34,6 +34,9 @@ class EngineEntry:
         local_errors: it can rerun each block on the reference's inputs (`local_trace`), which
             separates the error a point introduces from the error it inherits.
         draft: it has a cached decode (`draft(tokens, steps)`) that greedy decoding checks.
+        greedy: how its greedy continuation is defined: "uncached" (what step-by-step decoding
+            without a cache gives, the draft only a guess to check) or "cached" (its own cached
+            decode, taken as is: what the runtime's users get, e.g. llama.cpp's KV cache).
         logits: it can run an unrecorded forward (`logits(tokens)`), which greedy decoding needs.
         devices: the torch device types it takes.
         stream: it can read weights block by block (`stream=True`).
@@ -49,6 +52,7 @@ class EngineEntry:
     unobservable: tuple[str, ...] = ()
     local_errors: bool = False
     draft: bool = False
+    greedy: str = "uncached"
     logits: bool = True
     devices: tuple[str, ...] = ("cpu",)
     stream: bool = False

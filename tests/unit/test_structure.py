@@ -1,0 +1,133 @@
+"""The package's shape: no import cycle among tracer, tracer.hooks and tracer.reports, no private
+name imported across modules, and the commands that need no model start without torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# folder -> the package it is installed as (pyproject's package-dir)
+PACKAGES = {"tracer": "tracer", "hooks": "tracer.hooks", "reports": "tracer.reports"}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the three packages, by its installed name."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join([package, *parts])
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(imported module, names taken from it) for every import statement, function bodies included."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            names = [alias.name for alias in node.names]
+            submodules = [f"{base}.{n}" for n in names if f"{base}.{n}" in known]
+            found += [(sub, []) for sub in submodules]
+            if len(submodules) < len(names):
+                found.append((base, [n for n in names if f"{base}.{n}" not in known]))
+    return [(target, names) for target, names in found if target in known and target != name]
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: {target for target, _ in imports(name, path, known)} for name, path in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), or a module importing itself."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_real_imports():
+    graph = import_graph()
+    assert "tracer.pipeline" in graph["tracer.api"]
+    assert "tracer.engines.base" in graph["tracer.hooks.engine"]  # relative and absolute both resolved
+    assert "tracer.reports.summary" in graph["tracer.reports.terminal"]
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_among_tracer_hooks_and_reports():
+    assert cycles(import_graph()) == []
+
+
+def test_no_private_name_is_imported_across_modules():
+    known = modules()
+    private = [(name, target, taken) for name, path in known.items() for target, names in imports(name, path, known)
+               for taken in names if taken.startswith("_") and taken != "__version__"]
+    assert private == []
+
+
+def test_listing_variants_and_engines_leaves_torch_out():
+    code = ("import sys, tracer.cli; tracer.cli.main(['variants']); tracer.cli.main(['engines']); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"
+    assert "kv_repeat" in out and "file:PATH" in out
+
+
+def test_the_documented_functions_are_the_package_attributes():
+    import tracer
+    import tracer.reports
+
+    for name in ("record", "run", "sweep", "diagnose", "compare", "compare_files"):
+        assert callable(getattr(tracer, name)), name
+    assert tracer.sweep.__module__ == tracer.diagnose.__module__ == "tracer.api"  # no module shadows them
+    for name in tracer.reports.__all__:  # every advertised report function exists
+        assert getattr(tracer.reports, name) is not None, name
+
+
+def test_every_engine_module_and_knob_in_the_registry_exists():
+    import importlib.util
+
+    from tracer.engines.registry import ENGINES
+    from tracer.variants import KNOBS
+
+    for entry in ENGINES.values():
+        assert importlib.util.find_spec(entry.module) is not None, entry.module
+        assert set(entry.knobs) <= set(KNOBS), entry.name
+    assert all(KNOBS[name].engines for name in KNOBS)  # every knob has an engine that honours it

@@ -1,0 +1,42 @@
+"""Which variants a sweep runs by default and which a diagnosis tries: one representative per
+knob of the catalogue, plus more values of the numeric knobs. No torch here."""
+
+from __future__ import annotations
+
+import math
+
+from tracer.variants import knobs_for, parse_variant
+
+# Values of the numeric knobs tried beyond the sweep's representative one (the model's own is skipped).
+EXTRA_VALUES = {"theta": (10_000.0, 500_000.0, 1_000_000.0), "eps": (1e-6, 1e-5, 1e-4, 1e-3)}
+
+
+def split_variants(variants) -> list[str]:
+    """`"theta=10000; kv_repeat=tile"` or a list of such strings -> one string per variant."""
+    texts = [variants] if isinstance(variants, str) else list(variants)
+    return [part.strip() for text in texts for part in text.split(";") if part.strip()]
+
+
+def default_variants(spec) -> list[str]:
+    """One representative variant per knob that applies to this model's family (its classic porting
+    mistakes among them), for this model's spec; a knob whose feature the model lacks (a window, a
+    soft-cap) has none."""
+    chosen = []
+    for knob in knobs_for(spec.family):
+        text = knob.representative(spec)
+        if text and text not in chosen:
+            chosen.append(text)
+    return chosen
+
+
+def diagnosis_variants(spec) -> list[str]:
+    """The sweep's representative variants plus more values of theta and eps."""
+    own = {"theta": spec.rope_theta, "eps": spec.rms_norm_eps}
+    variants = default_variants(spec)
+    seen = [parse_variant(v) for v in variants]
+    for knob, values in EXTRA_VALUES.items():
+        for value in values:
+            if not math.isclose(value, own[knob]) and {knob: value} not in seen:
+                variants.append(f"{knob}={value:g}")
+                seen.append({knob: value})
+    return variants

@@ -1,0 +1,91 @@
+"""Greedy continuations: what each side generates after the prompt, and where they part.
+
+A side's continuation is what step-by-step decoding without a cache gives (the whole sequence
+recomputed each step), obtained cheaply: a guess (a cached decode, or the other side's
+continuation) is checked with one forward over the prompt and the guess, and decoding goes step
+by step only from the first disagreement, confirmed by that step's own forward. An engine whose
+registry entry says `greedy="cached"` is taken at its own cached decode instead (llama.cpp's KV
+cache is what its users get).
+"""
+
+from __future__ import annotations
+
+from tracer.progress import detail
+
+GREEDY_STEPS = 20
+LONG_PROMPT = 128  # past this, greedy decoding (a whole forward per step and side) is off by default
+
+
+def default_steps(num_tokens: int) -> int:
+    return GREEDY_STEPS if num_tokens <= LONG_PROMPT else 0
+
+
+def continuation(engine, tokens: list[int], steps: int, guess: list[int] | None = None) -> list[int] | None:
+    """`steps` greedy tokens after `tokens`; None when the engine cannot run a forward.
+
+    `guess` (its own `draft`, or the other side's continuation) saves most of the forwards: one forward over the prompt and
+    the guess gives this engine's argmax after every prefix of it, and as long as they agree
+    the guess is this engine's continuation too. Two sides that agree cost one forward.
+    """
+    steps = _fitting(engine, tokens, steps)
+    if not engine.entry.logits:
+        return None
+    if engine.entry.greedy == "cached" and steps > 0:
+        return engine.draft(tokens, steps)
+    out: list[int] = []
+    checked = False  # `out` ends where a check against the guess found a disagreement
+    while len(out) < steps:
+        on_guess = guess is not None and len(guess) >= steps and out == guess[:len(out)]
+        if on_guess and not checked and len(out) < steps - 1:
+            agreeing = agreeing_prefix(engine, tokens, out, guess[:steps])
+            if agreeing is None:  # it cannot check a guess: decode step by step
+                guess = None
+                continue
+            out, checked = out + guess[len(out):len(out) + agreeing], True
+        else:
+            logits = engine.logits(tokens + out)
+            if logits is None:
+                return None
+            out, checked = out + [int(logits[-1].argmax())], False
+        detail(f"token {len(out)}/{steps}")
+    return out
+
+
+def draft(engine, tokens: list[int], steps: int) -> list[int] | None:
+    """A cached decode to check instead of decoding step by step, where the engine has one."""
+    steps = _fitting(engine, tokens, steps)
+    if not engine.entry.draft or steps < 2:
+        return None
+    return engine.draft(tokens, steps)
+
+
+def agreeing_prefix(engine, tokens: list[int], done: list[int], guess: list[int]) -> int | None:
+    """How many of `guess`'s tokens after `done` this engine would itself pick, from one forward
+    over the prompt and the guess; None if it cannot say (no logits, or the last position's only)."""
+    logits = engine.logits(tokens + guess[:-1])  # (T + steps - 1, V)
+    if logits is None or logits.shape[0] < len(tokens) + len(guess) - 1:
+        return None
+    picked = logits[len(tokens) - 1 + len(done):].argmax(-1).tolist()  # after each prefix of the guess
+    rest = guess[len(done):]
+    return next((i for i, (a, b) in enumerate(zip(picked, rest)) if a != b), len(rest))
+
+
+def summary(reference: list[int] | None, candidate: list[int] | None, detokenize) -> dict | None:
+    """Both continuations, how long they agree, and their texts (None when a side has none)."""
+    if reference is None or candidate is None:
+        return None
+    same = next((i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b), min(len(reference), len(candidate)))
+    return {
+        "reference": reference, "candidate": candidate, "steps": len(reference),
+        "same_prefix": same,  # tokens before the first flip
+        "first_flip": same + 1 if same < len(reference) else None,  # 1-based step of the first differing token
+        "same_positions": sum(a == b for a, b in zip(reference, candidate)),
+        "reference_text": detokenize(reference), "candidate_text": detokenize(candidate),
+    }
+
+
+def _fitting(engine, tokens: list[int], steps: int) -> int:
+    """No more steps than the model has positions left."""
+    if engine.max_positions is not None:
+        return min(steps, engine.max_positions - len(tokens))
+    return steps

@@ -1,0 +1,317 @@
+"""What comparisons produce, as values: `Tolerance`, `PointDiff`, `Result`, `SweepRow`, `Sweep`,
+`Diagnosis`. The functions that compute them live apart (`tracer.diff` compares two traces,
+`tracer.pipeline` runs engines), as Polygraphy keeps `struct.py` apart from `compare.py`.
+
+A value is built once and never assigned to afterwards (frozen dataclasses; sequences are tuples).
+`bool(value)` says "within tolerance"; `to_dict()` is the JSON contract (README, "JSON contract"),
+with NaN and Inf written as the strings "nan" / "inf" (JSON has neither).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+DEFAULT_REL_L2 = 1e-4
+# On SmolLM2 the f32-vs-f64 noise bounds eager-vs-sdpa at every point (ratio at most 0.98).
+NOISE_FACTOR = 10.0
+NOISE_FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """When a point counts as diverged.
+
+    By default a point diverges when its relative L2 error leaves its noise floor: more than
+    `noise_factor` times the error pure f32 rounding makes there (the reference against an f64
+    run of the same model), and at least `noise_floor`. Where no noise estimate exists (two saved
+    traces), the fixed bound `rel_l2` applies. `atol`/`rtol` replace both with elementwise bounds.
+    """
+
+    rel_l2: float = DEFAULT_REL_L2
+    atol: float | None = None
+    rtol: float | None = None
+    noise_factor: float = NOISE_FACTOR
+    noise_floor: float = NOISE_FLOOR
+
+    def threshold(self, noise: float | None) -> float:
+        """The relative-L2 bound for a point whose rounding noise is `noise` (None: unknown)."""
+        if noise is None or not math.isfinite(noise):
+            return self.rel_l2
+        return max(self.noise_floor, self.noise_factor * noise)
+
+    @property
+    def elementwise(self) -> bool:
+        return self.atol is not None or self.rtol is not None
+
+    def exceeded(self, rel_l2: float, noise: float | None = None, any_outside: bool = False) -> bool:
+        if self.elementwise:
+            return any_outside or not math.isfinite(rel_l2)
+        return not rel_l2 <= self.threshold(noise)  # NaN diverges
+
+    def to_dict(self) -> dict:
+        if self.elementwise:
+            atol, rtol = self.atol or 0.0, self.rtol or 0.0
+            return {"criterion": "allclose", "atol": atol, "rtol": rtol,
+                    "text": f"|diff| > {atol:.0e} + {rtol:.0e}·|ref| anywhere"}
+        return {"criterion": "rel_l2", "rel_l2": self.rel_l2, "noise_factor": self.noise_factor,
+                "noise_floor": self.noise_floor,
+                "text": f"rel_l2 > max({self.noise_floor:.0e}, {self.noise_factor:g} × noise), "
+                        f"else > {self.rel_l2:.0e}"}
+
+
+@dataclass(frozen=True)
+class PointDiff:
+    """One point's comparison. `bool(point_diff)` is True when it is within tolerance."""
+
+    point: str
+    layer: int | None
+    shape: tuple[int, ...] | None
+    missing_on: str | None = None  # "reference", "candidate" or "both" when not recorded
+    max_abs: float | None = None
+    max_ref: float | None = None
+    rel_l2: float | None = None
+    cosine: float | None = None
+    diverged: bool = False
+    reason: str | None = None  # why a side did not record it
+    noise: float | None = None  # rel_l2 that f32 rounding alone makes here
+    local_rel_l2: float | None = None  # rel_l2 introduced here, on the reference's inputs
+    threshold: float | None = None  # the rel_l2 bound this point was judged against
+
+    @property
+    def recorded(self) -> bool:
+        return self.missing_on is None
+
+    def __bool__(self) -> bool:
+        return not self.diverged
+
+    def to_dict(self) -> dict:
+        return {
+            "point": self.point, "layer": self.layer, "shape": list(self.shape) if self.shape else None,
+            "recorded": self.recorded, "missing_on": self.missing_on, "max_abs": json_number(self.max_abs),
+            "max_ref": json_number(self.max_ref), "rel_l2": json_number(self.rel_l2), "cosine": json_number(self.cosine),
+            "diverged": self.diverged, "noise": json_number(self.noise), "threshold": json_number(self.threshold),
+            "local_rel_l2": json_number(self.local_rel_l2),
+            **({"reason": self.reason} if self.reason else {}),
+        }
+
+
+def json_number(value: float | None):
+    """JSON has no NaN or Infinity; say them as strings rather than lie with a number."""
+    if value is None or math.isfinite(value):
+        return value
+    return str(value)
+
+
+def json_safe(value):
+    """`_num` through a whole JSON tree (logits figures, breakdowns): NaN and Inf as strings."""
+    if isinstance(value, float):
+        return json_number(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Result:
+    """The comparison of a candidate trace with a reference. `bool(result)`: no divergence.
+
+    `tracer.diff.compare` builds the comparison; `tracer.pipeline` adds the run's context (prompt,
+    greedy continuations, environment, command, timings, notes, config audit) in one
+    `with_context` call. Neither changes it afterwards.
+
+    Example:
+        >>> result = tracer.run(variant="theta=10000", progress=False)
+        >>> result.verdict, result.first_divergence["point"]
+        ('diverged', 'model.layers.0.self_attn.q_rope')
+        >>> result.table().loc["model.layers.0.self_attn.q_rope", "diverged"]
+        True
+    """
+
+    verdict: str  # "match" | "diverged" | "error"
+    points: tuple[PointDiff, ...]
+    first_divergence: dict | None
+    logits: dict | None
+    tolerance: Tolerance
+    reference: dict  # {"engine", "variant", "label", "device", "runtime"}
+    candidate: dict
+    model: str | None = None
+    prompt: str | None = None
+    tokens: list[int] | None = None
+    token_texts: list[str] | None = None
+    chat: dict | None = None  # {"system", "text", "tokens"} when the prompt went through a chat template
+    greedy: dict | None = None
+    environment: dict = field(default_factory=dict)
+    command: str | None = None
+    timings: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    error: str | None = None
+    first_nonfinite: dict | None = None  # {"point", "layer", "side", "count", "nan", "inf"}
+    amplification: tuple[dict, ...] = ()  # ops ranked by error gain over their input
+    config_audit: dict | None = None  # what each config reader makes of the model's config.json
+
+    def __bool__(self) -> bool:
+        return self.verdict == "match"
+
+    def with_context(self, *, notes=(), **context) -> Result:
+        """This comparison with the run's context attached; `notes` go before the comparison's own."""
+        return dataclasses.replace(self, notes=(*notes, *self.notes), **context)
+
+    @property
+    def not_recorded(self) -> list[PointDiff]:
+        return [p for p in self.points if not p.recorded]
+
+    def to_dict(self) -> dict:
+        from tracer import __version__
+
+        return json_safe({
+            "tracer_version": __version__,
+            "verdict": self.verdict, "model": self.model, "prompt": self.prompt, "tokens": self.tokens,
+            "token_texts": self.token_texts, "chat": self.chat, "reference": self.reference,
+            "candidate": self.candidate, "tolerance": self.tolerance.to_dict(),
+            "first_divergence": self.first_divergence, "points": [p.to_dict() for p in self.points],
+            "logits": self.logits, "greedy": self.greedy, "environment": self.environment,
+            "command": self.command, "timings": self.timings, "notes": list(self.notes), "error": self.error,
+            "first_nonfinite": self.first_nonfinite, "amplification": list(self.amplification),
+            "config_audit": self.config_audit,
+        })
+
+    def to_json(self, indent: int | None = 2) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self):
+        """The per-point comparison as a pandas DataFrame, one row per point in execution order."""
+        import pandas as pd
+
+        return pd.DataFrame([p.to_dict() for p in self.points]).set_index("point")
+
+    def plot(self, kind: str = "curve"):
+        """A matplotlib Figure: "curve" (per-layer error), "heatmap" (layer × sub-point) or
+        "breakdown" (the first divergence per position and head). Shown inline in Jupyter."""
+        from tracer.reports import plot
+
+        return plot(self, kind)
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: verdict, first divergence, curve, the diverging block (scoped CSS)."""
+        from tracer.reports import result_html
+
+        return result_html(self)
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One variant against the reference. `result` is the full comparison (None on error)."""
+
+    variant: str
+    knobs: dict
+    verdict: str  # "match" | "diverged" | "error"
+    first_divergence: dict | None = None
+    logits: dict | None = None
+    greedy: dict | None = None
+    error: str | None = None
+    curve: tuple[dict, ...] = ()  # coarse points: point, layer, rel_l2, threshold, diverged
+    notes: tuple[str, ...] = ()
+    seconds: float | None = None
+    result: Result | None = field(default=None, repr=False, compare=False)
+
+    def __bool__(self) -> bool:
+        return self.verdict == "match"
+
+    def to_dict(self) -> dict:
+        return json_safe({
+            "variant": self.variant, "knobs": self.knobs, "verdict": self.verdict,
+            "first_divergence": self.first_divergence, "logits": self.logits, "greedy": self.greedy,
+            "error": self.error, "curve": list(self.curve), "notes": list(self.notes), "seconds": self.seconds,
+        })
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Every variant's row, plus what they were compared against.
+
+    Example:
+        >>> sweep = tracer.sweep(variants=["theta=10000", "kv_repeat=tile"], progress=False)
+        >>> [(row.variant, row.first_divergence["point"]) for row in sweep.rows]
+        [('theta=10000', 'model.layers.0.self_attn.q_rope'), ('kv_repeat=tile', 'model.layers.0.self_attn.scores')]
+        >>> list(sweep.table().index)  # one row per variant, a pandas DataFrame
+        ['theta=10000', 'kv_repeat=tile']
+    """
+
+    rows: tuple[SweepRow, ...]
+    reference: dict
+    candidate: dict  # {"engine"}
+    tolerance: Tolerance
+    model: str | None = None
+    prompt: str | None = None
+    tokens: list[int] | None = None
+    chat: dict | None = None
+    greedy_steps: int = 0
+    reference_greedy: list[int] | None = None
+    environment: dict = field(default_factory=dict)
+    command: str | None = None
+    timings: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def __getitem__(self, variant: str) -> SweepRow:
+        for row in self.rows:
+            if row.variant == variant:
+                return row
+        raise KeyError(variant)
+
+    def to_dict(self) -> dict:
+        from tracer import __version__
+
+        return json_safe({
+            "tracer_version": __version__, "kind": "sweep", "model": self.model, "prompt": self.prompt,
+            "tokens": self.tokens, "chat": self.chat, "reference": self.reference, "candidate": self.candidate,
+            "tolerance": self.tolerance.to_dict(), "greedy_steps": self.greedy_steps,
+            "reference_greedy": self.reference_greedy, "variants": [row.to_dict() for row in self.rows],
+            "environment": self.environment, "command": self.command, "timings": self.timings,
+            "notes": list(self.notes),
+        })
+
+    def to_json(self, indent: int | None = 2) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self):
+        """One row per variant: verdict, first divergence, logits max|diff|, greedy agreement."""
+        from tracer.reports import sweep_frame
+
+        return sweep_frame(self.to_dict())
+
+    def plot(self):
+        """Every variant's per-layer error curve overlaid, as a matplotlib figure."""
+        from tracer.reports import sweep_figure
+
+        return sweep_figure(self)
+
+    def _repr_html_(self) -> str:
+        from tracer.reports import sweep_html
+
+        return sweep_html(self)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The observed comparison and the catalogue ranked by resemblance, best first.
+
+    `tracer.diagnose` builds it (its docstring has an example).
+    """
+
+    observed: Result
+    ranking: tuple[dict, ...] = ()  # {"variant", "score", "verdict", "first_divergence", "error"}
+
+    @property
+    def best(self) -> dict | None:
+        return self.ranking[0] if self.ranking else None
+
+    def to_dict(self) -> dict:
+        return json_safe({"observed": self.observed.to_dict(), "ranking": list(self.ranking)})
