@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tracer import points
 from tracer.points import MODEL_OBSERVED, sub_points
 
 Recorder = Callable[[str, torch.Tensor], None]
@@ -66,12 +67,13 @@ def _hook(modules: dict, prefix: str, sub: str, observed: str, point: str, recor
 
 @contextmanager
 def recording_modules(model: nn.Module, record: Recorder, layer_prefixes: list[str], family: str = "llama",
-                      model_points: tuple[str, ...] = ("model.embed_tokens", "model.norm", "lm_head")):
-    """Attach every hook of `family`'s points; remove every handle on exit, even when the forward raises."""
+                      model_points: tuple[str, ...] | None = None):
+    """Attach every hook of `family`'s points (and of `model_points`, the points outside the blocks:
+    embeddings, final norm, logits by default); remove every handle on exit, even when the forward raises."""
     modules = dict(model.named_modules())
     handles = []
     try:
-        for point in model_points:
+        for point in model_points or points.model_points():
             handles.append(_hook(modules, "", point, MODEL_OBSERVED[point], point, record))
         for prefix in layer_prefixes:
             for sub, entry in sub_points(family).items():

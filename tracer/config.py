@@ -385,7 +385,7 @@ def _qwen_windows(config: dict) -> dict:
     """Qwen2/3: `sliding_window` only with `use_sliding_window`, on the layers from `max_window_layers` on."""
     use = _boolean("use_sliding_window", config.get("use_sliding_window", False))
     window = _window(config, 4096) if use else None
-    first = _positive_int("max_window_layers", config.get("max_window_layers", 28)) if "max_window_layers" in config else 28
+    first = _positive_int("max_window_layers", config.get("max_window_layers", 28))
     pattern = ["sliding_attention" if window is not None and i >= first else "full_attention"
                for i in range(config["num_hidden_layers"])]
     types = _layer_types(config, pattern)
@@ -429,15 +429,22 @@ def _optional_number(config: dict, key: str, default: float | None) -> float | N
     return None if value is None else _positive_number(key, value)
 
 
+def _causal_only(config: dict) -> None:
+    """Gemma's `use_bidirectional_attention` (EmbeddingGemma) makes an encoder, no causal LM."""
+    if _boolean("use_bidirectional_attention", _given(config, "use_bidirectional_attention", False)):
+        raise TracerError("a Gemma with use_bidirectional_attention (an embedding model) is not traced: it is no "
+                          "causal LM")
+
+
 def _gemma2(config: dict) -> dict:
+    _causal_only(config)
     return {**_rope_fields(config), **_gemma_common(config, (50.0, 30.0), 2)}
 
 
 def _gemma3(config: dict) -> dict:
     """Gemma 3: a global RoPE (rope_theta, default 1e6, with any scaling) and a local one for the sliding
     layers (rope_local_base_freq, default 10000); transformers 5 nests both in rope_parameters."""
-    if config.get("use_bidirectional_attention"):
-        raise TracerError("Gemma 3 with use_bidirectional_attention (EmbeddingGemma) is not traced: it is no causal LM")
+    _causal_only(config)
     params = _object("rope_parameters", config.get("rope_parameters"))
     nested = "full_attention" in params or "sliding_attention" in params
     full = _object("rope_parameters.full_attention", params.get("full_attention")) if nested else params
@@ -464,9 +471,13 @@ def _phi3(config: dict) -> dict:
         params.pop("type", None)
     original = _positive_int("original_max_position_embeddings", config.get("original_max_position_embeddings", 4096))
     theta, scaling = _hf_rope({**config, "rope_scaling": None}, params, original_max=original)
-    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    factor = _positive_number("partial_rotary_factor", factor)
-    return {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": min(factor, 1.0),
+    factor = _positive_number("partial_rotary_factor",
+                              params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    head_dim = _given(config, "head_dim", None) or config["hidden_size"] // config["num_attention_heads"]
+    if factor > 1 or int(head_dim * factor) % 2:  # RoPE rotates pairs of the first head_dim·factor dims
+        raise _refuse("partial_rotary_factor", factor, f"at most 1, rotating an even number of the {head_dim} "
+                                                       "dims of a head")
+    return {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": factor,
             **_every_layer_window(config, None)}
 
 
@@ -485,7 +496,7 @@ FAMILY_CONFIGS: dict[str, FamilyConfig] = {
                           max_positions=32768),
     "mistral": FamilyConfig(_mistral, {**_ROPE, "sliding_window": 4096}, kv_heads=8, max_positions=131072),
     "gemma2": FamilyConfig(_gemma2, {**_ROPE, **_GEMMA, "attn_logit_softcapping": 50.0,
-                                     "final_logit_softcapping": 30.0},
+                                     "final_logit_softcapping": 30.0, "use_bidirectional_attention": None},
                            kv_heads=4, head_dim=256, max_positions=8192, tied=True,
                            activation=("hidden_activation", "gelu_pytorch_tanh"), divisible_heads=True),
     "gemma3": FamilyConfig(_gemma3, {"rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": 10_000.0,

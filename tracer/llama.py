@@ -164,9 +164,8 @@ def _longrope_inv_freq(base: float, dim: int, scaling: dict, num_tokens: int) ->
 def rope_attention_scaling(spec: LlamaSpec, layer_type: str = "full_attention") -> float:
     """The factor cos and sin are multiplied by: 1 but for longrope (sqrt(1 + ln(s)/ln(original)))."""
     scaling = spec.rope_scaling
-    if layer_type == "sliding_attention" and spec.rope_local_theta is not None or scaling is None:
-        return 1.0
-    if scaling["rope_type"] != "longrope":
+    local = layer_type == "sliding_attention" and spec.rope_local_theta is not None
+    if local or scaling is None or scaling["rope_type"] != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return scaling["attention_factor"]

@@ -99,6 +99,15 @@ def test_absent_kv_heads_follow_each_familys_default():
         read_hf({**MINIMAL, "model_type": "qwen3"})  # 32 kv heads for 4 query heads: transformers would break too
 
 
+def test_phi3_partial_rotary_must_rotate_an_even_part_of_a_head():
+    phi3 = {**MINIMAL, "model_type": "phi3"}  # head_dim 12
+    assert read_hf({**phi3, "partial_rotary_factor": 0.5}).rotary_dim == 6
+    assert read_hf({**phi3, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}).rotary_dim == 6
+    for factor in (1.5, 0.25):  # more than a head; 3 dims, not pairs
+        with pytest.raises(TracerError, match="'partial_rotary_factor' must be at most 1, rotating an even number"):
+            read_hf({**phi3, "partial_rotary_factor": factor})
+
+
 def test_an_unknown_model_type_is_one_line_naming_the_supported_ones(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**MINIMAL, "model_type": "falcon"}))
     assert main(["config", "--model", str(tmp_path)]) == 2
