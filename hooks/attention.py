@@ -25,15 +25,27 @@ _session_ids = itertools.count()
 
 
 def eager_recording(record: Recorder, names: dict[nn.Module, str]) -> Callable:
-    """transformers' `eager_attention_forward`, op for op, recording scores, probs and context."""
+    """transformers' `eager_attention_forward`, op for op, recording scores, probs and context.
 
-    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    One function for every family tracer traces: theirs differ only in Gemma's soft-cap (the
+    `softcap` argument, applied before the mask; `scores` is recorded after it) and in the scaling
+    the attention module passes (Gemma's query_pre_attn_scalar). Sliding windows arrive in the mask,
+    which transformers builds with the mask function registered under the same name.
+    """
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
         prefix = names[module]
         record(f"{prefix}.q_rope", query)  # (1, H, T, D)
         record(f"{prefix}.k_rope", key)  # (1, KV, T, D)
+        if scaling is None:  # Gemma's eager function defaults it so
+            scaling = module.head_dim**-0.5
         key_states = repeat_kv(key, module.num_key_value_groups)  # (1, H, T, D)
         value_states = repeat_kv(value, module.num_key_value_groups)  # (1, H, T, D)
         attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling  # (1, H, T, T)
+        if softcap is not None:  # Gemma 2
+            attn_weights = attn_weights / softcap
+            attn_weights = torch.tanh(attn_weights)
+            attn_weights = attn_weights * softcap
         record(f"{prefix}.scores", attn_weights)
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask

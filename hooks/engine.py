@@ -1,10 +1,12 @@
-"""The `hf` engine: transformers' own `LlamaForCausalLM`, observed, never modified.
+"""The `hf` engine: transformers' own model of the family (`LlamaForCausalLM`, `Gemma2ForCausalLM`,
+... as `tracer.families` names them), observed, never modified.
 
 Config-level knobs (`theta`, `eps`, `layers`, `head_dim`, `rope_scaling`, `bias`, `config`,
-`resave`) build the same `LlamaSpec` the reimpl engine builds (`tracer.config.variant_spec`); the
-fields where it differs from transformers' own reading are written into the `LlamaConfig` before
-the weights load, so transformers runs exactly that model. `dtype` and `attn` go to
-`from_pretrained`.
+`resave`, `act`, `rope_local`) build the same `LlamaSpec` the reimpl engine builds
+(`tracer.config.variant_spec`); the fields where it differs from transformers' own reading are
+written into the family's config before the weights load, so transformers runs exactly that model;
+a change a family's config cannot express (Qwen2's q/k/v biases are not configurable) is refused.
+`dtype` and `attn` go to `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from contextlib import ExitStack
 
 import torch
 
-from tracer.config import LlamaSpec, load_config, read_hf, variant_spec
+from tracer import families
+from tracer.config import FAMILY_CONFIGS, LlamaSpec, load_config, read_hf, variant_spec
 from tracer.engines.base import is_loaded_model, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
 from tracer.llama import TORCH_DTYPES
+from tracer.points import model_points
 from tracer.trace import Trace, TraceRecorder
 
 from .attention import recording_attention, unobservable_points
@@ -39,6 +43,8 @@ class HFEngine:
     def __init__(self, model, variant: dict, label: str):
         self.model, self.variant, self.label = model, variant, label
         self.layer_prefixes = [n for n, _ in model.named_modules() if _LAYER_NAME.fullmatch(n)]
+        self.family = families.family_of(model.config.model_type).name
+        self.model_points = model_points(getattr(model.config, "final_logit_softcapping", None) is not None)
 
     @property
     def device(self) -> torch.device:
@@ -58,13 +64,14 @@ class HFEngine:
         names = {module: name for name, module in self.model.named_modules()}
         implementation = self.model.config._attn_implementation
         with ExitStack() as stack, torch.inference_mode():
-            stack.enter_context(recording_modules(self.model, recorder, self.layer_prefixes))
+            stack.enter_context(recording_modules(self.model, recorder, self.layer_prefixes, self.family,
+                                                  self.model_points))
             stack.enter_context(recording_attention(self.model, recorder, names))
             self.model(input_ids=self._ids(tokens), use_cache=False)
         not_recorded = per_layer(len(self.layer_prefixes), unobservable_points(implementation))
         meta = trace_meta(self, self.label, tokens, self.model.dtype, not_recorded,
                           num_layers=len(self.layer_prefixes), attn_implementation=implementation,
-                          unused_tensors=getattr(self.model, "tracer_unused_tensors", []))
+                          unused_tensors=getattr(self.model, "tracer_unused_tensors", []), family=self.family)
         return Trace(recorder.tensors, meta)
 
     @torch.inference_mode()
@@ -90,8 +97,9 @@ class HFEngine:
 
 def load(source, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
          stream: bool = False) -> HFEngine:
-    """`source`: a model path (None for the bundled default) or a loaded `LlamaForCausalLM`,
-    which is recorded where it is (its own device; `device` is for models loaded here)."""
+    """`source`: a model path (None for the bundled default) or a loaded transformers model of a
+    family tracer traces, which is recorded where it is (its own device; `device` is for models
+    loaded here)."""
     if is_loaded_model(source):
         if variant:
             raise TracerError("variant knobs need a model path; an already loaded model is recorded as it is")
@@ -104,14 +112,15 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
 
 def _load(model_dir, variant: dict):
     """from_pretrained with the variant's config-level knobs applied before the weights load."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     from tracer.model import check_weight_files
 
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
     # default (hidden_size 4096); our readers name the file or the key in one line first.
-    read_hf(load_config(model_dir))
+    family = families.get(read_hf(load_config(model_dir)).family)
     check_weight_files(model_dir)
     try:
         config = AutoConfig.from_pretrained(model_dir)
@@ -126,7 +135,7 @@ def _load(model_dir, variant: dict):
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:
-        model, info = LlamaForCausalLM.from_pretrained(
+        model, info = getattr(transformers, family.architecture).from_pretrained(
             model_dir,
             config=config,
             dtype=TORCH_DTYPES[variant.get("dtype", "f32")],
@@ -156,11 +165,39 @@ def _load(model_dir, variant: dict):
 
 
 def _write_rope(config, spec: LlamaSpec) -> None:
-    config.rope_parameters = {"rope_type": "default", **(spec.rope_scaling or {}), "rope_theta": spec.rope_theta}
+    """The global RoPE: the whole rope_parameters, or Gemma 3's full_attention entry."""
+    params = {"rope_type": "default", **(spec.rope_scaling or {}), "rope_theta": spec.rope_theta}
+    if spec.partial_rotary_factor != 1.0 or "partial_rotary_factor" in (config.rope_parameters or {}):
+        params["partial_rotary_factor"] = spec.partial_rotary_factor
+    nested = "full_attention" in (config.rope_parameters or {})
+    config.rope_parameters = {**config.rope_parameters, "full_attention": params} if nested else params
 
 
-# LlamaSpec field -> how transformers' LlamaConfig holds it (default: the attribute of that name).
-_CONFIG_WRITERS = {"rope_theta": _write_rope, "rope_scaling": _write_rope}
+def _write_local_rope(config, spec: LlamaSpec) -> None:
+    """Gemma 3's sliding layers' RoPE base (rope_local=global)."""
+    local = {**config.rope_parameters["sliding_attention"], "rope_theta": spec.rope_local_theta}
+    config.rope_parameters = {**config.rope_parameters, "sliding_attention": local}
+
+
+def _write_activation(config, spec: LlamaSpec) -> None:
+    setattr(config, FAMILY_CONFIGS[spec.family].activation[0], spec.hidden_act)  # Gemma: hidden_activation
+
+
+def _write_layers(config, spec: LlamaSpec) -> None:
+    """More or fewer layers: their types follow (transformers indexes layer_types by layer)."""
+    config.num_hidden_layers = spec.num_hidden_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [spec.layer_type(i) for i in range(spec.num_hidden_layers)]
+
+
+def _refuse_qkv_bias(config, spec: LlamaSpec) -> None:
+    raise TracerError(f"transformers' {spec.family} always has q/k/v biases; the hf engine cannot drop them "
+                      "(the reimpl engine can: --candidate reimpl)")
+
+
+# LlamaSpec field -> how transformers' config of the family holds it (default: the attribute of that name).
+_CONFIG_WRITERS = {"rope_theta": _write_rope, "rope_scaling": _write_rope, "rope_local_theta": _write_local_rope,
+                   "hidden_act": _write_activation, "num_hidden_layers": _write_layers, "qkv_bias": _refuse_qkv_bias}
 
 
 def write_spec(config, file_spec: LlamaSpec, spec: LlamaSpec) -> None:

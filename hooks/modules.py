@@ -1,10 +1,13 @@
 """Forward hooks on the module outputs (and inputs) that are points.
 
 Module outputs are recorded under their HF module path. Points that are module *inputs* (the
-residual stream after attention, `resid_mid`, is the input of `post_attention_layernorm`; the MLP's
-`act(gate) * up`, `mlp.act`, the input of `down_proj`) are taken by forward pre-hooks. Which is
-which is read from the point table (`tracer.points.SUB_POINTS`, its `observed` field); a module
-this model does not have (another family's point) is not hooked.
+residual stream after attention, `resid_mid`, is the input of `post_attention_layernorm` in Llama,
+of `pre_feedforward_layernorm` in Gemma and of the MLP in OLMo-2; the MLP's `act(gate) * up`,
+`mlp.act`, the input of `down_proj`) are taken by forward pre-hooks. Which is which is read from
+the point table as the model's family has it (`tracer.points.sub_points(family)`, its `observed`
+field), and so is the layout of a module that returns per-head values (Qwen3's q_norm returns
+(1, T, H, D), Gemma 3's (1, H, T, D); the point is (T, H·D)). Gemma's capped logits are the whole
+model's output (`MODEL_OBSERVED`).
 """
 
 from __future__ import annotations
@@ -15,51 +18,68 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tracer.points import MODEL_POINTS, SUB_POINTS
+from tracer import points
+from tracer.points import MODEL_OBSERVED, sub_points
 
 Recorder = Callable[[str, torch.Tensor], None]
 
-# What the table says each point is: a module's output, or the first input of a module.
-LAYER_OUTPUTS = tuple(sub.name for sub in SUB_POINTS.values() if sub.observed == "output")
-LAYER_INPUTS = {sub.name: sub.observed.removeprefix("input:") for sub in SUB_POINTS.values()
-                if sub.observed.startswith("input:")}
-MODEL_OUTPUTS = tuple(MODEL_POINTS)
+# How a module's output becomes the point's layout (batch kept): "output:(T, H, D)" -> (1, T, H*D), ...
+TO_POINT_LAYOUT = {
+    "output": lambda t: t,
+    "output:(T, H, D)": lambda t: t.flatten(2),  # (1, T, H, D) -> (1, T, H*D)
+    "output:(H, T, D)": lambda t: t.transpose(1, 2).flatten(2),  # (1, H, T, D) -> (1, T, H*D)
+}
 
 
 def _first_tensor(value) -> torch.Tensor:
     return value[0] if isinstance(value, (tuple, list)) else value
 
 
-def _output_hook(record: Recorder, point: str):
-    return lambda module, args, output: record(point, _first_tensor(output))
+def _output_hook(record: Recorder, point: str, to_layout=TO_POINT_LAYOUT["output"]):
+    return lambda module, args, output: record(point, to_layout(_first_tensor(output)))
 
 
 def _input_hook(record: Recorder, point: str):
     return lambda module, args: record(point, args[0])
 
 
+def _model_output_hook(record: Recorder, point: str, field: str):
+    return lambda module, args, output: record(point, output[field])
+
+
 def _join(prefix: str, sub: str) -> str:
-    return f"{prefix}.{sub}" if sub else prefix
+    return f"{prefix}.{sub}" if prefix and sub else prefix or sub
+
+
+def _hook(modules: dict, prefix: str, sub: str, observed: str, point: str, record: Recorder):
+    """The handle of one point's hook, as the table says it is observed; None where the model has no
+    such module, or where the attention function records the point."""
+    if observed.startswith("input:"):
+        module = modules.get(_join(prefix, observed.removeprefix("input:")))
+        return None if module is None else module.register_forward_pre_hook(_input_hook(record, point))
+    if observed.startswith("model:"):  # a field of the whole model's output
+        return modules[""].register_forward_hook(_model_output_hook(record, point, observed.removeprefix("model:")))
+    module = modules.get(_join(prefix, sub))
+    if observed not in TO_POINT_LAYOUT or module is None:
+        return None
+    return module.register_forward_hook(_output_hook(record, point, TO_POINT_LAYOUT[observed]))
 
 
 @contextmanager
-def recording_modules(model: nn.Module, record: Recorder, layer_prefixes: list[str]):
-    """Attach every hook; remove every handle on exit, even when the forward raises."""
+def recording_modules(model: nn.Module, record: Recorder, layer_prefixes: list[str], family: str = "llama",
+                      model_points: tuple[str, ...] | None = None):
+    """Attach every hook of `family`'s points (and of `model_points`, the points outside the blocks:
+    embeddings, final norm, logits by default); remove every handle on exit, even when the forward raises."""
     modules = dict(model.named_modules())
     handles = []
     try:
-        for point in MODEL_OUTPUTS:
-            handles.append(modules[point].register_forward_hook(_output_hook(record, point)))
+        for point in model_points or points.model_points():
+            handles.append(_hook(modules, "", point, MODEL_OBSERVED[point], point, record))
         for prefix in layer_prefixes:
-            for sub in LAYER_OUTPUTS:
-                point = _join(prefix, sub)
-                if point in modules:
-                    handles.append(modules[point].register_forward_hook(_output_hook(record, point)))
-            for sub, module_name in LAYER_INPUTS.items():
-                module = modules.get(_join(prefix, module_name))
-                if module is not None:
-                    handles.append(module.register_forward_pre_hook(_input_hook(record, _join(prefix, sub))))
+            for sub, entry in sub_points(family).items():
+                handles.append(_hook(modules, prefix, sub, entry.observed, _join(prefix, sub), record))
         yield
     finally:
         for handle in handles:
-            handle.remove()
+            if handle is not None:
+                handle.remove()

@@ -19,7 +19,7 @@ from matplotlib.colors import ListedColormap, LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..points import EMBED, FINAL_NORM, LOGITS, is_coarse, label, layer_of, layer_point, split_point
+from ..points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, is_coarse, label, layer_of, layer_point, split_point
 from .summary import (
     Summary, as_summary, comparison_title, fmt, number, points, rel_l2_threshold, tolerance_text,
 )
@@ -69,7 +69,8 @@ def coarse_label(point: str) -> str:
 
 
 def coarse_x(coarse: list[dict]) -> np.ndarray:
-    """x positions: blocks at their index; embed, norm and logits set apart by a small gap."""
+    """x positions: blocks at their index; embed, norm and logits (and Gemma's capped logits) set apart
+    by a small gap."""
     xs, block = [], 0
     for p in coarse:
         if p["point"] == EMBED:
@@ -78,6 +79,8 @@ def coarse_x(coarse: list[dict]) -> np.ndarray:
             xs.append(block + 0.5)
         elif p["point"] == LOGITS:
             xs.append(block + 2.0)
+        elif p["point"] == FINAL_LOGITS:
+            xs.append(block + 3.0)
         else:
             xs.append(float(layer_of(p["point"])))
             block = int(xs[-1]) + 1

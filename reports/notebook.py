@@ -238,7 +238,8 @@ def trace_html(trace) -> str:
 
 
 def folded_rows(trace) -> list[dict]:
-    """One row per point name with the layer index replaced by {i}: 513 points in ~20 rows."""
+    """One row per point name with the layer index replaced by {i}: 513 points in ~20 rows, in the
+    execution order of the trace's model family."""
     groups: dict[tuple, list] = {}
     for name, tensor in trace.tensors.items():
         key = (folded(name), tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
@@ -248,7 +249,8 @@ def folded_rows(trace) -> list[dict]:
          "dtype": dtype}
         for (pattern, shape, dtype), layers in groups.items()
     ]
-    return sorted(rows, key=lambda r: rank(r["point"]))
+    family = trace.meta.get("family")
+    return sorted(rows, key=lambda r: rank(r["point"], family))
 
 
 def layer_ranges(layers: list) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from tracer.engines.registry import ENGINES
-from tracer.variants import KNOBS, parse_variant
+from tracer.variants import knobs_for, parse_variant
 
 # Values of the numeric knobs tried beyond the sweep's representative one (the model's own is skipped).
 EXTRA_VALUES = {"theta": (10_000.0, 500_000.0, 1_000_000.0), "eps": (1e-6, 1e-5, 1e-4, 1e-3)}
@@ -19,11 +19,13 @@ def split_variants(variants) -> list[str]:
 
 
 def default_variants(spec, engine: str = "reimpl") -> list[str]:
-    """One representative variant per knob of the catalogue that `engine` honours, for this
-    model's spec (a representative that needs another knob the engine lacks is left out too)."""
+    """One representative variant per knob that applies to this model's family (its classic porting
+    mistakes among them) and that `engine` honours, for this model's spec; a knob whose feature the
+    model lacks (a window, a soft-cap) has none, and a representative that needs a knob the engine
+    lacks is left out."""
     honoured = set(ENGINES[engine].knobs)
     chosen = []
-    for knob in KNOBS.values():
+    for knob in knobs_for(spec.family):
         text = knob.representative(spec)
         if text and text not in chosen and set(parse_variant(text)) <= honoured:
             chosen.append(text)

@@ -25,7 +25,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _model_and_input(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="HF Llama directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help="HF model directory (any family tracer traces) or .gguf file "
+                                        "(default: bundled SmolLM2-135M-Instruct)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help='text to run (default: "The capital of France is")')
     source.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
@@ -89,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("-o", "--output", required=True, type=Path, help="trace file to write (.safetensors)")
     _placement(rec)
 
-    commands.add_parser("variants", help="list every knob: values, default, engines, what it reproduces")
+    var = commands.add_parser("variants", help="list every knob: values, default, engines, what it reproduces")
+    var.add_argument("--family", help="only the knobs of one model family (llama, qwen2, qwen3, mistral, gemma2, "
+                                      "gemma3, phi3, olmo2), with where each first diverges")
     commands.add_parser("engines", help="list every engine: what it records and honours, whether its runtime is installed")
 
     diag = commands.add_parser("diagnose", help="rank the variant catalogue by resemblance to a trace recorded elsewhere")
@@ -101,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     _placement(diag)
 
     swp = commands.add_parser("sweep", help="the reference once, then every variant against it (default: one per knob)")
-    swp.add_argument("--model", help="HF Llama directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    swp.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     swp_input = swp.add_mutually_exclusive_group()
     swp_input.add_argument("--prompt", help='text to run (default: "The capital of France is")')
     swp_input.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
@@ -123,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     swp.add_argument("--json", metavar="-|FILE", help="write the sweep as JSON (- for stdout, nothing else there)")
     _placement(swp)
 
-    cfg = commands.add_parser("config", help="how transformers and candle 0.11 read config.json, and where they differ")
-    cfg.add_argument("--model", help="HF Llama directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    cfg = commands.add_parser("config", help="how transformers (its family's reading) and candle 0.11 (Llama only) "
+                                             "read config.json, and where they differ")
+    cfg.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     cfg.add_argument("--resave", default="none", choices=("none", "tf5"),
                      help="first rewrite the config as transformers 5's save_pretrained does")
     cfg.add_argument("--json", metavar="-|FILE", help="write the audit as JSON (- for stdout, nothing else there)")
@@ -200,17 +204,36 @@ def cmd_record(args) -> int:
 
 
 def cmd_variants(args) -> int:
-    from tracer.variants import KNOBS, PRESETS, variant_text
+    from tracer.families import FAMILIES
+    from tracer.variants import KNOBS, PRESETS, knobs_for, variant_text
 
-    rows = [("knob", "values", "default", "engines", "reproduces")]
-    rows += [(k.name, k.accepted, k.default, ", ".join(k.engines), k.reproduces) for k in KNOBS.values()]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
-    for name, knobs in PRESETS.items():
-        print(f"\npreset={name} stands for {variant_text(knobs)} (explicit knobs override it)")
+    if args.family is not None and args.family not in FAMILIES:
+        raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}")
+    knobs = knobs_for(args.family) if args.family else list(KNOBS.values())
+    rows = [("knob", "values", "default", "engines", "families", "reproduces")]
+    rows += [(k.name, k.accepted, k.default, ", ".join(k.engines), "all" if k.families is None else ",".join(k.families),
+              k.reproduces) for k in knobs]
+    _print_columns(rows)
+    if args.family:
+        family = FAMILIES[args.family]
+        print(f"\n{family.title}: {family.adds}")
+        for knob in (k for k in knobs if k.expected):
+            print(f"  {knob.representative(None) or knob.name}: first divergence {knob.expected}")
+    else:
+        print("\nfamilies and their own knobs (`tracer variants --family NAME` for one):")
+        _print_columns([(name, family.title, ", ".join(k.name for k in knobs_for(name) if k.families is not None))
+                        for name, family in FAMILIES.items()])
+    for name, preset in PRESETS.items():
+        print(f"\npreset={name} stands for {variant_text(preset)} (explicit knobs override it; Llama only)")
     print("knobs combine: --variant theta=10000,rope=interleaved")
     return 0
+
+
+def _print_columns(rows: list[tuple]) -> None:
+    """Rows of text cells, every column but the last padded to its widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
 
 
 def cmd_engines(args) -> int:

@@ -2,13 +2,18 @@
 
 Two readers of the same file, because a port reads it its own way:
 
-- `read_hf` follows how transformers 5 reads a Llama `config.json` (`LlamaConfig` and
+- `read_hf` follows how transformers 5 reads the `config.json` of each family tracer traces
+  (`tracer.families`; `LlamaConfig`, `Qwen2Config`, `Gemma2Config`, ... and
   `RotaryEmbeddingConfigMixin.standardize_rope_params`): `rope_theta` from `rope_parameters`
   (transformers 5 files) or top level (transformers 4 files), default 10000; `head_dim` default
-  hidden/heads; kv heads default to the query heads.
+  hidden/heads; kv heads default to the query heads. Each family's own defaults and keys (Qwen's
+  32 kv heads, Gemma's `hidden_activation` and soft-caps, Mistral's 4096-token window when the key
+  is absent, ...) are one `FamilyConfig` row of `FAMILY_CONFIGS`. A `model_type` tracer does not
+  trace is one line naming it and the supported ones.
 - `read_candle` follows candle 0.11's serde `LlamaConfig` + `into_config`: 13 keys, `rope_theta`
   defaults to 10000, `rope_scaling` only as Llama-3 parameters; `rope_parameters`, `head_dim`
-  (always hidden/heads), biases (always none) and `hidden_act` (always silu) are ignored.
+  (always hidden/heads), biases (always none) and `hidden_act` (always silu) are ignored. It reads
+  Llama configs only (candle's `llama.rs`); another family is refused in one line.
 
 `resave_tf5` rewrites a config the way transformers 5's `save_pretrained` does before either
 reader sees it. `audit` says, per reader, what it read, defaulted and ignored, and where the
@@ -24,8 +29,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from tracer.errors import TracerError
+from tracer.families import family_of
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -35,6 +42,7 @@ NON_FORWARD_KEYS = frozenset({
     "initializer_range", "attention_dropout", "pretraining_tp", "bos_token_id", "eos_token_id",
     "pad_token_id", "tracer_source", "rope_interleaved", "transformers.js_config",
     "_name_or_path", "is_llama_config", "output_attentions", "output_hidden_states",
+    "_sliding_window_pattern",  # Gemma 3's private copy of sliding_window_pattern, written by save_pretrained
 })
 
 
@@ -57,11 +65,33 @@ class LlamaSpec:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}; None = plain RoPE
+    # What the families beyond Llama add (tracer.families); the defaults are Llama's.
+    family: str = "llama"
+    qkv_bias: bool = False  # q/k/v biases without an o_proj bias (Qwen2, always)
+    sliding_window: int | None = None  # keys a query sees on a sliding layer (itself included)
+    layer_types: tuple[str, ...] | None = None  # "full_attention" | "sliding_attention" per layer; None: all full
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
+    partial_rotary_factor: float = 1.0  # the fraction of each head's dims that RoPE rotates (Phi-3)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -0.5 power instead of head_dim's (Gemma)
+    attn_logit_softcapping: float | None = None  # scores -> cap·tanh(scores/cap) before the mask (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
     unused_keys: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer % len(self.layer_types)] if self.layer_types else "full_attention"
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of one layer; None where it attends to the whole prefix."""
+        return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (all but with Phi-3's partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def replace(self, **changes) -> LlamaSpec:
         return dataclasses.replace(self, **changes)
@@ -83,71 +113,70 @@ def load_config(model_dir: str | Path) -> dict:
 
 
 def read_hf(config: dict) -> LlamaSpec:
-    """Read a config dict the way transformers 5's `LlamaConfig` does.
+    """Read a config dict the way transformers 5 reads it for its family (`model_type`; absent: Llama).
 
     Raises:
-        TracerError: a required key is missing, or a value is one transformers would refuse or
-            could not run (a string for a number, NaN, an unknown activation or rope type).
+        TracerError: a model type tracer does not trace, a required key missing, or a value
+            transformers would refuse or could not run (a string for a number, NaN, an unknown
+            activation or rope type).
     """
-    if config.get("model_type", "llama") != "llama":
-        raise TracerError(f"unsupported model_type {config.get('model_type')!r}: tracer handles Llama models")
+    family = family_of(config.get("model_type"))
+    reads = FAMILY_CONFIGS[family.name]
     heads = _required(config, "num_attention_heads")
     hidden = _required(config, "hidden_size")
-    if hidden % heads:  # transformers' `validate_architecture`, even when head_dim is given
+    if reads.divisible_heads and hidden % heads:  # `validate_architecture`, even when head_dim is given
         raise TracerError(f"config.json key 'hidden_size' must be a multiple of num_attention_heads ({heads}), "
                           f"got {hidden}")
-    rope_theta, rope_scaling = _hf_rope(config)
-    used = {
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
-        "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
-        "mlp_bias", "hidden_act",
-    }
-    head_dim = _given(config, "head_dim", None)  # null: derived, as in transformers
+    head_dim = _given(config, "head_dim", reads.head_dim)  # null: derived, as in transformers
     head_dim = _derived_head_dim(hidden, heads) if head_dim is None else _positive_int("head_dim", head_dim, even=True)
-    return LlamaSpec(
-        **_sizes(config, hidden, heads),
+    act_key, act_default = reads.activation
+    spec = LlamaSpec(
+        **_sizes(config, hidden, heads, reads.kv_heads),
         head_dim=head_dim,
-        rope_theta=rope_theta,
-        # transformers' strict LlamaConfig takes a float only: an integer eps is refused there.
-        rms_norm_eps=_positive_number("rms_norm_eps", config.get("rms_norm_eps", 1e-6), integers=False),
-        max_position_embeddings=_hf_max_positions(config),
-        tie_word_embeddings=_boolean("tie_word_embeddings", config.get("tie_word_embeddings", False)),
-        attention_bias=_boolean("attention_bias", config.get("attention_bias", False)),
-        mlp_bias=_boolean("mlp_bias", config.get("mlp_bias", False)),
-        hidden_act=_choice("hidden_act", config.get("hidden_act", "silu"), HF_ACTIVATIONS,
+        # transformers' strict configs take a float only: an integer eps is refused there.
+        rms_norm_eps=_positive_number("rms_norm_eps", config.get("rms_norm_eps", reads.rms_norm_eps), integers=False),
+        max_position_embeddings=_hf_max_positions(config, reads.max_positions),
+        tie_word_embeddings=_boolean("tie_word_embeddings", config.get("tie_word_embeddings", reads.tied)),
+        hidden_act=_choice(act_key, config.get(act_key, act_default), HF_ACTIVATIONS,
                            "an activation transformers knows"),
-        rope_scaling=rope_scaling,
-        unused_keys=tuple(sorted(k for k in config if k not in used and k not in NON_FORWARD_KEYS)),
+        family=family.name,
+        **reads.extras(config),
     )
+    used = set(hf_fields(family.name))
+    return spec.replace(unused_keys=tuple(sorted(k for k in config if k not in used and k not in NON_FORWARD_KEYS)))
 
 
-def _hf_max_positions(config: dict) -> int:
-    return _positive_int("max_position_embeddings", config.get("max_position_embeddings", 2048))
+def _hf_max_positions(config: dict, default: int = 2048) -> int:
+    return _positive_int("max_position_embeddings", config.get("max_position_embeddings", default))
 
 
-def _hf_rope(config: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling` (4)."""
-    params = _object("rope_parameters", config.get("rope_parameters"))
+def _hf_rope(config: dict, params: dict | None = None, container: str = "rope_parameters",
+             default_theta: float = DEFAULT_ROPE_THETA, original_max: int | None = None) -> tuple[float, dict | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling` (4).
+    `params`: one layer type's entry of a nested `rope_parameters` (Gemma 3), named `container`."""
+    params = _object("rope_parameters", config.get("rope_parameters")) if params is None else params
     legacy_scaling = _object("rope_scaling", config.get("rope_scaling"))
 
     def key(name: str) -> str:  # where a merged value came from: rope_parameters wins, as in transformers
-        return f"rope_parameters.{name}" if name in params else f"rope_scaling.{name}"
+        return f"{container}.{name}" if name in params else f"rope_scaling.{name}"
 
-    theta = _positive_number("rope_parameters.rope_theta" if "rope_theta" in params else "rope_theta",
-                             params.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA)))
-    scaling = {k: v for k, v in {**legacy_scaling, **params}.items() if k != "rope_theta"}
+    theta = _positive_number(f"{container}.rope_theta" if "rope_theta" in params else "rope_theta",
+                             params.get("rope_theta", config.get("rope_theta", default_theta)))
+    # partial_rotary_factor travels with the rope parameters in transformers 5 but is no scaling (Phi-3)
+    scaling = {k: v for k, v in {**legacy_scaling, **params}.items() if k not in ("rope_theta", "partial_rotary_factor")}
     type_key = key("rope_type") if "rope_type" in scaling else key("type")
     rope_type = _choice(type_key, scaling.pop("rope_type", scaling.pop("type", "default")), HF_ROPE_TYPES,
                         "a rope type transformers knows")
     if rope_type == "default":
         return theta, None
-    container = "rope_parameters" if "rope_type" in params or "type" in params else "rope_scaling"
+    container = container if "rope_type" in params or "type" in params else "rope_scaling"
     for name in HF_ROPE_REQUIRED.get(rope_type, ()):
         if name not in scaling:
             raise TracerError(f"config.json key {container!r} lacks the key {name!r} that rope_type "
                               f"{rope_type!r} requires")
     if rope_type in ("llama3", "yarn", "longrope"):  # transformers' `standardize_rope_params` default
+        if original_max is not None:  # Phi-3 keeps the pretraining length at top level, and it wins
+            scaling["original_max_position_embeddings"] = original_max
         scaling.setdefault("original_max_position_embeddings", _hf_max_positions(config))
     if "factor" in scaling:
         scaling["factor"] = _positive_number(key("factor"), scaling["factor"])
@@ -238,8 +267,9 @@ def _object(key: str, value) -> dict:
     return value
 
 
-def _kv_heads(config: dict, heads: int) -> int:
-    kv_heads = _positive_int("num_key_value_heads", _given(config, "num_key_value_heads", heads))
+def _kv_heads(config: dict, heads: int, default: int | None = None) -> int:
+    absent = config.get("num_key_value_heads", default)  # null means the heads in every family
+    kv_heads = _positive_int("num_key_value_heads", heads if absent is None else absent)
     if heads % kv_heads:  # each kv head serves a whole group of query heads
         raise _refuse("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads ({heads})")
     return kv_heads
@@ -281,25 +311,216 @@ CANDLE_FIELDS = {
 }
 CANDLE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
-# transformers 5 `LlamaConfig`: the keys that shape the forward, key -> default.
-HF_FIELDS = {
-    "vocab_size": REQUIRED, "hidden_size": REQUIRED, "intermediate_size": REQUIRED,
-    "num_hidden_layers": REQUIRED, "num_attention_heads": REQUIRED,
-    "num_key_value_heads": "num_attention_heads", "head_dim": "hidden_size / num_attention_heads",
-    "rope_parameters": None, "rope_theta": DEFAULT_ROPE_THETA, "rope_scaling": None,
-    "rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False,
-    "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
-}
 
 
-def _sizes(config: dict, hidden: int, heads: int) -> dict:
+def _sizes(config: dict, hidden: int, heads: int, kv_default: int | None = None) -> dict:
     """The sizes both readers take the same way: required positive integers, kv heads defaulting
-    to the heads."""
+    to the heads (or to a family's own default: Qwen's 32, Mistral's 8, Gemma's 4)."""
     return {
         "vocab_size": _required(config, "vocab_size"), "hidden_size": hidden,
         "intermediate_size": _required(config, "intermediate_size"),
         "num_hidden_layers": _required(config, "num_hidden_layers"), "num_attention_heads": heads,
-        "num_key_value_heads": _kv_heads(config, heads),
+        "num_key_value_heads": _kv_heads(config, heads, kv_default),
+    }
+
+
+# --- families: transformers 5.24's configuration_<family>.py, one row each ------------------------
+
+
+@dataclass(frozen=True)
+class FamilyConfig:
+    """How transformers reads one family's config.json, beyond the sizes every family requires.
+
+    Attributes:
+        kv_heads: num_key_value_heads when the key is absent (None: the query heads).
+        head_dim: head_dim when absent or null (None: hidden_size / num_attention_heads).
+        rms_norm_eps, max_positions, tied: defaults of those keys.
+        activation: (key, default): Gemma reads `hidden_activation`, the others `hidden_act`.
+        divisible_heads: transformers refuses hidden_size not a multiple of the heads (Llama, Gemma).
+        extras: config -> the spec fields only this family reads (biases, windows, caps, rope).
+        extra_fields: key -> default, for those keys (what `tracer config` lists as read or defaulted).
+    """
+
+    extras: Callable[[dict], dict]
+    extra_fields: dict
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_positions: int = 2048
+    tied: bool = False
+    activation: tuple[str, str] = ("hidden_act", "silu")
+    divisible_heads: bool = False
+
+
+def _rope_fields(config: dict) -> dict:
+    theta, scaling = _hf_rope(config)
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def _biases(config: dict) -> dict:
+    return {"attention_bias": _boolean("attention_bias", config.get("attention_bias", False))}
+
+
+def _llama(config: dict) -> dict:
+    return {**_rope_fields(config), **_biases(config), "mlp_bias": _boolean("mlp_bias", config.get("mlp_bias", False))}
+
+
+def _layer_types(config: dict, default: list[str]) -> tuple[str, ...]:
+    """`layer_types` as written (one per layer), else the family's pattern."""
+    types = config.get("layer_types")
+    if types is None:
+        return tuple(default)
+    layers = config["num_hidden_layers"]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
+        raise _refuse("layer_types", types, f"a list of {layers} of {', '.join(LAYER_TYPES)}")
+    return tuple(types)
+
+
+def _window(config: dict, default: int | None) -> int | None:
+    window = _given(config, "sliding_window", None) if "sliding_window" in config else default
+    return None if window is None else _positive_int("sliding_window", window)
+
+
+def _qwen_windows(config: dict) -> dict:
+    """Qwen2/3: `sliding_window` only with `use_sliding_window`, on the layers from `max_window_layers` on."""
+    use = _boolean("use_sliding_window", config.get("use_sliding_window", False))
+    window = _window(config, 4096) if use else None
+    first = _positive_int("max_window_layers", config.get("max_window_layers", 28))
+    pattern = ["sliding_attention" if window is not None and i >= first else "full_attention"
+               for i in range(config["num_hidden_layers"])]
+    types = _layer_types(config, pattern)
+    return {"sliding_window": window, "layer_types": types if "sliding_attention" in types else None}
+
+
+def _every_layer_window(config: dict, default: int | None) -> dict:
+    """Mistral, Phi-3: one window on every layer, when there is one."""
+    window = _window(config, default)
+    return {"sliding_window": window,
+            "layer_types": None if window is None else ("sliding_attention",) * config["num_hidden_layers"]}
+
+
+def _qwen2(config: dict) -> dict:
+    return {**_rope_fields(config), "qkv_bias": True, **_qwen_windows(config)}  # Qwen2Attention: bias=True always
+
+
+def _qwen3(config: dict) -> dict:
+    return {**_rope_fields(config), **_biases(config), **_qwen_windows(config)}
+
+
+def _mistral(config: dict) -> dict:
+    return {**_rope_fields(config), **_every_layer_window(config, 4096)}
+
+
+def _gemma_common(config: dict, caps: tuple[float | None, float | None], pattern: int) -> dict:
+    attn_cap, final_cap = (_optional_number(config, key, default) for key, default in
+                           zip(("attn_logit_softcapping", "final_logit_softcapping"), caps))
+    layers = config["num_hidden_layers"]
+    types = _layer_types(config, ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)])
+    return {
+        **_biases(config),
+        "query_pre_attn_scalar": _positive_number("query_pre_attn_scalar", config.get("query_pre_attn_scalar", 256)),
+        "attn_logit_softcapping": attn_cap, "final_logit_softcapping": final_cap,
+        "sliding_window": _window(config, 4096), "layer_types": types,
+    }
+
+
+def _optional_number(config: dict, key: str, default: float | None) -> float | None:
+    value = config.get(key, default)
+    return None if value is None else _positive_number(key, value)
+
+
+def _causal_only(config: dict) -> None:
+    """Gemma's `use_bidirectional_attention` (EmbeddingGemma) makes an encoder, no causal LM."""
+    if _boolean("use_bidirectional_attention", _given(config, "use_bidirectional_attention", False)):
+        raise TracerError("a Gemma with use_bidirectional_attention (an embedding model) is not traced: it is no "
+                          "causal LM")
+
+
+def _gemma2(config: dict) -> dict:
+    _causal_only(config)
+    return {**_rope_fields(config), **_gemma_common(config, (50.0, 30.0), 2)}
+
+
+def _gemma3(config: dict) -> dict:
+    """Gemma 3: a global RoPE (rope_theta, default 1e6, with any scaling) and a local one for the sliding
+    layers (rope_local_base_freq, default 10000); transformers 5 nests both in rope_parameters."""
+    _causal_only(config)
+    params = _object("rope_parameters", config.get("rope_parameters"))
+    nested = "full_attention" in params or "sliding_attention" in params
+    full = _object("rope_parameters.full_attention", params.get("full_attention")) if nested else params
+    local = _object("rope_parameters.sliding_attention", params.get("sliding_attention")) if nested else {}
+    theta, scaling = _hf_rope(config, full, "rope_parameters.full_attention" if nested else "rope_parameters", 1e6)
+    local_theta, local_scaling = _hf_rope({}, local, "rope_parameters.sliding_attention",
+                                          config.get("rope_local_base_freq", 10_000.0))
+    if local_scaling is not None:
+        raise TracerError("config.json key 'rope_parameters.sliding_attention' scales the local RoPE; "
+                          "tracer's reimplementation scales the global one only")
+    pattern = _positive_int("sliding_window_pattern", config.get("sliding_window_pattern", 6))
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
+            **_gemma_common(config, (None, None), pattern)}
+
+
+def _phi3(config: dict) -> dict:
+    """Phi-3: `rope_scaling` replaces `rope_parameters` ("su" and "yarn" are longrope), the pretraining
+    length `original_max_position_embeddings` at top level wins, and `partial_rotary_factor` may sit at
+    top level or with the rope parameters."""
+    params = dict(_object("rope_scaling", config.get("rope_scaling")) or _object("rope_parameters",
+                                                                                 config.get("rope_parameters")))
+    if params.get("rope_type", params.get("type")) in ("su", "yarn"):
+        params["rope_type"] = "longrope"
+        params.pop("type", None)
+    original = _positive_int("original_max_position_embeddings", config.get("original_max_position_embeddings", 4096))
+    theta, scaling = _hf_rope({**config, "rope_scaling": None}, params, original_max=original)
+    factor = _positive_number("partial_rotary_factor",
+                              params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    head_dim = _given(config, "head_dim", None) or config["hidden_size"] // config["num_attention_heads"]
+    if factor > 1 or int(head_dim * factor) % 2:  # RoPE rotates pairs of the first head_dim·factor dims
+        raise _refuse("partial_rotary_factor", factor, f"at most 1, rotating an even number of the {head_dim} "
+                                                       "dims of a head")
+    return {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": factor,
+            **_every_layer_window(config, None)}
+
+
+def _olmo2(config: dict) -> dict:
+    return {**_rope_fields(config), **_biases(config)}
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_ROPE = {"rope_parameters": None, "rope_theta": DEFAULT_ROPE_THETA, "rope_scaling": None}
+_QWEN_WINDOWS = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None}
+_GEMMA = {"attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None}
+FAMILY_CONFIGS: dict[str, FamilyConfig] = {
+    "llama": FamilyConfig(_llama, {**_ROPE, "attention_bias": False, "mlp_bias": False}, divisible_heads=True),
+    "qwen2": FamilyConfig(_qwen2, {**_ROPE, **_QWEN_WINDOWS}, kv_heads=32, max_positions=32768),
+    "qwen3": FamilyConfig(_qwen3, {**_ROPE, "attention_bias": False, **_QWEN_WINDOWS}, kv_heads=32, head_dim=128,
+                          max_positions=32768),
+    "mistral": FamilyConfig(_mistral, {**_ROPE, "sliding_window": 4096}, kv_heads=8, max_positions=131072),
+    "gemma2": FamilyConfig(_gemma2, {**_ROPE, **_GEMMA, "attn_logit_softcapping": 50.0,
+                                     "final_logit_softcapping": 30.0, "use_bidirectional_attention": None},
+                           kv_heads=4, head_dim=256, max_positions=8192, tied=True,
+                           activation=("hidden_activation", "gelu_pytorch_tanh"), divisible_heads=True),
+    "gemma3": FamilyConfig(_gemma3, {"rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": 10_000.0,
+                                     "rope_scaling": None, **_GEMMA, "sliding_window_pattern": 6,
+                                     "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                                     "use_bidirectional_attention": False},
+                           kv_heads=4, head_dim=256, max_positions=131072, tied=True,
+                           activation=("hidden_activation", "gelu_pytorch_tanh"), divisible_heads=True),
+    "phi3": FamilyConfig(_phi3, {**_ROPE, "partial_rotary_factor": 1.0, "original_max_position_embeddings": 4096,
+                                 "sliding_window": None}, rms_norm_eps=1e-5, max_positions=4096),
+    "olmo2": FamilyConfig(_olmo2, {**_ROPE, "attention_bias": False}, rms_norm_eps=1e-5),
+}
+
+
+def hf_fields(family: str) -> dict:
+    """The keys transformers reads from one family's config.json that shape the forward, key -> default."""
+    reads = FAMILY_CONFIGS[family]
+    head_dim = "hidden_size / num_attention_heads" if reads.head_dim is None else reads.head_dim
+    kv_heads = "num_attention_heads" if reads.kv_heads is None else reads.kv_heads
+    return {
+        "vocab_size": REQUIRED, "hidden_size": REQUIRED, "intermediate_size": REQUIRED,
+        "num_hidden_layers": REQUIRED, "num_attention_heads": REQUIRED, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "rms_norm_eps": reads.rms_norm_eps, "max_position_embeddings": reads.max_positions,
+        "tie_word_embeddings": reads.tied, reads.activation[0]: reads.activation[1], **reads.extra_fields,
     }
 
 
@@ -311,6 +532,9 @@ def read_candle(config: dict) -> LlamaSpec:
             parameters (serde would refuse the file); or a value is one candle could not run
             (zero heads, NaN theta, kv heads that do not divide the heads).
     """
+    if config.get("model_type", "llama") != "llama":
+        raise TracerError(f"the candle reader reads Llama configs only (candle 0.11's llama.rs); this is a "
+                          f"{config['model_type']!r} model")
     missing = [k for k, default in CANDLE_FIELDS.items() if default is REQUIRED and k not in config]
     if missing:
         raise TracerError(f"candle 0.11 cannot parse config.json: missing field `{missing[0]}`")
@@ -353,6 +577,8 @@ def resave_tf5(config: dict) -> dict:
     Top-level `rope_theta` and `rope_scaling` merge into `rope_parameters` and disappear from the
     top level; `head_dim` is written out. transformers reads both forms alike; candle does not.
     """
+    if family_of(config.get("model_type")).name != "llama":
+        raise TracerError("resave=tf5 rewrites Llama configs only (it shows what candle's Llama reader makes of them)")
     theta, scaling = _hf_rope(config)
     saved = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
     saved["rope_parameters"] = {"rope_theta": theta, "rope_type": "default", **(scaling or {})}
@@ -360,9 +586,10 @@ def resave_tf5(config: dict) -> dict:
     return saved
 
 
+# transformers 5 `LlamaConfig`: the keys that shape the forward, key -> default.
+HF_FIELDS = hf_fields("llama")
 READERS = {"hf": read_hf, "candle": read_candle}
 RESAVES = {"none": dict, "tf5": resave_tf5}
-READER_FIELDS = {"hf": HF_FIELDS, "candle": CANDLE_FIELDS}
 # transformers takes these from either place: one present means the other is not defaulted.
 HF_EITHER = {"rope_theta": "rope_parameters", "rope_parameters": "rope_theta", "rope_scaling": "rope_parameters"}
 
@@ -383,7 +610,8 @@ def audit(config: dict, resave: str = "none") -> dict:
     """
     config = RESAVES[resave](config)
     readers, specs = {}, {}
-    for name, fields in READER_FIELDS.items():
+    family = family_of(config.get("model_type")).name
+    for name, fields in {"hf": hf_fields(family), "candle": CANDLE_FIELDS}.items():
         entry = {
             "reads": [k for k in fields if k in config],
             "defaulted": {k: d for k, d in fields.items() if k not in config and d is not REQUIRED
@@ -412,7 +640,11 @@ def audit(config: dict, resave: str = "none") -> dict:
 
 # knob -> value -> spec change; each engine builds the spec these return (transformers included).
 _SCALING = {"keep": lambda spec: spec, "drop": lambda spec: spec.replace(rope_scaling=None)}
-_BIAS = {"keep": lambda spec: spec, "ignore": lambda spec: spec.replace(attention_bias=False, mlp_bias=False)}
+_BIAS = {"keep": lambda spec: spec,
+         "ignore": lambda spec: spec.replace(attention_bias=False, mlp_bias=False, qkv_bias=False)}
+_ROPE_LOCAL = {"local": lambda spec: spec, "global": lambda spec: spec.replace(rope_local_theta=spec.rope_theta)}
+# `act` knob value -> transformers' activation name (gelu_tanh is transformers' gelu_pytorch_tanh)
+ACT_NAMES = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 SPEC_OVERRIDES = {
     "theta": lambda spec, value: spec.replace(rope_theta=value),
     "eps": lambda spec, value: spec.replace(rms_norm_eps=value),
@@ -420,12 +652,18 @@ SPEC_OVERRIDES = {
     "head_dim": lambda spec, value: spec.replace(head_dim=value),
     "rope_scaling": lambda spec, value: _SCALING[value](spec),
     "bias": lambda spec, value: _BIAS[value](spec),
+    "act": lambda spec, value: spec.replace(hidden_act=ACT_NAMES[value]),
+    "rope_local": lambda spec, value: _ROPE_LOCAL[value](spec),
 }
 
 
 def apply_overrides(spec: LlamaSpec, knobs: dict) -> LlamaSpec:
     """The spec with the variant's config-level knobs (theta, eps, layers, head_dim, rope_scaling,
-    bias) applied; other knobs are left to the engine."""
+    bias, act, rope_local) applied; other knobs are left to the engine. A knob that does not apply to
+    the model's family is refused here, where both engines pass."""
+    from tracer.variants import check_family
+
+    check_family(knobs, spec.family)
     for name, value in knobs.items():
         if name in SPEC_OVERRIDES:
             spec = SPEC_OVERRIDES[name](spec, value)

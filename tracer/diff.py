@@ -15,7 +15,7 @@ import math
 import torch
 
 from tracer.errors import TracerError
-from tracer.points import LOGITS, causal_allowed, is_causal, layer_of
+from tracer.points import FINAL_LOGITS, LOGITS, causal_allowed, is_causal, layer_of
 from tracer.result import PointDiff, Result, Tolerance
 from tracer.trace import Trace
 
@@ -123,16 +123,23 @@ def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
 
 
 def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> list[str]:
-    """Unrecorded points take their place in the vocabulary's order, not the end of the list."""
+    """Unrecorded points take their place in the vocabulary's order (the traced family's), not the
+    end of the list."""
     from tracer.points import rank
 
-    return sorted(names, key=rank)
+    family = trace_family(reference, candidate)
+    return sorted(names, key=lambda name: rank(name, family))
+
+
+def trace_family(*traces: Trace) -> str | None:
+    """The model family the traces were recorded on (`meta["family"]`; None for a trace without it)."""
+    return next((t.meta["family"] for t in traces if t.meta.get("family")), None)
 
 
 def last_rows_if_one_side_kept_one(point: str, ref: torch.Tensor, cand: torch.Tensor):
     """candle's forward keeps only the last position's logits ([1, V]); transformers has [T, V].
     Then both are compared on the last position alone (`compare` says so in its notes)."""
-    if point == LOGITS and ref.dim() == cand.dim() == 2 and 1 in (ref.shape[0], cand.shape[0]):
+    if point in (LOGITS, FINAL_LOGITS) and ref.dim() == cand.dim() == 2 and 1 in (ref.shape[0], cand.shape[0]):
         return ref[-1:], cand[-1:]
     return ref, cand
 
@@ -147,11 +154,18 @@ def logits_note(reference: Trace, candidate: Trace) -> list[str]:
     return [f"the {short} recorded lm_head at the last position only; logits are compared there alone"]
 
 
+def output_logits(reference: Trace, candidate: Trace) -> str:
+    """The point holding what the model returns: Gemma's capped logits where both sides have them."""
+    return FINAL_LOGITS if FINAL_LOGITS in reference and FINAL_LOGITS in candidate else LOGITS
+
+
 def logits_summary(reference: Trace, candidate: Trace) -> dict | None:
-    """Logits at the last position (what candle returns and the notes quote) and over all positions."""
-    if LOGITS not in reference or LOGITS not in candidate:
+    """Logits at the last position (what candle returns and the notes quote) and over all positions:
+    the model's output (soft-capped in Gemma 2)."""
+    point = output_logits(reference, candidate)
+    if point not in reference or point not in candidate:
         return None
-    ref, cand = last_rows_if_one_side_kept_one(LOGITS, reference[LOGITS], candidate[LOGITS])
+    ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
     if ref.shape != cand.shape:
         return None  # already reported as a shape mismatch by compare_points
     last_ref, last_diff = ref[-1].double(), cand[-1].double() - ref[-1].double()
@@ -222,7 +236,7 @@ def explain_divergence(point: str, reference: Trace, candidate: Trace) -> dict:
 
     ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
     details = breakdown(point, ref, cand, num_heads(reference, layer_of(point)))
-    return {**details, "hints": hints(point, details)}
+    return {**details, "hints": hints(point, details, trace_family(reference, candidate))}
 
 
 def side(trace: Trace) -> dict:
@@ -275,7 +289,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         notes=(*layout_notes, *logits_note(reference, candidate)),
         # A point whose metrics are all finite holds no NaN or Inf on either side: only the rest is scanned.
         first_nonfinite=first_nonfinite([p.point for p in points if not _finite_metrics(p)], reference, candidate),
-        amplification=tuple(_amplification(points)),
+        amplification=tuple(_amplification(points, trace_family(reference, candidate))),
     )
 
 
@@ -283,7 +297,7 @@ def _finite_metrics(p: PointDiff) -> bool:
     return p.recorded and all(math.isfinite(v) for v in (p.max_abs, p.max_ref, p.rel_l2))
 
 
-def _amplification(points: list[PointDiff]) -> list[dict]:
+def _amplification(points: list[PointDiff], family: str | None = None) -> list[dict]:
     from tracer.explain import amplification
 
-    return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None})
+    return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None}, family=family)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tracer.points import causal_allowed, has_head_axis, is_causal, op_kind, source_point
+from tracer.points import causal_allowed, has_head_axis, is_causal, op_kind, source_point, split_point
 
 TOP_CHANNELS = 5
 # A position or head counts as untouched when its error is this small against the largest one.
@@ -66,12 +66,17 @@ def _quiet(values: list[float]) -> list[bool]:
     return [v <= QUIET * top for v in values]
 
 
-def hints(point: str, details: dict) -> list[str]:
-    """Short sentences an expert would say on seeing this signature."""
-    said = []
+def hints(point: str, details: dict, family: str | None = None) -> list[str]:
+    """Short sentences an expert would say on seeing this signature (on a model of `family`: its own
+    features first, `tracer.families.Family.hints`)."""
+    said = family_hints(point, family)
     positions, heads = details.get("by_position") or [], details.get("by_head")
     quiet = _quiet(positions)
-    if len(positions) > 1 and quiet[0] and not any(quiet[1:]):
+    window = _exact_prefix(quiet)
+    if window >= 2 and op_kind(point) in ("softmax", "attention"):
+        said.append(f"exact on the first {window} positions and not after: attention limited to a window of "
+                    f"{window} keys (a sliding window, kept on one side and ignored on the other)")
+    elif len(positions) > 1 and quiet[0] and not any(quiet[1:]):
         growing = positions[-1] >= positions[1]
         said.append(
             "exact at position 0 and " + ("growing with position" if growing else "non-zero after it")
@@ -86,6 +91,23 @@ def hints(point: str, details: dict) -> list[str]:
     return said
 
 
+def family_hints(point: str, family: str | None) -> list[str]:
+    """The family's own feature at this point, where it has one (Gemma's (1 + w) norms, Qwen3's q/k
+    norms, soft-caps, sliding windows, ...)."""
+    from tracer.families import FAMILIES
+
+    entry = FAMILIES.get(family or "llama")
+    layer, sub = split_point(point)
+    text = entry.hints.get(sub if layer is not None else point) if entry else None
+    return [text] if text else []
+
+
+def _exact_prefix(quiet: list[bool]) -> int:
+    """How many leading positions are exact, when some later ones are not (0 otherwise)."""
+    count = next((i for i, q in enumerate(quiet) if not q), len(quiet))
+    return count if count < len(quiet) else 0
+
+
 # What an expert suspects first when the first error is made by an op of this kind (tracer.points).
 OP_HINTS = {
     "norm": ["first error right after a norm: rms_norm_eps, or the norm's precision (f32 upcast)"],
@@ -98,11 +120,12 @@ OP_HINTS = {
 # small RMS, a softmax saturating) is where error grows fastest.
 
 
-def amplification(rel_l2: dict[str, float], top: int = 5) -> list[dict]:
-    """Ops ranked by how much they multiply the relative error of their input."""
+def amplification(rel_l2: dict[str, float], top: int = 5, family: str | None = None) -> list[dict]:
+    """Ops ranked by how much they multiply the relative error of their input (what each point is
+    computed from, as `family` computes it)."""
     gains = []
     for point, error in rel_l2.items():
-        source = source_point(point)
+        source = source_point(point, family)
         inherited = rel_l2.get(source) if source else None
         if inherited and inherited > 0 and error is not None:
             gains.append({"point": point, "gain": error / inherited, "input": source})

@@ -1,20 +1,24 @@
-"""Llama in plain torch, instrumented: the `reimpl` engine's model.
+"""Llama and its descendants in plain torch, instrumented: the `reimpl` engine's model.
 
 Mirrors transformers 5.24's `models/llama/modeling_llama.py` with eager attention, op by op and
 dtype by dtype (RMSNorm in f32 then cast back, softmax in f32, the same matmul shapes with a batch
 of 1), so that with no variant every point agrees with the `hf` engine at rounding level and a
-difference is a real difference. It reads `config.json` and safetensors itself; transformers is
-never imported on this path.
+difference is a real difference. The other families tracer traces (`tracer.families`: Qwen2/3,
+Mistral, Gemma 2/3, Phi-3, OLMo-2; their `modeling_<family>.py` files) are the same forward with
+other entries of the same tables: a family names its norm, embedding, projections, q/k norm, MLP
+and norm positions, and the spec carries its windows, RoPE bases, soft-caps and scalars. It reads
+`config.json` and safetensors itself; transformers is never imported on this path.
 
 Every point of `tracer.points` is handed to one `record(name, tensor)` call; tensors keep their
 batch dimension of 1 here and the recorder drops it. Variant knobs are resolved once, before the
 forward: config-level knobs into a different `LlamaSpec` (`tracer.config.apply_overrides`),
-semantic knobs into the small strategy functions of `Strategies` (`resolve_strategies`), picked
-from one lookup table per step (`NORMS`, `ROPES`, `KV_REPEATS`, `MASKS`, `ATTN_MATH`, `ATTENTION`,
-`LOGITS`). The forward calls whatever was picked; it never tests a knob.
+semantic knobs and the family's structure into the small strategy functions of `Strategies`
+(`resolve_strategies`), picked from one lookup table per step (`NORMS`, `EMBEDDINGS`, `ROPES`,
+`KV_REPEATS`, `MASKS`, `ATTN_MATH`, `ATTENTION`, `PROJECTIONS`, `QK_NORMS`, `MLPS`, `LOGITS`, ...).
+The forward calls whatever was picked; it never tests a knob or a family.
 
-Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, I intermediate size,
-V vocab size.
+Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, R rotary dims (D unless
+partial), I intermediate size, V vocab size.
 """
 
 from __future__ import annotations
@@ -28,13 +32,22 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tracer import families
 from tracer.config import LlamaSpec, apply_overrides, load_config, read_config
 from tracer.errors import TracerError
+from tracer.points import FINAL_LOGITS
 from tracer.variants import expand_presets
 
 Recorder = Callable[[str, torch.Tensor], None]
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' gelu_pytorch_tanh (Gemma's GeGLU)."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 def _no_record(name: str, tensor: torch.Tensor) -> None:
@@ -62,11 +75,73 @@ def rms_norm_candle(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 NORMS = {"hf": rms_norm, "candle": rms_norm_candle}
 
 
-def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
-    """(D/2,) inverse frequencies, f32, with the config's rope scaling applied."""
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    scaling = spec.rope_scaling
+def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma: normalized in f32, times (1 + weight) in f32, then cast (the stored weight is an offset)."""
+    x32 = x.float()
+    out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def rms_norm_gemma_no_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A Gemma port that forgets the 1: times the stored weight (near 0) instead of (1 + weight)."""
+    x32 = x.float()
+    out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.float()).type_as(x)
+
+
+def rms_norm_olmo(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """OLMo-2: the weight multiplies the f32 normalized values, and only then the cast."""
+    input_dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32).to(input_dtype)
+
+
+# A family's norm flavour (tracer.families.Family.norm) -> (the knob that picks from it, its table).
+NORM_FLAVOURS = {
+    "rms": ("norm", NORMS),
+    "gemma": ("norm_offset", {"keep": rms_norm_gemma, "drop": rms_norm_gemma_no_offset}),
+    "olmo": (None, {None: rms_norm_olmo}),
+}
+
+
+# --- embedding -------------------------------------------------------------------------------
+
+
+def embed_plain(ids: torch.Tensor, weight: torch.Tensor, spec: LlamaSpec) -> torch.Tensor:
+    """(1, T) -> (1, T, C): rows of the table."""
+    return F.embedding(ids, weight)
+
+
+def embed_scaled(ids: torch.Tensor, weight: torch.Tensor, spec: LlamaSpec) -> torch.Tensor:
+    """Gemma: rows times sqrt(hidden_size), the scale rounded to the model's dtype first (transformers
+    builds its buffer in the load dtype: a bf16 Gemma 2 9B multiplies by 60.0, not 59.87)."""
+    scale = torch.tensor(spec.hidden_size**0.5, dtype=weight.dtype, device=weight.device)  # 0-dim
+    return F.embedding(ids, weight) * scale
+
+
+def embed_scaled_f32(ids: torch.Tensor, weight: torch.Tensor, spec: LlamaSpec) -> torch.Tensor:
+    """A Gemma port that scales in f32 and casts the product (the same numbers in f32, not in bf16)."""
+    return (F.embedding(ids, weight).float() * spec.hidden_size**0.5).to(weight.dtype)
+
+
+# A family's embedding (Family.embed) -> the `embed_scale` knob's value -> the function.
+EMBEDDINGS = {
+    "plain": {"model": embed_plain},
+    "scaled": {"model": embed_scaled, "drop": embed_plain, "f32": embed_scaled_f32},
+}
+
+
+def rope_inv_freq(spec: LlamaSpec, layer_type: str = "full_attention", num_tokens: int = 1) -> torch.Tensor:
+    """(R/2,) inverse frequencies, f32, with the config's rope scaling applied. Gemma 3's sliding
+    layers use their own base (`rope_local_theta`) without scaling; longrope picks its factors by
+    the sequence length, as transformers' `longrope_frequency_update` does."""
+    dim, local = spec.rotary_dim, layer_type == "sliding_attention" and spec.rope_local_theta is not None
+    base = spec.rope_local_theta if local else spec.rope_theta
+    scaling = None if local else spec.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return _longrope_inv_freq(base, dim, scaling, num_tokens)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     if scaling is None:
         return inv_freq
     kind = scaling["rope_type"]
@@ -74,7 +149,29 @@ def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise TracerError(f"rope_type {kind!r} is not supported by the reimpl engine (supported: default, linear, llama3)")
+    raise TracerError(f"rope_type {kind!r} is not supported by the reimpl engine "
+                      "(supported: default, linear, llama3, longrope)")
+
+
+def _longrope_inv_freq(base: float, dim: int, scaling: dict, num_tokens: int) -> torch.Tensor:
+    """Phi-3's longrope: per-frequency factors, the long ones past the pretraining length."""
+    long = num_tokens > scaling["original_max_position_embeddings"]
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)  # (R/2,)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (factors * base**shape)
+
+
+def rope_attention_scaling(spec: LlamaSpec, layer_type: str = "full_attention") -> float:
+    """The factor cos and sin are multiplied by: 1 but for longrope (sqrt(1 + ln(s)/ln(original)))."""
+    scaling = spec.rope_scaling
+    local = layer_type == "sliding_attention" and spec.rope_local_theta is not None
+    if local or scaling is None or scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or spec.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -91,14 +188,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotary_cos_sin(spec: LlamaSpec, num_tokens: int, dtype: torch.dtype,
-                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (1, T, D), in the half-split layout (frequencies repeated, not interleaved)."""
+def rotary_cos_sin(spec: LlamaSpec, num_tokens: int, dtype: torch.dtype | None,
+                   device: torch.device | str = "cpu",
+                   layer_type: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (1, T, R), in the half-split layout (frequencies repeated, not interleaved);
+    cast to `dtype` (None: kept in f32, as OLMo-2 keeps them)."""
     positions = torch.arange(num_tokens, device=device)[None]  # (1, T)
     # On the run's device, as transformers computes them: a GPU's cos/sin differ from the CPU's in the last bit.
-    freqs = positions[..., None].float() * rope_inv_freq(spec).to(device)  # (1, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (1, T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    freqs = positions[..., None].float() * rope_inv_freq(spec, layer_type, num_tokens).to(device)  # (1, T, R/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (1, T, R)
+    scale = rope_attention_scaling(spec, layer_type)
+    cos, sin = (emb.cos(), emb.sin()) if scale == 1.0 else (emb.cos() * scale, emb.sin() * scale)
+    return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -126,6 +227,57 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 ROPES = {"half": rope_half, "interleaved": rope_interleaved}
 
 
+def partial_rotary(rope: Callable) -> Callable:
+    """Phi-3's partial rotary: `rope` on the first R dims of each head, the rest passed through."""
+
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotary_dim = cos.shape[-1]
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]  # (1, heads, T, R), (1, heads, T, D - R)
+        return torch.cat([rope(x_rot, cos, sin), x_pass], dim=-1)  # (1, heads, T, D)
+
+    return rotate
+
+
+def rotated_in_f32(rope: Callable) -> Callable:
+    """OLMo-2: cos/sin stay f32, so the rotation runs in f32 and the result is cast back to x's dtype."""
+    return lambda x, cos, sin: rope(x, cos, sin).to(x.dtype)
+
+
+# A family's RoPE precision (Family.rope_precision) -> (cos/sin dtype: None keeps f32, wrapper of the rope).
+ROPE_PRECISIONS = {"model": (True, lambda rope: rope), "f32": (False, rotated_in_f32)}
+
+
+@dataclass(frozen=True)
+class Positions:
+    """What one layer knows about positions: its RoPE tables and the keys a query may see."""
+
+    cos: torch.Tensor  # (1, T, R)
+    sin: torch.Tensor  # (1, T, R)
+    window: int | None = None  # keys a query sees, itself included; None: the whole prefix
+
+
+def layer_positions(spec: LlamaSpec, strategies: Strategies, num_tokens: int, dtype: torch.dtype,
+                    device: torch.device | str = "cpu") -> list[Positions]:
+    """Each layer's Positions: RoPE tables per layer type (Gemma 3's local layers have their own base)
+    and its window (a sliding layer's, unless the variant ignores windows)."""
+    tables = {kind: rotary_cos_sin(spec, num_tokens, dtype if strategies.rope_cast else None, device, kind)
+              for kind in {spec.layer_type(i) for i in range(spec.num_hidden_layers)}}  # (1, T, R) each
+    return [Positions(*tables[spec.layer_type(i)], window=strategies.window(spec, i))
+            for i in range(spec.num_hidden_layers)]
+
+
+def window_of_layer(spec: LlamaSpec, layer: int) -> int | None:
+    return spec.window(layer)
+
+
+def window_ignored(spec: LlamaSpec, layer: int) -> int | None:
+    """A port without sliding windows: every layer attends to the whole prefix."""
+    return None
+
+
+WINDOWS = {"keep": window_of_layer, "ignore": window_ignored}
+
+
 # --- attention -------------------------------------------------------------------------------
 
 
@@ -147,26 +299,35 @@ def repeat_kv_tile(x: torch.Tensor, groups: int) -> torch.Tensor:
 KV_REPEATS = {"interleave": repeat_kv, "tile": repeat_kv_tile}
 
 
-def causal_mask(num_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(1, 1, T, T): 0 where attention is allowed, the dtype's most negative value above the diagonal."""
+def blocked_keys(num_tokens: int, window: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(T, T) bool, True where a query may not attend: the future, and with a sliding window the keys
+    `window` or more positions back (transformers' `sliding_window_overlay`: kv > q - window)."""
     blocked = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).triu(1)
+    if window is not None:
+        blocked |= torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).tril(-window)
+    return blocked
+
+
+def causal_mask(num_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                window: int | None = None) -> torch.Tensor:
+    """(1, 1, T, T): 0 where attention is allowed, the dtype's most negative value where it is not."""
+    blocked = blocked_keys(num_tokens, window, device)
     # Built in the target dtype: f64's most negative value does not fit the default f32.
     return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
 
 
-def mask_additive(scores: torch.Tensor) -> torch.Tensor:
-    """HF eager: add the min-float causal mask to the scores (1, H, T, T)."""
-    return scores + causal_mask(scores.shape[-1], scores.dtype, scores.device)
+def mask_additive(scores: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """HF eager: add the min-float causal (or sliding-window) mask to the scores (1, H, T, T)."""
+    return scores + causal_mask(scores.shape[-1], scores.dtype, scores.device, window)
 
 
-def mask_where(scores: torch.Tensor) -> torch.Tensor:
-    """candle's masked_fill: future positions replaced by -inf (a where, not an add)."""
-    blocked = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)  # (T, T)
-    return scores.masked_fill(blocked, float("-inf"))
+def mask_where(scores: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """candle's masked_fill: blocked positions replaced by -inf (a where, not an add)."""
+    return scores.masked_fill(blocked_keys(scores.shape[-1], window, scores.device), float("-inf"))  # (T, T) mask
 
 
-def mask_none(scores: torch.Tensor) -> torch.Tensor:
-    """No causal mask: every position attends to the future too."""
+def mask_none(scores: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """No causal mask: every position attends to the future too (and past any window)."""
     return scores
 
 
@@ -187,23 +348,52 @@ def scale_divide(scores: torch.Tensor, head_dim: int) -> torch.Tensor:
 ATTN_MATH = {"hf": (scale_multiply, None), "candle": (scale_divide, torch.float32)}
 
 
-def attention_eager(q, k, v, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder) -> torch.Tensor:
-    """matmul, mask, softmax in f32, matmul: q (1, H, T, D), k/v (1, KV, T, D) -> (1, H, T, D)."""
+def scale_dim(spec: LlamaSpec) -> float:
+    """What scores are scaled by the -0.5 power of: head_dim, or Gemma's query_pre_attn_scalar."""
+    return spec.head_dim if spec.query_pre_attn_scalar is None else spec.query_pre_attn_scalar
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2: cap·tanh(x/cap), in three ops as transformers writes it; None: no cap."""
+    if cap is None:
+        return x
+    return torch.tanh(x / cap) * cap
+
+
+def softcap_dropped(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """A port that forgets the soft-cap."""
+    return x
+
+
+SOFTCAPS = {"keep": softcap, "drop": softcap_dropped}
+
+
+def attention_eager(q, k, v, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder,
+                    window: int | None = None) -> torch.Tensor:
+    """matmul, scale (soft-cap), mask, softmax in f32, matmul: q (1, H, T, D), k/v (1, KV, T, D) -> (1, H, T, D).
+    `scores` is what the mask and softmax receive: after Gemma 2's soft-cap."""
     in_dtype = q.dtype
     work = strategies.attention_dtype or in_dtype
     q, k, v = q.to(work), k.to(work), v.to(work)
     k, v = strategies.repeat_kv(k, spec.num_kv_groups), strategies.repeat_kv(v, spec.num_kv_groups)  # (1, H, T, D)
-    scores = strategies.scale_scores(torch.matmul(q, k.transpose(2, 3)), spec.head_dim)  # (1, H, T, T)
+    scores = strategies.scale_scores(torch.matmul(q, k.transpose(2, 3)), scale_dim(spec))  # (1, H, T, T)
+    scores = strategies.softcap(scores, spec.attn_logit_softcapping)
     record(f"{prefix}.scores", scores)
-    probs = F.softmax(strategies.mask(scores), dim=-1, dtype=torch.float32).to(work)
+    probs = F.softmax(strategies.mask(scores, window), dim=-1, dtype=torch.float32).to(work)
     record(f"{prefix}.probs", probs)
     return torch.matmul(probs, v).to(in_dtype)
 
 
-def attention_sdpa(q, k, v, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder) -> torch.Tensor:
-    """torch's fused kernel with its own causal mask; scores and probs never exist as tensors."""
+def attention_sdpa(q, k, v, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder,
+                   window: int | None = None) -> torch.Tensor:
+    """torch's fused kernel with its own causal mask (an explicit one for a window); scores and
+    probs never exist as tensors."""
     k, v = strategies.repeat_kv(k, spec.num_kv_groups), strategies.repeat_kv(v, spec.num_kv_groups)  # (1, H, T, D)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=spec.head_dim**-0.5)
+    scale = scale_dim(spec) ** -0.5
+    if window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
+    allowed = ~blocked_keys(q.shape[2], window, q.device)  # (T, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
 
 
 ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa}
@@ -222,9 +412,109 @@ def logits_last(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 LOGITS = {"all": logits_all, "last": logits_last}
 
 
+# --- projections, q/k norms, MLPs: the families' shapes of the same steps ------------------------
+
+
+def project_separate(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
+    """x (1, T, C) -> q (1, T, H*D), k, v (1, T, KV*D): three projections (Qwen2's carry biases)."""
+    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))  # (1, T, H*D)
+    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))  # (1, T, KV*D)
+    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias"))  # (1, T, KV*D)
+    record(f"{prefix}.q_proj", q)
+    record(f"{prefix}.k_proj", k)
+    record(f"{prefix}.v_proj", v)
+    return q, k, v
+
+
+def project_fused(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
+    """Phi-3: one qkv_proj (1, T, (H + 2·KV)·D), cut into q | k | v in the variant's order."""
+    qkv = F.linear(x, w["qkv_proj.weight"])  # (1, T, (H + 2·KV)·D)
+    record(f"{prefix}.qkv_proj", qkv)
+    sizes = {"q": spec.num_attention_heads * spec.head_dim, "k": spec.num_key_value_heads * spec.head_dim}
+    sizes["v"] = sizes["k"]
+    parts, start = {}, 0
+    for name in strategies.qkv_order:  # "qkv": q = [:H*D], k = [H*D : H*D + KV*D], v = the rest
+        parts[name], start = qkv[..., start:start + sizes[name]], start + sizes[name]
+    return parts["q"], parts["k"], parts["v"]
+
+
+PROJECTIONS = {"separate": project_separate, "fused": project_fused}
+
+
+def heads_first(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(1, T, heads*D) -> (1, heads, T, D)."""
+    batch, tokens, _ = x.shape
+    return x.view(batch, tokens, -1, head_dim).transpose(1, 2)  # (1, heads, T, D)
+
+
+def qk_plain(q, k, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
+    """No q/k norm: (1, T, heads*D) -> (1, heads, T, D) each."""
+    return heads_first(q, spec.head_dim), heads_first(k, spec.head_dim)
+
+
+def qk_norm_per_head(q, k, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
+    """Qwen3: RMSNorm over each head's D values on (1, T, heads, D), then the transpose."""
+    out = []
+    for name, x in (("q_norm", q), ("k_norm", k)):
+        x = strategies.qk_norm(x.unflatten(-1, (-1, spec.head_dim)), w[f"{name}.weight"], spec.rms_norm_eps)  # (1, T, heads, D)
+        record(f"{prefix}.{name}", x.flatten(2))  # (1, T, heads*D)
+        out.append(x.transpose(1, 2))  # (1, heads, T, D)
+    return tuple(out)
+
+
+def qk_norm_per_head_heads_first(q, k, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str,
+                                 record: Recorder):
+    """Gemma 3: the transpose first, then RMSNorm over each head's D values on (1, heads, T, D)."""
+    out = []
+    for name, x in (("q_norm", q), ("k_norm", k)):
+        x = strategies.qk_norm(heads_first(x, spec.head_dim), w[f"{name}.weight"], spec.rms_norm_eps)  # (1, heads, T, D)
+        record(f"{prefix}.{name}", x.transpose(1, 2).flatten(2))  # (1, T, heads*D)
+        out.append(x)
+    return tuple(out)
+
+
+def qk_norm_whole(q, k, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
+    """OLMo-2: RMSNorm over the whole projection (1, T, heads*D), then the split into heads."""
+    out = []
+    for name, x in (("q_norm", q), ("k_norm", k)):
+        x = strategies.qk_norm(x, w[f"{name}.weight"], spec.rms_norm_eps)  # (1, T, heads*D)
+        record(f"{prefix}.{name}", x)
+        out.append(heads_first(x, spec.head_dim))  # (1, heads, T, D)
+    return tuple(out)
+
+
+def qk_norm_skipped(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """qk_norm=drop: a port without the q/k norm passes the projection through (recorded as such)."""
+    return x
+
+
+QK_NORMS = {"none": qk_plain, "per_head": qk_norm_per_head, "per_head_heads_first": qk_norm_per_head_heads_first,
+            "whole": qk_norm_whole}
+
+
+def gate_up_separate(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
+    """x (1, T, C) -> gate, up (1, T, I) each: two projections."""
+    gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))  # (1, T, I)
+    record(f"{prefix}.gate_proj", gate)
+    up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))  # (1, T, I)
+    record(f"{prefix}.up_proj", up)
+    return gate, up
+
+
+def gate_up_fused(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
+    """Phi-3: one gate_up_proj (1, T, 2·I), chunked gate first (swapped by gate_up=up_gate)."""
+    fused = F.linear(x, w["gate_up_proj.weight"])  # (1, T, 2·I)
+    record(f"{prefix}.gate_up_proj", fused)
+    first, second = fused.chunk(2, dim=-1)  # (1, T, I) each
+    return (first, second) if strategies.gate_first else (second, first)
+
+
+MLPS = {"separate": gate_up_separate, "fused": gate_up_fused}
+
+
 @dataclass(frozen=True)
 class Strategies:
-    """The forward's replaceable steps, chosen once from the variant."""
+    """The forward's replaceable steps, chosen once from the variant and the model's family."""
 
     attention: Callable = attention_eager
     dtype: torch.dtype = torch.float32
@@ -235,6 +525,18 @@ class Strategies:
     scale_scores: Callable = scale_multiply
     attention_dtype: torch.dtype | None = None
     logits: Callable = logits_all
+    # The family's structure (tracer.families) and the knobs that undo one of its features.
+    embed: Callable = embed_plain
+    project: Callable = project_separate
+    qkv_order: str = "qkv"
+    qk_heads: Callable = qk_plain
+    qk_norm: Callable = rms_norm
+    gate_up: Callable = gate_up_separate
+    gate_first: bool = True
+    norms: tuple = families.PRE_NORM  # ((before, after) the attention, (before, after) the MLP)
+    rope_cast: bool = True  # cos/sin cast to the model dtype (OLMo-2 keeps them f32)
+    softcap: Callable = softcap
+    window: Callable = window_of_layer
 
     def not_recorded(self) -> dict[str, str]:
         if self.attention is attention_sdpa:
@@ -247,46 +549,78 @@ class Strategies:
 EAGER_ONLY = {"mask": "additive", "attn_math": "hf"}
 
 
-def resolve_strategies(knobs: dict) -> Strategies:
-    """The strategy functions a variant's knobs (presets expanded) pick from the tables above."""
+def resolve_strategies(knobs: dict, spec: LlamaSpec | None = None) -> Strategies:
+    """The strategy functions a variant's knobs (presets expanded) pick from the tables above, for
+    the model `spec` describes (its family's structure; None: a Llama)."""
+    family = families.get(spec.family if spec else None)
     attn = knobs.get("attn", "eager")
     clashing = [k for k, default in EAGER_ONLY.items() if attn == "sdpa" and knobs.get(k, default) != default]
     if clashing:
         raise TracerError(f"{clashing[0]}={knobs[clashing[0]]} needs attn=eager: sdpa masks and scales inside its fused kernel")
+    if spec is not None:
+        _check_feature(knobs, spec)
     scale_scores, attention_dtype = ATTN_MATH[knobs.get("attn_math", "hf")]
+    norm_knob, norm_table = NORM_FLAVOURS[family.norm]
+    norm = norm_table[knobs.get(norm_knob, next(iter(norm_table))) if norm_knob else None]
+    cast, precision = ROPE_PRECISIONS[family.rope_precision]
+    rope = precision(ROPES[knobs.get("rope", "half")])
     return Strategies(
         attention=ATTENTION[attn],
         dtype=TORCH_DTYPES[knobs.get("dtype", "f32")],
-        norm=NORMS[knobs.get("norm", "hf")],
-        rope=ROPES[knobs.get("rope", "half")],
+        norm=norm,
+        rope=partial_rotary(rope) if spec is not None and spec.rotary_dim < spec.head_dim else rope,
         repeat_kv=KV_REPEATS[knobs.get("kv_repeat", "interleave")],
         mask=MASKS[knobs.get("mask", "additive")],
         scale_scores=scale_scores,
         attention_dtype=attention_dtype,
         logits=LOGITS[knobs.get("logits", "all")],
+        embed=EMBEDDINGS[family.embed][knobs.get("embed_scale", "model")],
+        project=PROJECTIONS[family.projections],
+        qkv_order=knobs.get("qkv_split", "qkv"),
+        qk_heads=QK_NORMS[family.qk_norm],
+        qk_norm=qk_norm_skipped if knobs.get("qk_norm") == "drop" else norm,
+        gate_up=MLPS[family.mlp],
+        gate_first=knobs.get("gate_up", "gate_up") == "gate_up",
+        norms=family.norms,
+        rope_cast=cast,
+        softcap=SOFTCAPS[knobs.get("softcap", "keep")],
+        window=WINDOWS[knobs.get("window", "keep")],
     )
+
+
+# A knob that undoes a feature this model's config does not use would change nothing: said, not ignored.
+# (Checked on the variant's knobs; the fused sdpa kernel cannot soft-cap, as transformers' Gemma 2 cannot.)
+_FEATURES = {
+    ("attn", "sdpa"): (lambda spec: spec.attn_logit_softcapping is not None,
+                       "attn=sdpa cannot soft-cap attention scores (attn_logit_softcapping; transformers has no "
+                       "sdpa path for it either)"),
+    ("softcap", "drop"): (lambda spec: spec.attn_logit_softcapping is None and spec.final_logit_softcapping is None,
+                          "this model's config soft-caps nothing (attn_logit_softcapping and "
+                          "final_logit_softcapping are null)"),
+    ("window", "ignore"): (lambda spec: spec.sliding_window is None, "this model's config has no sliding window"),
+}
+
+
+def _check_feature(knobs: dict, spec: LlamaSpec) -> None:
+    for (knob, value), (refused, reason) in _FEATURES.items():
+        if knobs.get(knob) == value and refused(spec):
+            raise TracerError(reason if knob == "attn" else f"{knob}={value} changes nothing here: {reason}")
 
 
 # --- blocks ----------------------------------------------------------------------------------
 
 
-def self_attention(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies, prefix: str, record: Recorder):
-    """x (1, T, C) -> (1, T, C), recording projections, RoPE, scores, probs, context, output."""
+def self_attention(x, w: dict, spec: LlamaSpec, positions: Positions, strategies: Strategies, prefix: str,
+                   record: Recorder):
+    """x (1, T, C) -> (1, T, C), recording projections, q/k norms, RoPE, scores, probs, context, output."""
     batch, tokens, _ = x.shape
-    hidden_shape = (batch, tokens, -1, spec.head_dim)
-    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))  # (1, T, H*D)
-    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))  # (1, T, KV*D)
-    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias"))  # (1, T, KV*D)
-    record(f"{prefix}.q_proj", q)
-    record(f"{prefix}.k_proj", k)
-    record(f"{prefix}.v_proj", v)
-    q = q.view(hidden_shape).transpose(1, 2)  # (1, H, T, D)
-    k = k.view(hidden_shape).transpose(1, 2)  # (1, KV, T, D)
-    v = v.view(hidden_shape).transpose(1, 2)  # (1, KV, T, D)
-    q, k = strategies.rope(q, cos, sin), strategies.rope(k, cos, sin)
+    q, k, v = strategies.project(x, w, spec, strategies, prefix, record)  # (1, T, H*D), (1, T, KV*D) x2
+    q, k = strategies.qk_heads(q, k, w, spec, strategies, prefix, record)  # (1, H, T, D), (1, KV, T, D)
+    v = heads_first(v, spec.head_dim)  # (1, KV, T, D)
+    q, k = strategies.rope(q, positions.cos, positions.sin), strategies.rope(k, positions.cos, positions.sin)
     record(f"{prefix}.q_rope", q)
     record(f"{prefix}.k_rope", k)
-    context = strategies.attention(q, k, v, spec, strategies, prefix, record)
+    context = strategies.attention(q, k, v, spec, strategies, prefix, record, positions.window)
     context = context.transpose(1, 2).contiguous().reshape(batch, tokens, -1)  # (1, T, H*D)
     record(f"{prefix}.context", context)
     out = F.linear(context, w["o_proj.weight"], w.get("o_proj.bias"))  # (1, T, C)
@@ -294,12 +628,9 @@ def self_attention(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies
     return out
 
 
-def mlp(x, w: dict, spec: LlamaSpec, prefix: str, record: Recorder):
+def mlp(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
     """x (1, T, C) -> (1, T, C): down(act(gate(x)) * up(x))."""
-    gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))  # (1, T, I)
-    record(f"{prefix}.gate_proj", gate)
-    up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))  # (1, T, I)
-    record(f"{prefix}.up_proj", up)
+    gate, up = strategies.gate_up(x, w, spec, strategies, prefix, record)  # (1, T, I) each
     act = ACTIVATIONS[spec.hidden_act](gate) * up
     record(f"{prefix}.act", act)
     down = F.linear(act, w["down_proj.weight"], w.get("down_proj.bias"))  # (1, T, C)
@@ -307,14 +638,38 @@ def mlp(x, w: dict, spec: LlamaSpec, prefix: str, record: Recorder):
     return down
 
 
-def decoder_layer(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies, prefix: str, record: Recorder):
-    h = strategies.norm(x, w["input_layernorm.weight"], spec.rms_norm_eps)
-    record(f"{prefix}.input_layernorm", h)
-    h = x + self_attention(h, Prefixed(w, "self_attn."), spec, cos, sin, strategies, f"{prefix}.self_attn", record)
+def sublayer(x, w: dict, spec: LlamaSpec, strategies: Strategies, norms: tuple, run: Callable, prefix: str,
+             record: Recorder):
+    """One residual branch (1, T, C) -> (1, T, C): the family's norm before it (Llama), after it (OLMo-2)
+    or both (Gemma), around `run`."""
+    before, after = norms
+    x = _norm_point(x, w, spec, strategies, before, prefix, record)
+    return _norm_point(run(x), w, spec, strategies, after, prefix, record)
+
+
+def _norm_point(x, w: dict, spec: LlamaSpec, strategies: Strategies, name: str | None, prefix: str,
+                record: Recorder):
+    """The block's norm `name` applied and recorded; no norm there (None): x itself."""
+    if name is None:
+        return x
+    x = strategies.norm(x, w[f"{name}.weight"], spec.rms_norm_eps)
+    record(f"{prefix}.{name}", x)
+    return x
+
+
+def decoder_layer(x, w: dict, spec: LlamaSpec, positions: Positions, strategies: Strategies, prefix: str,
+                  record: Recorder):
+    attention_norms, mlp_norms = strategies.norms
+
+    def attend(h):
+        return self_attention(h, Prefixed(w, "self_attn."), spec, positions, strategies, f"{prefix}.self_attn", record)
+
+    def feed_forward(h):
+        return mlp(h, Prefixed(w, "mlp."), spec, strategies, f"{prefix}.mlp", record)
+
+    h = x + sublayer(x, w, spec, strategies, attention_norms, attend, prefix, record)
     record(f"{prefix}.resid_mid", h)
-    m = strategies.norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps)
-    record(f"{prefix}.post_attention_layernorm", m)
-    out = h + mlp(m, Prefixed(w, "mlp."), spec, f"{prefix}.mlp", record)
+    out = h + sublayer(h, w, spec, strategies, mlp_norms, feed_forward, prefix, record)
     record(prefix, out)
     return out
 
@@ -355,7 +710,8 @@ class Llama:
                  device: torch.device | str = "cpu", stream: bool = False):
         self.variant = dict(variant or {})
         knobs = expand_presets(self.variant)
-        self.spec, self.strategies = apply_overrides(spec, knobs), resolve_strategies(knobs)
+        self.spec = apply_overrides(spec, knobs)
+        self.strategies = resolve_strategies(knobs, self.spec)
         self.device = torch.device(device)
         self.weights = prepare_weights(self.spec, weights, self.strategies.dtype, self.device, stream)
         self.unused_tensors = unused_tensors(self.spec, weights)
@@ -379,17 +735,20 @@ class Llama:
     def forward(self, tokens: torch.Tensor, record: Recorder | None = None) -> torch.Tensor:
         """tokens (T,) int64 -> logits (T, V) ((1, V) with logits=last); every point goes to `record`."""
         record = record or _no_record
-        spec, w = self.spec, self.weights
+        spec, w, strategies = self.spec, self.weights, self.strategies
         ids = tokens.to(self.device)[None]  # (1, T)
-        h = F.embedding(ids, w["model.embed_tokens.weight"])  # (1, T, C)
+        h = strategies.embed(ids, w["model.embed_tokens.weight"], spec)  # (1, T, C)
         record("model.embed_tokens", h)
-        cos, sin = rotary_cos_sin(spec, ids.shape[1], h.dtype, self.device)  # (1, T, D) each
-        for i, layer in enumerate(self.layers):
-            h = decoder_layer(h, layer, spec, cos, sin, self.strategies, f"model.layers.{i}", record)
-        h = self.strategies.norm(h, w["model.norm.weight"], spec.rms_norm_eps)
+        for i, (layer, positions) in enumerate(zip(self.layers, layer_positions(spec, strategies, ids.shape[1],
+                                                                                h.dtype, self.device))):
+            h = decoder_layer(h, layer, spec, positions, strategies, f"model.layers.{i}", record)
+        h = strategies.norm(h, w["model.norm.weight"], spec.rms_norm_eps)
         record("model.norm", h)
-        logits = self.strategies.logits(h, w["lm_head.weight"])  # (1, T, V), or (1, 1, V) for logits=last
+        logits = strategies.logits(h, w["lm_head.weight"])  # (1, T, V), or (1, 1, V) for logits=last
         record("lm_head", logits)
+        if spec.final_logit_softcapping is not None:  # Gemma 2: the capped logits, a virtual point under lm_head
+            logits = strategies.softcap(logits, spec.final_logit_softcapping)
+            record(FINAL_LOGITS, logits)
         return logits[0]
 
 
@@ -398,25 +757,30 @@ class Llama:
 
 def expected_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor the spec needs, with its shape (HF names, as in the safetensors files)."""
+    family = families.get(spec.family)
     c, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    norms = [name for pair in family.norms for name in pair if name]
+    qk_norms = {"none": {}, "per_head": {"q_norm": (d,), "k_norm": (d,)},
+                "per_head_heads_first": {"q_norm": (d,), "k_norm": (d,)},
+                "whole": {"q_norm": (q_out,), "k_norm": (kv_out,)}}[family.qk_norm]
+    projections = ({"qkv_proj": (q_out + 2 * kv_out, c)} if family.projections == "fused"
+                   else {"q_proj": (q_out, c), "k_proj": (kv_out, c), "v_proj": (kv_out, c)})
+    gate_up = {"gate_up_proj": (2 * i, c)} if family.mlp == "fused" else {"gate_proj": (i, c), "up_proj": (i, c)}
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, c)}
     for n in range(spec.num_hidden_layers):
         p = f"model.layers.{n}."
-        shapes |= {
-            p + "input_layernorm.weight": (c,),
-            p + "self_attn.q_proj.weight": (q_out, c),
-            p + "self_attn.k_proj.weight": (kv_out, c),
-            p + "self_attn.v_proj.weight": (kv_out, c),
-            p + "self_attn.o_proj.weight": (c, q_out),
-            p + "post_attention_layernorm.weight": (c,),
-            p + "mlp.gate_proj.weight": (i, c),
-            p + "mlp.up_proj.weight": (i, c),
-            p + "mlp.down_proj.weight": (c, i),
-        }
-        if spec.attention_bias:
+        shapes |= {p + f"{name}.weight": (c,) for name in norms}
+        shapes |= {p + f"self_attn.{name}.weight": shape for name, shape in projections.items()}
+        shapes |= {p + f"self_attn.{name}.weight": shape for name, shape in qk_norms.items()}
+        shapes[p + "self_attn.o_proj.weight"] = (c, q_out)
+        shapes |= {p + f"mlp.{name}.weight": shape for name, shape in gate_up.items()}
+        shapes[p + "mlp.down_proj.weight"] = (c, i)
+        if spec.attention_bias or spec.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
-                       p + "self_attn.v_proj.bias": (kv_out,), p + "self_attn.o_proj.bias": (c,)}
+                       p + "self_attn.v_proj.bias": (kv_out,)}
+        if spec.attention_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (c,)
         if spec.mlp_bias:
             shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (c,)}
     shapes["model.norm.weight"] = (c,)

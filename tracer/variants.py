@@ -18,6 +18,11 @@ from tracer.engines.registry import engines_honouring
 from tracer.errors import TracerError
 
 DTYPES = ("f32", "bf16", "f16", "f64")
+ACTIVATION_VALUES = ("silu", "gelu", "gelu_tanh", "relu")  # tracer.config.ACT_NAMES maps them to transformers'
+
+
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # Llama's RMSNorm (weight × x cast back)
+WINDOWED = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")  # families with sliding-window configs
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,12 @@ class Knob:
     accepted: str  # the accepted form, quoted in errors and `tracer variants`
     default: str
     reproduces: str
-    # The variant `tracer sweep` runs for this knob by default, given the model's spec.
+    # The variant `tracer sweep` runs for this knob by default, given the model's spec ("": none).
     representative: Callable[[Any], str] = lambda spec: ""
+    # The families it applies to (`tracer.families`); None: every family.
+    families: tuple[str, ...] | None = None
+    # Where its representative value diverges first (f32 unless said), for `tracer variants`.
+    expected: str = ""
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -63,6 +72,28 @@ def _fixed(text: str) -> Callable[[Any], str]:
     return lambda spec: text
 
 
+def _if(test: Callable[[Any], bool], text: str) -> Callable[[Any], str]:
+    """A representative where the model has what the knob changes (a soft-cap, a window, ...); with
+    no spec at hand, the value itself."""
+    return lambda spec: text if spec is None or test(spec) else ""
+
+
+def _llama_only(text: str) -> Callable[[Any], str]:
+    """A representative for Llama models only (the candle presets read Llama configs only)."""
+    return _if(lambda spec: spec.family == "llama", text)
+
+
+# transformers' Gemma 2 has no sdpa path (it cannot soft-cap), nor has the fused kernel
+_sdpa = _if(lambda spec: spec.attn_logit_softcapping is None, "attn=sdpa")
+_window_mistake = _if(lambda spec: spec.sliding_window is not None, "window=ignore")
+
+
+def _qkv_order(text: str) -> str:
+    if sorted(text) != ["k", "q", "v"]:
+        raise ValueError(text)
+    return text
+
+
 KNOBS: dict[str, Knob] = {
     knob.name: knob
     for knob in (
@@ -72,7 +103,7 @@ KNOBS: dict[str, Knob] = {
         Knob("eps", _positive_float, "a positive number, e.g. eps=1e-6", "from config.json",
              "a wrong rms_norm_eps", _fixed("eps=1e-3")),
         Knob("attn", _choice("eager", "sdpa"), "eager | sdpa", "eager",
-             "the attention implementation (sdpa fuses scores and softmax)", _fixed("attn=sdpa")),
+             "the attention implementation (sdpa fuses scores and softmax)", _sdpa),
         Knob("dtype", _choice(*DTYPES), " | ".join(DTYPES), "f32",
              "the load dtype", _fixed("dtype=bf16")),
         Knob("rope", _choice("half", "interleaved"), "half | interleaved", "half",
@@ -87,18 +118,21 @@ KNOBS: dict[str, Knob] = {
              "candle's attention: q, k, v upcast to f32 throughout, scores divided by sqrt(D)",
              _fixed("attn_math=candle")),
         Knob("norm", _choice("hf", "candle"), "hf | candle", "hf",
-             "candle's RMSNorm: x / root in the load dtype (HF: x * rsqrt in f32, cast, then weight)", _fixed("norm=candle")),
+             "candle's RMSNorm: x / root in the load dtype (HF: x * rsqrt in f32, cast, then weight)",
+             _fixed("norm=candle"), families=LLAMA_LIKE),
         Knob("bias", _choice("keep", "ignore"), "keep | ignore", "keep",
              "candle's linear_no_bias drops projection biases", _fixed("bias=ignore")),
         Knob("logits", _choice("all", "last"), "all | last", "all",
              "candle computes lm_head on the last position only", _fixed("logits=last")),
         Knob("config", _choice("hf", "candle"), "hf | candle", "hf",
-             "which reader parses config.json (candle 0.11: 13 keys, see `tracer config`)", _fixed("config=candle")),
+             "which reader parses config.json (candle 0.11: 13 keys, see `tracer config`)",
+             _llama_only("config=candle"), families=("llama",)),
         Knob("resave", _choice("none", "tf5"), "none | tf5", "none",
              "config re-saved by transformers 5 (theta and scaling move into rope_parameters)",
-             _fixed("config=candle,resave=tf5")),
+             _llama_only("config=candle,resave=tf5"), families=("llama",)),
         Knob("preset", _choice("candle"), "candle", "none",
-             "every candle-0.11 llama.rs choice at once (explicit knobs override it)", _fixed("preset=candle")),
+             "every candle-0.11 llama.rs choice at once (explicit knobs override it)", _llama_only("preset=candle"),
+             families=("llama",)),
         Knob("ort_opt", _choice("disable", "basic", "extended", "layout", "all"),
              "disable | basic | extended | layout | all", "all",
              "ONNX Runtime's graph optimization level (its fusions change the rounding)",
@@ -108,6 +142,42 @@ KNOBS: dict[str, Knob] = {
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}"),
         Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
              "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}"),
+        # --- the families' classic porting mistakes (tracer.families) ---
+        Knob("norm_offset", _choice("keep", "drop"), "keep | drop", "keep",
+             "Gemma's RMSNorm scales by (1 + weight); a port that multiplies by the stored weight forgets the 1",
+             _fixed("norm_offset=drop"), families=("gemma2", "gemma3"), expected="layers.0.input_layernorm"),
+        Knob("embed_scale", _choice("model", "drop", "f32"), "model | drop | f32", "model",
+             "Gemma multiplies the embeddings by sqrt(hidden_size) rounded to the model's dtype: drop forgets it, "
+             "f32 scales in f32 before the cast (differs in bf16/f16 only)",
+             _fixed("embed_scale=drop"), families=("gemma2", "gemma3"),
+             expected="model.embed_tokens (f32: with dtype=bf16 or f16 only, rel_l2 ~2e-3, as large as bf16's "
+                      "own rounding there: seen against the fixed bound, --no-noise)"),
+        Knob("softcap", _choice("keep", "drop"), "keep | drop", "keep",
+             "Gemma 2's soft-capping of attention scores and final logits, cap·tanh(x/cap), forgotten",
+             _if(lambda spec: spec.attn_logit_softcapping is not None or spec.final_logit_softcapping is not None,
+                 "softcap=drop"), families=("gemma2", "gemma3"), expected="layers.0.self_attn.scores"),
+        Knob("qk_norm", _choice("keep", "drop"), "keep | drop", "keep",
+             "the RMSNorm of q and k before RoPE (per head in Qwen3 and Gemma 3, over the projection in OLMo-2) "
+             "forgotten", _fixed("qk_norm=drop"), families=("qwen3", "gemma3", "olmo2"),
+             expected="layers.0.self_attn.q_norm"),
+        Knob("window", _choice("keep", "ignore"), "keep | ignore", "keep",
+             "the sliding window ignored: every query attends to the whole prefix (visible once the prompt is "
+             "longer than the window)", _window_mistake, families=WINDOWED,
+             expected="self_attn.probs of the first windowed layer; match on prompts within the window"),
+        Knob("rope_local", _choice("local", "global"), "local | global", "local",
+             "Gemma 3's local (sliding) layers given the global RoPE base instead of rope_local_base_freq",
+             _fixed("rope_local=global"), families=("gemma3",),
+             expected="self_attn.q_rope of the first local layer (layer 0)"),
+        Knob("act", _choice(*ACTIVATION_VALUES), " | ".join(ACTIVATION_VALUES), "from config.json",
+             "another MLP activation than the config's: exact (erf) GELU for Gemma's tanh approximation, or the "
+             "reverse", _if(lambda spec: spec.hidden_act == "gelu_pytorch_tanh", "act=gelu"),
+             expected="layers.0.mlp.act"),
+        Knob("qkv_split", _qkv_order, "an order of q, k, v, e.g. qkv_split=kqv", "qkv",
+             "the fused qkv_proj output split in another order than q | k | v (sizes H·D, KV·D, KV·D in that order)",
+             _fixed("qkv_split=kqv"), families=("phi3",), expected="layers.0.self_attn.q_rope"),
+        Knob("gate_up", _choice("gate_up", "up_gate"), "gate_up | up_gate", "gate_up",
+             "the fused gate_up_proj output split up-first (Phi-3 stores the gate first)",
+             _fixed("gate_up=up_gate"), families=("phi3",), expected="layers.0.mlp.act"),
     )
 }
 
@@ -174,6 +244,19 @@ def _split_pair(item: str) -> tuple[str, str]:
     if not sep or not name.strip() or not value.strip():
         raise TracerError(f"bad variant {item.strip()!r}; expected knob=value, e.g. theta=10000")
     return name.strip(), value.strip()
+
+
+def check_family(variant: dict, family: str) -> None:
+    """Refuse knobs that do not apply to the model's family, naming the families they apply to."""
+    for name in variant:
+        families = KNOBS[name].families if name in KNOBS else None
+        if families is not None and family not in families:
+            raise TracerError(f"knob {name!r} does not apply to {family} models; it applies to {', '.join(families)}")
+
+
+def knobs_for(family: str) -> list[Knob]:
+    """The knobs that apply to one family, in catalogue order."""
+    return [knob for knob in KNOBS.values() if knob.families is None or family in knob.families]
 
 
 def check_engine(variant: dict, engine: str) -> None:

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from tracer.errors import TracerError
 
 # Config-level knobs: they change the model every PyTorch engine builds (the spec it reads).
-CONFIG_KNOBS = ("theta", "eps", "attn", "dtype", "rope_scaling", "bias", "config", "resave", "layers", "head_dim")
-# Semantic knobs: they change one operation of tracer's own Llama.
-SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "preset")
+CONFIG_KNOBS = ("theta", "eps", "attn", "dtype", "rope_scaling", "bias", "config", "resave", "layers", "head_dim",
+                "act", "rope_local")
+# Semantic knobs: they change one operation of tracer's own forward (the families' porting mistakes among them).
+SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "preset",
+                  "norm_offset", "embed_scale", "softcap", "qk_norm", "window", "qkv_split", "gate_up")
 
 
 @dataclass(frozen=True)

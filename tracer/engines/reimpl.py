@@ -1,4 +1,5 @@
-"""The `reimpl` engine: tracer's own instrumented Llama (`tracer.llama`), no transformers import."""
+"""The `reimpl` engine: tracer's own instrumented forward (`tracer.llama`, every family of
+`tracer.families`), no transformers import."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class ReimplEngine:
         not_recorded = per_layer(spec.num_hidden_layers, self.llama.strategies.not_recorded())
         return trace_meta(self, self.model, tokens, self.llama.strategies.dtype, not_recorded,
                           num_layers=spec.num_hidden_layers, unused_config_keys=list(spec.unused_keys),
-                          unused_tensors=self.llama.unused_tensors)
+                          unused_tensors=self.llama.unused_tensors, family=spec.family)
 
 
 def load(source, variant: dict, *, argument: str | None = None, device: str | torch.device = "cpu",
