@@ -18,6 +18,7 @@ from tracer.engines.registry import engines_honouring
 from tracer.errors import TracerError
 
 DTYPES = ("f32", "bf16", "f16", "f64")
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,14 @@ KNOBS: dict[str, Knob] = {
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}"),
         Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
              "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}"),
+        Knob("kv_cache", _choice(*KV_CACHE_TYPES), " | ".join(KV_CACHE_TYPES), "f16",
+             "the KV cache's storage type (llama.cpp type_k/type_v; f16 by default): keys and values rounded "
+             "before attention", _fixed("kv_cache=f32")),
+        Knob("flash_attn", _choice("on", "off", "auto"), "on | off | auto", "auto",
+             "llama.cpp's flash attention (auto: on where the backend has it), which fuses scores, softmax and "
+             "context", _fixed("flash_attn=off")),
+        Knob("threads", _positive_int, "a positive integer, e.g. threads=2", "4, at most the CPU count",
+             "the runtime's thread count (llama.cpp n_threads); results should not depend on it", _fixed("threads=1")),
     )
 }
 
