@@ -63,7 +63,7 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 DEFAULT_THREADS = 4  # llama.cpp's GGML_DEFAULT_N_THREADS
 CONTEXT_PAD = 256  # llama.cpp pads the context to this many cells anyway
 ROPE_NORM = 0  # LLAMA_ROPE_TYPE_NORM: adjacent pairs, q/k weights in GGUF's permuted order
-LOG_ERROR_LEVELS = (3, 4)  # GGML_LOG_LEVEL_WARN, _ERROR: kept for error messages
+LOG_ERROR = 4  # GGML_LOG_LEVEL_ERROR: what llama.cpp says when it refuses, kept for our message
 
 # Set in the engine's process unless the user set them (`tracer.engines.isolated` passes them to
 # its child, `runtime` sets them before llama.cpp loads): OpenMP threads that sleep instead of
@@ -300,7 +300,7 @@ def _eval_callback(graph: GraphRecorder):
 
 
 class Logs:
-    """llama.cpp's log, silenced; its last warnings and errors kept for error messages."""
+    """llama.cpp's log, silenced; the errors since the last `clear` kept for our error messages."""
 
     def __init__(self):
         import llama_cpp
@@ -311,8 +311,11 @@ class Logs:
 
     def _log(self, level, text, _user_data):
         line = (text or b"").decode(errors="replace").strip()
-        if level in LOG_ERROR_LEVELS and line:
+        if level == LOG_ERROR and line:
             self.lines.append(line)
+
+    def clear(self) -> None:
+        self.lines.clear()
 
     def last(self) -> str:
         return " | ".join(self.lines) or "no message"
@@ -375,6 +378,7 @@ class LlamaCppEngine:
         self.ggml, self.logs = runtime()
         self.gguf, self.variant, self.outputs = Path(gguf), dict(variant), outputs
         params = llama_cpp.llama_model_default_params()
+        self.logs.clear()
         model = llama_cpp.llama_model_load_from_file(str(self.gguf).encode(), params)
         if not model:
             raise TracerError(f"llama.cpp cannot load {self.gguf}: {self.logs.last()}")
@@ -450,6 +454,7 @@ class LlamaCppEngine:
         if "theta" in self.variant:
             params.rope_freq_base = float(self.variant["theta"])
         params.cb_eval = self.graph.callback
+        self.logs.clear()
         context = llama_cpp.llama_init_from_model(self.model, params)
         if not context:
             raise TracerError(f"llama.cpp cannot make a context for {self.gguf} with {self._knobs_text()}: "
@@ -469,6 +474,7 @@ class LlamaCppEngine:
             batch.token[i], batch.pos[i], batch.logits[i] = token, position, output
             batch.n_seq_id[i], batch.seq_id[i][0] = 1, 0
         batch.n_tokens = len(tokens)
+        self.logs.clear()
         status = llama_cpp.llama_decode(self.context, batch)
         if status != 0:
             raise TracerError(f"llama.cpp could not decode {len(tokens)} tokens (status {status}): {self.logs.last()}")
