@@ -9,7 +9,6 @@ them agrees at rounding level (6.6e-8), and the last position's argmax survives 
 from __future__ import annotations
 
 import pytest
-import torch
 
 import tracer
 

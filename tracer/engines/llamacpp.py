@@ -50,7 +50,7 @@ from tracer.engines.base import is_loaded_model, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.layouts import from_interleaved, sub_point
-from tracer.points import EMBED, FINAL_NORM, LAYER_POINTS, LOGITS, all_points, layer_point
+from tracer.points import all_points, layer_point
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
 
 # ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
