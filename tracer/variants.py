@@ -23,6 +23,7 @@ ACTIVATION_VALUES = ("silu", "gelu", "gelu_tanh", "relu")  # tracer.config.ACT_N
 
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # Llama's RMSNorm (weight × x cast back)
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")  # families with sliding-window configs
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,14 @@ KNOBS: dict[str, Knob] = {
         Knob("gate_up", _choice("gate_up", "up_gate"), "gate_up | up_gate", "gate_up",
              "the fused gate_up_proj output split up-first (Phi-3 stores the gate first)",
              _fixed("gate_up=up_gate"), families=("phi3",), expected="layers.0.mlp.act"),
+        Knob("kv_cache", _choice(*KV_CACHE_TYPES), " | ".join(KV_CACHE_TYPES), "f16",
+             "the KV cache's storage type (llama.cpp type_k/type_v; f16 by default): keys and values rounded "
+             "before attention", _fixed("kv_cache=f32")),
+        Knob("flash_attn", _choice("on", "off", "auto"), "on | off | auto", "auto",
+             "llama.cpp's flash attention (auto: on where the backend has it), which fuses scores, softmax and "
+             "context", _fixed("flash_attn=off")),
+        Knob("threads", _positive_int, "a positive integer, e.g. threads=2", "4, at most the CPU count",
+             "the runtime's thread count (llama.cpp n_threads); results should not depend on it", _fixed("threads=1")),
     )
 }
 

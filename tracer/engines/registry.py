@@ -19,6 +19,8 @@ CONFIG_KNOBS = ("theta", "eps", "attn", "dtype", "rope_scaling", "bias", "config
 # Semantic knobs: they change one operation of tracer's own forward (the families' porting mistakes among them).
 SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "preset",
                   "norm_offset", "embed_scale", "softcap", "qk_norm", "window", "qkv_split", "gate_up")
+# llama.cpp's own switches: rope_freq_base, the KV cache type, flash attention, threads.
+LLAMACPP_KNOBS = ("theta", "kv_cache", "flash_attn", "threads")
 
 
 @dataclass(frozen=True)
@@ -34,15 +36,20 @@ class EngineEntry:
         local_errors: it can rerun each block on the reference's inputs (`local_trace`), which
             separates the error a point introduces from the error it inherits.
         draft: it has a cached decode (`draft(tokens, steps)`) that greedy decoding checks.
-        greedy: how its greedy continuation is defined: "uncached" (what step-by-step decoding
-            without a cache gives, the draft only a guess to check) or "cached" (its own cached
-            decode, taken as is: what the runtime's users get, e.g. llama.cpp's KV cache).
         logits: it can run an unrecorded forward (`logits(tokens)`), which greedy decoding needs.
         devices: the torch device types it takes.
         stream: it can read weights block by block (`stream=True`).
         argument: what follows the colon ("PATH"), or None; `argument_required` when it must.
         extra: the pip extra that installs its runtime (`pip install -e '.[extra]'`).
         requires: (import name, distribution) pairs its runtime needs.
+        greedy: how its greedy continuation is taken. "uncached": decoded the way an uncached
+            forward over the whole sequence decodes it, each step checked with `logits` (a
+            `draft` only saves forwards); "cached": the engine's continuation is its own cached
+            decode (`draft`, e.g. llama.cpp with its KV cache), taken as is, because how the
+            runtime decodes is what is being compared.
+        isolated: its runtime is native code that may abort (a segfault, a GGML_ASSERT): it runs
+            in a child process (`tracer.engines.isolated`), so a crash ends the run with one
+            line naming the engine instead of taking tracer down.
     """
 
     name: str
@@ -60,6 +67,7 @@ class EngineEntry:
     argument_required: bool = False
     extra: str | None = None
     requires: tuple[tuple[str, str], ...] = ()
+    isolated: bool = False
 
     @property
     def usage(self) -> str:
@@ -112,6 +120,14 @@ ENGINES: dict[str, EngineEntry] = {
             "ONNX Runtime on tracer's cached dynamo export of the model, every point a named graph output",
             knobs=("dtype", "ort_opt"),
             extra="onnx", requires=(("onnxruntime", "onnxruntime"), ("onnx", "onnx"), ("onnxscript", "onnxscript")),
+        ),
+        EngineEntry(
+            "llamacpp", "tracer.engines.llamacpp",
+            "llama.cpp (llama-cpp-python) running the model's GGUF, its graph observed through the eval callback",
+            # scores/probs are recorded unless flash attention fuses them (flash_attn=on, or auto
+            # where the backend has it): said per run in the trace's not_recorded, not here.
+            knobs=LLAMACPP_KNOBS, draft=True, greedy="cached", argument="PATH", extra="llamacpp",
+            requires=(("llama_cpp", "llama-cpp-python"),), isolated=True,
         ),
     )
 }
