@@ -281,8 +281,12 @@ def reference_noise(source, reference: str, variant: dict, engine, trace: Trace,
     Past NOISE_TOKENS tokens the noise is measured on the prompt's first NOISE_TOKENS: an f64
     forward costs twice the memory of the f32 one, and rounding noise is a per-op property.
     """
-    if parse_engine(reference)[0].argument_required:
+    entry = parse_engine(reference)[0]
+    if entry.argument_required:
         return None, ["no noise floor for a saved reference trace: points judged by the fixed rel_l2 bound"]
+    if not entry.noise_floor:
+        return None, [f"no noise floor for a {entry.name} reference (an f64 run of tracer's model does not measure "
+                      "its rounding): points judged by the fixed rel_l2 bound"]
     from tracer.noise import NOISE_TOKENS, estimate_noise
 
     notes = []

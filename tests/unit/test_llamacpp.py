@@ -22,6 +22,7 @@ from tests.tiny_gguf import write_tiny_gguf
 from tracer.engines import isolated
 from tracer.engines.registry import ENGINES, check_runtime
 from tracer.errors import TracerError
+from tracer.greedy import continuation
 from tracer.points import all_points
 
 EXACT = {"flash_attn": "off", "kv_cache": "f32", "threads": 1}
@@ -146,7 +147,7 @@ def test_logits_and_the_cached_greedy_decode(tiny, exact, llamacpp):
     engine, trace = exact
     assert torch.equal(engine.logits(TOKENS), trace["lm_head"])
     steps = 6
-    uncached = tracer.api.greedy_continuation(engine, TOKENS, steps)
+    uncached = continuation(engine, TOKENS, steps)
     assert engine.draft(TOKENS, steps) == uncached  # a tiny f32 model: cache or not, same argmax
 
 

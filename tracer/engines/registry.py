@@ -47,6 +47,9 @@ class EngineEntry:
             `draft` only saves forwards); "cached": the engine's continuation is its own cached
             decode (`draft`, e.g. llama.cpp with its KV cache), taken as is, because how the
             runtime decodes is what is being compared.
+        noise_floor: an f64 run of tracer's own model measures the rounding noise of this engine as
+            a reference (true for the PyTorch engines; a runtime with its own number formats, such
+            as llama.cpp's quantized matmuls, differs from it by more than rounding).
         isolated: its runtime is native code that may abort (a segfault, a GGML_ASSERT): it runs
             in a child process (`tracer.engines.isolated`), so a crash ends the run with one
             line naming the engine instead of taking tracer down.
@@ -67,6 +70,7 @@ class EngineEntry:
     argument_required: bool = False
     extra: str | None = None
     requires: tuple[tuple[str, str], ...] = ()
+    noise_floor: bool = False
     isolated: bool = False
 
     @property
@@ -96,13 +100,14 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry(
             "hf", "tracer.hooks.engine",
             "transformers' own model, observed through forward hooks and a registered attention function",
-            knobs=CONFIG_KNOBS, draft=True, devices=("cpu", "cuda", "mps"),
+            knobs=CONFIG_KNOBS, draft=True, devices=("cpu", "cuda", "mps"), noise_floor=True,
             requires=(("transformers", "transformers"),),
         ),
         EngineEntry(
             "reimpl", "tracer.engines.reimpl",
             "tracer's own Llama in plain torch (tracer/llama.py), every knob as a strategy",
             knobs=CONFIG_KNOBS + SEMANTIC_KNOBS, local_errors=True, devices=("cpu", "cuda", "mps"), stream=True,
+            noise_floor=True,
         ),
         EngineEntry(
             "file", "tracer.engines.file",
