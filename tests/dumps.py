@@ -122,3 +122,109 @@ def faulty_trace(model_dir: Path, tokens, layer: int, scale: float = 0.01):
     weights[name] = weights[name] * (1 + scale * noise)
     llama = Llama(read_hf(load_config(model_dir)), weights)
     return ReimplEngine(llama, str(model_dir)).record(list(tokens))
+
+
+# TransformerLens 4.3's TransformerBridge.run_with_cache on a Llama (SmolLM2), every name in the cache's
+# own order, copied from a real run: (name, our point or None for a name with no point). Several names
+# hold one tensor (hook_q is attn.q.hook_out, hook_z attn.o.hook_in, hook_resid_mid ln2.hook_in).
+TRANSFORMER_LENS_4_BEFORE = [
+    ("embed.hook_in", None),  # the token ids
+    ("embed.hook_out", "model.embed_tokens"),
+    ("hook_embed", "model.embed_tokens"),
+    ("rotary_emb.hook_in", None),
+    ("rotary_emb.hook_cos", None),
+    ("rotary_emb.hook_sin", None),
+]
+TRANSFORMER_LENS_4_BLOCK = [
+    ("blocks.{i}.hook_in", None),
+    ("blocks.{i}.hook_resid_pre", None),
+    ("blocks.{i}.ln1.hook_in", None),
+    ("blocks.{i}.ln1.hook_scale", None),
+    ("blocks.{i}.ln1.hook_normalized", None),
+    ("blocks.{i}.ln1.hook_out", "model.layers.{i}.input_layernorm"),
+    ("blocks.{i}.attn.hook_in", None),
+    ("blocks.{i}.attn.q.hook_in", None),
+    ("blocks.{i}.attn.q.hook_out", "model.layers.{i}.self_attn.q_proj"),
+    ("blocks.{i}.attn.hook_q", "model.layers.{i}.self_attn.q_proj"),
+    ("blocks.{i}.attn.k.hook_in", None),
+    ("blocks.{i}.attn.k.hook_out", "model.layers.{i}.self_attn.k_proj"),
+    ("blocks.{i}.attn.hook_k", "model.layers.{i}.self_attn.k_proj"),
+    ("blocks.{i}.attn.v.hook_in", None),
+    ("blocks.{i}.attn.v.hook_out", "model.layers.{i}.self_attn.v_proj"),
+    ("blocks.{i}.attn.hook_v", "model.layers.{i}.self_attn.v_proj"),
+    ("blocks.{i}.attn.hook_cos", None),
+    ("blocks.{i}.attn.hook_sin", None),
+    ("blocks.{i}.attn.hook_rot_q", "model.layers.{i}.self_attn.q_rope"),
+    ("blocks.{i}.attn.hook_rot_k", "model.layers.{i}.self_attn.k_rope"),
+    ("blocks.{i}.attn.hook_attn_scores", "model.layers.{i}.self_attn.scores"),
+    ("blocks.{i}.attn.hook_pattern", "model.layers.{i}.self_attn.probs"),
+    ("blocks.{i}.attn.o.hook_in", "model.layers.{i}.self_attn.context"),
+    ("blocks.{i}.attn.hook_z", "model.layers.{i}.self_attn.context"),
+    ("blocks.{i}.attn.o.hook_out", "model.layers.{i}.self_attn.o_proj"),
+    ("blocks.{i}.attn.hook_out", "model.layers.{i}.self_attn.o_proj"),
+    ("blocks.{i}.hook_attn_out", "model.layers.{i}.self_attn.o_proj"),
+    ("blocks.{i}.ln2.hook_in", "model.layers.{i}.resid_mid"),
+    ("blocks.{i}.hook_resid_mid", "model.layers.{i}.resid_mid"),
+    ("blocks.{i}.ln2.hook_scale", None),
+    ("blocks.{i}.ln2.hook_normalized", None),
+    ("blocks.{i}.ln2.hook_out", "model.layers.{i}.post_attention_layernorm"),
+    ("blocks.{i}.mlp.hook_in", None),
+    ("blocks.{i}.mlp.gate.hook_in", None),
+    ("blocks.{i}.mlp.gate.hook_out", "model.layers.{i}.mlp.gate_proj"),
+    ("blocks.{i}.mlp.hook_pre", "model.layers.{i}.mlp.gate_proj"),
+    ("blocks.{i}.mlp.in.hook_in", None),
+    ("blocks.{i}.mlp.in.hook_out", "model.layers.{i}.mlp.up_proj"),
+    ("blocks.{i}.mlp.hook_pre_linear", "model.layers.{i}.mlp.up_proj"),
+    ("blocks.{i}.mlp.out.hook_in", "model.layers.{i}.mlp.act"),
+    ("blocks.{i}.mlp.hook_post", "model.layers.{i}.mlp.act"),
+    ("blocks.{i}.mlp.out.hook_out", "model.layers.{i}.mlp.down_proj"),
+    ("blocks.{i}.mlp.hook_out", "model.layers.{i}.mlp.down_proj"),
+    ("blocks.{i}.hook_mlp_out", "model.layers.{i}.mlp.down_proj"),
+    ("blocks.{i}.hook_out", "model.layers.{i}"),
+    ("blocks.{i}.hook_resid_post", "model.layers.{i}"),
+]
+TRANSFORMER_LENS_4_AFTER = [
+    ("ln_final.hook_in", None),
+    ("ln_final.hook_scale", None),
+    ("ln_final.hook_normalized", None),
+    ("ln_final.hook_out", "model.norm"),
+    ("unembed.hook_in", None),
+    ("unembed.hook_out", "lm_head"),
+    ("hook_unembed", "lm_head"),
+]
+
+
+def transformer_lens_4_names(num_layers: int) -> list[tuple[str, str | None]]:
+    """Every (name, point) of a TransformerLens 4.3 bridge cache on a Llama of `num_layers` layers, in order."""
+    block = [(name.replace("{i}", str(i)), point and point.replace("{i}", str(i)))
+             for i in range(num_layers) for name, point in TRANSFORMER_LENS_4_BLOCK]
+    return [*TRANSFORMER_LENS_4_BEFORE, *block, *TRANSFORMER_LENS_4_AFTER]
+
+
+def _transformer_lens_layout(point: str, tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A point of ours in TransformerLens' layout: a batch dimension of 1, per-head tensors as
+    [batch, pos, head, d_head], attention as [batch, head, query, key]."""
+    sub = point.rsplit(".", 1)[-1] if point.startswith("model.layers.") else point
+    if sub in ("q_rope", "k_rope"):  # (H, T, D) -> (T, H, D)
+        tensor = tensor.transpose(0, 1)
+    elif sub in ("q_proj", "k_proj", "v_proj", "context"):  # (T, H*D) -> (T, H, D)
+        tensor = tensor.reshape(tensor.shape[0], -1, head_dim)
+    return tensor[None].clone(memory_format=torch.contiguous_format)  # its own storage, like the writer's clone
+
+
+def transformer_lens_4_dump(trace) -> dict[str, torch.Tensor]:
+    """A TransformerLens 4 bridge cache as the docs' writer saves it: every name of the real cache,
+    the points' values in TransformerLens' layout, the names without a point filled with stand-ins of
+    their shapes (token ids, rotary tables, RMS scales, x / rms, module inputs)."""
+    head_dim = trace["model.layers.0.self_attn.q_rope"].shape[-1]
+    tokens = len(trace.tokens)
+    hidden = trace["model.embed_tokens"].shape[-1]
+    stand_ins = {"hook_scale": (1, tokens, 1), "hook_cos": (1, tokens, head_dim), "hook_sin": (1, tokens, head_dim)}
+    dump = {"embed.hook_in": torch.tensor([trace.tokens])}
+    for name, point in transformer_lens_4_names(trace.meta["num_layers"])[1:]:
+        if point is not None:
+            dump[name] = _transformer_lens_layout(point, trace[point], head_dim)
+        else:
+            shape = next((shape for key, shape in stand_ins.items() if name.endswith(key)), (1, tokens, hidden))
+            dump[name] = torch.full(shape, 0.5)
+    return dump

@@ -126,10 +126,13 @@ GGUF = _table("gguf", [
     ("output", LOGITS),
 ], layout="THD")
 
-# TransformerLens hook names (HookedTransformer on a Llama): per-head hooks are [batch, pos,
-# head, d_head]; hook_k / hook_v carry the kv heads before they are repeated; attention scores
-# and pattern are [batch, head, query, key] with masked scores at -inf (excluded from metrics).
-# Rotary uses the half-split pairing for Llama, as HF does.
+# TransformerLens hook names on a Llama, the same for HookedTransformer (TransformerLens 3) and
+# TransformerBridge (TransformerLens 4), which keeps them as aliases of its own names below.
+# Per-head hooks are [batch, pos, head, d_head]; hook_k / hook_v carry the kv heads before they are
+# repeated; attention scores and pattern are [batch, head, query, key] with masked scores at -inf
+# (excluded from metrics). Rotary uses the half-split pairing for Llama, as HF does. TransformerLens 3
+# has no norm output nor logits hook (its norms' hook_normalized is before the weight, see
+# NOT_COMPARABLE): `logits` (the HF row) names what run_with_cache returns.
 TRANSFORMER_LENS = _table("transformer_lens", [
     ("hook_embed", EMBED),
     ("blocks.{i}.attn.hook_q", f"{L}.self_attn.q_proj"),
@@ -149,6 +152,35 @@ TRANSFORMER_LENS = _table("transformer_lens", [
     ("blocks.{i}.hook_resid_post", L),
 ], layout="THD")
 
+# TransformerLens 4 only: TransformerBridge wraps each HF module in a component with `hook_in` and
+# `hook_out`, named after TransformerLens' own module names (4.3 on a Llama: embed, blocks.{i}.ln1,
+# attn.q/k/v/o, ln2, mlp.gate/in/out, ln_final, unembed). Its run_with_cache holds these and the
+# aliases above, which are the same tensors (hook_q is attn.q.hook_out, hook_z attn.o.hook_in,
+# hook_resid_mid ln2.hook_in, hook_post mlp.out.hook_in); the norms' hook_out is the norm's output
+# with its weight (ln1.hook_out is input_layernorm). Other modules' hook_in repeat the point
+# before them and are listed in NOT_COMPARABLE.
+TRANSFORMER_LENS_BRIDGE = _table("transformer_lens", [
+    ("embed.hook_out", EMBED),
+    ("blocks.{i}.ln1.hook_out", f"{L}.input_layernorm"),
+    ("blocks.{i}.attn.q.hook_out", f"{L}.self_attn.q_proj"),
+    ("blocks.{i}.attn.k.hook_out", f"{L}.self_attn.k_proj"),
+    ("blocks.{i}.attn.v.hook_out", f"{L}.self_attn.v_proj"),
+    ("blocks.{i}.attn.o.hook_in", f"{L}.self_attn.context"),
+    ("blocks.{i}.attn.o.hook_out", f"{L}.self_attn.o_proj"),
+    ("blocks.{i}.attn.hook_out", f"{L}.self_attn.o_proj"),
+    ("blocks.{i}.ln2.hook_in", f"{L}.resid_mid"),
+    ("blocks.{i}.ln2.hook_out", f"{L}.post_attention_layernorm"),
+    ("blocks.{i}.mlp.gate.hook_out", f"{L}.mlp.gate_proj"),
+    ("blocks.{i}.mlp.in.hook_out", f"{L}.mlp.up_proj"),
+    ("blocks.{i}.mlp.out.hook_in", f"{L}.mlp.act"),
+    ("blocks.{i}.mlp.out.hook_out", f"{L}.mlp.down_proj"),
+    ("blocks.{i}.mlp.hook_out", f"{L}.mlp.down_proj"),
+    ("blocks.{i}.hook_out", L),
+    ("ln_final.hook_out", FINAL_NORM),
+    ("unembed.hook_out", LOGITS),
+    ("hook_unembed", LOGITS),
+], layout="THD")
+
 # HF module paths are the points themselves; these two modules' outputs are points too.
 HF = _table("hf", [
     (f"{L}.self_attn", f"{L}.self_attn.o_proj"),
@@ -156,7 +188,21 @@ HF = _table("hf", [
     ("logits", LOGITS),
 ], layout="HTD")
 
-ALIASES: list[Alias] = [*CANDLE, *GGML, *GGUF, *TRANSFORMER_LENS, *HF]
+ALIASES: list[Alias] = [*CANDLE, *GGML, *GGUF, *TRANSFORMER_LENS, *TRANSFORMER_LENS_BRIDGE, *HF]
+
+
+
+def _tl_normalized(point: str, hook_out: str) -> str:
+    # fold_ln (HookedTransformer's default, the bridge's compatibility mode) folds the norm weight into
+    # the next matmul, so in TransformerLens 3 nothing before that matmul holds the norm's output.
+    return (f"TransformerLens' x / rms before the norm weight, not {point} (which is TransformerLens 4's "
+            f"{hook_out}; TransformerLens 3 has none)")
+
+
+# TransformerLens 4 module -> the point its hook_in repeats (a Llama block, TransformerLens 4.3's names)
+_TL_INPUTS = {"ln1": "blocks.{i}.hook_in", "attn": "ln1.hook_out", "attn.q": "ln1.hook_out",
+              "attn.k": "ln1.hook_out", "attn.v": "ln1.hook_out", "mlp": "ln2.hook_out",
+              "mlp.gate": "ln2.hook_out", "mlp.in": "ln2.hook_out"}
 
 # Names other runtimes record that hold something no point holds: skipped, and said so.
 NOT_COMPARABLE = {
@@ -164,16 +210,29 @@ NOT_COMPARABLE = {
     "norm-{i}": "llama.cpp's RMS-normalized input before the norm weight",
     "ffn_silu-{i}": "llama.cpp's silu(gate) before the product with up",
     "kqv-{i}": "llama.cpp's per-head attention output before the heads are merged (use kqv_out)",
-    "blocks.{i}.ln1.hook_normalized": "TransformerLens normalizes before the norm weight (fold_ln folds it into W_Q/W_K/W_V)",
-    "blocks.{i}.ln2.hook_normalized": "TransformerLens normalizes before the norm weight (fold_ln folds it into W_gate/W_in)",
-    "ln_final.hook_normalized": "TransformerLens normalizes before the norm weight (fold_ln folds it into W_U)",
+    # TransformerLens 3 and 4
+    "blocks.{i}.ln1.hook_normalized": _tl_normalized("input_layernorm", "blocks.{i}.ln1.hook_out"),
+    "blocks.{i}.ln2.hook_normalized": _tl_normalized("post_attention_layernorm", "blocks.{i}.ln2.hook_out"),
+    "ln_final.hook_normalized": _tl_normalized("model.norm", "ln_final.hook_out"),
     "blocks.{i}.ln1.hook_scale": "TransformerLens' RMS scale, one number per position",
     "blocks.{i}.ln2.hook_scale": "TransformerLens' RMS scale, one number per position",
     "ln_final.hook_scale": "TransformerLens' RMS scale, one number per position",
     "blocks.{i}.hook_resid_pre": "TransformerLens' block input: the previous block's hook_resid_post (or hook_embed)",
+    # TransformerLens 4 (TransformerBridge): module inputs that repeat the point before them, and the rotary tables
+    **{f"blocks.{{i}}.{module}.hook_in": f"TransformerLens 4's input of {module}: the same tensor as {before}"
+       for module, before in _TL_INPUTS.items()},
+    "blocks.{i}.hook_in": "TransformerLens 4's block input (hook_resid_pre): the previous block's output",
+    "ln_final.hook_in": "TransformerLens 4's input of ln_final: the last block's output",
+    "unembed.hook_in": "TransformerLens 4's input of unembed: the same tensor as ln_final.hook_out",
+    "blocks.{i}.attn.hook_cos": "TransformerLens 4's rotary cos table per position, not an activation",
+    "blocks.{i}.attn.hook_sin": "TransformerLens 4's rotary sin table per position, not an activation",
+    "rotary_emb.hook_cos": "TransformerLens 4's rotary cos table per position, not an activation",
+    "rotary_emb.hook_sin": "TransformerLens 4's rotary sin table per position, not an activation",
+    "rotary_emb.hook_in": "TransformerLens 4's input of the rotary embedding (read for its dtype and device only)",
 }
 
-TOKEN_TENSORS = ("tokens", "input_ids")
+# Integer tensors holding the token ids (TransformerLens 4 caches them as the embedding's input).
+TOKEN_TENSORS = ("tokens", "input_ids", "embed.hook_in")
 
 
 def _compile(pattern: str) -> re.Pattern:

@@ -287,11 +287,25 @@ def name_notes(trace: Trace, side: str) -> list[str]:
     for name, reason in list(skipped.items())[:5]:
         notes.append(f"{side}: {name} not compared: {reason}")
     if len(skipped) > 5:
-        notes.append(f"{side}: {len(skipped) - 5} more names not compared for the same reasons")
-    for point, names in (trace.meta.get("duplicate_names") or {}).items():
-        used = trace.meta["sources"][point]["name"]
-        notes.append(f"{side}: {', '.join(names)} also name {point}; compared {used}")
-    return notes
+        shown = set(list(skipped.values())[:5])
+        others = len(set(skipped.values()) - shown)
+        why = f"for {others} more reasons besides these" if others else "for the same reasons"
+        notes.append(f"{side}: {len(skipped) - 5} more known names not compared {why} (docs/trace-format.md)")
+    return notes + duplicate_notes(trace, side)
+
+
+def duplicate_notes(trace: Trace, side: str, limit: int = 3) -> list[str]:
+    """Names that reach a point another name already gave: one note per point when few; one in all
+    when many (a TransformerLens 4 cache names most points two or three times, the same tensor)."""
+    duplicates = trace.meta.get("duplicate_names") or {}
+    used = {point: trace.meta["sources"][point]["name"] for point in duplicates}
+    if len(duplicates) <= limit:
+        return [f"{side}: {', '.join(names)} also name {point}; compared {used[point]}"
+                for point, names in duplicates.items()]
+    point, names = next(iter(duplicates.items()))
+    count = sum(len(names) for names in duplicates.values())
+    return [f"{side}: {count} more names for {len(duplicates)} points already named (e.g. {', '.join(names)} for "
+            f"{point}, compared {used[point]}); each point compared once, under the first name in the file"]
 
 
 def missing_notes(reference: Trace, candidate: Trace) -> list[str]:
