@@ -11,7 +11,9 @@ batch dimension of 1 here and the recorder drops it. Variant knobs are resolved 
 forward: config-level knobs into a different `LlamaSpec` (`tracer.config.apply_overrides`),
 semantic knobs into the small strategy functions of `Strategies` (`resolve_strategies`), picked
 from one lookup table per step (`NORMS`, `ROPES`, `KV_REPEATS`, `MASKS`, `ATTN_MATH`, `ATTENTION`,
-`LOGITS`). The forward calls whatever was picked; it never tests a knob.
+`LOGITS`); the number-format regime knobs (`weights`, `act_quant`, `kv_cache`, `ops`, ...,
+`preset=llamacpp`) replace steps with `tracer.ggml.regime`'s. The forward calls whatever was
+picked; it never tests a knob.
 
 Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, I intermediate size,
 V vocab size.
@@ -206,17 +208,20 @@ def attention_sdpa(q, k, v, spec: LlamaSpec, strategies: Strategies, prefix: str
     return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=spec.head_dim**-0.5)
 
 
+attention_sdpa.fused = "attn=sdpa fuses scores and softmax into one kernel"  # why scores/probs are not recorded
+
+
 ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa}
 
 
-def logits_all(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits_all(h: torch.Tensor, weight: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
     """(1, T, C) -> (1, T, V): every position, as transformers returns them."""
-    return F.linear(h, weight)
+    return linear(h, weight)
 
 
-def logits_last(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits_last(h: torch.Tensor, weight: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
     """(1, T, C) -> (1, 1, V): candle's forward keeps the last position before lm_head."""
-    return F.linear(h[:, -1:], weight)
+    return linear(h[:, -1:], weight)
 
 
 LOGITS = {"all": logits_all, "last": logits_last}
@@ -235,12 +240,16 @@ class Strategies:
     scale_scores: Callable = scale_multiply
     attention_dtype: torch.dtype | None = None
     logits: Callable = logits_all
+    # Number formats (tracer.ggml.regime): weights as run, every projection, embedding, RoPE angles, GLU.
+    weights: Callable = lambda weights, source: weights
+    linear: Callable = F.linear
+    embedding: Callable = F.embedding
+    rotary: Callable = rotary_cos_sin
+    glu: Callable = lambda gate, up, hidden_act: ACTIVATIONS[hidden_act](gate) * up
 
     def not_recorded(self) -> dict[str, str]:
-        if self.attention is attention_sdpa:
-            reason = "attn=sdpa fuses scores and softmax into one kernel"
-            return {"self_attn.scores": reason, "self_attn.probs": reason}
-        return {}
+        reason = getattr(self.attention, "fused", None)  # a fused attention never forms scores/probs
+        return {"self_attn.scores": reason, "self_attn.probs": reason} if reason else {}
 
 
 # Knobs the fused sdpa kernel cannot take: it masks and scales inside.
@@ -254,7 +263,9 @@ def resolve_strategies(knobs: dict) -> Strategies:
     if clashing:
         raise TracerError(f"{clashing[0]}={knobs[clashing[0]]} needs attn=eager: sdpa masks and scales inside its fused kernel")
     scale_scores, attention_dtype = ATTN_MATH[knobs.get("attn_math", "hf")]
-    return Strategies(
+    from tracer.ggml.regime import apply_regime
+
+    return apply_regime(knobs, Strategies(
         attention=ATTENTION[attn],
         dtype=TORCH_DTYPES[knobs.get("dtype", "f32")],
         norm=NORMS[knobs.get("norm", "hf")],
@@ -264,7 +275,7 @@ def resolve_strategies(knobs: dict) -> Strategies:
         scale_scores=scale_scores,
         attention_dtype=attention_dtype,
         logits=LOGITS[knobs.get("logits", "all")],
-    )
+    ))
 
 
 # --- blocks ----------------------------------------------------------------------------------
@@ -274,9 +285,10 @@ def self_attention(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies
     """x (1, T, C) -> (1, T, C), recording projections, RoPE, scores, probs, context, output."""
     batch, tokens, _ = x.shape
     hidden_shape = (batch, tokens, -1, spec.head_dim)
-    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))  # (1, T, H*D)
-    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))  # (1, T, KV*D)
-    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias"))  # (1, T, KV*D)
+    linear = strategies.linear
+    q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))  # (1, T, H*D)
+    k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))  # (1, T, KV*D)
+    v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))  # (1, T, KV*D)
     record(f"{prefix}.q_proj", q)
     record(f"{prefix}.k_proj", k)
     record(f"{prefix}.v_proj", v)
@@ -289,20 +301,21 @@ def self_attention(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies
     context = strategies.attention(q, k, v, spec, strategies, prefix, record)
     context = context.transpose(1, 2).contiguous().reshape(batch, tokens, -1)  # (1, T, H*D)
     record(f"{prefix}.context", context)
-    out = F.linear(context, w["o_proj.weight"], w.get("o_proj.bias"))  # (1, T, C)
+    out = linear(context, w["o_proj.weight"], w.get("o_proj.bias"))  # (1, T, C)
     record(f"{prefix}.o_proj", out)
     return out
 
 
-def mlp(x, w: dict, spec: LlamaSpec, prefix: str, record: Recorder):
+def mlp(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
     """x (1, T, C) -> (1, T, C): down(act(gate(x)) * up(x))."""
-    gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))  # (1, T, I)
+    linear = strategies.linear
+    gate = linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))  # (1, T, I)
     record(f"{prefix}.gate_proj", gate)
-    up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))  # (1, T, I)
+    up = linear(x, w["up_proj.weight"], w.get("up_proj.bias"))  # (1, T, I)
     record(f"{prefix}.up_proj", up)
-    act = ACTIVATIONS[spec.hidden_act](gate) * up
+    act = strategies.glu(gate, up, spec.hidden_act)
     record(f"{prefix}.act", act)
-    down = F.linear(act, w["down_proj.weight"], w.get("down_proj.bias"))  # (1, T, C)
+    down = linear(act, w["down_proj.weight"], w.get("down_proj.bias"))  # (1, T, C)
     record(f"{prefix}.down_proj", down)
     return down
 
@@ -314,7 +327,7 @@ def decoder_layer(x, w: dict, spec: LlamaSpec, cos, sin, strategies: Strategies,
     record(f"{prefix}.resid_mid", h)
     m = strategies.norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps)
     record(f"{prefix}.post_attention_layernorm", m)
-    out = h + mlp(m, Prefixed(w, "mlp."), spec, f"{prefix}.mlp", record)
+    out = h + mlp(m, Prefixed(w, "mlp."), spec, strategies, f"{prefix}.mlp", record)
     record(prefix, out)
     return out
 
@@ -352,11 +365,12 @@ class Llama:
     """
 
     def __init__(self, spec: LlamaSpec, weights: Mapping[str, torch.Tensor], variant: dict | None = None, *,
-                 device: torch.device | str = "cpu", stream: bool = False):
+                 device: torch.device | str = "cpu", stream: bool = False, source: dict | None = None):
         self.variant = dict(variant or {})
         knobs = expand_presets(self.variant)
         self.spec, self.strategies = apply_overrides(spec, knobs), resolve_strategies(knobs)
         self.device = torch.device(device)
+        weights = self.strategies.weights(weights, source)  # source: config.json's tracer_source (the GGUF)
         self.weights = prepare_weights(self.spec, weights, self.strategies.dtype, self.device, stream)
         self.unused_tensors = unused_tensors(self.spec, weights)
         self.layers = [Prefixed(self.weights, f"model.layers.{i}.") for i in range(self.spec.num_hidden_layers)]
@@ -365,7 +379,8 @@ class Llama:
     def from_config(cls, config: dict, weights: Mapping[str, torch.Tensor], variant: dict | None = None,
                     **placement) -> Llama:
         """From a config.json dict, read by the variant's reader (`config`, `resave` knobs)."""
-        return cls(read_config(config, expand_presets(variant or {})), weights, variant, **placement)
+        return cls(read_config(config, expand_presets(variant or {})), weights, variant,
+                   source=config.get("tracer_source"), **placement)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, variant: dict | None = None, **placement) -> Llama:
@@ -381,9 +396,9 @@ class Llama:
         record = record or _no_record
         spec, w = self.spec, self.weights
         ids = tokens.to(self.device)[None]  # (1, T)
-        h = F.embedding(ids, w["model.embed_tokens.weight"])  # (1, T, C)
+        h = self.strategies.embedding(ids, w["model.embed_tokens.weight"])  # (1, T, C)
         record("model.embed_tokens", h)
-        cos, sin = rotary_cos_sin(spec, ids.shape[1], h.dtype, self.device)  # (1, T, D) each
+        cos, sin = self.strategies.rotary(spec, ids.shape[1], h.dtype, self.device)  # (1, T, D) each
         for i, layer in enumerate(self.layers):
             h = decoder_layer(h, layer, spec, cos, sin, self.strategies, f"model.layers.{i}", record)
         h = self.strategies.norm(h, w["model.norm.weight"], spec.rms_norm_eps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tracer.llama import Llama, decoder_layer, rotary_cos_sin
+from tracer.llama import Llama, decoder_layer
 from tracer.points import EMBED, FINAL_NORM, LOGITS, layer_point
 from tracer.trace import Trace, TraceRecorder
 
@@ -27,9 +27,9 @@ def teacher_forced_points(llama: Llama, reference: Trace, recorder=None):
         return reference[point][None].to(dtype=strategies.dtype, device=llama.device)  # (1, T, C)
 
     tokens = torch.tensor(reference.tokens, device=llama.device)
-    embedded = torch.nn.functional.embedding(tokens[None], w["model.embed_tokens.weight"])  # (1, T, C)
+    embedded = strategies.embedding(tokens[None], w["model.embed_tokens.weight"])  # (1, T, C)
     recorder(EMBED, embedded)
-    cos, sin = rotary_cos_sin(spec, tokens.shape[0], embedded.dtype, llama.device)  # (1, T, D)
+    cos, sin = strategies.rotary(spec, tokens.shape[0], embedded.dtype, llama.device)  # (1, T, D)
     block_input = EMBED
     for i, layer in enumerate(llama.layers):
         if block_input not in reference:

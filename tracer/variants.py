@@ -18,6 +18,10 @@ from tracer.engines.registry import engines_honouring
 from tracer.errors import TracerError
 
 DTYPES = ("f32", "bf16", "f16", "f64")
+# Number-format regimes (tracer.ggml.regime); kept here as text so `tracer variants` needs no torch.
+WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "gguf")
+ACT_QUANTS = ("none", "q8_0", "q8_1", "q8_k", "auto")
+KV_CACHES = ("f32", "f16", "bf16", "q8_0")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ def _fixed(text: str) -> Callable[[Any], str]:
     return lambda spec: text
 
 
+PRESET_NAMES = ("candle", "llamacpp")
+
+
 KNOBS: dict[str, Knob] = {
     knob.name: knob
     for knob in (
@@ -97,8 +104,26 @@ KNOBS: dict[str, Knob] = {
         Knob("resave", _choice("none", "tf5"), "none | tf5", "none",
              "config re-saved by transformers 5 (theta and scaling move into rope_parameters)",
              _fixed("config=candle,resave=tf5")),
-        Knob("preset", _choice("candle"), "candle", "none",
-             "every candle-0.11 llama.rs choice at once (explicit knobs override it)", _fixed("preset=candle")),
+        Knob("weights", _choice(*WEIGHT_FORMATS), " | ".join(WEIGHT_FORMATS), "as loaded",
+             "weights in a GGUF block format (the gguf package's quantizers), or gguf: the GGUF file's own tensors",
+             _fixed("weights=q8_0")),
+        Knob("act_quant", _choice(*ACT_QUANTS), " | ".join(ACT_QUANTS), "none",
+             "ggml's activation quantization before a quantized matmul (auto: the weight type's vec-dot type)",
+             _fixed("act_quant=q8_0")),
+        Knob("act_round", _choice("even", "away"), "even | away", "even",
+             "ties of the activation quantization: x86's _mm256_round_ps (even) or ggml's portable C (away)",
+             _fixed("act_quant=q8_0,act_round=away")),
+        Knob("kv_cache", _choice(*KV_CACHES), " | ".join(KV_CACHES), "f32",
+             "the format K and V are stored in (and the attention matmuls compute in)", _fixed("kv_cache=f16")),
+        Knob("ops", _choice("hf", "ggml"), "hf | ggml", "hf",
+             "embedding, RMSNorm, RoPE, SwiGLU and (flash) attention as ggml's CPU backend computes them",
+             _fixed("ops=ggml")),
+        Knob("accumulate", _choice("ggml", "f64"), "ggml | f64", "ggml",
+             "a regime's quantized matmuls and attention in ggml's summation order, or exactly (f64, rounded once)",
+             _fixed("weights=q8_0,act_quant=q8_0,accumulate=f64")),
+        Knob("preset", _choice(*PRESET_NAMES), " | ".join(PRESET_NAMES), "none",
+             "every candle-0.11 llama.rs choice, or llama.cpp's CPU arithmetic, at once (explicit knobs override it)",
+             _fixed("preset=candle")),
         Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json",
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}"),
         Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
@@ -108,8 +133,12 @@ KNOBS: dict[str, Knob] = {
 
 # What `preset=candle` stands for: candle-transformers 0.11 `models/llama.rs` read op by op.
 # rope (half-split pairing) and repeat_kv (interleave order) already agree with transformers.
+# `preset=llamacpp`: llama.cpp's CPU forward (ggml-cpu, x86 AVX2/AVX-512): ggml's ops and flash
+# attention on an f16 KV cache, activations quantized to each weight's vec-dot type (ties to even),
+# sums in ggml's order. The weights stay as loaded: add weights=gguf for the GGUF file's own.
 PRESETS: dict[str, dict[str, Any]] = {
     "candle": {"config": "candle", "mask": "where", "attn_math": "candle", "norm": "candle", "logits": "last"},
+    "llamacpp": {"ops": "ggml", "act_quant": "auto", "act_round": "even", "kv_cache": "f16", "accumulate": "ggml"},
 }
 
 

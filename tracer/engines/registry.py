@@ -17,6 +17,8 @@ from tracer.errors import TracerError
 CONFIG_KNOBS = ("theta", "eps", "attn", "dtype", "rope_scaling", "bias", "config", "resave", "layers", "head_dim")
 # Semantic knobs: they change one operation of tracer's own Llama.
 SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "preset")
+# Number-format regime knobs: ggml's block formats and CPU arithmetic (tracer.ggml).
+REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate")
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry(
             "reimpl", "tracer.engines.reimpl",
             "tracer's own Llama in plain torch (tracer/llama.py), every knob as a strategy",
-            knobs=CONFIG_KNOBS + SEMANTIC_KNOBS, local_errors=True, devices=("cpu", "cuda", "mps"), stream=True,
+            knobs=CONFIG_KNOBS + SEMANTIC_KNOBS + REGIME_KNOBS, local_errors=True, devices=("cpu", "cuda", "mps"),
+            stream=True,
         ),
         EngineEntry(
             "file", "tracer.engines.file",

@@ -1,0 +1,359 @@
+"""The regime knobs as strategies of `tracer.llama`, and GGUF weights read as stored.
+
+Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
+
+- `weights`: q4_0 | q4_1 | q5_0 | q5_1 | q8_0 (every projection quantized by the gguf package's
+  reference quantizer; embeddings and norms as loaded) or `gguf` (every tensor of the GGUF file
+  the model directory was converted from, each in its own type, q/k rows un-permuted to HF order).
+- `act_quant`: none | q8_0 | q8_1 | q8_k | auto (each quantized weight's vec-dot type, as ggml).
+- `act_round`: even (x86) | away (ggml's portable reference): ties of the activation rounding.
+- `kv_cache`: f32 | f16 | bf16 | q8_0: the format K and V are stored in. With `ops=ggml` the
+  attention is llama.cpp's flash attention (an f32 cache is cast to f16 for it, as llama.cpp does);
+  with `ops=hf` it is the eager attention on stored K/V, Q converted to the K type's vec-dot type
+  and (f16/bf16) the probabilities converted before the product with V, as ggml's mul_mat does.
+- `ops`: hf | ggml: embedding, RMSNorm, RoPE, SwiGLU and attention as transformers or as ggml's
+  CPU backend computes them (`tracer.ggml.ops`).
+- `accumulate`: ggml | f64: the quantized matmuls, RoPE, SwiGLU and attention in ggml's own order,
+  or exactly in f64 and rounded once (see `tracer.ggml.noise`).
+- `preset=llamacpp`: ops=ggml, act_quant=auto, kv_cache=f16, accumulate=ggml, act_round=even;
+  add `weights=gguf` for a model converted from a GGUF.
+
+A regime is a variant dict, e.g. {"preset": "llamacpp", "weights": "gguf"}, which the reimpl
+engine runs like any other (`tracer.record(..., engine="reimpl", variant=...)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tracer.errors import TracerError
+from tracer.ggml import ops
+from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
+from tracer.ggml.quants import ACT_BLOCK, BLOCK_TYPES, VEC_DOT_TYPE, Blocks, from_gguf_bytes, quantize, \
+    quantize_activations, quantize_q8_0
+from tracer.ggml.vecdot import has_kernel, matmul_f64, matmul_ggml
+
+REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate")
+WEIGHT_FORMATS = (*BLOCK_TYPES, "gguf")
+ACT_QUANTS = ("none", "q8_0", "q8_1", "q8_k", "auto")
+KV_CACHES = ("f32", "f16", "bf16", "q8_0")
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def is_regime(variant: dict) -> bool:
+    """Whether a variant (presets expanded) emulates a number-format regime."""
+    return any(knob in variant for knob in REGIME_KNOBS)
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+# GGUF tensor names -> HF names (llama.cpp's convert_hf_to_gguf for Llama).
+GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")  # rows in GGUF's RoPE-pair order
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; None for others."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 1 and parts[0] in GGUF_NAMES:
+        return f"{GGUF_NAMES[parts[0]]}.{suffix}"
+    return None
+
+
+def gguf_path(source: dict | None) -> Path:
+    """The GGUF file a converted model directory came from (its config's `tracer_source`).
+
+    Raises:
+        TracerError: the directory was not converted from a GGUF, or the file is gone.
+    """
+    from tracer.model import DEFAULT_GGUF, bundled_gguf
+
+    name = (source or {}).get("gguf_file")
+    if not name:
+        raise TracerError("weights=gguf needs a model converted from a GGUF file (its config.json has no "
+                          "tracer_source.gguf_file); pass --model FILE.gguf")
+    path = bundled_gguf() if name == DEFAULT_GGUF else Path(name)
+    if not path.is_file():
+        raise TracerError(f"weights=gguf: the GGUF file this model was converted from is gone: {path}")
+    return path
+
+
+def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
+    """Index taking GGUF-ordered q/k weight rows to HF order (`tracer.layouts.from_interleaved`)."""
+    from tracer.layouts import from_interleaved
+
+    return from_interleaved(torch.arange(rows)[None], head_dim)[0]
+
+
+class GGUFWeights(Mapping):
+    """HF name -> tensor (f32/f16/bf16 types) or `Blocks` (quantized types), read from a GGUF file
+    as stored: llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
+
+    def __init__(self, path: Path):
+        from tracer.ggml.gguffile import GGUFFile
+
+        self.file = GGUFFile(path)
+        self.names = {name: info for info in self.file.tensors.values() if (name := hf_name(info.name))}
+        self.head_dim = _head_dim(self.file)
+        self.cache: dict[str, object] = {}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: info.shape for name, info in self.names.items()}
+
+    def types(self) -> dict[str, str]:
+        """HF name -> GGUF type name ("q4_1", "f32", ...)."""
+        return {name: info.kind for name, info in self.names.items()}
+
+    def __getitem__(self, name: str):
+        if name not in self.cache:
+            self.cache[name] = self._read(name)
+        return self.cache[name]
+
+    def _read(self, name: str):
+        info = self.names[name]
+        raw = self.file.raw(info.name)
+        if info.kind in ("f32", "f16", "bf16"):
+            dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[info.kind]
+            values = torch.from_numpy(np.ascontiguousarray(raw).view(dtype).reshape(info.shape).copy())
+            blocks = values.view(torch.bfloat16).to(F32) if info.kind == "bf16" else values.to(F32)
+        else:
+            blocks = from_gguf_bytes(info.kind, raw, info.shape)
+        if name.endswith(PERMUTED):
+            order = _unpermute_rows(info.shape[0], self.head_dim)
+            blocks = blocks.rows(order) if isinstance(blocks, Blocks) else blocks[order]
+        return blocks
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _head_dim(file) -> int:
+    arch = file.fields["general.architecture"]
+    rope_dims = file.number(f"{arch}.rope.dimension_count")
+    if rope_dims:
+        return int(rope_dims)
+    return int(file.number(f"{arch}.embedding_length")) // int(file.number(f"{arch}.attention.head_count"))
+
+
+class QuantizedWeights(Mapping):
+    """The loaded weights with every projection quantized to `kind` on first access (cached)."""
+
+    def __init__(self, weights: Mapping, kind: str):
+        self.weights, self.kind, self.cache = weights, kind, {}
+
+    def __getitem__(self, name: str):
+        if not name.endswith(tuple(p + ".weight" for p in PROJECTIONS)):
+            return self.weights[name]
+        if name not in self.cache:
+            self.cache[name] = quantize(self.weights[name].to(F32), self.kind)
+        return self.cache[name]
+
+    def shapes(self):
+        return self.weights.shapes() if hasattr(self.weights, "shapes") else \
+            {name: tuple(t.shape) for name, t in self.weights.items()}
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def weight_format(kind: str | None):
+    """The `weights` strategy: (loaded weights, the config's tracer_source) -> weights to run."""
+    if kind is None:
+        return lambda weights, source: weights
+    if kind == "gguf":
+        return lambda weights, source: GGUFWeights(gguf_path(source))
+    return lambda weights, source: QuantizedWeights(weights, kind)
+
+
+# --- matmuls ----------------------------------------------------------------------------------
+
+
+def _weight_kind(weight) -> str:
+    if isinstance(weight, Blocks):
+        return weight.kind
+    return "f32"
+
+
+def act_kind(weight, act_quant: str) -> str:
+    """The format activations take before a matmul with `weight`: `act_quant`, or with `auto` the
+    weight type's ggml vec-dot type (f32 weights: none)."""
+    if act_quant != "auto":
+        return act_quant
+    kind = VEC_DOT_TYPE.get(_weight_kind(weight), "f32")
+    return "none" if kind == "f32" else kind
+
+
+def make_linear(act_quant: str, rounding: str, accumulate: str):
+    """The `linear` strategy: x (1, T, C) @ weight (R, C)ᵀ + bias -> (1, T, R), the activations in
+    the regime's format and the products accumulated as `accumulate` says."""
+
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x[0].to(F32)  # (T, C)
+        kind = act_kind(weight, act_quant)
+        if kind in ACT_BLOCK:
+            act = quantize_activations(rows, kind, rounding)
+            exact_order = accumulate == "ggml" and isinstance(weight, Blocks) and has_kernel(weight, act)
+            out = matmul_ggml(act, weight) if exact_order else matmul_f64(act, weight)
+        elif kind in ("f16", "bf16"):
+            out = matmul_f64(ROUND[kind](rows), weight)
+        elif isinstance(weight, Blocks) or accumulate == "f64":
+            out = matmul_f64(rows, weight)
+        else:
+            out = F.linear(rows, weight)
+        out = out if bias is None else out + bias.to(F32)
+        return out[None].to(x.device)
+
+    return linear
+
+
+def embedding(ids: torch.Tensor, weight) -> torch.Tensor:
+    """ggml_get_rows: the rows of the (dequantized) table; Q8_0's f32(d) * q is exact."""
+    table = weight.values() if isinstance(weight, Blocks) else weight
+    return F.embedding(ids, table.to(F32))
+
+
+# --- attention --------------------------------------------------------------------------------
+
+
+def _round_q8_0(x: torch.Tensor, rounding: str) -> torch.Tensor:
+    """(..., D) quantized to Q8_0 blocks of 32 along D and dequantized."""
+    shape = x.shape
+    return quantize_q8_0(x.reshape(-1, shape[-1]), rounding).values().reshape(shape)
+
+
+def kv_rounding(kv_cache: str, rounding: str):
+    """The function storing a (…, D) K or V (GGUF order for K) in the cache format, back as f32."""
+    table = {"f32": lambda x: x.to(F32), "f16": round_f16, "bf16": round_bf16,
+             "q8_0": lambda x: _round_q8_0(x, rounding)}
+    return table[kv_cache]
+
+
+def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
+    """llama.cpp's CPU flash attention. f16 (and f32, which llama.cpp casts to f16 for it): emulated
+    in ggml's order (or f64); bf16 and q8_0 caches: their rounded operands, accumulated in f64."""
+    exact = accumulate == "f64"
+
+    def attention(q, k, v, spec, strategies, prefix, record):
+        if kv_cache in ("f16", "f32"):
+            return ops.flash_attention(q, k, v, spec.head_dim, exact=exact)
+        store = kv_rounding(kv_cache, rounding)
+        heads = q.shape[1]
+        q_g = ops.to_interleaved(q[0].to(F32), spec.head_dim)  # (H, T, D) GGUF order
+        k_g = ops._kv_for_heads(store(ops.to_interleaved(k[0].to(F32), spec.head_dim)), heads)
+        v_h = ops._kv_for_heads(store(v[0].to(F32)), heads)
+        return ops.flash_attn_exact(store(q_g), k_g, v_h, ops.attention_scale(spec.head_dim), round_q=False)[None]
+
+    attention.fused = "llama.cpp's flash attention never forms the scores and probabilities"
+    return attention
+
+
+def make_attention_stored(kv_cache: str, rounding: str):
+    """Eager attention on K and V stored in `kv_cache` (transformers' op order otherwise): Q goes to
+    K's vec-dot type, and for f16/bf16 the probabilities to V's type before the product, as ggml's
+    non-flash mul_mat path converts its second operand."""
+    store = kv_rounding(kv_cache, rounding)
+    probs_format = ROUND.get(kv_cache, lambda x: x)
+
+    def attention(q, k, v, spec, strategies, prefix, record):
+        from tracer.llama import mask_additive
+
+        groups = spec.num_kv_groups
+        qs = _stored_qk(q, store, spec.head_dim)  # (1, H, T, D)
+        ks = strategies.repeat_kv(_stored_qk(k, store, spec.head_dim), groups)  # (1, H, T, D)
+        vs = strategies.repeat_kv(store(v.to(F32)), groups)  # (1, H, T, D)
+        scores = strategies.scale_scores(torch.matmul(qs, ks.transpose(2, 3)), spec.head_dim)  # (1, H, T, T)
+        record(f"{prefix}.scores", scores)
+        probs = torch.softmax(strategies.mask(scores), dim=-1, dtype=F32)
+        record(f"{prefix}.probs", probs)
+        return torch.matmul(probs_format(probs), vs)
+
+    return attention
+
+
+def _stored_qk(x: torch.Tensor, store, head_dim: int) -> torch.Tensor:
+    """Q or K (1, heads, T, D) in the cache format, blocks taken in GGUF's dim order."""
+    from tracer.layouts import from_interleaved, to_interleaved
+
+    return from_interleaved(store(to_interleaved(x.to(F32), head_dim)), head_dim)
+
+
+# --- the other ops ----------------------------------------------------------------------------
+
+
+def glu_ggml(exact: bool):
+    def glu(gate: torch.Tensor, up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+        if hidden_act != "silu":
+            raise TracerError(f"ops=ggml emulates SwiGLU only (hidden_act {hidden_act!r})")
+        return ops.swiglu_exact(gate, up) if exact else ops.swiglu(gate, up)
+
+    return glu
+
+
+def rope_ggml(exact: bool):
+    return ops.rope_exact if exact else ops.rope
+
+
+# --- assembling -------------------------------------------------------------------------------
+
+
+def check_knobs(knobs: dict) -> None:
+    if not is_regime(knobs):
+        return
+    if knobs.get("dtype", "f32") != "f32":
+        raise TracerError(f"dtype={knobs['dtype']} cannot combine with regime knobs: they emulate f32 arithmetic "
+                          "(the regime's noise floor is tracer.ggml.noise.regime_noise)")
+    if knobs.get("ops") == "ggml" and knobs.get("attn", "eager") != "eager":
+        raise TracerError("ops=ggml brings llama.cpp's own attention; it does not combine with attn=sdpa")
+
+
+def apply_regime(knobs: dict, strategies):
+    """`strategies` (a `tracer.llama.Strategies`) with the regime knobs' steps put in."""
+    check_knobs(knobs)
+    if not is_regime(knobs):
+        return strategies
+    rounding, accumulate = knobs.get("act_round", "even"), knobs.get("accumulate", "ggml")
+    linear = make_linear(knobs.get("act_quant", "none"), rounding, accumulate)
+    changes = {"weights": weight_format(knobs.get("weights")), "linear": linear,
+               "logits": functools.partial(strategies.logits, linear=linear)}
+    kv_cache = knobs.get("kv_cache")
+    exact = accumulate == "f64"
+    if knobs.get("ops") == "ggml":
+        changes |= {"embedding": embedding, "norm": ops.rms_norm, "rope": rope_ggml(exact),
+                    "rotary": ops.rope_cos_sin, "glu": glu_ggml(exact),
+                    "attention": make_attention_ggml(kv_cache or "f32", accumulate, rounding)}
+    else:
+        changes["embedding"] = embedding
+        if kv_cache is not None:
+            changes["attention"] = make_attention_stored(kv_cache, rounding)
+    return dataclasses.replace(strategies, **changes)
+
+
+def regime_catalogue() -> list[str]:
+    """Regimes `tracer diagnose` tries: each block type with and without its activation
+    quantization, KV caches, and the 16-bit load dtypes."""
+    variants = []
+    for kind in BLOCK_TYPES:
+        variants += [f"weights={kind},act_quant={VEC_DOT_TYPE[kind]}", f"weights={kind}"]
+    return variants + ["kv_cache=f16", "kv_cache=q8_0", "dtype=bf16", "dtype=f16"]
