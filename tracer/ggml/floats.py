@@ -62,6 +62,13 @@ def rdiv(numerator: float, x: torch.Tensor) -> torch.Tensor:
     return torch.full_like(x, numerator) / x
 
 
+def fma_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc <- fma(a, b, acc) in place (f32 `acc`); returns acc."""
+    if addcmul_is_fused():
+        return torch.addcmul(acc, a, b, out=acc)
+    return acc.copy_(_fma_via_f64(*torch.broadcast_tensors(a.to(F32), b.to(F32), acc)))
+
+
 # --- formats ----------------------------------------------------------------------------------
 
 

@@ -150,18 +150,23 @@ def _kv_for_heads(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k.repeat_interleave(heads // k.shape[0], dim=0)
 
 
-def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True) -> torch.Tensor:
+def dot_exact(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The dot product over the last axis in f64 (f16 values: exact products), rounded to f32 once."""
+    return (x.to(F64) * y.to(F64)).sum(-1).to(F32)
+
+
+def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=vec_dot_f16) -> torch.Tensor:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk with an f16 K/V cache (fewer than 64 query
     rows). q (H, T, D) f32 and k (H, T, D) in GGUF order, v (H, T, D); returns (H, T, D) f32.
 
-    Q is rounded to f16 and dotted with each key by ggml_vec_dot_f16; keys are visited in order,
+    Q is rounded to f16 and dotted with each key by ggml_vec_dot_f16 (or `dot`); keys are visited in order,
     masked (future) ones skipped; on a new maximum the f16 accumulator is rescaled by expf(M_old - M)
     (in f16), else the key's weight is expf(s - M); V is accumulated as f16(fma(v, weight, acc)),
     S = fma(S, ms, vs); the output is f32(acc) * (1/S).
     """
     heads, tokens, _ = q.shape
     k16, v16 = round_f16(k), round_f16(v)
-    scores = vec_dot_f16(round_f16(q)[:, :, None, :], k16[:, None, :, :]) * np.float32(scale)  # (H, T, T)
+    scores = dot(round_f16(q)[:, :, None, :], k16[:, None, :, :]) * np.float32(scale)  # (H, T, T)
     acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)  # the f16 accumulator, held in f32
     best = torch.full((heads, tokens), float("-inf"), dtype=F32)
     total = torch.zeros(heads, tokens, dtype=F32)
@@ -253,14 +258,18 @@ def flash_attn_exact(q, k, v, scale: float, round_q: bool) -> torch.Tensor:
 
 def flash_attention(q, k, v, head_dim: int, exact: bool = False) -> torch.Tensor:
     """llama.cpp's CPU flash attention with an f16 KV cache, picking its path as ggml does (tiled
-    from 64 query rows). q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D) f32."""
+    from 64 query rows). q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D) f32.
+
+    `exact`: the same algorithm with its sums exact: below 64 rows the f16 accumulator and online
+    softmax stay (every implementation of ggml's kernel keeps them) and only the q·k dot products
+    are exact; from 64 rows (f32 accumulators) everything is computed in f64 and rounded once."""
     heads = q.shape[1]
     q_g = to_interleaved(q[0].to(F32), head_dim)  # (H, T, D) GGUF order: the dot products' order
     k_g = _kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads)  # (H, T, D)
     v_h = _kv_for_heads(v[0].to(F32), heads)  # (H, T, D): V rows are not permuted
     scale = attention_scale(head_dim)
-    tiled = q.shape[2] >= FA_TILE
-    if exact:
-        return flash_attn_exact(q_g, k_g, v_h, scale, round_q=not tiled)[None]
-    run = flash_attn_tiled if tiled else flash_attn_one_chunk
+    if q.shape[2] >= FA_TILE:
+        run = functools.partial(flash_attn_exact, round_q=False) if exact else flash_attn_tiled
+    else:
+        run = functools.partial(flash_attn_one_chunk, dot=dot_exact) if exact else flash_attn_one_chunk
     return run(q_g, k_g, v_h, scale)[None]

@@ -56,6 +56,7 @@ class Blocks:
     m: torch.Tensor | None = None
     held: torch.Tensor | None = None
     _values: torch.Tensor | None = field(default=None, repr=False)
+    _lanes: tuple | None = field(default=None, repr=False)
 
     @property
     def unpacked(self) -> bool:
@@ -75,6 +76,15 @@ class Blocks:
                 scaled = q * self.d[..., None] if self.m is None else fma(q, self.d[..., None], self.m[..., None])
                 self._values = scaled.reshape(self.shape)
         return self._values
+
+    def lanes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unpacked blocks as ggml's x86 dot kernels walk them, cached: quants (B*8, R, 4) f32,
+        lane g = 4 consecutive values of one block; scales (B, R) f32."""
+        if self._lanes is None:
+            rows, blocks, _ = self.q.shape
+            quants = self.q.reshape(rows, blocks * 8, 4).transpose(0, 1).contiguous().to(F32)  # (B*8, R, 4)
+            self._lanes = (quants, self.d.T.contiguous())
+        return self._lanes
 
     def rows(self, index: torch.Tensor) -> Blocks:
         """The blocks of the rows `index` (a permutation or a selection)."""
