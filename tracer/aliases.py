@@ -68,11 +68,16 @@ CANDLE = _table("candle", [
 # llama.cpp's graph names as its eval callback prints them ("name-il"), from the llama model build
 # and llama-graph.cpp's build_attn / build_ffn. ggml's ne order is reversed from numpy's: a dump
 # in row-major order gives Qcur as [T, H, D], kq_soft_max as [H, T, n_kv], the rest as [T, C].
-# Qcur/Kcur are reported twice per layer with the same name: after the matmul ([T, H*D]) and after
-# RoPE ([T, H, D]); a dump that keeps one tensor per name keeps the last, so they map to q_rope /
-# k_rope. In the last layer llama.cpp keeps only the output rows (usually the last position) from
-# ffn_inp on; tracer compares those rows.
+# Qcur/Kcur are reported three times per layer with the same name: after the matmul ([T, H*D]),
+# reshaped (a view of it, [T, H, D]) and after RoPE ([T, H, D]); Vcur twice (matmul, reshape). A
+# dump that keeps one tensor per name keeps the last, so they map to q_rope / k_rope / v_proj; a
+# live graph tells the writes apart by their op (`GGML_WRITES`). In the last layer llama.cpp keeps
+# only the output rows (usually the last position) from ffn_inp on; tracer compares those rows.
+# The token embeddings are named `embd` in the llama.cpp of llama-cpp-python 0.3.36 (since
+# llama.cpp PR 18550, `inp_embd` is the input for embeddings given directly, a graph leaf the
+# callback never sees); older builds named the token embeddings `inp_embd`.
 GGML = _table("ggml", [
+    ("embd", EMBED),
     ("inp_embd", EMBED),
     ("attn_norm-{i}", f"{L}.input_layernorm"),
     ("Qcur-{i}", f"{L}.self_attn.q_rope", {"qk_order": "interleaved"}),
@@ -92,6 +97,16 @@ GGML = _table("ggml", [
     ("result_norm", FINAL_NORM),
     ("result_output", LOGITS),
 ], layout="THD")
+
+# ggml names written more than once in one llama.cpp graph: which write is which point, by the op
+# that wrote it. Writes of other ops (RESHAPE: a view of the projection, same values) are not
+# points. With projection biases the ADD after the matmul is the projection's output (it comes
+# later and replaces the MUL_MAT write).
+GGML_WRITES: dict[str, dict[str, str]] = {
+    "Qcur-{i}": {"MUL_MAT": f"{L}.self_attn.q_proj", "ADD": f"{L}.self_attn.q_proj", "ROPE": f"{L}.self_attn.q_rope"},
+    "Kcur-{i}": {"MUL_MAT": f"{L}.self_attn.k_proj", "ADD": f"{L}.self_attn.k_proj", "ROPE": f"{L}.self_attn.k_rope"},
+    "Vcur-{i}": {"MUL_MAT": f"{L}.self_attn.v_proj", "ADD": f"{L}.self_attn.v_proj"},
+}
 
 # GGUF tensor names used for the outputs of the modules holding those weights (candle's
 # quantized_llama and other GGUF ports): q/k come out in GGUF's interleaved order.
@@ -163,6 +178,25 @@ TOKEN_TENSORS = ("tokens", "input_ids")
 
 def _compile(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace(re.escape("{i}"), r"(\d+)") + "$")
+
+
+_WRITES = [(_compile(pattern), ops) for pattern, ops in GGML_WRITES.items()]
+
+
+def ggml_write(name: str, op: str) -> tuple[bool, str | None]:
+    """For a name llama.cpp writes more than once per graph (`GGML_WRITES`): (True, the point that
+    the write of `op` is, or None for a write that is no point). Any other name: (False, None).
+
+    Example:
+        >>> ggml_write("Qcur-3", "ROPE"), ggml_write("Qcur-3", "RESHAPE"), ggml_write("l_out-3", "ADD")
+        ((True, 'model.layers.3.self_attn.q_rope'), (True, None), (False, None))
+    """
+    for regex, ops in _WRITES:
+        match = regex.match(name)
+        if match:
+            point = ops.get(op)
+            return True, point.replace("{i}", match.group(1)) if point else None
+    return False, None
 
 
 def is_point(name: str) -> bool:

@@ -267,10 +267,18 @@ def _draft(engine, tokens: list[int], steps: int) -> list[int] | None:
     return engine.draft(tokens, steps) if steps > 0 else None
 
 
+def _continuation(engine, ids: list[int], steps: int, guess: list[int] | None) -> list[int] | None:
+    """An engine whose registry says greedy="cached" continues with its own cached decode, taken
+    as is (llama.cpp's KV-cache decode is what is compared); the others decode without a cache."""
+    if engine.entry.greedy == "cached":
+        return _draft(engine, ids, steps) if steps > 1 else greedy_continuation(engine, ids, steps)
+    return greedy_continuation(engine, ids, steps, guess=guess)
+
+
 def _greedy(ref_engine, cand_engine, ids: list[int], steps: int, tolerance: Tolerance, detokenize) -> dict | None:
     """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
-    ref_greedy = greedy_continuation(ref_engine, ids, steps, guess=_draft(ref_engine, ids, steps)) if steps else None
-    cand_greedy = greedy_continuation(cand_engine, ids, steps, guess=ref_greedy) if ref_greedy is not None else None
+    ref_greedy = _continuation(ref_engine, ids, steps, _draft(ref_engine, ids, steps)) if steps else None
+    cand_greedy = _continuation(cand_engine, ids, steps, ref_greedy) if ref_greedy is not None else None
     summary = greedy_summary(ref_greedy, cand_greedy, detokenize)
     if summary and summary["first_flip"]:
         # Where the two sides part at the step whose argmax flips: same tokens on both sides.

@@ -407,8 +407,9 @@ def explain_divergence(point: str, reference: Trace, candidate: Trace) -> dict:
 
 
 def side(trace: Trace) -> dict:
+    runtime = {"runtime": trace.meta["runtime"]} if isinstance(trace.meta.get("runtime"), dict) else {}  # llama.cpp, ...
     return {"engine": trace.meta.get("engine", "file"), "variant": trace.meta.get("variant", {}), "label": trace.label,
-            "device": trace.meta.get("device")}
+            "device": trace.meta.get("device"), **runtime}
 
 
 def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,

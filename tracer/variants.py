@@ -18,10 +18,10 @@ from tracer.engines.registry import engines_honouring
 from tracer.errors import TracerError
 
 DTYPES = ("f32", "bf16", "f16", "f64")
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Number-format regimes (tracer.ggml.regime); kept here as text so `tracer variants` needs no torch.
 WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "gguf")
 ACT_QUANTS = ("none", "q8_0", "q8_1", "q8_k", "auto")
-KV_CACHES = ("f32", "f16", "bf16", "q8_0")
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,6 @@ KNOBS: dict[str, Knob] = {
         Knob("act_round", _choice("even", "away"), "even | away", "even",
              "ties of the activation quantization: x86's _mm256_round_ps (even) or ggml's portable C (away)",
              _fixed("act_quant=q8_0,act_round=away")),
-        Knob("kv_cache", _choice(*KV_CACHES), " | ".join(KV_CACHES), "f32",
-             "the format K and V are stored in (and the attention matmuls compute in)", _fixed("kv_cache=f16")),
         Knob("ops", _choice("hf", "ggml"), "hf | ggml", "hf",
              "embedding, RMSNorm, RoPE, SwiGLU and (flash) attention as ggml's CPU backend computes them",
              _fixed("ops=ggml")),
@@ -128,6 +126,14 @@ KNOBS: dict[str, Knob] = {
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}"),
         Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
              "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}"),
+        Knob("kv_cache", _choice(*KV_CACHE_TYPES), " | ".join(KV_CACHE_TYPES), "f16 (llamacpp), f32 (reimpl)",
+             "the KV cache's storage type (llama.cpp type_k/type_v; f16 by default): keys and values rounded "
+             "before attention, which then computes as ggml does with that type", _fixed("kv_cache=f32")),
+        Knob("flash_attn", _choice("on", "off", "auto"), "on | off | auto", "auto",
+             "llama.cpp's flash attention (auto: on where the backend has it), which fuses scores, softmax and "
+             "context", _fixed("flash_attn=off")),
+        Knob("threads", _positive_int, "a positive integer, e.g. threads=2", "4, at most the CPU count",
+             "the runtime's thread count (llama.cpp n_threads); results should not depend on it", _fixed("threads=1")),
     )
 }
 

@@ -29,5 +29,10 @@ def load_engine(name: str, source, variant: dict, *, device: str | torch.device 
     parsed = check_device(device)
     if parsed.type not in entry.devices:
         raise TracerError(f"the {entry.name} engine runs on {', '.join(entry.devices)}, not {device}")
+    stream = stream and entry.stream
+    if entry.isolated:  # native code that may abort: in a child process (tracer.engines.isolated)
+        from tracer.engines import isolated
+
+        return isolated.load(entry, source, variant, argument=argument, device=parsed, stream=stream)
     module = importlib.import_module(entry.module)
-    return module.load(source, variant, argument=argument, device=parsed, stream=stream and entry.stream)
+    return module.load(source, variant, argument=argument, device=parsed, stream=stream)

