@@ -68,7 +68,10 @@ def resemblance(observed: Result, variant: Result) -> float:
 
 
 def catalogue(spec) -> list[str]:
-    """The sweep's representative variants plus more values of theta and eps."""
+    """The sweep's representative variants plus more values of theta and eps, and the number-format
+    regimes (`tracer.ggml.regime.regime_catalogue`: block-quantized weights with and without their
+    activation quantization, KV caches, 16-bit dtypes)."""
+    from tracer.ggml.regime import regime_catalogue
     from tracer.sweep import default_variants
     from tracer.variants import parse_variant
 
@@ -80,7 +83,7 @@ def catalogue(spec) -> list[str]:
             if not math.isclose(value, own[knob]) and {knob: value} not in seen:
                 variants.append(f"{knob}={value:g}")
                 seen.append({knob: value})
-    return variants
+    return variants + [v for v in regime_catalogue() if parse_variant(v) not in seen]
 
 
 def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: bool = False,

@@ -10,16 +10,19 @@ two layers. So free-running spread measures chaos, not the arithmetic.
 
 The estimate here keeps the formats and changes only what an equally valid implementation of the
 same regime may change, the order of its sums: the regime with `accumulate=f64` (every quantized
-matmul, RoPE, SwiGLU and attention sum exact and rounded once, ggml's f16 flash-attention
-accumulator included) is run teacher-forced on the reference trace (each block fed the
-reference's input to that block, `tracer.localize`), and a point's noise is its rel_l2 to the
-reference there. That is the per-op error a different summation order makes, on the same inputs;
-flips of 8-bit roundings inside a block are part of it, inherited chaos from earlier blocks is not.
-Points both variants compute alike (embedding, the first RMSNorm of a block) get 0 and fall back
-to the criterion's absolute floor (1e-6).
+matmul, RoPE, SwiGLU and q·k sum exact and rounded once; ggml's online softmax and f16
+flash-attention accumulator kept, as every implementation of its kernel keeps them) is run with
+every op fed the reference's values of its inputs (`tracer.localize.op_forced_points`), and a
+point's noise is its rel_l2 to the reference there: the error a different summation order makes
+in that op alone. Forcing per block instead would let a 1e-7 difference in one op flip 8-bit
+roundings in the next ones of the same block (measured: up to 9e-3 at MLP points, which would
+hide a corrupted tensor); forcing per op leaves only the op's own flips. Points both variants
+compute alike (embedding, norms, residual adds) get 0 and fall back to the criterion's absolute
+floor (1e-6).
 
 On the bundled SmolLM2 with preset=llamacpp,weights=gguf (5 tokens) this puts the noise of the
-quantized projections at ~1e-7..1e-4 and of the attention context at ~1e-4 (the f16 accumulator).
+quantized projections at 1e-7..1e-6, RoPE at 4e-8 and the attention context at up to 3e-5 (the
+f16 accumulator's roundings).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from tracer.trace import Trace
 
 
 def regime_noise(source, reference: Trace, variant: dict, recorder=None, device="cpu") -> dict[str, float]:
-    """Per point, rel_l2 between `reference` and the regime `variant` with `accumulate=f64`, run
-    teacher-forced on `reference` (each block fed the reference's input to that block).
+    """Per point, rel_l2 between `reference` and the regime `variant` with `accumulate=f64`, every
+    op of it fed `reference`'s values of its inputs.
 
     Args:
         source: the model (directory or loaded model) the reference ran.
@@ -48,5 +51,5 @@ def regime_noise(source, reference: Trace, variant: dict, recorder=None, device=
     from tracer.engines.load import load_engine
 
     engine = load_engine("reimpl", source, {**variant, "accumulate": "f64"}, device=device)
-    forced = engine.local_trace(reference, recorder)
+    forced = engine.op_trace(reference, recorder)
     return {p.point: p.rel_l2 for p in compare_points(reference, forced, Tolerance()) if p.recorded}

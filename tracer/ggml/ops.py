@@ -116,6 +116,14 @@ def swiglu_exact(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (g / (1 + torch.exp(-g)) * up.to(F64)).to(F32)
 
 
+def swiglu_f32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """torch's f32 silu(gate) * up."""
+    return torch.nn.functional.silu(gate.to(F32)) * up.to(F32)
+
+
+SWIGLU = {"ggml": swiglu, "f32": swiglu_f32, "f64": swiglu_exact}
+
+
 # --- attention --------------------------------------------------------------------------------
 
 
@@ -246,30 +254,40 @@ def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
     return acc * inverse[..., None]
 
 
-def flash_attn_exact(q, k, v, scale: float, round_q: bool) -> torch.Tensor:
+def flash_attn_exact(q, k, v, scale: float, round_q: bool, dtype: torch.dtype = F64) -> torch.Tensor:
     """The same operands (K, V in f16; Q in f16 below 64 rows, else f32), softmax and weighted sum
-    exact in f64, rounded once (the accumulate=f64 variant). Shapes as `flash_attn_tiled`."""
-    q64 = (round_f16(q) if round_q else q).to(F64)
-    scores = q64 @ round_f16(k).to(F64).transpose(-1, -2) * scale  # (H, T, T)
+    in `dtype` (f64: exact but for the last bits; f32: torch's own order), rounded to f32. Shapes
+    as `flash_attn_tiled`."""
+    qd = (round_f16(q) if round_q else q).to(dtype)
+    scores = qd @ round_f16(k).to(dtype).transpose(-1, -2) * scale  # (H, T, T)
     causal = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
     probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
-    return (probs @ round_f16(v).to(F64)).to(F32)
+    return (probs @ round_f16(v).to(dtype)).to(F32)
 
 
-def flash_attention(q, k, v, head_dim: int, exact: bool = False) -> torch.Tensor:
+def dot_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """q·k products in torch's f32 order: (..., 1, D) x (..., N, D) broadcast as matmul."""
+    return torch.matmul(x, y.transpose(-1, -2))[..., 0, :] if x.shape[-2] == 1 else (x * y).sum(-1)
+
+
+def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml") -> torch.Tensor:
     """llama.cpp's CPU flash attention with an f16 KV cache, picking its path as ggml does (tiled
     from 64 query rows). q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D) f32.
 
-    `exact`: the same algorithm with its sums exact: below 64 rows the f16 accumulator and online
-    softmax stay (every implementation of ggml's kernel keeps them) and only the q·k dot products
-    are exact; from 64 rows (f32 accumulators) everything is computed in f64 and rounded once."""
+    `accumulate` other than "ggml": the same algorithm with other sums. Below 64 rows the f16
+    accumulator and online softmax stay (every implementation of ggml's kernel keeps them) and only
+    the q·k dot products change (f64: exact; f32: plain f32 sums); from 64 rows (f32 accumulators)
+    softmax attention is computed in f64 or f32 and rounded once."""
     heads = q.shape[1]
     q_g = to_interleaved(q[0].to(F32), head_dim)  # (H, T, D) GGUF order: the dot products' order
     k_g = _kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads)  # (H, T, D)
     v_h = _kv_for_heads(v[0].to(F32), heads)  # (H, T, D): V rows are not permuted
     scale = attention_scale(head_dim)
-    if q.shape[2] >= FA_TILE:
-        run = functools.partial(flash_attn_exact, round_q=False) if exact else flash_attn_tiled
+    tiled = q.shape[2] >= FA_TILE
+    if accumulate == "ggml":
+        run = flash_attn_tiled if tiled else flash_attn_one_chunk
+    elif tiled:
+        run = functools.partial(flash_attn_exact, round_q=False, dtype=F64 if accumulate == "f64" else F32)
     else:
-        run = functools.partial(flash_attn_one_chunk, dot=dot_exact) if exact else flash_attn_one_chunk
+        run = functools.partial(flash_attn_one_chunk, dot=dot_exact if accumulate == "f64" else dot_f32)
     return run(q_g, k_g, v_h, scale)[None]

@@ -57,6 +57,7 @@ class Blocks:
     held: torch.Tensor | None = None
     _values: torch.Tensor | None = field(default=None, repr=False)
     _lanes: tuple | None = field(default=None, repr=False)
+    _scaled: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def unpacked(self) -> bool:
@@ -76,6 +77,15 @@ class Blocks:
                 scaled = q * self.d[..., None] if self.m is None else fma(q, self.d[..., None], self.m[..., None])
                 self._values = scaled.reshape(self.shape)
         return self._values
+
+    def scaled(self, dtype: torch.dtype) -> torch.Tensor:
+        """(R, C) d*q without the min, in `dtype` (exact: 11 + 8 bits); the f32 one is cached."""
+        if dtype == F32 and self._scaled is not None:
+            return self._scaled
+        scaled = (self.q.to(dtype) * self.d[..., None].to(dtype)).flatten(-2)
+        if dtype == F32:
+            self._scaled = scaled
+        return scaled
 
     def lanes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The unpacked blocks as ggml's x86 dot kernels walk them, cached: quants (B*8, R, 4) f32,

@@ -13,8 +13,10 @@ Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
   and (f16/bf16) the probabilities converted before the product with V, as ggml's mul_mat does.
 - `ops`: hf | ggml: embedding, RMSNorm, RoPE, SwiGLU and attention as transformers or as ggml's
   CPU backend computes them (`tracer.ggml.ops`).
-- `accumulate`: ggml | f64: the quantized matmuls, RoPE, SwiGLU and attention in ggml's own order,
-  or exactly in f64 and rounded once (see `tracer.ggml.noise`).
+- `accumulate`: ggml | f32 | f64: the quantized matmuls, RoPE, SwiGLU and attention in ggml's own
+  order (bit-exact on x86, slow: ~25x a plain forward), or with the matmuls through torch's BLAS in
+  f32 (another valid order, fast) or f64 (exact) and the rest exact in f64, rounded once (see
+  `tracer.ggml.noise`).
 - `preset=llamacpp`: ops=ggml, act_quant=auto, kv_cache=f16, accumulate=ggml, act_round=even;
   add `weights=gguf` for a model converted from a GGUF.
 
@@ -38,7 +40,7 @@ from tracer.ggml import ops
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
 from tracer.ggml.quants import ACT_BLOCK, BLOCK_TYPES, VEC_DOT_TYPE, Blocks, from_gguf_bytes, quantize, \
     quantize_activations, quantize_q8_0
-from tracer.ggml.vecdot import has_kernel, matmul_f64, matmul_ggml
+from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
 
 REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate")
 WEIGHT_FORMATS = (*BLOCK_TYPES, "gguf")
@@ -205,9 +207,14 @@ def act_kind(weight, act_quant: str) -> str:
     return "none" if kind == "f32" else kind
 
 
+ACCUMULATE_DTYPES = {"ggml": F32, "f32": F32, "f64": torch.float64}
+
+
 def make_linear(act_quant: str, rounding: str, accumulate: str):
     """The `linear` strategy: x (1, T, C) @ weight (R, C)ᵀ + bias -> (1, T, R), the activations in
-    the regime's format and the products accumulated as `accumulate` says."""
+    the regime's format and the products accumulated as `accumulate` says: ggml's own order where
+    its kernel is emulated (else f64), or BLAS in f32 / f64."""
+    blas_dtype = ACCUMULATE_DTYPES[accumulate] if accumulate != "ggml" else torch.float64
 
     def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x[0].to(F32)  # (T, C)
@@ -215,11 +222,11 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
         if kind in ACT_BLOCK:
             act = quantize_activations(rows, kind, rounding)
             exact_order = accumulate == "ggml" and isinstance(weight, Blocks) and has_kernel(weight, act)
-            out = matmul_ggml(act, weight) if exact_order else matmul_f64(act, weight)
+            out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
         elif kind in ("f16", "bf16"):
-            out = matmul_f64(ROUND[kind](rows), weight)
-        elif isinstance(weight, Blocks) or accumulate == "f64":
-            out = matmul_f64(rows, weight)
+            out = matmul_blas(ROUND[kind](rows), weight, blas_dtype)
+        elif isinstance(weight, Blocks) or accumulate != "ggml":
+            out = matmul_blas(rows, weight, blas_dtype)
         else:
             out = F.linear(rows, weight)
         out = out if bias is None else out + bias.to(F32)
@@ -253,11 +260,9 @@ def kv_rounding(kv_cache: str, rounding: str):
 def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
     """llama.cpp's CPU flash attention. f16 (and f32, which llama.cpp casts to f16 for it): emulated
     in ggml's order (or f64); bf16 and q8_0 caches: their rounded operands, accumulated in f64."""
-    exact = accumulate == "f64"
-
     def attention(q, k, v, spec, strategies, prefix, record):
         if kv_cache in ("f16", "f32"):
-            return ops.flash_attention(q, k, v, spec.head_dim, exact=exact)
+            return ops.flash_attention(q, k, v, spec.head_dim, accumulate)
         store = kv_rounding(kv_cache, rounding)
         heads = q.shape[1]
         q_g = ops.to_interleaved(q[0].to(F32), spec.head_dim)  # (H, T, D) GGUF order
@@ -302,17 +307,15 @@ def _stored_qk(x: torch.Tensor, store, head_dim: int) -> torch.Tensor:
 # --- the other ops ----------------------------------------------------------------------------
 
 
-def glu_ggml(exact: bool):
+def glu_ggml(accumulate: str):
+    swiglu = ops.SWIGLU[accumulate]
+
     def glu(gate: torch.Tensor, up: torch.Tensor, hidden_act: str) -> torch.Tensor:
         if hidden_act != "silu":
             raise TracerError(f"ops=ggml emulates SwiGLU only (hidden_act {hidden_act!r})")
-        return ops.swiglu_exact(gate, up) if exact else ops.swiglu(gate, up)
+        return swiglu(gate, up)
 
     return glu
-
-
-def rope_ggml(exact: bool):
-    return ops.rope_exact if exact else ops.rope
 
 
 # --- assembling -------------------------------------------------------------------------------
@@ -338,10 +341,10 @@ def apply_regime(knobs: dict, strategies):
     changes = {"weights": weight_format(knobs.get("weights")), "linear": linear,
                "logits": functools.partial(strategies.logits, linear=linear)}
     kv_cache = knobs.get("kv_cache")
-    exact = accumulate == "f64"
     if knobs.get("ops") == "ggml":
-        changes |= {"embedding": embedding, "norm": ops.rms_norm, "rope": rope_ggml(exact),
-                    "rotary": ops.rope_cos_sin, "glu": glu_ggml(exact),
+        changes |= {"embedding": embedding, "norm": ops.rms_norm,
+                    "rope": ops.rope if accumulate == "ggml" else ops.rope_exact,
+                    "rotary": ops.rope_cos_sin, "glu": glu_ggml(accumulate),
                     "attention": make_attention_ggml(kv_cache or "f32", accumulate, rounding)}
     else:
         changes["embedding"] = embedding

@@ -13,6 +13,7 @@ Two accumulations of the same quantized operands:
   and the same hsum, so its results are the same numbers.
 - `f64`: every product and sum exact in f64 (the operands' products fit), rounded to f32 once:
   what any summation order approaches; the regime's noise floor compares the two.
+- `f32`: the same operands through torch's f32 BLAS: another valid f32 summation order, fast.
 
 Pairs without an emulated kernel (k-quant weights, an activation type ggml does not pair with the
 weight type) are accumulated in f64 from dequantized values.
@@ -83,19 +84,24 @@ def _accumulate(lanes: torch.Tensor, x_scales: torch.Tensor, w_scales: torch.Ten
     return out if summs is None else out + summs
 
 
-def matmul_f64(act: ActBlocks | torch.Tensor, weight: Blocks | torch.Tensor) -> torch.Tensor:
-    """(T, R): the same quantized operands, products and sums exact in f64, rounded to f32 once.
+def matmul_blas(act: ActBlocks | torch.Tensor, weight: Blocks | torch.Tensor, dtype: torch.dtype = F64) -> torch.Tensor:
+    """(T, R): the same quantized operands multiplied by torch's BLAS in `dtype`, rounded to f32.
+    In f64 every product is exact and the sums all but exact (`accumulate=f64`); in f32 the sums
+    take BLAS's own order, another valid f32 order (`accumulate=f32`, the fast one).
 
     Q4_1/Q5_1 weights with Q8_1 activations keep ggml's split: (d_w q_w)·(d_x q_x) + m_w·s_x, with
     s_x the block's f16 sum; otherwise the dequantized values are multiplied."""
-    x = act.values() if isinstance(act, ActBlocks) else act
+    x = (act.values() if isinstance(act, ActBlocks) else act).to(dtype)
     if isinstance(weight, Blocks) and weight.unpacked and weight.m is not None and isinstance(act, ActBlocks) \
             and act.s is not None:
-        scaled = (weight.q.to(F64) * weight.d[..., None].to(F64)).flatten(-2)  # (R, C): d*q, no min
-        out = x.to(F64) @ scaled.T + act.s.to(F64) @ weight.m.to(F64).T
-        return out.to(F32)
+        return (x @ weight.scaled(dtype).T + act.s.to(dtype) @ weight.m.to(dtype).T).to(F32)
     w = weight.values() if isinstance(weight, Blocks) else weight
-    return (x.to(F64) @ w.to(F64).T).to(F32)
+    return (x @ w.to(dtype).T).to(F32)
+
+
+def matmul_f64(act: ActBlocks | torch.Tensor, weight: Blocks | torch.Tensor) -> torch.Tensor:
+    """`matmul_blas` in f64: products exact, sums all but exact, rounded to f32 once."""
+    return matmul_blas(act, weight, F64)
 
 
 def has_kernel(weight: Blocks, act: ActBlocks) -> bool:
