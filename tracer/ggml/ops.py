@@ -214,7 +214,8 @@ def _tile_context(acc: torch.Tensor, p: torch.Tensor, v: torch.Tensor) -> torch.
 
 def _tile_softmax_sum(p: torch.Tensor) -> torch.Tensor:
     """ggml_vec_soft_max_f32's sum (AVX-512): per 16 values `_mm512_reduce_add_ps`, the partial
-    sums added in f64 one after another. p (H, T, N) -> (H, T) f64."""
+    sums added in f64 one after another. p (H, T, N <= 64) -> (H, T) f64."""
+    p = torch.nn.functional.pad(p, (0, FA_TILE - p.shape[-1]))  # a short last tile: ggml pads it with zeros
     total = torch.zeros(p.shape[:-1], dtype=F64)
     for start in range(0, p.shape[-1], SIMD_F32):
         total = total + reduce_add16(p[..., start:start + SIMD_F32]).to(F64)

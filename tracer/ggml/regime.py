@@ -247,6 +247,8 @@ def embedding(ids: torch.Tensor, weight) -> torch.Tensor:
 def _round_q8_0(x: torch.Tensor, rounding: str) -> torch.Tensor:
     """(..., D) quantized to Q8_0 blocks of 32 along D and dequantized."""
     shape = x.shape
+    if shape[-1] % 32:
+        raise TracerError(f"kv_cache=q8_0 stores heads in 32-value blocks; this model's head_dim is {shape[-1]}")
     return quantize_q8_0(x.reshape(-1, shape[-1]), rounding).values().reshape(shape)
 
 
@@ -360,3 +362,75 @@ def regime_catalogue() -> list[str]:
     for kind in BLOCK_TYPES:
         variants += [f"weights={kind},act_quant={VEC_DOT_TYPE[kind]}", f"weights={kind}"]
     return variants + ["kv_cache=f16", "kv_cache=q8_0", "dtype=bf16", "dtype=f16"]
+
+
+# --- the regime a llama.cpp run implies ---------------------------------------------------------
+
+# Weight types whose llama.cpp CPU kernel (x86 AVX2/AVX-512 build) is emulated in its own order.
+EXACT_WEIGHT_TYPES = {"f32", "q4_1", "q5_0", "q5_1", "q8_0"}
+# Why the others are not, on x86: ggml repacks some at load (CPU_REPACK) or tiles them from 8 rows.
+NOT_EXACT_WHY = {
+    "q4_0": "repacked to q4_0_8x8 at load on AVX2 (its gemv/gemm kernels are not emulated)",
+    "iq4_nl": "repacked to iq4_nl_8x8 at load on AVX2",
+    "q4_k": "repacked to q4_K_8x8 at load on AVX2",
+    "q2_k": "repacked to q2_K_8x8 at load on AVX-512",
+    "q3_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
+    "q5_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
+    "q6_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
+    "f16": "tinyBLAS' f16 kernel is not emulated", "bf16": "tinyBLAS' bf16 kernel is not emulated",
+}
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
+
+
+def cpu_flags() -> set[str]:
+    """This machine's CPU feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[str, str] | None = None,
+                   flags: set[str] | None = None) -> tuple[dict, list[str]]:
+    """The reimpl variant that reproduces a llama.cpp CPU run, and what of it is not bit-exact here.
+
+    Args:
+        weight_types: tensor name -> GGUF type of the model file (`GGUFWeights.types()`).
+        llamacpp_variant: the llamacpp engine's knobs (`kv_cache`, `flash_attn`; llama.cpp's
+            defaults f16 and auto, which is on for the CPU backend).
+        flags: CPU feature flags (default: this machine's).
+
+    Returns:
+        (variant, caveats): e.g. ({"preset": "llamacpp", "weights": "gguf"}, []). With no caveat the
+        free-running comparison is expected to be exactly 0 at every point; with caveats compare per
+        op (`ReimplEngine.op_trace` fed the llama.cpp trace), where the emulation stays within 1e-4.
+
+    Example:
+        >>> implied_regime(GGUFWeights(path).types(), {"kv_cache": "f16"})
+        ({'preset': 'llamacpp', 'weights': 'gguf'}, [])
+    """
+    knobs = dict(llamacpp_variant or {})
+    variant = {"preset": "llamacpp", "weights": "gguf"}
+    kv_cache = knobs.get("kv_cache", "f16")
+    if kv_cache != "f16":
+        variant["kv_cache"] = kv_cache
+    caveats = []
+    if knobs.get("flash_attn", "auto") == "off":
+        caveats.append("flash_attn=off: ggml's unfused attention (f16 mul_mat, soft_max) is not emulated; "
+                       "the regime runs its flash attention")
+    if kv_cache in ("bf16", "q8_0"):
+        caveats.append(f"kv_cache={kv_cache}: its flash-attention kernel is emulated on rounded operands, "
+                       "summed in f64, not in ggml's order")
+    for kind in sorted(set(weight_types.values()) - EXACT_WEIGHT_TYPES):
+        names = [name for name, t in weight_types.items() if t == kind]
+        caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): "
+                       f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; accumulated in f64")
+    missing = [flag for flag in CPU_FLAGS if flag not in (cpu_flags() if flags is None else flags)]
+    if missing:
+        caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
+                       "(exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated")
+    return variant, caveats
