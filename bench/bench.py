@@ -198,6 +198,33 @@ def _transformer_lens(model, ids) -> tuple[str, Callable[[], object]]:
             "hook points (not cloned)"), run_with_cache
 
 
+# The llama.cpp regime (tracer.ggml) at each accumulation: the fast one, the noise floor's, the bit-exact one.
+REGIMES = {
+    "preset=llamacpp,weights=gguf,accumulate=f32 (ggml's formats, BLAS sums)": {"accumulate": "f32"},
+    "preset=llamacpp,weights=gguf,accumulate=f64 (the regime noise floor's run)": {"accumulate": "f64"},
+    "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)": {},
+}
+EXACT_REGIME_TOKENS = 64  # the bit-exact emulation costs ~25x a plain forward: timed on fewer tokens
+
+
+def regimes(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, tuple[float, float]]:
+    """Seconds for a forward of the reimplementation in the llama.cpp regime (nothing recorded), and
+    its ratio to the plain reimplementation forward timed in the same rounds on the same tokens."""
+    from tracer.llama import Llama
+
+    plain = Llama.from_dir(model_dir)
+    rows = {}
+    for name, knobs in REGIMES.items():
+        regime = Llama.from_dir(model_dir, {"preset": "llamacpp", "weights": "gguf", **knobs})
+        used = tokens if knobs else tokens[:EXACT_REGIME_TOKENS]
+        ids = torch.tensor(used)
+        label = name if knobs else f"{name}, {len(used)} tokens"
+        pair = best_times({"plain": lambda: plain.forward(ids), label: lambda: regime.forward(ids)},
+                          repeats if knobs else 1)
+        rows[label] = (pair[label], pair[label] / pair["plain"])
+    return rows
+
+
 def whole_run(model_dir: Path, repeats: int) -> dict[str, float]:
     """Seconds for `tracer run --variant theta=10000` as a process vs a bare transformers script."""
     bare = (
@@ -235,6 +262,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CI-sized: fewer tokens and repeats")
     parser.add_argument("--tokens", type=int, help="prompt length (default 512, quick 256)")
     parser.add_argument("--threads", type=int, help="torch threads, here and in the timed processes (default: torch's)")
+    parser.add_argument("--regimes", action="store_true", help="only the number-format regime rows")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -244,6 +272,12 @@ def main() -> None:
     model_dir = tracer.default_model_path()
     count = args.tokens or (256 if args.quick else 512)
     repeats = 3 if args.quick else 5
+    regime_rows = regimes(model_dir, bench_tokens(model_dir, count), repeats)
+    regime_lines = ["| regime (reimpl forward, nothing recorded) | seconds | ratio to the plain reimpl forward |",
+                    "|---|--:|--:|"] + [f"| {name} | {s:.3f} | {r:.2f}× |" for name, (s, r) in regime_rows.items()]
+    if args.regimes:
+        print("\n".join(regime_lines))
+        return
     forward, missing = in_process(model_dir, bench_tokens(model_dir, count), repeats)
     runs = whole_run(model_dir, 1 if args.quick else 3)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
@@ -252,6 +286,7 @@ def main() -> None:
     if missing:
         lines += [f"Not installed, so not measured: {', '.join(missing)}.", ""]
     lines += table(ratios(runs, "bare script: import transformers, load, one forward"))
+    lines += [""] + regime_lines
     text = "\n".join(lines)
     print(text)
     (HERE / "results.md").write_text(text + "\n")
