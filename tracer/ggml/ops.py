@@ -292,3 +292,71 @@ def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml") -> torch.T
     else:
         run = functools.partial(flash_attn_one_chunk, dot=dot_exact if accumulate == "f64" else dot_f32)
     return run(q_g, k_g, v_h, scale)[None]
+
+
+# --- quantized and bf16 KV caches -----------------------------------------------------------
+
+
+def fwht(x: torch.Tensor, size: int) -> torch.Tensor:
+    """ggml_compute_forward_fwht (llama.cpp's `llama_mul_mat_hadamard`): each run of `size` values of
+    the last axis scaled by 1.0f/sqrtf(size), then the Walsh-Hadamard butterflies (u + v, u - v)
+    in f32, pairs at distance 1, 2, 4, ...; the transform is its own inverse."""
+    scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(size)))
+    y = x.to(F32).unflatten(-1, (-1, size)) * scale  # (..., blocks, size)
+    length = 1
+    while length < size:
+        pairs = y.unflatten(-1, (size // (2 * length), 2, length))  # (..., blocks, groups, 2, length)
+        u, v = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((u + v, u - v), dim=-2).flatten(-3)
+        length *= 2
+    return y.flatten(-2)
+
+
+def rotation_size(head_dim: int, keys: bool) -> int | None:
+    """The Hadamard size llama.cpp rotates a quantized K or V cache with (llama-kv-cache.cpp:
+    head sizes that are multiples of 64; K: the largest power of two dividing it, V: 64)."""
+    if head_dim % 64:
+        return None
+    size = 64
+    while keys and head_dim % (size * 2) == 0:
+        size *= 2
+    return size
+
+
+def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_dot_bf16, AVX-512F without BF16 instructions: two 16-lane accumulators over steps of
+    32 (products of bf16 values are exact), each reduced by `_mm512_reduce_add_ps` and added in
+    f64, then the values past the last whole 32 one by one in f64."""
+    width = x.shape[-1] - x.shape[-1] % 32
+    c1 = c2 = None
+    for start in range(0, width, 32):
+        a, b = x[..., start:start + 16] * y[..., start:start + 16], x[..., start + 16:start + 32] * y[..., start + 16:start + 32]
+        c1, c2 = (a, b) if c1 is None else (c1 + a, c2 + b)
+    shape = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+    total = torch.zeros(shape, dtype=F64) if c1 is None else reduce_add16(c1).to(F64) + reduce_add16(c2).to(F64)
+    for i in range(width, x.shape[-1]):
+        total = total + (x[..., i] * y[..., i]).to(F64)
+    return total.to(F32)
+
+
+def flash_attn_one_chunk_f32(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The one-chunk flash attention loop for K/V types other than f16: the same online softmax
+    (libm expf, S = fma(S, ms, vs)), an f32 accumulator (ggml_vec_scale_f32 on a new maximum,
+    ggml_vec_mad_f32: fma(v, weight, acc)), output acc * (1/S). scores (H, T, T) already scaled,
+    v (H, T, D) as ggml's v_to_float gives it."""
+    heads, tokens, _ = scores.shape
+    acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)
+    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
+    total = torch.zeros(heads, tokens, dtype=F32)
+    positions = torch.arange(tokens)
+    for key in range(tokens):
+        visible = (positions >= key)[None].expand(heads, tokens)
+        s = scores[:, :, key]
+        new_max = visible & (s > best)
+        ms = torch.where(new_max, expf(torch.where(new_max, best - s, 0.0)), 1.0)
+        vs = torch.where(visible & ~new_max, expf(torch.where(visible & ~new_max, s - best, 0.0)), 1.0)
+        best = torch.where(new_max, s, best)
+        acc = torch.where(new_max[..., None], acc * ms[..., None], acc)
+        acc = torch.where(visible[..., None], fma(v[:, key, None, :], vs[..., None], acc), acc)
+        total = torch.where(visible, fma(total, ms, vs), total)
+    return acc * torch.where(total == 0, 0.0, rdiv(1.0, total))[..., None]

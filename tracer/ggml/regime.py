@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from tracer.errors import TracerError
 from tracer.ggml import ops
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
+from tracer.layouts import to_interleaved
 from tracer.ggml.quants import ACT_BLOCK, BLOCK_TYPES, VEC_DOT_TYPE, Blocks, from_gguf_bytes, quantize, \
     quantize_activations, quantize_q8_0
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
@@ -260,20 +261,53 @@ def kv_rounding(kv_cache: str, rounding: str):
 
 
 def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
-    """llama.cpp's CPU flash attention. f16 (and f32, which llama.cpp casts to f16 for it): emulated
-    in ggml's order (or f64); bf16 and q8_0 caches: their rounded operands, accumulated in f64."""
+    """llama.cpp's CPU flash attention. f16 (and f32, which llama.cpp casts to f16 for it): both of
+    its paths. bf16 and q8_0: the one-chunk path with an f32 accumulator, Q in the cache's vec-dot
+    type; a quantized cache is Hadamard-rotated as llama.cpp rotates it (Q and K before RoPE'd
+    rows are stored, V too, the output back). Other accumulations: the same operands, summed in
+    f64."""
+
     def attention(q, k, v, spec, strategies, prefix, record):
         if kv_cache in ("f16", "f32"):
             return ops.flash_attention(q, k, v, spec.head_dim, accumulate)
+        heads, dim = q.shape[1], spec.head_dim
+        q_g = to_interleaved(q[0].to(F32), dim)  # (H, T, D) GGUF order
+        k_g = to_interleaved(k[0].to(F32), dim)  # (KV, T, D)
+        v_kv = v[0].to(F32)  # (KV, T, D)
+        quantized = kv_cache == "q8_0"
+        rot_k, rot_v = (ops.rotation_size(dim, True), ops.rotation_size(dim, False)) if quantized else (None, None)
+        if rot_k:
+            q_g, k_g = ops.fwht(q_g, rot_k), ops.fwht(k_g, rot_k)
+        if rot_v:
+            v_kv = ops.fwht(v_kv, rot_v)
         store = kv_rounding(kv_cache, rounding)
-        heads = q.shape[1]
-        q_g = ops.to_interleaved(q[0].to(F32), spec.head_dim)  # (H, T, D) GGUF order
-        k_g = ops._kv_for_heads(store(ops.to_interleaved(k[0].to(F32), spec.head_dim)), heads)
-        v_h = ops._kv_for_heads(store(v[0].to(F32)), heads)
-        return ops.flash_attn_exact(store(q_g), k_g, v_h, ops.attention_scale(spec.head_dim), round_q=False)[None]
+        values = ops._kv_for_heads(store(v_kv), heads)  # (H, T, D): v_to_float of the cache
+        scale = np.float32(ops.attention_scale(dim))
+        if accumulate == "ggml":
+            scores = _cache_scores(q_g, k_g, kv_cache, rounding) * scale  # (H, T, T)
+            out = ops.flash_attn_one_chunk_f32(scores, values)
+        else:
+            keys = ops._kv_for_heads(store(k_g), heads)
+            out = ops.flash_attn_exact(store(q_g), keys, values, float(scale), round_q=False)
+        return (ops.fwht(out, rot_v) if rot_v else out)[None]
 
     attention.fused = "llama.cpp's flash attention never forms the scores and probabilities"
     return attention
+
+
+def _cache_scores(q: torch.Tensor, k: torch.Tensor, kv_cache: str, rounding: str) -> torch.Tensor:
+    """q (H, T, D), k (KV, T, D) GGUF order -> (H, T, T) q·k as the K type's vec_dot computes them:
+    Q8_0 (Q quantized by quantize_row_q8_0, ggml_vec_dot_q8_0_q8_0) or bf16 (ggml_vec_dot_bf16)."""
+    groups = q.shape[0] // k.shape[0]
+    if kv_cache == "bf16":
+        keys = ops._kv_for_heads(round_bf16(k), q.shape[0])
+        return ops.vec_dot_bf16(round_bf16(q)[:, :, None, :], keys[:, None, :, :])
+    rows = []
+    for head in range(q.shape[0]):
+        stored = quantize_q8_0(k[head // groups], rounding)  # (T, B, 32): cpy_k's blocks
+        keys = Blocks("q8_0", (k.shape[1], k.shape[2]), d=stored.d, q=stored.q)
+        rows.append(matmul_ggml(quantize_q8_0(q[head], rounding), keys))  # (T, T)
+    return torch.stack(rows)
 
 
 def make_attention_stored(kv_cache: str, rounding: str):
