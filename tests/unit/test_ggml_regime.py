@@ -39,9 +39,9 @@ def quantized(tmp_path_factory):
 
 
 def test_the_regime_knobs_are_listed_for_reimpl_and_the_preset_expands():
-    for knob in ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate"):
+    for knob in ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn"):
         assert "reimpl" in KNOBS[knob].engines
-    assert KNOBS["kv_cache"].engines == ("reimpl", "llamacpp")
+    assert KNOBS["kv_cache"].engines == KNOBS["flash_attn"].engines == ("reimpl", "llamacpp")
     assert expand_presets({"preset": "llamacpp", "weights": "gguf"}) == {**PRESETS["llamacpp"], "weights": "gguf"}
 
 
@@ -121,6 +121,30 @@ def test_the_llamacpp_preset_is_llama_cpp_to_the_bit_on_a_quantized_gguf(quantiz
         assert all(p.rel_l2 == 0 for p in compared), [(p.point, p.rel_l2) for p in compared if p.rel_l2]
 
 
+@pytest.mark.parametrize("kv_cache", ["f16", "f32", "bf16"])
+def test_flash_attention_off_is_llama_cpps_unfused_attention_to_the_bit(quantized, kv_cache):
+    """mul_mat on the cache (tinyBLAS), soft_max, mul_mat with the probabilities in the cache's
+    type: scores and probabilities are recorded on both sides, and equal."""
+    pytest.importorskip("llama_cpp")
+    from tracer.engines import llamacpp
+
+    _, gguf, converted = quantized
+    knobs = {"kv_cache": kv_cache, "flash_attn": "off"}
+    engine = llamacpp.load(converted, {"threads": 1, **knobs}, argument=str(gguf))
+    ours = tracer.record(converted, TOKENS, engine="reimpl", variant={**LLAMACPP, **knobs}, progress=False)
+    result = tracer.compare(ours, engine.record(TOKENS))
+    compared = [p for p in result.points if p.recorded]
+    assert len(compared) == 37 and all(p.rel_l2 == 0 for p in compared)  # scores and probs of both layers too
+
+
+def test_the_quantized_caches_go_through_flash_attention_only(tiny_llama):
+    with pytest.raises(TracerError, match="kv_cache=q8_0 needs flash attention"):
+        tracer.record(tiny_llama(), TOKENS, engine="reimpl", variant="preset=llamacpp,kv_cache=q8_0,flash_attn=off",
+                      progress=False)
+    with pytest.raises(TracerError, match="flash_attn=on is llama.cpp's flash attention: on the reimpl engine it needs"):
+        tracer.record(tiny_llama(), TOKENS, engine="reimpl", variant="flash_attn=on", progress=False)
+
+
 def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized):
     from tracer.ggml.noise import regime_noise
     from tracer.noise import estimate_noise
@@ -159,8 +183,8 @@ def test_implied_regime_names_what_is_not_bit_exact():
     exact_types = {"model.embed_tokens.weight": "q8_0", "model.layers.0.mlp.up_proj.weight": "q4_1"}
     flags = {"avx2", "fma", "f16c", "avx512f", "avx512dq"}
     assert implied_regime(exact_types, {}, flags) == ({"preset": "llamacpp", "weights": "gguf"}, [])
-    variant, caveats = implied_regime({**exact_types, "x": "q4_k"}, {"kv_cache": "q8_0", "flash_attn": "off"},
+    variant, caveats = implied_regime({**exact_types, "x": "q4_k"}, {"kv_cache": "bf16", "flash_attn": "off"},
                                       {"avx2"})
-    assert variant == {"preset": "llamacpp", "weights": "gguf", "kv_cache": "q8_0"}
-    assert len(caveats) == 4 and "Q4_K weights" in caveats[2] and "lacks fma, f16c, avx512f" in caveats[3]
+    assert variant == {"preset": "llamacpp", "weights": "gguf", "kv_cache": "bf16", "flash_attn": "off"}
+    assert len(caveats) == 2 and "Q4_K weights" in caveats[0] and "lacks fma, f16c, avx512f" in caveats[1]
     assert json.dumps(variant)  # a plain dict: what the reimpl engine takes as its variant

@@ -18,7 +18,7 @@ CONFIG_KNOBS = ("theta", "eps", "attn", "dtype", "rope_scaling", "bias", "config
 # Semantic knobs: they change one operation of tracer's own Llama.
 SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "preset")
 # Number-format regime knobs: ggml's block formats and CPU arithmetic (tracer.ggml).
-REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate")
+REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn")
 # llama.cpp's own switches: rope_freq_base, the KV cache type, flash attention, threads.
 LLAMACPP_KNOBS = ("theta", "kv_cache", "flash_attn", "threads")
 

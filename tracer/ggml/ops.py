@@ -148,6 +148,27 @@ def vec_dot_f16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return total.to(F32)
 
 
+def vec_dot_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_dot_f32 (vec.cpp, AVX-512): the register scheme of `vec_dot_f16` on f32 values (an
+    FMA per step), but an f32 total: the values past the last whole 64 are added to it in f32 one
+    by one, each product rounded first (GCC vectorizes that loop as an in-order reduction, so the
+    multiply is not fused; measured against llama.cpp)."""
+    width = x.shape[-1] - x.shape[-1] % F16_DOT_STEP
+    shape = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+    acc = None
+    for start in range(0, width, F16_DOT_STEP):
+        xs = x[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))  # (..., 4, 16)
+        ys = y[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))
+        acc = xs * ys if acc is None else fma(xs, ys, acc)
+    if acc is None:
+        total = torch.zeros(shape, dtype=F32)
+    else:
+        total = reduce_add16((acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :]))
+    for i in range(width, x.shape[-1]):
+        total = total + x[..., i] * y[..., i]
+    return total
+
+
 def attention_scale(head_dim: int) -> float:
     """llama's kq_scale: 1.0f/sqrtf(float(n_embd_head)), in f32."""
     return float(np.float32(1.0) / np.float32(math.sqrt(np.float32(head_dim))))
@@ -360,3 +381,68 @@ def flash_attn_one_chunk_f32(scores: torch.Tensor, v: torch.Tensor) -> torch.Ten
         acc = torch.where(visible[..., None], fma(v[:, key, None, :], vs[..., None], acc), acc)
         total = torch.where(visible, fma(total, ms, vs), total)
     return acc * torch.where(total == 0, 0.0, rdiv(1.0, total))[..., None]
+
+
+# --- unfused attention (flash_attn=off) -------------------------------------------------------
+
+
+def tinyblas_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """llamafile's tinyBLAS (sgemm.cpp `gemm_bloc`, AVX-512) for one output: a 16-lane f32
+    accumulator takes one FMA per 16 values of the inner axis, in order, then
+    `_mm512_reduce_add_ps`. x, y (..., K) broadcast, K a multiple of 16 -> (...)."""
+    acc = None
+    for start in range(0, x.shape[-1], SIMD_F32):
+        a, b = x[..., start:start + SIMD_F32], y[..., start:start + SIMD_F32]
+        acc = a * b if acc is None else fma(a, b, acc)
+    return reduce_add16(acc)
+
+
+def _pad16(x: torch.Tensor) -> torch.Tensor:
+    """The key axis (last) padded with zeros to a multiple of 16: llama.cpp's KV cache holds 256
+    cells, the unused ones masked (weight 0)."""
+    return torch.nn.functional.pad(x, (0, -x.shape[-1] % SIMD_F32))
+
+
+def soft_max(scores: torch.Tensor) -> torch.Tensor:
+    """ggml_compute_forward_soft_max_f32 on scaled scores with the causal mask (-inf): the row
+    maximum, ggml_v_expf(s - max) per 16 values with their `_mm512_reduce_add_ps` added in f64,
+    then p * f32(1.0/sum) (the reciprocal taken in f64). scores (H, T, N) -> (H, T, N)."""
+    tokens = scores.shape[-1]
+    masked = scores + torch.where(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"), 0.0)
+    best = masked.amax(-1, keepdim=True)
+    p = _pad16(ggml_v_expf(masked - best))  # (H, T, N padded)
+    total = torch.zeros(p.shape[:-1], dtype=F64)
+    for start in range(0, p.shape[-1], SIMD_F32):
+        total = total + reduce_add16(p[..., start:start + SIMD_F32]).to(F64)
+    return (p * (1.0 / total).to(F32)[..., None])[..., :tokens]
+
+
+def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix: str = ""):
+    """llama.cpp's attention without flash attention (llama-graph.cpp build_attn_mha): kq =
+    mul_mat(K cache, Q), soft_max_ext(kq, mask, scale), kqv = mul_mat(Vᵀ cache, probabilities).
+
+    f16/bf16 cache: Q and the probabilities converted to the cache type (mul_mat's vec-dot type),
+    both products by tinyBLAS from 2 query rows (one 16-lane FMA chain per output), by
+    ggml_vec_dot_f16/bf16 for one row. f32 cache: q·k by ggml_vec_dot_f32 (the first tinyBLAS call
+    needs a contiguous Q), the probabilities by tinyBLAS. Scores and probabilities are recorded.
+    q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D)."""
+    from tracer.ggml.floats import round_bf16
+
+    heads, tokens = q.shape[1], q.shape[2]
+    store = {"f16": round_f16, "bf16": round_bf16, "f32": lambda x: x.to(F32)}[kv_cache]
+    q_g = store(to_interleaved(q[0].to(F32), head_dim))[:, :, None, :]  # (H, T, 1, D)
+    k_g = store(_kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads))[:, None]  # (H, 1, T, D)
+    dots = {"f16": vec_dot_f16, "bf16": vec_dot_bf16, "f32": vec_dot_f32}[kv_cache]
+    if kv_cache == "f32" or tokens == 1:
+        raw = dots(q_g, k_g)  # (H, T, T)
+    else:
+        raw = tinyblas_dot(k_g, q_g)
+    scores = raw * np.float32(attention_scale(head_dim))
+    probs = soft_max(scores)
+    if record is not None:
+        record(f"{prefix}.scores", scores[None])
+        record(f"{prefix}.probs", probs[None])
+    p = _pad16(store(probs))[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type
+    values = _pad16(store(_kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2))[:, None]  # (H, 1, D, N)
+    out = dots(values, p) if tokens == 1 else tinyblas_dot(values, p)  # (H, T, D)
+    return out[None]

@@ -17,6 +17,9 @@ Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
   order (bit-exact on x86, slow: ~25x a plain forward), or with the matmuls through torch's BLAS in
   f32 (another valid order, fast) or f64 (exact) and the rest exact in f64, rounded once (see
   `tracer.ggml.noise`).
+- `flash_attn`: on | auto | off: with ops=ggml, llama.cpp's flash attention (auto is on for its
+  CPU backend) or its unfused attention, which records scores and probabilities; with ops=hf the
+  attention is unfused anyway (off, auto) and `on` is refused.
 - `preset=llamacpp`: ops=ggml, act_quant=auto, kv_cache=f16, accumulate=ggml, act_round=even;
   add `weights=gguf` for a model converted from a GGUF.
 
@@ -43,7 +46,7 @@ from tracer.ggml.quants import ACT_BLOCK, BLOCK_TYPES, VEC_DOT_TYPE, Blocks, fro
     quantize_activations, quantize_q8_0
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
 
-REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate")
+REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn")
 WEIGHT_FORMATS = (*BLOCK_TYPES, "gguf")
 ACT_QUANTS = ("none", "q8_0", "q8_1", "q8_k", "auto")
 KV_CACHES = ("f32", "f16", "bf16", "q8_0")
@@ -310,6 +313,17 @@ def _cache_scores(q: torch.Tensor, k: torch.Tensor, kv_cache: str, rounding: str
     return torch.stack(rows)
 
 
+def make_attention_unfused(kv_cache: str):
+    """llama.cpp's attention with flash attention off (`tracer.ggml.ops.attention_unfused`)."""
+    if kv_cache == "q8_0":
+        raise TracerError("kv_cache=q8_0 needs flash attention (llama.cpp: a quantized V cache requires flash_attn)")
+
+    def attention(q, k, v, spec, strategies, prefix, record):
+        return ops.attention_unfused(q, k, v, spec.head_dim, kv_cache, record, prefix)
+
+    return attention
+
+
 def make_attention_stored(kv_cache: str, rounding: str):
     """Eager attention on K and V stored in `kv_cache` (transformers' op order otherwise): Q goes to
     K's vec-dot type, and for f16/bf16 the probabilities to V's type before the product, as ggml's
@@ -365,6 +379,9 @@ def check_knobs(knobs: dict) -> None:
                           "(the regime's noise floor is tracer.ggml.noise.regime_noise)")
     if knobs.get("ops") == "ggml" and knobs.get("attn", "eager") != "eager":
         raise TracerError("ops=ggml brings llama.cpp's own attention; it does not combine with attn=sdpa")
+    if knobs.get("flash_attn") == "on" and knobs.get("ops") != "ggml":
+        raise TracerError("flash_attn=on is llama.cpp's flash attention: on the reimpl engine it needs ops=ggml "
+                          "(preset=llamacpp); with ops=hf attention is unfused")
 
 
 def apply_regime(knobs: dict, strategies):
@@ -382,6 +399,8 @@ def apply_regime(knobs: dict, strategies):
                     "rope": ops.rope if accumulate == "ggml" else ops.rope_exact,
                     "rotary": ops.rope_cos_sin, "glu": glu_ggml(accumulate),
                     "attention": make_attention_ggml(kv_cache or "f32", accumulate, rounding)}
+        if knobs.get("flash_attn", "auto") == "off":
+            changes["attention"] = make_attention_unfused(kv_cache or "f32")
     else:
         changes["embedding"] = embedding
         if kv_cache is not None:
@@ -440,8 +459,9 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
 
     Returns:
         (variant, caveats): e.g. ({"preset": "llamacpp", "weights": "gguf"}, []). With no caveat the
-        free-running comparison is expected to be exactly 0 at every point; with caveats compare per
-        op (`ReimplEngine.op_trace` fed the llama.cpp trace), where the emulation stays within 1e-4.
+        free-running comparison is expected to be exactly 0 at every point (with kv_cache=q8_0 but
+        for llama.cpp's `kqv_out`, which it records Hadamard-rotated); with caveats compare per op
+        (`ReimplEngine.op_trace` fed the llama.cpp trace), where the emulation stays within 1e-4.
 
     Example:
         >>> implied_regime(GGUFWeights(path).types(), {"kv_cache": "f16"})
@@ -452,13 +472,9 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
     kv_cache = knobs.get("kv_cache", "f16")
     if kv_cache != "f16":
         variant["kv_cache"] = kv_cache
-    caveats = []
     if knobs.get("flash_attn", "auto") == "off":
-        caveats.append("flash_attn=off: ggml's unfused attention (f16 mul_mat, soft_max) is not emulated; "
-                       "the regime runs its flash attention")
-    if kv_cache in ("bf16", "q8_0"):
-        caveats.append(f"kv_cache={kv_cache}: its flash-attention kernel is emulated on rounded operands, "
-                       "summed in f64, not in ggml's order")
+        variant["flash_attn"] = "off"
+    caveats = []
     for kind in sorted(set(weight_types.values()) - EXACT_WEIGHT_TYPES):
         names = [name for name, t in weight_types.items() if t == kind]
         caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): "
