@@ -174,7 +174,7 @@ def attention_scale(head_dim: int) -> float:
     return float(np.float32(1.0) / np.float32(math.sqrt(np.float32(head_dim))))
 
 
-def _kv_for_heads(k: torch.Tensor, heads: int) -> torch.Tensor:
+def kv_for_heads(k: torch.Tensor, heads: int) -> torch.Tensor:
     """(KV, T, D) -> (H, T, D): query head h reads kv head h // (H/KV) (ggml's ik2 = iq2 / rk2)."""
     return k.repeat_interleave(heads // k.shape[0], dim=0)
 
@@ -302,8 +302,8 @@ def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml") -> torch.T
     softmax attention is computed in f64 or f32 and rounded once."""
     heads = q.shape[1]
     q_g = to_interleaved(q[0].to(F32), head_dim)  # (H, T, D) GGUF order: the dot products' order
-    k_g = _kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads)  # (H, T, D)
-    v_h = _kv_for_heads(v[0].to(F32), heads)  # (H, T, D): V rows are not permuted
+    k_g = kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads)  # (H, T, D)
+    v_h = kv_for_heads(v[0].to(F32), heads)  # (H, T, D): V rows are not permuted
     scale = attention_scale(head_dim)
     tiled = q.shape[2] >= FA_TILE
     if accumulate == "ggml":
@@ -431,7 +431,7 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
     heads, tokens = q.shape[1], q.shape[2]
     store = {"f16": round_f16, "bf16": round_bf16, "f32": lambda x: x.to(F32)}[kv_cache]
     q_g = store(to_interleaved(q[0].to(F32), head_dim))[:, :, None, :]  # (H, T, 1, D)
-    k_g = store(_kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads))[:, None]  # (H, 1, T, D)
+    k_g = store(kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads))[:, None]  # (H, 1, T, D)
     dots = {"f16": vec_dot_f16, "bf16": vec_dot_bf16, "f32": vec_dot_f32}[kv_cache]
     if kv_cache == "f32" or tokens == 1:
         raw = dots(q_g, k_g)  # (H, T, T)
@@ -443,6 +443,6 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
         record(f"{prefix}.scores", scores[None])
         record(f"{prefix}.probs", probs[None])
     p = _pad16(store(probs))[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type
-    values = _pad16(store(_kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2))[:, None]  # (H, 1, D, N)
+    values = _pad16(store(kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2))[:, None]  # (H, 1, D, N)
     out = dots(values, p) if tokens == 1 else tinyblas_dot(values, p)  # (H, T, D)
     return out[None]

@@ -41,15 +41,12 @@ import torch.nn.functional as F
 from tracer.errors import TracerError
 from tracer.ggml import ops
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
-from tracer.layouts import to_interleaved
 from tracer.ggml.quants import ACT_BLOCK, BLOCK_TYPES, VEC_DOT_TYPE, Blocks, from_gguf_bytes, quantize, \
     quantize_activations, quantize_q8_0
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
+from tracer.layouts import to_interleaved
 
 REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn")
-WEIGHT_FORMATS = (*BLOCK_TYPES, "gguf")
-ACT_QUANTS = ("none", "q8_0", "q8_1", "q8_k", "auto")
-KV_CACHES = ("f32", "f16", "bf16", "q8_0")
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -211,16 +208,16 @@ def act_kind(weight, act_quant: str) -> str:
     return "none" if kind == "f32" else kind
 
 
-ACCUMULATE_DTYPES = {"ggml": F32, "f32": F32, "f64": torch.float64}
-
-
 def make_linear(act_quant: str, rounding: str, accumulate: str):
     """The `linear` strategy: x (1, T, C) @ weight (R, C)ᵀ + bias -> (1, T, R), the activations in
     the regime's format and the products accumulated as `accumulate` says: ggml's own order where
     its kernel is emulated (else f64), or BLAS in f32 / f64."""
-    blas_dtype = ACCUMULATE_DTYPES[accumulate] if accumulate != "ggml" else torch.float64
+    blas_dtype = F32 if accumulate == "f32" else torch.float64  # ggml: f64 where no kernel is emulated
 
     def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise TracerError(f"the regime knobs emulate ggml's CPU arithmetic in CPU code: run them with --device cpu "
+                              f"(got {x.device.type})")
         rows = x[0].to(F32)  # (T, C)
         kind = act_kind(weight, act_quant)
         if kind in ACT_BLOCK:
@@ -284,13 +281,13 @@ def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
         if rot_v:
             v_kv = ops.fwht(v_kv, rot_v)
         store = kv_rounding(kv_cache, rounding)
-        values = ops._kv_for_heads(store(v_kv), heads)  # (H, T, D): v_to_float of the cache
+        values = ops.kv_for_heads(store(v_kv), heads)  # (H, T, D): v_to_float of the cache
         scale = np.float32(ops.attention_scale(dim))
         if accumulate == "ggml":
             scores = _cache_scores(q_g, k_g, kv_cache, rounding) * scale  # (H, T, T)
             out = ops.flash_attn_one_chunk_f32(scores, values)
         else:
-            keys = ops._kv_for_heads(store(k_g), heads)
+            keys = ops.kv_for_heads(store(k_g), heads)
             out = ops.flash_attn_exact(store(q_g), keys, values, float(scale), round_q=False)
         return (ops.fwht(out, rot_v) if rot_v else out)[None]
 
@@ -303,7 +300,7 @@ def _cache_scores(q: torch.Tensor, k: torch.Tensor, kv_cache: str, rounding: str
     Q8_0 (Q quantized by quantize_row_q8_0, ggml_vec_dot_q8_0_q8_0) or bf16 (ggml_vec_dot_bf16)."""
     groups = q.shape[0] // k.shape[0]
     if kv_cache == "bf16":
-        keys = ops._kv_for_heads(round_bf16(k), q.shape[0])
+        keys = ops.kv_for_heads(round_bf16(k), q.shape[0])
         return ops.vec_dot_bf16(round_bf16(q)[:, :, None, :], keys[:, None, :, :])
     rows = []
     for head in range(q.shape[0]):
@@ -332,8 +329,6 @@ def make_attention_stored(kv_cache: str, rounding: str):
     probs_format = ROUND.get(kv_cache, lambda x: x)
 
     def attention(q, k, v, spec, strategies, prefix, record):
-        from tracer.llama import mask_additive
-
         groups = spec.num_kv_groups
         qs = _stored_qk(q, store, spec.head_dim)  # (1, H, T, D)
         ks = strategies.repeat_kv(_stored_qk(k, store, spec.head_dim), groups)  # (1, H, T, D)
