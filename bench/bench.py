@@ -14,7 +14,8 @@ way against a bare transformers script. A sweep's cost per variant is given in t
 Forward hooks cloning every module output are measured as a baseline; where nnsight or
 TransformerLens are installed (`pip install -e '.[bench]'`) they are measured side by side,
 each on its own copy of the model as both rewire the modules they wrap, and the table names
-those that are not.
+those that are not. Where llama-cpp-python is installed, the llamacpp engine's recording is
+measured the same way against llama.cpp's own forward (no eval callback) of the same tokens.
 """
 
 from __future__ import annotations
@@ -98,6 +99,40 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
 
 
 PLAIN = "plain eager forward (transformers)"
+LLAMACPP_PLAIN = "llama.cpp's own plain forward (no eval callback), logits of every position"
+
+
+def llamacpp_rows(model_dir: Path, tokens: list[int], repeats: int,
+                  threads: int | None = None) -> dict[str, tuple[float, float]] | None:
+    """The llamacpp engine's recording cost, as ratios to llama.cpp's own forward of the same
+    tokens on the same GGUF and settings without an eval callback, timed in alternating rounds
+    (None where llama-cpp-python is not installed). In process, as the engine runs inside its
+    child; the isolated row adds the child's part: the trace written and read back once."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from tracer.engines import llamacpp
+    from tracer.engines.load import load_engine
+
+    variant = {"threads": threads} if threads else {}  # --threads: llama.cpp's too
+    plain_engine = llamacpp.load(model_dir, variant, observe=False)
+    engine, child = llamacpp.load(model_dir, variant), load_engine("llamacpp", model_dir, variant)
+
+    def plain():
+        plain_engine.logits(tokens)
+
+    flash = engine.record(tokens[:8]).meta["flash_attn"]  # what flash_attn=auto chose here
+    rows = {f"{LLAMACPP_PLAIN} (flash attention {flash})": (best_times({"plain": plain}, repeats)["plain"], 1.0)}
+    measures = {
+        "llamacpp engine, every point llama.cpp shows recorded (in process)": lambda: engine.record(tokens),
+        "llamacpp engine in its child process (isolated), every point recorded and read back":
+            lambda: child.record(tokens),
+    }
+    for name, fn in measures.items():
+        pair = best_times({"plain": plain, name: fn}, repeats)
+        rows[name] = (pair[name], pair[name] / pair["plain"])
+    return rows
+
+
 SWEEP_VARIANTS = ["theta=10000", "eps=1e-3", "kv_repeat=tile", "rope=interleaved", "mask=none"]
 
 
@@ -261,7 +296,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized: fewer tokens and repeats")
     parser.add_argument("--tokens", type=int, help="prompt length (default 512, quick 256)")
-    parser.add_argument("--threads", type=int, help="torch threads, here and in the timed processes (default: torch's)")
+    parser.add_argument("--threads", type=int, help="torch and llama.cpp threads, here and in the timed processes "
+                        "(default: each runtime's own)")
     parser.add_argument("--regimes", action="store_true", help="only the number-format regime rows")
     args = parser.parse_args()
     if args.threads:
@@ -272,17 +308,24 @@ def main() -> None:
     model_dir = tracer.default_model_path()
     count = args.tokens or (256 if args.quick else 512)
     repeats = 3 if args.quick else 5
-    regime_rows = regimes(model_dir, bench_tokens(model_dir, count), repeats)
+    tokens = bench_tokens(model_dir, count)
+    regime_rows = regimes(model_dir, tokens, repeats)
     regime_lines = ["| regime (reimpl forward, nothing recorded) | seconds | ratio to the plain reimpl forward |",
                     "|---|--:|--:|"] + [f"| {name} | {s:.3f} | {r:.2f}× |" for name, (s, r) in regime_rows.items()]
     if args.regimes:
         print("\n".join(regime_lines))
         return
-    forward, missing = in_process(model_dir, bench_tokens(model_dir, count), repeats)
+    forward, missing = in_process(model_dir, tokens, repeats)
+    llamacpp = llamacpp_rows(model_dir, tokens, repeats, args.threads)
     runs = whole_run(model_dir, 1 if args.quick else 3)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
     lines = [f"# tracer benchmark ({count} tokens, bundled SmolLM2, f32, {torch.get_num_threads()} threads; {machine})", ""]
     lines += table(forward) + [""]
+    if llamacpp is not None:
+        lines += ["Runtime engines, each against its runtime's own plain forward (the first row):", ""]
+        lines += table(llamacpp) + [""]
+    else:
+        missing.append("llama-cpp-python (the llamacpp engine)")
     if missing:
         lines += [f"Not installed, so not measured: {', '.join(missing)}.", ""]
     lines += table(ratios(runs, "bare script: import transformers, load, one forward"))

@@ -6,6 +6,8 @@
 - {"die": "exit"}: the process exits with code 3;
 - {"die": "error"}: a TracerError (not a death: the engine's own one-line error);
 - anything else: a trace of one point, as a healthy engine would.
+
+torch is imported only on the healthy path, so a child that is to die starts in a blink.
 """
 
 from __future__ import annotations
@@ -14,12 +16,8 @@ import ctypes
 import os
 import sys
 
-import torch
-
-from tracer.engines.base import trace_meta
 from tracer.engines.registry import EngineEntry
 from tracer.errors import TracerError
-from tracer.trace import Trace, TraceRecorder
 
 ENTRY = EngineEntry("crashy", "tests.crash_engine", "dies on demand", draft=True, isolated=True)
 
@@ -43,11 +41,18 @@ class CrashEngine:
             os._exit(3)
         if how == "error":
             raise TracerError("the crash engine refuses, in one line")
+        import torch
+
+        from tracer.engines.base import trace_meta
+        from tracer.trace import Trace, TraceRecorder
+
         recorder = recorder if recorder is not None else TraceRecorder()
         recorder("model.embed_tokens", torch.arange(len(tokens) * 4, dtype=torch.float32).reshape(1, len(tokens), 4))
         return Trace(recorder.tensors, trace_meta(self, "crash", tokens, "float32", {}))
 
     def logits(self, tokens):
+        import torch
+
         return torch.zeros(len(tokens), self.vocab_size)
 
     def draft(self, tokens, steps):

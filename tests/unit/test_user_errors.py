@@ -332,7 +332,7 @@ def _(tmp):
     return run_args(tmp, model(tmp), "--prompt-file", str(tmp / "prompt.txt"), tokens=None), None
 
 
-@row("unknown engine", r"unknown engine 'candle'; engines: hf, reimpl, file:PATH")
+@row("unknown engine", r"unknown engine 'candle'; engines: hf, reimpl, file:PATH, llamacpp\[:PATH\]")
 def _(tmp):
     m = model(tmp)
     return run_args(tmp, m, "--candidate", "candle"), lambda: tracer.run(m, tokens=TOKENS, candidate="candle")

@@ -50,7 +50,7 @@ from tracer.engines.base import is_loaded_model, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.layouts import from_interleaved, sub_point
-from tracer.points import EMBED, FINAL_NORM, LAYER_POINTS, LOGITS, all_points, layer_point
+from tracer.points import all_points, layer_point
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
 
 # ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
@@ -175,15 +175,29 @@ def rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
 
 def qk_rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
     """q_proj / k_proj: (T, heads·D), per head back from GGUF's order where llama.cpp has it."""
-    x = rows(array, shape)
-    return from_interleaved(x, shape.head_dim) if shape.interleaved else x
+    _leading_ones(array, 2)
+    return _unpermuted(array[0, 0], shape)
 
 
 def qk_heads(array: np.ndarray, shape: Shape) -> torch.Tensor:
     """q/k after RoPE: (1, T, heads, D) -> (heads, T, D), HF's half-split order."""
     _leading_ones(array, 1)
-    x = torch.from_numpy(np.array(array[0])).transpose(0, 1)  # (heads, T, D)
-    return from_interleaved(x, shape.head_dim) if shape.interleaved else x.contiguous()
+    return _unpermuted(array[0].transpose(1, 0, 2), shape)  # (heads, T, D)
+
+
+def _unpermuted(view: np.ndarray, shape: Shape) -> torch.Tensor:
+    """`view` copied once, its last axis taken in HF's order: the copy and the un-permutation are
+    one gather (a torch.cat of strided halves cost 17 ms per point at 512 tokens here)."""
+    if not shape.interleaved:
+        return torch.from_numpy(np.array(view))
+    return torch.from_numpy(np.take(view, hf_order(view.shape[-1], shape.head_dim), axis=-1))
+
+
+@functools.lru_cache(maxsize=8)
+def hf_order(width: int, head_dim: int) -> np.ndarray:
+    """Which GGUF-ordered column each HF-ordered column is: `tracer.layouts.from_interleaved`
+    applied to the column numbers themselves."""
+    return from_interleaved(torch.arange(width)[None], head_dim)[0].numpy()
 
 
 def attention(array: np.ndarray, shape: Shape, scale: float | None = None) -> torch.Tensor:
@@ -369,14 +383,15 @@ class LlamaCppEngine:
     name = entry.name
     device = "cpu"
 
-    def __init__(self, gguf: Path, variant: dict, outputs: str = "all"):
+    def __init__(self, gguf: Path, variant: dict, outputs: str = "all", observe: bool = True):
         """`outputs`: "all" asks llama.cpp for the logits of every position (every point has all
         rows); "last" for the last one only, as generation does (the last layer's points from
-        ffn_inp on then hold one row)."""
+        ffn_inp on then hold one row). `observe=False`: no eval callback at all, llama.cpp's own
+        plain forward (the benchmark's baseline); such an engine cannot record."""
         import llama_cpp
 
         self.ggml, self.logs = runtime()
-        self.gguf, self.variant, self.outputs = Path(gguf), dict(variant), outputs
+        self.gguf, self.variant, self.outputs, self.observe = Path(gguf), dict(variant), outputs, observe
         params = llama_cpp.llama_model_default_params()
         self.logs.clear()
         model = llama_cpp.llama_model_load_from_file(str(self.gguf).encode(), params)
@@ -402,6 +417,8 @@ class LlamaCppEngine:
 
     def record(self, tokens: list[int], recorder=None) -> Trace:
         """Every point llama.cpp's graph shows on one forward over `tokens` (one micro-batch)."""
+        if not self.observe:
+            raise TracerError("this llamacpp engine was made without an eval callback (observe=False): it cannot record")
         recorder = recorder if recorder is not None else TraceRecorder()
         shape = Shape(len(tokens), self.head_dim, self.interleaved, self.kq_scale)
         self.graph.start(recorder, shape)
@@ -453,7 +470,8 @@ class LlamaCppEngine:
             params.type_k = params.type_v = KV_TYPES[self.variant["kv_cache"]]
         if "theta" in self.variant:
             params.rope_freq_base = float(self.variant["theta"])
-        params.cb_eval = self.graph.callback
+        if self.observe:
+            params.cb_eval = self.graph.callback
         self.logs.clear()
         context = llama_cpp.llama_init_from_model(self.model, params)
         if not context:
@@ -576,10 +594,10 @@ class Handles:
 
 
 def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False,
-         outputs: str = "all") -> LlamaCppEngine:
+         outputs: str = "all", observe: bool = True) -> LlamaCppEngine:
     """llama.cpp on `llamacpp:PATH.gguf`, else on the GGUF the model directory was converted from."""
     from tracer.model import resolve_model
 
     if argument is None and not is_loaded_model(source):
         source = resolve_model(source)
-    return LlamaCppEngine(gguf_of(source, argument), variant, outputs)
+    return LlamaCppEngine(gguf_of(source, argument), variant, outputs, observe)
