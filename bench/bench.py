@@ -266,6 +266,33 @@ def runtime_engines(model_dir: Path, tokens: dict[str, list[int]], repeats: int)
     return rows, missing
 
 
+# The llama.cpp regime (tracer.ggml) at each accumulation: the fast one, the noise floor's, the bit-exact one.
+REGIMES = {
+    "preset=llamacpp,weights=gguf,accumulate=f32 (ggml's formats, BLAS sums)": {"accumulate": "f32"},
+    "preset=llamacpp,weights=gguf,accumulate=f64 (the regime noise floor's run)": {"accumulate": "f64"},
+    "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)": {},
+}
+EXACT_REGIME_TOKENS = 64  # the bit-exact emulation costs ~25x a plain forward: timed on fewer tokens
+
+
+def regimes(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, tuple[float, float]]:
+    """Seconds for a forward of the reimplementation in the llama.cpp regime (nothing recorded), and
+    its ratio to the plain reimplementation forward timed in the same rounds on the same tokens."""
+    from tracer.llama import Llama
+
+    plain = Llama.from_dir(model_dir)
+    rows = {}
+    for name, knobs in REGIMES.items():
+        regime = Llama.from_dir(model_dir, {"preset": "llamacpp", "weights": "gguf", **knobs})
+        used = tokens if knobs else tokens[:EXACT_REGIME_TOKENS]
+        ids = torch.tensor(used)
+        label = name if knobs else f"{name}, {len(used)} tokens"
+        pair = best_times({"plain": lambda: plain.forward(ids), label: lambda: regime.forward(ids)},
+                          repeats if knobs else 1)
+        rows[label] = (pair[label], pair[label] / pair["plain"])
+    return rows
+
+
 def whole_run(model_dir: Path, repeats: int) -> dict[str, float]:
     """Seconds for `tracer run --variant theta=10000` as a process vs a bare transformers script."""
     bare = (
@@ -307,6 +334,7 @@ def main() -> None:
     parser.add_argument("--mlx-tokens", type=int, help=f"prompt length of the mlx rows (default {MLX_TOKENS}, "
                                                         f"quick {MLX_TOKENS_QUICK}: MLX's CPU build is slow)")
     parser.add_argument("--engines-only", action="store_true", help="only the runtime engines' rows")
+    parser.add_argument("--regimes", action="store_true", help="only the number-format regime rows")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -318,6 +346,12 @@ def main() -> None:
     repeats = 3 if args.quick else 5
     mlx_count = args.mlx_tokens or (MLX_TOKENS_QUICK if args.quick else MLX_TOKENS)
     tokens = bench_tokens(model_dir, count)
+    regime_rows = regimes(model_dir, tokens, repeats)
+    regime_lines = ["| regime (reimpl forward, nothing recorded) | seconds | ratio to the plain reimpl forward |",
+                    "|---|--:|--:|"] + [f"| {name} | {s:.3f} | {r:.2f}× |" for name, (s, r) in regime_rows.items()]
+    if args.regimes:
+        print("\n".join(regime_lines))
+        return
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
     lines = [f"# tracer benchmark ({count} tokens, bundled SmolLM2, f32, {torch.get_num_threads()} threads; {machine})", ""]
     if not args.engines_only:
@@ -337,6 +371,7 @@ def main() -> None:
         engines_missing.append("llama-cpp-python (the llamacpp engine)")
     if engines_missing:
         lines += ["", f"Runtimes not installed, so not measured: {', '.join(engines_missing)}."]
+    lines += ["", "The llama.cpp regime (tracer.ggml), against the plain reimplementation forward:", ""] + regime_lines
     text = "\n".join(lines)
     print(text)
     (HERE / "results.md").write_text(text + "\n")

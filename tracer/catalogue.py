@@ -22,8 +22,10 @@ def default_variants(spec, engine: str = "reimpl") -> list[str]:
     """One representative variant per knob that applies to this model's family (its classic porting
     mistakes among them) and that `engine` honours, for this model's spec; a knob whose feature the
     model lacks (a window, a soft-cap) has none, and a representative that needs a knob the engine
-    lacks is left out."""
-    honoured = set(ENGINES[engine].knobs)
+    lacks is left out, as are the knobs the engine only emulates (number-format regimes: they are
+    what a runtime does by design, ranked by `tracer diagnose`)."""
+    entry = ENGINES[engine]
+    honoured = set(entry.knobs) - set(entry.emulated)
     chosen = []
     for knob in knobs_for(spec.family):
         text = knob.representative(spec)
@@ -33,7 +35,11 @@ def default_variants(spec, engine: str = "reimpl") -> list[str]:
 
 
 def diagnosis_variants(spec) -> list[str]:
-    """The sweep's representative variants plus more values of theta and eps."""
+    """The sweep's representative variants plus more values of theta and eps, and the number-format
+    regimes (`tracer.ggml.regime.regime_catalogue`: block-quantized weights with and without their
+    activation quantization, KV caches, 16-bit dtypes)."""
+    from tracer.ggml.regime import regime_catalogue  # torch: only a diagnosis, which runs models, needs it
+
     own = {"theta": spec.rope_theta, "eps": spec.rms_norm_eps}
     variants = default_variants(spec)
     seen = [parse_variant(v) for v in variants]
@@ -42,4 +48,4 @@ def diagnosis_variants(spec) -> list[str]:
             if not math.isclose(value, own[knob]) and {knob: value} not in seen:
                 variants.append(f"{knob}={value:g}")
                 seen.append({knob: value})
-    return variants
+    return variants + [v for v in regime_catalogue() if parse_variant(v) not in seen]

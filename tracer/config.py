@@ -89,6 +89,11 @@ class LlamaSpec:
         return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
 
     @property
+    def score_scale_dim(self) -> int | float:
+        """What scores are scaled by the -0.5 power of: head_dim, or Gemma's query_pre_attn_scalar."""
+        return self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+
+    @property
     def rotary_dim(self) -> int:
         """How many of each head's dims RoPE rotates (all but with Phi-3's partial rotary)."""
         return int(self.head_dim * self.partial_rotary_factor)

@@ -14,8 +14,10 @@ batch dimension of 1 here and the recorder drops it. Variant knobs are resolved 
 forward: config-level knobs into a different `LlamaSpec` (`tracer.config.apply_overrides`),
 semantic knobs and the family's structure into the small strategy functions of `Strategies`
 (`resolve_strategies`), picked from one lookup table per step (`NORMS`, `EMBEDDINGS`, `ROPES`,
-`KV_REPEATS`, `MASKS`, `ATTN_MATH`, `ATTENTION`, `PROJECTIONS`, `QK_NORMS`, `MLPS`, `LOGITS`, ...).
-The forward calls whatever was picked; it never tests a knob or a family.
+`KV_REPEATS`, `MASKS`, `ATTN_MATH`, `ATTENTION`, `PROJECTIONS`, `QK_NORMS`, `MLPS`, `LOGITS`, ...);
+the number-format regime knobs (`weights`, `act_quant`, `kv_cache`, `ops`, ..., `preset=llamacpp`)
+replace steps with `tracer.ggml.regime`'s. The forward calls whatever was picked; it never tests a
+knob or a family.
 
 Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, R rotary dims (D unless
 partial), I intermediate size, V vocab size.
@@ -48,6 +50,11 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+    """The MLP's act(gate) * up, (1, T, I) each."""
+    return ACTIVATIONS[hidden_act](gate) * up
 
 
 def _no_record(name: str, tensor: torch.Tensor) -> None:
@@ -260,7 +267,7 @@ def layer_positions(spec: LlamaSpec, strategies: Strategies, num_tokens: int, dt
                     device: torch.device | str = "cpu") -> list[Positions]:
     """Each layer's Positions: RoPE tables per layer type (Gemma 3's local layers have their own base)
     and its window (a sliding layer's, unless the variant ignores windows)."""
-    tables = {kind: rotary_cos_sin(spec, num_tokens, dtype if strategies.rope_cast else None, device, kind)
+    tables = {kind: strategies.rotary(spec, num_tokens, dtype if strategies.rope_cast else None, device, kind)
               for kind in {spec.layer_type(i) for i in range(spec.num_hidden_layers)}}  # (1, T, R) each
     return [Positions(*tables[spec.layer_type(i)], window=strategies.window(spec, i))
             for i in range(spec.num_hidden_layers)]
@@ -348,11 +355,6 @@ def scale_divide(scores: torch.Tensor, head_dim: int) -> torch.Tensor:
 ATTN_MATH = {"hf": (scale_multiply, None), "candle": (scale_divide, torch.float32)}
 
 
-def scale_dim(spec: LlamaSpec) -> float:
-    """What scores are scaled by the -0.5 power of: head_dim, or Gemma's query_pre_attn_scalar."""
-    return spec.head_dim if spec.query_pre_attn_scalar is None else spec.query_pre_attn_scalar
-
-
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """Gemma 2: cap·tanh(x/cap), in three ops as transformers writes it; None: no cap."""
     if cap is None:
@@ -376,7 +378,7 @@ def attention_eager(q, k, v, spec: LlamaSpec, strategies: Strategies, prefix: st
     work = strategies.attention_dtype or in_dtype
     q, k, v = q.to(work), k.to(work), v.to(work)
     k, v = strategies.repeat_kv(k, spec.num_kv_groups), strategies.repeat_kv(v, spec.num_kv_groups)  # (1, H, T, D)
-    scores = strategies.scale_scores(torch.matmul(q, k.transpose(2, 3)), scale_dim(spec))  # (1, H, T, T)
+    scores = strategies.scale_scores(torch.matmul(q, k.transpose(2, 3)), spec.score_scale_dim)  # (1, H, T, T)
     scores = strategies.softcap(scores, spec.attn_logit_softcapping)
     record(f"{prefix}.scores", scores)
     probs = F.softmax(strategies.mask(scores, window), dim=-1, dtype=torch.float32).to(work)
@@ -389,24 +391,27 @@ def attention_sdpa(q, k, v, spec: LlamaSpec, strategies: Strategies, prefix: str
     """torch's fused kernel with its own causal mask (an explicit one for a window); scores and
     probs never exist as tensors."""
     k, v = strategies.repeat_kv(k, spec.num_kv_groups), strategies.repeat_kv(v, spec.num_kv_groups)  # (1, H, T, D)
-    scale = scale_dim(spec) ** -0.5
+    scale = spec.score_scale_dim ** -0.5
     if window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
     allowed = ~blocked_keys(q.shape[2], window, q.device)  # (T, T)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
 
 
+attention_sdpa.fused = "attn=sdpa fuses scores and softmax into one kernel"  # why scores/probs are not recorded
+
+
 ATTENTION = {"eager": attention_eager, "sdpa": attention_sdpa}
 
 
-def logits_all(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits_all(h: torch.Tensor, weight: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
     """(1, T, C) -> (1, T, V): every position, as transformers returns them."""
-    return F.linear(h, weight)
+    return linear(h, weight)
 
 
-def logits_last(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits_last(h: torch.Tensor, weight: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
     """(1, T, C) -> (1, 1, V): candle's forward keeps the last position before lm_head."""
-    return F.linear(h[:, -1:], weight)
+    return linear(h[:, -1:], weight)
 
 
 LOGITS = {"all": logits_all, "last": logits_last}
@@ -417,9 +422,9 @@ LOGITS = {"all": logits_all, "last": logits_last}
 
 def project_separate(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
     """x (1, T, C) -> q (1, T, H*D), k, v (1, T, KV*D): three projections (Qwen2's carry biases)."""
-    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))  # (1, T, H*D)
-    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))  # (1, T, KV*D)
-    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias"))  # (1, T, KV*D)
+    q = strategies.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))  # (1, T, H*D)
+    k = strategies.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))  # (1, T, KV*D)
+    v = strategies.linear(x, w["v_proj.weight"], w.get("v_proj.bias"))  # (1, T, KV*D)
     record(f"{prefix}.q_proj", q)
     record(f"{prefix}.k_proj", k)
     record(f"{prefix}.v_proj", v)
@@ -428,7 +433,7 @@ def project_separate(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix
 
 def project_fused(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
     """Phi-3: one qkv_proj (1, T, (H + 2·KV)·D), cut into q | k | v in the variant's order."""
-    qkv = F.linear(x, w["qkv_proj.weight"])  # (1, T, (H + 2·KV)·D)
+    qkv = strategies.linear(x, w["qkv_proj.weight"])  # (1, T, (H + 2·KV)·D)
     record(f"{prefix}.qkv_proj", qkv)
     sizes = {"q": spec.num_attention_heads * spec.head_dim, "k": spec.num_key_value_heads * spec.head_dim}
     sizes["v"] = sizes["k"]
@@ -494,16 +499,16 @@ QK_NORMS = {"none": qk_plain, "per_head": qk_norm_per_head, "per_head_heads_firs
 
 def gate_up_separate(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
     """x (1, T, C) -> gate, up (1, T, I) each: two projections."""
-    gate = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))  # (1, T, I)
+    gate = strategies.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))  # (1, T, I)
     record(f"{prefix}.gate_proj", gate)
-    up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))  # (1, T, I)
+    up = strategies.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))  # (1, T, I)
     record(f"{prefix}.up_proj", up)
     return gate, up
 
 
 def gate_up_fused(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
     """Phi-3: one gate_up_proj (1, T, 2·I), chunked gate first (swapped by gate_up=up_gate)."""
-    fused = F.linear(x, w["gate_up_proj.weight"])  # (1, T, 2·I)
+    fused = strategies.linear(x, w["gate_up_proj.weight"])  # (1, T, 2·I)
     record(f"{prefix}.gate_up_proj", fused)
     first, second = fused.chunk(2, dim=-1)  # (1, T, I) each
     return (first, second) if strategies.gate_first else (second, first)
@@ -537,12 +542,15 @@ class Strategies:
     rope_cast: bool = True  # cos/sin cast to the model dtype (OLMo-2 keeps them f32)
     softcap: Callable = softcap
     window: Callable = window_of_layer
+    # Number formats (tracer.ggml.regime): weights as run, every projection, RoPE tables, the GLU.
+    weights: Callable = lambda weights, source: weights
+    linear: Callable = F.linear
+    rotary: Callable = rotary_cos_sin
+    glu: Callable = gated_activation
 
     def not_recorded(self) -> dict[str, str]:
-        if self.attention is attention_sdpa:
-            reason = "attn=sdpa fuses scores and softmax into one kernel"
-            return {"self_attn.scores": reason, "self_attn.probs": reason}
-        return {}
+        reason = getattr(self.attention, "fused", None)  # a fused attention never forms scores/probs
+        return {"self_attn.scores": reason, "self_attn.probs": reason} if reason else {}
 
 
 # Knobs the fused sdpa kernel cannot take: it masks and scales inside.
@@ -564,7 +572,9 @@ def resolve_strategies(knobs: dict, spec: LlamaSpec | None = None) -> Strategies
     norm = norm_table[knobs.get(norm_knob, next(iter(norm_table))) if norm_knob else None]
     cast, precision = ROPE_PRECISIONS[family.rope_precision]
     rope = precision(ROPES[knobs.get("rope", "half")])
-    return Strategies(
+    from tracer.ggml.regime import apply_regime
+
+    return apply_regime(knobs, Strategies(
         attention=ATTENTION[attn],
         dtype=TORCH_DTYPES[knobs.get("dtype", "f32")],
         norm=norm,
@@ -585,7 +595,7 @@ def resolve_strategies(knobs: dict, spec: LlamaSpec | None = None) -> Strategies
         rope_cast=cast,
         softcap=SOFTCAPS[knobs.get("softcap", "keep")],
         window=WINDOWS[knobs.get("window", "keep")],
-    )
+    ), spec)
 
 
 # A knob that undoes a feature this model's config does not use would change nothing: said, not ignored.
@@ -623,7 +633,7 @@ def self_attention(x, w: dict, spec: LlamaSpec, positions: Positions, strategies
     context = strategies.attention(q, k, v, spec, strategies, prefix, record, positions.window)
     context = context.transpose(1, 2).contiguous().reshape(batch, tokens, -1)  # (1, T, H*D)
     record(f"{prefix}.context", context)
-    out = F.linear(context, w["o_proj.weight"], w.get("o_proj.bias"))  # (1, T, C)
+    out = strategies.linear(context, w["o_proj.weight"], w.get("o_proj.bias"))  # (1, T, C)
     record(f"{prefix}.o_proj", out)
     return out
 
@@ -631,9 +641,9 @@ def self_attention(x, w: dict, spec: LlamaSpec, positions: Positions, strategies
 def mlp(x, w: dict, spec: LlamaSpec, strategies: Strategies, prefix: str, record: Recorder):
     """x (1, T, C) -> (1, T, C): down(act(gate(x)) * up(x))."""
     gate, up = strategies.gate_up(x, w, spec, strategies, prefix, record)  # (1, T, I) each
-    act = ACTIVATIONS[spec.hidden_act](gate) * up
+    act = strategies.glu(gate, up, spec.hidden_act)
     record(f"{prefix}.act", act)
-    down = F.linear(act, w["down_proj.weight"], w.get("down_proj.bias"))  # (1, T, C)
+    down = strategies.linear(act, w["down_proj.weight"], w.get("down_proj.bias"))  # (1, T, C)
     record(f"{prefix}.down_proj", down)
     return down
 
@@ -707,12 +717,13 @@ class Llama:
     """
 
     def __init__(self, spec: LlamaSpec, weights: Mapping[str, torch.Tensor], variant: dict | None = None, *,
-                 device: torch.device | str = "cpu", stream: bool = False):
+                 device: torch.device | str = "cpu", stream: bool = False, source: dict | None = None):
         self.variant = dict(variant or {})
         knobs = expand_presets(self.variant)
         self.spec = apply_overrides(spec, knobs)
         self.strategies = resolve_strategies(knobs, self.spec)
         self.device = torch.device(device)
+        weights = self.strategies.weights(weights, source)  # source: config.json's tracer_source (the GGUF)
         self.weights = prepare_weights(self.spec, weights, self.strategies.dtype, self.device, stream)
         self.unused_tensors = unused_tensors(self.spec, weights)
         self.layers = [Prefixed(self.weights, f"model.layers.{i}.") for i in range(self.spec.num_hidden_layers)]
@@ -721,7 +732,8 @@ class Llama:
     def from_config(cls, config: dict, weights: Mapping[str, torch.Tensor], variant: dict | None = None,
                     **placement) -> Llama:
         """From a config.json dict, read by the variant's reader (`config`, `resave` knobs)."""
-        return cls(read_config(config, expand_presets(variant or {})), weights, variant, **placement)
+        return cls(read_config(config, expand_presets(variant or {})), weights, variant,
+                   source=config.get("tracer_source"), **placement)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, variant: dict | None = None, **placement) -> Llama:

@@ -45,3 +45,39 @@ def teacher_forced_points(llama: Llama, reference: Trace, recorder=None):
     if LOGITS in reference and spec.final_logit_softcapping is not None:  # Gemma 2's capped logits
         recorder(FINAL_LOGITS, strategies.softcap(reference_input(LOGITS), spec.final_logit_softcapping))
     return recorder.tensors
+
+
+class ForcingRecorder:
+    """A recorder that, after keeping each point (a copy), overwrites the forward's tensor in place
+    with the reference's value of that point: every later op then reads the reference's input.
+
+    Points the reference lacks, or holds in another shape (fewer rows, another layout), run on as
+    computed and are listed in `unforced`.
+    """
+
+    def __init__(self, reference: Trace, recorder=None):
+        self.reference, self.recorder = reference, recorder if recorder is not None else TraceRecorder()
+        self.unforced: list[str] = []
+
+    @property
+    def tensors(self):
+        return self.recorder.tensors
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        self.recorder(name, tensor.clone())
+        given = self.reference[name] if name in self.reference else None
+        if given is None or tuple(given.shape) != tuple(tensor.shape[1:]):
+            self.unforced.append(name)
+            return
+        tensor.copy_(given[None].to(dtype=tensor.dtype, device=tensor.device))
+
+
+@torch.inference_mode()
+def op_forced_points(llama: Llama, reference: Trace, recorder=None):
+    """The candidate's points with every op fed the reference's values of its inputs (a finer
+    teacher forcing than `teacher_forced_points`: inside a block too). A point's error is then its
+    op's alone: where the ops round to 8 bits (a quantized regime), a tiny difference upstream in
+    the same block can no longer flip a rounding and pass for the op's own error."""
+    forcing = ForcingRecorder(reference, recorder)
+    llama.forward(torch.tensor(reference.tokens), forcing)
+    return forcing.tensors

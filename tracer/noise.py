@@ -20,8 +20,16 @@ def estimate_noise(source, reference: Trace, reference_variant: dict, recorder=N
 
     `recorder` (default: in memory) receives the f64 run's points, e.g. a `DiskRecorder` for long prompts.
     The f64 weights are streamed block by block: a whole f64 copy would be the largest thing in
-    memory (twice the f32 model), for one forward.
+    memory (twice the f32 model), for one forward. A number-format regime (weights=, act_quant=,
+    preset=llamacpp, ...) gets its own estimate instead: `tracer.ggml.noise.regime_noise`.
     """
+    from tracer.ggml.regime import is_regime
+    from tracer.variants import expand_presets
+
+    if is_regime(expand_presets(reference_variant)):
+        from tracer.ggml.noise import regime_noise
+
+        return regime_noise(source, reference, reference_variant, recorder, device)
     engine = load_engine("reimpl", source, {**reference_variant, "dtype": "f64"}, device=device, stream=True)
     exact = engine.record(reference.tokens, recorder)
     return {p.point: p.rel_l2 for p in compare_points(reference, exact, Tolerance()) if p.recorded}

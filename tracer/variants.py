@@ -24,6 +24,9 @@ ACTIVATION_VALUES = ("silu", "gelu", "gelu_tanh", "relu")  # tracer.config.ACT_N
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # Llama's RMSNorm (weight × x cast back)
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")  # families with sliding-window configs
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
+# Number-format regimes (tracer.ggml.regime); kept here as text so `tracer variants` needs no torch.
+WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "gguf")
+ACT_QUANTS = ("none", "q8_0", "q8_1", "q8_k", "auto")
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ def _qkv_order(text: str) -> str:
     return text
 
 
+PRESET_NAMES = ("candle", "llamacpp")
+
+
 KNOBS: dict[str, Knob] = {
     knob.name: knob
     for knob in (
@@ -131,14 +137,30 @@ KNOBS: dict[str, Knob] = {
         Knob("resave", _choice("none", "tf5"), "none | tf5", "none",
              "config re-saved by transformers 5 (theta and scaling move into rope_parameters)",
              _llama_only("config=candle,resave=tf5"), families=("llama",)),
-        Knob("preset", _choice("candle"), "candle", "none",
-             "every candle-0.11 llama.rs choice at once (explicit knobs override it)", _llama_only("preset=candle"),
-             families=("llama",)),
+        Knob("preset", _choice(*PRESET_NAMES), " | ".join(PRESET_NAMES), "none",
+             "every candle-0.11 llama.rs choice, or llama.cpp's CPU arithmetic, at once (explicit knobs override it)",
+             _llama_only("preset=candle"), families=("llama",)),
         Knob("ort_opt", _choice("disable", "basic", "extended", "layout", "all"),
              "disable | basic | extended | layout | all", "all",
              "ONNX Runtime's graph optimization level (its fusions change the rounding)",
              # None in the default sweep, which runs on reimpl: pass --variants ort_opt=disable with --candidate onnx
              _fixed("")),
+        Knob("weights", _choice(*WEIGHT_FORMATS), " | ".join(WEIGHT_FORMATS), "as loaded",
+             "weights in a GGUF block format (the gguf package's quantizers), or gguf: the GGUF file's own tensors",
+             _fixed("weights=q8_0")),
+        Knob("act_quant", _choice(*ACT_QUANTS), " | ".join(ACT_QUANTS), "none",
+             "ggml's activation quantization before a quantized matmul (auto: the weight type's vec-dot type)",
+             _fixed("act_quant=q8_0")),
+        Knob("act_round", _choice("even", "away"), "even | away", "even",
+             "ties of the activation quantization: x86's _mm256_round_ps (even) or ggml's portable C (away)",
+             _fixed("act_round=away,act_quant=q8_0")),
+        Knob("ops", _choice("hf", "ggml"), "hf | ggml", "hf",
+             "embedding, RMSNorm, RoPE, SwiGLU and (flash) attention as ggml's CPU backend computes them",
+             _fixed("ops=ggml"), families=("llama",)),
+        Knob("accumulate", _choice("ggml", "f32", "f64"), "ggml | f32 | f64", "ggml",
+             "a regime's sums: ggml's own order (bit-exact on x86, slow), or its matmuls by torch's BLAS in f32 "
+             "(another order, fast) or f64 (exact), the rest exact and rounded once",
+             _fixed("accumulate=f64,weights=q8_0,act_quant=q8_0")),
         Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json",
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}"),
         Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
@@ -179,9 +201,9 @@ KNOBS: dict[str, Knob] = {
         Knob("gate_up", _choice("gate_up", "up_gate"), "gate_up | up_gate", "gate_up",
              "the fused gate_up_proj output split up-first (Phi-3 stores the gate first)",
              _fixed("gate_up=up_gate"), families=("phi3",), expected="layers.0.mlp.act"),
-        Knob("kv_cache", _choice(*KV_CACHE_TYPES), " | ".join(KV_CACHE_TYPES), "f16",
+        Knob("kv_cache", _choice(*KV_CACHE_TYPES), " | ".join(KV_CACHE_TYPES), "f16 (llamacpp), f32 (reimpl)",
              "the KV cache's storage type (llama.cpp type_k/type_v; f16 by default): keys and values rounded "
-             "before attention", _fixed("kv_cache=f32")),
+             "before attention, which then computes as ggml does with that type", _fixed("kv_cache=f32")),
         Knob("flash_attn", _choice("on", "off", "auto"), "on | off | auto", "auto",
              "llama.cpp's flash attention (auto: on where the backend has it), which fuses scores, softmax and "
              "context", _fixed("flash_attn=off")),
@@ -192,8 +214,12 @@ KNOBS: dict[str, Knob] = {
 
 # What `preset=candle` stands for: candle-transformers 0.11 `models/llama.rs` read op by op.
 # rope (half-split pairing) and repeat_kv (interleave order) already agree with transformers.
+# `preset=llamacpp`: llama.cpp's CPU forward (ggml-cpu, x86 AVX2/AVX-512): ggml's ops and flash
+# attention on an f16 KV cache, activations quantized to each weight's vec-dot type (ties to even),
+# sums in ggml's order. The weights stay as loaded: add weights=gguf for the GGUF file's own.
 PRESETS: dict[str, dict[str, Any]] = {
     "candle": {"config": "candle", "mask": "where", "attn_math": "candle", "norm": "candle", "logits": "last"},
+    "llamacpp": {"ops": "ggml", "act_quant": "auto", "act_round": "even", "kv_cache": "f16", "accumulate": "ggml"},
 }
 
 

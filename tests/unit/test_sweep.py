@@ -6,6 +6,7 @@ import pytest
 
 from tracer import TracerError
 from tracer import sweep
+from tracer.engines.registry import ENGINES
 from tracer.reports.sweep import render_sweep_html, sweep_frame, sweep_markdown
 from tracer.catalogue import default_variants, split_variants
 from tracer.config import read_hf, load_config
@@ -84,8 +85,11 @@ def test_default_sweep_has_one_variant_per_knob(tiny_llama):
     chosen = default_variants(spec)
     named = {pair.split("=")[0] for text in chosen for pair in text.split(",")}
     # every knob of a Llama that reimpl (the default candidate) honours, but `act` (a Llama's silu has no
-    # tanh-GELU mistake to show by default); runtime-only knobs (ort_opt, kv_cache, threads) are not swept
-    assert named == {knob.name for knob in knobs_for("llama") if "reimpl" in knob.engines} - {"act"}
+    # tanh-GELU mistake to show by default) and the number-format regimes it only emulates (diagnose tries
+    # those); runtime-only knobs (ort_opt, threads) are not swept
+    emulated = set(ENGINES["reimpl"].emulated)
+    assert {"weights", "act_quant", "kv_cache"} <= emulated
+    assert named == {knob.name for knob in knobs_for("llama") if "reimpl" in knob.engines} - {"act"} - emulated
     assert not {"ort_opt", "threads"} & named
     assert not {knob.name for knob in KNOBS.values() if knob.families and "llama" not in knob.families} & named
     assert "theta=500000" in chosen  # the tiny model's theta already is 10000
@@ -93,7 +97,6 @@ def test_default_sweep_has_one_variant_per_knob(tiny_llama):
 
 
 def test_a_runtime_engine_sweeps_only_the_knobs_it_honours(tiny_llama):
-    from tracer.engines.registry import ENGINES
 
     spec = read_hf(load_config(tiny_llama()))
     for engine in ("hf", "mlx", "onnx"):

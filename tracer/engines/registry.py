@@ -19,6 +19,8 @@ CONFIG_KNOBS = ("theta", "eps", "attn", "dtype", "rope_scaling", "bias", "config
 # Semantic knobs: they change one operation of tracer's own forward (the families' porting mistakes among them).
 SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "preset",
                   "norm_offset", "embed_scale", "softcap", "qk_norm", "window", "qkv_split", "gate_up")
+# Number-format regime knobs: ggml's block formats and CPU arithmetic (tracer.ggml).
+REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn")
 # llama.cpp's own switches: rope_freq_base, the KV cache type, flash attention, threads.
 LLAMACPP_KNOBS = ("theta", "kv_cache", "flash_attn", "threads")
 
@@ -32,6 +34,8 @@ class EngineEntry:
         module: the module whose `load(source, variant, *, argument, device, stream)` builds it.
         summary: one line for `tracer engines`.
         knobs: the variant knobs it honours; any other knob is refused, naming the engines that can.
+        emulated: those of its knobs that emulate another runtime's number formats (a regime, not a
+            porting mistake): `tracer diagnose` tries them, the default sweep leaves them out.
         unobservable: per-layer sub-points (`self_attn.scores`, ...) it can never record.
         local_errors: it can rerun each block on the reference's inputs (`local_trace`), which
             separates the error a point introduces from the error it inherits.
@@ -59,6 +63,7 @@ class EngineEntry:
     module: str
     summary: str
     knobs: tuple[str, ...] = ()
+    emulated: tuple[str, ...] = ()
     unobservable: tuple[str, ...] = ()
     local_errors: bool = False
     draft: bool = False
@@ -106,8 +111,8 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry(
             "reimpl", "tracer.engines.reimpl",
             "tracer's own Llama in plain torch (tracer/llama.py), every knob as a strategy",
-            knobs=CONFIG_KNOBS + SEMANTIC_KNOBS, local_errors=True, devices=("cpu", "cuda", "mps"), stream=True,
-            noise_floor=True,
+            knobs=CONFIG_KNOBS + SEMANTIC_KNOBS + REGIME_KNOBS, emulated=REGIME_KNOBS, local_errors=True,
+            devices=("cpu", "cuda", "mps"), stream=True, noise_floor=True,
         ),
         EngineEntry(
             "file", "tracer.engines.file",

@@ -47,6 +47,12 @@ class ReimplEngine:
 
         return Trace(teacher_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
 
+    def op_trace(self, reference: Trace, recorder=None) -> Trace:
+        """Every op rerun on the reference's values of its inputs (`tracer.localize.op_forced_points`)."""
+        from tracer.localize import op_forced_points
+
+        return Trace(op_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
+
     def _meta(self, tokens: list[int]) -> dict:
         spec = self.llama.spec
         not_recorded = per_layer(spec.num_hidden_layers, self.llama.strategies.not_recorded())

@@ -1,0 +1,58 @@
+"""A tiny Llama directory written as a quantized GGUF (Q4_1 projections, Q8_0 embedding: the
+bundled SmolLM2's mix), quantized by the gguf package, plus a copy of the directory whose config
+names that file as its source (`tracer_source`), as tracer's own GGUF conversion writes it: what
+`weights=gguf` reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from tests.tiny_gguf import gguf_tensors
+
+
+def write_quantized_gguf(model_dir: Path, path: Path, *, projections: str = "q4_1", embedding: str = "q8_0") -> Path:
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_tokenizer_model("no_vocab")
+    for name, tensor in gguf_tensors(load_file(str(model_dir / "model.safetensors")), config, head_dim).items():
+        values = tensor.numpy().astype(np.float32)
+        kind = embedding if name == "token_embd.weight" else projections
+        if values.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[kind.upper()]
+            writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def sourced_copy(model_dir: Path, gguf_file: Path, target: Path) -> Path:
+    """`model_dir` copied to `target` with config.json's tracer_source naming `gguf_file`."""
+    shutil.copytree(model_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["tracer_source"] = {"gguf_file": str(gguf_file)}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target

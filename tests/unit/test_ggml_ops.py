@@ -1,0 +1,113 @@
+"""ggml's CPU ops as emulated in tracer.ggml.ops: RMSNorm, RoPE, SwiGLU, the f16 dot product and
+both flash-attention paths, on small literal and random tensors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tracer.config import LlamaSpec
+from tracer.ggml import ops
+from tracer.ggml.floats import F32, F64, libm, powf, round_f16
+from tracer.layouts import to_interleaved
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_sequential_sum_is_a_left_to_right_loop():
+    values = torch.tensor([[1e16, 1.0, -1e16, 1.0]], dtype=F64)
+    assert ops.sequential_sum_f64(values).item() == 1.0  # 1e16 + 1 loses the 1; a pairwise sum keeps both
+    assert (values[:, 0] + values[:, 2] + values[:, 1] + values[:, 3]).item() == 2.0
+
+
+def test_rms_norm_is_within_one_rounding_of_f64_and_multiplies_x_by_scale_first():
+    x, w = _randn(1, 5, 576, seed=1, scale=30), 1 + _randn(576, seed=2, scale=0.1)
+    out = ops.rms_norm(x, w, 1e-5)
+    x64 = x.to(F64)
+    exact = x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + np.float32(1e-5)) * w.to(F64)
+    assert float(((out - exact) / exact).abs().max()) < 4 * 2**-24
+    scale = (out / x / w)[0, :, 0]  # (x*s)*w: the same s for a row
+    assert float((out[0, 0] - (x[0, 0] * scale[0]) * w).abs().max()) == 0.0
+
+
+def test_rope_angles_are_repeated_f32_products_of_powf_and_the_c_librarys_cos_sin():
+    spec = LlamaSpec(vocab_size=10, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                     num_key_value_heads=1, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                     max_position_embeddings=64)
+    cos, sin = ops.rope_cos_sin(spec, 9, F32)  # (1, T, D/2)
+    scale = np.float32(powf(100000.0, -2.0 / 64))
+    theta = np.float32(8)
+    for _ in range(31):
+        theta = np.float32(theta * scale)
+    assert cos[0, 8, 31].item() == libm("cosf", torch.tensor([float(theta)])).item()
+    assert cos[0, 0].eq(1).all() and sin[0, 0].eq(0).all()
+    # transformers' angles (position times an inverse frequency computed once) differ in the last bits
+    cos64, _ = ops.rope_cos_sin(spec, 64, F32)
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=F32) / 64))
+    hf_cos = (torch.arange(64, dtype=F32)[:, None] * inv_freq).cos()
+    assert 0 < int((cos64[0] != hf_cos).sum()) and float((cos64[0] - hf_cos).abs().max()) < 1e-4
+
+
+def test_rope_rotates_hf_pairs_with_fused_forms():
+    x = _randn(1, 2, 3, 8, seed=3)
+    cos, sin = torch.rand(1, 3, 4), torch.rand(1, 3, 4)
+    out = ops.rope(x, cos, sin)
+    x0, x1 = x[..., :4].to(F64), x[..., 4:].to(F64)
+    c, s = cos[:, None].to(F64), sin[:, None].to(F64)
+    y0 = (x0 * c - (x1.to(F32) * s.to(F32)).to(F64)).to(F32)  # fma(x0, c, -(x1*s)): one rounding of x0*c
+    assert torch.equal(out[..., :4], y0)
+    assert float((out - ops.rope_exact(x, cos, sin)).abs().max()) < 1e-6
+
+
+def test_swiglu_takes_16_lane_vectors_and_a_scalar_tail():
+    gate, up = _randn(1, 2, 20, seed=4, scale=3), _randn(1, 2, 20, seed=5)
+    out = ops.swiglu(gate, up)
+    assert out.shape == (1, 2, 20)
+    assert float(((out - ops.swiglu_exact(gate, up)).abs() / ops.swiglu_exact(gate, up).abs().clamp(min=1e-3)).max()) < 1e-6
+
+
+def test_vec_dot_f16_adds_registers_0_and_2_then_1_and_3():
+    x, y = torch.zeros(64), torch.zeros(64)
+    x[0], y[0] = 4096.0, 4096.0  # register 0, lane 0: 2^24
+    x[32], y[32] = -4096.0, 4096.0  # register 2, lane 0: -2^24
+    x[16] = y[16] = x[48] = y[48] = 1.0  # registers 1 and 3, lane 0
+    assert ops.vec_dot_f16(x, y).item() == 2.0  # (a0 + a2) + (a1 + a3)
+    seq = np.float32(0)
+    for i in range(64):
+        seq = np.float32(seq + np.float32(x[i] * y[i]))
+    assert float(seq) == 1.0  # in order, 2^24 + 1 would lose the first 1
+    tail = torch.ones(70)  # 64 in registers, 6 added one by one in f64
+    assert ops.vec_dot_f16(tail, tail).item() == 70.0
+
+
+def _attention_inputs(heads: int, kv: int, tokens: int, dim: int, seed: int = 0):
+    q, k, v = (_randn(1, h, tokens, dim, seed=seed + i, scale=2) for i, h in enumerate((heads, kv, kv)))
+    return q, k, v
+
+
+def test_flash_attention_below_64_rows_keeps_an_f16_accumulator():
+    q, k, v = _attention_inputs(4, 2, 9, 64)
+    out = ops.flash_attention(q, k, v, 64)  # (1, H, T, D)
+    # the first query sees one key: its output is that value rounded to f16, times 1/1
+    assert torch.equal(out[0, :, 0], round_f16(v[0].repeat_interleave(2, 0)[:, 0]))
+    exact = ops.flash_attention(q, k, v, 64, accumulate="f64")
+    plain = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8).masked_fill(
+        torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf")), -1) @ v.repeat_interleave(2, 1)
+    near = float((out - exact).norm() / exact.norm())  # same f16 accumulator, only the q·k sums differ
+    far = float((out - plain).norm() / plain.norm())  # the f16 cache and accumulator themselves
+    assert 0 < near < 1e-6 and 1e-4 < far < 3e-3
+    assert float((exact - ops.flash_attention(q, k, v, 64, accumulate="f32")).norm() / exact.norm()) < 1e-5
+
+
+def test_flash_attention_from_64_rows_is_tiled_with_f32_accumulators():
+    q, k, v = _attention_inputs(2, 1, 70, 16, seed=7)
+    tiled = ops.flash_attention(q, k, v, 16)
+    exact = ops.flash_attention(q, k, v, 16, accumulate="f64")
+    assert not torch.equal(tiled, exact)
+    assert float((tiled - exact).norm() / exact.norm()) < 1e-6  # f32 accumulators: rounding level
+    scores = (to_interleaved(q[0], 16) @ round_f16(to_interleaved(k[0], 16)).repeat(2, 1, 1).transpose(-1, -2))
+    assert math.isfinite(float(scores.sum()))

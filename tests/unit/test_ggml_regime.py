@@ -1,0 +1,190 @@
+"""The regime knobs on the reimpl engine (tracer.ggml.regime), on tiny random Llamas: what each
+changes, the llama.cpp preset against llama.cpp itself on a tiny quantized GGUF, the regime's
+noise floor, per-op teacher forcing and the regime a llama.cpp run implies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tracer
+from tests.conftest import TOKENS
+from tests.ggml_gguf import sourced_copy, write_quantized_gguf
+from tracer.config import load_config, read_hf
+from tracer.catalogue import diagnosis_variants
+from tracer.errors import TracerError
+from tracer.ggml.quants import Blocks
+from tracer.ggml.regime import GGUFWeights, implied_regime, regime_catalogue
+from tracer.llama import Llama
+from tracer.variants import KNOBS, PRESETS, expand_presets
+
+LLAMACPP = {"preset": "llamacpp", "weights": "gguf"}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """(tiny HF directory, its Q4_1/Q8_0 GGUF, a copy of the directory converted from it)."""
+    from tests.conftest import write_tiny_llama
+
+    folder = tmp_path_factory.mktemp("ggml")
+    model = write_tiny_llama(folder / "model")
+    gguf = write_quantized_gguf(model, folder / "tiny-q4_1.gguf")
+    return model, gguf, sourced_copy(model, gguf, folder / "converted")
+
+
+def test_the_regime_knobs_are_listed_for_reimpl_and_the_preset_expands():
+    for knob in ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn"):
+        assert "reimpl" in KNOBS[knob].engines
+    assert KNOBS["kv_cache"].engines == KNOBS["flash_attn"].engines == ("reimpl", "llamacpp")
+    assert expand_presets({"preset": "llamacpp", "weights": "gguf"}) == {**PRESETS["llamacpp"], "weights": "gguf"}
+
+
+def test_weights_quantize_every_projection_and_nothing_else(tiny_llama):
+    model = tiny_llama()
+    plain = tracer.record(model, TOKENS, engine="reimpl", progress=False)
+    q8 = tracer.record(model, TOKENS, engine="reimpl", variant="weights=q8_0", progress=False)
+    assert torch.equal(plain["model.embed_tokens"], q8["model.embed_tokens"])
+    assert torch.equal(plain["model.layers.0.input_layernorm"], q8["model.layers.0.input_layernorm"])
+    assert 1e-4 < _rel(q8["model.layers.0.self_attn.q_proj"], plain["model.layers.0.self_attn.q_proj"]) < 1e-2
+    q4 = tracer.record(model, TOKENS, engine="reimpl", variant="weights=q4_0", progress=False)
+    assert _rel(q4["model.layers.0.self_attn.q_proj"], plain["model.layers.0.self_attn.q_proj"]) > \
+        5 * _rel(q8["model.layers.0.self_attn.q_proj"], plain["model.layers.0.self_attn.q_proj"])
+
+
+def test_act_quant_auto_leaves_f32_weights_alone_and_quantizes_a_quantized_ones_input(tiny_llama):
+    model = tiny_llama()
+    plain = tracer.record(model, TOKENS, engine="reimpl", progress=False)
+    auto = tracer.record(model, TOKENS, engine="reimpl", variant="act_quant=auto", progress=False)
+    assert all(torch.equal(plain[p], auto[p]) for p in plain.points)  # f32 weights: no vec-dot type
+    weights_only = tracer.record(model, TOKENS, engine="reimpl", variant="weights=q4_1", progress=False)
+    both = tracer.record(model, TOKENS, engine="reimpl", variant="weights=q4_1,act_quant=auto", progress=False)
+    point = "model.layers.0.self_attn.q_proj"
+    assert 1e-4 < _rel(both[point], weights_only[point]) < 2e-2  # 8-bit activations (Q8_1)
+    away = tracer.record(model, TOKENS, engine="reimpl", variant="weights=q4_1,act_quant=q8_1,act_round=away",
+                         progress=False)
+    explicit = tracer.record(model, TOKENS, engine="reimpl", variant="weights=q4_1,act_quant=q8_1", progress=False)
+    assert torch.equal(explicit[point], both[point])
+    assert _rel(away["lm_head"], explicit["lm_head"]) < 1e-2
+
+
+def test_kv_cache_rounds_keys_and_values_and_records_the_scores(tiny_llama):
+    with pytest.raises(TracerError, match="kv_cache=q8_0 stores heads in 32-value blocks; this model's head_dim is 16"):
+        tracer.record(tiny_llama(), TOKENS, engine="reimpl", variant="kv_cache=q8_0", progress=False)
+    model = tiny_llama("d32", num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
+    plain = tracer.record(model, TOKENS, engine="reimpl", progress=False)
+    f16 = tracer.record(model, TOKENS, engine="reimpl", variant="kv_cache=f16", progress=False)
+    q8 = tracer.record(model, TOKENS, engine="reimpl", variant="kv_cache=q8_0", progress=False)
+    point = "model.layers.0.self_attn.scores"
+    assert torch.equal(plain["model.layers.0.self_attn.k_rope"], f16["model.layers.0.self_attn.k_rope"])
+    assert 0 < _rel(f16[point], plain[point]) < 1e-3 < _rel(q8[point], plain[point]) < 3e-2
+
+
+def test_regimes_refuse_f64_and_gguf_weights_need_a_gguf(tiny_llama):
+    with pytest.raises(TracerError, match="dtype=f64 cannot combine with regime knobs"):
+        tracer.record(tiny_llama(), TOKENS, engine="reimpl", variant="weights=q8_0,dtype=f64", progress=False)
+    with pytest.raises(TracerError, match=r"weights=gguf needs a model converted from a GGUF file") as info:
+        tracer.record(tiny_llama(), TOKENS, engine="reimpl", variant="weights=gguf", progress=False)
+    assert "\n" not in str(info.value)
+
+
+def test_gguf_weights_are_the_files_blocks_with_q_and_k_rows_back_in_hf_order(quantized):
+    model, gguf, _ = quantized
+    weights = GGUFWeights(gguf)
+    assert weights.types()["model.layers.0.self_attn.q_proj.weight"] == "q4_1"
+    assert weights.types()["model.embed_tokens.weight"] == "q8_0"
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(q, Blocks) and q.shape == (64, 64)
+    original = Llama.from_dir(model).weights["model.layers.0.self_attn.q_proj.weight"]
+    assert _rel(q.values(), original) < 0.1  # 4-bit, same rows: un-permuted
+    assert _rel(q.values(), original.flip(0)) > 1.0  # another row order is far off
+
+
+def test_the_llamacpp_preset_is_llama_cpp_to_the_bit_on_a_quantized_gguf(quantized):
+    """Q4_1 projections, a Q8_0 embedding and lm_head, an f16 KV cache and flash attention, at 7
+    tokens (one-chunk flash attention) and at 70 (the tiled path): every recorded point equal."""
+    pytest.importorskip("llama_cpp")
+    from tracer.engines import llamacpp
+
+    _, gguf, converted = quantized
+    engine = llamacpp.load(converted, {"threads": 1}, argument=str(gguf))
+    for tokens in (TOKENS, (TOKENS * 10)[:70]):
+        ours = tracer.record(converted, tokens, engine="reimpl", variant=LLAMACPP, progress=False)
+        result = tracer.compare(ours, engine.record(tokens))
+        compared = [p for p in result.points if p.recorded]
+        assert result.verdict == "match" and len(compared) == 33
+        assert all(p.rel_l2 == 0 for p in compared), [(p.point, p.rel_l2) for p in compared if p.rel_l2]
+
+
+@pytest.mark.parametrize("kv_cache", ["f16", "f32", "bf16"])
+def test_flash_attention_off_is_llama_cpps_unfused_attention_to_the_bit(quantized, kv_cache):
+    """mul_mat on the cache (tinyBLAS), soft_max, mul_mat with the probabilities in the cache's
+    type: scores and probabilities are recorded on both sides, and equal."""
+    pytest.importorskip("llama_cpp")
+    from tracer.engines import llamacpp
+
+    _, gguf, converted = quantized
+    knobs = {"kv_cache": kv_cache, "flash_attn": "off"}
+    engine = llamacpp.load(converted, {"threads": 1, **knobs}, argument=str(gguf))
+    ours = tracer.record(converted, TOKENS, engine="reimpl", variant={**LLAMACPP, **knobs}, progress=False)
+    result = tracer.compare(ours, engine.record(TOKENS))
+    compared = [p for p in result.points if p.recorded]
+    assert len(compared) == 37 and all(p.rel_l2 == 0 for p in compared)  # scores and probs of both layers too
+
+
+def test_the_quantized_caches_go_through_flash_attention_only(tiny_llama):
+    with pytest.raises(TracerError, match="kv_cache=q8_0 needs flash attention"):
+        tracer.record(tiny_llama(), TOKENS, engine="reimpl", variant="preset=llamacpp,kv_cache=q8_0,flash_attn=off",
+                      progress=False)
+    with pytest.raises(TracerError, match="flash_attn=on is llama.cpp's flash attention: on the reimpl engine it needs"):
+        tracer.record(tiny_llama(), TOKENS, engine="reimpl", variant="flash_attn=on", progress=False)
+
+
+def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized):
+    from tracer.ggml.noise import regime_noise
+    from tracer.noise import estimate_noise
+
+    _, _, converted = quantized
+    reference = tracer.record(converted, TOKENS, engine="reimpl", variant=LLAMACPP, progress=False)
+    noise = regime_noise(converted, reference, LLAMACPP)
+    assert noise["model.embed_tokens"] == 0 and noise["model.layers.0.input_layernorm"] == 0
+    assert noise["model.layers.0.resid_mid"] == 0  # an f32 add of forced inputs: no order to change
+    assert 1e-9 < noise["model.layers.0.self_attn.q_proj"] < 1e-5
+    assert 1e-9 < noise["model.layers.1.mlp.down_proj"] < 1e-5
+    assert estimate_noise(converted, reference, LLAMACPP) == noise  # tracer.noise hands regimes over
+
+
+def test_op_forcing_feeds_every_op_the_references_inputs(tiny_llama):
+    from tracer.engines.load import load_engine
+
+    model = tiny_llama()
+    reference = tracer.record(model, TOKENS, engine="reimpl", variant="theta=500", progress=False)
+    engine = load_engine("reimpl", model, {})
+    per_op, per_block = engine.op_trace(reference), engine.local_trace(reference)
+    rope = "model.layers.1.self_attn.q_rope"
+    assert _rel(per_op[rope], reference[rope]) > 1e-2  # the op with the wrong theta: its own error
+    after = "model.layers.1.self_attn.o_proj"
+    assert _rel(per_op[after], reference[after]) < 1e-6 < _rel(per_block[after], reference[after])
+
+
+def test_diagnose_tries_the_regimes_once_each(tiny_llama):
+    variants = diagnosis_variants(read_hf(load_config(tiny_llama())))
+    assert len(variants) == len(set(variants))
+    assert "weights=q4_1,act_quant=q8_1" in variants and "weights=q4_0" in variants
+    assert set(regime_catalogue()) - set(variants) == set()
+
+
+def test_implied_regime_names_what_is_not_bit_exact():
+    exact_types = {"model.embed_tokens.weight": "q8_0", "model.layers.0.mlp.up_proj.weight": "q4_1"}
+    flags = {"avx2", "fma", "f16c", "avx512f", "avx512dq"}
+    assert implied_regime(exact_types, {}, flags) == ({"preset": "llamacpp", "weights": "gguf"}, [])
+    variant, caveats = implied_regime({**exact_types, "x": "q4_k"}, {"kv_cache": "bf16", "flash_attn": "off"},
+                                      {"avx2"})
+    assert variant == {"preset": "llamacpp", "weights": "gguf", "kv_cache": "bf16", "flash_attn": "off"}
+    assert len(caveats) == 2 and "Q4_K weights" in caveats[0] and "lacks fma, f16c, avx512f" in caveats[1]
+    assert json.dumps(variant)  # a plain dict: what the reimpl engine takes as its variant

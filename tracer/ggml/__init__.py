@@ -1,0 +1,14 @@
+"""ggml's number formats and CPU arithmetic, emulated in torch (the `llamacpp` regime).
+
+- `floats`: f32 fused multiply-add, f16/bf16 rounding, the C library's `expf`/`cosf`/`sinf`/`powf`,
+  ggml's vectorised polynomial exp and the horizontal-sum orders of its SIMD reductions.
+- `quants`: GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 unpacked; k-quants dequantized) and
+  the activation quantizers Q8_0, Q8_1 and Q8_K.
+- `vecdot`: the quantized matrix products, in `ggml_vec_dot_*`'s accumulation order (x86
+  AVX2/AVX-512) or accumulated exactly in f64.
+- `ops`: RMSNorm, RoPE, SwiGLU and flash attention as ggml's CPU backend computes them.
+- `regime`: the strategies `tracer.llama` runs for the regime knobs (`weights`, `act_quant`,
+  `kv_cache`, `accumulate`, `preset=llamacpp`), and GGUF weights read as stored.
+
+Every function is pure, takes and returns torch tensors, and names the ggml source it follows.
+"""

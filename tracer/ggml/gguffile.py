@@ -1,0 +1,119 @@
+"""A GGUF file's tensors, read lazily: header parsed once, each tensor's bytes memory-mapped.
+
+`gguf.GGUFReader` builds a numpy view for every metadata item, which for a 49,152-token
+vocabulary takes tens of seconds; tracer needs a few numbers and the tensor table, so the header
+is walked here with `struct` (GGUF v2/v3 layout, little-endian) and values it does not need are
+skipped. Tensor bytes come from `numpy.memmap`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tracer.errors import TracerError
+
+# GGUF metadata value types: id -> struct format (None: string, array handled apart).
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+# ggml type id -> (name, block size, bytes per block) for the types tracer reads.
+GGML_TYPES = {0: ("f32", 1, 4), 1: ("f16", 1, 2), 2: ("q4_0", 32, 18), 3: ("q4_1", 32, 20), 6: ("q5_0", 32, 22),
+              7: ("q5_1", 32, 24), 8: ("q8_0", 32, 34), 10: ("q2_k", 256, 84), 11: ("q3_k", 256, 110),
+              12: ("q4_k", 256, 144), 13: ("q5_k", 256, 176), 14: ("q6_k", 256, 210), 20: ("iq4_nl", 32, 18),
+              23: ("iq4_xs", 256, 136), 30: ("bf16", 1, 2)}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    kind: str
+    shape: tuple[int, ...]  # row-major (numpy) order: ggml's ne reversed
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+class GGUFFile:
+    """Metadata (`fields`: key -> scalar or string; arrays of non-strings kept, string arrays skipped)
+    and `tensors` (name -> TensorInfo) of a GGUF file; `raw(name)` gives (rows, bytes per row) uint8."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as handle:
+            self._data = handle.read(1 << 20)
+            self._handle, self._pos = handle, 0
+            self.fields, self.tensors = self._parse()
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    # header walking: self._data holds the file's first bytes, read further as needed
+    def _need(self, size: int) -> bytes:
+        while self._pos + size > len(self._data):
+            more = self._handle.read(1 << 22)
+            if not more:
+                raise TracerError(f"truncated GGUF header: {self.path}")
+            self._data += more
+        chunk = self._data[self._pos:self._pos + size]
+        self._pos += size
+        return chunk
+
+    def _unpack(self, fmt: str):
+        return struct.unpack("<" + fmt, self._need(struct.calcsize(fmt)))[0]
+
+    def _string(self) -> str:
+        return self._need(self._unpack("Q")).decode("utf-8", errors="replace")
+
+    def _value(self, kind: int):
+        if kind in SCALARS:
+            return self._unpack(SCALARS[kind])
+        if kind == STRING:
+            return self._string()
+        if kind == ARRAY:
+            item, count = self._unpack("I"), self._unpack("Q")
+            if item in SCALARS:
+                size = struct.calcsize(SCALARS[item])
+                return np.frombuffer(self._need(size * count), dtype="<" + SCALARS[item]).copy()
+            for _ in range(count):
+                self._value(item)
+            return None
+        raise TracerError(f"unknown GGUF metadata type {kind} in {self.path}")
+
+    def _parse(self):
+        if self._need(4) != b"GGUF":
+            raise TracerError(f"not a GGUF file: {self.path}")
+        version = self._unpack("I")
+        if version not in (2, 3):
+            raise TracerError(f"GGUF version {version} is not supported: {self.path}")
+        n_tensors, n_fields = self._unpack("Q"), self._unpack("Q")
+        fields = {}
+        for _ in range(n_fields):
+            key = self._string()
+            fields[key] = self._value(self._unpack("I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            dims = [self._unpack("Q") for _ in range(self._unpack("I"))]
+            type_id, offset = self._unpack("I"), self._unpack("Q")
+            infos.append((name, dims, type_id, offset))
+        alignment = int(fields.get("general.alignment", 32))
+        start = -(-self._pos // alignment) * alignment
+        tensors = {}
+        for name, dims, type_id, offset in infos:
+            if type_id not in GGML_TYPES:
+                raise TracerError(f"{self.path}: tensor {name} has ggml type {type_id}, which tracer cannot read")
+            kind, block, size = GGML_TYPES[type_id]
+            shape = tuple(int(d) for d in reversed(dims))
+            nbytes = int(np.prod(shape)) // block * size
+            tensors[name] = TensorInfo(name, kind, shape, start + offset, nbytes)
+        return fields, tensors
+
+    def raw(self, name: str) -> np.ndarray:
+        """(rows, bytes per row) uint8 view of a tensor (rows: the product of all but the last dim)."""
+        info = self.tensors[name]
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return self._map[info.offset:info.offset + info.nbytes].reshape(rows, -1)
+
+    def number(self, key: str):
+        value = self.fields.get(key)
+        return value.item() if isinstance(value, np.generic) else value

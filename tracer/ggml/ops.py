@@ -1,0 +1,450 @@
+"""RMSNorm, RoPE, SwiGLU and attention as llama.cpp's CPU backend computes them (ggml-cpu/ops.cpp,
+vec.h, vec.cpp, simd-gemm.h), for x86 with AVX-512F/DQ (the `GGML_NATIVE` build on this machine;
+AVX2-only machines differ in `ggml_v_expf` and in the lane count of the f16 dot products).
+
+Shapes as in `tracer.llama`: x (1, T, C); q (1, H, T, D), k/v (1, KV, T, D) in HF's half-split
+order. ggml holds q/k rows in GGUF's interleaved order; where that order decides a summation
+(the q·k dot products) the functions below permute to it first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from tracer.errors import TracerError
+from tracer.ggml.floats import F32, F64, expf, fma, ggml_v_expf, ggml_v_silu, libm, powf, rdiv, reduce_add16, \
+    round_f16, silu_scalar
+from tracer.layouts import to_interleaved
+
+SIMD_F32 = 16  # f32 lanes of an AVX-512 register (GGML_F32_EPR)
+F16_DOT_STEP = 64  # GGML_F16_STEP: 4 registers of 16 lanes per step of ggml_vec_dot_f16
+FA_TILE = 64  # GGML_FA_TILE_Q = GGML_FA_TILE_KV
+
+
+# --- RMSNorm ----------------------------------------------------------------------------------
+
+
+def sequential_sum_f64(values: torch.Tensor) -> torch.Tensor:
+    """(..., C) f64 -> (...): a left-to-right f64 sum, as a C loop `sum += x[i]` computes it."""
+    return torch.from_numpy(np.cumsum(values.detach().to("cpu", F64).numpy(), axis=-1)[..., -1].copy()).to(values.device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """ggml_compute_forward_rms_norm_f32 (+ the fused MUL): squares in f32, summed left to right in
+    f64, mean = f32(sum / C), scale = 1.0f / sqrtf(mean + eps) in f32 (IEEE sqrt: taken in f64 and
+    rounded, which is exact for a square root), y = (x * scale) * w."""
+    x32 = x.to(F32)
+    total = sequential_sum_f64((x32 * x32).to(F64))  # (1, T)
+    mean = (total / x32.shape[-1]).to(F32)
+    root = torch.sqrt((mean + np.float32(eps)).to(F64)).to(F32)
+    scale = rdiv(1.0, root)[..., None]  # (1, T, 1)
+    return (x32 * scale) * weight.to(F32)
+
+
+# --- RoPE -------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _rope_angles(num_tokens: int, n_dims: int, base: float, freq_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, D/2) cos, sin as ggml_rope_cache_init computes them: theta starts at the position (f32)
+    and is multiplied by theta_scale = powf(base, -2.0f/n_dims) once per pair, in f32; then
+    cosf/sinf of the C library (scaled by freq_scale, which is 1 without rope scaling)."""
+    theta_scale = np.float32(powf(base, float(np.float32(-2.0) / np.float32(n_dims))))
+    theta = np.arange(num_tokens, dtype=np.float32)  # (T,)
+    angles = np.empty((num_tokens, n_dims // 2), dtype=np.float32)
+    for i in range(n_dims // 2):
+        angles[:, i] = np.float32(freq_scale) * theta
+        theta = (theta * theta_scale).astype(np.float32)
+    table = torch.from_numpy(angles)
+    return libm("cosf", table), libm("sinf", table)
+
+
+def rope_cos_sin(spec, num_tokens: int, dtype: torch.dtype | None, device="cpu",
+                 layer_type: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, T, D/2) cos and sin for `rope` below, from the spec's theta (and linear scaling); f32
+    whatever `dtype` (ggml computes RoPE in f32), one table for every layer type (Llama has one).
+
+    Raises:
+        TracerError: a rope scaling ggml's normal-mode RoPE is not emulated for (llama3: freq factors).
+    """
+    scaling = spec.rope_scaling
+    if scaling is not None and scaling.get("rope_type") != "linear":
+        raise TracerError(f"rope_type {scaling.get('rope_type')!r} is not emulated by the ggml regime (default, linear)")
+    freq_scale = 1.0 / scaling["factor"] if scaling else 1.0
+    cos, sin = _rope_angles(num_tokens, spec.head_dim, float(np.float32(spec.rope_theta)), freq_scale)
+    return cos[None].to(device), sin[None].to(device)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """ggml RoPE, normal mode (rotate_pairs, ops.cpp): pair (x0, x1) = GGUF rows (2i, 2i+1), which
+    are HF's dims (i, i + D/2); GCC contracts y0 = x0*c - x1*s into fma(x0, c, -(x1*s)) and
+    y1 = x0*s + x1*c into fma(x0, s, x1*c). x (1, heads, T, D), cos/sin (1, T, D/2)."""
+    half = x.shape[-1] // 2
+    x0, x1 = x[..., :half].to(F32), x[..., half:].to(F32)  # (1, heads, T, D/2) each
+    c, s = cos[:, None], sin[:, None]  # (1, 1, T, D/2)
+    y0 = fma(x0, c, -(x1 * s))
+    y1 = fma(x0, s, x1 * c)
+    return torch.cat((y0, y1), dim=-1)  # (1, heads, T, D)
+
+
+def rope_exact(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same rotation with each output rounded once from f64 (the accumulate=f64 variant)."""
+    half = x.shape[-1] // 2
+    x0, x1 = x[..., :half].to(F64), x[..., half:].to(F64)
+    c, s = cos[:, None].to(F64), sin[:, None].to(F64)
+    return torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).to(F32)
+
+
+# --- SwiGLU -----------------------------------------------------------------------------------
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_swiglu_f32 per row: ggml_v_silu(gate) * up on whole 16-lane vectors, the scalar
+    ggml_silu_f32 (libm expf) on a row's last I % 16 values. gate/up (1, T, I)."""
+    width = gate.shape[-1] - gate.shape[-1] % SIMD_F32
+    vector = ggml_v_silu(gate[..., :width]) * up[..., :width].to(F32)
+    if width == gate.shape[-1]:
+        return vector
+    return torch.cat((vector, silu_scalar(gate[..., width:]) * up[..., width:].to(F32)), dim=-1)
+
+
+def swiglu_exact(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in f64, rounded once."""
+    g = gate.to(F64)
+    return (g / (1 + torch.exp(-g)) * up.to(F64)).to(F32)
+
+
+def swiglu_f32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """torch's f32 silu(gate) * up."""
+    return torch.nn.functional.silu(gate.to(F32)) * up.to(F32)
+
+
+SWIGLU = {"ggml": swiglu, "f32": swiglu_f32, "f64": swiglu_exact}
+
+
+# --- attention --------------------------------------------------------------------------------
+
+
+def vec_dot_f16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_dot_f16 (vec.cpp, AVX-512F without FP16): x (..., D), y (..., D) f16 values held
+    in f32, broadcast against each other -> (...). Four 16-lane f32 accumulators take one FMA per
+    64 values; reduced (a0+a2) + (a1+a3), then `_mm512_reduce_add_ps`; values past the last whole
+    64 are added in f64 one by one."""
+    width = x.shape[-1] - x.shape[-1] % F16_DOT_STEP
+    acc = None
+    for start in range(0, width, F16_DOT_STEP):
+        xs = x[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))  # (..., 4, 16)
+        ys = y[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))
+        acc = xs * ys if acc is None else fma(xs, ys, acc)  # the first FMA adds to 0: the exact product
+    if acc is None:
+        total = torch.zeros(torch.broadcast_shapes(x.shape[:-1], y.shape[:-1]), dtype=F64)
+    else:
+        lanes = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])  # (..., 16)
+        total = reduce_add16(lanes).to(F64)
+    for i in range(width, x.shape[-1]):
+        total = total + (x[..., i] * y[..., i]).to(F64)
+    return total.to(F32)
+
+
+def vec_dot_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_dot_f32 (vec.cpp, AVX-512): the register scheme of `vec_dot_f16` on f32 values (an
+    FMA per step), but an f32 total: the values past the last whole 64 are added to it in f32 one
+    by one, each product rounded first (GCC vectorizes that loop as an in-order reduction, so the
+    multiply is not fused; measured against llama.cpp)."""
+    width = x.shape[-1] - x.shape[-1] % F16_DOT_STEP
+    shape = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+    acc = None
+    for start in range(0, width, F16_DOT_STEP):
+        xs = x[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))  # (..., 4, 16)
+        ys = y[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))
+        acc = xs * ys if acc is None else fma(xs, ys, acc)
+    if acc is None:
+        total = torch.zeros(shape, dtype=F32)
+    else:
+        total = reduce_add16((acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :]))
+    for i in range(width, x.shape[-1]):
+        total = total + x[..., i] * y[..., i]
+    return total
+
+
+def attention_scale(head_dim: int) -> float:
+    """llama's kq_scale: 1.0f/sqrtf(float(n_embd_head)), in f32."""
+    return float(np.float32(1.0) / np.float32(math.sqrt(np.float32(head_dim))))
+
+
+def kv_for_heads(k: torch.Tensor, heads: int) -> torch.Tensor:
+    """(KV, T, D) -> (H, T, D): query head h reads kv head h // (H/KV) (ggml's ik2 = iq2 / rk2)."""
+    return k.repeat_interleave(heads // k.shape[0], dim=0)
+
+
+def dot_exact(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The dot product over the last axis in f64 (f16 values: exact products), rounded to f32 once."""
+    return (x.to(F64) * y.to(F64)).sum(-1).to(F32)
+
+
+def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=vec_dot_f16) -> torch.Tensor:
+    """ggml_compute_forward_flash_attn_ext_f16_one_chunk with an f16 K/V cache (fewer than 64 query
+    rows). q (H, T, D) f32 and k (H, T, D) in GGUF order, v (H, T, D); returns (H, T, D) f32.
+
+    Q is rounded to f16 and dotted with each key by ggml_vec_dot_f16 (or `dot`); keys are visited in order,
+    masked (future) ones skipped; on a new maximum the f16 accumulator is rescaled by expf(M_old - M)
+    (in f16), else the key's weight is expf(s - M); V is accumulated as f16(fma(v, weight, acc)),
+    S = fma(S, ms, vs); the output is f32(acc) * (1/S).
+    """
+    heads, tokens, _ = q.shape
+    k16, v16 = round_f16(k), round_f16(v)
+    scores = dot(round_f16(q)[:, :, None, :], k16[:, None, :, :]) * np.float32(scale)  # (H, T, T)
+    acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)  # the f16 accumulator, held in f32
+    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
+    total = torch.zeros(heads, tokens, dtype=F32)
+    positions = torch.arange(tokens)
+    for key in range(tokens):
+        visible = (positions >= key)[None].expand(heads, tokens)  # (H, T): causal mask
+        s = scores[:, :, key]  # (H, T)
+        new_max = visible & (s > best)
+        ms = torch.where(new_max, expf(torch.where(new_max, best - s, 0.0)), 1.0)
+        vs = torch.where(visible & ~new_max, expf(torch.where(visible & ~new_max, s - best, 0.0)), 1.0)
+        best = torch.where(new_max, s, best)
+        acc = torch.where(new_max[..., None], round_f16(acc * ms[..., None]), acc)
+        updated = round_f16(fma(v16[:, key, None, :], vs[..., None], acc))  # (H, T, D)
+        acc = torch.where(visible[..., None], updated, acc)
+        s_next = fma(total, ms, vs) if contract_sum else total * ms + vs
+        total = torch.where(visible, s_next, total)
+    inverse = torch.where(total == 0, 0.0, rdiv(1.0, total))
+    return acc * inverse[..., None]
+
+
+def _tile_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """simd_gemm for one KV tile: q (H, T, D) f32, k (H, N, D) -> (H, T, N), one f32 FMA chain per
+    score over the D dims in order, starting from 0."""
+    acc = torch.zeros(q.shape[0], q.shape[1], k.shape[1], dtype=F32)
+    for dim in range(q.shape[-1]):
+        acc = fma(k[:, None, :, dim], q[:, :, dim, None], acc)
+    return acc
+
+
+def _tile_context(acc: torch.Tensor, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """simd_gemm VKQ += P · V for one KV tile: acc (H, T, D), p (H, T, N), v (H, N, D); one FMA per
+    key in order, continuing from acc."""
+    for key in range(p.shape[-1]):
+        acc = fma(v[:, None, key, :], p[:, :, key, None], acc)
+    return acc
+
+
+def _tile_softmax_sum(p: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_soft_max_f32's sum (AVX-512): per 16 values `_mm512_reduce_add_ps`, the partial
+    sums added in f64 one after another. p (H, T, N <= 64) -> (H, T) f64."""
+    p = torch.nn.functional.pad(p, (0, FA_TILE - p.shape[-1]))  # a short last tile: ggml pads it with zeros
+    total = torch.zeros(p.shape[:-1], dtype=F64)
+    for start in range(0, p.shape[-1], SIMD_F32):
+        total = total + reduce_add16(p[..., start:start + SIMD_F32]).to(F64)
+    return total
+
+
+def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
+    """ggml_compute_forward_flash_attn_ext_tiled (64 or more query rows, f16/f32 K/V): Q stays f32,
+    K and V are widened from the f16 cache; per tile of 64 keys the scores are FMA chains over D,
+    scaled, masked (-inf); a row with nothing visible in the tile skips it; on a new maximum the
+    f32 accumulator and S are scaled by expf(M_old - M); weights are ggml_v_expf(s - M), their sum
+    (f64, per 16) is added to S; V is accumulated by FMA chains over the tile's keys. Output:
+    acc * (1/S). q/k (H, T, D) GGUF order, v (H, T, D) -> (H, T, D) f32."""
+    heads, tokens, _ = q.shape
+    k32, v32 = round_f16(k), round_f16(v)
+    acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)
+    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
+    total = torch.zeros(heads, tokens, dtype=F32)
+    queries = torch.arange(tokens)[:, None]  # (T, 1)
+    for start in range(0, tokens, FA_TILE):
+        keys = torch.arange(start, min(start + FA_TILE, tokens))  # (N,)
+        mask = torch.where(keys[None, :] <= queries, 0.0, float("-inf"))  # (T, N)
+        scores = _tile_scores(q, k32[:, keys]) * np.float32(scale) + mask  # (H, T, N)
+        tile_max = scores.amax(-1)  # (H, T)
+        active = tile_max > float("-inf")
+        new_best = torch.maximum(best, tile_max)
+        grows = active & (new_best > best)
+        ms = expf(torch.where(grows, best - new_best, 0.0))  # (H, T); expf(-inf) = 0 on the first tile
+        acc = torch.where(grows[..., None], acc * ms[..., None], acc)
+        total = torch.where(grows, total * ms, total)
+        best = torch.where(active, new_best, best)
+        p = ggml_v_expf(scores - best[..., None])  # (H, T, N)
+        p = torch.where(active[..., None], p, 0.0)
+        total = torch.where(active, (total.to(F64) + _tile_softmax_sum(p)).to(F32), total)
+        acc = _tile_context(acc, p, v32[:, keys])
+    inverse = torch.where(total == 0, 0.0, rdiv(1.0, total))
+    return acc * inverse[..., None]
+
+
+def flash_attn_exact(q, k, v, scale: float, round_q: bool, dtype: torch.dtype = F64) -> torch.Tensor:
+    """The same operands (K, V in f16; Q in f16 below 64 rows, else f32), softmax and weighted sum
+    in `dtype` (f64: exact but for the last bits; f32: torch's own order), rounded to f32. Shapes
+    as `flash_attn_tiled`."""
+    qd = (round_f16(q) if round_q else q).to(dtype)
+    scores = qd @ round_f16(k).to(dtype).transpose(-1, -2) * scale  # (H, T, T)
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+    return (probs @ round_f16(v).to(dtype)).to(F32)
+
+
+def dot_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """q·k products in torch's f32 order: (..., 1, D) x (..., N, D) broadcast as matmul."""
+    return torch.matmul(x, y.transpose(-1, -2))[..., 0, :] if x.shape[-2] == 1 else (x * y).sum(-1)
+
+
+def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml") -> torch.Tensor:
+    """llama.cpp's CPU flash attention with an f16 KV cache, picking its path as ggml does (tiled
+    from 64 query rows). q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D) f32.
+
+    `accumulate` other than "ggml": the same algorithm with other sums. Below 64 rows the f16
+    accumulator and online softmax stay (every implementation of ggml's kernel keeps them) and only
+    the q·k dot products change (f64: exact; f32: plain f32 sums); from 64 rows (f32 accumulators)
+    softmax attention is computed in f64 or f32 and rounded once."""
+    heads = q.shape[1]
+    q_g = to_interleaved(q[0].to(F32), head_dim)  # (H, T, D) GGUF order: the dot products' order
+    k_g = kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads)  # (H, T, D)
+    v_h = kv_for_heads(v[0].to(F32), heads)  # (H, T, D): V rows are not permuted
+    scale = attention_scale(head_dim)
+    tiled = q.shape[2] >= FA_TILE
+    if accumulate == "ggml":
+        run = flash_attn_tiled if tiled else flash_attn_one_chunk
+    elif tiled:
+        run = functools.partial(flash_attn_exact, round_q=False, dtype=F64 if accumulate == "f64" else F32)
+    else:
+        run = functools.partial(flash_attn_one_chunk, dot=dot_exact if accumulate == "f64" else dot_f32)
+    return run(q_g, k_g, v_h, scale)[None]
+
+
+# --- quantized and bf16 KV caches -----------------------------------------------------------
+
+
+def fwht(x: torch.Tensor, size: int) -> torch.Tensor:
+    """ggml_compute_forward_fwht (llama.cpp's `llama_mul_mat_hadamard`): each run of `size` values of
+    the last axis scaled by 1.0f/sqrtf(size), then the Walsh-Hadamard butterflies (u + v, u - v)
+    in f32, pairs at distance 1, 2, 4, ...; the transform is its own inverse."""
+    scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(size)))
+    y = x.to(F32).unflatten(-1, (-1, size)) * scale  # (..., blocks, size)
+    length = 1
+    while length < size:
+        pairs = y.unflatten(-1, (size // (2 * length), 2, length))  # (..., blocks, groups, 2, length)
+        u, v = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((u + v, u - v), dim=-2).flatten(-3)
+        length *= 2
+    return y.flatten(-2)
+
+
+def rotation_size(head_dim: int, keys: bool) -> int | None:
+    """The Hadamard size llama.cpp rotates a quantized K or V cache with (llama-kv-cache.cpp:
+    head sizes that are multiples of 64; K: the largest power of two dividing it, V: 64)."""
+    if head_dim % 64:
+        return None
+    size = 64
+    while keys and head_dim % (size * 2) == 0:
+        size *= 2
+    return size
+
+
+def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_dot_bf16, AVX-512F without BF16 instructions: two 16-lane accumulators over steps of
+    32 (products of bf16 values are exact), each reduced by `_mm512_reduce_add_ps` and added in
+    f64, then the values past the last whole 32 one by one in f64."""
+    width = x.shape[-1] - x.shape[-1] % 32
+    c1 = c2 = None
+    for start in range(0, width, 32):
+        a, b = x[..., start:start + 16] * y[..., start:start + 16], x[..., start + 16:start + 32] * y[..., start + 16:start + 32]
+        c1, c2 = (a, b) if c1 is None else (c1 + a, c2 + b)
+    shape = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+    total = torch.zeros(shape, dtype=F64) if c1 is None else reduce_add16(c1).to(F64) + reduce_add16(c2).to(F64)
+    for i in range(width, x.shape[-1]):
+        total = total + (x[..., i] * y[..., i]).to(F64)
+    return total.to(F32)
+
+
+def flash_attn_one_chunk_f32(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The one-chunk flash attention loop for K/V types other than f16: the same online softmax
+    (libm expf, S = fma(S, ms, vs)), an f32 accumulator (ggml_vec_scale_f32 on a new maximum,
+    ggml_vec_mad_f32: fma(v, weight, acc)), output acc * (1/S). scores (H, T, T) already scaled,
+    v (H, T, D) as ggml's v_to_float gives it."""
+    heads, tokens, _ = scores.shape
+    acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)
+    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
+    total = torch.zeros(heads, tokens, dtype=F32)
+    positions = torch.arange(tokens)
+    for key in range(tokens):
+        visible = (positions >= key)[None].expand(heads, tokens)
+        s = scores[:, :, key]
+        new_max = visible & (s > best)
+        ms = torch.where(new_max, expf(torch.where(new_max, best - s, 0.0)), 1.0)
+        vs = torch.where(visible & ~new_max, expf(torch.where(visible & ~new_max, s - best, 0.0)), 1.0)
+        best = torch.where(new_max, s, best)
+        acc = torch.where(new_max[..., None], acc * ms[..., None], acc)
+        acc = torch.where(visible[..., None], fma(v[:, key, None, :], vs[..., None], acc), acc)
+        total = torch.where(visible, fma(total, ms, vs), total)
+    return acc * torch.where(total == 0, 0.0, rdiv(1.0, total))[..., None]
+
+
+# --- unfused attention (flash_attn=off) -------------------------------------------------------
+
+
+def tinyblas_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """llamafile's tinyBLAS (sgemm.cpp `gemm_bloc`, AVX-512) for one output: a 16-lane f32
+    accumulator takes one FMA per 16 values of the inner axis, in order, then
+    `_mm512_reduce_add_ps`. x, y (..., K) broadcast, K a multiple of 16 -> (...)."""
+    acc = None
+    for start in range(0, x.shape[-1], SIMD_F32):
+        a, b = x[..., start:start + SIMD_F32], y[..., start:start + SIMD_F32]
+        acc = a * b if acc is None else fma(a, b, acc)
+    return reduce_add16(acc)
+
+
+def _pad16(x: torch.Tensor) -> torch.Tensor:
+    """The key axis (last) padded with zeros to a multiple of 16: llama.cpp's KV cache holds 256
+    cells, the unused ones masked (weight 0)."""
+    return torch.nn.functional.pad(x, (0, -x.shape[-1] % SIMD_F32))
+
+
+def soft_max(scores: torch.Tensor) -> torch.Tensor:
+    """ggml_compute_forward_soft_max_f32 on scaled scores with the causal mask (-inf): the row
+    maximum, ggml_v_expf(s - max) per 16 values with their `_mm512_reduce_add_ps` added in f64,
+    then p * f32(1.0/sum) (the reciprocal taken in f64). scores (H, T, N) -> (H, T, N)."""
+    tokens = scores.shape[-1]
+    masked = scores + torch.where(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"), 0.0)
+    best = masked.amax(-1, keepdim=True)
+    p = _pad16(ggml_v_expf(masked - best))  # (H, T, N padded)
+    total = torch.zeros(p.shape[:-1], dtype=F64)
+    for start in range(0, p.shape[-1], SIMD_F32):
+        total = total + reduce_add16(p[..., start:start + SIMD_F32]).to(F64)
+    return (p * (1.0 / total).to(F32)[..., None])[..., :tokens]
+
+
+def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix: str = ""):
+    """llama.cpp's attention without flash attention (llama-graph.cpp build_attn_mha): kq =
+    mul_mat(K cache, Q), soft_max_ext(kq, mask, scale), kqv = mul_mat(Vᵀ cache, probabilities).
+
+    f16/bf16 cache: Q and the probabilities converted to the cache type (mul_mat's vec-dot type),
+    both products by tinyBLAS from 2 query rows (one 16-lane FMA chain per output), by
+    ggml_vec_dot_f16/bf16 for one row. f32 cache: q·k by ggml_vec_dot_f32 (the first tinyBLAS call
+    needs a contiguous Q), the probabilities by tinyBLAS. Scores and probabilities are recorded.
+    q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D)."""
+    from tracer.ggml.floats import round_bf16
+
+    heads, tokens = q.shape[1], q.shape[2]
+    store = {"f16": round_f16, "bf16": round_bf16, "f32": lambda x: x.to(F32)}[kv_cache]
+    q_g = store(to_interleaved(q[0].to(F32), head_dim))[:, :, None, :]  # (H, T, 1, D)
+    k_g = store(kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads))[:, None]  # (H, 1, T, D)
+    dots = {"f16": vec_dot_f16, "bf16": vec_dot_bf16, "f32": vec_dot_f32}[kv_cache]
+    if kv_cache == "f32" or tokens == 1:
+        raw = dots(q_g, k_g)  # (H, T, T)
+    else:
+        raw = tinyblas_dot(k_g, q_g)
+    scores = raw * np.float32(attention_scale(head_dim))
+    probs = soft_max(scores)
+    if record is not None:
+        record(f"{prefix}.scores", scores[None])
+        record(f"{prefix}.probs", probs[None])
+    p = _pad16(store(probs))[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type
+    values = _pad16(store(kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2))[:, None]  # (H, 1, D, N)
+    out = dots(values, p) if tokens == 1 else tinyblas_dot(values, p)  # (H, T, D)
+    return out[None]

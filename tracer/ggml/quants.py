@@ -1,0 +1,252 @@
+"""GGUF block formats and ggml's activation quantizers.
+
+Weights: a matrix stored in a GGUF block type is kept here as `Blocks`: per block its scale `d`
+and, for Q4_1/Q5_1, its min `m` (both f16 in the file, held as exact f32), and the block's integer
+quants `q` as ggml's dot kernels see them (Q4_0: nibble - 8, Q5_0: 5 bits - 16, Q4_1/Q5_1:
+unsigned, Q8_0: int8). Quantizing an f32 matrix is left to the `gguf` package's own reference
+quantizers (`gguf.quants.quantize`), and the bytes they write are unpacked like a file's. Other
+types (k-quants, i-quants) are held dequantized (`gguf.quants.dequantize`): tracer has no exact
+kernel for them.
+
+Activations: before a quantized matmul ggml converts each f32 activation row to the weight
+type's vec-dot type (`type_traits_cpu[type].vec_dot_type`): Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for
+Q4_1/Q5_1, Q8_K for k-quants; the x86 quantizers (ggml-cpu/arch/x86/quants.c) round ties to even
+(`_mm256_round_ps`), the portable references (ggml-quants.c `quantize_row_q8_*_ref`) away from zero.
+
+Notation: R rows (output features), C columns (input features), B blocks per row (C / 32 or C / 256),
+T tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tracer.errors import TracerError
+from tracer.ggml.floats import F32, ROUNDINGS, fma, rdiv, round_f16
+
+# The block types ggml's CPU kernels are emulated for, with their block size and bytes per block.
+BLOCK_TYPES = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34)}
+# The vec-dot (activation) type ggml pairs with each weight type (ggml-cpu.c type_traits_cpu).
+VEC_DOT_TYPE = {"q4_0": "q8_0", "q4_1": "q8_1", "q5_0": "q8_0", "q5_1": "q8_1", "q8_0": "q8_0",
+                "q2_k": "q8_k", "q3_k": "q8_k", "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k",
+                "iq4_nl": "q8_0", "iq4_xs": "q8_k", "f16": "f16", "bf16": "bf16", "f32": "f32"}
+ACT_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_k": 256}
+
+
+@dataclass
+class Blocks:
+    """A (R, C) matrix in a ggml block type.
+
+    Attributes:
+        kind: lower-case ggml type name ("q4_1", "q6_k", ...).
+        shape: (R, C).
+        d: (R, B) block scales, f32 (the f16 field's value); None for types held dequantized.
+        q: (R, B, 32) integer quants as the dot kernels use them, int16; None as `d`.
+        m: (R, B) block mins (Q4_1, Q5_1), f32; else None.
+        held: (R, C) f32 values for types without an unpacked form (k-quants, ...).
+    """
+
+    kind: str
+    shape: tuple[int, int]
+    d: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+    held: torch.Tensor | None = None
+    _values: torch.Tensor | None = field(default=None, repr=False)
+    _lanes: tuple | None = field(default=None, repr=False)
+    _scaled: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def unpacked(self) -> bool:
+        return self.q is not None
+
+    @property
+    def device(self) -> torch.device:
+        return (self.q if self.unpacked else self.held).device
+
+    def values(self) -> torch.Tensor:
+        """(R, C) f32: the matrix as ggml dequantizes it (dequantize_row_*: q*d, or fma(q, d, m))."""
+        if self._values is None:
+            if not self.unpacked:
+                self._values = self.held
+            else:
+                q = self.q.to(F32)  # (R, B, 32)
+                scaled = q * self.d[..., None] if self.m is None else fma(q, self.d[..., None], self.m[..., None])
+                self._values = scaled.reshape(self.shape)
+        return self._values
+
+    def scaled(self, dtype: torch.dtype) -> torch.Tensor:
+        """(R, C) d*q without the min, in `dtype` (exact: 11 + 8 bits); the f32 one is cached."""
+        if dtype == F32 and self._scaled is not None:
+            return self._scaled
+        scaled = (self.q.to(dtype) * self.d[..., None].to(dtype)).flatten(-2)
+        if dtype == F32:
+            self._scaled = scaled
+        return scaled
+
+    def lanes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unpacked blocks as ggml's x86 dot kernels walk them, cached: quants (B*8, R, 4) f32,
+        lane g = 4 consecutive values of one block; scales (B, R) f32."""
+        if self._lanes is None:
+            rows, blocks, _ = self.q.shape
+            quants = self.q.reshape(rows, blocks * 8, 4).transpose(0, 1).contiguous().to(F32)  # (B*8, R, 4)
+            self._lanes = (quants, self.d.T.contiguous())
+        return self._lanes
+
+    def rows(self, index: torch.Tensor) -> Blocks:
+        """The blocks of the rows `index` (a permutation or a selection)."""
+        pick = (lambda t: None if t is None else t[index])
+        return Blocks(self.kind, (len(index), self.shape[1]), pick(self.d), pick(self.q), pick(self.m), pick(self.held))
+
+    def to(self, dtype=None, device=None) -> Blocks:
+        """On `device`; `dtype` is ignored: the blocks' format is the point of holding them."""
+        if device is None:
+            return self
+        move = (lambda t: None if t is None else t.to(device))
+        return Blocks(self.kind, self.shape, move(self.d), move(self.q), move(self.m), move(self.held))
+
+
+# --- unpacking GGUF bytes ---------------------------------------------------------------------
+
+
+def _f16_field(raw: np.ndarray, offset: int) -> torch.Tensor:
+    """(R, B, bytes) uint8 -> (R, B) f32: the little-endian f16 at `offset` of each block."""
+    return torch.from_numpy(np.ascontiguousarray(raw[..., offset:offset + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(R, B, 16) uint8 -> (R, B, 32): low nibbles are elements 0..15, high nibbles 16..31."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1).astype(np.int16)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """(R, B, 4) uint8 -> (R, B, 32): bit j of the little-endian uint32 is element j's 5th bit."""
+    word = np.ascontiguousarray(qh).view("<u4")  # (R, B, 1)
+    return (((word >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
+
+
+UNPACK = {
+    "q4_0": lambda raw: (_f16_field(raw, 0), None, _nibbles(raw[..., 2:18]) - 8),
+    "q4_1": lambda raw: (_f16_field(raw, 0), _f16_field(raw, 2), _nibbles(raw[..., 4:20])),
+    "q5_0": lambda raw: (_f16_field(raw, 0), None, (_nibbles(raw[..., 6:22]) | _fifth_bits(raw[..., 2:6])) - 16),
+    "q5_1": lambda raw: (_f16_field(raw, 0), _f16_field(raw, 2), _nibbles(raw[..., 8:24]) | _fifth_bits(raw[..., 4:8])),
+    "q8_0": lambda raw: (_f16_field(raw, 0), None, np.ascontiguousarray(raw[..., 2:34]).view(np.int8).astype(np.int16)),
+}
+
+
+def from_gguf_bytes(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks:
+    """A GGUF tensor's bytes ((R, bytes per row) uint8, as `gguf.GGUFReader` gives them) -> Blocks.
+
+    Raises:
+        TracerError: a type neither unpacked here nor dequantizable by the gguf package.
+    """
+    rows, cols = shape
+    if kind in BLOCK_TYPES:
+        size, nbytes = BLOCK_TYPES[kind]
+        blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // size, nbytes)  # (R, B, bytes)
+        d, m, q = UNPACK[kind](blocks)
+        return Blocks(kind, shape, d=d, m=m, q=torch.from_numpy(np.ascontiguousarray(q)))
+    return Blocks(kind, shape, held=_dequantize_with_gguf(kind, raw, shape))
+
+
+def _gguf_type(kind: str):
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType[kind.upper()]
+    except KeyError:
+        raise TracerError(f"unknown GGUF tensor type {kind!r}") from None
+
+
+def _dequantize_with_gguf(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    import gguf.quants
+
+    values = gguf.quants.dequantize(np.asarray(raw), _gguf_type(kind))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
+def quantize(weight: torch.Tensor, kind: str) -> Blocks:
+    """An f32 (R, C) matrix quantized by the gguf package's reference quantizer into `kind`.
+
+    Raises:
+        TracerError: `kind` is not one the gguf package can quantize, or C is not a whole number of blocks.
+    """
+    import gguf.quants
+
+    qtype = _gguf_type(kind)
+    rows, cols = weight.shape
+    size = BLOCK_TYPES.get(kind, (256, 0))[0]
+    if cols % size:
+        raise TracerError(f"weights={kind}: a row of {cols} values is not a whole number of {size}-value blocks")
+    try:
+        raw = gguf.quants.quantize(weight.detach().to("cpu", F32).numpy(), qtype)
+    except NotImplementedError:
+        raise TracerError(f"weights={kind}: the gguf package has no quantizer for {kind.upper()}") from None
+    return from_gguf_bytes(kind, raw, (rows, cols))
+
+
+# --- activations ------------------------------------------------------------------------------
+
+
+@dataclass
+class ActBlocks:
+    """Activations (T, C) quantized to Q8_0/Q8_1/Q8_K: `d` (T, B) scale (f16 value; Q8_K: f32),
+    `q` (T, B, size) int quants, `s` (T, B) Q8_1's f16 block sum d*sum(q) (else None)."""
+
+    kind: str
+    d: torch.Tensor
+    q: torch.Tensor
+    s: torch.Tensor | None = None
+
+    def values(self) -> torch.Tensor:
+        """(T, C) f32: d*q, exact (an int8 times an f16 fits f32)."""
+        return (self.q * self.d[..., None]).flatten(-2)
+
+
+def _blocked(x: torch.Tensor, size: int, kind: str) -> torch.Tensor:
+    """(T, C) -> (T, B, size) f32."""
+    if x.shape[-1] % size:
+        raise TracerError(f"act_quant={kind}: a row of {x.shape[-1]} values is not a whole number of {size}-value blocks")
+    return x.to(F32).unflatten(-1, (x.shape[-1] // size, size))
+
+
+def quantize_q8_0(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
+    """quantize_row_q8_0 (x86): d = amax/127 stored f16, q = round(x * (127/amax)) in f32."""
+    blocks = _blocked(x, 32, "q8_0")  # (T, B, 32)
+    amax = blocks.abs().amax(-1)  # (T, B)
+    inverse = torch.where(amax != 0, rdiv(127.0, amax), torch.zeros_like(amax))
+    q = ROUNDINGS[rounding](blocks * inverse[..., None])
+    return ActBlocks("q8_0", round_f16(amax / 127.0), q)
+
+
+def quantize_q8_1(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
+    """quantize_row_q8_1 (x86): as Q8_0, plus s = f16(d * sum(q)) with d the f32 scale before rounding."""
+    blocks = _blocked(x, 32, "q8_1")  # (T, B, 32)
+    amax = blocks.abs().amax(-1)  # (T, B)
+    d = amax / 127.0
+    inverse = torch.where(amax != 0, rdiv(127.0, amax), torch.zeros_like(amax))
+    q = ROUNDINGS[rounding](blocks * inverse[..., None])
+    return ActBlocks("q8_1", round_f16(d), q, s=round_f16(d * q.sum(-1)))
+
+
+def quantize_q8_k(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
+    """quantize_row_q8_K_ref: iscale = -127/max with max the first value of largest magnitude,
+    q = min(127, nearest_int(iscale * x)) (ties to even), d = 1/iscale kept in f32."""
+    blocks = _blocked(x, 256, "q8_k")  # (T, B, 256)
+    first_largest = blocks.abs().argmax(-1, keepdim=True)  # torch takes the first maximum
+    peak = blocks.gather(-1, first_largest)[..., 0]  # (T, B)
+    iscale = torch.where(peak != 0, rdiv(-127.0, peak), torch.zeros_like(peak))
+    q = ROUNDINGS[rounding](blocks * iscale[..., None]).clamp(max=127)
+    d = torch.where(peak != 0, rdiv(1.0, iscale), torch.zeros_like(peak))
+    return ActBlocks("q8_k", d, q)
+
+
+ACT_QUANTIZERS = {"q8_0": quantize_q8_0, "q8_1": quantize_q8_1, "q8_k": quantize_q8_k}
+
+
+def quantize_activations(x: torch.Tensor, kind: str, rounding: str = "even") -> ActBlocks:
+    """(T, C) f32 -> ActBlocks of `kind` ("q8_0", "q8_1", "q8_k")."""
+    return ACT_QUANTIZERS[kind](x, rounding)

@@ -1,0 +1,492 @@
+"""The regime knobs as strategies of `tracer.llama`, and GGUF weights read as stored.
+
+Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
+
+- `weights`: q4_0 | q4_1 | q5_0 | q5_1 | q8_0 (every projection quantized by the gguf package's
+  reference quantizer; embeddings and norms as loaded) or `gguf` (every tensor of the GGUF file
+  the model directory was converted from, each in its own type, q/k rows un-permuted to HF order).
+- `act_quant`: none | q8_0 | q8_1 | q8_k | auto (each quantized weight's vec-dot type, as ggml).
+- `act_round`: even (x86) | away (ggml's portable reference): ties of the activation rounding.
+- `kv_cache`: f32 | f16 | bf16 | q8_0: the format K and V are stored in. With `ops=ggml` the
+  attention is llama.cpp's flash attention (an f32 cache is cast to f16 for it, as llama.cpp does);
+  with `ops=hf` it is the eager attention on stored K/V, Q converted to the K type's vec-dot type
+  and (f16/bf16) the probabilities converted before the product with V, as ggml's mul_mat does.
+- `ops`: hf | ggml: embedding, RMSNorm, RoPE, SwiGLU and attention as transformers or as ggml's
+  CPU backend computes them (`tracer.ggml.ops`).
+- `accumulate`: ggml | f32 | f64: the quantized matmuls, RoPE, SwiGLU and attention in ggml's own
+  order (bit-exact on x86, slow: ~25x a plain forward), or with the matmuls through torch's BLAS in
+  f32 (another valid order, fast) or f64 (exact) and the rest exact in f64, rounded once (see
+  `tracer.ggml.noise`).
+- `flash_attn`: on | auto | off: with ops=ggml, llama.cpp's flash attention (auto is on for its
+  CPU backend) or its unfused attention, which records scores and probabilities; with ops=hf the
+  attention is unfused anyway (off, auto) and `on` is refused.
+- `preset=llamacpp`: ops=ggml, act_quant=auto, kv_cache=f16, accumulate=ggml, act_round=even;
+  add `weights=gguf` for a model converted from a GGUF.
+
+A regime is a variant dict, e.g. {"preset": "llamacpp", "weights": "gguf"}, which the reimpl
+engine runs like any other (`tracer.record(..., engine="reimpl", variant=...)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tracer.engines.registry import REGIME_KNOBS
+from tracer.errors import TracerError
+from tracer.ggml import ops
+from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
+from tracer.ggml.quants import ACT_BLOCK, BLOCK_TYPES, VEC_DOT_TYPE, Blocks, from_gguf_bytes, quantize, \
+    quantize_activations, quantize_q8_0
+from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
+from tracer.layouts import to_interleaved
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def is_regime(variant: dict) -> bool:
+    """Whether a variant (presets expanded) emulates a number-format regime."""
+    return any(knob in variant for knob in REGIME_KNOBS)
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+# GGUF tensor names -> HF names (llama.cpp's convert_hf_to_gguf for Llama).
+GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")  # rows in GGUF's RoPE-pair order
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; None for others."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 1 and parts[0] in GGUF_NAMES:
+        return f"{GGUF_NAMES[parts[0]]}.{suffix}"
+    return None
+
+
+def gguf_path(source: dict | None) -> Path:
+    """The GGUF file a converted model directory came from (its config's `tracer_source`).
+
+    Raises:
+        TracerError: the directory was not converted from a GGUF, or the file is gone.
+    """
+    from tracer.model import DEFAULT_GGUF, bundled_gguf
+
+    name = (source or {}).get("gguf_file")
+    if not name:
+        raise TracerError("weights=gguf needs a model converted from a GGUF file (its config.json has no "
+                          "tracer_source.gguf_file); pass --model FILE.gguf")
+    path = bundled_gguf() if name == DEFAULT_GGUF else Path(name)
+    if not path.is_file():
+        raise TracerError(f"weights=gguf: the GGUF file this model was converted from is gone: {path}")
+    return path
+
+
+def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
+    """Index taking GGUF-ordered q/k weight rows to HF order (`tracer.layouts.from_interleaved`)."""
+    from tracer.layouts import from_interleaved
+
+    return from_interleaved(torch.arange(rows)[None], head_dim)[0]
+
+
+class GGUFWeights(Mapping):
+    """HF name -> tensor (f32/f16/bf16 types) or `Blocks` (quantized types), read from a GGUF file
+    as stored: llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
+
+    def __init__(self, path: Path):
+        from tracer.ggml.gguffile import GGUFFile
+
+        self.file = GGUFFile(path)
+        self.names = {name: info for info in self.file.tensors.values() if (name := hf_name(info.name))}
+        self.head_dim = _head_dim(self.file)
+        self.cache: dict[str, object] = {}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: info.shape for name, info in self.names.items()}
+
+    def types(self) -> dict[str, str]:
+        """HF name -> GGUF type name ("q4_1", "f32", ...)."""
+        return {name: info.kind for name, info in self.names.items()}
+
+    def __getitem__(self, name: str):
+        if name not in self.cache:
+            self.cache[name] = self._read(name)
+        return self.cache[name]
+
+    def _read(self, name: str):
+        info = self.names[name]
+        raw = self.file.raw(info.name)
+        if info.kind in ("f32", "f16", "bf16"):
+            dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[info.kind]
+            values = torch.from_numpy(np.ascontiguousarray(raw).view(dtype).reshape(info.shape).copy())
+            blocks = values.view(torch.bfloat16).to(F32) if info.kind == "bf16" else values.to(F32)
+        else:
+            blocks = from_gguf_bytes(info.kind, raw, info.shape)
+        if name.endswith(PERMUTED):
+            order = _unpermute_rows(info.shape[0], self.head_dim)
+            blocks = blocks.rows(order) if isinstance(blocks, Blocks) else blocks[order]
+        return blocks
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _head_dim(file) -> int:
+    arch = file.fields["general.architecture"]
+    rope_dims = file.number(f"{arch}.rope.dimension_count")
+    if rope_dims:
+        return int(rope_dims)
+    return int(file.number(f"{arch}.embedding_length")) // int(file.number(f"{arch}.attention.head_count"))
+
+
+class QuantizedWeights(Mapping):
+    """The loaded weights with every projection quantized to `kind` on first access (cached)."""
+
+    def __init__(self, weights: Mapping, kind: str):
+        self.weights, self.kind, self.cache = weights, kind, {}
+
+    def __getitem__(self, name: str):
+        if not name.endswith(tuple(p + ".weight" for p in PROJECTIONS)):
+            return self.weights[name]
+        if name not in self.cache:
+            self.cache[name] = quantize(self.weights[name].to(F32), self.kind)
+        return self.cache[name]
+
+    def shapes(self):
+        return self.weights.shapes() if hasattr(self.weights, "shapes") else \
+            {name: tuple(t.shape) for name, t in self.weights.items()}
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def weight_format(kind: str | None):
+    """The `weights` strategy: (loaded weights, the config's tracer_source) -> weights to run."""
+    if kind is None:
+        return lambda weights, source: weights
+    if kind == "gguf":
+        return lambda weights, source: GGUFWeights(gguf_path(source))
+    return lambda weights, source: QuantizedWeights(weights, kind)
+
+
+# --- matmuls ----------------------------------------------------------------------------------
+
+
+def _weight_kind(weight) -> str:
+    if isinstance(weight, Blocks):
+        return weight.kind
+    return "f32"
+
+
+def act_kind(weight, act_quant: str) -> str:
+    """The format activations take before a matmul with `weight`: `act_quant`, or with `auto` the
+    weight type's ggml vec-dot type (f32 weights: none)."""
+    if act_quant != "auto":
+        return act_quant
+    kind = VEC_DOT_TYPE.get(_weight_kind(weight), "f32")
+    return "none" if kind == "f32" else kind
+
+
+def make_linear(act_quant: str, rounding: str, accumulate: str):
+    """The `linear` strategy: x (1, T, C) @ weight (R, C)ᵀ + bias -> (1, T, R), the activations in
+    the regime's format and the products accumulated as `accumulate` says: ggml's own order where
+    its kernel is emulated (else f64), or BLAS in f32 / f64."""
+    blas_dtype = F32 if accumulate == "f32" else torch.float64  # ggml: f64 where no kernel is emulated
+
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise TracerError(f"the regime knobs emulate ggml's CPU arithmetic in CPU code: run them with --device cpu "
+                              f"(got {x.device.type})")
+        rows = x[0].to(F32)  # (T, C)
+        kind = act_kind(weight, act_quant)
+        if kind in ACT_BLOCK:
+            act = quantize_activations(rows, kind, rounding)
+            exact_order = accumulate == "ggml" and isinstance(weight, Blocks) and has_kernel(weight, act)
+            out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
+        elif kind in ("f16", "bf16"):
+            out = matmul_blas(ROUND[kind](rows), weight, blas_dtype)
+        elif isinstance(weight, Blocks) or accumulate != "ggml":
+            out = matmul_blas(rows, weight, blas_dtype)
+        else:
+            out = F.linear(rows, weight)
+        out = out if bias is None else out + bias.to(F32)
+        return out[None].to(x.device)
+
+    return linear
+
+
+def dequantized_embed(embed):
+    """The family's `embed` step on the dequantized table, as ggml_get_rows reads a quantized
+    token_embd (Q8_0's f32(d) * q is exact)."""
+
+    def dequantized(ids: torch.Tensor, weight, spec) -> torch.Tensor:
+        table = weight.values() if isinstance(weight, Blocks) else weight
+        return embed(ids, table.to(F32), spec)
+
+    return dequantized
+
+
+# --- attention --------------------------------------------------------------------------------
+
+
+def _round_q8_0(x: torch.Tensor, rounding: str) -> torch.Tensor:
+    """(..., D) quantized to Q8_0 blocks of 32 along D and dequantized."""
+    shape = x.shape
+    if shape[-1] % 32:
+        raise TracerError(f"kv_cache=q8_0 stores heads in 32-value blocks; this model's head_dim is {shape[-1]}")
+    return quantize_q8_0(x.reshape(-1, shape[-1]), rounding).values().reshape(shape)
+
+
+def kv_rounding(kv_cache: str, rounding: str):
+    """The function storing a (…, D) K or V (GGUF order for K) in the cache format, back as f32."""
+    table = {"f32": lambda x: x.to(F32), "f16": round_f16, "bf16": round_bf16,
+             "q8_0": lambda x: _round_q8_0(x, rounding)}
+    return table[kv_cache]
+
+
+def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
+    """llama.cpp's CPU flash attention. f16 (and f32, which llama.cpp casts to f16 for it): both of
+    its paths. bf16 and q8_0: the one-chunk path with an f32 accumulator, Q in the cache's vec-dot
+    type; a quantized cache is Hadamard-rotated as llama.cpp rotates it (Q and K before RoPE'd
+    rows are stored, V too, the output back). Other accumulations: the same operands, summed in
+    f64."""
+
+    def attention(q, k, v, spec, strategies, prefix, record, window=None):
+        if kv_cache in ("f16", "f32"):
+            return ops.flash_attention(q, k, v, spec.head_dim, accumulate)
+        heads, dim = q.shape[1], spec.head_dim
+        q_g = to_interleaved(q[0].to(F32), dim)  # (H, T, D) GGUF order
+        k_g = to_interleaved(k[0].to(F32), dim)  # (KV, T, D)
+        v_kv = v[0].to(F32)  # (KV, T, D)
+        quantized = kv_cache == "q8_0"
+        rot_k, rot_v = (ops.rotation_size(dim, True), ops.rotation_size(dim, False)) if quantized else (None, None)
+        if rot_k:
+            q_g, k_g = ops.fwht(q_g, rot_k), ops.fwht(k_g, rot_k)
+        if rot_v:
+            v_kv = ops.fwht(v_kv, rot_v)
+        store = kv_rounding(kv_cache, rounding)
+        values = ops.kv_for_heads(store(v_kv), heads)  # (H, T, D): v_to_float of the cache
+        scale = np.float32(ops.attention_scale(dim))
+        if accumulate == "ggml":
+            scores = _cache_scores(q_g, k_g, kv_cache, rounding) * scale  # (H, T, T)
+            out = ops.flash_attn_one_chunk_f32(scores, values)
+        else:
+            keys = ops.kv_for_heads(store(k_g), heads)
+            out = ops.flash_attn_exact(store(q_g), keys, values, float(scale), round_q=False)
+        return (ops.fwht(out, rot_v) if rot_v else out)[None]
+
+    attention.fused = "llama.cpp's flash attention never forms the scores and probabilities"
+    return attention
+
+
+def _cache_scores(q: torch.Tensor, k: torch.Tensor, kv_cache: str, rounding: str) -> torch.Tensor:
+    """q (H, T, D), k (KV, T, D) GGUF order -> (H, T, T) q·k as the K type's vec_dot computes them:
+    Q8_0 (Q quantized by quantize_row_q8_0, ggml_vec_dot_q8_0_q8_0) or bf16 (ggml_vec_dot_bf16)."""
+    groups = q.shape[0] // k.shape[0]
+    if kv_cache == "bf16":
+        keys = ops.kv_for_heads(round_bf16(k), q.shape[0])
+        return ops.vec_dot_bf16(round_bf16(q)[:, :, None, :], keys[:, None, :, :])
+    rows = []
+    for head in range(q.shape[0]):
+        stored = quantize_q8_0(k[head // groups], rounding)  # (T, B, 32): cpy_k's blocks
+        keys = Blocks("q8_0", (k.shape[1], k.shape[2]), d=stored.d, q=stored.q)
+        rows.append(matmul_ggml(quantize_q8_0(q[head], rounding), keys))  # (T, T)
+    return torch.stack(rows)
+
+
+def make_attention_unfused(kv_cache: str):
+    """llama.cpp's attention with flash attention off (`tracer.ggml.ops.attention_unfused`)."""
+    if kv_cache == "q8_0":
+        raise TracerError("kv_cache=q8_0 needs flash attention (llama.cpp: a quantized V cache requires flash_attn)")
+
+    def attention(q, k, v, spec, strategies, prefix, record, window=None):
+        return ops.attention_unfused(q, k, v, spec.head_dim, kv_cache, record, prefix)
+
+    return attention
+
+
+def make_attention_stored(kv_cache: str, rounding: str):
+    """Eager attention on K and V stored in `kv_cache` (transformers' op order otherwise): Q goes to
+    K's vec-dot type, and for f16/bf16 the probabilities to V's type before the product, as ggml's
+    non-flash mul_mat path converts its second operand."""
+    store = kv_rounding(kv_cache, rounding)
+    probs_format = ROUND.get(kv_cache, lambda x: x)
+
+    def attention(q, k, v, spec, strategies, prefix, record, window=None):
+        groups = spec.num_kv_groups
+        qs = _stored_qk(q, store, spec.head_dim)  # (1, H, T, D)
+        ks = strategies.repeat_kv(_stored_qk(k, store, spec.head_dim), groups)  # (1, H, T, D)
+        vs = strategies.repeat_kv(store(v.to(F32)), groups)  # (1, H, T, D)
+        scores = strategies.scale_scores(torch.matmul(qs, ks.transpose(2, 3)), spec.score_scale_dim)  # (1, H, T, T)
+        scores = strategies.softcap(scores, spec.attn_logit_softcapping)
+        record(f"{prefix}.scores", scores)
+        probs = torch.softmax(strategies.mask(scores, window), dim=-1, dtype=F32)
+        record(f"{prefix}.probs", probs)
+        return torch.matmul(probs_format(probs), vs)
+
+    return attention
+
+
+def _stored_qk(x: torch.Tensor, store, head_dim: int) -> torch.Tensor:
+    """Q or K (1, heads, T, D) in the cache format, blocks taken in GGUF's dim order."""
+    from tracer.layouts import from_interleaved, to_interleaved
+
+    return from_interleaved(store(to_interleaved(x.to(F32), head_dim)), head_dim)
+
+
+# --- the other ops ----------------------------------------------------------------------------
+
+
+def glu_ggml(accumulate: str):
+    swiglu = ops.SWIGLU[accumulate]
+
+    def glu(gate: torch.Tensor, up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+        if hidden_act != "silu":
+            raise TracerError(f"ops=ggml emulates SwiGLU only (hidden_act {hidden_act!r})")
+        return swiglu(gate, up)
+
+    return glu
+
+
+# --- assembling -------------------------------------------------------------------------------
+
+
+def check_knobs(knobs: dict) -> None:
+    if not is_regime(knobs):
+        return
+    if knobs.get("dtype", "f32") != "f32":
+        raise TracerError(f"dtype={knobs['dtype']} cannot combine with regime knobs: they emulate f32 arithmetic "
+                          "(the regime's noise floor is tracer.ggml.noise.regime_noise)")
+    if knobs.get("ops") == "ggml" and knobs.get("attn", "eager") != "eager":
+        raise TracerError("ops=ggml brings llama.cpp's own attention; it does not combine with attn=sdpa")
+    if knobs.get("flash_attn") == "on" and knobs.get("ops") != "ggml":
+        raise TracerError("flash_attn=on is llama.cpp's flash attention: on the reimpl engine it needs ops=ggml "
+                          "(preset=llamacpp); with ops=hf attention is unfused")
+
+
+def apply_regime(knobs: dict, strategies, spec=None):
+    """`strategies` (a `tracer.llama.Strategies`) with the regime knobs' steps put in. The number
+    formats (weights, act_quant, kv_cache, accumulate) apply to every family; ggml's own ops
+    (ops=ggml, preset=llamacpp) are emulated for llama.cpp's Llama graph only."""
+    check_knobs(knobs)
+    if not is_regime(knobs):
+        return strategies
+    family = spec.family if spec is not None else "llama"
+    if knobs.get("ops") == "ggml" and family != "llama":
+        raise TracerError(f"ops=ggml emulates llama.cpp's Llama graph; this model is a {family} "
+                          "(the number-format knobs weights/act_quant/kv_cache apply to it)")
+    rounding, accumulate = knobs.get("act_round", "even"), knobs.get("accumulate", "ggml")
+    linear = make_linear(knobs.get("act_quant", "none"), rounding, accumulate)
+    changes = {"weights": weight_format(knobs.get("weights")), "linear": linear,
+               "logits": functools.partial(strategies.logits, linear=linear),
+               "embed": dequantized_embed(strategies.embed)}
+    kv_cache = knobs.get("kv_cache")
+    if knobs.get("ops") == "ggml":
+        changes |= {"norm": ops.rms_norm,
+                    "rope": ops.rope if accumulate == "ggml" else ops.rope_exact,
+                    "rotary": ops.rope_cos_sin, "glu": glu_ggml(accumulate),
+                    "attention": make_attention_ggml(kv_cache or "f32", accumulate, rounding)}
+        if knobs.get("flash_attn", "auto") == "off":
+            changes["attention"] = make_attention_unfused(kv_cache or "f32")
+    elif kv_cache is not None:
+        changes["attention"] = make_attention_stored(kv_cache, rounding)
+    return dataclasses.replace(strategies, **changes)
+
+
+def regime_catalogue() -> list[str]:
+    """Regimes `tracer diagnose` tries: each block type with and without its activation
+    quantization, KV caches, and the 16-bit load dtypes."""
+    variants = []
+    for kind in BLOCK_TYPES:
+        variants += [f"weights={kind},act_quant={VEC_DOT_TYPE[kind]}", f"weights={kind}"]
+    return variants + ["kv_cache=f16", "kv_cache=q8_0", "dtype=bf16", "dtype=f16"]
+
+
+# --- the regime a llama.cpp run implies ---------------------------------------------------------
+
+# Weight types whose llama.cpp CPU kernel (x86 AVX2/AVX-512 build) is emulated in its own order.
+EXACT_WEIGHT_TYPES = {"f32", "q4_1", "q5_0", "q5_1", "q8_0"}
+# Why the others are not, on x86: ggml repacks some at load (CPU_REPACK) or tiles them from 8 rows.
+NOT_EXACT_WHY = {
+    "q4_0": "repacked to q4_0_8x8 at load on AVX2 (its gemv/gemm kernels are not emulated)",
+    "iq4_nl": "repacked to iq4_nl_8x8 at load on AVX2",
+    "q4_k": "repacked to q4_K_8x8 at load on AVX2",
+    "q2_k": "repacked to q2_K_8x8 at load on AVX-512",
+    "q3_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
+    "q5_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
+    "q6_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
+    "f16": "tinyBLAS' f16 kernel is not emulated", "bf16": "tinyBLAS' bf16 kernel is not emulated",
+}
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
+
+
+def cpu_flags() -> set[str]:
+    """This machine's CPU feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[str, str] | None = None,
+                   flags: set[str] | None = None) -> tuple[dict, list[str]]:
+    """The reimpl variant that reproduces a llama.cpp CPU run, and what of it is not bit-exact here.
+
+    Args:
+        weight_types: tensor name -> GGUF type of the model file (`GGUFWeights.types()`).
+        llamacpp_variant: the llamacpp engine's knobs (`kv_cache`, `flash_attn`; llama.cpp's
+            defaults f16 and auto, which is on for the CPU backend).
+        flags: CPU feature flags (default: this machine's).
+
+    Returns:
+        (variant, caveats): e.g. ({"preset": "llamacpp", "weights": "gguf"}, []). With no caveat the
+        free-running comparison is expected to be exactly 0 at every point (with kv_cache=q8_0 but
+        for llama.cpp's `kqv_out`, which it records Hadamard-rotated); with caveats compare per op
+        (`ReimplEngine.op_trace` fed the llama.cpp trace), where the emulation stays within 1e-4.
+
+    Example:
+        >>> implied_regime(GGUFWeights(path).types(), {"kv_cache": "f16"})
+        ({'preset': 'llamacpp', 'weights': 'gguf'}, [])
+    """
+    knobs = dict(llamacpp_variant or {})
+    variant = {"preset": "llamacpp", "weights": "gguf"}
+    kv_cache = knobs.get("kv_cache", "f16")
+    if kv_cache != "f16":
+        variant["kv_cache"] = kv_cache
+    if knobs.get("flash_attn", "auto") == "off":
+        variant["flash_attn"] = "off"
+    caveats = []
+    for kind in sorted(set(weight_types.values()) - EXACT_WEIGHT_TYPES):
+        names = [name for name, t in weight_types.items() if t == kind]
+        caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): "
+                       f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; accumulated in f64")
+    missing = [flag for flag in CPU_FLAGS if flag not in (cpu_flags() if flags is None else flags)]
+    if missing:
+        caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
+                       "(exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated")
+    return variant, caveats
