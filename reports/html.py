@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from .figures import report_images
 from .summary import (
     greedy_text, hints,
-    Summary, as_summary, comparison_title, fmt, first_difference, runtime_text, side_label, tolerance_text,
-    verdict_sentence,
+    Summary, as_summary, comparison_title, fmt, first_difference, regime_cost_by_layer, regime_lines, runtime_text,
+    side_label, tolerance_text, verdict_sentence,
 )
 from ..variants import format_knob_value
 from .table import display_rows
@@ -64,6 +64,8 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
         "notes": [str(note) for note in summary.get("notes") or []],
         "hints": hints(summary),
         "audit": audit_context(summary.get("config_audit")),
+        "regime": regime_lines(summary),
+        "regime_cost": [(where, fmt(cost, ".2g")) for where, cost in regime_cost_by_layer(summary)],
         "tolerance": tolerance_text(summary),
         "tolerance_params": tolerance_params(summary),
         "logits": logits_rows(summary.get("logits")),

@@ -14,7 +14,7 @@ from .html import logits_rows
 from .summary import (
     greedy_text, hints,
     Summary, as_summary, comparison_title, fmt, fmt_rel, points,
-    runtime_text, tolerance_text, verdict_sentence,
+    regime_lines, runtime_text, tolerance_text, verdict_sentence,
 )
 
 
@@ -43,6 +43,7 @@ def markdown_summary(result) -> str:
         key_table(summary),
     ]
     listed = [f"- hint: {text(hint)}" for hint in hints(summary)]
+    listed += [f"- {text(line)}" for line in regime_lines(summary)]
     listed += [f"- {text(note)}" for note in summary.get("notes") or []]
     if listed:
         parts.insert(2, "\n".join(listed))

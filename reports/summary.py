@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
+from ..points import split_point
+
 Summary = dict[str, Any]
 
 # Point fields in the order they are shown and written to points.csv.
@@ -225,3 +227,49 @@ def greedy_text(greedy: dict) -> str:
     positions = greedy.get("same_positions")
     agree = f" ({positions}/{steps} positions agree)" if positions is not None else ""
     return f"{same}/{steps} tokens same prefix, first flip at step {flip}{agree}"
+
+
+def regime_lines(summary: Summary) -> list[str]:
+    """What the regime view adds, in plain sentences (terminal, Markdown, HTML alike): which view the
+    verdict speaks of, what the raw f32 view said, what the regime itself costs, the per-op view.
+    Empty for a raw run."""
+    regime = summary.get("regime")
+    if not regime:
+        return []
+    lines = [f"view: the regime {regime.get('label')} (the reference is tracer's model in the candidate's number "
+             "formats; the verdict above speaks of it)"]
+    raw = regime.get("raw") or {}
+    first = raw.get("first_divergence")
+    raw_label = side_label(raw.get("reference"))
+    lines.append(f"raw view against f32 {raw_label}: {raw.get('verdict')}" + (
+        f", first at {first['point']} (rel_l2 {fmt(first.get('rel_l2'), '.2g')})" if first else ""))
+    cost = {point: number(error) for point, error in (regime.get("cost") or {}).items()}
+    if cost:
+        worst = max(cost, key=lambda point: _rank(cost[point]))
+        text = f"the regime's own cost over f32: largest rel_l2 {fmt(cost[worst], '.2g')} at {worst}"
+        logits = next((cost[p] for p in ("lm_head", "lm_head.capped") if p in cost), None)
+        lines.append(text + (f"; logits {fmt(logits, '.2g')}" if logits is not None and worst != "lm_head" else ""))
+    per_op_worst = regime.get("per_op_worst")
+    if per_op_worst and number(per_op_worst["rel_l2"]) == 0:
+        lines.append("per op on the candidate's own inputs: every op exactly equal")
+    elif per_op_worst:
+        over = regime.get("per_op_over") or []
+        lines.append(f"per op on the candidate's own inputs: worst rel_l2 {fmt(per_op_worst['rel_l2'], '.2g')} at "
+                     f"{per_op_worst['point']}; " + (f"{len(over)} point(s) over {fmt(regime.get('per_op_bound'))}, "
+                                                      f"first {over[0]}" if over else
+                                                      f"every op within {fmt(regime.get('per_op_bound'))}"))
+    lines += [f"caveat: {caveat}" for caveat in regime.get("caveats") or []]
+    return lines
+
+
+def regime_cost_by_layer(summary: Summary) -> list[tuple[str, float | None]]:
+    """(block, largest rel_l2 the regime adds there over f32) in execution order: where a user of
+    the quantized model pays. Points outside the blocks are their own rows."""
+    rows: dict[str, float] = {}
+    for point, error in ((summary.get("regime") or {}).get("cost") or {}).items():
+        layer, _ = split_point(point)
+        key = point if layer is None else f"layer {layer}"
+        value = number(error)
+        if value is not None:
+            rows[key] = max(rows.get(key, value), value, key=_rank)
+    return list(rows.items())

@@ -106,6 +106,16 @@ PAGE = """<!DOCTYPE html>
   <p>{{ sentence }}{% if has_first_row %} <a class="noprint" href="#first-divergence">(row)</a>{% endif %}</p>
   {% if hints %}<ul class="hints">{% for hint in hints %}<li>{{ hint }}</li>{% endfor %}</ul>{% endif %}
 </div>
+{% if regime %}
+<h2>Regime view</h2>
+<ul>{% for line in regime %}<li>{{ line }}</li>{% endfor %}</ul>
+{% if regime_cost %}
+<table class="kv">
+  <tr><th>where</th><th>the regime's own cost over f32 (largest rel_l2)</th></tr>
+  {% for where, cost in regime_cost %}<tr><th>{{ where }}</th><td class="num">{{ cost }}</td></tr>{% endfor %}
+</table>
+{% endif %}
+{% endif %}
 {% if notes %}
 <ul class="notes">
   {% for note in notes %}<li>{{ note }}</li>{% endfor %}

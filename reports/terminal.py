@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .summary import greedy_text, nonfinite_text, runtime_text, worst_point
+from .summary import greedy_text, nonfinite_text, regime_lines, runtime_text, worst_point
 
 
 def _g(value) -> str:
@@ -37,6 +37,7 @@ def terminal_summary(result, out_dir=None) -> str:
             lines.append("  every recorded point is bitwise identical")
         elif worst:
             lines.append(f"  largest error: {worst['point']} rel_l2 {_g(worst['rel_l2'])}")
+    lines += [f"  {line}" for line in regime_lines(s)]
     if s.get("first_nonfinite"):
         lines.append(f"  {nonfinite_text(s['first_nonfinite'])}")
     logits = s.get("logits")

@@ -23,9 +23,11 @@ from tracer.pipeline import (
     prepared_reference, resolve_source, sweep_row, token_ids,
 )
 from tracer.progress import stage, with_stages
+from tracer.regime import check_regime_run, compare_in_regime
+from tracer.regime import resolve as resolve_regime
 from tracer.result import Diagnosis, Result, Sweep, Tolerance
 from tracer.trace import Trace
-from tracer.variants import format_knob_value, parse_variant
+from tracer.variants import format_knob_value, parse_variant, variant_text
 
 
 @with_stages("load", "record")
@@ -73,7 +75,7 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
     return trace
 
 
-@with_stages("load", "reference", "noise floor", "candidate", "greedy", "report")
+@with_stages("load", "reference", "noise floor", "candidate", "greedy", "regime", "report")
 def run(
     model=None,
     prompt: str | None = DEFAULT_PROMPT,
@@ -95,6 +97,7 @@ def run(
     system: str | None = None,
     device: str = "cpu",
     stream: bool = False,
+    regime: str | None = None,
 ) -> Result:
     """Trace a reference and a candidate on the same tokens and localize the first divergence.
 
@@ -116,6 +119,11 @@ def run(
         device: where both models run ("cpu", "cuda", "cuda:1", "mps"); traces are kept on the CPU.
         stream: a side whose engine can stream reads each block's weights from the files when it
             runs (one block in memory); the others load their whole model, which the notes say.
+        regime: compare in a number-format regime (`tracer.regime`): "auto" takes the one the
+            candidate's runtime and model file imply (llama.cpp's CPU arithmetic on its GGUF's
+            tensor types; a 16-bit dtype), or knobs such as "weights=q4_1,act_quant=q8_1". The
+            verdict is then the regime view's; `result.regime` holds the raw f32 view, the
+            regime's own cost per point and the per-op errors on the candidate's inputs.
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
     there (`tracer.spill`), and attention matrices over 128 tokens keep their last 128 query
@@ -130,16 +138,22 @@ def run(
         'model.layers.0.self_attn.q_rope'
     """
     variant = parse_variant(variant)
+    if regime is not None:
+        check_regime_run(reference, candidate)
     with prepared_reference(model, prompt, tokens=tokens, chat=chat, system=system, reference=reference,
                             reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
                             noise_floor=noise_floor, greedy_steps=greedy, max_tokens=max_tokens, device=device,
                             stream=stream, progress=progress, candidates=(candidate,)) as prepared:
+        in_regime = resolve_regime(regime, candidate, variant, prepared.source) if regime is not None else None
         engine = load_engine(candidate, prepared.source, variant, device=device, stream=stream)
         if command is None:
             command = run_command(model, prompt, tokens, reference, candidate, variant, prepared.variant, atol, rtol,
-                                  greedy, noise_floor, out, max_tokens, chat, system, device, stream)
+                                  greedy, noise_floor, out, max_tokens, chat, system, device, stream, regime)
         result = compare_candidate(prepared, engine, command=command, notes=stream_notes(stream, candidate),
                                    config_audit=config_audit(prepared.source, variant))
+        if in_regime is not None:
+            stage("regime")
+            result = compare_in_regime(result, prepared, engine, *in_regime, noise_floor=noise_floor)
     if out is not None:
         from tracer.reports import write_report
 
@@ -352,7 +366,8 @@ def stream_notes(stream: bool, candidate: str) -> tuple[str, ...]:
 
 
 def run_command(model, prompt, tokens, reference, candidate, variant, reference_variant, atol, rtol, greedy,
-                noise_floor, out, max_tokens=None, chat=False, system=None, device="cpu", stream=False) -> str | None:
+                noise_floor, out, max_tokens=None, chat=False, system=None, device="cpu", stream=False,
+                regime=None) -> str | None:
     """The `tracer run` line that repeats a Python `run` call, for the report (None for a model
     object, which no command line can name). Defaults are left out, like a person would."""
     if hasattr(model, "state_dict"):
@@ -376,5 +391,7 @@ def run_command(model, prompt, tokens, reference, candidate, variant, reference_
     args += [] if noise_floor else ["--no-noise"]
     args += ["--device", str(device)] if str(device) != "cpu" else []
     args += ["--stream"] if stream else []
+    args += ["--regime", regime if isinstance(regime, str) else variant_text(regime)] \
+        if regime is not None else []
     args += ["--out", str(out)] if out is not None else ["--no-report"]
     return shlex.join(args)

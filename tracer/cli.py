@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="candidate engine: reimpl | hf | file:PATH | ..., see `tracer engines` (default reimpl)")
     run.add_argument("--reference-variant", action="append", default=[], metavar="K=V[,K=V]",
                      help="knobs for the reference side")
+    run.add_argument("--regime", metavar="auto|K=V[,K=V]",
+                     help="compare in a number-format regime: auto (the one the candidate's runtime and model file "
+                          "imply: llama.cpp's CPU arithmetic on its GGUF, a 16-bit dtype) or knobs such as "
+                          "weights=q4_1,act_quant=q8_1; the raw f32 view is reported beside it (docs/regimes.md)")
     run.add_argument("--atol", type=float, help="elementwise absolute tolerance (replaces the rel_l2 criterion)")
     run.add_argument("--rtol", type=float, help="elementwise relative tolerance (replaces the rel_l2 criterion)")
     run.add_argument("--greedy", type=int,
@@ -163,7 +167,7 @@ def cmd_run(args) -> int:
         variant=args.variant, reference_variant=args.reference_variant, atol=args.atol, rtol=args.rtol,
         greedy=args.greedy, out=None if args.no_report else args.out, command=_command_line(),
         noise_floor=not args.no_noise, max_tokens=args.max_tokens, chat=args.chat, system=args.system,
-        device=args.device, stream=args.stream, progress=args.json != "-",
+        device=args.device, stream=args.stream, progress=args.json != "-", regime=args.regime,
     )
     if args.json:
         _write_json(result.to_dict(), args.json)

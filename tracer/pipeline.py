@@ -191,14 +191,16 @@ def prepared_from_trace(trace: Trace, tolerance: Tolerance | None = None, tokens
 
 
 def compare_candidate(prepared: Prepared, engine, *, command: str | None = None, notes: tuple[str, ...] = (),
-                      config_audit: dict | None = None) -> Result:
-    """Record `engine` on the prepared tokens and compare it with the reference: the `Result`,
-    with local errors, greedy continuations and the run's context attached."""
+                      config_audit: dict | None = None, trace: Trace | None = None) -> Result:
+    """Record `engine` on the prepared tokens (or take its `trace` of them, already recorded) and
+    compare it with the reference: the `Result`, with local errors, greedy continuations and the
+    run's context attached."""
     check_tokens(prepared.ids, engine)
     timings = dict(prepared.timings)
     with timed(timings, "candidate_s"):
         stage("candidate")
-        trace = engine.record(prepared.ids, prepared.sink("candidate"))
+        if trace is None:
+            trace = engine.record(prepared.ids, prepared.sink("candidate"))
     with timed(timings, "local_s"):
         local = local_errors(engine, prepared.trace, prepared.sink("local"))
     result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=local)

@@ -152,6 +152,9 @@ class Result:
     first_nonfinite: dict | None = None  # {"point", "layer", "side", "count", "nan", "inf"}
     amplification: tuple[dict, ...] = ()  # ops ranked by error gain over their input
     config_audit: dict | None = None  # what each config reader makes of the model's config.json
+    # The regime view (`tracer.regime`): the reference ran in the candidate's number formats; the raw
+    # f32 view, the regime's own cost per point and the per-op errors ride along.
+    regime: dict | None = None
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -177,6 +180,7 @@ class Result:
             "command": self.command, "timings": self.timings, "notes": list(self.notes), "error": self.error,
             "first_nonfinite": self.first_nonfinite, "amplification": list(self.amplification),
             "config_audit": self.config_audit,
+            "view": "regime" if self.regime else "raw", "regime": self.regime,
         })
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -109,3 +109,33 @@ def test_diagnose_ranks_q4_1_weights_with_q8_1_activations_first(default_model, 
     assert diagnosis.best["variant"] == "weights=q4_1,act_quant=q8_1"
     assert diagnosis.best["score"] == pytest.approx(1.0)
     assert diagnosis.ranking[1]["score"] < 0.99  # measured 0.93
+
+
+def test_regime_auto_reads_llama_cpp_as_correct_and_keeps_the_raw_view(default_model, llamacpp_trace):
+    result = tracer.run(default_model, tokens=PROMPT_IDS, candidate="llamacpp", regime="auto", greedy=3,
+                        progress=False)
+    regime = result.regime
+    assert regime["variant"] == LLAMACPP and result.verdict == "match"
+    compared = [p for p in result.points if p.recorded]
+    assert len(compared) == 453
+    if not regime["caveats"]:  # this machine's CPU takes the code paths emulated
+        assert all(p.rel_l2 == 0 for p in compared) and set(regime["per_op"].values()) == {0.0}
+    raw = regime["raw"]["first_divergence"]
+    assert raw["layer"] == 0 and sub_point(raw["point"]) in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    # what the Q4_1/Q8_1 regime costs over f32, where a user of this GGUF pays it
+    assert regime["cost"]["model.layers.0.input_layernorm"] < 1e-6 and regime["cost"]["lm_head"] > 1e-2
+    assert result.greedy["candidate"]  # llama.cpp's own continuation beside the f32 reference's
+
+
+def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
+    pytest.importorskip("llama_cpp")
+    from tracer.model import bundled_gguf
+
+    corrupted = tmp_path / "corrupted.gguf"
+    _corrupt(bundled_gguf(), corrupted)
+    result = tracer.run(default_model, tokens=PROMPT_IDS, candidate=f"llamacpp:{corrupted}", regime="auto",
+                        greedy=0, progress=False)
+    assert result.regime["variant"] == LLAMACPP  # the same tensor types: the directory's own GGUF is the regime's
+    assert result.verdict == "diverged" and result.first_divergence["point"] == "model.layers.7.mlp.down_proj"
+    assert result.regime["raw"]["first_divergence"]["layer"] == 0
+    assert result.regime["per_op_over"] == ["model.layers.7.mlp.down_proj"]  # per op: that matmul alone

@@ -1,0 +1,124 @@
+"""`tracer run --regime`: the candidate against tracer's model in the candidate's number formats,
+with the raw f32 view, the regime's cost per point and the per-op view beside it (tracer.regime),
+on tiny random Llamas and a tiny Q4_1/Q8_0 GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tracer
+from tests.conftest import TOKENS
+from tests.ggml_gguf import sourced_copy, write_quantized_gguf
+from tracer.cli import main
+from tracer.errors import TracerError
+from tracer.regime import resolve as resolve_regime
+from tracer.reports.markdown import markdown_summary
+from tracer.reports.terminal import terminal_summary
+
+TOKEN_ARG = ",".join(map(str, TOKENS))
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """(tiny HF directory, its Q4_1/Q8_0 GGUF, a copy of the directory converted from it)."""
+    from tests.conftest import write_tiny_llama
+
+    folder = tmp_path_factory.mktemp("regime")
+    model = write_tiny_llama(folder / "model")
+    gguf = write_quantized_gguf(model, folder / "tiny-q4_1.gguf")
+    return model, gguf, sourced_copy(model, gguf, folder / "converted")
+
+
+def test_an_explicit_regime_makes_a_quantized_candidate_match_and_keeps_the_raw_view(tiny_llama):
+    model = tiny_llama()
+    result = tracer.run(model, tokens=TOKENS, candidate="reimpl", variant="weights=q8_0,act_quant=q8_0",
+                        regime="weights=q8_0,act_quant=q8_0", greedy=0, progress=False)
+    regime = result.regime
+    assert result.verdict == "match" and max(p.rel_l2 for p in result.points if p.recorded) == 0.0
+    assert result.reference["engine"] == "reimpl" and result.reference["variant"] == {"weights": "q8_0",
+                                                                                       "act_quant": "q8_0"}
+    # the raw view: 8-bit weights and activations against f32 transformers diverge at the first projection
+    assert regime["raw"]["verdict"] == "diverged"
+    assert regime["raw"]["first_divergence"]["point"] == "model.layers.0.self_attn.q_proj"
+    # the regime's own cost is that raw error where nothing else differs: zero before the first projection
+    cost = regime["cost"]
+    assert cost["model.embed_tokens"] == 0.0 and cost["model.layers.0.input_layernorm"] == 0.0
+    assert 1e-3 < cost["model.layers.0.self_attn.q_proj"] == pytest.approx(
+        regime["raw"]["first_divergence"]["rel_l2"])
+    assert set(regime["per_op"].values()) == {0.0} and regime["per_op_over"] == []
+    summary = result.to_dict()
+    assert summary["view"] == "regime" and summary["regime"]["label"] == "weights=q8_0,act_quant=q8_0"
+    assert json.loads(result.to_json())["regime"]["raw"]["verdict"] == "diverged"
+
+
+def test_a_bug_still_stands_out_in_the_regime(tiny_llama):
+    """A wrong theta on top of 8-bit weights: the regime view names q_rope, as a raw f32 run would."""
+    result = tracer.run(tiny_llama(), tokens=TOKENS, variant="weights=q8_0,theta=500000", regime="weights=q8_0",
+                        greedy=0, progress=False)
+    assert result.verdict == "diverged"
+    assert result.first_divergence["point"] in ("model.layers.0.self_attn.q_rope", "model.layers.0.self_attn.k_rope")
+    assert result.first_divergence["upstream_max_rel_l2"] == 0.0
+    assert "model.layers.0.self_attn.q_rope" in result.regime["per_op_over"]
+
+
+def test_a_16_bit_candidate_implies_its_dtype(tiny_llama):
+    result = tracer.run(tiny_llama(), tokens=TOKENS, candidate="reimpl", variant="dtype=bf16", regime="auto",
+                        greedy=0, progress=False)
+    assert result.regime["variant"] == {"dtype": "bf16"} and result.verdict == "match"
+    assert result.regime["raw"]["verdict"] == "diverged"  # bf16 against f32: at the embedding
+    assert result.regime["per_op_bound"] == pytest.approx(10 * 2**-9)
+
+
+def test_regime_auto_on_a_llama_cpp_candidate_is_its_cpu_regime_to_the_bit(quantized):
+    pytest.importorskip("llama_cpp")
+    _, gguf, converted = quantized
+    result = tracer.run(converted, tokens=TOKENS, candidate=f"llamacpp:{gguf}", regime="auto", greedy=0,
+                        progress=False)
+    regime = result.regime
+    assert regime["variant"] == {"preset": "llamacpp", "weights": "gguf"}
+    compared = [p for p in result.points if p.recorded]
+    assert result.verdict == "match" and len(compared) == 33
+    if not regime["caveats"]:  # an x86 CPU with the AVX2/AVX-512 paths emulated
+        assert all(p.rel_l2 == 0 for p in compared) and set(regime["per_op"].values()) == {0.0}
+    assert max(regime["per_op"].values()) < regime["per_op_bound"]
+    # raw: the directory holds the f32 weights the GGUF was quantized from, so the Q8_0 embedding differs first
+    assert regime["raw"]["verdict"] == "diverged"
+    assert regime["raw"]["first_divergence"]["point"] == "model.embed_tokens"
+    lines = terminal_summary(result)
+    assert "view: the regime preset=llamacpp,weights=gguf" in lines and "raw view against f32 hf: diverged" in lines
+    assert "the regime's own cost over f32" in markdown_summary(result)
+
+
+def test_a_gguf_the_directory_was_not_converted_from_is_emulated_by_its_projection_type(quantized):
+    pytest.importorskip("llama_cpp")
+    model, gguf, _ = quantized
+    knobs, caveats = resolve_regime("auto", f"llamacpp:{gguf}", {}, model)
+    assert knobs == {"preset": "llamacpp", "weights": "q4_1"}
+    assert any("not converted from a GGUF" in caveat and "Q4_1" in caveat for caveat in caveats)
+
+
+def test_the_report_folder_has_the_regime_view(tiny_llama, tmp_path):
+    out = tmp_path / "report"
+    assert main(["run", "--model", str(tiny_llama()), "--tokens", TOKEN_ARG, "--variant", "weights=q8_0",
+                 "--regime", "weights=q8_0", "--greedy", "0", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["view"] == "regime" and summary["verdict"] == "match"
+    html = (out / "report.html").read_text()
+    assert "Regime view" in html and "the regime&#39;s own cost over f32" in html and "layer 0" in html
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--regime", "auto"], "runs f32 and implies no number-format regime"),
+    (["--regime", "auto", "--candidate", "file:x.safetensors"], "is a saved trace"),
+    (["--regime", "nonsense=1"], "unknown knob"),
+    (["--regime", "threads=2"], "not honoured by the reimpl engine"),
+])
+def test_regime_errors_are_one_line_and_exit_2(tiny_llama, args, message, capsys):
+    assert main(["run", "--model", str(tiny_llama()), "--tokens", TOKEN_ARG, "--no-report", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    with pytest.raises(TracerError, match=message.split("(")[0]):
+        candidate = next((a for a in args if a.startswith("file:")), "reimpl")
+        tracer.run(tiny_llama(), tokens=TOKENS, candidate=candidate, regime=args[1], greedy=0, progress=False)

@@ -1,0 +1,171 @@
+"""Comparing a candidate in the number-format regime its runtime implies (`tracer run --regime`).
+
+A quantized or 16-bit port differs from f32 transformers by design: llama.cpp quantizes its
+activations to 8 bits inside each quantized matmul, MLX in bf16 rounds every op. Against f32 such a
+port "diverges" at the first projection, correct or not. The regime view compares it instead with
+tracer's own model run in the same number formats (`tracer.ggml.regime`'s knobs, or a 16-bit
+dtype): there a correct port matches and a bug stands alone. Three things are reported beside the
+regime's verdict:
+
+- the raw view: the same candidate against the f32 reference (what the verdict would be without
+  the regime), with its first divergence;
+- the regime's own cost: per point, the rel_l2 of the regime reference against the f32 one (what
+  a user of the quantized model pays, and where);
+- per op: the regime's ops rerun on the candidate's own inputs (`ReimplEngine.op_trace`), each
+  point then carries its op's error only, which stays small where a free-running emulation's tiny
+  differences would flip 8-bit roundings downstream.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tracer.diff import compare_points
+from tracer.engines.registry import parse_engine
+from tracer.errors import TracerError
+from tracer.pipeline import compare_candidate, prepared_reference, timed
+from tracer.result import Result, Tolerance
+from tracer.trace import Trace
+from tracer.variants import check_engine, parse_variant, variant_text
+
+# Above this, an op's error on the candidate's own inputs is more than the emulation's own spread:
+# in f32 arithmetic (ggml's formats) 1e-4 (measured: 4e-5 worst with another summation order, at the
+# f16 accumulator of flash attention); in a 16-bit dtype ten unit roundoffs of that dtype (one op
+# rounds its result once, but two runtimes may round an op's intermediate steps differently).
+PER_OP_BOUNDS = {"f32": 1e-4, "bf16": 10 * 2.0**-9, "f16": 10 * 2.0**-12}
+
+
+def resolve(regime, candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
+    """The reimpl variant of the regime and its caveats: `"auto"` asks the candidate's runtime and
+    model file (`implied`); anything else is read as knobs, e.g. "weights=q4_1,act_quant=q8_1"."""
+    if regime == "auto":
+        knobs, caveats = implied(candidate, variant, source)
+    else:
+        knobs, caveats = parse_variant(regime), []
+        if not knobs:
+            raise TracerError("--regime needs 'auto' or knobs, e.g. --regime weights=q4_1,act_quant=q8_1")
+    check_engine(knobs, "reimpl")
+    return knobs, caveats
+
+
+def implied(candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
+    """The regime a candidate implies: llama.cpp's CPU arithmetic on its GGUF's tensor types; for
+    any engine run in a 16-bit dtype, that dtype.
+
+    Raises:
+        TracerError: the candidate runs f32 with no number format of its own (nothing to imply).
+    """
+    entry, argument = parse_engine(candidate)
+    if entry.name == "llamacpp":
+        return llamacpp_regime(source, argument, variant)
+    dtype = variant.get("dtype", "f32")
+    if dtype != "f32":
+        return {"dtype": dtype}, []
+    raise TracerError(f"--regime auto: the {candidate} candidate{' with ' + variant_text(variant) if variant else ''} "
+                      "runs f32 and implies no number-format regime; name one, e.g. --regime "
+                      "weights=q4_1,act_quant=q8_1")
+
+
+def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, list[str]]:
+    """llama.cpp's CPU regime for the GGUF the candidate runs (`tracer.ggml.regime.implied_regime`).
+
+    weights=gguf takes the exact tensors of the GGUF the model directory was converted from; a
+    candidate file with other tensor types (another quantization of the model) is emulated by
+    quantizing the directory's weights to that file's projection type instead, said as a caveat.
+    """
+    from tracer.config import load_config
+    from tracer.engines.llamacpp import gguf_of
+    from tracer.ggml.regime import GGUFWeights, gguf_path, implied_regime
+
+    path = gguf_of(source, argument)
+    types = GGUFWeights(path).types()
+    knobs, caveats = implied_regime(types, variant)
+    try:
+        converted_from = GGUFWeights(gguf_path(load_config(source).get("tracer_source"))).types()
+    except TracerError:
+        converted_from = None
+    if converted_from != types:
+        projections = Counter(kind for name, kind in types.items() if name.endswith("_proj.weight"))
+        kind = projections.most_common(1)[0][0] if projections else "f32"
+        knobs = {**knobs, "weights": kind} if kind != "f32" else {k: v for k, v in knobs.items() if k != "weights"}
+        why = ("the model directory was not converted from a GGUF" if converted_from is None
+               else "its tensor types differ from the GGUF the model directory was converted from")
+        caveats.append(f"{path.name}: {why}; the regime quantizes the directory's projections to "
+                       f"{kind.upper()} with the gguf package's quantizers (other tensors stay as loaded)")
+    return knobs, caveats
+
+
+def regime_cost(f32_reference: Trace, regime_reference: Trace) -> dict[str, float]:
+    """Per point, the rel_l2 the regime itself adds over f32: what running in it costs, and where."""
+    return {p.point: p.rel_l2 for p in compare_points(f32_reference, regime_reference, Tolerance()) if p.recorded}
+
+
+def per_op_errors(regime_engine, candidate: Trace) -> dict[str, float]:
+    """Per point, the candidate's error against the regime's op (a `ReimplEngine`'s) fed the
+    candidate's own inputs."""
+    forced = regime_engine.op_trace(candidate)
+    return {p.point: p.rel_l2 for p in compare_points(candidate, forced, Tolerance()) if p.recorded}
+
+
+def raw_view(raw: Result) -> dict:
+    """What the f32 comparison says, for the regime view's report."""
+    first = raw.first_divergence
+    return {"verdict": raw.verdict, "reference": raw.reference,
+            "first_divergence": first and {k: first.get(k) for k in ("point", "layer", "rel_l2", "max_abs")},
+            "logits": raw.logits}
+
+
+def regime_context(knobs: dict, caveats: list[str], raw: Result, cost: dict[str, float],
+                   per_op: dict[str, float] | None) -> dict:
+    """The `Result.regime` record: which regime, its caveats, the raw view, its cost, the per-op view."""
+    worst_op = max(per_op.items(), key=lambda item: item[1]) if per_op else None
+    bound = PER_OP_BOUNDS[knobs.get("dtype", "f32")] if knobs.get("dtype", "f32") in PER_OP_BOUNDS else None
+    return {
+        "variant": knobs, "label": variant_text(knobs), "caveats": list(caveats), "raw": raw_view(raw),
+        "cost": cost, "per_op": per_op,
+        "per_op_worst": worst_op and {"point": worst_op[0], "rel_l2": worst_op[1]},
+        "per_op_bound": bound,
+        "per_op_over": [point for point, error in (per_op or {}).items() if bound is not None and error > bound],
+    }
+
+
+def check_regime_run(reference: str, candidate: str) -> None:
+    """The regime view replaces the reference by tracer's model in the regime: it needs a model the
+    candidate runs, compared against the f32 reference of a runnable engine."""
+    if parse_engine(candidate)[0].argument_required:
+        raise TracerError(f"--regime needs a candidate that runs the model; {candidate} is a saved trace "
+                          "(compare it with --reference reimpl --reference-variant KNOBS)")
+    if parse_engine(reference)[0].argument_required:
+        raise TracerError(f"--regime compares against f32 {reference} as the raw view: it needs an engine that runs "
+                          "the model, not a saved trace")
+
+
+def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[str], *,
+                      noise_floor: bool = True) -> Result:
+    """The candidate against tracer's model run in the regime `knobs`, on the tokens `prepared`
+    (the f32 reference's) holds: the regime view's `Result`, with the raw view `raw`, the regime's
+    cost per point and the per-op errors attached (`Result.regime`).
+
+    The regime reference decodes no greedy continuation (a bit-exact ggml emulation costs ~25×
+    a plain forward per step): the raw view's continuations, f32 reference against the candidate,
+    are kept.
+    """
+    with prepared_reference(prepared.source, tokens=prepared.ids, reference="reimpl", reference_variant=knobs,
+                            tolerance=prepared.tolerance, noise_floor=noise_floor, greedy_steps=0,
+                            device=prepared.device, stream=prepared.stream, progress=False) as in_regime:
+        timings: dict[str, float] = {}
+        with timed(timings, "regime_candidate_s"):
+            candidate = engine.record(in_regime.ids, in_regime.sink("candidate"))
+        view = compare_candidate(in_regime, engine, trace=candidate)
+        with timed(timings, "regime_per_op_s"):
+            per_op = per_op_errors(in_regime.engine, candidate)
+        cost = regime_cost(prepared.trace, in_regime.trace)
+    timings |= {f"regime_{name}": seconds for name, seconds in view.timings.items() if name != "candidate_s"}
+    notes = []  # the view, the raw verdict and the caveats: reports word them from `Result.regime`
+    if raw.greedy:
+        notes.append("greedy continuations: the f32 reference's against the candidate's (the regime decodes none)")
+    return view.with_context(
+        notes=tuple(notes), prompt=raw.prompt, chat=raw.chat, token_texts=raw.token_texts, greedy=raw.greedy,
+        environment=raw.environment, command=raw.command, config_audit=raw.config_audit,
+        timings={**raw.timings, **timings}, regime=regime_context(knobs, caveats, raw, cost, per_op),
+    )
