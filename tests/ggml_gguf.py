@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.tiny_gguf import gguf_tensors
+from tests.tiny_gguf import gguf_tensors, llama_writer
 
 
 def write_quantized_gguf(model_dir: Path, path: Path, *, projections: str = "q4_1", embedding: str = "q8_0") -> Path:
@@ -21,17 +21,7 @@ def write_quantized_gguf(model_dir: Path, path: Path, *, projections: str = "q4_
 
     config = json.loads((model_dir / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_vocab_size(config["vocab_size"])
+    writer = llama_writer(path, config, head_dim)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
     writer.add_tokenizer_model("no_vocab")
     for name, tensor in gguf_tensors(load_file(str(model_dir / "model.safetensors")), config, head_dim).items():
@@ -56,3 +46,12 @@ def sourced_copy(model_dir: Path, gguf_file: Path, target: Path) -> Path:
     config["tracer_source"] = {"gguf_file": str(gguf_file)}
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return target
+
+
+def quantized_models(folder: Path) -> tuple[Path, Path, Path]:
+    """(a tiny HF directory, its Q4_1/Q8_0 GGUF, a copy of the directory converted from it) in `folder`."""
+    from tests.conftest import write_tiny_llama
+
+    model = write_tiny_llama(folder / "model")
+    gguf_file = write_quantized_gguf(model, folder / "tiny-q4_1.gguf")
+    return model, gguf_file, sourced_copy(model, gguf_file, folder / "converted")

@@ -31,18 +31,10 @@ PERMUTED = ("attn_q", "attn_k")  # rows in GGUF's interleaved order
 NORMS = ("attn_norm", "ffn_norm", "output_norm")  # llama.cpp keeps norms in f32 whatever the file type
 
 
-def write_tiny_gguf(model_dir: Path, path: Path, *, dtype: str = "f32", value_length: int | None = None) -> Path:
-    """`model_dir` (config.json + model.safetensors) as a GGUF file at `path`.
-
-    `value_length` (smaller than the head size) writes value heads that size, attn_v cut to match:
-    a corrupt file llama.cpp 0.3.36 loads without complaint and then aborts on when it builds the
-    graph, `GGML_ASSERT(n_embd_head == hparams.n_embd_head_k())` (keys and values must be one size).
-    """
+def llama_writer(path: Path, config: dict, head_dim: int, value_length: int | None = None):
+    """A GGUFWriter for a Llama at `path` with the model's hyperparameters as llama.cpp reads them."""
     import gguf
 
-    config = json.loads((model_dir / "config.json").read_text())
-    weights = load_file(str(model_dir / "model.safetensors"))
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(config["max_position_embeddings"])
@@ -57,6 +49,22 @@ def write_tiny_gguf(model_dir: Path, path: Path, *, dtype: str = "f32", value_le
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(theta)
     writer.add_vocab_size(config["vocab_size"])
+    return writer
+
+
+def write_tiny_gguf(model_dir: Path, path: Path, *, dtype: str = "f32", value_length: int | None = None) -> Path:
+    """`model_dir` (config.json + model.safetensors) as a GGUF file at `path`.
+
+    `value_length` (smaller than the head size) writes value heads that size, attn_v cut to match:
+    a corrupt file llama.cpp 0.3.36 loads without complaint and then aborts on when it builds the
+    graph, `GGML_ASSERT(n_embd_head == hparams.n_embd_head_k())` (keys and values must be one size).
+    """
+    import gguf
+
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = load_file(str(model_dir / "model.safetensors"))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer = llama_writer(path, config, head_dim, value_length)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
     writer.add_tokenizer_model("no_vocab")
     tensors = gguf_tensors(weights, config, head_dim)

@@ -11,7 +11,7 @@ import torch
 
 import tracer
 from tests.conftest import TOKENS
-from tests.ggml_gguf import sourced_copy, write_quantized_gguf
+from tests.ggml_gguf import quantized_models
 from tracer.config import load_config, read_hf
 from tracer.catalogue import diagnosis_variants
 from tracer.errors import TracerError
@@ -30,12 +30,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     """(tiny HF directory, its Q4_1/Q8_0 GGUF, a copy of the directory converted from it)."""
-    from tests.conftest import write_tiny_llama
-
-    folder = tmp_path_factory.mktemp("ggml")
-    model = write_tiny_llama(folder / "model")
-    gguf = write_quantized_gguf(model, folder / "tiny-q4_1.gguf")
-    return model, gguf, sourced_copy(model, gguf, folder / "converted")
+    return quantized_models(tmp_path_factory.mktemp("ggml"))
 
 
 def test_the_regime_knobs_are_listed_for_reimpl_and_the_preset_expands():

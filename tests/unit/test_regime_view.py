@@ -10,7 +10,7 @@ import pytest
 
 import tracer
 from tests.conftest import TOKENS
-from tests.ggml_gguf import sourced_copy, write_quantized_gguf
+from tests.ggml_gguf import quantized_models
 from tracer.cli import main
 from tracer.errors import TracerError
 from tracer.regime import resolve as resolve_regime
@@ -23,12 +23,7 @@ TOKEN_ARG = ",".join(map(str, TOKENS))
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     """(tiny HF directory, its Q4_1/Q8_0 GGUF, a copy of the directory converted from it)."""
-    from tests.conftest import write_tiny_llama
-
-    folder = tmp_path_factory.mktemp("regime")
-    model = write_tiny_llama(folder / "model")
-    gguf = write_quantized_gguf(model, folder / "tiny-q4_1.gguf")
-    return model, gguf, sourced_copy(model, gguf, folder / "converted")
+    return quantized_models(tmp_path_factory.mktemp("regime"))
 
 
 def test_an_explicit_regime_makes_a_quantized_candidate_match_and_keeps_the_raw_view(tiny_llama):
