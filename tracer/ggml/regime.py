@@ -470,8 +470,11 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         (`ReimplEngine.op_trace` fed the llama.cpp trace), where the emulation stays within 1e-4.
 
     Example:
-        >>> implied_regime(GGUFWeights(path).types(), {"kv_cache": "f16"})
+        >>> from tracer.model import bundled_gguf
+        >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "f16"}, flags=set(CPU_FLAGS))
         ({'preset': 'llamacpp', 'weights': 'gguf'}, [])
+        >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "q8_0"}, flags={"avx2"})[1]
+        ['this CPU lacks fma, f16c, avx512f, avx512dq: llama.cpp takes other code paths here (exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated']
     """
     knobs = dict(llamacpp_variant or {})
     variant = {"preset": "llamacpp", "weights": "gguf"}
