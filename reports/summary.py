@@ -236,8 +236,10 @@ def regime_lines(summary: Summary) -> list[str]:
     regime = summary.get("regime")
     if not regime:
         return []
+    judged = ("each op on the candidate's own inputs" if regime.get("verdict_view") == "per_op"
+              else "free-running")
     lines = [f"view: the regime {regime.get('label')} (the reference is tracer's model in the candidate's number "
-             "formats; the verdict above speaks of it)"]
+             f"formats, judged {judged}; the verdict above speaks of it)"]
     raw = regime.get("raw") or {}
     first = raw.get("first_divergence")
     raw_label = side_label(raw.get("reference"))

@@ -13,11 +13,14 @@ regime's verdict:
   a user of the quantized model pays, and where);
 - per op: the regime's ops rerun on the candidate's own inputs (`ReimplEngine.op_trace`), each
   point then carries its op's error only, which stays small where a free-running emulation's tiny
-  differences would flip 8-bit roundings downstream.
+  differences would flip 8-bit roundings downstream. Where the emulation cannot be bit-exact
+  (another CPU, a kernel not emulated, a long prompt), this view gives the verdict
+  (`verdict_view`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from tracer.diff import compare_points
@@ -26,12 +29,14 @@ from tracer.errors import TracerError
 from tracer.pipeline import compare_candidate, prepared_reference, timed
 from tracer.result import Result, Tolerance
 from tracer.trace import Trace
-from tracer.variants import check_engine, parse_variant, variant_text
+from tracer.variants import check_engine, expand_presets, parse_variant, variant_text
 
 # Above this, an op's error on the candidate's own inputs is more than the emulation's own spread:
 # in f32 arithmetic (ggml's formats) 1e-4 (measured: 4e-5 worst with another summation order, at the
 # f16 accumulator of flash attention); in a 16-bit dtype ten unit roundoffs of that dtype (one op
 # rounds its result once, but two runtimes may round an op's intermediate steps differently).
+# Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`).
+EXACT_TOKENS = 64
 PER_OP_BOUNDS = {"f32": 1e-4, "bf16": 10 * 2.0**-9, "f16": 10 * 2.0**-12}
 
 
@@ -100,13 +105,6 @@ def regime_cost(f32_reference: Trace, regime_reference: Trace) -> dict[str, floa
     return {p.point: p.rel_l2 for p in compare_points(f32_reference, regime_reference, Tolerance()) if p.recorded}
 
 
-def per_op_errors(regime_engine, candidate: Trace) -> dict[str, float]:
-    """Per point, the candidate's error against the regime's op (a `ReimplEngine`'s) fed the
-    candidate's own inputs."""
-    forced = regime_engine.op_trace(candidate)
-    return {p.point: p.rel_l2 for p in compare_points(candidate, forced, Tolerance()) if p.recorded}
-
-
 def raw_view(raw: Result) -> dict:
     """What the f32 comparison says, for the regime view's report."""
     first = raw.first_divergence
@@ -140,25 +138,47 @@ def check_regime_run(reference: str, candidate: str) -> None:
                           "the model, not a saved trace")
 
 
+def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
+    """How the regime view judges the candidate: "free" (free-running, every point against the
+    regime reference) or "per_op" (every op on the candidate's own inputs).
+
+    A regime that rounds activations to 8 bits (act_quant, a q8_0 KV cache) is chaotic: an
+    emulation 1e-7 off flips a rounding and parts from the candidate by 1e-2 a layer later. There,
+    free-running is a verdict only where the emulation is bit-exact: ggml's own summation order
+    (accumulate=ggml), on this CPU and these weight types (no caveat), and on prompts up to
+    EXACT_TOKENS (its cost grows to ~25× a plain forward); otherwise the per-op view decides.
+    """
+    expanded = expand_presets(knobs)
+    chaotic = expanded.get("act_quant", "none") != "none" or expanded.get("kv_cache") == "q8_0"
+    exact = not caveats and expanded.get("accumulate", "ggml") == "ggml" and num_tokens <= EXACT_TOKENS
+    return "free" if not chaotic or exact else "per_op"
+
+
 def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[str], *,
                       noise_floor: bool = True) -> Result:
     """The candidate against tracer's model run in the regime `knobs`, on the tokens `prepared`
     (the f32 reference's) holds: the regime view's `Result`, with the raw view `raw`, the regime's
     cost per point and the per-op errors attached (`Result.regime`).
 
-    The regime reference decodes no greedy continuation (a bit-exact ggml emulation costs ~25×
-    a plain forward per step): the raw view's continuations, f32 reference against the candidate,
-    are kept.
+    Where `verdict_view` says "per_op" and the regime would sum in ggml's order, it sums with
+    torch's BLAS in f32 instead (accumulate=f32, ~1.4× a plain forward): per op, the order is
+    within the regime's noise floor. The regime reference decodes no greedy continuation: the raw
+    view's continuations, f32 reference against the candidate, are kept.
     """
+    view_kind = verdict_view(knobs, caveats, len(prepared.ids))
+    if view_kind == "per_op" and "accumulate" not in knobs:
+        knobs = {**knobs, "accumulate": "f32"}
     with prepared_reference(prepared.source, tokens=prepared.ids, reference="reimpl", reference_variant=knobs,
                             tolerance=prepared.tolerance, noise_floor=noise_floor, greedy_steps=0,
                             device=prepared.device, stream=prepared.stream, progress=False) as in_regime:
         timings: dict[str, float] = {}
         with timed(timings, "regime_candidate_s"):
             candidate = engine.record(in_regime.ids, in_regime.sink("candidate"))
-        view = compare_candidate(in_regime, engine, trace=candidate)
         with timed(timings, "regime_per_op_s"):
-            per_op = per_op_errors(in_regime.engine, candidate)
+            forced = in_regime.engine.op_trace(candidate)
+        per_op = {p.point: p.rel_l2 for p in compare_points(candidate, forced, Tolerance()) if p.recorded}
+        judged = in_regime if view_kind == "free" else dataclasses.replace(in_regime, trace=forced)
+        view = compare_candidate(judged, engine, trace=candidate)
         cost = regime_cost(prepared.trace, in_regime.trace)
     timings |= {f"regime_{name}": seconds for name, seconds in view.timings.items() if name != "candidate_s"}
     notes = []  # the view, the raw verdict and the caveats: reports word them from `Result.regime`
@@ -167,5 +187,6 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
     return view.with_context(
         notes=tuple(notes), prompt=raw.prompt, chat=raw.chat, token_texts=raw.token_texts, greedy=raw.greedy,
         environment=raw.environment, command=raw.command, config_audit=raw.config_audit,
-        timings={**raw.timings, **timings}, regime=regime_context(knobs, caveats, raw, cost, per_op),
+        timings={**raw.timings, **timings},
+        regime={**regime_context(knobs, caveats, raw, cost, per_op), "verdict_view": view_kind},
     )

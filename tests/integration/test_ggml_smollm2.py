@@ -139,3 +139,14 @@ def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
     assert result.verdict == "diverged" and result.first_divergence["point"] == "model.layers.7.mlp.down_proj"
     assert result.regime["raw"]["first_divergence"]["layer"] == 0
     assert result.regime["per_op_over"] == ["model.layers.7.mlp.down_proj"]  # per op: that matmul alone
+
+
+def test_past_the_bit_exact_length_the_per_op_view_judges_and_reads_llama_cpp_as_correct(default_model):
+    pytest.importorskip("llama_cpp")
+    from tracer.regime import EXACT_TOKENS
+
+    tokens = (PROMPT_IDS * 40)[:EXACT_TOKENS + 16]
+    result = tracer.run(default_model, tokens=tokens, candidate="llamacpp", regime="auto", greedy=0, progress=False)
+    assert result.regime["verdict_view"] == "per_op"
+    assert result.regime["variant"] == {**LLAMACPP, "accumulate": "f32"}  # torch's BLAS sums: ~1.4× a forward
+    assert result.verdict == "match" and result.regime["per_op_over"] == []  # measured at 512 tokens: worst 1.8e-6

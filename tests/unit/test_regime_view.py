@@ -117,3 +117,31 @@ def test_regime_errors_are_one_line_and_exit_2(tiny_llama, args, message, capsys
     with pytest.raises(TracerError, match=message.split("(")[0]):
         candidate = next((a for a in args if a.startswith("file:")), "reimpl")
         tracer.run(tiny_llama(), tokens=TOKENS, candidate=candidate, regime=args[1], greedy=0, progress=False)
+
+
+def test_the_per_op_view_judges_where_the_emulation_cannot_be_bit_exact():
+    from tracer.regime import EXACT_TOKENS, verdict_view
+
+    llamacpp = {"preset": "llamacpp", "weights": "gguf"}
+    assert verdict_view(llamacpp, [], 5) == "free"  # bit-exact here: free-running is a verdict
+    assert verdict_view(llamacpp, [], EXACT_TOKENS + 1) == "per_op"  # too slow bit-exact
+    assert verdict_view(llamacpp, ["this CPU lacks avx512f: ..."], 5) == "per_op"
+    assert verdict_view({"weights": "q8_0", "act_quant": "q8_0", "accumulate": "f32"}, [], 5) == "per_op"
+    assert verdict_view({"weights": "q4_0"}, [], 512) == "free"  # no 8-bit activations: not chaotic
+    assert verdict_view({"dtype": "bf16"}, [], 512) == "free"
+
+
+def test_per_op_an_emulation_in_another_order_still_reads_a_correct_candidate_as_correct(tiny_llama):
+    """The candidate sums in ggml's order, the regime with torch's BLAS (accumulate=f32): per op the
+    difference stays within the regime's noise floor, and a wrong theta still stands out."""
+    model = tiny_llama()
+    regime = "weights=q8_0,act_quant=q8_0,accumulate=f32"
+    correct = tracer.run(model, tokens=TOKENS, variant="weights=q8_0,act_quant=q8_0", regime=regime, greedy=0,
+                         progress=False)
+    assert correct.regime["verdict_view"] == "per_op" and correct.verdict == "match"
+    assert max(correct.regime["per_op"].values()) < 1e-5
+    broken = tracer.run(model, tokens=TOKENS, variant="weights=q8_0,act_quant=q8_0,theta=500000", regime=regime,
+                        greedy=0, progress=False)
+    assert broken.verdict == "diverged"
+    assert broken.first_divergence["point"] in ("model.layers.0.self_attn.q_rope", "model.layers.0.self_attn.k_rope")
+    assert "judged each op on the candidate's own inputs" in terminal_summary(broken)
