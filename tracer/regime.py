@@ -55,7 +55,7 @@ def resolve(regime, candidate: str, variant: dict, source) -> tuple[dict, list[s
 
 def implied(candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
     """The regime a candidate implies: llama.cpp's CPU arithmetic on its GGUF's tensor types; for
-    any engine run in a 16-bit dtype, that dtype.
+    any engine run in a 16-bit dtype or with regime knobs of its own, those.
 
     Raises:
         TracerError: the candidate runs f32 with no number format of its own (nothing to imply).
@@ -63,9 +63,12 @@ def implied(candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
     entry, argument = parse_engine(candidate)
     if entry.name == "llamacpp":
         return llamacpp_regime(source, argument, variant)
+    formats = {knob: value for knob, value in variant.items() if knob in entry.emulated}
     dtype = variant.get("dtype", "f32")
     if dtype != "f32":
-        return {"dtype": dtype}, []
+        formats["dtype"] = dtype
+    if formats:  # the candidate's own number formats (a reimpl candidate in a regime: that regime)
+        return formats, []
     raise TracerError(f"--regime auto: the {candidate} candidate{' with ' + variant_text(variant) if variant else ''} "
                       "runs f32 and implies no number-format regime; name one, e.g. --regime "
                       "weights=q4_1,act_quant=q8_1")

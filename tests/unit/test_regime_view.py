@@ -58,6 +58,12 @@ def test_a_bug_still_stands_out_in_the_regime(tiny_llama):
     assert "model.layers.0.self_attn.q_rope" in result.regime["per_op_over"]
 
 
+def test_a_reimpl_candidate_in_a_regime_implies_that_regime_without_its_mistakes(tiny_llama):
+    knobs, caveats = resolve_regime("auto", "reimpl", {"weights": "q8_0", "act_quant": "q8_0", "theta": 500000.0},
+                                    tiny_llama())
+    assert knobs == {"weights": "q8_0", "act_quant": "q8_0"} and caveats == []
+
+
 def test_a_16_bit_candidate_implies_its_dtype(tiny_llama):
     result = tracer.run(tiny_llama(), tokens=TOKENS, candidate="reimpl", variant="dtype=bf16", regime="auto",
                         greedy=0, progress=False)
