@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 import re
 from contextlib import ExitStack
 
@@ -48,7 +49,9 @@ class HFEngine:
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        # A model accelerate placed (device_map) may have its first weights on disk ("meta"): its hooks
+        # move the inputs to each module's execution device, so they start on the CPU.
+        return torch.device("cpu") if getattr(self.model, "hf_device_map", None) else self.model.device
 
     @property
     def vocab_size(self) -> int:
@@ -71,7 +74,8 @@ class HFEngine:
         not_recorded = per_layer(len(self.layer_prefixes), unobservable_points(implementation))
         meta = trace_meta(self, self.label, tokens, self.model.dtype, not_recorded,
                           num_layers=len(self.layer_prefixes), attn_implementation=implementation,
-                          unused_tensors=getattr(self.model, "tracer_unused_tensors", []), family=self.family)
+                          unused_tensors=getattr(self.model, "tracer_unused_tensors", []), family=self.family,
+                          placement=placement_text(self.model))
         return Trace(recorder.tensors, meta)
 
     @torch.inference_mode()
@@ -92,26 +96,35 @@ class HFEngine:
         return picks
 
     def _ids(self, tokens: list[int]) -> torch.Tensor:
-        return torch.tensor([tokens], device=self.model.device)  # (1, T)
+        return torch.tensor([tokens], device=self.device)  # (1, T)
 
 
 def load(source, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
-         stream: bool = False) -> HFEngine:
+         stream: bool = False, offload=None) -> HFEngine:
     """`source`: a model path (None for the bundled default) or a loaded transformers model of a
     family tracer traces, which is recorded where it is (its own device; `device` is for models
-    loaded here)."""
+    loaded here). `offload` (`tracer.engines.offload.Offload`): accelerate places the model over
+    the devices and the offload folder instead (`device` then has no say)."""
     if is_loaded_model(source):
         if variant:
             raise TracerError("variant knobs need a model path; an already loaded model is recorded as it is")
+        if offload is not None:
+            raise TracerError("offloading needs a model path; an already loaded model is recorded where it is")
         return HFEngine(source.eval(), {}, source.config.to_dict().get("_name_or_path") or "loaded model")
     from tracer.model import resolve_model
 
     model_dir = resolve_model(source)
+    if offload is not None:
+        if torch.device(device).type != "cpu":
+            raise TracerError(f"--device {device} with --offload/--max-memory: accelerate places the model over the "
+                              "devices max_memory names (device_map=auto); leave --device out")
+        return HFEngine(_load(model_dir, variant, offload), variant, str(model_dir))
     return HFEngine(_load(model_dir, variant).to(device), variant, str(model_dir))
 
 
-def _load(model_dir, variant: dict):
-    """from_pretrained with the variant's config-level knobs applied before the weights load."""
+def _load(model_dir, variant: dict, offload=None):
+    """from_pretrained with the variant's config-level knobs applied before the weights load (and,
+    with `offload`, accelerate's device_map="auto" placement)."""
     import transformers
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
@@ -144,6 +157,7 @@ def _load(model_dir, variant: dict):
             # Mismatches are then listed in `info` (named below) instead of raised as a RuntimeError
             # that only points at a report we silence.
             ignore_mismatched_sizes=True,
+            **_placement(offload),
         )
     except (OSError, RuntimeError, ValueError) as exc:
         raise TracerError(f"transformers cannot load {model_dir}: {one_line(exc)}") from None
@@ -162,6 +176,27 @@ def _load(model_dir, variant: dict):
         raise TracerError(f"shape mismatch for {name}: expected {tuple(model_shape)}, file has {tuple(file_shape)}")
     model.tracer_unused_tensors = sorted(info.get("unexpected_keys") or [])
     return model.eval()
+
+
+def _placement(offload) -> dict:
+    """from_pretrained's big-model arguments for an `Offload` (none without one)."""
+    if offload is None:
+        return {}
+    # a copy: from_pretrained rewrites the sizes it is given in place (cpu=200KB -> 200000)
+    max_memory = None if offload.max_memory is None else dict(offload.max_memory)
+    return {"device_map": "auto", "max_memory": max_memory, "offload_folder": offload.folder}
+
+
+def placement_text(model) -> str | None:
+    """Where accelerate put the modules, e.g. "accelerate placed 12 modules on disk, 20 on cpu"."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return None
+    if list(device_map) == [""]:
+        return f"accelerate placed the whole model on {device_map['']}"
+    counts = Counter(str(device) for device in device_map.values())
+    return "accelerate placed " + ", ".join(f"{n} module{'s' if n > 1 else ''} on {device}"
+                                            for device, n in counts.most_common())
 
 
 def _write_rope(config, spec: LlamaSpec) -> None:

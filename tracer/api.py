@@ -14,6 +14,7 @@ from pathlib import Path
 from tracer.catalogue import default_variants, diagnosis_variants, split_variants
 from tracer.engines.base import environment
 from tracer.engines.load import check_engine_name, load_engine
+from tracer.engines.offload import check_offload, offload_for, offload_of
 from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
 from tracer.fingerprint import resemblance
@@ -32,7 +33,8 @@ from tracer.variants import format_knob_value, parse_variant, variant_text
 
 @with_stages("load", "record")
 def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device: str = "cpu", stream: bool = False,
-           chat: bool = False, system: str | None = None, progress: bool = True) -> Trace:
+           chat: bool = False, system: str | None = None, offload: str | Path | None = None, max_memory=None,
+           progress: bool = True) -> Trace:
     """Record every point of one forward pass.
 
     Args:
@@ -46,6 +48,9 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
         stream: read each block's weights from the files when it runs (engines that can), so
             memory holds one block (for checkpoints larger than memory).
         chat, system: feed the prompt through the model's chat template (with a system message).
+        offload, max_memory: load the model through accelerate's big-model placement (engines
+            that can: hf): device_map="auto" under `max_memory` ("cpu=2GiB,0=20GiB" or a dict),
+            what fits nowhere in the `offload` folder; for models larger than memory.
 
     Returns:
         The `Trace`: point name -> tensor in execution order, with metadata.
@@ -61,8 +66,11 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
     check_engine_name(engine)
     if stream and not parse_engine(engine)[0].stream:
         raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); the {engine} engine cannot")
+    placement = offload_of(offload, max_memory)
+    check_offload(placement, engine)
     source = resolve_source(model, progress)
-    runner = load_engine(engine, source, parse_variant(variant), device=device, stream=stream)
+    runner = load_engine(engine, source, parse_variant(variant), device=device, stream=stream,
+                         offload=placement)
     ids, chat_info = token_ids(source, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
                                chat=chat, system=system)
     check_tokens(ids, runner)
@@ -98,6 +106,8 @@ def run(
     device: str = "cpu",
     stream: bool = False,
     regime: str | None = None,
+    offload: str | Path | None = None,
+    max_memory=None,
 ) -> Result:
     """Trace a reference and a candidate on the same tokens and localize the first divergence.
 
@@ -124,6 +134,8 @@ def run(
             tensor types; a 16-bit dtype), or knobs such as "weights=q4_1,act_quant=q8_1". The
             verdict is then the regime view's; `result.regime` holds the raw f32 view, the
             regime's own cost per point and the per-op errors on the candidate's inputs.
+        offload, max_memory: as in `record`, for every side whose engine can take them (hf): a
+            reference larger than memory.
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
     there (`tracer.spill`), and attention matrices over 128 tokens keep their last 128 query
@@ -143,12 +155,15 @@ def run(
     with prepared_reference(model, prompt, tokens=tokens, chat=chat, system=system, reference=reference,
                             reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
                             noise_floor=noise_floor, greedy_steps=greedy, max_tokens=max_tokens, device=device,
-                            stream=stream, progress=progress, candidates=(candidate,)) as prepared:
+                            stream=stream, offload=offload_of(offload, max_memory), progress=progress,
+                            candidates=(candidate,)) as prepared:
         in_regime = resolve_regime(regime, candidate, variant, prepared.source) if regime is not None else None
-        engine = load_engine(candidate, prepared.source, variant, device=device, stream=stream)
+        engine = load_engine(candidate, prepared.source, variant, device=device, stream=stream,
+                             offload=offload_for(candidate, prepared.offload))
         if command is None:
             command = run_command(model, prompt, tokens, reference, candidate, variant, prepared.variant, atol, rtol,
-                                  greedy, noise_floor, out, max_tokens, chat, system, device, stream, regime)
+                                  greedy, noise_floor, out, max_tokens, chat, system, device, stream, regime,
+                                  prepared.offload)
         result = compare_candidate(prepared, engine, command=command, notes=stream_notes(stream, candidate),
                                    config_audit=config_audit(prepared.source, variant))
         if in_regime is not None:
@@ -184,6 +199,8 @@ def sweep(
     system: str | None = None,
     device: str = "cpu",
     stream: bool = False,
+    offload: str | Path | None = None,
+    max_memory=None,
 ) -> Sweep:
     """Record the reference once and compare every variant of the candidate with it.
 
@@ -197,7 +214,7 @@ def sweep(
             with `;` between variants; None: one representative value of every knob.
         reference, reference_variant: the reference engine and its knobs (default hf, none).
         candidate: the engine every variant runs on ("reimpl", "hf", or another engine taking knobs).
-        atol, rtol, noise_floor, device, stream: as in `tracer.run`.
+        atol, rtol, noise_floor, device, stream, offload, max_memory: as in `tracer.run`.
         greedy: greedy tokens per variant (default 0: none; each token is a forward per variant).
         out: write the sweep report folder there (sweep.json, sweep.csv, sweep.png, sweep.html).
 
@@ -219,7 +236,8 @@ def sweep(
     with prepared_reference(model, prompt, tokens=tokens, chat=chat, system=system, reference=reference,
                             reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
                             noise_floor=noise_floor, greedy_steps=greedy, max_tokens=max_tokens, device=device,
-                            stream=stream, progress=progress, candidates=(candidate,)) as prepared:
+                            stream=stream, offload=offload_of(offload, max_memory), progress=progress,
+                            candidates=(candidate,)) as prepared:
         load_candidate = candidate_loader(candidate, prepared)
         if parsed is None:
             spec = model_spec(prepared.source)
@@ -243,7 +261,7 @@ def sweep(
 
 @with_stages("load", "reference", "noise floor", "candidate")
 def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: bool = False,
-             progress: bool = True) -> Diagnosis:
+             offload: str | Path | None = None, max_memory=None, progress: bool = True) -> Diagnosis:
     """Rank the variant catalogue by how well each reproduces an observed trace's error.
 
     The observed trace (a port's dump, another runtime's) is compared with the reference; then
@@ -255,6 +273,7 @@ def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: b
             docs/trace-format.md); it must carry its token ids.
         model: the model it ran (None: the bundled SmolLM2).
         variants: the variants to try (default: `tracer.catalogue.diagnosis_variants`).
+        offload, max_memory: as in `tracer.record`, for the hf reference.
 
     Returns:
         A `Diagnosis`: `observed` (the comparison with the reference) and `ranking`, best first.
@@ -272,7 +291,7 @@ def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: b
         raise TracerError("the trace carries no token ids; diagnose needs them to rerun the same input")
     tried = None if variants is None else [parse_variant(text) for text in split_variants(variants)]
     with prepared_reference(model, tokens=observed_trace.tokens, greedy_steps=0, device=device, stream=stream,
-                            progress=progress) as prepared:
+                            offload=offload_of(offload, max_memory), progress=progress) as prepared:
         observed = compare_candidate(prepared, FileEngine(observed_trace))
         if tried is None:
             tried = [parse_variant(text) for text in diagnosis_variants(model_spec(prepared.source))]
@@ -367,7 +386,7 @@ def stream_notes(stream: bool, candidate: str) -> tuple[str, ...]:
 
 def run_command(model, prompt, tokens, reference, candidate, variant, reference_variant, atol, rtol, greedy,
                 noise_floor, out, max_tokens=None, chat=False, system=None, device="cpu", stream=False,
-                regime=None) -> str | None:
+                regime=None, offload=None) -> str | None:
     """The `tracer run` line that repeats a Python `run` call, for the report (None for a model
     object, which no command line can name). Defaults are left out, like a person would."""
     if hasattr(model, "state_dict"):
@@ -393,5 +412,9 @@ def run_command(model, prompt, tokens, reference, candidate, variant, reference_
     args += ["--stream"] if stream else []
     args += ["--regime", regime if isinstance(regime, str) else variant_text(regime)] \
         if regime is not None else []
+    if offload is not None:
+        args += ["--offload", offload.folder] if offload.folder else []
+        args += ["--max-memory", ",".join(f"{device}={size}" for device, size in offload.max_memory.items())] \
+            if offload.max_memory else []
     args += ["--out", str(out)] if out is not None else ["--no-report"]
     return shlex.join(args)

@@ -46,6 +46,11 @@ def _placement(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="where the models run: cpu | cuda | cuda:N | mps (default cpu)")
     parser.add_argument("--stream", action="store_true",
                         help="reimpl reads each block's weights from the files when it runs: one block in memory")
+    parser.add_argument("--offload", metavar="DIR", help="hf loads its model through accelerate (device_map=auto): "
+                        "what fits in no device's memory is kept in DIR and read when its module runs")
+    parser.add_argument("--max-memory", metavar="DEV=SIZE[,...]",
+                        help="with accelerate's placement, how far it may fill each device, e.g. cpu=2GiB or "
+                             "0=20GiB,cpu=60GiB (the rest goes to --offload)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +173,7 @@ def cmd_run(args) -> int:
         greedy=args.greedy, out=None if args.no_report else args.out, command=_command_line(),
         noise_floor=not args.no_noise, max_tokens=args.max_tokens, chat=args.chat, system=args.system,
         device=args.device, stream=args.stream, progress=args.json != "-", regime=args.regime,
+        offload=args.offload, max_memory=args.max_memory,
     )
     if args.json:
         _write_json(result.to_dict(), args.json)
@@ -201,6 +207,7 @@ def cmd_record(args) -> int:
     prompt, tokens = _prompt_and_tokens(args)
     trace = tracer.record(args.model, tokens if tokens is not None else prompt, engine=args.engine,
                           variant=args.variant, device=args.device, stream=args.stream, chat=args.chat,
+                          offload=args.offload, max_memory=args.max_memory,
                           system=args.system)
     trace.save(args.output)
     print(f"{trace.label}: {len(trace)} points on {len(trace.tokens)} tokens -> {args.output}")
@@ -268,7 +275,8 @@ def cmd_sweep(args) -> int:
                           reference_variant=args.reference_variant, candidate=args.candidate, greedy=args.greedy,
                           out=None if args.no_report else args.out, command=_command_line(),
                           progress=args.json != "-", noise_floor=not args.no_noise, max_tokens=args.max_tokens,
-                          chat=args.chat, system=args.system, device=args.device, stream=args.stream)
+                          chat=args.chat, system=args.system, device=args.device, stream=args.stream,
+                          offload=args.offload, max_memory=args.max_memory)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
@@ -282,7 +290,8 @@ def cmd_diagnose(args) -> int:
     import tracer
 
     result = tracer.diagnose(args.trace, args.model, variants=args.variants or None, device=args.device,
-                             stream=args.stream, progress=args.json != "-")
+                             stream=args.stream, offload=args.offload, max_memory=args.max_memory,
+                             progress=args.json != "-")
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":

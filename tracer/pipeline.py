@@ -28,6 +28,7 @@ from tracer import greedy
 from tracer.diff import compare, compare_points
 from tracer.engines.base import check_device, environment, is_loaded_model
 from tracer.engines.load import check_engine_name, load_engine
+from tracer.engines.offload import Offload, check_offload, offload_for
 from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
 from tracer.points import is_coarse
@@ -65,6 +66,7 @@ class Prepared:
     sink: Callable
     device: str = "cpu"
     stream: bool = False
+    offload: Offload | None = None  # accelerate's placement, for every side whose engine takes it
     notes: tuple[str, ...] = ()
     timings: dict = field(default_factory=dict)
 
@@ -128,23 +130,26 @@ def prepared_reference(model=None, prompt: str | None = DEFAULT_PROMPT, *, token
                        system: str | None = None, reference: str = "hf", reference_variant=None,
                        tolerance: Tolerance | None = None, noise_floor: bool = True, greedy_steps: int | None = None,
                        max_tokens: int | None = None, device: str = "cpu", stream: bool = False,
-                       progress: bool = True, candidates: tuple[str, ...] = ()):
+                       offload: Offload | None = None, progress: bool = True, candidates: tuple[str, ...] = ()):
     """Load the model and the reference engine, tokenize, record the reference, measure its noise
     floor and decode its greedy continuation; yield a `Prepared`.
 
     `candidates`: the engine names that will be compared, checked here before anything loads.
+    `offload`: accelerate's placement for the sides whose engine takes it (the hf engine).
     `greedy_steps`: None for the default (20, or none past 128 tokens).
     """
     reference_variant = parse_variant(reference_variant)
     for name in (reference, *candidates):
         check_engine_name(name)
     check_device(device)
+    check_offload(offload, reference, *candidates)
     check_input(prompt, tokens)
     timings: dict[str, float] = {}
     with timed(timings, "load_s"):
         stage("load")
         source = resolve_source(model, progress)
-        engine = load_engine(reference, source, reference_variant, device=device, stream=stream)
+        engine = load_engine(reference, source, reference_variant, device=device, stream=stream,
+                             offload=offload_for(reference, offload))
     ids, chat_info = token_ids(source, None if tokens is not None else prompt, tokens, chat=chat, system=system)
     notes = []
     if max_tokens is not None and len(ids) > max_tokens:
@@ -174,7 +179,7 @@ def prepared_reference(model=None, prompt: str | None = DEFAULT_PROMPT, *, token
             source=source, ids=ids, prompt=None if tokens is not None else prompt, chat=chat_info,
             reference=reference, engine=engine, variant=reference_variant, trace=trace, noise=noise,
             tolerance=tolerance or Tolerance(), greedy_steps=greedy_steps, reference_greedy=reference_greedy,
-            detokenize=detokenizer(source), sink=sink, device=str(device), stream=stream,
+            detokenize=detokenizer(source), sink=sink, device=str(device), stream=stream, offload=offload,
             notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings,
         )
 
@@ -260,7 +265,8 @@ def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], obj
                               stream=prepared.stream)
 
         return load_reimpl
-    return lambda knobs: load_engine(candidate, prepared.source, knobs, device=prepared.device, stream=prepared.stream)
+    return lambda knobs: load_engine(candidate, prepared.source, knobs, device=prepared.device, stream=prepared.stream,
+                                     offload=offload_for(candidate, prepared.offload))
 
 
 def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], object], knobs: dict) -> SweepRow:
@@ -322,6 +328,8 @@ def trace_notes(*traces: Trace) -> list[str]:
         if trace.meta.get("unused_tensors"):
             names = trace.meta["unused_tensors"]
             notes.append(f"{trace.label}: {len(names)} tensors in the files are not used, e.g. {names[0]}")
+        if trace.meta.get("placement"):
+            notes.append(f"{trace.label}: {trace.meta['placement']}")
         if trace.not_recorded:
             reasons = sorted(set(trace.not_recorded.values()))
             notes.append(f"{trace.label}: {len(trace.not_recorded)} points not recorded ({'; '.join(reasons)})")

@@ -8,6 +8,7 @@ import torch
 
 from tracer.engines.base import check_device
 from tracer.engines.registry import check_runtime, parse_engine
+from tracer.engines.offload import check_offload
 from tracer.errors import TracerError
 from tracer.variants import check_engine
 
@@ -17,15 +18,19 @@ def check_engine_name(name: str) -> None:
     check_runtime(parse_engine(name)[0])
 
 
-def load_engine(name: str, source, variant: dict, *, device: str | torch.device = "cpu", stream: bool = False):
+def load_engine(name: str, source, variant: dict, *, device: str | torch.device = "cpu", stream: bool = False,
+                offload=None):
     """`hf`, `reimpl`, `file:PATH`, ... -> an engine ready to record, its model on `device`.
 
     `stream` is passed on to engines that can read weights block by block and dropped for the
-    others (the caller says so in its notes; `tracer.record` refuses it instead).
+    others (the caller says so in its notes; `tracer.record` refuses it instead). `offload` (a
+    `tracer.engines.offload.Offload`: accelerate places the model) is refused by engines that
+    cannot take it.
     """
     entry, argument = parse_engine(name)
     check_runtime(entry)
     check_engine(variant, entry.name)
+    check_offload(offload, name)
     parsed = check_device(device)
     if parsed.type not in entry.devices:
         raise TracerError(f"the {entry.name} engine runs on {', '.join(entry.devices)}, not {device}")
@@ -35,4 +40,6 @@ def load_engine(name: str, source, variant: dict, *, device: str | torch.device 
 
         return isolated.load(entry, source, variant, argument=argument, device=parsed, stream=stream)
     module = importlib.import_module(entry.module)
+    if offload is not None:
+        return module.load(source, variant, argument=argument, device=parsed, stream=stream, offload=offload)
     return module.load(source, variant, argument=argument, device=parsed, stream=stream)

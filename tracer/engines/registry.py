@@ -54,6 +54,8 @@ class EngineEntry:
         noise_floor: an f64 run of tracer's own model measures the rounding noise of this engine as
             a reference (true for the PyTorch engines; a runtime with its own number formats, such
             as llama.cpp's quantized matmuls, differs from it by more than rounding).
+        offload: it can load its model through accelerate's big-model placement (`--offload DIR`,
+            `--max-memory`; `tracer.engines.offload`), for references larger than memory.
         isolated: its runtime is native code that may abort (a segfault, a GGML_ASSERT): it runs
             in a child process (`tracer.engines.isolated`), so a crash ends the run with one
             line naming the engine instead of taking tracer down.
@@ -76,6 +78,7 @@ class EngineEntry:
     extra: str | None = None
     requires: tuple[tuple[str, str], ...] = ()
     noise_floor: bool = False
+    offload: bool = False
     isolated: bool = False
 
     @property
@@ -105,7 +108,7 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry(
             "hf", "tracer.hooks.engine",
             "transformers' own model, observed through forward hooks and a registered attention function",
-            knobs=CONFIG_KNOBS, draft=True, devices=("cpu", "cuda", "mps"), noise_floor=True,
+            knobs=CONFIG_KNOBS, draft=True, devices=("cpu", "cuda", "mps"), noise_floor=True, offload=True,
             requires=(("transformers", "transformers"),),
         ),
         EngineEntry(

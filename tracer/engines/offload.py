@@ -1,0 +1,69 @@
+"""Tracing a model larger than memory: accelerate's big-model placement for the engines that can
+take it (the registry's `offload`; the hf engine). `device_map="auto"` fills the devices up to
+`max_memory` in order (GPUs, then the CPU) and writes what is left to the offload folder, from
+which accelerate's hooks load each module's weights when it runs; tracer's forward hooks see the
+same modules, so the trace is the one an in-memory model gives."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tracer.engines.registry import ENGINES, parse_engine
+from tracer.errors import TracerError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where a side's model may live: `max_memory` per device ({"cpu": "2GiB", 0: "20GiB"}; None:
+    accelerate's own estimate of what is free) and the folder for what fits nowhere."""
+
+    folder: str | None = None
+    max_memory: dict | None = None
+
+    def describe(self) -> str:
+        caps = ", ".join(f"{device}={size}" for device, size in (self.max_memory or {}).items())
+        return "device_map=auto" + (f", max_memory {caps}" if caps else "") + \
+            (f", offload folder {self.folder}" if self.folder else "")
+
+
+def parse_max_memory(text: str | dict | None) -> dict | None:
+    """`"cpu=2GiB,0=20GiB"` (or such a dict) -> {"cpu": "2GiB", 0: "20GiB"}: the devices accelerate
+    may fill and how far; anything else is the user's error, in one line."""
+    if text is None or isinstance(text, dict):
+        return text
+    caps = {}
+    for part in str(text).split(","):
+        device, equals, size = part.partition("=")
+        device = device.strip()
+        if not equals or not (device in ("cpu", "mps") or device.isdigit()) or not _SIZE.match(size):
+            raise TracerError(f"--max-memory {text!r}: expected DEVICE=SIZE[,DEVICE=SIZE], DEVICE cpu, mps or a "
+                              "GPU index, SIZE such as 500MiB or 20GiB")
+        caps[int(device) if device.isdigit() else device] = size.strip()
+    return caps
+
+
+def offload_of(folder, max_memory) -> Offload | None:
+    """The `Offload` the options ask for, or None (load the model whole)."""
+    if folder is None and max_memory is None:
+        return None
+    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+        raise TracerError(f"--offload {folder}: not a folder")
+    return Offload(None if folder is None else str(folder), parse_max_memory(max_memory))
+
+
+def offload_for(engine: str, offload: Offload | None) -> Offload | None:
+    """The placement a side gets: `offload` where its engine can take it, else None."""
+    return offload if offload is not None and parse_engine(engine)[0].offload else None
+
+
+def check_offload(offload: Offload | None, *engines: str) -> None:
+    """Offloading asked for sides none of which can take it is said, not ignored."""
+    if offload is not None and not any(parse_engine(name)[0].offload for name in engines):
+        able = ", ".join(entry.name for entry in ENGINES.values() if entry.offload)
+        raise TracerError(f"--offload/--max-memory: the {' and '.join(engines)} engine"
+                          f"{'s load their' if len(engines) > 1 else ' loads its'} model whole; engines that "
+                          f"offload (accelerate): {able}")
