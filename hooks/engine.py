@@ -12,6 +12,7 @@ a change a family's config cannot express (Qwen2's q/k/v biases are not configur
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections import Counter
 import re
@@ -144,9 +145,14 @@ def _load(model_dir, variant: dict, offload=None):
         write_spec(config, read_hf(file_config), variant_spec(file_config, variant))
     # Its progress bar and load report are noise next to tracer's own output and break one-line
     # errors; what they say (missing, misshapen, unused tensors) is checked and said below.
+    # accelerate's "Some parameters are on the meta device" line, too: the trace's notes say where
+    # the model was placed.
     bar_was_on, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    dispatch_logger = logging.getLogger("accelerate.big_modeling")
+    dispatch_level = dispatch_logger.level
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    dispatch_logger.setLevel(logging.ERROR)
     try:
         model, info = getattr(transformers, family.architecture).from_pretrained(
             model_dir,
@@ -163,6 +169,7 @@ def _load(model_dir, variant: dict, offload=None):
         raise TracerError(f"transformers cannot load {model_dir}: {one_line(exc)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        dispatch_logger.setLevel(dispatch_level)
         if bar_was_on:
             hf_logging.enable_progress_bar()
     # transformers fills missing tensors with random values and only warns: that is another model.
