@@ -31,12 +31,12 @@ from tracer.result import Result, Tolerance
 from tracer.trace import Trace
 from tracer.variants import check_engine, expand_presets, parse_variant, variant_text
 
+# Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`).
+EXACT_TOKENS = 64
 # Above this, an op's error on the candidate's own inputs is more than the emulation's own spread:
 # in f32 arithmetic (ggml's formats) 1e-4 (measured: 4e-5 worst with another summation order, at the
 # f16 accumulator of flash attention); in a 16-bit dtype ten unit roundoffs of that dtype (one op
 # rounds its result once, but two runtimes may round an op's intermediate steps differently).
-# Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`).
-EXACT_TOKENS = 64
 PER_OP_BOUNDS = {"f32": 1e-4, "bf16": 10 * 2.0**-9, "f16": 10 * 2.0**-12}
 
 
@@ -120,7 +120,7 @@ def regime_context(knobs: dict, caveats: list[str], raw: Result, cost: dict[str,
                    per_op: dict[str, float] | None) -> dict:
     """The `Result.regime` record: which regime, its caveats, the raw view, its cost, the per-op view."""
     worst_op = max(per_op.items(), key=lambda item: item[1]) if per_op else None
-    bound = PER_OP_BOUNDS[knobs.get("dtype", "f32")] if knobs.get("dtype", "f32") in PER_OP_BOUNDS else None
+    bound = PER_OP_BOUNDS.get(knobs.get("dtype", "f32"))  # None for f64: no bound
     return {
         "variant": knobs, "label": variant_text(knobs), "caveats": list(caveats), "raw": raw_view(raw),
         "cost": cost, "per_op": per_op,
