@@ -1,6 +1,6 @@
 """Layout normalization: another runtime's tensor brought to the point's shape before metrics.
 
-tracer's points have one shape each (DESIGN.md, "Points"; batch dropped): [T, C] for hidden
+tracer's points have one shape each (docs/design.md, "Points"; batch dropped): [T, C] for hidden
 states, [T, H·D] for projections and the merged context, [H, T, D] for q/k after RoPE, [H, T, T]
 for scores and probabilities. A dump from candle, llama.cpp, TransformerLens or MLX holds the
 same values laid out its own way; `align` reconciles each shared point against the side in

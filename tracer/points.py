@@ -1,4 +1,4 @@
-"""The point vocabulary every engine records under (DESIGN.md, "Points"), described once.
+"""The point vocabulary every engine records under (docs/design.md, "Points"), described once.
 
 A point is named by the HF module path whose output it is (`model.layers.3.mlp.down_proj`), or
 is a virtual point under its module for a value no module returns (`...self_attn.q_rope`).

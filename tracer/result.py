@@ -3,7 +3,7 @@
 `tracer.pipeline` runs engines), as Polygraphy keeps `struct.py` apart from `compare.py`.
 
 A value is built once and never assigned to afterwards (frozen dataclasses; sequences are tuples).
-`bool(value)` says "within tolerance"; `to_dict()` is the JSON contract (README, "JSON contract"),
+`bool(value)` says "within tolerance"; `to_dict()` is the JSON contract (docs/design.md, "JSON contract"),
 with NaN and Inf written as the strings "nan" / "inf" (JSON has neither).
 """
 

@@ -84,7 +84,7 @@ def test_killed_conversion_then_two_racing_runs_both_succeed_with_one_conversion
     first, second = start_run(cache, tmp_path / "a.json"), start_run(cache, tmp_path / "b.json")
     (result_a, err_a), (result_b, err_b) = finish(first, tmp_path / "a.json"), finish(second, tmp_path / "b.json")
     for result in (result_a, result_b):
-        assert result["verdict"] == "match"  # hf and reimpl on the converted model agree (DESIGN.md)
+        assert result["verdict"] == "match"  # hf and reimpl on the converted model agree (docs/design.md)
         assert result["model"] == str(cache / DEFAULT_DIRNAME)
     assert [CONVERTING in err for err in (err_a, err_b)].count(True) == 1
     assert (cache / DEFAULT_DIRNAME / COMPLETE_MARKER).is_file()
