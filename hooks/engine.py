@@ -112,7 +112,7 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
         if offload is not None:
             raise TracerError("offloading needs a model path; an already loaded model is recorded where it is")
         return HFEngine(source.eval(), {}, source.config.to_dict().get("_name_or_path") or "loaded model")
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     model_dir = resolve_model(source)
     if offload is not None:
@@ -130,7 +130,7 @@ def _load(model_dir, variant: dict, offload=None):
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from tracer.model import check_weight_files
+    from tracer.weights import check_weight_files
 
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
     # default (hidden_size 4096); our readers name the file or the key in one line first.

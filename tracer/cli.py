@@ -307,7 +307,7 @@ def cmd_diagnose(args) -> int:
 
 def cmd_config(args) -> int:
     from tracer.config import audit, load_config
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     report = audit(load_config(resolve_model(args.model, progress=args.json != "-")), args.resave)
     if args.json:

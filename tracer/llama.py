@@ -738,7 +738,7 @@ class Llama:
     @classmethod
     def from_dir(cls, model_dir: str | Path, variant: dict | None = None, **placement) -> Llama:
         """`placement`: `device`, and `stream=True` to read each block's weights from the files when it runs."""
-        from tracer.model import WeightFiles, read_weights
+        from tracer.weights import WeightFiles, read_weights
 
         weights = WeightFiles(model_dir) if placement.get("stream") else read_weights(model_dir)
         return cls.from_config(load_config(model_dir), weights, variant, **placement)

@@ -75,7 +75,7 @@ def resolve_source(model, progress: bool = True):
     """A loaded transformers model as it is; a path (None: the bundled default) as its HF directory."""
     if is_loaded_model(model):
         return model
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     return resolve_model(model, progress=progress)
 
@@ -95,7 +95,7 @@ def token_ids(source, prompt: str | None = None, tokens=None, *, chat: bool = Fa
         raise TracerError("give a prompt or token ids")
     if system is not None and not chat:
         raise TracerError("a system message needs the chat template: pass chat=True (--chat)")
-    from tracer.model import chat_text, chat_tokens, tokenize
+    from tracer.tokenizer import chat_text, chat_tokens, tokenize
 
     model_dir = source.config.to_dict().get("_name_or_path") if is_loaded_model(source) else source
     if not model_dir or not Path(model_dir, "config.json").is_file():
@@ -120,7 +120,7 @@ def check_tokens(ids: list[int], engine) -> None:
 def check_input(prompt: str | None, tokens) -> None:
     """A bad prompt fails before anything loads."""
     if tokens is None and prompt is not None:
-        from tracer.model import check_prompt
+        from tracer.tokenizer import check_prompt
 
         check_prompt(prompt)
 
@@ -253,7 +253,7 @@ def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], obj
     if candidate == "reimpl" and prepared.source is not None and not is_loaded_model(prepared.source):
         from tracer.config import load_config
         from tracer.engines.reimpl import from_parts
-        from tracer.model import WeightFiles, read_weights
+        from tracer.weights import WeightFiles, read_weights
         from tracer.variants import check_engine
 
         config = load_config(prepared.source)
@@ -348,7 +348,7 @@ def config_audit(source, variant: dict) -> dict | None:
 def detokenizer(source) -> Callable:
     if source is None or is_loaded_model(source):
         return lambda ids: None
-    from tracer.model import detokenize
+    from tracer.tokenizer import detokenize
 
     return lambda ids: detokenize(source, ids)
 

@@ -74,7 +74,7 @@ def _corrupt(source, target, tensor: str = "blk.7.ffn_down.weight", every: int =
 
 def test_a_corrupted_tensor_is_the_first_divergence_in_the_regime_and_hidden_in_the_raw_view(default_model, tmp_path):
     pytest.importorskip("llama_cpp")
-    from tracer.model import bundled_gguf
+    from tracer.sources import bundled_gguf
 
     corrupted = tmp_path / "corrupted.gguf"
     change = _corrupt(bundled_gguf(), corrupted)
@@ -129,7 +129,7 @@ def test_regime_auto_reads_llama_cpp_as_correct_and_keeps_the_raw_view(default_m
 
 def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
     pytest.importorskip("llama_cpp")
-    from tracer.model import bundled_gguf
+    from tracer.sources import bundled_gguf
 
     corrupted = tmp_path / "corrupted.gguf"
     _corrupt(bundled_gguf(), corrupted)

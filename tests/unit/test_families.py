@@ -359,7 +359,7 @@ GGUF_FAMILIES = {"qwen2": dict(use_sliding_window=False), "qwen3": dict(head_dim
 def test_a_gguf_of_another_family_is_converted_and_traced(tmp_path, family):
     pytest.importorskip("gguf")
     from tests.families import write_tiny_gguf
-    from tracer.model import gguf_model_path
+    from tracer.sources import gguf_model_path
 
     source = write_tiny_family(tmp_path / "hf", family, **GGUF_FAMILIES[family])
     gguf = write_tiny_gguf(source, tmp_path / f"{family}.gguf")

@@ -353,7 +353,7 @@ def runtime() -> tuple[Ggml, Logs]:
 
 def gguf_of(source, argument: str | None) -> Path:
     """The GGUF to run: `llamacpp:PATH.gguf`, else the one the model directory was converted from."""
-    from tracer.model import DEFAULT_GGUF, bundled_gguf, check_gguf_header
+    from tracer.sources import DEFAULT_GGUF, bundled_gguf, check_gguf_header
 
     if argument:
         path = Path(argument).expanduser()
@@ -596,7 +596,7 @@ class Handles:
 def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False,
          outputs: str = "all", observe: bool = True) -> LlamaCppEngine:
     """llama.cpp on `llamacpp:PATH.gguf`, else on the GGUF the model directory was converted from."""
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     if argument is None and not is_loaded_model(source):
         source = resolve_model(source)

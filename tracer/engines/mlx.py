@@ -200,7 +200,8 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
     """mlx-lm's model from a model directory (None: the bundled SmolLM2), in the `dtype` knob's dtype."""
     if is_loaded_model(source):
         raise TracerError("the mlx engine loads the model directory itself; pass a path, not a loaded model")
-    from tracer.model import check_weight_files, resolve_model
+    from tracer.sources import resolve_model
+    from tracer.weights import check_weight_files
 
     device = torch.device(device)
     dtype = variant.get("dtype", "f32")

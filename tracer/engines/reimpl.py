@@ -65,7 +65,7 @@ def load(source, variant: dict, *, argument: str | None = None, device: str | to
          stream: bool = False) -> ReimplEngine:
     """From a model directory, or an already loaded transformers model (its config and state dict
     read our own way). `stream`: each block's weights read from the files when it runs."""
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     placement = {"device": check_device(device), "stream": stream}
     if is_loaded_model(source):

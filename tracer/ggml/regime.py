@@ -85,7 +85,7 @@ def gguf_path(source: dict | None) -> Path:
     Raises:
         TracerError: the directory was not converted from a GGUF, or the file is gone.
     """
-    from tracer.model import DEFAULT_GGUF, bundled_gguf
+    from tracer.sources import DEFAULT_GGUF, bundled_gguf
 
     name = (source or {}).get("gguf_file")
     if not name:
@@ -470,7 +470,7 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         (`ReimplEngine.op_trace` fed the llama.cpp trace), where the emulation stays within 1e-4.
 
     Example:
-        >>> from tracer.model import bundled_gguf
+        >>> from tracer.sources import bundled_gguf
         >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "f16"}, flags=set(CPU_FLAGS))
         ({'preset': 'llamacpp', 'weights': 'gguf'}, [])
         >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "q8_0"}, flags={"avx2"})[1]
