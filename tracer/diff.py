@@ -252,7 +252,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     """Diff two traces point by point; name the first divergence and explain it.
 
     Args:
-        noise: per point, the rel_l2 pure f32 rounding makes (`tracer.noise.estimate_noise`);
+        noise: per point, the rel_l2 pure f32 rounding makes (`tracer.noise_floor.estimate_noise`);
             points are judged against it. Without it the fixed `tolerance.rel_l2` applies.
         local: per point, the rel_l2 the candidate introduces on the reference's inputs
             (`tracer.localize.local_errors`); localization then names the first point whose

@@ -16,7 +16,7 @@ semantic knobs and the family's structure into the small strategy functions of `
 (`resolve_strategies`), picked from one lookup table per step (`NORMS`, `EMBEDDINGS`, `ROPES`,
 `KV_REPEATS`, `MASKS`, `ATTN_MATH`, `ATTENTION`, `PROJECTIONS`, `QK_NORMS`, `MLPS`, `LOGITS`, ...);
 the number-format regime knobs (`weights`, `act_quant`, `kv_cache`, `ops`, ..., `preset=llamacpp`)
-replace steps with `tracer.ggml.regime`'s. The forward calls whatever was picked; it never tests a
+replace steps with `tracer.ggml.strategies`'s. The forward calls whatever was picked; it never tests a
 knob or a family.
 
 Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, R rotary dims (D unless
@@ -542,7 +542,7 @@ class Strategies:
     rope_cast: bool = True  # cos/sin cast to the model dtype (OLMo-2 keeps them f32)
     softcap: Callable = softcap
     window: Callable = window_of_layer
-    # Number formats (tracer.ggml.regime): weights as run, every projection, RoPE tables, the GLU.
+    # Number formats (tracer.ggml.strategies): weights as run, every projection, RoPE tables, the GLU.
     weights: Callable = lambda weights, source: weights
     linear: Callable = F.linear
     rotary: Callable = rotary_cos_sin
@@ -572,7 +572,7 @@ def resolve_strategies(knobs: dict, spec: LlamaSpec | None = None) -> Strategies
     norm = norm_table[knobs.get(norm_knob, next(iter(norm_table))) if norm_knob else None]
     cast, precision = ROPE_PRECISIONS[family.rope_precision]
     rope = precision(ROPES[knobs.get("rope", "half")])
-    from tracer.ggml.regime import apply_regime
+    from tracer.ggml.strategies import apply_regime
 
     return apply_regime(knobs, Strategies(
         attention=ATTENTION[attn],

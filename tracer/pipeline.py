@@ -295,7 +295,7 @@ def reference_noise(source, reference: str, variant: dict, engine, trace: Trace,
     if not entry.noise_floor:
         return None, [f"no noise floor for a {entry.name} reference (an f64 run of tracer's model does not measure "
                       "its rounding): points judged by the fixed rel_l2 bound"]
-    from tracer.noise import NOISE_TOKENS, estimate_noise
+    from tracer.noise_floor import NOISE_TOKENS, estimate_noise
 
     notes = []
     if len(trace.tokens) > NOISE_TOKENS:

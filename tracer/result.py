@@ -152,7 +152,7 @@ class Result:
     first_nonfinite: dict | None = None  # {"point", "layer", "side", "count", "nan", "inf"}
     amplification: tuple[dict, ...] = ()  # ops ranked by error gain over their input
     config_audit: dict | None = None  # what each config reader makes of the model's config.json
-    # The regime view (`tracer.regime`): the reference ran in the candidate's number formats; the raw
+    # The regime view (`tracer.regime_view`): the reference ran in the candidate's number formats; the raw
     # f32 view, the regime's own cost per point and the per-op errors ride along.
     regime: dict | None = None
 

@@ -24,7 +24,7 @@ ACTIVATION_VALUES = ("silu", "gelu", "gelu_tanh", "relu")  # tracer.config.ACT_N
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # Llama's RMSNorm (weight × x cast back)
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")  # families with sliding-window configs
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
-# Number-format regimes (tracer.ggml.regime); kept here as text so `tracer variants` needs no torch.
+# Number-format regimes (tracer.ggml.strategies); kept here as text so `tracer variants` needs no torch.
 WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "gguf")
 ACT_QUANTS = ("none", "q8_0", "q8_1", "q8_k", "auto")
 

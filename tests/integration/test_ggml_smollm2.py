@@ -143,7 +143,7 @@ def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
 
 def test_past_the_bit_exact_length_the_per_op_view_judges_and_reads_llama_cpp_as_correct(default_model):
     pytest.importorskip("llama_cpp")
-    from tracer.regime import EXACT_TOKENS
+    from tracer.regime_view import EXACT_TOKENS
 
     tokens = (PROMPT_IDS * 40)[:EXACT_TOKENS + 16]
     result = tracer.run(default_model, tokens=tokens, candidate="llamacpp", regime="auto", greedy=0, progress=False)

@@ -1,7 +1,7 @@
 """The noise floor of an emulated number-format regime.
 
 Outside a regime, a point's noise is what f32 rounding alone makes there: the reference against
-an f64 run of the same model (`tracer.noise`). Inside a regime that estimate is wrong twice
+an f64 run of the same model (`tracer.noise_floor`). Inside a regime that estimate is wrong twice
 over: an f64 run drops the formats the regime is about (8-bit activations, an f16 KV cache), and
 the regime's own errors are not continuous: an activation that moves by 1e-7 can flip an 8-bit
 rounding, which moves the next matmul by a whole quantization step (~1e-3 relative), and a free

@@ -16,7 +16,7 @@ Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
 - `accumulate`: ggml | f32 | f64: the quantized matmuls, RoPE, SwiGLU and attention in ggml's own
   order (bit-exact on x86, slow: ~25x a plain forward), or with the matmuls through torch's BLAS in
   f32 (another valid order, fast) or f64 (exact) and the rest exact in f64, rounded once (see
-  `tracer.ggml.noise`).
+  `tracer.ggml.summation_noise`).
 - `flash_attn`: on | auto | off: with ops=ggml, llama.cpp's flash attention (auto is on for its
   CPU backend) or its unfused attention, which records scores and probabilities; with ops=hf the
   attention is unfused anyway (off, auto) and `on` is refused.
@@ -377,7 +377,7 @@ def check_knobs(knobs: dict) -> None:
         return
     if knobs.get("dtype", "f32") != "f32":
         raise TracerError(f"dtype={knobs['dtype']} cannot combine with regime knobs: they emulate f32 arithmetic "
-                          "(the regime's noise floor is tracer.ggml.noise.regime_noise)")
+                          "(the regime's noise floor is tracer.ggml.summation_noise.regime_noise)")
     if knobs.get("ops") == "ggml" and knobs.get("attn", "eager") != "eager":
         raise TracerError("ops=ggml brings llama.cpp's own attention; it does not combine with attn=sdpa")
     if knobs.get("flash_attn") == "on" and knobs.get("ops") != "ggml":

@@ -21,13 +21,13 @@ def estimate_noise(source, reference: Trace, reference_variant: dict, recorder=N
     `recorder` (default: in memory) receives the f64 run's points, e.g. a `DiskRecorder` for long prompts.
     The f64 weights are streamed block by block: a whole f64 copy would be the largest thing in
     memory (twice the f32 model), for one forward. A number-format regime (weights=, act_quant=,
-    preset=llamacpp, ...) gets its own estimate instead: `tracer.ggml.noise.regime_noise`.
+    preset=llamacpp, ...) gets its own estimate instead: `tracer.ggml.summation_noise.regime_noise`.
     """
-    from tracer.ggml.regime import is_regime
+    from tracer.ggml.strategies import is_regime
     from tracer.variants import expand_presets
 
     if is_regime(expand_presets(reference_variant)):
-        from tracer.ggml.noise import regime_noise
+        from tracer.ggml.summation_noise import regime_noise
 
         return regime_noise(source, reference, reference_variant, recorder, device)
     engine = load_engine("reimpl", source, {**reference_variant, "dtype": "f64"}, device=device, stream=True)

@@ -3,7 +3,7 @@
 A quantized or 16-bit port differs from f32 transformers by design: llama.cpp quantizes its
 activations to 8 bits inside each quantized matmul, MLX in bf16 rounds every op. Against f32 such a
 port "diverges" at the first projection, correct or not. The regime view compares it instead with
-tracer's own model run in the same number formats (`tracer.ggml.regime`'s knobs, or a 16-bit
+tracer's own model run in the same number formats (`tracer.ggml.strategies`'s knobs, or a 16-bit
 dtype): there a correct port matches and a bug stands alone. Three things are reported beside the
 regime's verdict:
 
@@ -75,7 +75,7 @@ def implied(candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
 
 
 def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, list[str]]:
-    """llama.cpp's CPU regime for the GGUF the candidate runs (`tracer.ggml.regime.implied_regime`).
+    """llama.cpp's CPU regime for the GGUF the candidate runs (`tracer.ggml.strategies.implied_regime`).
 
     weights=gguf takes the exact tensors of the GGUF the model directory was converted from; a
     candidate file with other tensor types (another quantization of the model) is emulated by
@@ -83,7 +83,7 @@ def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, 
     """
     from tracer.config import load_config
     from tracer.engines.llamacpp import gguf_of
-    from tracer.ggml.regime import GGUFWeights, gguf_path, implied_regime
+    from tracer.ggml.strategies import GGUFWeights, gguf_path, implied_regime
 
     path = gguf_of(source, argument)
     types = GGUFWeights(path).types()
