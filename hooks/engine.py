@@ -21,13 +21,14 @@ from contextlib import ExitStack
 import torch
 
 from tracer import families
-from tracer.config import FAMILY_CONFIGS, LlamaSpec, load_config, read_hf, variant_spec
+from tracer.config import LlamaSpec, config_reading, load_config, read_hf, variant_spec
 from tracer.engines.base import is_loaded_model, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
-from tracer.llama import TORCH_DTYPES
 from tracer.points import model_points
 from tracer.trace import Trace, TraceRecorder
+from tracer.torch_types import TORCH_DTYPES
+from tracer.variants import setting
 
 from .attention import recording_attention, unobservable_points
 from .modules import recording_modules
@@ -157,8 +158,8 @@ def _load(model_dir, variant: dict, offload=None):
         model, info = getattr(transformers, family.architecture).from_pretrained(
             model_dir,
             config=config,
-            dtype=TORCH_DTYPES[variant.get("dtype", "f32")],
-            attn_implementation=variant.get("attn", "eager"),
+            dtype=TORCH_DTYPES[setting(variant, "dtype")],
+            attn_implementation=setting(variant, "attn"),
             output_loading_info=True,
             # Mismatches are then listed in `info` (named below) instead of raised as a RuntimeError
             # that only points at a report we silence.
@@ -222,7 +223,7 @@ def _write_local_rope(config, spec: LlamaSpec) -> None:
 
 
 def _write_activation(config, spec: LlamaSpec) -> None:
-    setattr(config, FAMILY_CONFIGS[spec.family].activation[0], spec.hidden_act)  # Gemma: hidden_activation
+    setattr(config, config_reading(spec.family).activation[0], spec.hidden_act)  # Gemma: hidden_activation
 
 
 def _write_layers(config, spec: LlamaSpec) -> None:

@@ -25,7 +25,7 @@ def default_variants(spec, engine: str = "reimpl") -> list[str]:
     lacks is left out, as are the knobs the engine only emulates (number-format regimes: they are
     what a runtime does by design, ranked by `tracer diagnose`)."""
     entry = ENGINES[engine]
-    honoured = set(entry.knobs) - set(entry.emulated)
+    honoured = set(entry.honoured) - set(entry.emulated)
     chosen = []
     for knob in knobs_for(spec.family):
         text = knob.representative(spec)

@@ -178,11 +178,11 @@ def _load_gguf_model(gguf: Path):
         # struct.error to ValueError; the message keeps the reason and the chained exception
         # keeps the full traceback for anyone debugging with the API.
         raise TracerError(f"cannot convert GGUF file {gguf}: {one_line(exc)}") from exc
-    from tracer.families import MODEL_TYPES
+    from tracer.families import model_types
 
-    if model.config.model_type not in MODEL_TYPES:
+    if model.config.model_type not in model_types():
         raise TracerError(
-            f"GGUF file {gguf} holds a {model.config.model_type!r} model; tracer traces: {', '.join(MODEL_TYPES)}"
+            f"GGUF file {gguf} holds a {model.config.model_type!r} model; tracer traces: {', '.join(model_types())}"
         )
     # A tensor the file lacks would be silently random-initialised by transformers.
     missing = set(info.get("missing_keys", ()))

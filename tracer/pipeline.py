@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from tracer import greedy
-from tracer.diff import compare, compare_points
+from tracer.diff import compare, rel_l2_by_point
 from tracer.engines.base import check_device, environment, is_loaded_model
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import Offload, check_offload, offload_for
@@ -36,7 +36,7 @@ from tracer.progress import stage
 from tracer.result import Result, SweepRow, Tolerance
 from tracer.spill import SPILL_TOKENS, spill_folder
 from tracer.trace import ATTENTION_ROWS, Trace
-from tracer.variants import parse_variant, variant_text
+from tracer.variants import parse_variant, setting, variant_text
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -227,7 +227,7 @@ def local_errors(engine, reference: Trace, recorder=None) -> dict[str, float] | 
     if not engine.entry.local_errors:
         return None
     forced = engine.local_trace(reference, recorder)
-    return {p.point: p.rel_l2 for p in compare_points(reference, forced, Tolerance()) if p.recorded}
+    return rel_l2_by_point(reference, forced)
 
 
 def greedy_comparison(prepared: Prepared, engine, tolerance: Tolerance) -> dict | None:
@@ -254,7 +254,7 @@ def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], obj
         from tracer.config import load_config
         from tracer.engines.reimpl import from_parts
         from tracer.weights import WeightFiles, read_weights
-        from tracer.variants import check_engine
+        from tracer.engines.registry import check_engine
 
         config = load_config(prepared.source)
         weights = WeightFiles(prepared.source) if prepared.stream else read_weights(prepared.source)
@@ -342,7 +342,7 @@ def config_audit(source, variant: dict) -> dict | None:
         return None
     from tracer.config import audit, load_config
 
-    return audit(load_config(source), variant.get("resave", "none"))
+    return audit(load_config(source), setting(variant, "resave"))
 
 
 def detokenizer(source) -> Callable:

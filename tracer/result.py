@@ -105,7 +105,7 @@ def json_number(value: float | None):
 
 
 def json_safe(value):
-    """`_num` through a whole JSON tree (logits figures, breakdowns): NaN and Inf as strings."""
+    """`json_number` through a whole JSON tree (logits figures, breakdowns): NaN and Inf as strings."""
     if isinstance(value, float):
         return json_number(value)
     if isinstance(value, dict):

@@ -15,10 +15,11 @@ from tests.ggml_gguf import quantized_models
 from tracer.config import load_config, read_hf
 from tracer.catalogue import diagnosis_variants
 from tracer.errors import TracerError
+from tracer.engines.registry import engines_honouring
 from tracer.ggml.quants import Blocks
 from tracer.ggml.strategies import GGUFWeights, implied_regime, regime_catalogue
 from tracer.llama import Llama
-from tracer.variants import KNOBS, PRESETS, expand_presets
+from tracer.variants import PRESETS, expand_presets
 
 LLAMACPP = {"preset": "llamacpp", "weights": "gguf"}
 
@@ -35,8 +36,8 @@ def quantized(tmp_path_factory):
 
 def test_the_regime_knobs_are_listed_for_reimpl_and_the_preset_expands():
     for knob in ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn"):
-        assert "reimpl" in KNOBS[knob].engines
-    assert KNOBS["kv_cache"].engines == KNOBS["flash_attn"].engines == ("reimpl", "llamacpp")
+        assert "reimpl" in engines_honouring(knob)
+    assert engines_honouring("kv_cache") == engines_honouring("flash_attn") == ("reimpl", "llamacpp")
     assert expand_presets({"preset": "llamacpp", "weights": "gguf"}) == {**PRESETS["llamacpp"], "weights": "gguf"}
 
 
@@ -141,7 +142,7 @@ def test_the_quantized_caches_go_through_flash_attention_only(tiny_llama):
 
 
 def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized):
-    from tracer.ggml.summation_noise import regime_noise
+    from tracer.noise_floor import regime_noise
     from tracer.noise_floor import estimate_noise
 
     _, _, converted = quantized

@@ -57,6 +57,7 @@ from tracer.errors import TracerError, one_line
 from tracer.points import LOGITS, is_causal
 from tracer.progress import detail
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
+from tracer.variants import setting
 
 EXPORT_FORMAT = 1  # bump when RecordingExport changes what it writes: older exports are then rebuilt
 MODEL_FILE, PLAIN_FILE, DATA_FILE, MANIFEST_FILE = "model.onnx", "plain.onnx", "model.onnx.data", "export.json"
@@ -82,7 +83,7 @@ class ONNXEngine:
     def __init__(self, export_dir: Path, variant: dict, label: str, spec):
         self.export_dir, self.variant, self.label, self.spec = export_dir, variant, label, spec
         self.manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
-        self.level = variant.get("ort_opt", "all")
+        self.level = setting(variant, "ort_opt")
         self.session = self._session(MODEL_FILE)
         self.points = [output.name for output in self.session.get_outputs()]
         self._plain = None  # made on first use: a second session holds a second copy of the weights
@@ -262,7 +263,7 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
     from tracer.config import load_config, read_hf
     from tracer.sources import resolve_model
 
-    dtype = variant.get("dtype", "f32")
+    dtype = setting(variant, "dtype")
     if dtype not in DTYPES:
         raise TracerError(f"the onnx engine runs dtype {' | '.join(DTYPES)}, not {dtype} "
                           "(ONNX Runtime's CPU provider has no kernels for the rest of this graph)")

@@ -42,14 +42,14 @@ class ReimplEngine:
         return self.llama.forward(torch.tensor(tokens))
 
     def local_trace(self, reference: Trace, recorder=None) -> Trace:
-        """Every block rerun on the reference's input to that block (`tracer.localize`)."""
-        from tracer.localize import teacher_forced_points
+        """Every block rerun on the reference's input to that block (`tracer.forced_runs`)."""
+        from tracer.forced_runs import teacher_forced_points
 
         return Trace(teacher_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
 
     def op_trace(self, reference: Trace, recorder=None) -> Trace:
-        """Every op rerun on the reference's values of its inputs (`tracer.localize.op_forced_points`)."""
-        from tracer.localize import op_forced_points
+        """Every op rerun on the reference's values of its inputs (`tracer.forced_runs.op_forced_points`)."""
+        from tracer.forced_runs import op_forced_points
 
         return Trace(op_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
 

@@ -10,7 +10,6 @@
 - `gguffile`: a GGUF file's tensors read lazily (header parsed with `struct`, tensor bytes memory-mapped).
 - `strategies`: the strategies `tracer.llama` runs for the regime knobs (`weights`, `act_quant`,
   `kv_cache`, `accumulate`, `preset=llamacpp`), and GGUF weights read as stored.
-- `summation_noise`: a regime's noise floor, the error another valid summation order makes per op.
 
 Every function is pure, takes and returns torch tensors, and names the ggml source it follows.
 """
