@@ -223,7 +223,8 @@ def cmd_variants(args) -> int:
         raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}")
     knobs = knobs_for(args.family) if args.family else list(KNOBS.values())
     rows = [("knob", "values", "default", "engines", "families", "reproduces")]
-    rows += [(k.name, k.accepted, k.default, ", ".join(engines_honouring(k.name)), "all" if k.families is None else ",".join(k.families),
+    rows += [(k.name, k.accepted, k.default, ", ".join(engines_honouring(k.name)),
+              "all" if k.families is None else ",".join(k.families),
               k.reproduces) for k in knobs]
     _print_columns(rows)
     if args.family:
@@ -260,7 +261,8 @@ def cmd_engines(args) -> int:
         print(f"{entry.usage}: {entry.summary}")
         print(f"  runtime    {installed}")
         print(f"  knobs      {', '.join(entry.honoured) or 'none'}")
-        fused = f" but {', '.join(FUSED_AWAY)} under fused attention ({entry.fused_attention})" if entry.fused_attention else ""
+        fused = f" but {', '.join(FUSED_AWAY)} under fused attention ({entry.fused_attention})"
+        fused = fused if entry.fused_attention else ""
         print(f"  records    every point{fused}")
         abilities = [("local (teacher-forced) errors", entry.local_errors), ("greedy decoding", entry.logits),
                      ("a cached draft", entry.draft), ("streamed weights", entry.stream)]

@@ -2,10 +2,10 @@
 
 A family is a row of this table, not a branch in a forward. Its structural fields name entries of
 the reimplementation's strategy tables (`tracer.llama`: `NORMS`, `EMBEDDINGS`, `PROJECTIONS`,
-`QK_NORMS`, `MLPS`, `ROPE_PRECISIONS`); its per-layer points are `tracer.points.LAYER_ORDER[name]`;
-its per-layer points and their order (`tracer.points.layer_order`), its tensor shapes
-(`tracer.llama.expected_shapes`) and the knobs that apply to it (`tracer.variants.Knob.applies`, a
-predicate on this row) are derived from the row; its config semantics are
+`QK_NORMS`, `MLPS`, `ROPE_PRECISIONS`). Its per-layer points and their order
+(`tracer.points.layer_order`), its tensor shapes (`tracer.llama.expected_shapes`) and the knobs that
+apply to it (`tracer.variants.Knob.applies`, a predicate on this row) are derived from the row; its
+config semantics are
 `tracer.config.FAMILY_CONFIGS[row.config_reader]`. `hints` is what an expert says when the first
 divergence falls on one of the family's own features. Adding a family is one row here, plus a
 strategy in `tracer.llama` where it computes something new. No torch here.

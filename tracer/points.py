@@ -156,10 +156,11 @@ def _projection_order(row: families.Family) -> list[str]:
     return ["self_attn.q_proj", "self_attn.q_norm", "self_attn.k_proj", "self_attn.k_norm", "self_attn.v_proj"]
 
 
+# Family.qk_norm -> (what q_norm is, what k_norm is, how the hf engine observes them)
+_PER_HEAD = ("per-head RMSNorm of the queries (over D)", "per-head RMSNorm of the keys (over D)")
 _QK_NORM_WHAT = {
-    "per_head": ("per-head RMSNorm of the queries (over D)", "per-head RMSNorm of the keys (over D)", "output:(T, H, D)"),
-    "per_head_heads_first": ("per-head RMSNorm of the queries (over D)", "per-head RMSNorm of the keys (over D)",
-                             "output:(H, T, D)"),
+    "per_head": (*_PER_HEAD, "output:(T, H, D)"),
+    "per_head_heads_first": (*_PER_HEAD, "output:(H, T, D)"),
     "whole": ("RMSNorm of the whole query projection (over H·D)", "RMSNorm of the whole key projection (over KV·D)",
               "output"),
 }

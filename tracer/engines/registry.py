@@ -120,7 +120,8 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry(
             "hf", "tracer.hooks.engine",
             "transformers' own model, observed through forward hooks and a registered attention function",
-            kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"), noise_floor=True, offload=True,
+            kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
+            noise_floor=True, offload=True,
             requires=(("transformers", "transformers"),),
         ),
         EngineEntry(
@@ -152,7 +153,8 @@ ENGINES: dict[str, EngineEntry] = {
             "llama.cpp (llama-cpp-python) running the model's GGUF, its graph observed through the eval callback",
             # Its own switches: rope_freq_base, the KV cache type, flash attention, threads.
             knobs=("theta", "kv_cache", "flash_attn", "threads"),
-            fused_attention="flash_attn=on, or auto where the backend has it", draft=True, greedy="cached", argument="PATH", extra="llamacpp",
+            fused_attention="flash_attn=on, or auto where the backend has it",
+            draft=True, greedy="cached", argument="PATH", extra="llamacpp",
             requires=(("llama_cpp", "llama-cpp-python"),), isolated=True,
         ),
     )
