@@ -152,8 +152,8 @@ def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
     EXACT_TOKENS (its cost grows to ~25× a plain forward); otherwise the per-op view decides.
     """
     expanded = expand_presets(knobs)
-    chaotic = expanded.get("act_quant", "none") != "none" or expanded.get("kv_cache") == "q8_0"
-    exact = not caveats and expanded.get("accumulate", "ggml") == "ggml" and num_tokens <= EXACT_TOKENS
+    chaotic = setting(expanded, "act_quant") != "none" or expanded.get("kv_cache") == "q8_0"
+    exact = not caveats and setting(expanded, "accumulate") == "ggml" and num_tokens <= EXACT_TOKENS
     return "free" if not chaotic or exact else "per_op"
 
 
