@@ -61,7 +61,7 @@ def best_times(measures: dict[str, Callable[[], object]], repeats: int) -> dict[
 
 
 def bench_tokens(model_dir: Path, count: int) -> list[int]:
-    from tracer.model import tokenize
+    from tracer.tokenizer import tokenize
 
     ids = tokenize(model_dir, TEXT.read_text())
     return (ids * (count // len(ids) + 1))[:count]

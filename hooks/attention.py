@@ -20,7 +20,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv
 
-Recorder = Callable[[str, torch.Tensor], None]
+from tracer.points import fused_away
+from tracer.torch_types import Recorder
+
 _session_ids = itertools.count()
 
 
@@ -82,7 +84,7 @@ def unobservable_points(implementation: str) -> dict[str, str]:
         f"attn_implementation={implementation!r} fuses scores and softmax; "
         "load the model with attn_implementation='eager' to record them"
     )
-    return {"self_attn.scores": reason, "self_attn.probs": reason}
+    return fused_away(reason)
 
 
 @contextmanager

@@ -21,13 +21,14 @@ from contextlib import ExitStack
 import torch
 
 from tracer import families
-from tracer.config import FAMILY_CONFIGS, LlamaSpec, load_config, read_hf, variant_spec
+from tracer.config import LlamaSpec, config_reading, load_config, read_hf, variant_spec
 from tracer.engines.base import is_loaded_model, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
-from tracer.llama import TORCH_DTYPES
 from tracer.points import model_points
 from tracer.trace import Trace, TraceRecorder
+from tracer.torch_types import TORCH_DTYPES
+from tracer.variants import setting
 
 from .attention import recording_attention, unobservable_points
 from .modules import recording_modules
@@ -112,7 +113,7 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
         if offload is not None:
             raise TracerError("offloading needs a model path; an already loaded model is recorded where it is")
         return HFEngine(source.eval(), {}, source.config.to_dict().get("_name_or_path") or "loaded model")
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     model_dir = resolve_model(source)
     if offload is not None:
@@ -130,7 +131,7 @@ def _load(model_dir, variant: dict, offload=None):
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from tracer.model import check_weight_files
+    from tracer.weights import check_weight_files
 
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
     # default (hidden_size 4096); our readers name the file or the key in one line first.
@@ -157,8 +158,8 @@ def _load(model_dir, variant: dict, offload=None):
         model, info = getattr(transformers, family.architecture).from_pretrained(
             model_dir,
             config=config,
-            dtype=TORCH_DTYPES[variant.get("dtype", "f32")],
-            attn_implementation=variant.get("attn", "eager"),
+            dtype=TORCH_DTYPES[setting(variant, "dtype")],
+            attn_implementation=setting(variant, "attn"),
             output_loading_info=True,
             # Mismatches are then listed in `info` (named below) instead of raised as a RuntimeError
             # that only points at a report we silence.
@@ -222,7 +223,7 @@ def _write_local_rope(config, spec: LlamaSpec) -> None:
 
 
 def _write_activation(config, spec: LlamaSpec) -> None:
-    setattr(config, FAMILY_CONFIGS[spec.family].activation[0], spec.hidden_act)  # Gemma: hidden_activation
+    setattr(config, config_reading(spec.family).activation[0], spec.hidden_act)  # Gemma: hidden_activation
 
 
 def _write_layers(config, spec: LlamaSpec) -> None:

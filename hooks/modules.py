@@ -13,15 +13,14 @@ model's output (`MODEL_OBSERVED`).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 from torch import nn
 
 from tracer import points
 from tracer.points import MODEL_OBSERVED, sub_points
+from tracer.torch_types import Recorder
 
-Recorder = Callable[[str, torch.Tensor], None]
 
 # How a module's output becomes the point's layout (batch kept): "output:(T, H, D)" -> (1, T, H*D), ...
 TO_POINT_LAYOUT = {

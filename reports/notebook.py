@@ -24,8 +24,6 @@ from .summary import (
 from .table import display_rows
 from .template import ENV
 
-SCOPE = "tracer-nb"
-
 # Every selector starts with the scope class: nothing here can restyle the rest of the notebook.
 CSS = """
 .tracer-nb { font-size: 13px; line-height: 1.4; max-width: 1100px; }

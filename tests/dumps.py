@@ -114,7 +114,7 @@ def faulty_trace(model_dir: Path, tokens, layer: int, scale: float = 0.01):
     from tracer.config import load_config, read_hf
     from tracer.engines.reimpl import ReimplEngine
     from tracer.llama import Llama
-    from tracer.model import read_weights
+    from tracer.weights import read_weights
 
     weights = read_weights(model_dir)
     name = f"model.layers.{layer}.mlp.down_proj.weight"

@@ -24,8 +24,8 @@ from tracer.pipeline import (
     prepared_reference, resolve_source, sweep_row, token_ids,
 )
 from tracer.progress import stage, with_stages
-from tracer.regime import check_regime_run, compare_in_regime
-from tracer.regime import resolve as resolve_regime
+from tracer.regime_view import check_regime_run, compare_in_regime
+from tracer.regime_view import resolve as resolve_regime
 from tracer.result import Diagnosis, Result, Sweep, Tolerance
 from tracer.trace import Trace
 from tracer.variants import format_knob_value, parse_variant, variant_text
@@ -129,7 +129,7 @@ def run(
         device: where both models run ("cpu", "cuda", "cuda:1", "mps"); traces are kept on the CPU.
         stream: a side whose engine can stream reads each block's weights from the files when it
             runs (one block in memory); the others load their whole model, which the notes say.
-        regime: compare in a number-format regime (`tracer.regime`): "auto" takes the one the
+        regime: compare in a number-format regime (`tracer.regime_view`): "auto" takes the one the
             candidate's runtime and model file imply (llama.cpp's CPU arithmetic on its GGUF's
             tensor types; a 16-bit dtype), or knobs such as "weights=q4_1,act_quant=q8_1". The
             verdict is then the regime view's; `result.regime` holds the raw f32 view, the

@@ -25,7 +25,7 @@ def default_variants(spec, engine: str = "reimpl") -> list[str]:
     lacks is left out, as are the knobs the engine only emulates (number-format regimes: they are
     what a runtime does by design, ranked by `tracer diagnose`)."""
     entry = ENGINES[engine]
-    honoured = set(entry.knobs) - set(entry.emulated)
+    honoured = set(entry.honoured) - set(entry.emulated)
     chosen = []
     for knob in knobs_for(spec.family):
         text = knob.representative(spec)
@@ -36,9 +36,9 @@ def default_variants(spec, engine: str = "reimpl") -> list[str]:
 
 def diagnosis_variants(spec) -> list[str]:
     """The sweep's representative variants plus more values of theta and eps, and the number-format
-    regimes (`tracer.ggml.regime.regime_catalogue`: block-quantized weights with and without their
+    regimes (`tracer.ggml.strategies.regime_catalogue`: block-quantized weights with and without their
     activation quantization, KV caches, 16-bit dtypes)."""
-    from tracer.ggml.regime import regime_catalogue  # torch: only a diagnosis, which runs models, needs it
+    from tracer.ggml.strategies import regime_catalogue  # torch: only a diagnosis, which runs models, needs it
 
     own = {"theta": spec.rope_theta, "eps": spec.rms_norm_eps}
     variants = default_variants(spec)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from tracer.errors import TracerError
+from tracer.families import FAMILIES
 
 DEFAULT_OUT = "tracer-report"
 DEFAULT_SWEEP_OUT = "tracer-sweep"
@@ -100,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     _placement(rec)
 
     var = commands.add_parser("variants", help="list every knob: values, default, engines, what it reproduces")
-    var.add_argument("--family", help="only the knobs of one model family (llama, qwen2, qwen3, mistral, gemma2, "
-                                      "gemma3, phi3, olmo2), with where each first diverges")
+    var.add_argument("--family", help=f"only the knobs of one model family ({', '.join(FAMILIES)}), with where "
+                                      "each first diverges")
     commands.add_parser("engines", help="list every engine: what it records and honours, whether its runtime is installed")
 
     diag = commands.add_parser("diagnose", help="rank the variant catalogue by resemblance to a trace recorded elsewhere")
@@ -215,14 +216,15 @@ def cmd_record(args) -> int:
 
 
 def cmd_variants(args) -> int:
-    from tracer.families import FAMILIES
+    from tracer.engines.registry import engines_honouring
     from tracer.variants import KNOBS, PRESETS, knobs_for, variant_text
 
     if args.family is not None and args.family not in FAMILIES:
         raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}")
     knobs = knobs_for(args.family) if args.family else list(KNOBS.values())
     rows = [("knob", "values", "default", "engines", "families", "reproduces")]
-    rows += [(k.name, k.accepted, k.default, ", ".join(k.engines), "all" if k.families is None else ",".join(k.families),
+    rows += [(k.name, k.accepted, k.default, ", ".join(engines_honouring(k.name)),
+              "all" if k.families is None else ",".join(k.families),
               k.reproduces) for k in knobs]
     _print_columns(rows)
     if args.family:
@@ -249,6 +251,7 @@ def _print_columns(rows: list[tuple]) -> None:
 
 def cmd_engines(args) -> int:
     from tracer.engines.registry import ENGINES
+    from tracer.points import FUSED_AWAY
 
     for entry in ENGINES.values():
         missing = entry.missing_runtime()
@@ -257,8 +260,10 @@ def cmd_engines(args) -> int:
                      else f"not installed: {', '.join(missing)}" if missing else f"installed ({versions or 'built in'})")
         print(f"{entry.usage}: {entry.summary}")
         print(f"  runtime    {installed}")
-        print(f"  knobs      {', '.join(entry.knobs) or 'none'}")
-        print(f"  records    every point" + (f" but {', '.join(entry.unobservable)}" if entry.unobservable else ""))
+        print(f"  knobs      {', '.join(entry.honoured) or 'none'}")
+        fused = f" but {', '.join(FUSED_AWAY)} under fused attention ({entry.fused_attention})"
+        fused = fused if entry.fused_attention else ""
+        print(f"  records    every point{fused}")
         abilities = [("local (teacher-forced) errors", entry.local_errors), ("greedy decoding", entry.logits),
                      ("a cached draft", entry.draft), ("streamed weights", entry.stream)]
         print(f"  can        {', '.join(name for name, able in abilities if able) or 'compare only'}")
@@ -307,7 +312,7 @@ def cmd_diagnose(args) -> int:
 
 def cmd_config(args) -> int:
     from tracer.config import audit, load_config
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     report = audit(load_config(resolve_model(args.model, progress=args.json != "-")), args.resave)
     if args.json:

@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Callable
 
 from tracer.errors import TracerError
+from tracer import families
 from tracer.families import family_of
+from tracer.variants import check_family, setting
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -126,7 +128,7 @@ def read_hf(config: dict) -> LlamaSpec:
             activation or rope type).
     """
     family = family_of(config.get("model_type"))
-    reads = FAMILY_CONFIGS[family.name]
+    reads = config_reading(family.name)
     heads = _required(config, "num_attention_heads")
     hidden = _required(config, "hidden_size")
     if reads.divisible_heads and hidden % heads:  # `validate_architecture`, even when head_dim is given
@@ -516,9 +518,14 @@ FAMILY_CONFIGS: dict[str, FamilyConfig] = {
 }
 
 
+def config_reading(family: str) -> FamilyConfig:
+    """How one family's config.json is read (the row its `Family` names)."""
+    return FAMILY_CONFIGS[families.get(family).config_reader]
+
+
 def hf_fields(family: str) -> dict:
     """The keys transformers reads from one family's config.json that shape the forward, key -> default."""
-    reads = FAMILY_CONFIGS[family]
+    reads = config_reading(family)
     head_dim = "hidden_size / num_attention_heads" if reads.head_dim is None else reads.head_dim
     kv_heads = "num_attention_heads" if reads.kv_heads is None else reads.kv_heads
     return {
@@ -592,7 +599,6 @@ def resave_tf5(config: dict) -> dict:
 
 
 # transformers 5 `LlamaConfig`: the keys that shape the forward, key -> default.
-HF_FIELDS = hf_fields("llama")
 READERS = {"hf": read_hf, "candle": read_candle}
 RESAVES = {"none": dict, "tf5": resave_tf5}
 # transformers takes these from either place: one present means the other is not defaulted.
@@ -602,7 +608,7 @@ HF_EITHER = {"rope_theta": "rope_parameters", "rope_parameters": "rope_theta", "
 def read_config(config: dict, variant: dict | None = None) -> LlamaSpec:
     """The spec a variant's `config` reader makes of the file after its `resave` (both optional)."""
     variant = variant or {}
-    return READERS[variant.get("config", "hf")](RESAVES[variant.get("resave", "none")](config))
+    return READERS[setting(variant, "config")](RESAVES[setting(variant, "resave")](config))
 
 
 def audit(config: dict, resave: str = "none") -> dict:
@@ -666,8 +672,6 @@ def apply_overrides(spec: LlamaSpec, knobs: dict) -> LlamaSpec:
     """The spec with the variant's config-level knobs (theta, eps, layers, head_dim, rope_scaling,
     bias, act, rope_local) applied; other knobs are left to the engine. A knob that does not apply to
     the model's family is refused here, where both engines pass."""
-    from tracer.variants import check_family
-
     check_family(knobs, spec.family)
     for name, value in knobs.items():
         if name in SPEC_OVERRIDES:

@@ -122,6 +122,12 @@ def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
     return results
 
 
+def rel_l2_by_point(reference: Trace, other: Trace) -> dict[str, float]:
+    """Per point both traces hold, the rel_l2 of `other` against `reference` (noise floors, local
+    errors, a regime's cost, per-op errors)."""
+    return {p.point: p.rel_l2 for p in compare_points(reference, other, Tolerance()) if p.recorded}
+
+
 def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> list[str]:
     """Unrecorded points take their place in the vocabulary's order (the traced family's), not the
     end of the list."""
@@ -252,10 +258,10 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     """Diff two traces point by point; name the first divergence and explain it.
 
     Args:
-        noise: per point, the rel_l2 pure f32 rounding makes (`tracer.noise.estimate_noise`);
+        noise: per point, the rel_l2 pure f32 rounding makes (`tracer.noise_floor.estimate_noise`);
             points are judged against it. Without it the fixed `tolerance.rel_l2` applies.
         local: per point, the rel_l2 the candidate introduces on the reference's inputs
-            (`tracer.localize.local_errors`); localization then names the first point whose
+            (`tracer.pipeline.local_errors`); localization then names the first point whose
             local error leaves the floor, and `amplification` ranks ops by error gain.
     """
     tolerance = tolerance or Tolerance()

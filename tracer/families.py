@@ -2,10 +2,13 @@
 
 A family is a row of this table, not a branch in a forward. Its structural fields name entries of
 the reimplementation's strategy tables (`tracer.llama`: `NORMS`, `EMBEDDINGS`, `PROJECTIONS`,
-`QK_NORMS`, `MLPS`, `ROPE_PRECISIONS`); its per-layer points are `tracer.points.LAYER_ORDER[name]`;
-its config semantics are `tracer.config.FAMILY_CONFIGS[name]`; the knobs that apply to it say so
-themselves (`tracer.variants.Knob.families`). `hints` is what an expert says when the first
-divergence falls on one of the family's own features. No torch here.
+`QK_NORMS`, `MLPS`, `ROPE_PRECISIONS`). Its per-layer points and their order
+(`tracer.points.layer_order`), its tensor shapes (`tracer.llama.expected_shapes`) and the knobs that
+apply to it (`tracer.variants.Knob.applies`, a predicate on this row) are derived from the row; its
+config semantics are
+`tracer.config.FAMILY_CONFIGS[row.config_reader]`. `hints` is what an expert says when the first
+divergence falls on one of the family's own features. Adding a family is one row here, plus a
+strategy in `tracer.llama` where it computes something new. No torch here.
 
 All of it was read off transformers 5.24's `models/<family>/modeling_<family>.py` and
 `configuration_<family>.py`.
@@ -42,6 +45,10 @@ class Family:
         mlp: "separate" (gate_proj, up_proj) or "fused" (one gate_up_proj, gate first: Phi-3).
         norms: module names of the norms (before, after) the attention and the MLP; None where there is none.
         rope_precision: "model" (cos/sin cast to the model dtype) or "f32" (rotate in f32, cast back: OLMo-2).
+        sliding_window: its configs may restrict attention to a sliding window on some layers.
+        softcap: its configs may soft-cap attention scores and final logits (Gemma).
+        local_rope: its local (sliding) layers rotate with their own RoPE base (Gemma 3's rope_local_base_freq).
+        config: the `tracer.config.FAMILY_CONFIGS` row that reads its config.json ("": its own name).
         hints: sub-point (or model point) -> what this family does there that a port gets wrong.
     """
 
@@ -57,7 +64,15 @@ class Family:
     mlp: str = "separate"
     norms: tuple = PRE_NORM
     rope_precision: str = "model"
+    sliding_window: bool = False
+    softcap: bool = False
+    local_rope: bool = False
+    config: str = ""
     hints: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def config_reader(self) -> str:
+        return self.config or self.name
 
     @property
     def attention_norms(self) -> tuple[str | None, str | None]:
@@ -92,22 +107,24 @@ FAMILIES: dict[str, Family] = {
                "the reference design: pre-norm RMSNorm, RoPE, GQA, SwiGLU"),
         Family("qwen2", "Qwen2 / Qwen2.5", ("qwen2",), "Qwen2ForCausalLM",
                "q/k/v biases (no o_proj bias); optional sliding window on the layers from max_window_layers on",
+               sliding_window=True,
                hints={**_on(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                             "Qwen2 always has q/k/v biases, whatever the config says (bias=ignore drops them, "
                             "as candle's linear_no_bias would)"),
                       "self_attn.probs": "Qwen2 " + _WINDOW}),
         Family("qwen3", "Qwen3", ("qwen3",), "Qwen3ForCausalLM",
                "per-head q/k RMSNorm before RoPE; head_dim from the config (default 128)",
-               qk_norm="per_head",
+               qk_norm="per_head", sliding_window=True,
                hints={**_on(("self_attn.q_norm", "self_attn.k_norm"), "Qwen3 applies a " + _QK_NORM),
                       "self_attn.probs": "Qwen3 " + _WINDOW}),
         Family("mistral", "Mistral", ("mistral",), "MistralForCausalLM",
                "sliding window on every layer (transformers defaults sliding_window to 4096 when the key is absent)",
+               sliding_window=True,
                hints={"self_attn.probs": "Mistral " + _WINDOW + "; transformers reads an absent sliding_window as 4096"}),
         Family("gemma2", "Gemma 2", ("gemma2",), "Gemma2ForCausalLM",
                "(1 + w) RMSNorm, scaled embeddings, pre- and post-norms around both sublayers, attention and "
                "final-logit soft-capping, query_pre_attn_scalar, GeGLU (tanh), sliding window on alternate layers",
-               norm="gemma", embed="scaled", norms=SANDWICH,
+               norm="gemma", embed="scaled", norms=SANDWICH, sliding_window=True, softcap=True,
                hints={**_on(_GEMMA_NORMS, _GEMMA_NORM), "model.embed_tokens": _GEMMA_EMBED, "mlp.act": _GEGLU,
                       "self_attn.scores": "Gemma 2 soft-caps attention scores, cap·tanh(scores/cap) with "
                                           "attn_logit_softcapping, and scales by query_pre_attn_scalar^-0.5 "
@@ -117,7 +134,8 @@ FAMILIES: dict[str, Family] = {
         Family("gemma3", "Gemma 3 (text)", ("gemma3_text",), "Gemma3ForCausalLM",
                "Gemma 2's norms and embeddings, per-head q/k norms, local layers with their own RoPE base "
                "(rope_local_base_freq), a global layer every sliding_window_pattern layers, no soft-capping",
-               norm="gemma", embed="scaled", qk_norm="per_head_heads_first", norms=SANDWICH,
+               norm="gemma", embed="scaled", qk_norm="per_head_heads_first", norms=SANDWICH, sliding_window=True,
+               softcap=True, local_rope=True,
                hints={**_on(_GEMMA_NORMS, _GEMMA_NORM), "model.embed_tokens": _GEMMA_EMBED, "mlp.act": _GEGLU,
                       **_on(("self_attn.q_norm", "self_attn.k_norm"),
                             "Gemma 3 applies a " + _QK_NORM + "; its q/k norms are (1 + w) norms too"),
@@ -132,7 +150,7 @@ FAMILIES: dict[str, Family] = {
         Family("phi3", "Phi-3", ("phi3",), "Phi3ForCausalLM",
                "fused qkv_proj and gate_up_proj, partial rotary (partial_rotary_factor), longrope scaling, "
                "optional sliding window on every layer",
-               projections="fused", mlp="fused",
+               projections="fused", mlp="fused", sliding_window=True,
                hints={**_on(("self_attn.q_rope", "self_attn.k_rope"),
                             "Phi-3 splits its fused qkv_proj output as q | k | v with H·D, KV·D, KV·D columns "
                             "(qkv_split reorders it), and rotates only the first partial_rotary_factor·D dims"),
@@ -151,7 +169,9 @@ FAMILIES: dict[str, Family] = {
     )
 }
 
-MODEL_TYPES = {model_type: family for family in FAMILIES.values() for model_type in family.model_types}
+def model_types() -> dict[str, Family]:
+    """model_type -> its family, every row's (read each time: a test may add a row)."""
+    return {model_type: family for family in FAMILIES.values() for model_type in family.model_types}
 
 
 def family_of(model_type: str | None) -> Family:
@@ -160,9 +180,10 @@ def family_of(model_type: str | None) -> Family:
     Raises:
         TracerError: a model type tracer does not trace, in one line naming the supported ones.
     """
-    family = MODEL_TYPES.get("llama" if model_type is None else model_type)
+    known = model_types()
+    family = known.get("llama" if model_type is None else model_type)
     if family is None:
-        raise TracerError(f"unsupported model_type {model_type!r}; tracer traces: {', '.join(MODEL_TYPES)}")
+        raise TracerError(f"unsupported model_type {model_type!r}; tracer traces: {', '.join(known)}")
     return family
 
 

@@ -16,7 +16,7 @@ semantic knobs and the family's structure into the small strategy functions of `
 (`resolve_strategies`), picked from one lookup table per step (`NORMS`, `EMBEDDINGS`, `ROPES`,
 `KV_REPEATS`, `MASKS`, `ATTN_MATH`, `ATTENTION`, `PROJECTIONS`, `QK_NORMS`, `MLPS`, `LOGITS`, ...);
 the number-format regime knobs (`weights`, `act_quant`, `kv_cache`, `ops`, ..., `preset=llamacpp`)
-replace steps with `tracer.ggml.regime`'s. The forward calls whatever was picked; it never tests a
+replace steps with `tracer.ggml.strategies`'s. The forward calls whatever was picked; it never tests a
 knob or a family.
 
 Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, R rotary dims (D unless
@@ -37,11 +37,10 @@ import torch.nn.functional as F
 from tracer import families
 from tracer.config import LlamaSpec, apply_overrides, load_config, read_config
 from tracer.errors import TracerError
-from tracer.points import FINAL_LOGITS
-from tracer.variants import expand_presets
+from tracer.points import FINAL_LOGITS, fused_away
+from tracer.torch_types import TORCH_DTYPES, Recorder
+from tracer.variants import KNOBS, expand_presets, setting
 
-Recorder = Callable[[str, torch.Tensor], None]
-TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -542,7 +541,7 @@ class Strategies:
     rope_cast: bool = True  # cos/sin cast to the model dtype (OLMo-2 keeps them f32)
     softcap: Callable = softcap
     window: Callable = window_of_layer
-    # Number formats (tracer.ggml.regime): weights as run, every projection, RoPE tables, the GLU.
+    # Number formats (tracer.ggml.strategies): weights as run, every projection, RoPE tables, the GLU.
     weights: Callable = lambda weights, source: weights
     linear: Callable = F.linear
     rotary: Callable = rotary_cos_sin
@@ -550,51 +549,51 @@ class Strategies:
 
     def not_recorded(self) -> dict[str, str]:
         reason = getattr(self.attention, "fused", None)  # a fused attention never forms scores/probs
-        return {"self_attn.scores": reason, "self_attn.probs": reason} if reason else {}
+        return fused_away(reason) if reason else {}
 
 
 # Knobs the fused sdpa kernel cannot take: it masks and scales inside.
-EAGER_ONLY = {"mask": "additive", "attn_math": "hf"}
+EAGER_ONLY = ("mask", "attn_math")
 
 
 def resolve_strategies(knobs: dict, spec: LlamaSpec | None = None) -> Strategies:
     """The strategy functions a variant's knobs (presets expanded) pick from the tables above, for
     the model `spec` describes (its family's structure; None: a Llama)."""
     family = families.get(spec.family if spec else None)
-    attn = knobs.get("attn", "eager")
-    clashing = [k for k, default in EAGER_ONLY.items() if attn == "sdpa" and knobs.get(k, default) != default]
+    attn = setting(knobs, "attn")
+    clashing = [k for k in EAGER_ONLY if attn == "sdpa" and setting(knobs, k) != KNOBS[k].default_value]
     if clashing:
         raise TracerError(f"{clashing[0]}={knobs[clashing[0]]} needs attn=eager: sdpa masks and scales inside its fused kernel")
     if spec is not None:
         _check_feature(knobs, spec)
-    scale_scores, attention_dtype = ATTN_MATH[knobs.get("attn_math", "hf")]
+    scale_scores, attention_dtype = ATTN_MATH[setting(knobs, "attn_math")]
     norm_knob, norm_table = NORM_FLAVOURS[family.norm]
     norm = norm_table[knobs.get(norm_knob, next(iter(norm_table))) if norm_knob else None]
     cast, precision = ROPE_PRECISIONS[family.rope_precision]
-    rope = precision(ROPES[knobs.get("rope", "half")])
-    from tracer.ggml.regime import apply_regime
+    rope = precision(ROPES[setting(knobs, "rope")])
+    from tracer.ggml.strategies import apply_regime
 
     return apply_regime(knobs, Strategies(
         attention=ATTENTION[attn],
-        dtype=TORCH_DTYPES[knobs.get("dtype", "f32")],
+        dtype=TORCH_DTYPES[setting(knobs, "dtype")],
         norm=norm,
         rope=partial_rotary(rope) if spec is not None and spec.rotary_dim < spec.head_dim else rope,
-        repeat_kv=KV_REPEATS[knobs.get("kv_repeat", "interleave")],
-        mask=MASKS[knobs.get("mask", "additive")],
+        repeat_kv=KV_REPEATS[setting(knobs, "kv_repeat")],
+        mask=MASKS[setting(knobs, "mask")],
         scale_scores=scale_scores,
         attention_dtype=attention_dtype,
-        logits=LOGITS[knobs.get("logits", "all")],
-        embed=EMBEDDINGS[family.embed][knobs.get("embed_scale", "model")],
+        logits=LOGITS[setting(knobs, "logits")],
+        embed=EMBEDDINGS[family.embed][setting(knobs, "embed_scale")],
         project=PROJECTIONS[family.projections],
-        qkv_order=knobs.get("qkv_split", "qkv"),
+        qkv_order=setting(knobs, "qkv_split"),
         qk_heads=QK_NORMS[family.qk_norm],
         qk_norm=qk_norm_skipped if knobs.get("qk_norm") == "drop" else norm,
         gate_up=MLPS[family.mlp],
-        gate_first=knobs.get("gate_up", "gate_up") == "gate_up",
+        gate_first=setting(knobs, "gate_up") == "gate_up",
         norms=family.norms,
         rope_cast=cast,
-        softcap=SOFTCAPS[knobs.get("softcap", "keep")],
-        window=WINDOWS[knobs.get("window", "keep")],
+        softcap=SOFTCAPS[setting(knobs, "softcap")],
+        window=WINDOWS[setting(knobs, "window")],
     ), spec)
 
 
@@ -738,7 +737,7 @@ class Llama:
     @classmethod
     def from_dir(cls, model_dir: str | Path, variant: dict | None = None, **placement) -> Llama:
         """`placement`: `device`, and `stream=True` to read each block's weights from the files when it runs."""
-        from tracer.model import WeightFiles, read_weights
+        from tracer.weights import WeightFiles, read_weights
 
         weights = WeightFiles(model_dir) if placement.get("stream") else read_weights(model_dir)
         return cls.from_config(load_config(model_dir), weights, variant, **placement)

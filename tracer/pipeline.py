@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from tracer import greedy
-from tracer.diff import compare, compare_points
+from tracer.diff import compare, rel_l2_by_point
 from tracer.engines.base import check_device, environment, is_loaded_model
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import Offload, check_offload, offload_for
@@ -36,7 +36,7 @@ from tracer.progress import stage
 from tracer.result import Result, SweepRow, Tolerance
 from tracer.spill import SPILL_TOKENS, spill_folder
 from tracer.trace import ATTENTION_ROWS, Trace
-from tracer.variants import parse_variant, variant_text
+from tracer.variants import parse_variant, setting, variant_text
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -75,7 +75,7 @@ def resolve_source(model, progress: bool = True):
     """A loaded transformers model as it is; a path (None: the bundled default) as its HF directory."""
     if is_loaded_model(model):
         return model
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     return resolve_model(model, progress=progress)
 
@@ -95,7 +95,7 @@ def token_ids(source, prompt: str | None = None, tokens=None, *, chat: bool = Fa
         raise TracerError("give a prompt or token ids")
     if system is not None and not chat:
         raise TracerError("a system message needs the chat template: pass chat=True (--chat)")
-    from tracer.model import chat_text, chat_tokens, tokenize
+    from tracer.tokenizer import chat_text, chat_tokens, tokenize
 
     model_dir = source.config.to_dict().get("_name_or_path") if is_loaded_model(source) else source
     if not model_dir or not Path(model_dir, "config.json").is_file():
@@ -120,7 +120,7 @@ def check_tokens(ids: list[int], engine) -> None:
 def check_input(prompt: str | None, tokens) -> None:
     """A bad prompt fails before anything loads."""
     if tokens is None and prompt is not None:
-        from tracer.model import check_prompt
+        from tracer.tokenizer import check_prompt
 
         check_prompt(prompt)
 
@@ -227,7 +227,7 @@ def local_errors(engine, reference: Trace, recorder=None) -> dict[str, float] | 
     if not engine.entry.local_errors:
         return None
     forced = engine.local_trace(reference, recorder)
-    return {p.point: p.rel_l2 for p in compare_points(reference, forced, Tolerance()) if p.recorded}
+    return rel_l2_by_point(reference, forced)
 
 
 def greedy_comparison(prepared: Prepared, engine, tolerance: Tolerance) -> dict | None:
@@ -253,8 +253,8 @@ def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], obj
     if candidate == "reimpl" and prepared.source is not None and not is_loaded_model(prepared.source):
         from tracer.config import load_config
         from tracer.engines.reimpl import from_parts
-        from tracer.model import WeightFiles, read_weights
-        from tracer.variants import check_engine
+        from tracer.weights import WeightFiles, read_weights
+        from tracer.engines.registry import check_engine
 
         config = load_config(prepared.source)
         weights = WeightFiles(prepared.source) if prepared.stream else read_weights(prepared.source)
@@ -295,7 +295,7 @@ def reference_noise(source, reference: str, variant: dict, engine, trace: Trace,
     if not entry.noise_floor:
         return None, [f"no noise floor for a {entry.name} reference (an f64 run of tracer's model does not measure "
                       "its rounding): points judged by the fixed rel_l2 bound"]
-    from tracer.noise import NOISE_TOKENS, estimate_noise
+    from tracer.noise_floor import NOISE_TOKENS, estimate_noise
 
     notes = []
     if len(trace.tokens) > NOISE_TOKENS:
@@ -342,13 +342,13 @@ def config_audit(source, variant: dict) -> dict | None:
         return None
     from tracer.config import audit, load_config
 
-    return audit(load_config(source), variant.get("resave", "none"))
+    return audit(load_config(source), setting(variant, "resave"))
 
 
 def detokenizer(source) -> Callable:
     if source is None or is_loaded_model(source):
         return lambda ids: None
-    from tracer.model import detokenize
+    from tracer.tokenizer import detokenize
 
     return lambda ids: detokenize(source, ids)
 

@@ -5,13 +5,14 @@ is a virtual point under its module for a value no module returns (`...self_attn
 Batch is 1 and dropped. `SUB_POINTS` describes each per-layer sub-point once: its label, its
 layout, the op kind that computes it, what it is, the sub-point it is computed from and how the
 hf engine observes it. Layouts, hints, figures, hooks and the notebook views all read this
-table; adding a point is one entry here (and its place in a family's order, `LAYER_ORDER`).
+table; adding a point is one entry here (and its place in the families' order, `layer_order`).
 
 Families (`tracer.families`) share the table: a point means the same thing and has the same layout
 in every family that has it. What differs per family is the order of the per-layer points
-(`LAYER_ORDER[family]`; in Gemma 2/3 and OLMo-2 `post_attention_layernorm` normalizes the attention
+(`layer_order(family)`; in Gemma 2/3 and OLMo-2 `post_attention_layernorm` normalizes the attention
 output *before* the residual add), and for a few points what they are computed from and how the hf
-engine observes them (`FAMILY_OVERRIDES`; read through `sub_points(family)`). Traces carry their
+engine observes them (`family_overrides(family)`; read through `sub_points(family)`). Both are
+derived from the family's `tracer.families.Family` row, never written per family. Traces carry their
 family in their metadata (`meta["family"]`); functions that order or explain points take it.
 
 Layouts (T tokens, H query heads, KV kv heads, D head dim):
@@ -27,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+
+from tracer import families
 
 EMBED = "model.embed_tokens"
 FINAL_NORM = "model.norm"
@@ -103,6 +106,15 @@ SUB_POINTS: dict[str, SubPoint] = {
     )
 }
 
+# What a fused attention kernel (sdpa, flash attention, MLX's fast sdpa) never forms as tensors.
+FUSED_AWAY = ("self_attn.scores", "self_attn.probs")
+
+
+def fused_away(reason: str) -> dict[str, str]:
+    """The per-layer points a fused attention kernel never forms, each with why."""
+    return dict.fromkeys(FUSED_AWAY, reason)
+
+
 FINAL_LOGITS = "lm_head.softcap"  # Gemma's soft-capped logits: a virtual point under lm_head
 
 # Points outside the blocks, in execution order: point -> (label, op, what).
@@ -115,63 +127,79 @@ MODEL_POINTS = {
 
 _ATTENTION = ("self_attn.q_rope", "self_attn.k_rope", "self_attn.scores", "self_attn.probs", "self_attn.context",
               "self_attn.o_proj")
-_LLAMA = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", *_ATTENTION, "resid_mid",
-          "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.act", "mlp.down_proj", "")
-_GEMMA_TAIL = ("post_attention_layernorm", "resid_mid", "pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj",
-               "mlp.act", "mlp.down_proj", "post_feedforward_layernorm", "")
 
-# A family's per-layer points in execution order (transformers' modeling_<family>.py, op by op).
-LAYER_ORDER = {
-    "llama": _LLAMA,
-    "qwen2": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen3": ("input_layernorm", "self_attn.q_proj", "self_attn.q_norm", "self_attn.k_proj", "self_attn.k_norm",
-              "self_attn.v_proj", *_LLAMA[4:]),
-    "gemma2": ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", *_ATTENTION,
-               *_GEMMA_TAIL),
-    "gemma3": ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm",
-               "self_attn.k_norm", *_ATTENTION, *_GEMMA_TAIL),
-    "phi3": ("input_layernorm", "self_attn.qkv_proj", *_ATTENTION, "resid_mid", "post_attention_layernorm",
-             "mlp.gate_up_proj", "mlp.act", "mlp.down_proj", ""),
-    "olmo2": ("self_attn.q_proj", "self_attn.q_norm", "self_attn.k_proj", "self_attn.k_norm", "self_attn.v_proj",
-              *_ATTENTION, "post_attention_layernorm", "resid_mid", "mlp.gate_proj", "mlp.up_proj", "mlp.act",
-              "mlp.down_proj", "post_feedforward_layernorm", ""),
-}
-# Kept for the many readers that only need Llama's order.
-LAYER_POINTS = LAYER_ORDER["llama"]
 
-# Where a family's point differs from the table: what it is computed from, how hf observes it, what it is.
-_NORMED_ATTENTION = dict(source="self_attn.o_proj", what="RMSNorm of the attention output, before the residual add")
-_AFTER_POST_NORM = dict(source="post_attention_layernorm")
-FAMILY_OVERRIDES: dict[str, dict[str, dict]] = {
-    "qwen3": {"self_attn.q_norm": dict(observed="output:(T, H, D)", what="per-head RMSNorm of the queries (over D)"),
-              "self_attn.k_norm": dict(observed="output:(T, H, D)", what="per-head RMSNorm of the keys (over D)"),
-              "self_attn.q_rope": dict(source="self_attn.q_norm"), "self_attn.k_rope": dict(source="self_attn.k_norm")},
-    "gemma2": {"post_attention_layernorm": _NORMED_ATTENTION,
-               "resid_mid": dict(_AFTER_POST_NORM, observed="input:pre_feedforward_layernorm"),
-               "mlp.gate_proj": dict(source="pre_feedforward_layernorm"),
-               "mlp.up_proj": dict(source="pre_feedforward_layernorm"),
-               "": dict(source="post_feedforward_layernorm")},
-    "gemma3": {"self_attn.q_norm": dict(observed="output:(H, T, D)", what="per-head RMSNorm of the queries (over D)"),
-               "self_attn.k_norm": dict(observed="output:(H, T, D)", what="per-head RMSNorm of the keys (over D)"),
-               "self_attn.q_rope": dict(source="self_attn.q_norm"), "self_attn.k_rope": dict(source="self_attn.k_norm"),
-               "post_attention_layernorm": _NORMED_ATTENTION,
-               "resid_mid": dict(_AFTER_POST_NORM, observed="input:pre_feedforward_layernorm"),
-               "mlp.gate_proj": dict(source="pre_feedforward_layernorm"),
-               "mlp.up_proj": dict(source="pre_feedforward_layernorm"),
-               "": dict(source="post_feedforward_layernorm")},
-    "phi3": {"self_attn.q_rope": dict(source="self_attn.qkv_proj"), "self_attn.k_rope": dict(source="self_attn.qkv_proj"),
-             "mlp.act": dict(source="mlp.gate_up_proj")},
-    "olmo2": {"self_attn.q_proj": dict(source=BLOCK_INPUT), "self_attn.k_proj": dict(source=BLOCK_INPUT),
-              "self_attn.v_proj": dict(source=BLOCK_INPUT),
-              "self_attn.q_norm": dict(what="RMSNorm of the whole query projection (over H·D)"),
-              "self_attn.k_norm": dict(what="RMSNorm of the whole key projection (over KV·D)"),
-              "self_attn.q_rope": dict(source="self_attn.q_norm"), "self_attn.k_rope": dict(source="self_attn.k_norm"),
-              "post_attention_layernorm": _NORMED_ATTENTION,
-              "resid_mid": dict(_AFTER_POST_NORM, observed="input:mlp"),
-              "mlp.gate_proj": dict(source="resid_mid"), "mlp.up_proj": dict(source="resid_mid"),
-              "": dict(source="post_feedforward_layernorm")},
+def layer_order(family: str | None = None) -> tuple[str, ...]:
+    """A family's per-layer points in execution order (transformers' modeling_<family>.py, op by op),
+    derived from its `Family` row (None: Llama)."""
+    row = families.get(family)
+    (attn_pre, attn_post), (mlp_pre, mlp_post) = row.norms
+    order = [attn_pre] if attn_pre else []
+    order += _projection_order(row)
+    order += _ATTENTION
+    # A post-norm (Gemma's sandwich, OLMo-2) normalizes the attention output before the residual add.
+    order += [attn_post, "resid_mid"] if attn_post else ["resid_mid"]
+    order += [mlp_pre] if mlp_pre else []
+    order += ["mlp.gate_up_proj"] if row.mlp == "fused" else ["mlp.gate_proj", "mlp.up_proj"]
+    order += ["mlp.act", "mlp.down_proj"]
+    order += [mlp_post] if mlp_post else []
+    return (*order, "")
+
+
+def _projection_order(row: families.Family) -> list[str]:
+    if row.projections == "fused":
+        return ["self_attn.qkv_proj"]
+    if row.qk_norm == "none":
+        return ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    if row.qk_norm == "per_head_heads_first":  # normed after the head transpose, once all three exist
+        return ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm", "self_attn.k_norm"]
+    return ["self_attn.q_proj", "self_attn.q_norm", "self_attn.k_proj", "self_attn.k_norm", "self_attn.v_proj"]
+
+
+# Family.qk_norm -> (what q_norm is, what k_norm is, how the hf engine observes them)
+_PER_HEAD = ("per-head RMSNorm of the queries (over D)", "per-head RMSNorm of the keys (over D)")
+_QK_NORM_WHAT = {
+    "per_head": (*_PER_HEAD, "output:(T, H, D)"),
+    "per_head_heads_first": (*_PER_HEAD, "output:(H, T, D)"),
+    "whole": ("RMSNorm of the whole query projection (over H·D)", "RMSNorm of the whole key projection (over KV·D)",
+              "output"),
 }
+
+
+def family_overrides(family: str | None = None) -> dict[str, dict]:
+    """Where a family's points differ from the table (what a point is computed from, how hf observes
+    it, what it is), derived from its `Family` row; {} for Llama."""
+    row = families.get(family)
+    (attn_pre, attn_post), (mlp_pre, mlp_post) = row.norms
+    out: dict[str, dict] = {}
+
+    def put(sub: str, **fields) -> None:
+        out.setdefault(sub, {}).update(fields)
+
+    if attn_pre is None:
+        for sub in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            put(sub, source=BLOCK_INPUT)
+    if row.qk_norm != "none":
+        q_what, k_what, observed = _QK_NORM_WHAT[row.qk_norm]
+        put("self_attn.q_norm", what=q_what, **({} if observed == "output" else {"observed": observed}))
+        put("self_attn.k_norm", what=k_what, **({} if observed == "output" else {"observed": observed}))
+        put("self_attn.q_rope", source="self_attn.q_norm")
+        put("self_attn.k_rope", source="self_attn.k_norm")
+    if row.projections == "fused":
+        put("self_attn.q_rope", source="self_attn.qkv_proj")
+        put("self_attn.k_rope", source="self_attn.qkv_proj")
+    if attn_post:
+        put(attn_post, source="self_attn.o_proj", what="RMSNorm of the attention output, before the residual add")
+        put("resid_mid", source=attn_post, observed=f"input:{mlp_pre or 'mlp'}")
+    if mlp_pre != "post_attention_layernorm":
+        for sub in ("mlp.gate_proj", "mlp.up_proj"):
+            put(sub, source=mlp_pre or "resid_mid")
+    if row.mlp == "fused":
+        put("mlp.act", source="mlp.gate_up_proj")
+    if mlp_post:
+        put("", source=mlp_post)
+    return out
+
 
 # How the hf engine observes the points outside the blocks: a module's output, or a field of the
 # whole model's output (Gemma's capped logits are what the model returns).
@@ -186,16 +214,16 @@ def model_points(final_softcap: bool = False) -> tuple[str, ...]:
 
 def sub_points(family: str | None = None) -> dict[str, SubPoint]:
     """A family's per-layer sub-points in its execution order, its overrides applied (None: Llama)."""
-    family = family or "llama"
-    if family not in _SUB_POINTS_BY_FAMILY:
-        overrides = FAMILY_OVERRIDES.get(family, {})
-        _SUB_POINTS_BY_FAMILY[family] = {
-            sub: dataclasses.replace(SUB_POINTS[sub], **overrides.get(sub, {})) for sub in LAYER_ORDER[family]
-        }
-    return _SUB_POINTS_BY_FAMILY[family]
+    row = families.get(family)
+    cached = _SUB_POINTS_BY_FAMILY.get(row.name)
+    if cached is None or cached[0] is not row:  # a row replaced under the same name (tests) is read afresh
+        overrides = family_overrides(row.name)
+        table = {sub: dataclasses.replace(SUB_POINTS[sub], **overrides.get(sub, {})) for sub in layer_order(row.name)}
+        cached = _SUB_POINTS_BY_FAMILY[row.name] = (row, table)
+    return cached[1]
 
 
-_SUB_POINTS_BY_FAMILY: dict[str, dict[str, SubPoint]] = {}
+_SUB_POINTS_BY_FAMILY: dict[str, tuple[families.Family, dict[str, SubPoint]]] = {}
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)(?:\.(.+))?$")
 
@@ -245,7 +273,7 @@ def rank(point: str, family: str | None = None) -> tuple:
     if match is None:
         return (7, 0, point)
     layer = -1 if match.group(1) == "{i}" else int(match.group(1))
-    order = LAYER_ORDER[family or "llama"]
+    order = tuple(sub_points(family))
     sub = match.group(2) or ""
     if sub in order:
         return (1, layer, order.index(sub))
@@ -279,13 +307,8 @@ def all_points(num_layers: int, family: str = "llama", *, final_softcap: bool = 
     first, *last = model_points(final_softcap)
     names = [first]
     for i in range(num_layers):
-        names += [layer_point(i, sub) for sub in LAYER_ORDER[family]]
+        names += [layer_point(i, sub) for sub in sub_points(family)]
     return names + last
-
-
-def coarse_points(num_layers: int) -> list[str]:
-    """The coarse curve: embeddings, every block output, final norm, logits."""
-    return [EMBED, *(layer_point(i, "") for i in range(num_layers)), FINAL_NORM, LOGITS]
 
 
 def is_coarse(point: str) -> bool:

@@ -105,7 +105,7 @@ def json_number(value: float | None):
 
 
 def json_safe(value):
-    """`_num` through a whole JSON tree (logits figures, breakdowns): NaN and Inf as strings."""
+    """`json_number` through a whole JSON tree (logits figures, breakdowns): NaN and Inf as strings."""
     if isinstance(value, float):
         return json_number(value)
     if isinstance(value, dict):
@@ -152,7 +152,7 @@ class Result:
     first_nonfinite: dict | None = None  # {"point", "layer", "side", "count", "nan", "inf"}
     amplification: tuple[dict, ...] = ()  # ops ranked by error gain over their input
     config_audit: dict | None = None  # what each config reader makes of the model's config.json
-    # The regime view (`tracer.regime`): the reference ran in the candidate's number formats; the raw
+    # The regime view (`tracer.regime_view`): the reference ran in the candidate's number formats; the raw
     # f32 view, the regime's own cost per point and the per-op errors ride along.
     regime: dict | None = None
 

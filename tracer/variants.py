@@ -2,7 +2,7 @@
 
 A variant is an ordered mapping knob -> value, written on the command line as
 `theta=10000,attn=sdpa`. This module only parses and validates; each engine applies the knobs it
-honours, and declares which in its registry entry (`tracer.engines.registry`). Config-level knobs
+honours, and declares which (by kind) in its registry entry (`tracer.engines.registry`). Config-level knobs
 become a different `LlamaSpec` (`tracer.config.read_config` and `tracer.config.apply_overrides`),
 which the hf engine writes into transformers' config too; semantic knobs become strategy
 functions in `tracer.llama.resolve_strategies`. A knob an engine cannot honour is an error naming
@@ -14,19 +14,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tracer.engines.registry import engines_honouring
 from tracer.errors import TracerError
+from tracer.families import FAMILIES, Family
 
 DTYPES = ("f32", "bf16", "f16", "f64")
 ACTIVATION_VALUES = ("silu", "gelu", "gelu_tanh", "relu")  # tracer.config.ACT_NAMES maps them to transformers'
 
 
-LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # Llama's RMSNorm (weight × x cast back)
-WINDOWED = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")  # families with sliding-window configs
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
-# Number-format regimes (tracer.ggml.regime); kept here as text so `tracer variants` needs no torch.
+# Number-format regimes (tracer.ggml.strategies); kept here as text so `tracer variants` needs no torch.
 WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "gguf")
 ACT_QUANTS = ("none", "q8_0", "q8_1", "q8_k", "auto")
+
+
+# What a knob changes, which is what an engine declares it honours (`tracer.engines.registry.EngineEntry.kinds`):
+KINDS = {
+    "config": "the model every PyTorch engine builds (the spec it reads from config.json)",
+    "semantic": "one operation of tracer's own forward (the families' porting mistakes among them)",
+    "regime": "the number formats: ggml's block formats and CPU arithmetic (tracer.ggml)",
+    "runtime": "a switch of one runtime (ONNX Runtime's optimizer, llama.cpp's threads)",
+}
 
 
 @dataclass(frozen=True)
@@ -38,15 +45,29 @@ class Knob:
     reproduces: str
     # The variant `tracer sweep` runs for this knob by default, given the model's spec ("": none).
     representative: Callable[[Any], str] = lambda spec: ""
-    # The families it applies to (`tracer.families`); None: every family.
-    families: tuple[str, ...] | None = None
+    # Whether it applies to a family, asked of the family's row (`tracer.families.Family`); None: every family.
+    applies: Callable[[Family], bool] | None = None
     # Where its representative value diverges first (f32 unless said), for `tracer variants`.
     expected: str = ""
+    kind: str = ""  # one of KINDS
 
     @property
-    def engines(self) -> tuple[str, ...]:
-        """The engines that honour it, as their registry entries declare."""
-        return engines_honouring(self.name)
+    def values(self) -> tuple[str, ...] | None:
+        """Its values, for a knob with a fixed set of them (None for numbers)."""
+        return getattr(self.parse, "values", None)
+
+    @property
+    def default_value(self) -> Any:
+        """The default as a value; None where it is not one ("from config.json", "as loaded", per engine)."""
+        try:
+            return self.parse(self.default)
+        except ValueError:
+            return None
+
+    @property
+    def families(self) -> tuple[str, ...] | None:
+        """The families it applies to, by name (None: every family)."""
+        return None if self.applies is None else tuple(name for name, row in FAMILIES.items() if self.applies(row))
 
 
 def _positive_float(text: str) -> float:
@@ -69,6 +90,7 @@ def _choice(*values: str) -> Callable[[str], str]:
             raise ValueError(text)
         return text
 
+    parse.values = values  # what `Knob.values` reads
     return parse
 
 
@@ -80,6 +102,20 @@ def _if(test: Callable[[Any], bool], text: str) -> Callable[[Any], str]:
     """A representative where the model has what the knob changes (a soft-cap, a window, ...); with
     no spec at hand, the value itself."""
     return lambda spec: text if spec is None or test(spec) else ""
+
+
+# Predicates on a family's row: which knobs apply to it (`Knob.applies`).
+def _plain_llama(family: Family) -> bool:
+    """The candle and llama.cpp readers and presets know Llama configs only."""
+    return family.name == "llama"
+
+
+def _rms_norm(family: Family) -> bool:
+    return family.norm == "rms"
+
+
+def _offset_norm(family: Family) -> bool:
+    return family.norm == "gemma"
 
 
 def _llama_only(text: str) -> Callable[[Any], str]:
@@ -106,109 +142,120 @@ KNOBS: dict[str, Knob] = {
     for knob in (
         Knob("theta", _positive_float, "a positive number, e.g. theta=10000", "from config.json",
              "rope_theta silently 10000 (candle's serde default)",
-             lambda spec: "theta=10000" if spec.rope_theta != 10_000 else "theta=500000"),
+             lambda spec: "theta=10000" if spec.rope_theta != 10_000 else "theta=500000", kind="config"),
         Knob("eps", _positive_float, "a positive number, e.g. eps=1e-6", "from config.json",
-             "a wrong rms_norm_eps", _fixed("eps=1e-3")),
+             "a wrong rms_norm_eps", _fixed("eps=1e-3"), kind="config"),
         Knob("attn", _choice("eager", "sdpa"), "eager | sdpa", "eager",
-             "the attention implementation (sdpa fuses scores and softmax)", _sdpa),
+             "the attention implementation (sdpa fuses scores and softmax)", _sdpa, kind="config"),
         Knob("dtype", _choice(*DTYPES), " | ".join(DTYPES), "f32",
-             "the load dtype", _fixed("dtype=bf16")),
+             "the load dtype", _fixed("dtype=bf16"), kind="config"),
         Knob("rope", _choice("half", "interleaved"), "half | interleaved", "half",
-             "candle rope_i (adjacent pairs, the GGUF convention) on HF-layout weights", _fixed("rope=interleaved")),
+             "candle rope_i (adjacent pairs, the GGUF convention) on HF-layout weights", _fixed("rope=interleaved"),
+             kind="semantic"),
         Knob("rope_scaling", _choice("keep", "drop"), "keep | drop", "keep",
-             "Llama-3 rope_scaling lost (candle reading a transformers 5 config)", _fixed("rope_scaling=drop")),
+             "Llama-3 rope_scaling lost (candle reading a transformers 5 config)", _fixed("rope_scaling=drop"),
+             kind="config"),
         Knob("kv_repeat", _choice("interleave", "tile"), "interleave | tile", "interleave",
-             "GQA head order: tile (torch.cat / .repeat) instead of HF repeat_kv", _fixed("kv_repeat=tile")),
+             "GQA head order: tile (torch.cat / .repeat) instead of HF repeat_kv", _fixed("kv_repeat=tile"),
+             kind="semantic"),
         Knob("mask", _choice("additive", "where", "none"), "additive | where | none", "additive",
-             "HF's min-float add vs candle's masked_fill -inf; none forgets the causal mask", _fixed("mask=none")),
+             "HF's min-float add vs candle's masked_fill -inf; none forgets the causal mask", _fixed("mask=none"),
+             kind="semantic"),
         Knob("attn_math", _choice("hf", "candle"), "hf | candle", "hf",
              "candle's attention: q, k, v upcast to f32 throughout, scores divided by sqrt(D)",
-             _fixed("attn_math=candle")),
+             _fixed("attn_math=candle"), kind="semantic"),
         Knob("norm", _choice("hf", "candle"), "hf | candle", "hf",
              "candle's RMSNorm: x / root in the load dtype (HF: x * rsqrt in f32, cast, then weight)",
-             _fixed("norm=candle"), families=LLAMA_LIKE),
+             _fixed("norm=candle"), applies=_rms_norm, kind="semantic"),
         Knob("bias", _choice("keep", "ignore"), "keep | ignore", "keep",
-             "candle's linear_no_bias drops projection biases", _fixed("bias=ignore")),
+             "candle's linear_no_bias drops projection biases", _fixed("bias=ignore"), kind="config"),
         Knob("logits", _choice("all", "last"), "all | last", "all",
-             "candle computes lm_head on the last position only", _fixed("logits=last")),
+             "candle computes lm_head on the last position only", _fixed("logits=last"), kind="semantic"),
         Knob("config", _choice("hf", "candle"), "hf | candle", "hf",
              "which reader parses config.json (candle 0.11: 13 keys, see `tracer config`)",
-             _llama_only("config=candle"), families=("llama",)),
+             _llama_only("config=candle"), applies=_plain_llama, kind="config"),
         Knob("resave", _choice("none", "tf5"), "none | tf5", "none",
              "config re-saved by transformers 5 (theta and scaling move into rope_parameters)",
-             _llama_only("config=candle,resave=tf5"), families=("llama",)),
+             _llama_only("config=candle,resave=tf5"), applies=_plain_llama, kind="config"),
         Knob("preset", _choice(*PRESET_NAMES), " | ".join(PRESET_NAMES), "none",
              "every candle-0.11 llama.rs choice, or llama.cpp's CPU arithmetic, at once (explicit knobs override it)",
-             _llama_only("preset=candle"), families=("llama",)),
+             _llama_only("preset=candle"), applies=_plain_llama, kind="semantic"),
         Knob("ort_opt", _choice("disable", "basic", "extended", "layout", "all"),
              "disable | basic | extended | layout | all", "all",
              "ONNX Runtime's graph optimization level (its fusions change the rounding)",
              # None in the default sweep, which runs on reimpl: pass --variants ort_opt=disable with --candidate onnx
-             _fixed("")),
+             _fixed(""), kind="runtime"),
         Knob("weights", _choice(*WEIGHT_FORMATS), " | ".join(WEIGHT_FORMATS), "as loaded",
              "weights in a GGUF block format (the gguf package's quantizers), or gguf: the GGUF file's own tensors",
-             _fixed("weights=q8_0")),
+             _fixed("weights=q8_0"), kind="regime"),
         Knob("act_quant", _choice(*ACT_QUANTS), " | ".join(ACT_QUANTS), "none",
              "ggml's activation quantization before a quantized matmul (auto: the weight type's vec-dot type)",
-             _fixed("act_quant=q8_0")),
+             _fixed("act_quant=q8_0"), kind="regime"),
         Knob("act_round", _choice("even", "away"), "even | away", "even",
              "ties of the activation quantization: x86's _mm256_round_ps (even) or ggml's portable C (away)",
-             _fixed("act_round=away,act_quant=q8_0")),
+             _fixed("act_round=away,act_quant=q8_0"), kind="regime"),
         Knob("ops", _choice("hf", "ggml"), "hf | ggml", "hf",
              "embedding, RMSNorm, RoPE, SwiGLU and (flash) attention as ggml's CPU backend computes them",
-             _fixed("ops=ggml"), families=("llama",)),
+             _fixed("ops=ggml"), applies=_plain_llama, kind="regime"),
         Knob("accumulate", _choice("ggml", "f32", "f64"), "ggml | f32 | f64", "ggml",
              "a regime's sums: ggml's own order (bit-exact on x86, slow), or its matmuls by torch's BLAS in f32 "
              "(another order, fast) or f64 (exact), the rest exact and rounded once",
-             _fixed("accumulate=f64,weights=q8_0,act_quant=q8_0")),
+             _fixed("accumulate=f64,weights=q8_0,act_quant=q8_0"), kind="regime"),
         Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json",
-             "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}"),
+             "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}",
+             kind="config"),
         Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
-             "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}"),
+             "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}", kind="config"),
         # --- the families' classic porting mistakes (tracer.families) ---
         Knob("norm_offset", _choice("keep", "drop"), "keep | drop", "keep",
              "Gemma's RMSNorm scales by (1 + weight); a port that multiplies by the stored weight forgets the 1",
-             _fixed("norm_offset=drop"), families=("gemma2", "gemma3"), expected="layers.0.input_layernorm"),
+             _fixed("norm_offset=drop"), applies=_offset_norm, expected="layers.0.input_layernorm", kind="semantic"),
         Knob("embed_scale", _choice("model", "drop", "f32"), "model | drop | f32", "model",
              "Gemma multiplies the embeddings by sqrt(hidden_size) rounded to the model's dtype: drop forgets it, "
              "f32 scales in f32 before the cast (differs in bf16/f16 only)",
-             _fixed("embed_scale=drop"), families=("gemma2", "gemma3"),
+             _fixed("embed_scale=drop"), applies=lambda family: family.embed == "scaled",
              expected="model.embed_tokens (f32: with dtype=bf16 or f16 only, rel_l2 ~2e-3, as large as bf16's "
-                      "own rounding there: seen against the fixed bound, --no-noise)"),
+                      "own rounding there: seen against the fixed bound, --no-noise)", kind="semantic"),
         Knob("softcap", _choice("keep", "drop"), "keep | drop", "keep",
              "Gemma 2's soft-capping of attention scores and final logits, cap·tanh(x/cap), forgotten",
              _if(lambda spec: spec.attn_logit_softcapping is not None or spec.final_logit_softcapping is not None,
-                 "softcap=drop"), families=("gemma2", "gemma3"), expected="layers.0.self_attn.scores"),
+                 "softcap=drop"), applies=lambda family: family.softcap, expected="layers.0.self_attn.scores",
+             kind="semantic"),
         Knob("qk_norm", _choice("keep", "drop"), "keep | drop", "keep",
              "the RMSNorm of q and k before RoPE (per head in Qwen3 and Gemma 3, over the projection in OLMo-2) "
-             "forgotten", _fixed("qk_norm=drop"), families=("qwen3", "gemma3", "olmo2"),
-             expected="layers.0.self_attn.q_norm"),
+             "forgotten", _fixed("qk_norm=drop"), applies=lambda family: family.qk_norm != "none",
+             expected="layers.0.self_attn.q_norm", kind="semantic"),
         Knob("window", _choice("keep", "ignore"), "keep | ignore", "keep",
              "the sliding window ignored: every query attends to the whole prefix (visible once the prompt is "
-             "longer than the window)", _window_mistake, families=WINDOWED,
-             expected="self_attn.probs of the first windowed layer; match on prompts within the window"),
+             "longer than the window)", _window_mistake, applies=lambda family: family.sliding_window,
+             expected="self_attn.probs of the first windowed layer; match on prompts within the window",
+             kind="semantic"),
         Knob("rope_local", _choice("local", "global"), "local | global", "local",
              "Gemma 3's local (sliding) layers given the global RoPE base instead of rope_local_base_freq",
-             _fixed("rope_local=global"), families=("gemma3",),
-             expected="self_attn.q_rope of the first local layer (layer 0)"),
+             _fixed("rope_local=global"), applies=lambda family: family.local_rope,
+             expected="self_attn.q_rope of the first local layer (layer 0)", kind="config"),
         Knob("act", _choice(*ACTIVATION_VALUES), " | ".join(ACTIVATION_VALUES), "from config.json",
              "another MLP activation than the config's: exact (erf) GELU for Gemma's tanh approximation, or the "
              "reverse", _if(lambda spec: spec.hidden_act == "gelu_pytorch_tanh", "act=gelu"),
-             expected="layers.0.mlp.act"),
+             expected="layers.0.mlp.act", kind="config"),
         Knob("qkv_split", _qkv_order, "an order of q, k, v, e.g. qkv_split=kqv", "qkv",
              "the fused qkv_proj output split in another order than q | k | v (sizes H·D, KV·D, KV·D in that order)",
-             _fixed("qkv_split=kqv"), families=("phi3",), expected="layers.0.self_attn.q_rope"),
+             _fixed("qkv_split=kqv"), applies=lambda family: family.projections == "fused",
+             expected="layers.0.self_attn.q_rope", kind="semantic"),
         Knob("gate_up", _choice("gate_up", "up_gate"), "gate_up | up_gate", "gate_up",
              "the fused gate_up_proj output split up-first (Phi-3 stores the gate first)",
-             _fixed("gate_up=up_gate"), families=("phi3",), expected="layers.0.mlp.act"),
+             _fixed("gate_up=up_gate"), applies=lambda family: family.mlp == "fused", expected="layers.0.mlp.act",
+             kind="semantic"),
         Knob("kv_cache", _choice(*KV_CACHE_TYPES), " | ".join(KV_CACHE_TYPES), "f16 (llamacpp), f32 (reimpl)",
              "the KV cache's storage type (llama.cpp type_k/type_v; f16 by default): keys and values rounded "
-             "before attention, which then computes as ggml does with that type", _fixed("kv_cache=f32")),
+             "before attention, which then computes as ggml does with that type", _fixed("kv_cache=f32"),
+             kind="regime"),
         Knob("flash_attn", _choice("on", "off", "auto"), "on | off | auto", "auto",
              "llama.cpp's flash attention (auto: on where the backend has it), which fuses scores, softmax and "
-             "context", _fixed("flash_attn=off")),
+             "context", _fixed("flash_attn=off"), kind="regime"),
         Knob("threads", _positive_int, "a positive integer, e.g. threads=2", "4, at most the CPU count",
-             "the runtime's thread count (llama.cpp n_threads); results should not depend on it", _fixed("threads=1")),
+             "the runtime's thread count (llama.cpp n_threads); results should not depend on it", _fixed("threads=1"),
+             kind="runtime"),
     )
 }
 
@@ -281,24 +328,23 @@ def _split_pair(item: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
+def applies_to(knob: Knob, family: str) -> bool:
+    return knob.applies is None or knob.applies(FAMILIES[family])
+
+
 def check_family(variant: dict, family: str) -> None:
     """Refuse knobs that do not apply to the model's family, naming the families they apply to."""
     for name in variant:
-        families = KNOBS[name].families if name in KNOBS else None
-        if families is not None and family not in families:
-            raise TracerError(f"knob {name!r} does not apply to {family} models; it applies to {', '.join(families)}")
+        if name in KNOBS and not applies_to(KNOBS[name], family):
+            families = ", ".join(KNOBS[name].families)
+            raise TracerError(f"knob {name!r} does not apply to {family} models; it applies to {families}")
 
 
 def knobs_for(family: str) -> list[Knob]:
     """The knobs that apply to one family, in catalogue order."""
-    return [knob for knob in KNOBS.values() if knob.families is None or family in knob.families]
+    return [knob for knob in KNOBS.values() if applies_to(knob, family)]
 
 
-def check_engine(variant: dict, engine: str) -> None:
-    """Refuse knobs `engine` cannot honour, naming the engines that can."""
-    for name in variant:
-        engines = KNOBS[name].engines
-        if engine not in engines:
-            raise TracerError(
-                f"knob {name!r} is not honoured by the {engine} engine; engines that honour it: {', '.join(engines)}"
-            )
+def setting(variant: dict, name: str) -> Any:
+    """The value `variant` gives knob `name`, else the knob's default (None where that is no value)."""
+    return variant[name] if name in variant else KNOBS[name].default_value

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tracer import model as tracer_model
-from tracer.model import COMPLETE_MARKER, DEFAULT_DIRNAME
+from tracer import sources
+from tracer.convert import COMPLETE_MARKER
 from tracer.errors import TracerError
+from tracer.sources import DEFAULT_DIRNAME
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +46,7 @@ CONVERTING = "tracer: converting SmolLM2-135M-Instruct.Q4_1.gguf to f32"
 @pytest.fixture(scope="module", autouse=True)
 def bundled_gguf():
     try:
-        return tracer_model.bundled_gguf()
+        return sources.bundled_gguf()
     except TracerError as exc:
         if os.environ.get("CI"):
             raise

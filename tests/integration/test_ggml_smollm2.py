@@ -74,7 +74,7 @@ def _corrupt(source, target, tensor: str = "blk.7.ffn_down.weight", every: int =
 
 def test_a_corrupted_tensor_is_the_first_divergence_in_the_regime_and_hidden_in_the_raw_view(default_model, tmp_path):
     pytest.importorskip("llama_cpp")
-    from tracer.model import bundled_gguf
+    from tracer.sources import bundled_gguf
 
     corrupted = tmp_path / "corrupted.gguf"
     change = _corrupt(bundled_gguf(), corrupted)
@@ -129,7 +129,7 @@ def test_regime_auto_reads_llama_cpp_as_correct_and_keeps_the_raw_view(default_m
 
 def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
     pytest.importorskip("llama_cpp")
-    from tracer.model import bundled_gguf
+    from tracer.sources import bundled_gguf
 
     corrupted = tmp_path / "corrupted.gguf"
     _corrupt(bundled_gguf(), corrupted)
@@ -143,7 +143,7 @@ def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
 
 def test_past_the_bit_exact_length_the_per_op_view_judges_and_reads_llama_cpp_as_correct(default_model):
     pytest.importorskip("llama_cpp")
-    from tracer.regime import EXACT_TOKENS
+    from tracer.regime_view import EXACT_TOKENS
 
     tokens = (PROMPT_IDS * 40)[:EXACT_TOKENS + 16]
     result = tracer.run(default_model, tokens=tokens, candidate="llamacpp", regime="auto", greedy=0, progress=False)

@@ -9,7 +9,7 @@ import torch
 
 import tracer
 from tracer.pipeline import token_ids
-from tracer.points import LAYER_POINTS, all_points
+from tracer.points import all_points, layer_order
 
 PROMPT = "The capital of France is"
 
@@ -53,7 +53,7 @@ def test_no_variant_matches_at_every_point(plain_run):
     assert plain_run.verdict == "match" and plain_run.first_divergence is None
     assert [p.point for p in plain_run.points] == all_points(30)
     assert all(p.recorded for p in plain_run.points)
-    assert len(LAYER_POINTS) >= 15
+    assert len(layer_order("llama")) >= 15
     assert plain_run.logits["max_abs"] <= 1e-4 and plain_run.logits["max_ref"] == pytest.approx(19.8, abs=0.05)
     assert plain_run.greedy["same_prefix"] == 20
     assert plain_run.greedy["reference_text"].startswith(" Paris.")

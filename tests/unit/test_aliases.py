@@ -142,3 +142,19 @@ def test_bad_foreign_metadata_is_one_clear_error(tmp_path, metadata, message):
     save_file({"l_out-0": torch.ones(2, 3)}, str(path), metadata=metadata)
     with pytest.raises(TracerError, match=message):
         Trace.load(path)
+
+
+def test_the_gguf_names_are_gguf_pys_own():
+    """tracer's one table of GGUF names (aliases.GGUF, which the regime's weight reader also reads) says
+    what gguf-py's TensorNameMap for Llama says, module by module."""
+    gguf = pytest.importorskip("gguf")
+    from tracer.aliases import GGUF
+    from tracer.ggml.strategies import hf_name
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 4)
+    rows = [alias for alias in GGUF if alias.pattern != "blk.{i}"]
+    assert len(rows) == 12
+    for alias in rows:
+        module = alias.point.replace("{i}", "3")
+        assert names.get_name(module) == alias.pattern.replace("{i}", "3"), module
+        assert hf_name(alias.pattern.replace("{i}", "3") + ".weight") == module + ".weight"

@@ -63,7 +63,7 @@ def test_theta_on_a_tiny_model_explains_itself(tiny_llama):
 
 
 def test_noise_floor_judges_points_on_their_own_rounding(tiny_llama):
-    from tracer.noise import estimate_noise
+    from tracer.noise_floor import estimate_noise
 
     model = tiny_llama()
     reference = tracer.record(model, TOKENS, engine="hf")

@@ -18,7 +18,7 @@ from tracer.cli import main
 from tracer.config import load_config, read_hf
 from tracer.engines.load import load_engine
 from tracer.families import FAMILIES
-from tracer.points import LAYER_ORDER, all_points, rank, sub_points
+from tracer.points import all_points, layer_order, rank, sub_points
 from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, WINDOW, family_config, write_tiny_family
 
@@ -148,7 +148,7 @@ def test_tracer_run_matches_with_every_point_on_both_sides(tiny, family, capsys)
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_hf_records_in_the_familys_execution_order(tiny, family):
-    """The hooks fire in transformers' execution order: the table's LAYER_ORDER is that order."""
+    """The hooks fire in transformers' execution order: the order derived from the Family row is that order."""
     trace = tracer.record(tiny[family], TOKENS, engine="hf")
     assert trace.points == expected_points(tiny[family])
     assert trace.meta["family"] == family
@@ -337,8 +337,8 @@ def test_variants_lists_a_familys_knobs_with_their_first_divergence(capsys):
 
 
 def test_point_table_describes_every_familys_points():
-    for family, order in LAYER_ORDER.items():
-        assert family in FAMILIES
+    for family in FAMILIES:
+        order = layer_order(family)
         entries = sub_points(family)
         assert tuple(entries) == order
         for sub, entry in entries.items():
@@ -359,7 +359,7 @@ GGUF_FAMILIES = {"qwen2": dict(use_sliding_window=False), "qwen3": dict(head_dim
 def test_a_gguf_of_another_family_is_converted_and_traced(tmp_path, family):
     pytest.importorskip("gguf")
     from tests.families import write_tiny_gguf
-    from tracer.model import gguf_model_path
+    from tracer.sources import gguf_model_path
 
     source = write_tiny_family(tmp_path / "hf", family, **GGUF_FAMILIES[family])
     gguf = write_tiny_gguf(source, tmp_path / f"{family}.gguf")

@@ -14,7 +14,7 @@ import tracer
 from tests.conftest import TOKENS
 from tracer.cli import main
 from tracer.errors import TracerError
-from tracer.points import LAYER_POINTS, all_points
+from tracer.points import all_points, layer_order
 from tracer.reports import result_html, trace_html
 
 HOSTILE_PROMPT = 'Paris <script>alert(1)</script> & "q"'
@@ -77,7 +77,7 @@ def test_plot_returns_figures(theta_result):
     curve, heatmap, breakdown = (theta_result.plot(kind) for kind in ("curve", "heatmap", "breakdown"))
     assert all(isinstance(fig, Figure) for fig in (curve, heatmap, breakdown))
     assert theta_result.plot().axes[0].get_yscale() == "log"
-    assert heatmap.axes[0].images[-1].get_array().shape == (2, len(LAYER_POINTS))
+    assert heatmap.axes[0].images[-1].get_array().shape == (2, len(layer_order("llama")))
     by_position = theta_result.first_divergence["by_position"]
     bars = [patch.get_height() for patch in breakdown.axes[0].patches]
     assert bars == pytest.approx(by_position)
@@ -114,7 +114,7 @@ def test_trace_table_and_html(tiny_dir):
     assert all(sel.startswith(".tracer-nb") for sel in style_selectors(fragment))
     rows = re.findall(r"<tr><td><code>([^<]+)</code></td><td>([^<]*)</td><td>([^<]*)</td>", fragment)
     # 513 points would be 513 rows; folded over layers it is one row per kind of point
-    assert len(rows) == len(LAYER_POINTS) + 3
+    assert len(rows) == len(layer_order("llama")) + 3
     assert ("model.layers.{i}.self_attn.q_rope", "0–1", f"4×{len(TOKENS)}×16") in rows
     assert ("lm_head", "", f"{len(TOKENS)}×97") in rows
 

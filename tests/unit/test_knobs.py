@@ -7,6 +7,7 @@ import torch
 
 import tracer
 from tracer import TracerError
+from tracer.engines.registry import engines_honouring
 from tracer.llama import mask_additive, mask_where, repeat_kv, repeat_kv_tile, rope_half, rope_interleaved
 from tracer.variants import KNOBS, PRESETS, expand_presets
 from tests.conftest import TOKENS
@@ -153,7 +154,7 @@ BOTH_ENGINES = {
 
 @pytest.mark.parametrize("variant", BOTH_ENGINES)
 def test_config_level_knobs_mean_the_same_on_hf_and_reimpl(tiny_llama, variant):
-    assert all({"reimpl", "hf"} <= set(KNOBS[k.split("=")[0]].engines) for k in variant.split(","))
+    assert all({"reimpl", "hf"} <= set(engines_honouring(k.split("=")[0])) for k in variant.split(","))
     model = tiny_llama("m", **BOTH_ENGINES[variant])
     on_hf = tracer.record(model, TOKENS, engine="hf", variant=variant)
     on_reimpl = tracer.record(model, TOKENS, engine="reimpl", variant=variant)
@@ -163,7 +164,7 @@ def test_config_level_knobs_mean_the_same_on_hf_and_reimpl(tiny_llama, variant):
         assert tracer.compare(plain, on_hf).verdict == "diverged", "the knob changed nothing on this model"
 
 
-@pytest.mark.parametrize("knob", [k for k in KNOBS.values() if k.engines == ("reimpl",)])
+@pytest.mark.parametrize("knob", [k for k in KNOBS.values() if engines_honouring(k.name) == ("reimpl",)])
 def test_semantic_knobs_are_refused_by_hf_naming_reimpl(tiny_llama, knob):
     text = knob.representative(None)
     with pytest.raises(TracerError, match=f"knob '{knob.name}' is not honoured by the hf engine; engines that honour it: reimpl"):

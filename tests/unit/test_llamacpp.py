@@ -193,6 +193,13 @@ def test_knobs_llamacpp_cannot_honour_are_refused_before_anything_loads(tiny):
     assert ENGINES["llamacpp"].knobs == ("theta", "kv_cache", "flash_attn", "threads")
 
 
+def test_the_engines_tables_cover_exactly_the_knobs_values(llamacpp):
+    from tracer.variants import KNOBS
+
+    assert set(llamacpp.KV_TYPES) == set(KNOBS["kv_cache"].values)
+    assert set(llamacpp.FLASH_ATTN) == set(KNOBS["flash_attn"].values)
+
+
 def test_a_context_llamacpp_refuses_is_one_line_with_its_reason(tiny, llamacpp):
     model_dir, gguf, _ = tiny
     engine = llamacpp.load(model_dir, {**EXACT, "kv_cache": "q8_0"}, argument=str(gguf))

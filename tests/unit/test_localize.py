@@ -12,7 +12,7 @@ from tracer.engines.load import load_engine
 from tracer.explain import amplification
 from tracer.points import source_point
 from tracer.pipeline import local_errors
-from tracer.noise import estimate_noise
+from tracer.noise_floor import estimate_noise
 from tests.conftest import TOKENS
 
 

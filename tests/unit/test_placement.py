@@ -18,7 +18,7 @@ import tracer
 from tests.conftest import OWN_PEAK_KB, TOKENS, write_tiny_llama
 from tracer.cli import main
 from tracer.llama import Llama
-from tracer.noise import estimate_noise
+from tracer.noise_floor import estimate_noise
 from tracer.trace import TraceRecorder
 
 CUDA = torch.cuda.is_available()

@@ -13,12 +13,12 @@ import tracer.reports as reports
 import tracer.reports.figures as report_figures
 from tracer.result import PointDiff, Result, Tolerance
 from tracer.errors import TracerError
-from tracer.points import EMBED, FINAL_NORM, LAYER_POINTS, LOGITS, all_points, is_coarse, layer_of
+from tracer.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order
 
 TOL = 1e-4
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HOSTILE_PROMPT = 'Paris <script>alert(1)</script> & "q"'
-LAYER_POINTS_INDEX = {sub: i for i, sub in enumerate(LAYER_POINTS)}
+LAYER_POINTS_INDEX = {sub: i for i, sub in enumerate(layer_order("llama"))}
 
 
 # --- realistic summaries -----------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The package's shape: no import cycle among tracer, tracer.hooks and tracer.reports, no private
-name imported across modules, and the commands that need no model start without torch."""
+"""The package's shape: no import cycle among tracer, tracer.hooks and tracer.reports, no import up the
+layers, no private name imported across modules, and the commands that need no model start without torch."""
 
 from __future__ import annotations
 
@@ -95,6 +95,52 @@ def test_no_import_cycle_among_tracer_hooks_and_reports():
     assert cycles(import_graph()) == []
 
 
+# The layers, lowest first: a module imports from its own layer or a lower one, never a higher one
+# (function-level imports included). A name ending in "." is a whole package. A new module gets a place here.
+LAYERS = [
+    ("foundation", {"tracer", "tracer.errors", "tracer.progress", "tracer.tensorfile", "tracer.torch_types"}),
+    ("vocabulary: families, points, knobs, aliases", {"tracer.families", "tracer.points", "tracer.variants",
+                                                     "tracer.aliases"}),
+    ("reports: render a summary", {"tracer.reports", "tracer.reports."}),
+    ("values: traces, results, comparing them", {"tracer.trace", "tracer.result", "tracer.spill",
+                                                 "tracer.fingerprint", "tracer.layouts", "tracer.explain",
+                                                 "tracer.diff"}),
+    ("model files", {"tracer.weights", "tracer.tokenizer", "tracer.convert", "tracer.sources", "tracer.config"}),
+    ("ggml's arithmetic", {"tracer.ggml", "tracer.ggml."}),
+    ("the reimplementation", {"tracer.llama", "tracer.forced_runs"}),
+    ("engines", {"tracer.engines", "tracer.engines.", "tracer.hooks", "tracer.hooks."}),
+    ("pipeline", {"tracer.noise_floor", "tracer.greedy", "tracer.catalogue", "tracer.pipeline",
+                  "tracer.regime_view"}),
+    ("api and cli", {"tracer.api", "tracer.testing", "tracer.cli", "tracer.__main__"}),
+]
+
+
+def layer_of(module: str) -> int | None:
+    for index, (_, members) in enumerate(LAYERS):
+        if module in members or any(m.endswith(".") and module.startswith(m) for m in members):
+            return index
+    return None
+
+
+def test_every_module_has_a_layer():
+    assert [name for name in modules() if layer_of(name) is None] == []
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+            for name, targets in graph.items() for target in sorted(targets) if layer_of(target) > layer_of(name)]
+
+
+def test_no_import_runs_up_the_layers():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    # what variants.py did before knobs carried their kind: it asked the engine registry
+    assert upward_imports({"tracer.variants": {"tracer.engines.registry", "tracer.families"}}) == [
+        "tracer.variants (vocabulary: families, points, knobs, aliases) imports tracer.engines.registry (engines)"]
+
+
 def test_no_private_name_is_imported_across_modules():
     known = modules()
     private = [(name, target, taken) for name, path in known.items() for target, names in imports(name, path, known)
@@ -124,10 +170,11 @@ def test_the_documented_functions_are_the_package_attributes():
 def test_every_engine_module_and_knob_in_the_registry_exists():
     import importlib.util
 
-    from tracer.engines.registry import ENGINES
-    from tracer.variants import KNOBS
+    from tracer.engines.registry import ENGINES, engines_honouring
+    from tracer.variants import KINDS, KNOBS
 
     for entry in ENGINES.values():
         assert importlib.util.find_spec(entry.module) is not None, entry.module
         assert set(entry.knobs) <= set(KNOBS), entry.name
-    assert all(KNOBS[name].engines for name in KNOBS)  # every knob has an engine that honours it
+        assert set(entry.kinds) <= set(KINDS), entry.name
+    assert all(engines_honouring(name) for name in KNOBS)  # every knob has an engine that honours it

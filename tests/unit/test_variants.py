@@ -1,7 +1,8 @@
 import pytest
 
 from tracer import TracerError
-from tracer.variants import KNOBS, check_engine, parse_variant
+from tracer.engines.registry import check_engine, engines_honouring
+from tracer.variants import KINDS, KNOBS, parse_variant
 
 
 def test_parse_pairs_lists_and_dicts():
@@ -27,7 +28,8 @@ def test_bad_variants_are_one_clear_line(text, message):
 
 def test_every_knob_names_engines_and_what_it_reproduces():
     for knob in KNOBS.values():
-        assert knob.engines and knob.reproduces and knob.accepted
+        assert engines_honouring(knob.name) and knob.reproduces and knob.accepted
+        assert knob.kind in KINDS, knob.name
 
 
 def test_engine_check_names_the_engines_that_can():

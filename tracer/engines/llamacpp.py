@@ -50,8 +50,9 @@ from tracer.engines.base import is_loaded_model, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.layouts import from_interleaved, sub_point
-from tracer.points import all_points, layer_point
+from tracer.points import FUSED_AWAY, all_points, layer_point
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
+from tracer.variants import setting
 
 # ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
@@ -353,7 +354,7 @@ def runtime() -> tuple[Ggml, Logs]:
 
 def gguf_of(source, argument: str | None) -> Path:
     """The GGUF to run: `llamacpp:PATH.gguf`, else the one the model directory was converted from."""
-    from tracer.model import DEFAULT_GGUF, bundled_gguf, check_gguf_header
+    from tracer.sources import DEFAULT_GGUF, bundled_gguf, check_gguf_header
 
     if argument:
         path = Path(argument).expanduser()
@@ -465,7 +466,7 @@ class LlamaCppEngine:
         params.no_perf = True
         threads = self.variant.get("threads", min(DEFAULT_THREADS, os.cpu_count() or 1))
         params.n_threads = params.n_threads_batch = threads
-        params.flash_attn_type = FLASH_ATTN[self.variant.get("flash_attn", "auto")]
+        params.flash_attn_type = FLASH_ATTN[setting(self.variant, "flash_attn")]
         if "kv_cache" in self.variant:
             params.type_k = params.type_v = KV_TYPES[self.variant["kv_cache"]]
         if "theta" in self.variant:
@@ -531,7 +532,7 @@ class LlamaCppEngine:
     def _not_recorded(self, recorded) -> dict[str, str]:
         """Every point of the vocabulary the graph did not show, with why."""
         missing = [p for p in all_points(self.num_layers) if p not in recorded]
-        fused = ("self_attn.scores", "self_attn.probs") if self.flash else ()
+        fused = FUSED_AWAY if self.flash else ()
         return {p: FLASH_REASON if sub_point(p) in fused else ABSENT_REASON for p in missing}
 
     def _meta_int(self, key: str) -> int | None:
@@ -596,7 +597,7 @@ class Handles:
 def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False,
          outputs: str = "all", observe: bool = True) -> LlamaCppEngine:
     """llama.cpp on `llamacpp:PATH.gguf`, else on the GGUF the model directory was converted from."""
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     if argument is None and not is_loaded_model(source):
         source = resolve_model(source)

@@ -7,10 +7,9 @@ import importlib
 import torch
 
 from tracer.engines.base import check_device
-from tracer.engines.registry import check_runtime, parse_engine
+from tracer.engines.registry import check_engine, check_runtime, parse_engine
 from tracer.engines.offload import check_offload
 from tracer.errors import TracerError
-from tracer.variants import check_engine
 
 
 def check_engine_name(name: str) -> None:

@@ -34,9 +34,10 @@ from tracer.config import NON_FORWARD_KEYS, load_config, read_hf
 from tracer.engines.base import is_loaded_model, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
-from tracer.llama import TORCH_DTYPES
-from tracer.points import EMBED, FINAL_NORM, LOGITS, layer_point
+from tracer.points import EMBED, FINAL_NORM, LOGITS, fused_away, layer_point
 from tracer.trace import Trace, TraceRecorder
+from tracer.torch_types import TORCH_DTYPES
+from tracer.variants import setting
 
 # Observed module (relative to `model.layers.{i}`) -> one (input point, output point) per call,
 # in call order; None where that side of the call is not a point.
@@ -57,7 +58,7 @@ MODEL_CALLS = {EMBED: [(None, EMBED)], FINAL_NORM: [(None, FINAL_NORM)]}
 
 FUSED = ("mlx-lm runs attention as one fused call (mx.fast.scaled_dot_product_attention): "
          "scores and probabilities never exist as arrays")
-UNOBSERVABLE = {"self_attn.scores": FUSED, "self_attn.probs": FUSED}
+UNOBSERVABLE = fused_away(FUSED)
 
 DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}  # knob value -> mlx.core dtype name
 DEVICES = {"cpu": "cpu", "mps": "gpu"}  # torch device type -> MLX device (mps: Metal on Apple silicon)
@@ -79,7 +80,7 @@ class MLXEngine:
         self.spec = read_hf(config)  # what transformers reads: the positions the reference has
         self.stream = getattr(mx, DEVICES[device.type])
         self.num_layers = len(model.layers)
-        self.dtype = variant.get("dtype", "f32")
+        self.dtype = setting(variant, "dtype")
 
     @property
     def vocab_size(self) -> int:
@@ -200,10 +201,11 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
     """mlx-lm's model from a model directory (None: the bundled SmolLM2), in the `dtype` knob's dtype."""
     if is_loaded_model(source):
         raise TracerError("the mlx engine loads the model directory itself; pass a path, not a loaded model")
-    from tracer.model import check_weight_files, resolve_model
+    from tracer.sources import resolve_model
+    from tracer.weights import check_weight_files
 
     device = torch.device(device)
-    dtype = variant.get("dtype", "f32")
+    dtype = setting(variant, "dtype")
     if dtype not in DTYPES:
         raise TracerError(f"the mlx engine runs dtype {' | '.join(DTYPES)}, not {dtype}")
     model_dir = resolve_model(source)

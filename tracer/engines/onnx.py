@@ -20,8 +20,8 @@ its eager form (transformers' `eager_attention_forward`, op for op), which is wh
 probabilities exist as values.
 
 The export is made once per model directory (its path, file sizes and times), dtype and exporter
-versions (torch, transformers, onnx, onnxscript) and kept under `tracer.model.cache_root()/onnx`,
-built in a temporary folder renamed into place when complete (`tracer.model.cached_build`, as the
+versions (torch, transformers, onnx, onnxscript) and kept under `tracer.convert.cache_root()/onnx`,
+built in a temporary folder renamed into place when complete (`tracer.convert.cached_build`, as the
 GGUF conversion). The sequence length is a dynamic dimension, so one export serves every prompt
 length and greedy decoding. Next to `model.onnx` (every point an output) the cache holds
 `plain.onnx`, the same graph with only the logits as output, sharing the weights file: that is the
@@ -57,6 +57,7 @@ from tracer.errors import TracerError, one_line
 from tracer.points import LOGITS, is_causal
 from tracer.progress import detail
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
+from tracer.variants import setting
 
 EXPORT_FORMAT = 1  # bump when RecordingExport changes what it writes: older exports are then rebuilt
 MODEL_FILE, PLAIN_FILE, DATA_FILE, MANIFEST_FILE = "model.onnx", "plain.onnx", "model.onnx.data", "export.json"
@@ -82,7 +83,7 @@ class ONNXEngine:
     def __init__(self, export_dir: Path, variant: dict, label: str, spec):
         self.export_dir, self.variant, self.label, self.spec = export_dir, variant, label, spec
         self.manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
-        self.level = variant.get("ort_opt", "all")
+        self.level = setting(variant, "ort_opt")
         self.session = self._session(MODEL_FILE)
         self.points = [output.name for output in self.session.get_outputs()]
         self._plain = None  # made on first use: a second session holds a second copy of the weights
@@ -165,7 +166,7 @@ class RecordingExport(torch.nn.Module):
 
 def export_path(model_dir: Path, dtype: str) -> Path:
     """Where the export of this model directory (as its files are now) in `dtype` is cached."""
-    from tracer.model import cache_root
+    from tracer.convert import cache_root
 
     files = sorted(p for p in model_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
     identity = [str(model_dir.resolve()), dtype, EXPORT_FORMAT,
@@ -178,7 +179,7 @@ def export_path(model_dir: Path, dtype: str) -> Path:
 
 def exported(model_dir: Path, dtype: str) -> Path:
     """The cached export (made now if missing): model.onnx, plain.onnx, their weights, export.json."""
-    from tracer.model import cached_build
+    from tracer.convert import cached_build
 
     target = export_path(model_dir, dtype)
     return cached_build(target, lambda folder: _export(model_dir, dtype, folder), progress=False)
@@ -260,9 +261,9 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
     if is_loaded_model(source):
         raise TracerError("the onnx engine exports the model directory itself; pass a path, not a loaded model")
     from tracer.config import load_config, read_hf
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
-    dtype = variant.get("dtype", "f32")
+    dtype = setting(variant, "dtype")
     if dtype not in DTYPES:
         raise TracerError(f"the onnx engine runs dtype {' | '.join(DTYPES)}, not {dtype} "
                           "(ONNX Runtime's CPU provider has no kernels for the rest of this graph)")

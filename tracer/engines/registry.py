@@ -12,17 +12,8 @@ import importlib.util
 from dataclasses import dataclass
 
 from tracer.errors import TracerError
-
-# Config-level knobs: they change the model every PyTorch engine builds (the spec it reads).
-CONFIG_KNOBS = ("theta", "eps", "attn", "dtype", "rope_scaling", "bias", "config", "resave", "layers", "head_dim",
-                "act", "rope_local")
-# Semantic knobs: they change one operation of tracer's own forward (the families' porting mistakes among them).
-SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "preset",
-                  "norm_offset", "embed_scale", "softcap", "qk_norm", "window", "qkv_split", "gate_up")
-# Number-format regime knobs: ggml's block formats and CPU arithmetic (tracer.ggml).
-REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn")
-# llama.cpp's own switches: rope_freq_base, the KV cache type, flash attention, threads.
-LLAMACPP_KNOBS = ("theta", "kv_cache", "flash_attn", "threads")
+from tracer.points import FUSED_AWAY
+from tracer.variants import KNOBS
 
 
 @dataclass(frozen=True)
@@ -33,10 +24,12 @@ class EngineEntry:
         name: what `--reference` / `--candidate` take (before any `:argument`).
         module: the module whose `load(source, variant, *, argument, device, stream)` builds it.
         summary: one line for `tracer engines`.
-        knobs: the variant knobs it honours; any other knob is refused, naming the engines that can.
-        emulated: those of its knobs that emulate another runtime's number formats (a regime, not a
-            porting mistake): `tracer diagnose` tries them, the default sweep leaves them out.
-        unobservable: per-layer sub-points (`self_attn.scores`, ...) it can never record.
+        kinds: the kinds of knob it honours whole (`tracer.variants.KINDS`: config, semantic, regime).
+        knobs: single knobs it honours beyond those kinds (a runtime's own switches). Any other knob is
+            refused, naming the engines that can (`honoured` is the whole list).
+        fused_attention: when its attention is one fused op, which never forms the scores and
+            probabilities (`tracer.points.FUSED_AWAY`): "always", or the choice that fuses it ("" never);
+            each trace's not_recorded says it per run.
         local_errors: it can rerun each block on the reference's inputs (`local_trace`), which
             separates the error a point introduces from the error it inherits.
         draft: it has a cached decode (`draft(tokens, steps)`) that greedy decoding checks.
@@ -64,9 +57,9 @@ class EngineEntry:
     name: str
     module: str
     summary: str
+    kinds: tuple[str, ...] = ()
     knobs: tuple[str, ...] = ()
-    emulated: tuple[str, ...] = ()
-    unobservable: tuple[str, ...] = ()
+    fused_attention: str = ""
     local_errors: bool = False
     draft: bool = False
     greedy: str = "uncached"
@@ -80,6 +73,25 @@ class EngineEntry:
     noise_floor: bool = False
     offload: bool = False
     isolated: bool = False
+
+    def honours(self, knob: str) -> bool:
+        return knob in self.knobs or (knob in KNOBS and KNOBS[knob].kind in self.kinds)
+
+    @property
+    def honoured(self) -> tuple[str, ...]:
+        """Every knob it honours, in catalogue order."""
+        return tuple(name for name in KNOBS if self.honours(name))
+
+    @property
+    def unobservable(self) -> tuple[str, ...]:
+        """Per-layer sub-points it can never record."""
+        return FUSED_AWAY if self.fused_attention == "always" else ()
+
+    @property
+    def emulated(self) -> tuple[str, ...]:
+        """Those of its knobs that emulate another runtime's number formats (a regime, not a porting
+        mistake): `tracer diagnose` tries them, the default sweep leaves them out."""
+        return tuple(name for name, knob in KNOBS.items() if knob.kind == "regime" and "regime" in self.kinds)
 
     @property
     def usage(self) -> str:
@@ -108,13 +120,15 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry(
             "hf", "tracer.hooks.engine",
             "transformers' own model, observed through forward hooks and a registered attention function",
-            knobs=CONFIG_KNOBS, draft=True, devices=("cpu", "cuda", "mps"), noise_floor=True, offload=True,
+            kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
+            noise_floor=True, offload=True,
             requires=(("transformers", "transformers"),),
         ),
         EngineEntry(
             "reimpl", "tracer.engines.reimpl",
             "tracer's own Llama in plain torch (tracer/llama.py), every knob as a strategy",
-            knobs=CONFIG_KNOBS + SEMANTIC_KNOBS + REGIME_KNOBS, emulated=REGIME_KNOBS, local_errors=True,
+            kinds=("config", "semantic", "regime"), fused_attention="attn=sdpa, or flash_attn with ops=ggml",
+            local_errors=True,
             devices=("cpu", "cuda", "mps"), stream=True, noise_floor=True,
         ),
         EngineEntry(
@@ -125,7 +139,7 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry(
             "mlx", "tracer.engines.mlx",
             "Apple MLX through mlx-lm on the model directory, its modules' calls recorded (CPU; Metal as mps)",
-            knobs=("dtype",), unobservable=("self_attn.scores", "self_attn.probs"), devices=("cpu", "mps"),
+            knobs=("dtype",), fused_attention="always", devices=("cpu", "mps"),
             extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
         ),
         EngineEntry(
@@ -137,9 +151,10 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry(
             "llamacpp", "tracer.engines.llamacpp",
             "llama.cpp (llama-cpp-python) running the model's GGUF, its graph observed through the eval callback",
-            # scores/probs are recorded unless flash attention fuses them (flash_attn=on, or auto
-            # where the backend has it): said per run in the trace's not_recorded, not here.
-            knobs=LLAMACPP_KNOBS, draft=True, greedy="cached", argument="PATH", extra="llamacpp",
+            # Its own switches: rope_freq_base, the KV cache type, flash attention, threads.
+            knobs=("theta", "kv_cache", "flash_attn", "threads"),
+            fused_attention="flash_attn=on, or auto where the backend has it",
+            draft=True, greedy="cached", argument="PATH", extra="llamacpp",
             requires=(("llama_cpp", "llama-cpp-python"),), isolated=True,
         ),
     )
@@ -171,4 +186,14 @@ def check_runtime(entry: EngineEntry) -> None:
 
 
 def engines_honouring(knob: str) -> tuple[str, ...]:
-    return tuple(name for name, entry in ENGINES.items() if knob in entry.knobs)
+    return tuple(name for name, entry in ENGINES.items() if entry.honours(knob))
+
+
+def check_engine(variant: dict, engine: str) -> None:
+    """Refuse knobs `engine` cannot honour, naming the engines that can."""
+    for name in variant:
+        if not ENGINES[engine].honours(name):
+            engines = ", ".join(engines_honouring(name))
+            raise TracerError(
+                f"knob {name!r} is not honoured by the {engine} engine; engines that honour it: {engines}"
+            )

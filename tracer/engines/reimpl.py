@@ -42,14 +42,14 @@ class ReimplEngine:
         return self.llama.forward(torch.tensor(tokens))
 
     def local_trace(self, reference: Trace, recorder=None) -> Trace:
-        """Every block rerun on the reference's input to that block (`tracer.localize`)."""
-        from tracer.localize import teacher_forced_points
+        """Every block rerun on the reference's input to that block (`tracer.forced_runs`)."""
+        from tracer.forced_runs import teacher_forced_points
 
         return Trace(teacher_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
 
     def op_trace(self, reference: Trace, recorder=None) -> Trace:
-        """Every op rerun on the reference's values of its inputs (`tracer.localize.op_forced_points`)."""
-        from tracer.localize import op_forced_points
+        """Every op rerun on the reference's values of its inputs (`tracer.forced_runs.op_forced_points`)."""
+        from tracer.forced_runs import op_forced_points
 
         return Trace(op_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
 
@@ -65,7 +65,7 @@ def load(source, variant: dict, *, argument: str | None = None, device: str | to
          stream: bool = False) -> ReimplEngine:
     """From a model directory, or an already loaded transformers model (its config and state dict
     read our own way). `stream`: each block's weights read from the files when it runs."""
-    from tracer.model import resolve_model
+    from tracer.sources import resolve_model
 
     placement = {"device": check_device(device), "stream": stream}
     if is_loaded_model(source):

@@ -7,7 +7,8 @@
 - `vecdot`: the quantized matrix products, in `ggml_vec_dot_*`'s accumulation order (x86
   AVX2/AVX-512) or accumulated exactly in f64.
 - `ops`: RMSNorm, RoPE, SwiGLU and flash attention as ggml's CPU backend computes them.
-- `regime`: the strategies `tracer.llama` runs for the regime knobs (`weights`, `act_quant`,
+- `gguffile`: a GGUF file's tensors read lazily (header parsed with `struct`, tensor bytes memory-mapped).
+- `strategies`: the strategies `tracer.llama` runs for the regime knobs (`weights`, `act_quant`,
   `kv_cache`, `accumulate`, `preset=llamacpp`), and GGUF weights read as stored.
 
 Every function is pure, takes and returns torch tensors, and names the ggml source it follows.

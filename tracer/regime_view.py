@@ -3,7 +3,7 @@
 A quantized or 16-bit port differs from f32 transformers by design: llama.cpp quantizes its
 activations to 8 bits inside each quantized matmul, MLX in bf16 rounds every op. Against f32 such a
 port "diverges" at the first projection, correct or not. The regime view compares it instead with
-tracer's own model run in the same number formats (`tracer.ggml.regime`'s knobs, or a 16-bit
+tracer's own model run in the same number formats (`tracer.ggml.strategies`'s knobs, or a 16-bit
 dtype): there a correct port matches and a bug stands alone. Three things are reported beside the
 regime's verdict:
 
@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from tracer.diff import compare_points
-from tracer.engines.registry import parse_engine
+from tracer.diff import rel_l2_by_point
+from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
 from tracer.pipeline import compare_candidate, prepared_reference, timed
-from tracer.result import Result, Tolerance
+from tracer.result import Result
 from tracer.trace import Trace
-from tracer.variants import check_engine, expand_presets, parse_variant, variant_text
+from tracer.variants import expand_presets, parse_variant, setting, variant_text
 
 # Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`).
 EXACT_TOKENS = 64
@@ -64,7 +64,7 @@ def implied(candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
     if entry.name == "llamacpp":
         return llamacpp_regime(source, argument, variant)
     formats = {knob: value for knob, value in variant.items() if knob in entry.emulated}
-    dtype = variant.get("dtype", "f32")
+    dtype = setting(variant, "dtype")
     if dtype != "f32":
         formats["dtype"] = dtype
     if formats:  # the candidate's own number formats (a reimpl candidate in a regime: that regime)
@@ -75,7 +75,7 @@ def implied(candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
 
 
 def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, list[str]]:
-    """llama.cpp's CPU regime for the GGUF the candidate runs (`tracer.ggml.regime.implied_regime`).
+    """llama.cpp's CPU regime for the GGUF the candidate runs (`tracer.ggml.strategies.implied_regime`).
 
     weights=gguf takes the exact tensors of the GGUF the model directory was converted from; a
     candidate file with other tensor types (another quantization of the model) is emulated by
@@ -83,7 +83,7 @@ def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, 
     """
     from tracer.config import load_config
     from tracer.engines.llamacpp import gguf_of
-    from tracer.ggml.regime import GGUFWeights, gguf_path, implied_regime
+    from tracer.ggml.strategies import GGUFWeights, gguf_path, implied_regime
 
     path = gguf_of(source, argument)
     types = GGUFWeights(path).types()
@@ -105,7 +105,7 @@ def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, 
 
 def regime_cost(f32_reference: Trace, regime_reference: Trace) -> dict[str, float]:
     """Per point, the rel_l2 the regime itself adds over f32: what running in it costs, and where."""
-    return {p.point: p.rel_l2 for p in compare_points(f32_reference, regime_reference, Tolerance()) if p.recorded}
+    return rel_l2_by_point(f32_reference, regime_reference)
 
 
 def raw_view(raw: Result) -> dict:
@@ -120,7 +120,7 @@ def regime_context(knobs: dict, caveats: list[str], raw: Result, cost: dict[str,
                    per_op: dict[str, float] | None) -> dict:
     """The `Result.regime` record: which regime, its caveats, the raw view, its cost, the per-op view."""
     worst_op = max(per_op.items(), key=lambda item: item[1]) if per_op else None
-    bound = PER_OP_BOUNDS.get(knobs.get("dtype", "f32"))  # None for f64: no bound
+    bound = PER_OP_BOUNDS.get(setting(knobs, "dtype"))  # None for f64: no bound
     return {
         "variant": knobs, "label": variant_text(knobs), "caveats": list(caveats), "raw": raw_view(raw),
         "cost": cost, "per_op": per_op,
@@ -152,8 +152,8 @@ def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
     EXACT_TOKENS (its cost grows to ~25× a plain forward); otherwise the per-op view decides.
     """
     expanded = expand_presets(knobs)
-    chaotic = expanded.get("act_quant", "none") != "none" or expanded.get("kv_cache") == "q8_0"
-    exact = not caveats and expanded.get("accumulate", "ggml") == "ggml" and num_tokens <= EXACT_TOKENS
+    chaotic = setting(expanded, "act_quant") != "none" or expanded.get("kv_cache") == "q8_0"
+    exact = not caveats and setting(expanded, "accumulate") == "ggml" and num_tokens <= EXACT_TOKENS
     return "free" if not chaotic or exact else "per_op"
 
 
@@ -179,7 +179,7 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
             candidate = engine.record(in_regime.ids, in_regime.sink("candidate"))
         with timed(timings, "regime_per_op_s"):
             forced = in_regime.engine.op_trace(candidate)
-        per_op = {p.point: p.rel_l2 for p in compare_points(candidate, forced, Tolerance()) if p.recorded}
+        per_op = rel_l2_by_point(candidate, forced)
         judged = in_regime if view_kind == "free" else dataclasses.replace(in_regime, trace=forced)
         view = compare_candidate(judged, engine, trace=candidate)
         cost = regime_cost(prepared.trace, in_regime.trace)

@@ -16,7 +16,7 @@ Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
 - `accumulate`: ggml | f32 | f64: the quantized matmuls, RoPE, SwiGLU and attention in ggml's own
   order (bit-exact on x86, slow: ~25x a plain forward), or with the matmuls through torch's BLAS in
   f32 (another valid order, fast) or f64 (exact) and the rest exact in f64, rounded once (see
-  `tracer.ggml.noise`).
+  `tracer.noise_floor.regime_noise`).
 - `flash_attn`: on | auto | off: with ops=ggml, llama.cpp's flash attention (auto is on for its
   CPU backend) or its unfused attention, which records scores and probabilities; with ops=hf the
   attention is unfused anyway (off, auto) and `on` is refused.
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tracer.engines.registry import REGIME_KNOBS
+from tracer.aliases import GGUF
 from tracer.errors import TracerError
 from tracer.ggml import ops
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
@@ -46,6 +46,7 @@ from tracer.ggml.quants import ACT_BLOCK, BLOCK_TYPES, VEC_DOT_TYPE, Blocks, fro
     quantize_activations, quantize_q8_0
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
 from tracer.layouts import to_interleaved
+from tracer.variants import KNOBS, PRESETS, setting
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -53,18 +54,14 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 
 def is_regime(variant: dict) -> bool:
     """Whether a variant (presets expanded) emulates a number-format regime."""
-    return any(knob in variant for knob in REGIME_KNOBS)
+    return any(KNOBS[knob].kind == "regime" for knob in variant if knob in KNOBS)
 
 
 # --- weights ----------------------------------------------------------------------------------
 
-# GGUF tensor names -> HF names (llama.cpp's convert_hf_to_gguf for Llama).
-GGUF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
+# GGUF tensor stems ("blk.{i}.attn_q", "output_norm") -> the HF module holding that weight: the GGUF
+# rows of tracer's one alias table (`tracer.aliases.GGUF`, checked against gguf-py's TensorNameMap).
+GGUF_MODULES = {alias.pattern: alias.point for alias in GGUF if alias.pattern != "blk.{i}"}
 PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")  # rows in GGUF's RoPE-pair order
 
 
@@ -72,11 +69,11 @@ def hf_name(gguf_name: str) -> str | None:
     """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; None for others."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in GGUF_NAMES:
-        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{suffix}"
-    if len(parts) == 1 and parts[0] in GGUF_NAMES:
-        return f"{GGUF_NAMES[parts[0]]}.{suffix}"
-    return None
+    if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit():
+        module = GGUF_MODULES.get(f"blk.{{i}}.{parts[2]}")
+        return None if module is None else f"{module.replace('{i}', parts[1])}.{suffix}"
+    module = GGUF_MODULES.get(stem)
+    return None if module is None else f"{module}.{suffix}"
 
 
 def gguf_path(source: dict | None) -> Path:
@@ -85,7 +82,7 @@ def gguf_path(source: dict | None) -> Path:
     Raises:
         TracerError: the directory was not converted from a GGUF, or the file is gone.
     """
-    from tracer.model import DEFAULT_GGUF, bundled_gguf
+    from tracer.sources import DEFAULT_GGUF, bundled_gguf
 
     name = (source or {}).get("gguf_file")
     if not name:
@@ -375,10 +372,10 @@ def glu_ggml(accumulate: str):
 def check_knobs(knobs: dict) -> None:
     if not is_regime(knobs):
         return
-    if knobs.get("dtype", "f32") != "f32":
+    if setting(knobs, "dtype") != "f32":
         raise TracerError(f"dtype={knobs['dtype']} cannot combine with regime knobs: they emulate f32 arithmetic "
-                          "(the regime's noise floor is tracer.ggml.noise.regime_noise)")
-    if knobs.get("ops") == "ggml" and knobs.get("attn", "eager") != "eager":
+                          "(the regime's noise floor is tracer.noise_floor.regime_noise)")
+    if knobs.get("ops") == "ggml" and setting(knobs, "attn") != "eager":
         raise TracerError("ops=ggml brings llama.cpp's own attention; it does not combine with attn=sdpa")
     if knobs.get("flash_attn") == "on" and knobs.get("ops") != "ggml":
         raise TracerError("flash_attn=on is llama.cpp's flash attention: on the reimpl engine it needs ops=ggml "
@@ -396,8 +393,8 @@ def apply_regime(knobs: dict, strategies, spec=None):
     if knobs.get("ops") == "ggml" and family != "llama":
         raise TracerError(f"ops=ggml emulates llama.cpp's Llama graph; this model is a {family} "
                           "(the number-format knobs weights/act_quant/kv_cache apply to it)")
-    rounding, accumulate = knobs.get("act_round", "even"), knobs.get("accumulate", "ggml")
-    linear = make_linear(knobs.get("act_quant", "none"), rounding, accumulate)
+    rounding, accumulate = setting(knobs, "act_round"), setting(knobs, "accumulate")
+    linear = make_linear(setting(knobs, "act_quant"), rounding, accumulate)
     changes = {"weights": weight_format(knobs.get("weights")), "linear": linear,
                "logits": functools.partial(strategies.logits, linear=linear),
                "embed": dequantized_embed(strategies.embed)}
@@ -407,7 +404,7 @@ def apply_regime(knobs: dict, strategies, spec=None):
                     "rope": ops.rope if accumulate == "ggml" else ops.rope_exact,
                     "rotary": ops.rope_cos_sin, "glu": glu_ggml(accumulate),
                     "attention": make_attention_ggml(kv_cache or "f32", accumulate, rounding)}
-        if knobs.get("flash_attn", "auto") == "off":
+        if setting(knobs, "flash_attn") == "off":
             changes["attention"] = make_attention_unfused(kv_cache or "f32")
     elif kv_cache is not None:
         changes["attention"] = make_attention_stored(kv_cache, rounding)
@@ -470,7 +467,7 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         (`ReimplEngine.op_trace` fed the llama.cpp trace), where the emulation stays within 1e-4.
 
     Example:
-        >>> from tracer.model import bundled_gguf
+        >>> from tracer.sources import bundled_gguf
         >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "f16"}, flags=set(CPU_FLAGS))
         ({'preset': 'llamacpp', 'weights': 'gguf'}, [])
         >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "q8_0"}, flags={"avx2"})[1]
@@ -478,10 +475,10 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
     """
     knobs = dict(llamacpp_variant or {})
     variant = {"preset": "llamacpp", "weights": "gguf"}
-    kv_cache = knobs.get("kv_cache", "f16")
+    kv_cache = knobs.get("kv_cache", PRESETS["llamacpp"]["kv_cache"])  # llama.cpp's own default cache
     if kv_cache != "f16":
         variant["kv_cache"] = kv_cache
-    if knobs.get("flash_attn", "auto") == "off":
+    if setting(knobs, "flash_attn") == "off":
         variant["flash_attn"] = "off"
     caveats = []
     for kind in sorted(set(weight_types.values()) - EXACT_WEIGHT_TYPES):

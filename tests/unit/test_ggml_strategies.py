@@ -1,4 +1,4 @@
-"""The regime knobs on the reimpl engine (tracer.ggml.regime), on tiny random Llamas: what each
+"""The regime knobs on the reimpl engine (tracer.ggml.strategies), on tiny random Llamas: what each
 changes, the llama.cpp preset against llama.cpp itself on a tiny quantized GGUF, the regime's
 noise floor, per-op teacher forcing and the regime a llama.cpp run implies."""
 
@@ -15,10 +15,11 @@ from tests.ggml_gguf import quantized_models
 from tracer.config import load_config, read_hf
 from tracer.catalogue import diagnosis_variants
 from tracer.errors import TracerError
+from tracer.engines.registry import engines_honouring
 from tracer.ggml.quants import Blocks
-from tracer.ggml.regime import GGUFWeights, implied_regime, regime_catalogue
+from tracer.ggml.strategies import GGUFWeights, implied_regime, regime_catalogue
 from tracer.llama import Llama
-from tracer.variants import KNOBS, PRESETS, expand_presets
+from tracer.variants import PRESETS, expand_presets
 
 LLAMACPP = {"preset": "llamacpp", "weights": "gguf"}
 
@@ -35,8 +36,8 @@ def quantized(tmp_path_factory):
 
 def test_the_regime_knobs_are_listed_for_reimpl_and_the_preset_expands():
     for knob in ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn"):
-        assert "reimpl" in KNOBS[knob].engines
-    assert KNOBS["kv_cache"].engines == KNOBS["flash_attn"].engines == ("reimpl", "llamacpp")
+        assert "reimpl" in engines_honouring(knob)
+    assert engines_honouring("kv_cache") == engines_honouring("flash_attn") == ("reimpl", "llamacpp")
     assert expand_presets({"preset": "llamacpp", "weights": "gguf"}) == {**PRESETS["llamacpp"], "weights": "gguf"}
 
 
@@ -141,8 +142,8 @@ def test_the_quantized_caches_go_through_flash_attention_only(tiny_llama):
 
 
 def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized):
-    from tracer.ggml.noise import regime_noise
-    from tracer.noise import estimate_noise
+    from tracer.noise_floor import regime_noise
+    from tracer.noise_floor import estimate_noise
 
     _, _, converted = quantized
     reference = tracer.record(converted, TOKENS, engine="reimpl", variant=LLAMACPP, progress=False)
@@ -151,7 +152,7 @@ def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized)
     assert noise["model.layers.0.resid_mid"] == 0  # an f32 add of forced inputs: no order to change
     assert 1e-9 < noise["model.layers.0.self_attn.q_proj"] < 1e-5
     assert 1e-9 < noise["model.layers.1.mlp.down_proj"] < 1e-5
-    assert estimate_noise(converted, reference, LLAMACPP) == noise  # tracer.noise hands regimes over
+    assert estimate_noise(converted, reference, LLAMACPP) == noise  # tracer.noise_floor hands regimes over
 
 
 def test_op_forcing_feeds_every_op_the_references_inputs(tiny_llama):

@@ -1,4 +1,4 @@
-"""Local vs inherited error: which point introduces error, and which only carries it on.
+"""Forced runs of the reimplementation: local vs inherited error, and each op on the reference's inputs.
 
 The reimplementation reruns every block on the *reference's* input to that block (and the final
 norm and lm_head on the reference's own inputs). A point's error in that run is what the

