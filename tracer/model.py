@@ -31,11 +31,11 @@ import struct
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tracer import cache
 from tracer.errors import TracerError, one_line
 
 if TYPE_CHECKING:
@@ -89,6 +89,15 @@ def resolve_model(source: str | os.PathLike | None, progress: bool = True) -> Pa
     """
     if source is None:
         return default_model_path(progress=progress)
+    path = check_source(source)
+    if path.is_dir():
+        return path
+    return gguf_model_path(path, progress=progress)
+
+
+def check_source(source: str | os.PathLike) -> Path:
+    """The model argument as a path that is a model directory or a .gguf file; anything else is
+    one line (no torch, nothing read but names: `tracer.request` calls it before any work)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise TracerError(f"model path not found: {path}")
@@ -96,8 +105,8 @@ def resolve_model(source: str | os.PathLike | None, progress: bool = True) -> Pa
         if not (path / CONFIG_FILE).is_file():
             raise TracerError(f"not a model directory (no config.json): {path}")
         return path
-    if path.suffix.lower() == ".gguf":
-        return gguf_model_path(path, progress=progress)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
     raise TracerError(
         f"unsupported model file (expected a directory with config.json or a .gguf file): {path}"
     )
@@ -130,10 +139,16 @@ def gguf_model_path(
     """Any ``.gguf`` file of a family tracer traces (and transformers loads from GGUF) as a HF
     directory, converted once per file version."""
     gguf = Path(gguf_file).expanduser().resolve()
+    if gguf.is_dir():
+        raise TracerError(f"{gguf} is a folder, not a GGUF file")
     if not gguf.is_file():
         raise TracerError(f"GGUF file not found: {gguf}")
     check_gguf_header(gguf)
     target = cache_root(cache_dir) / _gguf_cache_name(gguf)
+    if not _is_complete(target):
+        from tracer.ggml.gguffile import check_consistent
+
+        check_consistent(gguf)  # metadata against tensors: transformers' converter would spin or fail deep
     if _is_complete(target):
         return target
     source = {"gguf_file": str(gguf), "gguf_size": gguf.stat().st_size}
@@ -194,7 +209,8 @@ def _gguf_cache_name(gguf: Path) -> str:
 
 
 def _is_complete(target: Path) -> bool:
-    return (target / COMPLETE_MARKER).is_file()
+    """Completed and intact: every file as it was when the entry was sealed (`tracer.cache`)."""
+    return (target / COMPLETE_MARKER).is_file() and cache.damage(target, COMPLETE_MARKER) is None
 
 
 def cached_build(target: Path, build: Callable[[Path], None], progress: bool = True) -> Path:
@@ -210,18 +226,27 @@ def cached_build(target: Path, build: Callable[[Path], None], progress: bool = T
         # Whoever held the lock before us may have finished the job while we waited.
         if _is_complete(target):
             return target
+        _say_damage(target)
         _remove_leftovers(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             build(tmp)
-            (tmp / COMPLETE_MARKER).write_text(json.dumps({"completed": time.time()}) + "\n")
             _make_readable(tmp)
+            cache.seal(tmp, COMPLETE_MARKER)  # hashes of what was built, checked on every use
             os.replace(tmp, target)
         except BaseException:
             # BaseException too: Ctrl-C during the ~20 s conversion must not leave a temp dir.
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
+
+
+def _say_damage(target: Path) -> None:
+    """A completed entry about to be rebuilt because it is damaged: said, never used silently."""
+    if (target / COMPLETE_MARKER).is_file():
+        why = cache.damage(target, COMPLETE_MARKER)
+        if why:
+            print(f"tracer: the cache entry {target} is damaged ({why}); rebuilding it", file=sys.stderr)
 
 
 def _make_readable(folder: Path) -> None:
