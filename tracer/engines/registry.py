@@ -147,7 +147,9 @@ ENGINES: dict[str, EngineEntry] = {
             # where the backend has it): said per run in the trace's not_recorded, not here.
             knobs=LLAMACPP_KNOBS, draft=True, greedy="cached", argument="PATH", extra="llamacpp",
             requires=(("llama_cpp", "llama-cpp-python"),), isolated=True,
-            families=("llama", "qwen2", "qwen3"),  # the architectures tests/ writes tiny GGUFs of
+            # Qwen2's sliding window (llama.cpp ignores it) and Qwen3's q/k norms (nodes not mapped onto
+            # points yet) keep the other families out until their cells match (tests/unit/test_matrix.py).
+            families=("llama",),
         ),
     )
 }
