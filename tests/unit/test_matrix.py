@@ -46,7 +46,9 @@ ARGUMENTS = {"llamacpp": llamacpp_argument, "file": file_argument}
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
-    return root, {family: write_tiny_family(root / family, family) for family in FAMILIES}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRACER_CACHE", str(root / "cache"))  # the cells' ONNX exports, not the user's cache
+        yield root, {family: write_tiny_family(root / family, family) for family in FAMILIES}
 
 
 def test_every_family_has_a_tiny_model():
