@@ -67,6 +67,14 @@ def check_offload(offload: Offload | None, *engines: str) -> None:
     """Offloading asked for sides none of which can take it is said, not ignored."""
     if offload is not None and not any(parse_engine(name)[0].offload for name in engines):
         able = ", ".join(entry.name for entry in ENGINES.values() if entry.offload)
-        raise TracerError(f"--offload/--max-memory: the {' and '.join(engines)} engine"
-                          f"{'s load their' if len(engines) > 1 else ' loads its'} model whole; engines that "
+        names = list(dict.fromkeys(parse_engine(name)[0].name for name in engines))  # each engine named once
+        raise TracerError(f"--offload/--max-memory: the {' and '.join(names)} engine"
+                          f"{'s load their' if len(names) > 1 else ' loads its'} model whole; engines that "
                           f"offload (accelerate): {able}")
+    gpus = sorted(device for device in (offload.max_memory or {}) if isinstance(device, int)) if offload else []
+    if gpus:
+        import torch  # only a GPU cap needs it; the pipeline has it loaded by now
+
+        if gpus[-1] >= torch.cuda.device_count():
+            raise TracerError(f"--max-memory {gpus[-1]}=...: there is no GPU {gpus[-1]} here (torch sees "
+                              f"{torch.cuda.device_count()} CUDA GPUs)")
