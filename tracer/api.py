@@ -26,7 +26,8 @@ from tracer.progress import stage, with_stages
 from tracer.regime import check_regime_run, compare_in_regime
 from tracer.regime import resolve as resolve_regime
 from tracer.request import (
-    DEFAULT_PROMPT, Inputs, Outputs, Placement, check_engines, check_family_support, check_greedy, check_tolerance,
+    DEFAULT_PROMPT, SWEEP_REPORT, Inputs, Outputs, Placement, check_engines, check_family_support, check_greedy,
+    check_tolerance,
     regime_knobs,
 )
 from tracer.result import Diagnosis, Result, Sweep, Tolerance
@@ -162,7 +163,8 @@ def run(
         'model.layers.0.self_attn.q_rope'
     """
     check_tolerance(atol, rtol)
-    return run_values(Inputs(model, prompt, tokens, chat, system, max_tokens), Placement(device, stream, offload, max_memory),
+    return run_values(Inputs(model, prompt, tokens, chat, system, max_tokens),
+                      Placement(device, stream, offload, max_memory),
                       Outputs(report=None if out is None else str(out)), reference=reference, candidate=candidate,
                       variant=variant, reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
                       greedy=greedy, noise_floor=noise_floor, regime=regime, command=command, progress=progress)
@@ -261,7 +263,8 @@ def sweep(
     inputs = Inputs(model, DEFAULT_PROMPT if prompt is None and tokens is None else prompt, tokens, chat, system,
                     max_tokens)
     return sweep_values(inputs, Placement(device, stream, offload, max_memory),
-                        Outputs(report=None if out is None else str(out)), variants=variants, reference=reference,
+                        Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT), variants=variants,
+                        reference=reference,
                         reference_variant=reference_variant, candidate=candidate,
                         tolerance=Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor,
                         command=command, progress=progress)
@@ -394,6 +397,8 @@ def compare_files(
     from tracer.aliases import alias_table
     from tracer.engines.file import FileEngine
 
+    check_tolerance(atol, rtol)
+    Outputs(report=None if out is None else str(out))  # the report folder can be written: checked before reading
     table = alias_table(aliases)  # a bad mapping file is an error even when both traces are tracer's own
     ref_trace, cand_trace = load_trace(reference, table), load_trace(candidate, table)
     prepared = prepared_from_trace(ref_trace, Tolerance(atol=atol, rtol=rtol), cand_trace.tokens)

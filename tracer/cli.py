@@ -15,7 +15,8 @@ from pathlib import Path
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
 from tracer.errors import TracerError
 from tracer.request import (
-    DEFAULT_PROMPT, Inputs, Outputs, Placement, check_engines, check_greedy, check_tolerance, regime_knobs,
+    DEFAULT_PROMPT, RUN_REPORT, SWEEP_REPORT, Inputs, Outputs, Placement, check_engines, check_greedy,
+    check_tolerance, regime_knobs,
 )
 from tracer.result import Tolerance
 from tracer.variants import parse_variant
@@ -38,10 +39,10 @@ def placement_of(args) -> Placement:
     return Placement(device=args.device, stream=args.stream, offload=args.offload, max_memory=args.max_memory)
 
 
-def outputs_of(args) -> Outputs:
+def outputs_of(args, kind: tuple[str, str] = RUN_REPORT) -> Outputs:
     report = getattr(args, "out", None)
     return Outputs(report=None if getattr(args, "no_report", False) else report, json=getattr(args, "json", None),
-                   trace=getattr(args, "output", None))
+                   trace=getattr(args, "output", None), kind=kind)
 
 
 def cmd_run(args) -> int:
@@ -153,7 +154,7 @@ def cmd_engines(args) -> int:
 def cmd_sweep(args) -> int:
     from tracer.catalogue import split_variants
 
-    inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args)
+    inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args, SWEEP_REPORT)
     reference_variant = parse_variant(args.reference_variant)
     check_engines(args.reference, args.candidate, {}, reference_variant)
     for text in split_variants(args.variants) if args.variants else []:

@@ -13,6 +13,7 @@ option takes. No torch here (tests/unit/test_request.py checks it).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ DEFAULT_PROMPT = "The capital of France is"
 DEVICE_FORM = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 # What --regime takes: the number-format knobs, a 16-bit dtype, and the presets made of those.
 REGIME_EXTRA = ("dtype",)
+# (the file that marks a report folder, what the folder is called): `tracer run`'s, `tracer sweep`'s
+RUN_REPORT, SWEEP_REPORT = ("summary.json", "report"), ("sweep.json", "sweep")
 
 
 def check_prompt(prompt: str) -> None:
@@ -64,8 +67,10 @@ def token_list(tokens) -> tuple[int, ...] | None:
         tokens = tokens.tolist()
     if not isinstance(tokens, (list, tuple)) or any(isinstance(t, list) for t in tokens):
         raise TracerError("token ids are a flat list of integers")
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
-        raise TracerError(f"token ids are integers, got {next(t for t in tokens if not isinstance(t, int) or isinstance(t, bool))!r}")
+    odd = [t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if odd:
+        raise TracerError(f"token ids are integers, got {odd[0]!r}")
+    tokens = [int(t) for t in tokens]  # numpy's integers too
     if not tokens:
         raise TracerError("empty token list")
     if any(t < 0 for t in tokens):
@@ -145,10 +150,12 @@ class Outputs:
     report: str | None = None
     json: str | None = None
     trace: str | None = None
+    kind: tuple[str, str] = RUN_REPORT
 
     def __post_init__(self):
         if self.report is not None:
             writable_folder(self.report, "--out")
+            replaceable_folder(Path(self.report).absolute(), *self.kind)
         if self.json is not None and self.json != "-":
             writable_file(self.json, "--json")
         if self.trace is not None:
@@ -168,6 +175,15 @@ def writable_folder(path, option: str) -> None:
         raise TracerError(f"{option} {path}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise TracerError(f"{option} {path}: {existing} cannot be written")
+
+
+def replaceable_folder(out: Path, marker: str, what: str = "report") -> None:
+    """A report folder replaces only a previous one of its kind (it holds `marker`) or an empty folder."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not out.is_symlink() and ((out / marker).is_file() or not any(out.iterdir())):
+        return
+    raise TracerError(f"refusing to overwrite {out}: it is not a tracer {what} folder")
 
 
 def writable_file(path, option: str) -> None:
@@ -235,7 +251,8 @@ def check_family_support(engine: str, source) -> None:
         return
     family = family_name(source)
     if family is not None and family not in entry.families:
-        raise TracerError(f"the {entry.name} engine does not trace {family} yet (it traces {', '.join(entry.families)})")
+        raise TracerError(f"the {entry.name} engine does not trace {family} yet "
+                          f"(it traces {', '.join(entry.families)})")
 
 
 def family_name(source) -> str | None:

@@ -25,7 +25,8 @@ from tracer.request import Inputs, Outputs, Placement, regime_knobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# argv (with {tmp}: a scratch folder holding `file` (a file) and `folder/` (a folder without config.json))
+# argv (with {tmp}: a scratch folder holding `file` (a file), `folder/` (an empty folder) and `full/` (a folder
+# with a file of the user's)
 # -> what the one line says.
 REFUSED = [
     (["run", "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
@@ -40,6 +41,8 @@ REFUSED = [
     (["record", "-o", "{tmp}/missing/trace.safetensors"], "no folder"),
     (["record", "-o", "{tmp}/folder"], "a folder is there, not a file"),
     (["sweep", "--out", "{tmp}/file"], "a file is there, not a folder"),
+    (["run", "--out", "{tmp}/full"], "refusing to overwrite {tmp}/full: it is not a tracer report folder"),
+    (["sweep", "--out", "{tmp}/full"], "it is not a tracer sweep folder"),
     (["config", "--json", "{tmp}/missing/audit.json"], "no folder"),
     (["diagnose", "{tmp}/file", "--json", "{tmp}/folder"], "a folder is there, not a file"),
     (["run", "--regime", "theta=10000"], "theta=10000 is not one (a porting mistake goes in --variant)"),
@@ -91,6 +94,8 @@ print(json.dumps({"results": results, "torch": "torch" in sys.modules}))
 def scratch(tmp_path):
     (tmp_path / "file").write_text("not a model\n")
     (tmp_path / "folder").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine\n")
     return tmp_path
 
 
