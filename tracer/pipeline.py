@@ -40,7 +40,6 @@ from tracer.trace import ATTENTION_ROWS, Trace
 from tracer.variants import parse_variant, variant_text
 
 
-
 @dataclass(frozen=True)
 class Prepared:
     """The reference side of a run, prepared once and shared by every candidate compared with it.

@@ -22,6 +22,7 @@ from pathlib import Path
 from tracer.engines.offload import Offload, parse_max_memory
 from tracer.engines.registry import REGIME_KNOBS, parse_engine
 from tracer.errors import TracerError
+from tracer.model import check_prompt, check_source
 from tracer.variants import PRESETS, check_engine, format_knob_value, parse_variant, variant_text
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -30,16 +31,6 @@ DEVICE_FORM = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 REGIME_EXTRA = ("dtype",)
 # (the file that marks a report folder, what the folder is called): `tracer run`'s, `tracer sweep`'s
 RUN_REPORT, SWEEP_REPORT = ("summary.json", "report"), ("sweep.json", "sweep")
-
-
-def check_prompt(prompt: str) -> None:
-    """An empty or whitespace-only prompt is almost always an unset shell variable, not a choice;
-    whoever means to trace bare whitespace can pass its token ids."""
-    if not isinstance(prompt, str):
-        raise TracerError(f"the prompt must be text, got {type(prompt).__name__}")
-    if not prompt.strip():
-        raise TracerError("empty prompt" if not prompt else f"the prompt is only whitespace ({prompt!r}); "
-                          "pass token ids to trace whitespace")
 
 
 def whole_number(value, name: str, *, minimum: int) -> int | None:
@@ -104,8 +95,6 @@ class Inputs:
         if isinstance(self.model, (str, os.PathLike)):
             if not str(self.model).strip():
                 raise TracerError("--model is empty; leave it out for the bundled SmolLM2")
-            from tracer.model import check_source
-
             check_source(self.model)
 
     @property

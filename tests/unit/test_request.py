@@ -131,6 +131,9 @@ def test_the_values_check_themselves_for_the_api_too(tmp_path):
         Outputs(json=str(tmp_path / "a" / "b.json"))
     Outputs(report=str(tmp_path / "new" / "deeper"), json="-")  # a folder that can be made is fine
     assert not (tmp_path / "new").exists()  # and checking made nothing
+    with mock.patch("tracer.request.os.access", return_value=False):  # what a non-root user meets (tests run as root)
+        with pytest.raises(TracerError, match=f"--out {tmp_path}/r: {tmp_path} cannot be written"):
+            Outputs(report=f"{tmp_path}/r")
     assert regime_knobs("preset=llamacpp,weights=q8_0") == {"preset": "llamacpp", "weights": "q8_0"}
     assert regime_knobs("dtype=bf16") == {"dtype": "bf16"}
 
@@ -226,3 +229,16 @@ def test_any_value_of_any_flag_passes_the_checks_or_is_one_line_exit_2_with_noth
             written = os.listdir(folder)
             # --json FILE gets the error as JSON (the contract); nothing else is written
             assert all(name == argv[argv.index("--json") + 1] for name in written) if "--json" in argv else not written
+
+
+def test_a_gpu_cap_for_a_gpu_that_is_not_here_is_one_line_before_accelerate(tiny_llama, capsys):
+    import torch
+
+    from tracer.cli import main
+
+    gpu = torch.cuda.device_count()  # the first index this machine lacks
+    code = main(["run", "--model", str(tiny_llama()), "--tokens", "1,2,3", "--no-report",
+                 "--max-memory", f"{gpu}=1GiB"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"tracer: error: --max-memory {gpu}=...: there is no GPU {gpu} here "
+                                 f"(torch sees {gpu} CUDA GPUs)"]

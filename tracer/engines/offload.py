@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from tracer.engines.registry import ENGINES, parse_engine
 from tracer.errors import TracerError
@@ -47,15 +46,6 @@ def parse_max_memory(text: str | dict | None) -> dict | None:
             raise TracerError(f"--max-memory {text!r}: device {device} is given twice")
         caps[key] = size.strip()
     return caps
-
-
-def offload_of(folder, max_memory) -> Offload | None:
-    """The `Offload` the options ask for, or None (load the model whole)."""
-    if folder is None and max_memory is None:
-        return None
-    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-        raise TracerError(f"--offload {folder}: not a folder")
-    return Offload(None if folder is None else str(folder), parse_max_memory(max_memory))
 
 
 def offload_for(engine: str, offload: Offload | None) -> Offload | None:
