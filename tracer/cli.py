@@ -148,6 +148,7 @@ def cmd_engines(args) -> int:
                      ("a cached draft", entry.draft), ("streamed weights", entry.stream)]
         print(f"  can        {', '.join(name for name, able in abilities if able) or 'compare only'}")
         print(f"  devices    {', '.join(entry.devices)}")
+        print(f"  families   {'all' if entry.families is None else ', '.join(entry.families)}")
     return 0
 
 
