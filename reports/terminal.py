@@ -12,7 +12,8 @@ def _g(value) -> str:
 def terminal_summary(result, out_dir=None) -> str:
     """A few lines for the terminal; `result` is a Result or its dict."""
     s = result.to_dict() if hasattr(result, "to_dict") else result
-    lines = [f"tracer: {s['reference']['label']} vs {s['candidate']['label']} on {s['model']}"]
+    on = f" on {s['model']}" if s.get("model") else ""  # two foreign dumps may name no model
+    lines = [f"tracer: {s['reference']['label']} vs {s['candidate']['label']}{on}"]
     lines += [f"  {role} runtime: {runtime_text(s[role])}" for role in ("reference", "candidate")
               if runtime_text(s.get(role))]
     if s.get("prompt") is not None:

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import TracerError
+from ..folders import replaceable_folder
 from .figures import report_images
 from .html import render_html
 from .markdown import markdown_summary
@@ -80,11 +81,7 @@ def check_formats(formats) -> tuple[str, ...]:
 
 def check_target(out: Path, marker: str = MARKER, what: str = "report") -> None:
     """Refuse to replace anything but a previous report of this kind (or an empty folder)."""
-    if not out.exists() and not out.is_symlink():
-        return
-    if out.is_dir() and not out.is_symlink() and ((out / marker).is_file() or not any(out.iterdir())):
-        return
-    raise TracerError(f"refusing to overwrite {out}: it is not a tracer {what} folder")
+    replaceable_folder(out, marker, what)
 
 
 def write_files(summary: Summary, folder: Path, formats: tuple[str, ...]) -> None:

@@ -71,9 +71,10 @@ def write_tiny_family(path: Path, family: str, *, seed: int = 0, **overrides) ->
     return Path(path)
 
 
-def write_tiny_gguf(model_dir: Path, path: Path) -> Path:
+def write_tiny_gguf(model_dir: Path, path: Path, *, no_vocab: bool = False) -> Path:
     """The f32 GGUF llama.cpp would write for a tiny Qwen2 or Qwen3 directory (no tokenizer), by gguf's
-    own writer and tensor-name map. Returns the file."""
+    own writer and tensor-name map; `no_vocab` says so in the file, as llama.cpp needs to load it
+    (token ids are fed directly). Returns the file."""
     import json
 
     import gguf
@@ -95,6 +96,8 @@ def write_tiny_gguf(model_dir: Path, path: Path) -> Path:
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if no_vocab:
+        writer.add_tokenizer_model("no_vocab")
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())

@@ -8,24 +8,27 @@ folder.
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 from tracer.catalogue import default_variants, diagnosis_variants, split_variants
 from tracer.engines.base import environment
 from tracer.engines.load import check_engine_name, load_engine
-from tracer.engines.offload import check_offload, offload_for, offload_of
+from tracer.engines.offload import check_offload, offload_for
 from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
 from tracer.fingerprint import resemblance
 from tracer.greedy import GREEDY_STEPS
 from tracer.pipeline import (
-    DEFAULT_PROMPT, candidate_loader, check_input, check_tokens, compare_candidate, config_audit, prepared_from_trace,
-    prepared_reference, resolve_source, sweep_row, token_ids,
+    candidate_loader, check_tokens, compare_candidate, config_audit, prepared_from_trace, prepared_reference,
+    resolve_source, sweep_row, token_ids,
 )
 from tracer.progress import stage, with_stages
 from tracer.regime_view import check_regime_run, compare_in_regime
 from tracer.regime_view import resolve as resolve_regime
+from tracer.request import (
+    DEFAULT_PROMPT, SWEEP_REPORT, Inputs, Outputs, Placement, check_engines, check_family_support, check_greedy,
+    check_tolerance, regime_knobs,
+)
 from tracer.result import Diagnosis, Result, Sweep, Tolerance
 from tracer.trace import Trace
 from tracer.variants import format_knob_value, parse_variant, variant_text
@@ -62,22 +65,31 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
         torch.Size([9, 5, 64])
     """
     is_prompt = isinstance(tokens_or_prompt, str)
-    check_input(tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt)
+    inputs = Inputs(model, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
+                    chat=chat, system=system)
+    return record_values(inputs, Placement(device, stream, offload, max_memory), engine, variant, progress=progress)
+
+
+@with_stages("load", "record")
+def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", variant=None, *,
+                  progress: bool = True) -> Trace:
+    """`record` on the request's values (`tracer.request`), as the CLI builds them."""
+    variant = parse_variant(variant)
+    check_engines(None, engine, variant, {})
     check_engine_name(engine)
-    if stream and not parse_engine(engine)[0].stream:
+    if placement.stream and not parse_engine(engine)[0].stream:
         raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); the {engine} engine cannot")
-    placement = offload_of(offload, max_memory)
-    check_offload(placement, engine)
-    source = resolve_source(model, progress)
-    runner = load_engine(engine, source, parse_variant(variant), device=device, stream=stream,
-                         offload=placement)
-    ids, chat_info = token_ids(source, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
-                               chat=chat, system=system)
+    check_offload(placement.accelerate, engine)
+    source = resolve_source(inputs.model, progress)
+    check_family_support(engine, source)
+    runner = load_engine(engine, source, variant, device=placement.device, stream=placement.stream,
+                         offload=placement.accelerate)
+    ids, chat_info = token_ids(source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
     check_tokens(ids, runner)
     stage("record")
     trace = runner.record(ids)
-    if is_prompt:
-        trace.meta["prompt"] = tokens_or_prompt
+    if inputs.text is not None:
+        trace.meta["prompt"] = inputs.text
     if chat_info:
         trace.meta["chat"] = chat_info
     return trace
@@ -149,31 +161,47 @@ def run(
         >>> result.first_divergence["point"]
         'model.layers.0.self_attn.q_rope'
     """
-    variant = parse_variant(variant)
+    check_tolerance(atol, rtol)
+    return run_values(Inputs(model, prompt, tokens, chat, system, max_tokens),
+                      Placement(device, stream, offload, max_memory),
+                      Outputs(report=None if out is None else str(out)), reference=reference, candidate=candidate,
+                      variant=variant, reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
+                      greedy=greedy, noise_floor=noise_floor, regime=regime, command=command, progress=progress)
+
+
+@with_stages("load", "reference", "noise floor", "candidate", "greedy", "regime", "report")
+def run_values(inputs: Inputs, placement: Placement = Placement(), outputs: Outputs = Outputs(), *,
+               reference: str = "hf", candidate: str = "reimpl", variant=None, reference_variant=None,
+               tolerance: Tolerance = Tolerance(), greedy: int | None = None, noise_floor: bool = True,
+               regime=None, command: str | None = None, progress: bool = True) -> Result:
+    """`run` on the request's values (`tracer.request`), as the CLI builds them; every argument
+    is checked here, before torch loads anything."""
+    variant, reference_variant = parse_variant(variant), parse_variant(reference_variant)
+    check_engines(reference, candidate, variant, reference_variant)
+    check_greedy(greedy)
+    regime = regime_knobs(regime)
     if regime is not None:
         check_regime_run(reference, candidate)
-    with prepared_reference(model, prompt, tokens=tokens, chat=chat, system=system, reference=reference,
-                            reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
-                            noise_floor=noise_floor, greedy_steps=greedy, max_tokens=max_tokens, device=device,
-                            stream=stream, offload=offload_of(offload, max_memory), progress=progress,
+    with prepared_reference(inputs, placement, reference=reference, reference_variant=reference_variant,
+                            tolerance=tolerance, noise_floor=noise_floor, greedy_steps=greedy, progress=progress,
                             candidates=(candidate,)) as prepared:
         in_regime = resolve_regime(regime, candidate, variant, prepared.source) if regime is not None else None
-        engine = load_engine(candidate, prepared.source, variant, device=device, stream=stream,
+        engine = load_engine(candidate, prepared.source, variant, device=placement.device, stream=placement.stream,
                              offload=offload_for(candidate, prepared.offload))
         if command is None:
-            command = run_command(model, prompt, tokens, reference, candidate, variant, prepared.variant, atol, rtol,
-                                  greedy, noise_floor, out, max_tokens, chat, system, device, stream, regime,
-                                  prepared.offload)
-        result = compare_candidate(prepared, engine, command=command, notes=stream_notes(stream, candidate),
+            command = run_command(inputs, placement, outputs, reference=reference, candidate=candidate,
+                                  variant=variant, reference_variant=prepared.variant, tolerance=tolerance,
+                                  greedy=greedy, noise_floor=noise_floor, regime=regime)
+        result = compare_candidate(prepared, engine, command=command, notes=stream_notes(placement.stream, candidate),
                                    config_audit=config_audit(prepared.source, variant))
         if in_regime is not None:
             stage("regime")
             result = compare_in_regime(result, prepared, engine, *in_regime, noise_floor=noise_floor)
-    if out is not None:
+    if outputs.report is not None:
         from tracer.reports import write_report
 
         stage("report")
-        write_report(result, out)
+        write_report(result, outputs.report)
     return result
 
 
@@ -230,13 +258,30 @@ def sweep(
         >>> [row.first_divergence["point"] for row in sweep.rows]
         ['model.layers.0.self_attn.q_rope', 'model.layers.0.input_layernorm']
     """
+    check_tolerance(atol, rtol)
+    inputs = Inputs(model, DEFAULT_PROMPT if prompt is None and tokens is None else prompt, tokens, chat, system,
+                    max_tokens)
+    return sweep_values(inputs, Placement(device, stream, offload, max_memory),
+                        Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT), variants=variants,
+                        reference=reference,
+                        reference_variant=reference_variant, candidate=candidate,
+                        tolerance=Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor,
+                        command=command, progress=progress)
+
+
+@with_stages("load", "reference", "noise floor", "candidate", "report")
+def sweep_values(inputs: Inputs, placement: Placement = Placement(), outputs: Outputs = Outputs(), *, variants=None,
+                 reference: str = "hf", reference_variant=None, candidate: str = "reimpl",
+                 tolerance: Tolerance = Tolerance(), greedy: int = 0, noise_floor: bool = True,
+                 command: str | None = None, progress: bool = True) -> Sweep:
+    """`sweep` on the request's values (`tracer.request`), as the CLI builds them."""
     texts = None if variants is None else split_variants(variants)
     parsed = None if texts is None else [parse_variant(text) for text in texts]  # before anything loads
-    prompt = DEFAULT_PROMPT if prompt is None and tokens is None else prompt
-    with prepared_reference(model, prompt, tokens=tokens, chat=chat, system=system, reference=reference,
-                            reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
-                            noise_floor=noise_floor, greedy_steps=greedy, max_tokens=max_tokens, device=device,
-                            stream=stream, offload=offload_of(offload, max_memory), progress=progress,
+    reference_variant = parse_variant(reference_variant)
+    check_engines(reference, candidate, {}, reference_variant)  # a knob the candidate cannot honour is a row's error
+    check_greedy(greedy)
+    with prepared_reference(inputs, placement, reference=reference, reference_variant=reference_variant,
+                            tolerance=tolerance, noise_floor=noise_floor, greedy_steps=greedy, progress=progress,
                             candidates=(candidate,)) as prepared:
         load_candidate = candidate_loader(candidate, prepared)
         if parsed is None:
@@ -251,11 +296,11 @@ def sweep(
         reference_greedy=prepared.reference_greedy, environment=environment(), command=command,
         timings={**prepared.timings, "variants_s": sum(row.seconds or 0.0 for row in rows)}, notes=prepared.notes,
     )
-    if out is not None:
+    if outputs.report is not None:
         from tracer.reports import write_sweep_report
 
         stage("report")
-        write_sweep_report(result, out)
+        write_sweep_report(result, outputs.report)
     return result
 
 
@@ -284,14 +329,22 @@ def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: b
         >>> tracer.diagnose(observed, variants="theta=10000; eps=1e-4", progress=False).best["variant"]
         'eps=0.0001'
     """
+    return diagnose_values(trace, Inputs(model, tokens=None), Placement(device, stream, offload, max_memory),
+                           variants=variants, progress=progress)
+
+
+@with_stages("load", "reference", "noise floor", "candidate")
+def diagnose_values(trace, inputs: Inputs, placement: Placement = Placement(), *, variants=None,
+                    progress: bool = True) -> Diagnosis:
+    """`diagnose` on the request's values; `inputs` names the model (its prompt is the trace's tokens)."""
     from tracer.engines.file import FileEngine
 
     observed_trace = load_trace(trace)
     if not observed_trace.tokens:
         raise TracerError("the trace carries no token ids; diagnose needs them to rerun the same input")
     tried = None if variants is None else [parse_variant(text) for text in split_variants(variants)]
-    with prepared_reference(model, tokens=observed_trace.tokens, greedy_steps=0, device=device, stream=stream,
-                            offload=offload_of(offload, max_memory), progress=progress) as prepared:
+    replay = Inputs(inputs.model, tokens=observed_trace.tokens)
+    with prepared_reference(replay, placement, greedy_steps=0, progress=progress) as prepared:
         observed = compare_candidate(prepared, FileEngine(observed_trace))
         if tried is None:
             tried = [parse_variant(text) for text in diagnosis_variants(model_spec(prepared.source))]
@@ -343,6 +396,8 @@ def compare_files(
     from tracer.aliases import alias_table
     from tracer.engines.file import FileEngine
 
+    check_tolerance(atol, rtol)
+    Outputs(report=None if out is None else str(out))  # the report folder can be written: checked before reading
     table = alias_table(aliases)  # a bad mapping file is an error even when both traces are tracer's own
     ref_trace, cand_trace = load_trace(reference, table), load_trace(candidate, table)
     prepared = prepared_from_trace(ref_trace, Tolerance(atol=atol, rtol=rtol), cand_trace.tokens)
@@ -384,37 +439,32 @@ def stream_notes(stream: bool, candidate: str) -> tuple[str, ...]:
     return ()
 
 
-def run_command(model, prompt, tokens, reference, candidate, variant, reference_variant, atol, rtol, greedy,
-                noise_floor, out, max_tokens=None, chat=False, system=None, device="cpu", stream=False,
-                regime=None, offload=None) -> str | None:
+def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, reference: str, candidate: str,
+                variant: dict, reference_variant: dict, tolerance: Tolerance, greedy, noise_floor: bool,
+                regime) -> str | None:
     """The `tracer run` line that repeats a Python `run` call, for the report (None for a model
-    object, which no command line can name). Defaults are left out, like a person would."""
-    if hasattr(model, "state_dict"):
+    object, which no command line can name), derived from the CLI's parser: defaults left out."""
+    from tracer.arguments import command_line
+
+    if hasattr(inputs.model, "state_dict"):
         return None
-    args = ["tracer", "run"] + (["--model", str(model)] if model is not None else [])
-    if tokens is not None:
-        args += ["--tokens", ",".join(map(str, tokens))]
-    elif prompt != DEFAULT_PROMPT:
-        args += ["--prompt", prompt]
-    args += ["--chat"] if chat else []
-    args += ["--system", system] if system is not None else []
-    args += ["--max-tokens", str(max_tokens)] if max_tokens is not None and tokens is None else []
-    args += ["--reference", reference] if reference != "hf" else []
-    args += ["--candidate", candidate] if candidate != "reimpl" else []
-    for flag, knobs in (("--reference-variant", reference_variant), ("--variant", variant)):
-        if knobs:
-            args += [flag, ",".join(f"{k}={format_knob_value(v)}" for k, v in knobs.items())]
-    args += ["--atol", repr(atol)] if atol is not None else []
-    args += ["--rtol", repr(rtol)] if rtol is not None else []
-    args += ["--greedy", str(greedy)] if greedy is not None and greedy != GREEDY_STEPS else []
-    args += [] if noise_floor else ["--no-noise"]
-    args += ["--device", str(device)] if str(device) != "cpu" else []
-    args += ["--stream"] if stream else []
-    args += ["--regime", regime if isinstance(regime, str) else variant_text(regime)] \
-        if regime is not None else []
-    if offload is not None:
-        args += ["--offload", offload.folder] if offload.folder else []
-        args += ["--max-memory", ",".join(f"{device}={size}" for device, size in offload.max_memory.items())] \
-            if offload.max_memory else []
-    args += ["--out", str(out)] if out is not None else ["--no-report"]
-    return shlex.join(args)
+    knobs = {k: f"{k}={format_knob_value(v)}" for k, v in {**variant}.items()}
+    values = {
+        "model": inputs.model, "tokens": None if inputs.tokens is None else ",".join(map(str, inputs.tokens)),
+        "prompt": inputs.prompt if inputs.tokens is None and inputs.prompt != DEFAULT_PROMPT else None,
+        "chat": inputs.chat, "system": inputs.system,
+        "max_tokens": inputs.max_tokens if inputs.tokens is None else None,
+        "reference": reference, "candidate": candidate,
+        "reference_variant": [",".join(f"{k}={format_knob_value(v)}" for k, v in reference_variant.items())]
+        if reference_variant else [],
+        "variant": [",".join(knobs.values())] if knobs else [],
+        "atol": tolerance.atol, "rtol": tolerance.rtol,
+        "greedy": greedy if greedy != GREEDY_STEPS else None, "no_noise": not noise_floor,
+        "device": placement.device, "stream": placement.stream,
+        "regime": None if regime is None else regime if isinstance(regime, str) else variant_text(regime),
+        "offload": placement.offload,
+        "max_memory": ",".join(f"{d}={size}" for d, size in placement.max_memory.items())
+        if placement.max_memory else None,
+        "out": outputs.report, "no_report": outputs.report is None,
+    }
+    return command_line("run", values)

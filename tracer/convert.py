@@ -25,11 +25,11 @@ import struct
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tracer import cache
 from tracer.errors import TracerError, one_line
 from tracer.tokenizer import TOKENIZER_FILE
 from tracer.weights import WEIGHTS_FILE
@@ -62,7 +62,8 @@ def package_version(name: str) -> str | None:
 
 
 def is_complete(target: Path) -> bool:
-    return (target / COMPLETE_MARKER).is_file()
+    """Completed and intact: every file as it was when the entry was sealed (`tracer.cache`)."""
+    return (target / COMPLETE_MARKER).is_file() and cache.damage(target, COMPLETE_MARKER) is None
 
 
 def cached_build(target: Path, build: Callable[[Path], None], progress: bool = True) -> Path:
@@ -78,18 +79,27 @@ def cached_build(target: Path, build: Callable[[Path], None], progress: bool = T
         # Whoever held the lock before us may have finished the job while we waited.
         if is_complete(target):
             return target
+        _say_damage(target)
         _remove_leftovers(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             build(tmp)
-            (tmp / COMPLETE_MARKER).write_text(json.dumps({"completed": time.time()}) + "\n")
             _make_readable(tmp)
+            cache.seal(tmp, COMPLETE_MARKER)  # hashes of what was built, checked on every use
             os.replace(tmp, target)
         except BaseException:
             # BaseException too: Ctrl-C during the ~20 s conversion must not leave a temp dir.
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
+
+
+def _say_damage(target: Path) -> None:
+    """A completed entry about to be rebuilt because it is damaged: said, never used silently."""
+    if (target / COMPLETE_MARKER).is_file():
+        why = cache.damage(target, COMPLETE_MARKER)
+        if why:
+            print(f"tracer: the cache entry {target} is damaged ({why}); rebuilding it", file=sys.stderr)
 
 
 def _make_readable(folder: Path) -> None:

@@ -176,8 +176,9 @@ def logits_summary(reference: Trace, candidate: Trace) -> dict | None:
         return None  # already reported as a shape mismatch by compare_points
     last_ref, last_diff = ref[-1].double(), cand[-1].double() - ref[-1].double()
     rows = max(1, CHUNK // max(1, ref.shape[-1]))  # f64 copies of a long text's logits do not fit twice
-    max_abs_all = max(float((cand[i:i + rows].double() - ref[i:i + rows].double()).abs().max())
-                      for i in range(0, ref.shape[0], rows))
+    chunks = [float((cand[i:i + rows].double() - ref[i:i + rows].double()).abs().max())
+              for i in range(0, ref.shape[0], rows)]
+    max_abs_all = math.nan if any(math.isnan(v) for v in chunks) else max(chunks)  # max() would drop a NaN
     return {
         "max_abs": float(last_diff.abs().max()),
         "max_ref": float(last_ref.abs().max()),

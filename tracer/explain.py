@@ -7,6 +7,8 @@ of `tracer.points`: most points are (T, X); q_rope/k_rope are (heads, T, D) and 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tracer.points import causal_allowed, has_head_axis, is_causal, op_kind, source_point, split_point
@@ -62,8 +64,9 @@ def breakdown(point: str, ref: torch.Tensor, cand: torch.Tensor, num_heads: int 
 
 
 def _quiet(values: list[float]) -> list[bool]:
-    top = max(values, default=0.0)
-    return [v <= QUIET * top for v in values]
+    """Which entries are untouched; a NaN or Inf is never untouched and sets no scale for the rest."""
+    top = max((v for v in values if math.isfinite(v)), default=0.0)
+    return [math.isfinite(v) and v <= QUIET * top for v in values]
 
 
 def hints(point: str, details: dict, family: str | None = None) -> list[str]:
@@ -82,8 +85,15 @@ def hints(point: str, details: dict, family: str | None = None) -> list[str]:
             "exact at position 0 and " + ("growing with position" if growing else "non-zero after it")
             + ": positional encoding (rope_theta, rope scaling, or the rotary pairing: half-split vs interleaved)"
         )
-    elif len(positions) > 1 and quiet[-1] and not all(quiet[:-1]):
+    elif len(positions) > 1 and quiet[-1] and not any(quiet[:-1]):
         said.append("exact at the last position only: the causal mask (the last query attends to every key anyway)")
+    nonfinite = [i for i, v in enumerate(positions) if not math.isfinite(v)]
+    if nonfinite and len(nonfinite) < len(positions):
+        exact = [i for i, q in enumerate(quiet) if q]
+        said.append(f"non-finite (NaN or Inf) at position{'s' if len(nonfinite) > 1 else ''} "
+                    f"{', '.join(map(str, nonfinite))} only" + (f", exact at {', '.join(map(str, exact))}" if exact
+                                                                 else "")
+                    + ": a value overflowed or a NaN entered there, not a formula applied everywhere")
     if heads and any(_quiet(heads)) and not all(_quiet(heads)):
         exact = [i for i, q in enumerate(_quiet(heads)) if q]
         said.append(f"only some heads differ (heads {exact} are exact): the GQA head mapping (kv head repeat order)")

@@ -33,12 +33,11 @@ from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
 from tracer.points import is_coarse
 from tracer.progress import stage
+from tracer.request import Inputs, Placement, check_family_support
 from tracer.result import Result, SweepRow, Tolerance
 from tracer.spill import SPILL_TOKENS, spill_folder
 from tracer.trace import ATTENTION_ROWS, Trace
 from tracer.variants import parse_variant, setting, variant_text
-
-DEFAULT_PROMPT = "The capital of France is"
 
 
 @dataclass(frozen=True)
@@ -117,40 +116,33 @@ def check_tokens(ids: list[int], engine) -> None:
         raise TracerError(f"the prompt has {len(ids)} tokens; the model has {engine.max_positions} positions")
 
 
-def check_input(prompt: str | None, tokens) -> None:
-    """A bad prompt fails before anything loads."""
-    if tokens is None and prompt is not None:
-        from tracer.tokenizer import check_prompt
-
-        check_prompt(prompt)
-
-
 @contextmanager
-def prepared_reference(model=None, prompt: str | None = DEFAULT_PROMPT, *, tokens=None, chat: bool = False,
-                       system: str | None = None, reference: str = "hf", reference_variant=None,
-                       tolerance: Tolerance | None = None, noise_floor: bool = True, greedy_steps: int | None = None,
-                       max_tokens: int | None = None, device: str = "cpu", stream: bool = False,
-                       offload: Offload | None = None, progress: bool = True, candidates: tuple[str, ...] = ()):
+def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, reference: str = "hf",
+                       reference_variant=None, tolerance: Tolerance | None = None, noise_floor: bool = True,
+                       greedy_steps: int | None = None, progress: bool = True, candidates: tuple[str, ...] = ()):
     """Load the model and the reference engine, tokenize, record the reference, measure its noise
     floor and decode its greedy continuation; yield a `Prepared`.
 
+    `inputs` and `placement` are the request's values (`tracer.request`), already checked.
     `candidates`: the engine names that will be compared, checked here before anything loads.
-    `offload`: accelerate's placement for the sides whose engine takes it (the hf engine).
     `greedy_steps`: None for the default (20, or none past 128 tokens).
     """
+    model, tokens, max_tokens = inputs.model, inputs.tokens, inputs.max_tokens
+    device, stream, offload = placement.device, placement.stream, placement.accelerate
     reference_variant = parse_variant(reference_variant)
     for name in (reference, *candidates):
         check_engine_name(name)
     check_device(device)
     check_offload(offload, reference, *candidates)
-    check_input(prompt, tokens)
     timings: dict[str, float] = {}
     with timed(timings, "load_s"):
         stage("load")
         source = resolve_source(model, progress)
+        for name in (reference, *candidates):
+            check_family_support(name, source)  # a family an engine does not trace: said before it loads
         engine = load_engine(reference, source, reference_variant, device=device, stream=stream,
                              offload=offload_for(reference, offload))
-    ids, chat_info = token_ids(source, None if tokens is not None else prompt, tokens, chat=chat, system=system)
+    ids, chat_info = token_ids(source, inputs.text, tokens, chat=inputs.chat, system=inputs.system)
     notes = []
     if max_tokens is not None and len(ids) > max_tokens:
         notes.append(f"prompt truncated from {len(ids)} to its first {max_tokens} tokens")
@@ -176,7 +168,7 @@ def prepared_reference(model=None, prompt: str | None = DEFAULT_PROMPT, *, token
             reference_greedy = greedy.continuation(engine, ids, greedy_steps, guess=greedy.draft(engine, ids, greedy_steps)) \
                 if greedy_steps else None
         yield Prepared(
-            source=source, ids=ids, prompt=None if tokens is not None else prompt, chat=chat_info,
+            source=source, ids=ids, prompt=inputs.text, chat=chat_info,
             reference=reference, engine=engine, variant=reference_variant, trace=trace, noise=noise,
             tolerance=tolerance or Tolerance(), greedy_steps=greedy_steps, reference_greedy=reference_greedy,
             detokenize=detokenizer(source), sink=sink, device=str(device), stream=stream, offload=offload,

@@ -27,7 +27,8 @@ from tracer.diff import rel_l2_by_point
 from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
 from tracer.pipeline import compare_candidate, prepared_reference, timed
-from tracer.result import Result
+from tracer.request import Inputs, Placement
+from tracer.result import Result, Tolerance
 from tracer.trace import Trace
 from tracer.variants import expand_presets, parse_variant, setting, variant_text
 
@@ -171,9 +172,10 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
     view_kind = verdict_view(knobs, caveats, len(prepared.ids))
     if view_kind == "per_op" and "accumulate" not in knobs:
         knobs = {**knobs, "accumulate": "f32"}
-    with prepared_reference(prepared.source, tokens=prepared.ids, reference="reimpl", reference_variant=knobs,
+    inputs, placement = Inputs(prepared.source, tokens=prepared.ids), Placement(prepared.device, prepared.stream)
+    with prepared_reference(inputs, placement, reference="reimpl", reference_variant=knobs,
                             tolerance=prepared.tolerance, noise_floor=noise_floor, greedy_steps=0,
-                            device=prepared.device, stream=prepared.stream, progress=False) as in_regime:
+                            progress=False) as in_regime:
         timings: dict[str, float] = {}
         with timed(timings, "regime_candidate_s"):
             candidate = engine.record(in_regime.ids, in_regime.sink("candidate"))

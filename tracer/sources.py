@@ -43,6 +43,15 @@ def resolve_model(source: str | os.PathLike | None, progress: bool = True) -> Pa
     """
     if source is None:
         return default_model_path(progress=progress)
+    path = check_source(source)
+    if path.is_dir():
+        return path
+    return gguf_model_path(path, progress=progress)
+
+
+def check_source(source: str | os.PathLike) -> Path:
+    """The model argument as a path that is a model directory or a .gguf file; anything else is
+    one line (no torch, nothing read but names: `tracer.request` calls it before any work)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise TracerError(f"model path not found: {path}")
@@ -50,8 +59,8 @@ def resolve_model(source: str | os.PathLike | None, progress: bool = True) -> Pa
         if not (path / CONFIG_FILE).is_file():
             raise TracerError(f"not a model directory (no config.json): {path}")
         return path
-    if path.suffix.lower() == ".gguf":
-        return gguf_model_path(path, progress=progress)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
     raise TracerError(
         f"unsupported model file (expected a directory with config.json or a .gguf file): {path}"
     )
@@ -78,10 +87,16 @@ def gguf_model_path(
     """Any ``.gguf`` file of a family tracer traces (and transformers loads from GGUF) as a HF
     directory, converted once per file version."""
     gguf = Path(gguf_file).expanduser().resolve()
+    if gguf.is_dir():
+        raise TracerError(f"{gguf} is a folder, not a GGUF file")
     if not gguf.is_file():
         raise TracerError(f"GGUF file not found: {gguf}")
     check_gguf_header(gguf)
     target = cache_root(cache_dir) / _gguf_cache_name(gguf)
+    if not is_complete(target):
+        from tracer.ggml.gguffile import check_consistent
+
+        check_consistent(gguf)  # metadata against tensors: transformers' converter would spin or fail deep
     if is_complete(target):
         return target
     source = {"gguf_file": str(gguf), "gguf_size": gguf.stat().st_size}

@@ -84,6 +84,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# ggml's GGML_MAX_N_THREADS: llama.cpp's thread pool has no room for more (100000 segfaulted it).
+MAX_THREADS = 512
+
+
+def _threads(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_THREADS:
+        raise ValueError(text)
+    return value
+
+
 def _choice(*values: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in values:
@@ -253,7 +264,7 @@ KNOBS: dict[str, Knob] = {
         Knob("flash_attn", _choice("on", "off", "auto"), "on | off | auto", "auto",
              "llama.cpp's flash attention (auto: on where the backend has it), which fuses scores, softmax and "
              "context", _fixed("flash_attn=off"), kind="regime"),
-        Knob("threads", _positive_int, "a positive integer, e.g. threads=2", "4, at most the CPU count",
+        Knob("threads", _threads, f"an integer 1..{MAX_THREADS} (ggml's limit), e.g. threads=2", "4, at most the CPU count",
              "the runtime's thread count (llama.cpp n_threads); results should not depend on it", _fixed("threads=1"),
              kind="runtime"),
     )
@@ -338,6 +349,11 @@ def check_family(variant: dict, family: str) -> None:
         if name in KNOBS and not applies_to(KNOBS[name], family):
             families = ", ".join(KNOBS[name].families)
             raise TracerError(f"knob {name!r} does not apply to {family} models; it applies to {families}")
+
+
+def knobs_of_kind(kind: str) -> tuple[str, ...]:
+    """The names of every knob of one kind (`KINDS`), in catalogue order."""
+    return tuple(name for name, knob in KNOBS.items() if knob.kind == kind)
 
 
 def knobs_for(family: str) -> list[Knob]:

@@ -274,3 +274,19 @@ def test_a_run_through_the_child_matches_and_shows_llamacpps_own_greedy(tiny, ll
     engine = llamacpp.load(model_dir, EXACT, argument=str(gguf))
     assert summary["greedy"]["candidate"] == engine.draft(TOKENS, 4)
     assert time.perf_counter() - started < 120
+
+
+@pytest.mark.parametrize("argv", [
+    ["record", "--engine", "llamacpp:{bad}", "-o", "{tmp}/t.safetensors"],
+    ["run", "--reference", "llamacpp:{bad}", "--no-report"],
+])
+def test_a_native_crash_as_record_or_reference_is_said_once(tiny, llamacpp, tmp_path, capfd, argv):
+    from tracer.cli import main
+
+    model_dir, _, _ = tiny
+    bad = write_tiny_gguf(model_dir, tmp_path / "bad.gguf", value_length=8)
+    args = [a.replace("{bad}", str(bad)).replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main([*args, "--model", str(model_dir), "--tokens", ",".join(map(str, TOKENS))]) == 2
+    err = capfd.readouterr().err  # the child's own stderr too, not only Python's
+    assert err.count("GGML_ASSERT") == 1 and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "t.safetensors").exists()

@@ -113,3 +113,33 @@ def test_masked_scores_are_not_a_finding():
     broken[1, 2, 0] = float("nan")  # below the diagonal: a real finding
     assert compare(trace_of(**{point: scores}), trace_of(**{point: broken})).first_nonfinite == {
         "point": point, "layer": 0, "side": "candidate", "count": 1, "nan": 1, "inf": 0}
+
+
+def test_a_nan_at_one_position_gets_no_pattern_hint_it_does_not_have():
+    """NaN at position 1 of 3, positions 0 and 2 exact: not "the causal mask" (exact at the last only)."""
+    from tracer.explain import hints
+
+    said = hints("model.layers.0.mlp.down_proj", {"by_position": [0.0, float("nan"), 0.0], "by_head": None})
+    assert not any("causal mask" in line for line in said)
+    assert any("non-finite (NaN or Inf) at position 1 only, exact at 0, 2" in line for line in said)
+
+
+def test_a_nan_in_any_chunk_of_the_logits_is_the_all_positions_figure(monkeypatch):
+    """max() over per-chunk maxima would keep a later finite chunk over an earlier NaN."""
+    import tracer.diff
+    from tracer.points import LOGITS
+
+    monkeypatch.setattr(tracer.diff, "CHUNK", 4)  # one position per chunk
+    ref = torch.zeros(3, 4)
+    cand = ref.clone()
+    cand[0, 3] = float("nan")
+    summary = tracer.diff.logits_summary(Trace({LOGITS: ref}, {}), Trace({LOGITS: cand}, {}))
+    assert math.isnan(summary["max_abs_all"]) and summary["max_abs"] == 0.0
+
+
+def test_a_result_without_a_model_is_not_titled_on_none():
+    from tracer.reports.terminal import terminal_summary
+
+    trace = Trace({"model.embed_tokens": torch.ones(2, 3)}, {})
+    text = terminal_summary(compare(trace, trace))
+    assert "on None" not in text.splitlines()[0]

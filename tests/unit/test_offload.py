@@ -54,7 +54,7 @@ def test_max_memory_specs():
 
 @pytest.mark.parametrize("args, message", [
     (["run", "--max-memory", "cpu=plenty"], "expected DEVICE=SIZE"),
-    (["run", "--reference", "reimpl", "--offload", "x"], "the reimpl and reimpl engines load their model whole"),
+    (["run", "--reference", "reimpl", "--offload", "x"], "the reimpl engine loads its model whole"),
     (["record", "--engine", "reimpl", "-o", "t.safetensors", "--offload", "x"], "the reimpl engine loads its model whole"),
     (["run", "--offload", "x", "--device", "cuda"], None),
 ])

@@ -114,7 +114,9 @@ def test_the_report_folder_has_the_regime_view(tiny_llama, tmp_path):
     (["--regime", "auto"], "runs f32 and implies no number-format regime"),
     (["--regime", "auto", "--candidate", "file:x.safetensors"], "is a saved trace"),
     (["--regime", "nonsense=1"], "unknown knob"),
-    (["--regime", "threads=2"], "not honoured by the reimpl engine"),
+    (["--regime", "threads=2"], "threads=2 is not one (a porting mistake goes in --variant)"),
+    (["--regime", "theta=10000"], "theta=10000 is not one"),
+    (["--regime", "preset=candle"], "preset=candle is not one"),
 ])
 def test_regime_errors_are_one_line_and_exit_2(tiny_llama, args, message, capsys):
     assert main(["run", "--model", str(tiny_llama()), "--tokens", TOKEN_ARG, "--no-report", *args]) == 2

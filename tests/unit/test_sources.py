@@ -71,7 +71,8 @@ def test_resolve_none_is_default(monkeypatch, tmp_path):
     assert sources.resolve_model(None) == tmp_path / "default"
 
 
-GGUF_V3_HEADER = b"GGUF\x03\x00\x00\x00"  # magic + little-endian version 3: passes the header check
+# magic, little-endian version 3, no tensors, no metadata: an empty GGUF that passes the checks
+GGUF_V3_HEADER = b"GGUF\x03\x00\x00\x00" + bytes(16)
 
 
 def test_resolve_gguf_goes_through_cache(monkeypatch, tmp_path):

@@ -304,7 +304,7 @@ def _(tmp):
     return run_args(tmp, m, tokens=",".join(map(str, ids))), both(m, tmp, tokens=ids)
 
 
-@row("negative token id", r"token id -3 is outside the vocabulary \(0\.\.96\)")
+@row("negative token id", r"token id -3 is negative")
 def _(tmp):
     m = model(tmp)
     return run_args(tmp, m, "--tokens=1,-3", tokens=None), api_run(m, tmp, tokens=[1, -3])
@@ -394,7 +394,7 @@ def _(tmp):
 
 
 
-@row("unknown device", r"unknown device 'tpu'; devices: cpu, cuda, mps \(cuda:N for one GPU of several\)")
+@row("unknown device", r"unknown device 'tpu'; devices: cpu, cuda, cuda:N, mps")
 def _(tmp):
     m = model(tmp)
     return run_args(tmp, m, "--device", "tpu"), api_run(m, tmp, device="tpu")
@@ -546,7 +546,7 @@ def test_json_file_that_cannot_be_written_is_one_line(tmp_path):
     proc = subprocess.run(cli_command(["run", "--model", str(m), "--tokens", TOKEN_ARG, "--reference", "reimpl",
                                        "--greedy", "0", "--no-report", "--json", str(target)]), capture_output=True)
     assert proc.returncode == 2 and b"Traceback" not in proc.stderr
-    assert screen_lines(proc.stderr) == [f"{ERROR_PREFIX}cannot write JSON to {target}: No such file or directory"]
+    assert screen_lines(proc.stderr) == [f"{ERROR_PREFIX}--json {target}: no folder {target.parent}"]
 
 
 def test_user_text_is_escaped_in_the_html_report(tmp_path):

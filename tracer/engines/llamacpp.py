@@ -358,6 +358,8 @@ def gguf_of(source, argument: str | None) -> Path:
 
     if argument:
         path = Path(argument).expanduser()
+        if path.is_dir():
+            raise TracerError(f"llamacpp:{argument}: a folder, not a GGUF file")
         if not path.is_file():
             raise TracerError(f"GGUF file not found: {path}")
         check_gguf_header(path)

@@ -46,6 +46,8 @@ LAYER_CALLS: dict[str, list[tuple[str | None, str | None]]] = {
     "self_attn.q_proj": [(None, "self_attn.q_proj")],
     "self_attn.k_proj": [(None, "self_attn.k_proj")],
     "self_attn.v_proj": [(None, "self_attn.v_proj")],
+    "self_attn.q_norm": [(None, "self_attn.q_norm")],  # Qwen3's per-head norms, where the family has them
+    "self_attn.k_norm": [(None, "self_attn.k_norm")],
     "self_attn.rope": [(None, "self_attn.q_rope"), (None, "self_attn.k_rope")],  # (B, H, T, D) each
     "self_attn.o_proj": [("self_attn.context", "self_attn.o_proj")],  # input (B, T, H*D)
     "post_attention_layernorm": [("resid_mid", "post_attention_layernorm")],
@@ -55,6 +57,9 @@ LAYER_CALLS: dict[str, list[tuple[str | None, str | None]]] = {
     "": [(None, "")],
 }
 MODEL_CALLS = {EMBED: [(None, EMBED)], FINAL_NORM: [(None, FINAL_NORM)]}
+OPTIONAL = ("self_attn.q_norm", "self_attn.k_norm")  # observed where the family's model has them
+# Points recorded per head, (B, T, H, D), that tracer's points hold as (B, T, H*D) (HF's view before the norm).
+PER_HEAD = ("self_attn.q_norm", "self_attn.k_norm")
 
 FUSED = ("mlx-lm runs attention as one fused call (mx.fast.scaled_dot_product_attention): "
          "scores and probabilities never exist as arrays")
@@ -96,7 +101,7 @@ class MLXEngine:
 
         recorder = recorder if recorder is not None else TraceRecorder()
         recorded: deque[tuple[str, object]] = deque()
-        with recording_calls(self.model, lambda name, array: recorded.append((name, array))):
+        with recording_calls(self.model, lambda name, array: recorded.append((name, flat_heads(name, array)))):
             logits = self._forward(tokens)
         recorded.append((LOGITS, logits))
         mx.eval([array for _, array in recorded])  # one evaluation of the whole lazy graph
@@ -117,6 +122,11 @@ class MLXEngine:
 
         with mx.stream(self.stream):
             return self.model(mx.array([tokens]))  # (1, T, V), lazy
+
+
+def flat_heads(name: str, array):
+    """A per-head point (B, T, H, D) as tracer holds it, (B, T, H*D); any other array as it is."""
+    return array.reshape(*array.shape[:-2], -1) if name.endswith(PER_HEAD) else array
 
 
 def to_torch(array) -> torch.Tensor:
@@ -142,8 +152,11 @@ def unread_config_keys(config: dict, args_class) -> list[str]:
 def observed_calls(model) -> dict[str, list[tuple[str | None, str | None]]]:
     """Module path -> its (input point, output point) per call, for every observed module of `model`."""
     calls = dict(MODEL_CALLS)
+    modules = dict(model.named_modules())
     for i in range(len(model.layers)):
         for sub, points in LAYER_CALLS.items():
+            if sub in OPTIONAL and layer_point(i, sub) not in modules:
+                continue
             calls[layer_point(i, sub)] = [tuple(None if p is None else layer_point(i, p) for p in pair)
                                           for pair in points]
     return calls

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from tracer.engines.registry import ENGINES, parse_engine
 from tracer.errors import TracerError
@@ -42,17 +41,11 @@ def parse_max_memory(text: str | dict | None) -> dict | None:
         if not equals or not (device in ("cpu", "mps") or device.isdigit()) or not _SIZE.match(size):
             raise TracerError(f"--max-memory {text!r}: expected DEVICE=SIZE[,DEVICE=SIZE], DEVICE cpu, mps or a "
                               "GPU index, SIZE such as 500MiB or 20GiB")
-        caps[int(device) if device.isdigit() else device] = size.strip()
+        key = int(device) if device.isdigit() else device
+        if key in caps:
+            raise TracerError(f"--max-memory {text!r}: device {device} is given twice")
+        caps[key] = size.strip()
     return caps
-
-
-def offload_of(folder, max_memory) -> Offload | None:
-    """The `Offload` the options ask for, or None (load the model whole)."""
-    if folder is None and max_memory is None:
-        return None
-    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-        raise TracerError(f"--offload {folder}: not a folder")
-    return Offload(None if folder is None else str(folder), parse_max_memory(max_memory))
 
 
 def offload_for(engine: str, offload: Offload | None) -> Offload | None:
@@ -64,6 +57,14 @@ def check_offload(offload: Offload | None, *engines: str) -> None:
     """Offloading asked for sides none of which can take it is said, not ignored."""
     if offload is not None and not any(parse_engine(name)[0].offload for name in engines):
         able = ", ".join(entry.name for entry in ENGINES.values() if entry.offload)
-        raise TracerError(f"--offload/--max-memory: the {' and '.join(engines)} engine"
-                          f"{'s load their' if len(engines) > 1 else ' loads its'} model whole; engines that "
+        names = list(dict.fromkeys(parse_engine(name)[0].name for name in engines))  # each engine named once
+        raise TracerError(f"--offload/--max-memory: the {' and '.join(names)} engine"
+                          f"{'s load their' if len(names) > 1 else ' loads its'} model whole; engines that "
                           f"offload (accelerate): {able}")
+    gpus = sorted(device for device in (offload.max_memory or {}) if isinstance(device, int)) if offload else []
+    if gpus:
+        import torch  # only a GPU cap needs it; the pipeline has it loaded by now
+
+        if gpus[-1] >= torch.cuda.device_count():
+            raise TracerError(f"--max-memory {gpus[-1]}=...: there is no GPU {gpus[-1]} here (torch sees "
+                              f"{torch.cuda.device_count()} CUDA GPUs)")

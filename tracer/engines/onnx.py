@@ -59,7 +59,7 @@ from tracer.progress import detail
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
 from tracer.variants import setting
 
-EXPORT_FORMAT = 1  # bump when RecordingExport changes what it writes: older exports are then rebuilt
+EXPORT_FORMAT = 2  # bump when RecordingExport changes what it writes: older exports are then rebuilt
 MODEL_FILE, PLAIN_FILE, DATA_FILE, MANIFEST_FILE = "model.onnx", "plain.onnx", "model.onnx.data", "export.json"
 INPUT = "input_ids"
 DTYPES = ("f32", "f16")
@@ -82,7 +82,7 @@ class ONNXEngine:
 
     def __init__(self, export_dir: Path, variant: dict, label: str, spec):
         self.export_dir, self.variant, self.label, self.spec = export_dir, variant, label, spec
-        self.manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
+        self.manifest = read_manifest(export_dir)
         self.level = setting(variant, "ort_opt")
         self.session = self._session(MODEL_FILE)
         self.points = [output.name for output in self.session.get_outputs()]
@@ -131,6 +131,19 @@ class ONNXEngine:
             raise TracerError(f"onnxruntime cannot load {self.export_dir / file}: {one_line(exc)}") from None
 
 
+def read_manifest(export_dir: Path) -> dict:
+    """export.json, or one line saying the export is unusable (the cache check rebuilds a damaged
+    entry before this; this is the last word on one it could not judge)."""
+    try:
+        manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise TracerError(f"the ONNX export {export_dir} has no readable {MANIFEST_FILE} "
+                          f"({getattr(exc, 'strerror', None) or one_line(exc)}): delete the folder to rebuild it") from None
+    if not isinstance(manifest, dict) or not {"dtype", "num_layers"} <= manifest.keys():
+        raise TracerError(f"the ONNX export {export_dir} has a garbled {MANIFEST_FILE}: delete the folder to rebuild it")
+    return manifest
+
+
 # ----------------------------------------------------------------------------- export
 
 
@@ -142,6 +155,7 @@ class RecordingExport(torch.nn.Module):
         super().__init__()
         self.model = hf_engine.model
         self.layer_prefixes = hf_engine.layer_prefixes
+        self.family, self.model_points = hf_engine.family, hf_engine.model_points  # the family's points, as hf records
         self.names: list[str] = []
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -149,7 +163,8 @@ class RecordingExport(torch.nn.Module):
 
         collected: dict[str, torch.Tensor] = {}
         module_names = {module: name for name, module in self.model.named_modules()}
-        with recording_modules(self.model, self._keep(collected), self.layer_prefixes), \
+        with recording_modules(self.model, self._keep(collected), self.layer_prefixes, self.family,
+                               self.model_points), \
                 recording_attention(self.model, self._keep(collected), module_names):
             self.model(input_ids=input_ids, use_cache=False)
         self.names = list(collected)

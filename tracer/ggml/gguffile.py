@@ -117,3 +117,58 @@ class GGUFFile:
     def number(self, key: str):
         value = self.fields.get(key)
         return value.item() if isinstance(value, np.generic) else value
+
+
+# Tensor -> its shape (numpy order) from the hyperparameters: E embedding, H·D query width, KV·D key
+# and value widths, F feed-forward width; None: any size (the vocabulary).
+_EXPECTED = {
+    "token_embd.weight": lambda h: (None, h["E"]), "output.weight": lambda h: (None, h["E"]),
+    "output_norm.weight": lambda h: (h["E"],), "attn_norm.weight": lambda h: (h["E"],),
+    "ffn_norm.weight": lambda h: (h["E"],), "attn_q.weight": lambda h: (h["H"] * h["D"], h["E"]),
+    "attn_k.weight": lambda h: (h["KV"] * h["D"], h["E"]), "attn_v.weight": lambda h: (h["KV"] * h["Dv"], h["E"]),
+    "attn_output.weight": lambda h: (h["E"], h["H"] * h["Dv"]), "ffn_gate.weight": lambda h: (h["F"], h["E"]),
+    "ffn_up.weight": lambda h: (h["F"], h["E"]), "ffn_down.weight": lambda h: (h["E"], h["F"]),
+}
+
+
+def check_consistent(path: str | Path) -> None:
+    """Refuse, in one line, a GGUF whose metadata and tensors disagree, before a converter spends
+    minutes on it: a block count its tensors do not have, a tensor whose shape the hyperparameters
+    contradict (named, with both shapes), tensors that run past the end of a truncated file."""
+    try:
+        gguf = GGUFFile(path)
+    except TracerError as exc:
+        if "which tracer cannot read" in str(exc):
+            return  # a type tracer's reader lacks: the converter judges such a file itself
+        raise
+    size = Path(path).stat().st_size
+    end = max((info.offset + info.nbytes for info in gguf.tensors.values()), default=0)
+    if end > size:
+        raise TracerError(f"{path} is truncated: its tensors end at byte {end:,}, the file has {size:,}")
+    arch = gguf.fields.get("general.architecture")
+    blocks = {int(name.split(".")[1]) for name in gguf.tensors if name.startswith("blk.")}
+    count = gguf.number(f"{arch}.block_count")
+    if count is not None and blocks and count != max(blocks) + 1:
+        raise TracerError(f"{path}: the metadata says {arch}.block_count={count}, the file has tensors for "
+                          f"{max(blocks) + 1} blocks")
+    hyper = _hyperparameters(gguf, arch)
+    if hyper is None:
+        return
+    for name, info in gguf.tensors.items():
+        rule = _EXPECTED.get(name.split(".", 2)[2] if name.startswith("blk.") else name)
+        expected = rule(hyper) if rule else None
+        if expected and (len(expected) != len(info.shape)
+                         or any(e is not None and e != f for e, f in zip(expected, info.shape))):
+            shown = tuple("V" if e is None else e for e in expected)
+            raise TracerError(f"{path}: tensor {name} has shape {info.shape}, the metadata implies {shown}")
+
+
+def _hyperparameters(gguf: GGUFFile, arch) -> dict | None:
+    number = lambda key: gguf.number(f"{arch}.{key}")  # noqa: E731
+    embed, heads, ff = number("embedding_length"), number("attention.head_count"), number("feed_forward_length")
+    if not (isinstance(embed, int) and isinstance(heads, int) and isinstance(ff, int) and heads > 0):
+        return None  # per-layer arrays (some architectures) or missing keys: nothing to check against
+    kv = number("attention.head_count_kv")
+    head = number("attention.key_length") or embed // heads
+    return {"E": embed, "H": heads, "KV": kv if isinstance(kv, int) else heads, "D": head,
+            "Dv": number("attention.value_length") or head, "F": ff}

@@ -1,0 +1,87 @@
+"""Every engine × every family, generated from the two tables (`tracer.engines.registry.ENGINES`,
+`tracer.families.FAMILIES`) on the tiny models of tests/families.py: each cell is `match` at every
+point the engine records, or one line refusing the family ("the mlx engine does not trace gemma2
+yet") said before anything loads. An engine or a family added later joins the matrix by itself."""
+
+from __future__ import annotations
+
+import pytest
+
+import tracer
+from tests.conftest import TOKENS
+from tests.families import TINY_FAMILIES, write_tiny_family
+from tracer.engines.registry import ENGINES
+from tracer.errors import TracerError
+from tracer.families import FAMILIES
+
+# Knobs a cell runs an engine with: llama.cpp's exact f32 path (its default f16 KV cache and fused
+# flash attention are a number-format regime, judged by --regime, not a port to hold to f32).
+CELL_VARIANTS = {"llamacpp": "kv_cache=f32,flash_attn=off"}
+
+
+def llamacpp_argument(family: str, model_dir, folder) -> str:
+    """The tiny model as the GGUF llama.cpp runs (the writers tests/ has: Llama, Qwen2, Qwen3)."""
+    from tests.families import write_tiny_gguf as write_family_gguf
+    from tests.tiny_gguf import write_tiny_gguf as write_llama_gguf
+
+    path = folder / f"{family}.gguf"
+    if family == "llama":
+        write_llama_gguf(model_dir, path)
+    else:
+        write_family_gguf(model_dir, path, no_vocab=True)
+    return str(path)
+
+
+def file_argument(family: str, model_dir, folder) -> str:
+    """A trace saved earlier: the reference engine's own, so the cell checks the round trip."""
+    path = folder / f"{family}.safetensors"
+    tracer.record(model_dir, TOKENS, engine="hf", progress=False).save(path)
+    return str(path)
+
+
+# How a cell names an engine that takes an argument (`engine:ARGUMENT`); the others run bare.
+ARGUMENTS = {"llamacpp": llamacpp_argument, "file": file_argument}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("matrix")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRACER_CACHE", str(root / "cache"))  # the cells' ONNX exports, not the user's cache
+        yield root, {family: write_tiny_family(root / family, family) for family in FAMILIES}
+
+
+def test_every_family_has_a_tiny_model():
+    assert set(TINY_FAMILIES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_cell(engine, family, tiny, monkeypatch):
+    entry = ENGINES[engine]
+    if entry.missing_runtime():
+        pytest.skip(f"the {engine} runtime is not installed here")
+    root, models = tiny
+    supported = entry.families is None or family in entry.families
+    if not supported:
+        def must_not_load(*args, **kwargs):
+            raise AssertionError("an engine loaded before the refusal")
+
+        monkeypatch.setattr("tracer.pipeline.load_engine", must_not_load)
+        with pytest.raises(TracerError) as refused:
+            tracer.run(models[family], tokens=TOKENS, candidate=engine, greedy=0, progress=False)
+        assert str(refused.value).startswith(f"the {engine} engine does not trace {family} yet")
+        return
+    if entry.argument_required or engine in ARGUMENTS:
+        if engine not in ARGUMENTS:
+            pytest.fail(f"say in ARGUMENTS how the matrix names the {engine} engine's {entry.argument}")
+        candidate = f"{engine}:{ARGUMENTS[engine](family, models[family], root)}"
+    else:
+        candidate = engine
+    result = tracer.run(models[family], tokens=TOKENS, candidate=candidate, variant=CELL_VARIANTS.get(engine),
+                        greedy=2, progress=False)
+    assert result.verdict == "match", (result.first_divergence, result.notes)
+    # every point of the reference is compared, or its absence explained by the engine
+    unexplained = [p.point for p in result.points if p.missing_on == "candidate" and not p.reason]
+    assert unexplained == [], unexplained
+    assert result.greedy is None or result.greedy["first_flip"] is None  # a saved trace decodes nothing

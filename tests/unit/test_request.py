@@ -1,0 +1,244 @@
+"""A run's request is checked in one place (`tracer.request`) before torch is imported or anything
+is written: every bad value is one line on stderr, exit code 2, no traceback, no file; and the
+reproduction command is derived from the parser. The argument surface is also searched by
+hypothesis: any value of any flag either passes the checks or is refused that way."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracer.arguments import build_parser, command_line
+from tracer.errors import TracerError
+from tracer.request import Inputs, Outputs, Placement, regime_knobs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# argv (with {tmp}: a scratch folder holding `file` (a file), `folder/` (an empty folder) and `full/` (a folder
+# with a file of the user's)
+# -> what the one line says.
+REFUSED = [
+    (["run", "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["run", "--max-tokens", "-3"], "--max-tokens must be at least 1, got -3"),
+    (["sweep", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["run", "--greedy", "-1"], "--greedy must be at least 0, got -1"),
+    (["sweep", "--greedy", "-2"], "--greedy must be at least 0"),
+    (["run", "--out", "{tmp}/file/report"], "is a file, not a folder"),
+    (["run", "--out", "{tmp}/file"], "a file is there, not a folder"),
+    (["run", "--json", "{tmp}/missing/result.json"], "no folder"),
+    (["run", "--json", "{tmp}/folder"], "a folder is there, not a file"),
+    (["record", "-o", "{tmp}/missing/trace.safetensors"], "no folder"),
+    (["record", "-o", "{tmp}/folder"], "a folder is there, not a file"),
+    (["sweep", "--out", "{tmp}/file"], "a file is there, not a folder"),
+    (["run", "--out", "{tmp}/full"], "refusing to overwrite {tmp}/full: it is not a tracer report folder"),
+    (["sweep", "--out", "{tmp}/full"], "it is not a tracer sweep folder"),
+    (["config", "--json", "{tmp}/missing/audit.json"], "no folder"),
+    (["diagnose", "{tmp}/file", "--json", "{tmp}/folder"], "a folder is there, not a file"),
+    (["run", "--regime", "theta=10000"], "theta=10000 is not one (a porting mistake goes in --variant)"),
+    (["run", "--regime", "preset=candle"], "preset=candle is not one"),
+    (["run", "--regime", ""], "--regime needs 'auto' or knobs"),
+    (["run", "--max-memory", "cpu=1GiB,cpu=2GiB"], "device cpu is given twice"),
+    (["run", "--max-memory", "0=1GiB,0=2GiB"], "device 0 is given twice"),
+    (["run", "--candidate", "llamacpp:"], "nothing after the colon"),
+    (["run", "--candidate", "file:"], "nothing after the colon"),
+    (["run", "--candidate", "llamacpp", "--variant", "threads=100000"], "bad value '100000' for knob 'threads'"),
+    (["run", "--candidate", "mlx", "--variant", "attn=sdpa"], "not honoured by the mlx engine"),
+    (["run", "--reference-variant", "rope=interleaved"], "not honoured by the hf engine"),
+    (["record", "--engine", "onnx", "--variant", "rope=interleaved", "-o", "{tmp}/t.safetensors"],
+     "not honoured by the onnx engine"),
+    (["run", "--atol", "nan"], "--atol takes a finite number >= 0, got nan"),
+    (["run", "--rtol", "-1"], "--rtol takes a finite number >= 0"),
+    (["compare", "{tmp}/file", "{tmp}/file", "--atol", "inf"], "--atol takes a finite number >= 0"),
+    (["run", "--tokens", "1,-2"], "token id -2 is negative"),
+    (["run", "--tokens", ","], "empty token list"),
+    (["run", "--tokens", "1,x"], "--tokens takes comma-separated integers"),
+    (["run", "--prompt", "   "], "the prompt is only whitespace"),
+    (["run", "--system", "be brief"], "a system message needs the chat template"),
+    (["run", "--tokens", "1,2", "--chat"], "chat templates apply to a prompt, not to token ids"),
+    (["run", "--device", "gpu"], "unknown device 'gpu'"),
+    (["run", "--device", "cuda:x"], "unknown device 'cuda:x'"),
+    (["run", "--model", ""], "--model is empty"),
+    (["run", "--model", "{tmp}/folder"], "not a model directory (no config.json)"),
+    (["run", "--model", "{tmp}/nothing-here"], "model path not found"),
+    (["run", "--model", "{tmp}/file"], "unsupported model file"),
+    (["run", "--offload", "{tmp}/file"], "--offload {tmp}/file: a file is there, not a folder"),
+    (["run", "--prompt-file", "{tmp}/folder"], "cannot read prompt file"),
+    (["run", "--variant", "theta=1,theta=2"], "knob 'theta' is given twice"),
+]
+
+CHILD = """
+import contextlib, io, json, sys
+from tracer.cli import main
+cases, results = json.loads(sys.argv[1]), []
+for argv in cases:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, err.getvalue()])
+print(json.dumps({"results": results, "torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    (tmp_path / "file").write_text("not a model\n")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine\n")
+    return tmp_path
+
+
+def test_every_bad_argument_is_one_line_exit_2_before_torch_with_nothing_written(scratch):
+    cases = [[arg.replace("{tmp}", str(scratch)) for arg in argv] for argv, _ in REFUSED]
+    before = sorted(p.relative_to(scratch) for p in scratch.rglob("*"))
+    child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases)], cwd=scratch, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    reply = json.loads(child.stdout)
+    for (argv, message), (code, err) in zip(REFUSED, reply["results"]):
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (argv, err)
+        assert lines[0].startswith("tracer: error: ") and message.replace("{tmp}", str(scratch)) in lines[0], \
+            (argv, lines[0])
+    assert reply["torch"] is False  # every refusal above came before torch was imported
+    assert sorted(p.relative_to(scratch) for p in scratch.rglob("*")) == before  # and nothing was written
+
+
+def test_the_values_check_themselves_for_the_api_too(tmp_path):
+    with pytest.raises(TracerError, match="--max-tokens must be at least 1"):
+        Inputs(None, "hi", max_tokens=0)
+    with pytest.raises(TracerError, match="whole number"):
+        Inputs(None, "hi", max_tokens=2.5)
+    with pytest.raises(TracerError, match="token ids are integers"):
+        Inputs(None, tokens=[1, True])
+    assert Inputs(None, tokens="3, 4").tokens == (3, 4)
+    with pytest.raises(TracerError, match="given twice"):
+        Placement(max_memory="cpu=1GiB, cpu=1GiB")
+    assert Placement(max_memory="0=1GiB,cpu=2GiB").accelerate.max_memory == {0: "1GiB", "cpu": "2GiB"}
+    assert Placement().accelerate is None
+    with pytest.raises(TracerError, match="no folder"):
+        Outputs(json=str(tmp_path / "a" / "b.json"))
+    Outputs(report=str(tmp_path / "new" / "deeper"), json="-")  # a folder that can be made is fine
+    assert not (tmp_path / "new").exists()  # and checking made nothing
+    with mock.patch("tracer.request.os.access", return_value=False):  # what a non-root user meets (tests run as root)
+        with pytest.raises(TracerError, match=f"--out {tmp_path}/r: {tmp_path} cannot be written"):
+            Outputs(report=f"{tmp_path}/r")
+    assert regime_knobs("preset=llamacpp,weights=q8_0") == {"preset": "llamacpp", "weights": "q8_0"}
+    assert regime_knobs("dtype=bf16") == {"dtype": "bf16"}
+
+
+def test_api_refuses_the_same_values_in_one_line(tmp_path):
+    import tracer
+
+    for kwargs, message in [(dict(max_tokens=0), "--max-tokens must be at least 1"),
+                            (dict(greedy=-1), "--greedy must be at least 0"),
+                            (dict(regime="theta=10000"), "is not one"),
+                            (dict(out=tmp_path / "file" / "x"), "is a file")]:
+        (tmp_path / "file").write_text("")
+        with pytest.raises(TracerError, match=message):
+            tracer.run(tokens=[1, 2], progress=False, **kwargs)
+
+
+def test_the_reproduction_command_is_derived_from_the_parser():
+    line = command_line("run", {"model": "m", "variant": ["theta=1"], "greedy": 3, "stream": True, "device": "cpu",
+                                "out": "tracer-report", "no_report": False, "max_memory": "cpu=1GiB"})
+    assert line == "tracer run --model m --variant theta=1 --greedy 3 --stream --max-memory cpu=1GiB"
+    args = build_parser().parse_args(line.split()[1:])  # and the parser reads it back
+    assert (args.model, args.variant, args.greedy, args.stream, args.max_memory) == \
+        ("m", ["theta=1"], 3, True, "cpu=1GiB")
+
+
+def test_shared_flags_are_declared_once_and_mean_the_same_everywhere():
+    subs: dict = {}
+    build_parser(subs)
+    helps: dict[str, set] = {}
+    for parser in subs.values():
+        for action in parser._actions:
+            for flag in action.option_strings:
+                helps.setdefault(flag, set()).add(action.help)
+    assert {flag for flag, texts in helps.items() if len(texts) > 1} <= {"--variants", "--json", "--out", "--model",
+                                                                       "--greedy", "--candidate"}
+
+
+# ------------------------------------------------------------------ the whole argument surface, searched
+
+HOSTILE = ["0", "-1", "-3", "1", "2", "1e999", "nan", "-inf", "", " ", "-", "x", "a=b", "theta=10000", "preset=candle",
+           "weights=q8_0", "auto", "cpu=1GiB,cpu=2GiB", "0=1GiB", "cpu", "cuda:9", "mps", "llamacpp:", "file:",
+           "file:nothing", "mlx", "hf", "reimpl", "1,2,3", "1,-2", "threads=100000", "dtype=bf16", "/", ".",
+           "missing/x.json", "é", "\x00"]
+
+
+def _flags(command: str) -> list:
+    subs: dict = {}
+    build_parser(subs)
+    return [action for action in subs[command]._actions if action.option_strings and action.dest != "help"]
+
+
+def argv_for(command: str):
+    """A strategy: `command` with a random subset of its flags, each with a hostile or random value."""
+    value = st.one_of(st.sampled_from(HOSTILE), st.text(max_size=6), st.integers(-5, 5).map(str))
+    flags = _flags(command)
+
+    def build(choices):
+        argv = [command]
+        for action, (use, text) in zip(flags, choices):
+            if not use:
+                continue
+            argv += [action.option_strings[-1]] + ([] if action.nargs == 0 else [text])
+        return argv + (["-o", "out.safetensors"] if command == "record" and "-o" not in argv
+                       and "--output" not in argv else [])
+
+    return st.lists(st.tuples(st.booleans(), value), min_size=len(flags), max_size=len(flags)).map(build)
+
+
+class Reached(Exception):
+    """The checks passed and the run would start: where the property test stops."""
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(argv=st.one_of(argv_for("run"), argv_for("sweep"), argv_for("record")))
+def test_any_value_of_any_flag_passes_the_checks_or_is_one_line_exit_2_with_nothing_written(argv):
+    from tracer.cli import main
+
+    def reached(*args, **kwargs):
+        raise Reached
+
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder), \
+            mock.patch("tracer.api.run_values", reached), mock.patch("tracer.api.sweep_values", reached), \
+            mock.patch("tracer.api.record_values", reached):
+        err, out = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                code = main(argv)
+        except Reached:
+            code = None
+        if code is not None:
+            lines = err.getvalue().strip().splitlines()
+            assert code == 2 and len(lines) == 1 and lines[0].startswith("tracer: error: "), (argv, err.getvalue())
+            written = os.listdir(folder)
+            # --json FILE gets the error as JSON (the contract); nothing else is written
+            assert all(name == argv[argv.index("--json") + 1] for name in written) if "--json" in argv else not written
+
+
+def test_a_gpu_cap_for_a_gpu_that_is_not_here_is_one_line_before_accelerate(tiny_llama, capsys):
+    import torch
+
+    from tracer.cli import main
+
+    gpu = torch.cuda.device_count()  # the first index this machine lacks
+    code = main(["run", "--model", str(tiny_llama()), "--tokens", "1,2,3", "--no-report",
+                 "--max-memory", f"{gpu}=1GiB"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"tracer: error: --max-memory {gpu}=...: there is no GPU {gpu} here "
+                                 f"(torch sees {gpu} CUDA GPUs)"]

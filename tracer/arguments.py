@@ -1,0 +1,206 @@
+"""Every flag of the `tracer` command, declared once: shared argparse parents for the flags several
+sub-commands take (inputs, placement, tolerance, report, JSON), and `command_line`, which writes the
+command that repeats a run from the same declarations. Pure argparse: no torch, no tracer internals
+above `tracer.request`, so the API can derive its reproduction line from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from tracer.errors import TracerError
+from tracer.families import FAMILIES
+from tracer.request import DEFAULT_PROMPT
+
+DEFAULT_OUT = "tracer-report"
+DEFAULT_SWEEP_OUT = "tracer-sweep"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's usage dump is noise; one line, exit 2, like every user error
+        raise TracerError(message)
+
+
+def _parent() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(add_help=False)
+
+
+def _inputs() -> argparse.ArgumentParser:
+    """--model, the prompt (or token ids) and the chat template: every command that runs a model."""
+    parent = _parent()
+    parent.add_argument("--model", help="HF model directory (any family tracer traces) or .gguf file "
+                                        "(default: bundled SmolLM2-135M-Instruct)")
+    source = parent.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help=f'text to run (default: "{DEFAULT_PROMPT}")')
+    source.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
+    source.add_argument("--tokens", help="comma-separated token ids, for models without a tokenizer")
+    parent.add_argument("--chat", action="store_true",
+                        help="feed the prompt through the model's chat template, as an instruct model is used")
+    parent.add_argument("--system", help="a system message before the prompt (with --chat)")
+    return parent
+
+
+def _truncation() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--max-tokens", type=int, help="keep only the first N tokens of the prompt (N >= 1)")
+    return parent
+
+
+def _variant() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V]",
+                        help="candidate knobs, e.g. theta=10000 (repeatable; see `tracer variants`)")
+    return parent
+
+
+def _reference() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--reference", default="hf", help="reference engine, see `tracer engines` (default hf)")
+    parent.add_argument("--reference-variant", action="append", default=[], metavar="K=V[,K=V]",
+                        help="knobs for the reference side")
+    return parent
+
+
+def _placement() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--device", default="cpu", help="where the models run: cpu | cuda | cuda:N | mps (default cpu)")
+    parent.add_argument("--stream", action="store_true",
+                        help="reimpl reads each block's weights from the files when it runs: one block in memory")
+    parent.add_argument("--offload", metavar="DIR", help="hf loads its model through accelerate (device_map=auto): "
+                        "what fits in no device's memory is kept in DIR and read when its module runs")
+    parent.add_argument("--max-memory", metavar="DEV=SIZE[,...]",
+                        help="with accelerate's placement, how far it may fill each device, e.g. cpu=2GiB or "
+                             "0=20GiB,cpu=60GiB (the rest goes to --offload)")
+    return parent
+
+
+def _tolerance() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--atol", type=float, help="elementwise absolute tolerance (replaces the rel_l2 criterion)")
+    parent.add_argument("--rtol", type=float, help="elementwise relative tolerance (replaces the rel_l2 criterion)")
+    return parent
+
+
+def _noise() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--no-noise", action="store_true",
+                        help="skip the f64 noise-floor run; judge points by the fixed rel_l2 bound (1e-4)")
+    return parent
+
+
+def _json(what: str = "result") -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--json", metavar="-|FILE", help=f"write the {what} as JSON (- for stdout, nothing else there)")
+    return parent
+
+
+def _report(default: str) -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--out", default=default, help=f"report folder (default ./{default})")
+    parent.add_argument("--no-report", action="store_true", help="write no report folder")
+    return parent
+
+
+def _verdict_exit() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--fail-on-divergence", action="store_true", help="exit with code 1 when a point diverges")
+    return parent
+
+
+def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
+    """The whole `tracer` parser; `commands_out`, when given, receives each sub-command's parser by name."""
+    parser = _Parser(prog="tracer", description="Find where a Llama port diverges from transformers.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    subs = {} if commands_out is None else commands_out
+
+    def command(name: str, help: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        subs[name] = commands.add_parser(name, help=help, parents=list(parents))
+        return subs[name]
+
+    command("run", "trace a reference and a candidate, localize the first divergence",
+            _inputs(), _truncation(), _variant(), _reference(), _run_candidate(), _tolerance(), _noise(), _placement(),
+            _report(DEFAULT_OUT), _json(), _verdict_exit())
+
+    command("compare", "compare two saved traces (tracer's, or another runtime's dump)",
+            _compared(), _tolerance(), _report(DEFAULT_OUT), _json(), _verdict_exit())
+
+    rec = command("record", "save one engine's trace as a safetensors file", _inputs(), _variant(), _placement())
+    rec.add_argument("--engine", default="hf", help="the engine to record, see `tracer engines` (default hf)")
+    rec.add_argument("-o", "--output", required=True, type=Path, help="trace file to write (.safetensors)")
+
+    var = command("variants", "list every knob: values, default, engines, what it reproduces")
+    var.add_argument("--family", help=f"only the knobs of one model family ({', '.join(FAMILIES)}), with where "
+                                      "each first diverges")
+    command("engines", "list every engine: what it records and honours, whether its runtime is installed")
+
+    diag = command("diagnose", "rank the variant catalogue by resemblance to a trace recorded elsewhere",
+                   _placement(), _json("ranking"))
+    diag.add_argument("trace", type=Path, help="the observed candidate trace (safetensors, with token ids)")
+    diag.add_argument("--model", help="the model it ran (default: bundled SmolLM2-135M-Instruct)")
+    diag.add_argument("--variants", action="append", metavar="K=V[,K=V][;...]",
+                      help="variants to try (default: the catalogue)")
+
+    swp = command("sweep", "the reference once, then every variant against it (default: one per knob)",
+                  _inputs(), _truncation(), _reference(), _noise(), _placement(), _report(DEFAULT_SWEEP_OUT),
+                  _json("sweep"))
+    swp.add_argument("--variants", action="extend", nargs="+", metavar="K=V[,K=V]",
+                     help="variants to run (several, or one argument with ';' between them; default: one per knob)")
+    swp.add_argument("--candidate", default="reimpl",
+                     help="engine the variants run on: reimpl | hf | ..., see `tracer engines` (default reimpl)")
+    swp.add_argument("--greedy", type=int, default=0, help="greedy tokens per variant, each a forward (default 0)")
+
+    cfg = command("config", "how transformers (its family's reading) and candle 0.11 (Llama only) "
+                            "read config.json, and where they differ", _json("audit"))
+    cfg.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    cfg.add_argument("--resave", default="none", choices=("none", "tf5"),
+                     help="first rewrite the config as transformers 5's save_pretrained does")
+    return parser
+
+
+def _run_candidate() -> argparse.ArgumentParser:
+    """`tracer run`'s own flags: the candidate, its regime, the greedy continuation."""
+    parent = _parent()
+    parent.add_argument("--candidate", default="reimpl",
+                        help="candidate engine: reimpl | hf | file:PATH | ..., see `tracer engines` (default reimpl)")
+    parent.add_argument("--regime", metavar="auto|K=V[,K=V]",
+                        help="compare in a number-format regime: auto (the one the candidate's runtime and model file "
+                             "imply: llama.cpp's CPU arithmetic on its GGUF, a 16-bit dtype) or knobs such as "
+                             "weights=q4_1,act_quant=q8_1; the raw f32 view is reported beside it (docs/regimes.md)")
+    parent.add_argument("--greedy", type=int,
+                        help="greedy tokens generated on both sides (default 20; 0 for prompts over 128 tokens)")
+    return parent
+
+
+def _compared() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("reference", help="reference trace file (.safetensors)")
+    parent.add_argument("candidate", help="candidate trace file (.safetensors; candle, llama.cpp, ... names accepted)")
+    parent.add_argument("--aliases", type=Path, metavar="FILE",
+                        help='JSON name mapping {"their_name_pattern": "our_point_pattern"}, {i} for the layer')
+    return parent
+
+
+def command_line(command: str, values: dict) -> str:
+    """The `tracer COMMAND ...` line that repeats a run, derived from the parser: every flag whose
+    value (by its dest, as `values` holds them) differs from its default, in the help's order.
+    A list value repeats its flag; True writes a switch; dests absent from `values` stay default."""
+    subs: dict = {}
+    build_parser(subs)
+    words = ["tracer", command]
+    for action in subs[command]._actions:  # noqa: SLF001 - argparse lists its actions only there
+        if action.dest not in values or not action.option_strings:
+            continue
+        value = values[action.dest]
+        if value is None or value is False or value == action.default or value == []:
+            continue
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # a switch
+            words.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                words += [flag, str(item)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)

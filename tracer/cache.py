@@ -1,0 +1,91 @@
+"""Cache entries that check themselves: content hashes written when an entry is completed, checked
+on every use, so a damaged entry (a weights file changed in place, a file gone, a garbled
+manifest) is rebuilt or refused, never used.
+
+An entry is a folder that `tracer.convert.cached_build` filled and renamed into place (a GGUF
+conversion, an ONNX export). `seal` writes its completion record: for every file, its size and
+SHA-256, and the file's stat (size, mtime, ctime, inode). `damage` compares: where the stat is
+unchanged the file was not written since (a write moves ctime, which no user call can set back),
+so the common case costs one `stat` per file; where the stat moved (a copy of the cache, a write),
+the file is hashed again (SmolLM2's 538 MB weights: about 1.2 s here), and an unchanged hash
+refreshes the recorded stat. No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+RECORD_VERSION = 1
+
+
+def seal(folder: Path, marker: str) -> None:
+    """Write `folder/marker`: the completion record with every file's size, hash and stat."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != marker):
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": file_hash(path)}
+    record = {"completed": time.time(), "version": RECORD_VERSION, "files": files, "stat": stats(folder, files)}
+    _write_record(folder / marker, record)
+
+
+def damage(folder: Path, marker: str) -> str | None:
+    """What is wrong with a completed entry (one phrase), or None when every file is as sealed.
+
+    An entry completed before records carried hashes is sealed now, as it is (it was trusted
+    before; from now on it is checked)."""
+    try:
+        record = json.loads((folder / marker).read_text())
+    except (OSError, ValueError):
+        return f"its completion record {marker} is unreadable"
+    if not isinstance(record, dict):
+        return f"its completion record {marker} is garbled"
+    files = record.get("files")
+    if files is None:
+        seal(folder, marker)
+        return None
+    if not isinstance(files, dict) or not isinstance(record.get("stat"), dict):
+        return f"its completion record {marker} is garbled"
+    now = stats(folder, files)
+    for name, expected in files.items():
+        if name not in now:
+            return f"{name} is missing"
+        if now[name] == record["stat"].get(name):
+            continue
+        if not isinstance(expected, dict) or now[name][0] != expected.get("size"):
+            return f"{name} changed size since it was built"
+        if file_hash(folder / name) != expected.get("sha256"):
+            return f"{name} changed since it was built (its SHA-256 differs)"
+    if now != record["stat"]:  # same contents, new stats (a copied cache): hash once, not on every use
+        try:
+            _write_record(folder / marker, {**record, "stat": now})
+        except OSError:
+            pass  # a read-only cache is checked by hash each time: slower, still correct
+    return None
+
+
+def stats(folder: Path, names) -> dict[str, list[int]]:
+    """name -> [size, mtime_ns, ctime_ns, inode] for the names that exist."""
+    found = {}
+    for name in names:
+        try:
+            st = (folder / name).stat()
+        except OSError:
+            continue
+        found[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    return found
+
+
+def file_hash(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _write_record(path: Path, record: dict) -> None:
+    """Atomically: a reader sees the old record or the new one, never half of one."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)

@@ -1,0 +1,255 @@
+"""A run's request as a few frozen values, checked in one place before torch is imported or
+anything is written.
+
+`Inputs` (model, prompt or tokens, chat, system, max tokens), `Placement` (device, stream,
+offload, max memory) and `Outputs` (report folder, JSON file, trace file) are built once (by the
+CLI from its flags, by the API from its arguments) and passed whole to `tracer.pipeline`. Each
+checks itself when built: value ranges, duplicates, and that every output location can be
+written, so a mistake is one line (`TracerError`) before any work starts, never a traceback
+after it. `check_engines` and `check_regime` do the same for the engine names and the knobs each
+option takes. No torch here (tests/unit/test_request.py checks it).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tracer.engines.offload import Offload, parse_max_memory
+from tracer.engines.registry import check_engine, parse_engine
+from tracer.errors import TracerError
+from tracer.folders import replaceable_folder
+from tracer.sources import check_source
+from tracer.tokenizer import check_prompt
+from tracer.variants import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
+
+DEFAULT_PROMPT = "The capital of France is"
+DEVICE_FORM = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+# What --regime takes: the number-format knobs, a 16-bit dtype, and the presets made of those.
+REGIME_EXTRA = ("dtype",)
+# (the file that marks a report folder, what the folder is called): `tracer run`'s, `tracer sweep`'s
+RUN_REPORT, SWEEP_REPORT = ("summary.json", "report"), ("sweep.json", "sweep")
+
+
+def whole_number(value, name: str, *, minimum: int) -> int | None:
+    """`value` as an int of at least `minimum` (None stays None); a float, a bool or a smaller
+    number is the user's error."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TracerError(f"{name} takes a whole number, got {value!r}")
+    if value < minimum:
+        raise TracerError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def token_list(tokens) -> tuple[int, ...] | None:
+    """Token ids as a tuple of non-negative ints (a list, a tuple, a 1-D tensor or a "1,2,3" string)."""
+    if tokens is None:
+        return None
+    if isinstance(tokens, str):
+        try:
+            tokens = [int(t) for t in tokens.split(",") if t.strip()]
+        except ValueError:
+            raise TracerError(f"--tokens takes comma-separated integers, got {tokens!r}") from None
+    elif hasattr(tokens, "tolist"):  # a tensor or an array, without importing torch here
+        tokens = tokens.tolist()
+    if not isinstance(tokens, (list, tuple)) or any(isinstance(t, list) for t in tokens):
+        raise TracerError("token ids are a flat list of integers")
+    odd = [t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if odd:
+        raise TracerError(f"token ids are integers, got {odd[0]!r}")
+    tokens = [int(t) for t in tokens]  # numpy's integers too
+    if not tokens:
+        raise TracerError("empty token list")
+    if any(t < 0 for t in tokens):
+        raise TracerError(f"token id {min(tokens)} is negative")
+    return tuple(tokens)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the model is fed: a model (a directory, a .gguf file, None for the bundled SmolLM2,
+    or a loaded transformers model), a prompt or token ids, the chat template, and a truncation."""
+
+    model: object = None
+    prompt: str | None = DEFAULT_PROMPT
+    tokens: tuple[int, ...] | None = None
+    chat: bool = False
+    system: str | None = None
+    max_tokens: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", token_list(self.tokens))
+        whole_number(self.max_tokens, "--max-tokens", minimum=1)
+        if self.tokens is None:
+            if self.prompt is None:
+                raise TracerError("give a prompt or token ids")
+            check_prompt(self.prompt)
+        if self.tokens is not None and (self.chat or self.system is not None):
+            raise TracerError("chat templates apply to a prompt, not to token ids")
+        if self.system is not None and not self.chat:
+            raise TracerError("a system message needs the chat template: pass chat=True (--chat)")
+        if isinstance(self.model, (str, os.PathLike)):
+            if not str(self.model).strip():
+                raise TracerError("--model is empty; leave it out for the bundled SmolLM2")
+            check_source(self.model)
+
+    @property
+    def text(self) -> str | None:
+        """The prompt as given (None when token ids were)."""
+        return None if self.tokens is not None else self.prompt
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the models run: a torch device, whether weights are streamed block by block, and
+    accelerate's big-model placement (`offload` folder, `max_memory` per device)."""
+
+    device: str = "cpu"
+    stream: bool = False
+    offload: str | None = None
+    max_memory: dict | None = None
+
+    def __post_init__(self):
+        device = str(self.device)
+        if not DEVICE_FORM.match(device):
+            raise TracerError(f"unknown device {device!r}; devices: cpu, cuda, cuda:N, mps")
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "max_memory", parse_max_memory(self.max_memory))
+        if self.offload is not None:
+            object.__setattr__(self, "offload", str(self.offload))
+            writable_folder(self.offload, "--offload")
+
+    @property
+    def accelerate(self) -> Offload | None:
+        """The `Offload` the options ask for, or None (every side loads its model whole)."""
+        if self.offload is None and self.max_memory is None:
+            return None
+        return Offload(self.offload, self.max_memory)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where a command writes: the report folder (None: no report), the JSON file ("-": stdout),
+    the trace file (`tracer record -o`). Each checked writable when built, before any work."""
+
+    report: str | None = None
+    json: str | None = None
+    trace: str | None = None
+    kind: tuple[str, str] = RUN_REPORT
+
+    def __post_init__(self):
+        if self.report is not None:
+            writable_folder(self.report, "--out")
+            replaceable_folder(Path(self.report).absolute(), *self.kind)
+        if self.json is not None and self.json != "-":
+            writable_file(self.json, "--json")
+        if self.trace is not None:
+            writable_file(self.trace, "cannot write trace")  # the words Trace.save uses: one message from CLI and API
+
+
+def writable_folder(path, option: str) -> None:
+    """A folder that exists and can be written, or that can be made (its nearest existing parent
+    is a writable folder)."""
+    target = Path(path).expanduser()
+    if not str(path).strip():
+        raise TracerError(f"{option} is empty")
+    if target.exists() and not target.is_dir():
+        raise TracerError(f"{option} {path}: a file is there, not a folder")
+    existing = next(p for p in (target, *target.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise TracerError(f"{option} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise TracerError(f"{option} {path}: {existing} cannot be written")
+
+
+def writable_file(path, option: str) -> None:
+    """A file whose folder exists and can be written (tracer makes no folder for a single file)."""
+    target = Path(path).expanduser()
+    if not str(path).strip():
+        raise TracerError(f"{option} is empty")
+    if target.is_dir():
+        raise TracerError(f"{option} {path}: a folder is there, not a file")
+    folder = target.absolute().parent
+    if not folder.is_dir():
+        raise TracerError(f"{option} {path}: no folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise TracerError(f"{option} {path}: cannot be written")
+
+
+def check_tolerance(atol, rtol) -> None:
+    """Elementwise tolerances are finite numbers >= 0."""
+    for name, value in (("--atol", atol), ("--rtol", rtol)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise TracerError(f"{name} takes a finite number >= 0, got {value!r}")
+
+
+def check_greedy(greedy, name: str = "--greedy") -> None:
+    whole_number(greedy, name, minimum=0)
+
+
+def check_engines(reference: str | None, candidate: str | None, variant: dict, reference_variant: dict) -> None:
+    """Both engine names resolve, and each side's knobs are ones its engine honours (before torch)."""
+    for engine, knobs in ((reference, reference_variant), (candidate, variant)):
+        if engine is None:
+            continue
+        entry, _ = parse_engine(engine)
+        if knobs:
+            if entry.argument_required:
+                raise TracerError(f"{engine} is a saved trace; knobs ({variant_text(knobs)}) need an engine that "
+                                  "runs the model")
+            check_engine(knobs, entry.name)
+
+
+def regime_knobs(regime) -> dict | str | None:
+    """`--regime`: "auto", or knobs of a number-format regime only (ggml's formats and arithmetic,
+    a dtype, `preset=llamacpp`); a porting-mistake knob there is refused, naming --variant."""
+    if regime is None or regime == "auto":
+        return regime
+    knobs = parse_variant(regime)
+    if not knobs:
+        raise TracerError("--regime needs 'auto' or knobs, e.g. --regime weights=q4_1,act_quant=q8_1")
+    allowed = (*knobs_of_kind("regime"), *REGIME_EXTRA)
+    for name, value in knobs.items():
+        regime_preset = name == "preset" and all(k in allowed for k in PRESETS.get(value, {"": 0}))
+        if name not in allowed and not regime_preset:
+            raise TracerError(f"--regime takes auto or number-format knobs ({', '.join(allowed)}, preset=llamacpp); "
+                              f"{name}={format_knob_value(value)} is not one (a porting mistake goes in --variant)")
+    return knobs
+
+
+def check_family_support(engine: str, source) -> None:
+    """An engine asked to trace a family it does not trace point for point (the registry's
+    `families`) is refused in one line, before anything loads."""
+    entry, _ = parse_engine(engine)
+    if entry.families is None:
+        return
+    family = family_name(source)
+    if family is not None and family not in entry.families:
+        raise TracerError(f"the {entry.name} engine does not trace {family} yet "
+                          f"(it traces {', '.join(entry.families)})")
+
+
+def family_name(source) -> str | None:
+    """The family of a model directory (its config.json) or of a loaded model; None when unknown."""
+    import json
+
+    from tracer.families import model_types
+
+    config = getattr(source, "config", None)
+    if config is not None:
+        model_type = getattr(config, "model_type", None)
+    else:
+        try:
+            model_type = json.loads((Path(source) / "config.json").read_text()).get("model_type")
+        except (OSError, TypeError, ValueError, AttributeError):
+            return None
+    family = model_types().get(model_type or "llama")
+    return family.name if family else None
