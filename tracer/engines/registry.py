@@ -23,6 +23,8 @@ SEMANTIC_KNOBS = ("rope", "kv_repeat", "mask", "attn_math", "norm", "logits", "p
 REGIME_KNOBS = ("weights", "act_quant", "act_round", "kv_cache", "ops", "accumulate", "flash_attn")
 # llama.cpp's own switches: rope_freq_base, the KV cache type, flash attention, threads.
 LLAMACPP_KNOBS = ("theta", "kv_cache", "flash_attn", "threads")
+# candle's forward (llama.rs / quantized_llama.rs): its config reader and the notes' porting mistakes.
+CANDLE_KNOBS = ("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask", "threads")
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,12 @@ ENGINES: dict[str, EngineEntry] = {
             # where the backend has it): said per run in the trace's not_recorded, not here.
             knobs=LLAMACPP_KNOBS, draft=True, greedy="cached", argument="PATH", extra="llamacpp",
             requires=(("llama_cpp", "llama-cpp-python"),), isolated=True,
+        ),
+        EngineEntry(
+            "candle", "tracer.engines.candle",
+            "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's Llama: llama.rs on the "
+            "model directory, quantized_llama.rs on candle:PATH.gguf",
+            knobs=CANDLE_KNOBS, argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True,
         ),
     )
 }
