@@ -173,7 +173,7 @@ class Forward:
         return x
 
     def attention(self, x, w: dict, cos, sin, mask, record):
-        c, s = self.candle, self.shape
+        s = self.shape
         count = x.shape[1]
         q, k, v = self.linear(x, w["q_proj"]), self.linear(x, w["k_proj"]), self.linear(x, w["v_proj"])
         record("self_attn.q_proj", q)

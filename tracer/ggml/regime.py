@@ -378,8 +378,10 @@ def check_knobs(knobs: dict) -> None:
     if knobs.get("dtype", "f32") != "f32":
         raise TracerError(f"dtype={knobs['dtype']} cannot combine with regime knobs: they emulate f32 arithmetic "
                           "(the regime's noise floor is tracer.ggml.noise.regime_noise)")
-    if knobs.get("ops") == "ggml" and knobs.get("attn", "eager") != "eager":
-        raise TracerError("ops=ggml brings llama.cpp's own attention; it does not combine with attn=sdpa")
+    if knobs.get("ops") in ("ggml", "candle") and knobs.get("attn", "eager") != "eager":
+        raise TracerError(f"ops={knobs['ops']} brings its runtime's own attention; it does not combine with attn=sdpa")
+    if knobs.get("ops") == "candle" and knobs.get("kv_cache", "f32") != "f32":
+        raise TracerError("ops=candle is candle's attention on f32 K/V (quantized_llama.rs keeps no other cache type)")
     if knobs.get("flash_attn") == "on" and knobs.get("ops") != "ggml":
         raise TracerError("flash_attn=on is llama.cpp's flash attention: on the reimpl engine it needs ops=ggml "
                           "(preset=llamacpp); with ops=hf attention is unfused")
@@ -393,11 +395,15 @@ def apply_regime(knobs: dict, strategies, spec=None):
     if not is_regime(knobs):
         return strategies
     family = spec.family if spec is not None else "llama"
-    if knobs.get("ops") == "ggml" and family != "llama":
-        raise TracerError(f"ops=ggml emulates llama.cpp's Llama graph; this model is a {family} "
+    if knobs.get("ops") in ("ggml", "candle") and family != "llama":
+        raise TracerError(f"ops={knobs['ops']} emulates {'llama.cpp' if knobs['ops'] == 'ggml' else 'candle'}'s "
+                          f"Llama forward; this model is a {family} "
                           "(the number-format knobs weights/act_quant/kv_cache apply to it)")
     rounding, accumulate = knobs.get("act_round", "even"), knobs.get("accumulate", "ggml")
-    linear = make_linear(knobs.get("act_quant", "none"), rounding, accumulate)
+    if accumulate == "candle" or knobs.get("ops") == "candle":  # candle's kernels (tracer.ggml.candle)
+        from tracer.ggml import candle
+    linear = candle.make_linear(knobs.get("act_quant", "none"), rounding) if accumulate == "candle" else \
+        make_linear(knobs.get("act_quant", "none"), rounding, accumulate)
     changes = {"weights": weight_format(knobs.get("weights")), "linear": linear,
                "logits": functools.partial(strategies.logits, linear=linear),
                "embed": dequantized_embed(strategies.embed)}
@@ -411,7 +417,8 @@ def apply_regime(knobs: dict, strategies, spec=None):
             changes["attention"] = make_attention_unfused(kv_cache or "f32")
     elif kv_cache is not None:
         changes["attention"] = make_attention_stored(kv_cache, rounding)
-    return dataclasses.replace(strategies, **changes)
+    replaced = dataclasses.replace(strategies, **changes)
+    return candle.apply_ops(replaced) if knobs.get("ops") == "candle" else replaced
 
 
 def regime_catalogue() -> list[str]:
