@@ -30,7 +30,9 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,16 +47,19 @@ from tracer.points import EMBED, FINAL_NORM, LOGITS, layer_point
 from tracer.trace import Trace, TraceRecorder
 
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # the wheel's target-cpu=native build executes them
-RUNTIME = "candle-nn {version} (candle kernels of March 2024)"
 # Ops candle-transformers 0.11 calls as one fused CPU kernel that 0.4.2 lacks: composed here from
-# candle's own ops, in the kernel's arithmetic (only the summation order of a sum may differ).
+# candle's own ops, in the kernel's arithmetic. Only rms_norm's Σx² is summed in another order
+# (0.4.2's vec_sum, where 0.11's kernel sums sequentially); rope, rope_i and softmax_last_dim
+# compute the very same values.
 COMPOSED = {
-    "input_layernorm": "rms_norm (x²'s sum by candle's vec_sum in 0.4.2, a sequential sum in 0.11's kernel)",
-    "post_attention_layernorm": "rms_norm", "model.norm": "rms_norm",
-    "self_attn.q_rope": "rope / rope_i (the same products and sums as 0.11's kernel)",
-    "self_attn.k_rope": "rope / rope_i",
-    "self_attn.probs": "softmax_last_dim (max, exp, vec_sum, divide: 0.11's kernel exactly)",
+    "rms_norm": ("input_layernorm", "post_attention_layernorm", "model.norm"),
+    "rope / rope_i": ("self_attn.q_rope", "self_attn.k_rope"),
+    "softmax_last_dim": ("self_attn.probs",),
 }
+SAME_CODE = ("candle 0.11's Q4_0/Q4_1/Q8_0/Q8_1 quantized arithmetic is the same code as 0.4.2's "
+             "(k_quants.rs, avx.rs)")
+K_QUANT_CAVEAT = ("this GGUF has K-quant tensors ({types}): candle 0.11 changed Q8_K's scale to -127/max, so "
+                  "0.11 computes them otherwise than this 0.4.2 run")
 # GGUF tensor stems of one block (llama.cpp's names, which quantized_llama.rs reads)
 GGUF_LAYER = {"attn_norm": "input_layernorm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
               "attn_output": "o_proj", "ffn_norm": "post_attention_layernorm", "ffn_gate": "gate_proj",
@@ -83,8 +88,13 @@ def check_platform(system: str | None = None, machine: str | None = None, flags:
                           f"built for them); this one lacks {', '.join(missing)}")
 
 
-def runtime_version() -> str:
-    return RUNTIME.format(version=importlib.metadata.version("candle-nn"))
+def runtime() -> dict:
+    """How reports name the runtime: "candle-nn 0.4.2 (candle kernels of March 2024)"."""
+    return {"name": "candle-nn", "version": f"{importlib.metadata.version('candle-nn')} (candle kernels of March 2024)"}
+
+
+def composed_text() -> str:
+    return "; ".join(f"{kernel}: {', '.join(points)}" for kernel, points in COMPOSED.items())
 
 
 # --- what the forward needs to know --------------------------------------------------------------
@@ -280,7 +290,7 @@ def refuse_family(family: str) -> None:
 
 def hf_model(model_dir: Path, variant: dict, candle) -> tuple[Shape, dict, object, dict]:
     """llama.rs on an HF directory: (shape, weights by point, linear, config facts for the trace)."""
-    from tracer.config import load_config, variant_spec
+    from tracer.config import RESAVES, load_config, variant_spec
     from tracer.families import family_of
     from tracer.llama import rope_inv_freq
 
@@ -312,7 +322,7 @@ def hf_model(model_dir: Path, variant: dict, candle) -> tuple[Shape, dict, objec
                   variant.get("rope", "half"), False, variant.get("kv_repeat", "interleave"),
                   variant.get("mask", "where"))
     facts = {"reader": knobs["config"], "rope_theta": spec.rope_theta, "rms_norm_eps": spec.rms_norm_eps,
-             "unused_config_keys": list(spec.unused_keys), "config": config}
+             "unused_config_keys": list(spec.unused_keys), "config": RESAVES[knobs.get("resave", "none")](config)}
     return shape, weights, linear_f32, facts
 
 
@@ -358,6 +368,17 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
 # --- the engine ----------------------------------------------------------------------------------
 
 
+@contextmanager
+def candle_errors():
+    """candle's own refusals (a ValueError carrying a Rust backtrace) as one line: its message."""
+    try:
+        yield
+    except ValueError as exc:
+        text = str(exc)
+        said = re.search(r'Msg\("(.*?)"\)', text)
+        raise TracerError(f"candle refused: {said.group(1) if said else text.split(', backtrace')[0]}") from None
+
+
 class CandleEngine:
     entry = ENGINES["candle"]
     name = entry.name
@@ -376,7 +397,8 @@ class CandleEngine:
 
         recorder = recorder if recorder is not None else TraceRecorder()
         kept: dict[str, object] = {}
-        self.forward(tokens, kept.__setitem__)
+        with candle_errors():
+            self.forward(tokens, kept.__setitem__)
         with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
             file = str(Path(folder) / "points.safetensors")
             self.forward.candle.utils.save_safetensors(file, kept)
@@ -387,7 +409,8 @@ class CandleEngine:
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """(T, V) logits of an unrecorded forward."""
-        logits = self.forward(tokens, lambda name, tensor: None)
+        with candle_errors():
+            logits = self.forward(tokens, lambda name, tensor: None)
         return torch.tensor(logits.values(), dtype=torch.float32)[0]
 
     def _layout(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -403,16 +426,17 @@ class CandleEngine:
                 "theta" not in self.variant:
             notes.append(f"candle's config reader (LlamaConfig, candle 0.11) took rope_theta = "
                          f"{facts['rope_theta']:g}: config.json has no top-level rope_theta"
-                         + (" (only rope_parameters, as transformers 5 saves it)"
-                            if "rope_parameters" in facts["config"] or self.variant.get("resave") == "tf5" else ""))
-        composed = sorted({sub.split(".")[-1] for sub in COMPOSED})
-        notes.append(f"composed from candle's ops (0.4.2 lacks 0.11's fused kernel): {', '.join(composed)} points")
+                         + (" (only rope_parameters, as transformers 5 saves it)" if "rope_parameters" in facts["config"]
+                            else ""))
+        notes.append(f"composed from candle's ops where 0.4.2 lacks 0.11's fused kernel ({composed_text()})")
+        if self.gguf:
+            notes.append(SAME_CODE)
+            k_quants = [t for t in facts["gguf_types"] if t.lower().endswith("k")]
+            if k_quants:
+                notes.append(K_QUANT_CAVEAT.format(types=", ".join(k_quants)))
         extra = {"unused_config_keys": facts.get("unused_config_keys", [])} if not self.gguf else {}
         return trace_meta(
-            self, self.label, tokens, "float32", {}, num_layers=self.num_layers,
-            runtime={"name": "candle", "version": runtime_version(),
-                     "note": "candle 0.11's Q4_0/Q4_1/Q8_0/Q8_1 arithmetic is the same code; 0.11 changed Q8_K's "
-                             "scale to -127/max, so K-quant GGUFs differ"},
+            self, self.label, tokens, "float32", {}, num_layers=self.num_layers, runtime=runtime(),
             candle={"forward": "quantized_llama.rs" if self.gguf else "llama.rs", "composed": COMPOSED,
                     "rope_theta": facts["rope_theta"], "rms_norm_eps": facts["rms_norm_eps"],
                     "threads": self.forward.candle.utils.get_num_threads(),

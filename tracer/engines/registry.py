@@ -147,7 +147,8 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry(
             "candle", "tracer.engines.candle",
             "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's Llama: llama.rs on the "
-            "model directory, quantized_llama.rs on candle:PATH.gguf",
+            "model directory, quantized_llama.rs on candle:PATH.gguf; rms_norm (norms), rope/rope_i (q_rope, "
+            "k_rope) and softmax_last_dim (probs) composed from 0.4.2's ops",
             knobs=CANDLE_KNOBS, argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True,
         ),
     )

@@ -31,7 +31,16 @@ import numpy as np
 import torch
 
 from tracer.errors import TracerError
-from tracer.ggml.floats import F32, F64, expf, fma, libm, round_f16, round_half_away, silu_scalar
+from tracer.ggml.floats import (
+    F32,
+    F64,
+    expf,
+    fma,
+    libm,
+    round_f16,
+    round_half_away,
+    silu_scalar,
+)
 from tracer.ggml.quants import ActBlocks, Blocks, _blocked
 from tracer.ggml.vecdot import matmul_blas, matmul_ggml
 from tracer.layouts import to_interleaved
