@@ -423,11 +423,13 @@ def apply_regime(knobs: dict, strategies, spec=None):
 
 def regime_catalogue() -> list[str]:
     """Regimes `tracer diagnose` tries: each block type with and without its activation
-    quantization, KV caches, and the 16-bit load dtypes."""
+    quantization, KV caches, the 16-bit load dtypes, and candle's quantized arithmetic on the GGUF
+    the model was converted from (or on Q4_1 weights quantized here)."""
     variants = []
     for kind in BLOCK_TYPES:
         variants += [f"weights={kind},act_quant={VEC_DOT_TYPE[kind]}", f"weights={kind}"]
-    return variants + ["kv_cache=f16", "kv_cache=q8_0", "dtype=bf16", "dtype=f16"]
+    return variants + ["kv_cache=f16", "kv_cache=q8_0", "dtype=bf16", "dtype=f16",
+                       "preset=candle-q,weights=gguf", "preset=candle-q,weights=q4_1"]
 
 
 # --- the regime a llama.cpp run implies ---------------------------------------------------------
