@@ -186,3 +186,14 @@ def test_a_saved_candle_trace_compares_as_the_live_run(candle, tiny_llama, tmp_p
     summary = tmp_path / "compare.json"
     main(["compare", str(saved["hf"]), str(saved["candle"]), "--json", str(summary), "--no-report"])
     assert json.loads(summary.read_text())["first_divergence"]["point"] == layer_point(0, "self_attn.q_rope")
+
+
+def test_without_the_extra_tracer_engines_says_how_to_install_it_and_the_rest_works(tiny_llama, monkeypatch, capsys):
+    from tracer.cli import main
+
+    monkeypatch.setitem(sys.modules, "candle", None)
+    assert main(["engines"]) == 0
+    listing = capsys.readouterr().out
+    assert "candle[:PATH]: candle's own CPU kernels" in listing
+    assert "runtime    not installed: pip install -e '.[candle]'" in listing
+    assert tracer.record(tiny_llama(), TOKENS, engine="reimpl").tensors  # nothing else imports candle
