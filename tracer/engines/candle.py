@@ -43,8 +43,8 @@ from tracer.engines.base import is_loaded_model, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.layouts import from_interleaved
-from tracer.points import EMBED, FINAL_NORM, LOGITS, layer_point
-from tracer.trace import Trace, TraceRecorder
+from tracer.points import EMBED, FINAL_NORM, LOGITS, is_causal, layer_point
+from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
 
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # the wheel's target-cpu=native build executes them
 # Ops candle-transformers 0.11 calls as one fused CPU kernel that 0.4.2 lacks: composed here from
@@ -397,8 +397,15 @@ class CandleEngine:
 
         recorder = recorder if recorder is not None else TraceRecorder()
         kept: dict[str, object] = {}
+
+        def keep(point: str, tensor) -> None:
+            rows = tensor.shape[-2] if is_causal(point) else 0
+            if rows > ATTENTION_ROWS:  # (1, H, T, T): only the last query rows leave candle, as every recorder keeps
+                tensor = tensor.narrow(2, rows - ATTENTION_ROWS, ATTENTION_ROWS)
+            kept[point] = tensor
+
         with candle_errors():
-            self.forward(tokens, kept.__setitem__)
+            self.forward(tokens, keep)
         with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
             file = str(Path(folder) / "points.safetensors")
             self.forward.candle.utils.save_safetensors(file, kept)
@@ -409,9 +416,19 @@ class CandleEngine:
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """(T, V) logits of an unrecorded forward."""
+        from safetensors.torch import load_file
+
+        logits = self.plain_forward(tokens)
+        with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
+            file = str(Path(folder) / "logits.safetensors")
+            self.forward.candle.utils.save_safetensors(file, {"logits": logits})
+            return load_file(file)["logits"][0]
+
+    def plain_forward(self, tokens: list[int]):
+        """candle's forward with nothing recorded: the (1, T, V) logits as a candle tensor (what the
+        benchmark times recording against)."""
         with candle_errors():
-            logits = self.forward(tokens, lambda name, tensor: None)
-        return torch.tensor(logits.values(), dtype=torch.float32)[0]
+            return self.forward(tokens, lambda name, tensor: None)
 
     def _layout(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
         """HF layout: GGUF q/k rows back in half-split order, per head."""
