@@ -43,7 +43,7 @@ from tracer.engines.base import is_loaded_model, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.layouts import from_interleaved
-from tracer.points import EMBED, FINAL_NORM, LOGITS, is_causal, layer_point
+from tracer.points import EMBED, FINAL_NORM, LOGITS, is_causal, layer_point, split_point
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
 
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # the wheel's target-cpu=native build executes them
@@ -390,28 +390,34 @@ class CandleEngine:
         self.vocab_size, self.max_positions, self.num_layers = shape.vocab_size, shape.max_positions, shape.num_layers
 
     def record(self, tokens: list[int], recorder=None) -> Trace:
-        """Every point of one forward; the candle tensors are written once by candle's own
-        safetensors writer and read back (a point-by-point copy through Python lists costs more
-        than the forward)."""
+        """Every point of one forward. candle's tensors leave candle through its own safetensors
+        writer, one file per block as soon as the block is done (a point-by-point copy through
+        Python lists costs more than the forward; holding every point until the end keeps candle
+        from reusing its memory), and are read back into the recorder in order."""
         from safetensors.torch import load_file
 
         recorder = recorder if recorder is not None else TraceRecorder()
-        kept: dict[str, object] = {}
-
-        def keep(point: str, tensor) -> None:
-            rows = tensor.shape[-2] if is_causal(point) else 0
-            if rows > ATTENTION_ROWS:  # (1, H, T, T): only the last query rows leave candle, as every recorder keeps
-                tensor = tensor.narrow(2, rows - ATTENTION_ROWS, ATTENTION_ROWS)
-            kept[point] = tensor
-
-        with candle_errors():
-            self.forward(tokens, keep)
         with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
-            file = str(Path(folder) / "points.safetensors")
-            self.forward.candle.utils.save_safetensors(file, kept)
-            tensors = load_file(file)
-        for point in kept:
-            recorder(point, self._layout(point, tensors.pop(point)))
+            files: list[tuple[str, list[str]]] = []
+            kept: dict[str, object] = {}
+
+            def keep(point: str, tensor) -> None:
+                rows = tensor.shape[-2] if is_causal(point) else 0
+                if rows > ATTENTION_ROWS:  # (1, H, T, T): the last query rows only, as every recorder keeps
+                    tensor = tensor.narrow(2, rows - ATTENTION_ROWS, ATTENTION_ROWS)
+                kept[point] = tensor
+                layer, sub = split_point(point)
+                if point == LOGITS or (layer is not None and sub == ""):  # a block's end: out of candle
+                    files.append((str(Path(folder) / f"{len(files)}.safetensors"), list(kept)))
+                    self.forward.candle.utils.save_safetensors(files[-1][0], kept)
+                    kept.clear()
+
+            with candle_errors():
+                self.forward(tokens, keep)
+            for file, points in files:
+                tensors = load_file(file)
+                for point in points:
+                    recorder(point, self._layout(point, tensors.pop(point)))
         return Trace(recorder.tensors, self._meta(tokens))
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
