@@ -14,13 +14,13 @@ in the 0.4.2 wheel the candle engine runs and in 0.11) differs from ggml's x86 p
 - the ops around the matmuls (knob `ops=candle`) are candle's f32 kernels as the candle engine
   composes them: RMSNorm with Σx² by candle's `vec_sum` (4×8 AVX lanes over 32-value chunks, then
   its `vec_reduce`), RoPE tables from libm's powf/cosf/sinf, the attention products by the gemm
-  crate (a sequential FMA chain over the inner dimension for the small products of a prompt:
-  q·kᵀ over D in GGUF's dim order, probs·v over the keys), scores scaled by candle's affine,
+  crate (a sequential FMA chain over the inner dimension up to its 512-value k block: q·kᵀ over D
+  in GGUF's dim order, probs·v over the keys), scores scaled by candle's affine,
   softmax as exp (glibc expf), `vec_sum`, divide; SiLU as `x / (1 + expf(−x))`.
 
 Measured against the wheel (tests/unit/test_ggml_candle.py): every piece bit-exact; not emulated:
-gemm's blocked order for inner dimensions past its block (the attention of long prompts) and its
-one-row path (a one-token prompt), said as caveats.
+gemm's blocked order past its k block (probs·v of prompts over 512 tokens) and its one-column
+path (q·kᵀ of a one-token prompt, whose softmax is 1 whatever the score).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from tracer.layouts import to_interleaved
 SCALAR_KERNELS = {("q4_1", "q8_1")}  # candle's generic loop (no AVX2 kernel in k_quants.rs)
 AVX2_KERNELS = {("q4_0", "q8_0"), ("q8_0", "q8_0")}  # avx.rs: ggml's lane order and FMA chain
 EXACT_WEIGHT_TYPES = {"f32", "q4_0", "q4_1", "q8_0"}
-# gemm's order is a plain FMA chain up to this inner dimension (measured: the blocked order of a
-# 576-long product differs); the attention products of longer prompts are not bit-exact.
-GEMM_CHAIN_LIMIT = 64
+# gemm's order is a plain FMA chain up to this inner dimension, its k block (measured on the wheel:
+# 512 values summed as the chain, 513 not); probs·v of prompts longer than that is not bit-exact.
+GEMM_CHAIN_LIMIT = 512
 
 
 # --- activations -------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def make_linear(act_quant: str, rounding: str):
             out = matmul(quantize_activations(rows, kind, rounding), weight)
         elif isinstance(weight, Blocks):
             out = matmul_blas(rows, weight, F64)
-        else:  # an f32 weight: QMatMul dequantized, x.matmul(wᵀ) by gemm (not emulated past its chain)
+        else:  # an f32 weight: QMatMul dequantized, x.matmul(wᵀ) by gemm (exact up to GEMM_CHAIN_LIMIT inputs)
             out = gemm_chain(rows, weight.to(F32).T)
         out = out if bias is None else out + bias.to(F32)
         return out[None]
