@@ -86,7 +86,8 @@ def test_past_gemms_k_block_the_chain_is_not_its_order(candle, k, chained):
 
 
 def test_the_composed_rms_norm_softmax_and_silu_are_candles(candle):
-    from tracer.engines.candle import Forward, Shape, candle_inv_freq
+    from tracer.engines.candle import Forward, Shape
+    from tracer.ggml.candle import candle_inv_freq
 
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(1, 5, 576, generator=generator) * 0.05  # small: eps and sqrt's last bit matter
@@ -104,7 +105,7 @@ def test_the_composed_rms_norm_softmax_and_silu_are_candles(candle):
 
 def test_rope_tables_are_candles_cos_and_sin(candle):
     from tracer.config import LlamaSpec
-    from tracer.engines.candle import candle_inv_freq, rope_angles
+    from tracer.ggml.candle import candle_inv_freq, rope_angles
 
     spec = LlamaSpec(10, 64, 96, 1, 4, 2, 16, 1e5, 1e-5, 64)
     cos, sin = emulated.rotary(spec, 9, torch.float32)

@@ -42,6 +42,7 @@ import torch
 from tracer.engines.base import is_loaded_model, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
+from tracer.ggml.candle import candle_inv_freq, rope_angles
 from tracer.layouts import from_interleaved
 from tracer.points import EMBED, FINAL_NORM, LOGITS, is_causal, layer_point, split_point
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
@@ -117,22 +118,6 @@ class Shape:
     gguf_rows: bool  # q/k weight rows in GGUF's permuted order: points un-permuted
     kv_repeat: str  # "interleave" (candle's repeat_kv) | "tile"
     mask: str  # "where" (candle's masked_fill -inf) | "additive" | "none"
-
-
-def candle_inv_freq(theta: float, head_dim: int) -> np.ndarray:
-    """(D/2,) f32: `(0..D).step_by(2).map(|i| 1f32 / theta.powf(i as f32 / D as f32))`, libm's powf
-    as Rust's f32::powf calls it."""
-    from tracer.ggml.floats import powf
-
-    base = np.float32(theta)
-    return np.array([np.float32(1.0) / np.float32(powf(float(base), float(np.float32(i) / np.float32(head_dim))))
-                     for i in range(0, head_dim, 2)], dtype=np.float32)
-
-
-def rope_angles(inv_freq: np.ndarray, num_tokens: int) -> np.ndarray:
-    """(T, D/2) f32: position × frequency, exact in f32 (candle's (P, 1) @ (1, D/2) matmul has one
-    product per entry)."""
-    return np.arange(num_tokens, dtype=np.float32)[:, None] * inv_freq[None, :]
 
 
 # --- the forward, from candle's ops -------------------------------------------------------------
@@ -335,8 +320,7 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     from tracer.ggml.gguffile import GGUFFile
 
     fields = GGUFFile(path).fields  # the metadata first: a family candle's Llama cannot run loads nothing
-    arch = str(fields.get("general.architecture", "llama"))
-    refuse_family({"llama": "llama"}.get(arch, arch))
+    refuse_family(str(fields.get("general.architecture", "llama")))  # llama.cpp's architecture names
     tensors, meta = candle.utils.load_gguf(str(path))
 
     def number(key: str, default=None):

@@ -37,11 +37,12 @@ from tracer.ggml.floats import (
     expf,
     fma,
     libm,
+    powf,
     round_f16,
     round_half_away,
     silu_scalar,
 )
-from tracer.ggml.quants import ActBlocks, Blocks, _blocked
+from tracer.ggml.quants import ActBlocks, Blocks
 from tracer.ggml.vecdot import matmul_blas, matmul_ggml
 from tracer.layouts import to_interleaved
 
@@ -57,9 +58,10 @@ GEMM_CHAIN_LIMIT = 512
 # --- activations -------------------------------------------------------------------------------
 
 
-def quantize(x: torch.Tensor, kind: str) -> ActBlocks:
+def quantize(x: torch.Tensor, kind: str, rounding: str = "candle") -> ActBlocks:
     """(T, C) f32 -> candle's Q8_0 / Q8_1 blocks (`from_float`): d = amax/127, id = 1/d, round
-    ties away; Q8_1 adds s = f16(f16(Σq)·f16(d)).
+    ties away; Q8_1 adds s = f16(f16(Σq)·f16(d)). `rounding` is "candle" (the signature of
+    `tracer.ggml.quants.quantize_activations`, whose place it takes with act_round=candle).
 
     Raises:
         TracerError: another activation type (candle's Q8_K differs between 0.4.2 and 0.11).
@@ -67,7 +69,9 @@ def quantize(x: torch.Tensor, kind: str) -> ActBlocks:
     if kind not in ("q8_0", "q8_1"):
         raise TracerError(f"act_round=candle emulates candle's Q8_0/Q8_1 quantizers; {kind} is not one "
                           "(candle 0.11 changed Q8_K's scale to -127/max)")
-    blocks = _blocked(x, 32, kind)  # (T, B, 32)
+    if x.shape[-1] % 32:
+        raise TracerError(f"act_quant={kind}: a row of {x.shape[-1]} values is not a whole number of 32-value blocks")
+    blocks = x.to(F32).unflatten(-1, (x.shape[-1] // 32, 32))  # (T, B, 32)
     d = blocks.abs().amax(-1) / torch.tensor(127.0, dtype=F32)  # (T, B), an f32 division
     inverse = torch.where(d != 0, torch.tensor(1.0, dtype=F32) / d, torch.zeros_like(d))
     q = round_half_away(blocks * inverse[..., None])
@@ -100,26 +104,6 @@ def matmul_q4_1_scalar(act: ActBlocks, weight: Blocks) -> torch.Tensor:
         term = (sumi[b] * weight.d[:, b]) * act.d[:, b, None] + act.s[:, b, None] * weight.m[:, b]
         out = out + term
     return out
-
-
-def make_linear(act_quant: str, rounding: str):
-    """The regime's `linear` with accumulate=candle: x (1, T, C) @ weight (R, C)ᵀ -> (1, T, R)."""
-    from tracer.ggml.quants import ACT_BLOCK, quantize_activations
-    from tracer.ggml.regime import act_kind
-
-    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x[0].to(F32)  # (T, C)
-        kind = act_kind(weight, act_quant)
-        if kind in ACT_BLOCK and isinstance(weight, Blocks):
-            out = matmul(quantize_activations(rows, kind, rounding), weight)
-        elif isinstance(weight, Blocks):
-            out = matmul_blas(rows, weight, F64)
-        else:  # an f32 weight: QMatMul dequantized, x.matmul(wᵀ) by gemm (exact up to GEMM_CHAIN_LIMIT inputs)
-            out = gemm_chain(rows, weight.to(F32).T)
-        out = out if bias is None else out + bias.to(F32)
-        return out[None]
-
-    return linear
 
 
 # --- candle's f32 kernels ------------------------------------------------------------------------
@@ -162,11 +146,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x / m * weight.to(F32)
 
 
+def candle_inv_freq(theta: float, head_dim: int) -> np.ndarray:
+    """(D/2,) f32: `(0..D).step_by(2).map(|i| 1f32 / theta.powf(i as f32 / D as f32))`, libm's powf
+    as Rust's f32::powf calls it."""
+    base = np.float32(theta)
+    return np.array([np.float32(1.0) / np.float32(powf(float(base), float(np.float32(i) / np.float32(head_dim))))
+                     for i in range(0, head_dim, 2)], dtype=np.float32)
+
+
+def rope_angles(inv_freq: np.ndarray, num_tokens: int) -> np.ndarray:
+    """(T, D/2) f32: position × frequency, exact in f32 (candle's (P, 1) @ (1, D/2) matmul has one
+    product per entry)."""
+    return np.arange(num_tokens, dtype=np.float32)[:, None] * inv_freq[None, :]
+
+
 def rotary(spec, num_tokens: int, dtype, device="cpu", layer_type: str = "full_attention"):
     """cos, sin (1, T, D) in half-split layout from candle's tables: `1f32 / theta.powf(i/D)` per
     pair, position × frequency, then libm's cosf/sinf (Rust's f32::cos/sin)."""
-    from tracer.engines.candle import candle_inv_freq, rope_angles
-
     angles = torch.from_numpy(rope_angles(candle_inv_freq(spec.rope_theta, spec.head_dim), num_tokens))  # (T, D/2)
     cos, sin = libm("cosf", angles), libm("sinf", angles)
     return torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]  # (1, T, D)

@@ -248,10 +248,5 @@ ACT_QUANTIZERS = {"q8_0": quantize_q8_0, "q8_1": quantize_q8_1, "q8_k": quantize
 
 
 def quantize_activations(x: torch.Tensor, kind: str, rounding: str = "even") -> ActBlocks:
-    """(T, C) f32 -> ActBlocks of `kind` ("q8_0", "q8_1", "q8_k"); rounding "candle": candle's own
-    quantizers (`tracer.ggml.candle.quantize`)."""
-    if rounding == "candle":
-        from tracer.ggml.candle import quantize
-
-        return quantize(x, kind)
+    """(T, C) f32 -> ActBlocks of `kind` ("q8_0", "q8_1", "q8_k")."""
     return ACT_QUANTIZERS[kind](x, rounding)

@@ -42,8 +42,16 @@ from tracer.engines.registry import REGIME_KNOBS
 from tracer.errors import TracerError
 from tracer.ggml import ops
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
-from tracer.ggml.quants import ACT_BLOCK, BLOCK_TYPES, VEC_DOT_TYPE, Blocks, from_gguf_bytes, quantize, \
-    quantize_activations, quantize_q8_0
+from tracer.ggml.quants import (
+    ACT_BLOCK,
+    BLOCK_TYPES,
+    VEC_DOT_TYPE,
+    Blocks,
+    from_gguf_bytes,
+    quantize,
+    quantize_activations,
+    quantize_q8_0,
+)
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
 from tracer.layouts import to_interleaved
 
@@ -211,8 +219,15 @@ def act_kind(weight, act_quant: str) -> str:
 def make_linear(act_quant: str, rounding: str, accumulate: str):
     """The `linear` strategy: x (1, T, C) @ weight (R, C)ᵀ + bias -> (1, T, R), the activations in
     the regime's format and the products accumulated as `accumulate` says: ggml's own order where
-    its kernel is emulated (else f64), or BLAS in f32 / f64."""
+    its kernel is emulated (else f64), or BLAS in f32 / f64; `act_round=candle` and
+    `accumulate=candle` take candle's quantizer and vec_dot kernels (`tracer.ggml.candle`)."""
     blas_dtype = F32 if accumulate == "f32" else torch.float64  # ggml: f64 where no kernel is emulated
+    quantize, candle_matmul = quantize_activations, None
+    if "candle" in (rounding, accumulate):
+        from tracer.ggml import candle
+
+        quantize = candle.quantize if rounding == "candle" else quantize_activations
+        candle_matmul = candle.matmul if accumulate == "candle" else None
 
     def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -221,9 +236,12 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
         rows = x[0].to(F32)  # (T, C)
         kind = act_kind(weight, act_quant)
         if kind in ACT_BLOCK:
-            act = quantize_activations(rows, kind, rounding)
+            act = quantize(rows, kind, rounding)
             exact_order = accumulate == "ggml" and isinstance(weight, Blocks) and has_kernel(weight, act)
-            out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
+            if candle_matmul is not None and isinstance(weight, Blocks):
+                out = candle_matmul(act, weight)
+            else:
+                out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
         elif kind in ("f16", "bf16"):
             out = matmul_blas(ROUND[kind](rows), weight, blas_dtype)
         elif isinstance(weight, Blocks) or accumulate != "ggml":
@@ -400,10 +418,7 @@ def apply_regime(knobs: dict, strategies, spec=None):
                           f"Llama forward; this model is a {family} "
                           "(the number-format knobs weights/act_quant/kv_cache apply to it)")
     rounding, accumulate = knobs.get("act_round", "even"), knobs.get("accumulate", "ggml")
-    if accumulate == "candle" or knobs.get("ops") == "candle":  # candle's kernels (tracer.ggml.candle)
-        from tracer.ggml import candle
-    linear = candle.make_linear(knobs.get("act_quant", "none"), rounding) if accumulate == "candle" else \
-        make_linear(knobs.get("act_quant", "none"), rounding, accumulate)
+    linear = make_linear(knobs.get("act_quant", "none"), rounding, accumulate)
     changes = {"weights": weight_format(knobs.get("weights")), "linear": linear,
                "logits": functools.partial(strategies.logits, linear=linear),
                "embed": dequantized_embed(strategies.embed)}
@@ -418,7 +433,11 @@ def apply_regime(knobs: dict, strategies, spec=None):
     elif kv_cache is not None:
         changes["attention"] = make_attention_stored(kv_cache, rounding)
     replaced = dataclasses.replace(strategies, **changes)
-    return candle.apply_ops(replaced) if knobs.get("ops") == "candle" else replaced
+    if knobs.get("ops") == "candle":  # candle's f32 kernels (tracer.ggml.candle)
+        from tracer.ggml.candle import apply_ops
+
+        return apply_ops(replaced)
+    return replaced
 
 
 def regime_catalogue() -> list[str]:
