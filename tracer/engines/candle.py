@@ -329,16 +329,21 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
             raise TracerError(f"{path.name}: no llama.{key} in the GGUF metadata (quantized_llama.rs needs it)")
         return value
 
+    def tensor(name: str):
+        if name not in tensors:
+            raise TracerError(f"{path.name}: no tensor {name} (quantized_llama.rs would fail the same way)")
+        return tensors[name]
+
     heads, hidden = int(number("attention.head_count")), int(number("embedding_length"))
     head_dim = int(number("rope.dimension_count", hidden // heads))
     theta = float(variant.get("theta", number("rope.freq_base", 10000.0)))
     eps = float(variant.get("eps", np.float32(number("attention.layer_norm_rms_epsilon"))))
-    embed = tensors["token_embd.weight"]
-    weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensors["output_norm.weight"].dequantize(),
-                     LOGITS: tensors.get("output.weight", embed)}
+    embed = tensor("token_embd.weight")
+    weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensor("output_norm.weight").dequantize(),
+                     LOGITS: tensors.get("output.weight", embed)}  # tied: quantized_llama.rs takes token_embd
     layers = int(number("block_count"))
     for i in range(layers):
-        weights[i] = {key: tensors[f"blk.{i}.{stem}.weight"] for stem, key in GGUF_LAYER.items()}
+        weights[i] = {key: tensor(f"blk.{i}.{stem}.weight") for stem, key in GGUF_LAYER.items()}
         for norm in ("input_layernorm", "post_attention_layernorm"):
             weights[i][norm] = weights[i][norm].dequantize()
     shape = Shape(layers, heads, int(number("attention.head_count_kv", heads)), head_dim, hidden, embed.shape[0],
