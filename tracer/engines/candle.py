@@ -28,6 +28,7 @@ child process of `tracer.engines.isolated`, as every native runtime does.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -356,6 +357,27 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
 
 # --- the engine ----------------------------------------------------------------------------------
 
+# A block's points leave candle once this many values are held: a long prompt's points go block
+# by block (candle reuses its memory), a short one's in a few files (each file costs a write).
+FLUSH_VALUES = 1 << 22
+
+
+def read_f32_file(file: str) -> dict[str, torch.Tensor]:
+    """The f32 tensors of a safetensors file candle wrote, as views of one buffer read at once
+    (safetensors' own reader slices a storage per tensor: 30 µs each, ~500 per forward)."""
+    data = np.fromfile(file, dtype=np.uint8)
+    size = int(data[:8].view("<u8")[0])
+    header = json.loads(data[8:8 + size].tobytes())
+    header.pop("__metadata__", None)
+    start = 8 + size
+    if start % 4 or any(info["dtype"] != "F32" for info in header.values()):
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    flat = torch.from_numpy(data[start:].view(np.float32))
+    return {name: flat[info["data_offsets"][0] // 4:info["data_offsets"][1] // 4].view(info["shape"])
+            for name, info in header.items()}
+
 
 @contextmanager
 def candle_errors():
@@ -383,28 +405,28 @@ class CandleEngine:
         writer, one file per block as soon as the block is done (a point-by-point copy through
         Python lists costs more than the forward; holding every point until the end keeps candle
         from reusing its memory), and are read back into the recorder in order."""
-        from safetensors.torch import load_file
-
         recorder = recorder if recorder is not None else TraceRecorder()
         with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
             files: list[tuple[str, list[str]]] = []
             kept: dict[str, object] = {}
+            held = [0]  # values in `kept`
 
             def keep(point: str, tensor) -> None:
                 rows = tensor.shape[-2] if is_causal(point) else 0
                 if rows > ATTENTION_ROWS:  # (1, H, T, T): the last query rows only, as every recorder keeps
                     tensor = tensor.narrow(2, rows - ATTENTION_ROWS, ATTENTION_ROWS)
-                kept[point] = tensor
+                kept[point], held[0] = tensor, held[0] + tensor.nelement
                 layer, sub = split_point(point)
-                if point == LOGITS or (layer is not None and sub == ""):  # a block's end: out of candle
+                if point == LOGITS or (layer is not None and sub == "" and held[0] > FLUSH_VALUES):
                     files.append((str(Path(folder) / f"{len(files)}.safetensors"), list(kept)))
                     self.forward.candle.utils.save_safetensors(files[-1][0], kept)
                     kept.clear()
+                    held[0] = 0
 
             with candle_errors():
                 self.forward(tokens, keep)
             for file, points in files:
-                tensors = load_file(file)
+                tensors = read_f32_file(file)
                 for point in points:
                     recorder(point, self._layout(point, tensors.pop(point)))
         return Trace(recorder.tensors, self._meta(tokens))
