@@ -21,7 +21,10 @@ Forward hooks cloning every module output are measured as a baseline; where nnsi
 TransformerLens are installed (`pip install -e '.[bench]'`) they are measured side by side,
 each on its own copy of the model as both rewire the modules they wrap, and the table names
 those that are not. Where llama-cpp-python is installed, the llamacpp engine's recording is
-measured the same way against llama.cpp's own forward (no eval callback) of the same tokens.
+measured the same way against llama.cpp's own forward (no eval callback) of the same tokens,
+and where candle-nn is installed the candle engine's against candle's plain forward (the same
+composed ops, nothing kept), on the f32 directory (llama.rs) and the GGUF (quantized_llama.rs);
+`--candle` measures only these and candle's regime.
 """
 
 from __future__ import annotations
@@ -136,6 +139,39 @@ def llamacpp_rows(model_dir: Path, tokens: list[int], repeats: int,
     for name, fn in measures.items():
         pair = best_times({"plain": plain, name: fn}, repeats)
         rows[name] = (pair[name], pair[name] / pair["plain"])
+    return rows
+
+
+CANDLE_PLAIN = "candle's plain forward (nothing kept), logits of every position"
+
+
+def candle_rows(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, tuple[float, float]] | None:
+    """The candle engine's recording cost on llama.rs (f32 directory) and quantized_llama.rs (the
+    bundled GGUF), each as a ratio to candle's own unrecorded forward of the same engine, timed in
+    alternating rounds (None where candle-nn is not installed). In process; the isolated row adds
+    the child's part on the GGUF."""
+    if importlib.util.find_spec("candle") is None:
+        return None
+    from tracer.engines import candle
+    from tracer.engines.load import load_engine
+    from tracer.sources import bundled_gguf
+
+    rows = {}
+    gguf = str(bundled_gguf())
+    for label, argument in (("llama.rs, f32 directory", None), ("quantized_llama.rs, Q4_1 GGUF", gguf)):
+        engine = candle.load(model_dir, {}, argument=argument)
+        measures = {"plain": lambda engine=engine: engine.plain_forward(tokens),
+                    "recorded": lambda engine=engine: engine.record(tokens)}
+        if argument:
+            child = load_engine(f"candle:{gguf}", model_dir, {})
+            measures["child"] = lambda child=child: child.record(tokens)
+        times = best_times(measures, repeats)
+        rows[f"{CANDLE_PLAIN}: {label}"] = (times["plain"], 1.0)
+        rows[f"candle engine, every point recorded ({label}, in process)"] = (times["recorded"],
+                                                                            times["recorded"] / times["plain"])
+        if argument:
+            rows[f"candle engine in its child process (isolated, {label}), recorded and read back"] = (
+                times["child"], times["child"] / times["plain"])
     return rows
 
 
@@ -266,29 +302,36 @@ def runtime_engines(model_dir: Path, tokens: dict[str, list[int]], repeats: int)
     return rows, missing
 
 
-# The llama.cpp regime (tracer.ggml) at each accumulation: the fast one, the noise floor's, the bit-exact one.
+# The llama.cpp regime (tracer.ggml) at each accumulation: the fast one, the noise floor's, the bit-exact one;
+# candle's (tracer.ggml.candle), bit-exact. An empty `accumulate`: the runtime's own order, on fewer tokens.
+LLAMACPP_Q = {"preset": "llamacpp", "weights": "gguf"}
 REGIMES = {
-    "preset=llamacpp,weights=gguf,accumulate=f32 (ggml's formats, BLAS sums)": {"accumulate": "f32"},
-    "preset=llamacpp,weights=gguf,accumulate=f64 (the regime noise floor's run)": {"accumulate": "f64"},
-    "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)": {},
+    "preset=llamacpp,weights=gguf,accumulate=f32 (ggml's formats, BLAS sums)": {**LLAMACPP_Q, "accumulate": "f32"},
+    "preset=llamacpp,weights=gguf,accumulate=f64 (the regime noise floor's run)": {**LLAMACPP_Q, "accumulate": "f64"},
+    "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)": LLAMACPP_Q,
+    "preset=candle-q,weights=gguf (candle's own order, bit-exact)": {"preset": "candle-q", "weights": "gguf"},
 }
 EXACT_REGIME_TOKENS = 64  # the bit-exact emulation costs ~25x a plain forward: timed on fewer tokens
 
 
-def regimes(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, tuple[float, float]]:
-    """Seconds for a forward of the reimplementation in the llama.cpp regime (nothing recorded), and
-    its ratio to the plain reimplementation forward timed in the same rounds on the same tokens."""
+def regimes(model_dir: Path, tokens: list[int], repeats: int, only: str | None = None) -> dict[str, tuple[float, float]]:
+    """Seconds for a forward of the reimplementation in each regime (nothing recorded; `only`: the
+    regimes whose name has it), and its ratio to the plain reimplementation forward timed in the
+    same rounds on the same tokens."""
     from tracer.llama import Llama
 
     plain = Llama.from_dir(model_dir)
     rows = {}
     for name, knobs in REGIMES.items():
-        regime = Llama.from_dir(model_dir, {"preset": "llamacpp", "weights": "gguf", **knobs})
-        used = tokens if knobs else tokens[:EXACT_REGIME_TOKENS]
+        if only is not None and only not in name:
+            continue
+        regime = Llama.from_dir(model_dir, knobs)
+        fast = "accumulate" in knobs
+        used = tokens if fast else tokens[:EXACT_REGIME_TOKENS]
         ids = torch.tensor(used)
-        label = name if knobs else f"{name}, {len(used)} tokens"
+        label = name if fast else f"{name}, {len(used)} tokens"
         pair = best_times({"plain": lambda: plain.forward(ids), label: lambda: regime.forward(ids)},
-                          repeats if knobs else 1)
+                          repeats if fast else 1)
         rows[label] = (pair[label], pair[label] / pair["plain"])
     return rows
 
@@ -335,6 +378,7 @@ def main() -> None:
                                                         f"quick {MLX_TOKENS_QUICK}: MLX's CPU build is slow)")
     parser.add_argument("--engines-only", action="store_true", help="only the runtime engines' rows")
     parser.add_argument("--regimes", action="store_true", help="only the number-format regime rows")
+    parser.add_argument("--candle", action="store_true", help="only the candle engine's rows and candle's regime")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -346,6 +390,12 @@ def main() -> None:
     repeats = 3 if args.quick else 5
     mlx_count = args.mlx_tokens or (MLX_TOKENS_QUICK if args.quick else MLX_TOKENS)
     tokens = bench_tokens(model_dir, count)
+    if args.candle:
+        rows = candle_rows(model_dir, tokens, repeats) or {"candle-nn": "not installed"}
+        candle_regime = regimes(model_dir, tokens, repeats, only="candle")
+        print("\n".join([f"# candle ({count} tokens; regime on {EXACT_REGIME_TOKENS})", ""] + table(rows) + [""]
+                        + table(candle_regime)))
+        return
     regime_rows = regimes(model_dir, tokens, repeats)
     regime_lines = ["| regime (reimpl forward, nothing recorded) | seconds | ratio to the plain reimpl forward |",
                     "|---|--:|--:|"] + [f"| {name} | {s:.3f} | {r:.2f}× |" for name, (s, r) in regime_rows.items()]
@@ -369,9 +419,15 @@ def main() -> None:
         lines += ["", "llama.cpp, against its own plain forward (the first row):", ""] + table(llamacpp)
     else:
         engines_missing.append("llama-cpp-python (the llamacpp engine)")
+    candle = candle_rows(model_dir, tokens, repeats)
+    if candle is not None:
+        lines += ["", "candle, against its own plain forward:", ""] + table(candle)
+    else:
+        engines_missing.append("candle-nn (the candle engine)")
     if engines_missing:
         lines += ["", f"Runtimes not installed, so not measured: {', '.join(engines_missing)}."]
-    lines += ["", "The llama.cpp regime (tracer.ggml), against the plain reimplementation forward:", ""] + regime_lines
+    lines += ["", "The llama.cpp and candle regimes (tracer.ggml), against the plain reimplementation forward:",
+              ""] + regime_lines
     text = "\n".join(lines)
     print(text)
     (HERE / "results.md").write_text(text + "\n")

@@ -315,6 +315,7 @@ def trace_notes(*traces: Trace) -> list[str]:
     """What a side skipped or could not use, said rather than ignored."""
     notes = []
     for trace in traces:
+        notes += [f"{trace.label}: {note}" for note in trace.meta.get("notes", ())]  # what the engine itself says
         if trace.meta.get("unused_config_keys"):
             notes.append(f"{trace.label}: config keys not read: {', '.join(trace.meta['unused_config_keys'])}")
         if trace.meta.get("unused_tensors"):

@@ -64,6 +64,8 @@ def implied(candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
     entry, argument = parse_engine(candidate)
     if entry.name == "llamacpp":
         return llamacpp_regime(source, argument, variant)
+    if entry.name == "candle" and argument:  # quantized_llama.rs on a GGUF: candle's arithmetic
+        return candle_regime(source, argument)
     formats = {knob: value for knob, value in variant.items() if knob in entry.emulated}
     dtype = setting(variant, "dtype")
     if dtype != "f32":
@@ -82,13 +84,31 @@ def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, 
     candidate file with other tensor types (another quantization of the model) is emulated by
     quantizing the directory's weights to that file's projection type instead, said as a caveat.
     """
-    from tracer.config import load_config
     from tracer.engines.llamacpp import gguf_of
     from tracer.ggml.strategies import GGUFWeights, gguf_path, implied_regime
 
     path = gguf_of(source, argument)
     types = GGUFWeights(path).types()
-    knobs, caveats = implied_regime(types, variant)
+    return file_weights(source, path, types, *implied_regime(types, variant))
+
+
+def candle_regime(source, argument: str) -> tuple[dict, list[str]]:
+    """candle's CPU arithmetic (`preset=candle-q`, `tracer.ggml.candle`) for the GGUF it runs."""
+    from tracer.engines.llamacpp import gguf_of
+    from tracer.ggml.candle import implied_regime
+    from tracer.ggml.strategies import GGUFWeights
+
+    path = gguf_of(source, argument)
+    types = GGUFWeights(path).types()
+    return file_weights(source, path, types, *implied_regime(types))
+
+
+def file_weights(source, path, types: dict[str, str], knobs: dict, caveats: list[str]) -> tuple[dict, list[str]]:
+    """weights=gguf where the model directory was converted from that very file; else the
+    directory's projections quantized to the file's projection type, said as a caveat."""
+    from tracer.config import load_config
+    from tracer.ggml.strategies import GGUFWeights, gguf_path
+
     try:
         converted_from = GGUFWeights(gguf_path(load_config(source).get("tracer_source"))).types()
     except TracerError:
@@ -154,7 +174,7 @@ def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
     """
     expanded = expand_presets(knobs)
     chaotic = setting(expanded, "act_quant") != "none" or expanded.get("kv_cache") == "q8_0"
-    exact = not caveats and setting(expanded, "accumulate") == "ggml" and num_tokens <= EXACT_TOKENS
+    exact = not caveats and setting(expanded, "accumulate") in ("ggml", "candle") and num_tokens <= EXACT_TOKENS
     return "free" if not chaotic or exact else "per_op"
 
 

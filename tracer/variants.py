@@ -145,7 +145,7 @@ def _qkv_order(text: str) -> str:
     return text
 
 
-PRESET_NAMES = ("candle", "llamacpp")
+PRESET_NAMES = ("candle", "llamacpp", "candle-q")
 
 
 KNOBS: dict[str, Knob] = {
@@ -202,15 +202,18 @@ KNOBS: dict[str, Knob] = {
         Knob("act_quant", _choice(*ACT_QUANTS), " | ".join(ACT_QUANTS), "none",
              "ggml's activation quantization before a quantized matmul (auto: the weight type's vec-dot type)",
              _fixed("act_quant=q8_0"), kind="regime"),
-        Knob("act_round", _choice("even", "away"), "even | away", "even",
-             "ties of the activation quantization: x86's _mm256_round_ps (even) or ggml's portable C (away)",
+        Knob("act_round", _choice("even", "away", "candle"), "even | away | candle", "even",
+             "ties of the activation quantization: x86's _mm256_round_ps (even) or ggml's portable C (away); "
+             "candle: candle's from_float (x·(1/d), ties away, Q8_1's s = f16(sum)·f16(d) in f16)",
              _fixed("act_round=away,act_quant=q8_0"), kind="regime"),
-        Knob("ops", _choice("hf", "ggml"), "hf | ggml", "hf",
-             "embedding, RMSNorm, RoPE, SwiGLU and (flash) attention as ggml's CPU backend computes them",
+        Knob("ops", _choice("hf", "ggml", "candle"), "hf | ggml | candle", "hf",
+             "embedding, RMSNorm, RoPE, SwiGLU and (flash) attention as ggml's CPU backend computes them, or "
+             "as candle's f32 kernels do (quantized_llama.rs)",
              _fixed("ops=ggml"), applies=_plain_llama, kind="regime"),
-        Knob("accumulate", _choice("ggml", "f32", "f64"), "ggml | f32 | f64", "ggml",
+        Knob("accumulate", _choice("ggml", "f32", "f64", "candle"), "ggml | f32 | f64 | candle", "ggml",
              "a regime's sums: ggml's own order (bit-exact on x86, slow), or its matmuls by torch's BLAS in f32 "
-             "(another order, fast) or f64 (exact), the rest exact and rounded once",
+             "(another order, fast) or f64 (exact), the rest exact and rounded once; candle: candle's vec_dot "
+             "(Q4_1 scalar loop, Q8_0 AVX2)",
              _fixed("accumulate=f64,weights=q8_0,act_quant=q8_0"), kind="regime"),
         Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json",
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}",
@@ -278,6 +281,8 @@ KNOBS: dict[str, Knob] = {
 PRESETS: dict[str, dict[str, Any]] = {
     "candle": {"config": "candle", "mask": "where", "attn_math": "candle", "norm": "candle", "logits": "last"},
     "llamacpp": {"ops": "ggml", "act_quant": "auto", "act_round": "even", "kv_cache": "f16", "accumulate": "ggml"},
+    # candle's quantized CPU arithmetic (quantized_llama.rs through candle-nn 0.4.2; tracer.ggml.candle)
+    "candle-q": {"ops": "candle", "act_quant": "auto", "act_round": "candle", "accumulate": "candle"},
 }
 
 

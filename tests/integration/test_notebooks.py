@@ -7,10 +7,13 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
+REQUIRES = {"candle_port.ipynb": "candle"}  # notebooks that run an optional runtime: its import name
 
 
 @pytest.fixture(scope="module", params=NOTEBOOKS, ids=lambda p: p.name)
 def executed(request, default_model, tmp_path_factory):
+    if request.param.name in REQUIRES:
+        pytest.importorskip(REQUIRES[request.param.name])
     notebook = nbformat.read(request.param, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), "strip outputs"
     assert all(cell.get("execution_count") is None for cell in notebook.cells if cell.cell_type == "code")
@@ -42,3 +45,13 @@ def test_rope_theta_story_shows_rich_outputs(executed):
     # the long steps show tqdm's notebook widget
     assert any("application/vnd.jupyter.widget-view+json" in d for d in data)
     assert "model.layers.0.self_attn.q_rope" in str(outputs(executed))
+
+
+def test_candle_port_walks_theta_rope_i_and_the_gguf_in_candles_regime(executed):
+    name, executed = executed
+    if name != "candle_port.ipynb":
+        pytest.skip("the candle port only")
+    text = str(outputs(executed))
+    assert "took rope_theta = 10000" in text and "first divergence model.layers.0.self_attn.q_rope" in text
+    assert "read as transformers reads it: match" in text
+    assert "match - largest difference over 513 points: 0.0" in text

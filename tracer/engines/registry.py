@@ -166,6 +166,16 @@ ENGINES: dict[str, EngineEntry] = {
             # points yet) keep the other families out until their cells match (tests/unit/test_matrix.py).
             families=("llama",),
         ),
+        EngineEntry(
+            "candle", "tracer.engines.candle",
+            "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's Llama: llama.rs on the "
+            "model directory, quantized_llama.rs on candle:PATH.gguf; rms_norm (norms), rope/rope_i (q_rope, "
+            "k_rope) and softmax_last_dim (probs) composed from 0.4.2's ops",
+            # candle's config reader and the notes' porting mistakes, in its own forward
+            knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask", "threads"),
+            argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True,
+            families=("llama",),
+        ),
     )
 }
 

@@ -208,8 +208,15 @@ def act_kind(weight, act_quant: str) -> str:
 def make_linear(act_quant: str, rounding: str, accumulate: str):
     """The `linear` strategy: x (1, T, C) @ weight (R, C)ᵀ + bias -> (1, T, R), the activations in
     the regime's format and the products accumulated as `accumulate` says: ggml's own order where
-    its kernel is emulated (else f64), or BLAS in f32 / f64."""
+    its kernel is emulated (else f64), or BLAS in f32 / f64; `act_round=candle` and
+    `accumulate=candle` take candle's quantizer and vec_dot kernels (`tracer.ggml.candle`)."""
     blas_dtype = F32 if accumulate == "f32" else torch.float64  # ggml: f64 where no kernel is emulated
+    quantize, candle_matmul = quantize_activations, None
+    if "candle" in (rounding, accumulate):
+        from tracer.ggml import candle
+
+        quantize = candle.quantize if rounding == "candle" else quantize_activations
+        candle_matmul = candle.matmul if accumulate == "candle" else None
 
     def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -218,9 +225,12 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
         rows = x[0].to(F32)  # (T, C)
         kind = act_kind(weight, act_quant)
         if kind in ACT_BLOCK:
-            act = quantize_activations(rows, kind, rounding)
+            act = quantize(rows, kind, rounding)
             exact_order = accumulate == "ggml" and isinstance(weight, Blocks) and has_kernel(weight, act)
-            out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
+            if candle_matmul is not None and isinstance(weight, Blocks):
+                out = candle_matmul(act, weight)
+            else:
+                out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
         elif kind in ("f16", "bf16"):
             out = matmul_blas(ROUND[kind](rows), weight, blas_dtype)
         elif isinstance(weight, Blocks) or accumulate != "ggml":
@@ -375,8 +385,10 @@ def check_knobs(knobs: dict) -> None:
     if setting(knobs, "dtype") != "f32":
         raise TracerError(f"dtype={knobs['dtype']} cannot combine with regime knobs: they emulate f32 arithmetic "
                           "(the regime's noise floor is tracer.noise_floor.regime_noise)")
-    if knobs.get("ops") == "ggml" and setting(knobs, "attn") != "eager":
-        raise TracerError("ops=ggml brings llama.cpp's own attention; it does not combine with attn=sdpa")
+    if knobs.get("ops") in ("ggml", "candle") and setting(knobs, "attn") != "eager":
+        raise TracerError(f"ops={knobs['ops']} brings its runtime's own attention; it does not combine with attn=sdpa")
+    if knobs.get("ops") == "candle" and knobs.get("kv_cache", "f32") != "f32":
+        raise TracerError("ops=candle is candle's attention on f32 K/V (quantized_llama.rs keeps no other cache type)")
     if knobs.get("flash_attn") == "on" and knobs.get("ops") != "ggml":
         raise TracerError("flash_attn=on is llama.cpp's flash attention: on the reimpl engine it needs ops=ggml "
                           "(preset=llamacpp); with ops=hf attention is unfused")
@@ -390,8 +402,9 @@ def apply_regime(knobs: dict, strategies, spec=None):
     if not is_regime(knobs):
         return strategies
     family = spec.family if spec is not None else "llama"
-    if knobs.get("ops") == "ggml" and family != "llama":
-        raise TracerError(f"ops=ggml emulates llama.cpp's Llama graph; this model is a {family} "
+    if knobs.get("ops") in ("ggml", "candle") and family != "llama":
+        raise TracerError(f"ops={knobs['ops']} emulates {'llama.cpp' if knobs['ops'] == 'ggml' else 'candle'}'s "
+                          f"Llama forward; this model is a {family} "
                           "(the number-format knobs weights/act_quant/kv_cache apply to it)")
     rounding, accumulate = setting(knobs, "act_round"), setting(knobs, "accumulate")
     linear = make_linear(setting(knobs, "act_quant"), rounding, accumulate)
@@ -408,16 +421,23 @@ def apply_regime(knobs: dict, strategies, spec=None):
             changes["attention"] = make_attention_unfused(kv_cache or "f32")
     elif kv_cache is not None:
         changes["attention"] = make_attention_stored(kv_cache, rounding)
-    return dataclasses.replace(strategies, **changes)
+    replaced = dataclasses.replace(strategies, **changes)
+    if knobs.get("ops") == "candle":  # candle's f32 kernels (tracer.ggml.candle)
+        from tracer.ggml.candle import apply_ops
+
+        return apply_ops(replaced)
+    return replaced
 
 
 def regime_catalogue() -> list[str]:
     """Regimes `tracer diagnose` tries: each block type with and without its activation
-    quantization, KV caches, and the 16-bit load dtypes."""
+    quantization, KV caches, the 16-bit load dtypes, and candle's quantized arithmetic on the GGUF
+    the model was converted from (or on Q4_1 weights quantized here)."""
     variants = []
     for kind in BLOCK_TYPES:
         variants += [f"weights={kind},act_quant={VEC_DOT_TYPE[kind]}", f"weights={kind}"]
-    return variants + ["kv_cache=f16", "kv_cache=q8_0", "dtype=bf16", "dtype=f16"]
+    return variants + ["kv_cache=f16", "kv_cache=q8_0", "dtype=bf16", "dtype=f16",
+                       "preset=candle-q,weights=gguf", "preset=candle-q,weights=q4_1"]
 
 
 # --- the regime a llama.cpp run implies ---------------------------------------------------------

@@ -1,0 +1,127 @@
+"""candle's CPU arithmetic (tracer.ggml.candle) against candle-nn's own kernels, bit for bit:
+quantized matmuls through `QTensor.matmul_t`, the f32 reductions and products the candle engine
+composes its forward from."""
+
+import pytest
+import torch
+
+from tracer.ggml import candle as emulated
+from tracer.ggml.gguffile import GGUFFile
+from tracer.ggml.quants import from_gguf_bytes
+
+
+@pytest.fixture(scope="module")
+def candle():
+    candle = pytest.importorskip("candle")
+    from tracer.engines.candle import check_platform
+    from tracer.errors import TracerError
+
+    try:
+        check_platform()
+    except TracerError as exc:
+        pytest.skip(str(exc))
+    return candle
+
+
+def values(tensor) -> torch.Tensor:
+    return torch.tensor(tensor.values(), dtype=torch.float32)
+
+
+def blocks_of(candle, qtensor, tmp_path):
+    """The blocks candle quantized, read back through a GGUF file it writes itself."""
+    path = tmp_path / "w.gguf"
+    candle.utils.save_gguf(str(path), {"w": qtensor}, {})
+    info = GGUFFile(path).tensors["w"]
+    return from_gguf_bytes(info.kind, GGUFFile(path).raw("w"), info.shape)
+
+
+@pytest.mark.parametrize("kind, act", [("q4_1", "q8_1"), ("q8_0", "q8_0"), ("q4_0", "q8_0")])
+@pytest.mark.parametrize("inputs", ["normal", "positive"])
+def test_a_quantized_matmul_is_candles_to_the_bit(candle, tmp_path, kind, act, inputs):
+    """Positive rows put each Q8_1 block's sum past 2048, where f16(sum) rounds: candle's s term."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 256, generator=generator)
+    x = torch.randn(7, 256, generator=generator) * 3
+    x = x.abs() if inputs == "positive" else x
+    qtensor = candle.Tensor(weight.numpy()).quantize(kind)
+    expected = values(qtensor.matmul_t(candle.Tensor(x.numpy())))
+    got = emulated.matmul(emulated.quantize(x, act), blocks_of(candle, qtensor, tmp_path))
+    assert torch.equal(got, expected)
+
+
+def test_ggmls_quantizer_is_not_candles(candle, tmp_path):
+    """The three differences are real: ggml's x86 Q8_1 (127/amax, ties to even, f16(d·sum)) gives
+    other products on the same Q4_1 weights."""
+    from tracer.ggml.quants import quantize_q8_1
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 256, generator=generator).abs() * 3
+    qtensor = candle.Tensor(torch.randn(48, 256, generator=generator).numpy()).quantize("q4_1")
+    expected = values(qtensor.matmul_t(candle.Tensor(x.numpy())))
+    ggml = emulated.matmul(quantize_q8_1(x), blocks_of(candle, qtensor, tmp_path))
+    assert (ggml != expected).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("width", [5, 32, 37, 576, 1536])
+def test_vec_sum_is_candles_sum_keepdim(candle, width):
+    x = torch.randn(6, width, generator=torch.Generator().manual_seed(width)) * 10
+    assert torch.equal(emulated.vec_sum(x), values(candle.Tensor(x.numpy()).sum_keepdim(1))[:, 0])
+
+
+@pytest.mark.parametrize("m, k, n", [(5, 64, 5), (7, 7, 64), (40, 64, 40), (9, 16, 9)])
+def test_small_products_are_gemms_fma_chain(candle, m, k, n):
+    generator = torch.Generator().manual_seed(m * k)
+    a, b = torch.randn(m, k, generator=generator), torch.randn(k, n, generator=generator)
+    assert torch.equal(emulated.gemm_chain(a, b), values(candle.Tensor(a.numpy()).matmul(candle.Tensor(b.numpy()))))
+
+
+@pytest.mark.parametrize("k, chained", [(emulated.GEMM_CHAIN_LIMIT, True), (emulated.GEMM_CHAIN_LIMIT + 1, False)])
+def test_past_gemms_k_block_the_chain_is_not_its_order(candle, k, chained):
+    """gemm sums a 512-long product as the chain and blocks a longer one (why probs·v of prompts
+    past 512 tokens is not bit-exact)."""
+    generator = torch.Generator().manual_seed(9)
+    a, b = torch.randn(5, k, generator=generator), torch.randn(k, 64, generator=generator)
+    product = values(candle.Tensor(a.numpy()).matmul(candle.Tensor(b.numpy())))
+    assert torch.equal(emulated.gemm_chain(a, b), product) == chained
+
+
+def test_the_composed_rms_norm_softmax_and_silu_are_candles(candle):
+    from tracer.engines.candle import Forward, Shape
+    from tracer.ggml.candle import candle_inv_freq
+
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 5, 576, generator=generator) * 0.05  # small: eps and sqrt's last bit matter
+    weight = 1 + torch.randn(576, generator=generator) * 0.1
+    shape = Shape(1, 9, 3, 64, 576, 10, 8, 1e-5, candle_inv_freq(1e5, 64), "interleaved", True, "interleave", "where")
+    forward = Forward(shape, {}, None, candle)
+    norm = forward.rms_norm(candle.Tensor(x.numpy()), candle.Tensor(weight.numpy()))
+    assert torch.equal(emulated.rms_norm(x, weight, 1e-5), values(norm))
+    scores = torch.randn(9, 5, 5, generator=generator) * 4
+    assert torch.equal(emulated.softmax(scores), values(forward.softmax_last_dim(candle.Tensor(scores.numpy()))))
+    gate, up = torch.randn(5, 96, generator=generator) * 4, torch.randn(5, 96, generator=generator)
+    act = candle.functional.silu(candle.Tensor(gate.numpy())) * candle.Tensor(up.numpy())
+    assert torch.equal(emulated.glu(gate, up, "silu"), values(act))
+
+
+def test_rope_tables_are_candles_cos_and_sin(candle):
+    from tracer.config import LlamaSpec
+    from tracer.ggml.candle import candle_inv_freq, rope_angles
+
+    spec = LlamaSpec(10, 64, 96, 1, 4, 2, 16, 1e5, 1e-5, 64)
+    cos, sin = emulated.rotary(spec, 9, torch.float32)
+    angles = candle.Tensor(rope_angles(candle_inv_freq(1e5, 16), 9))
+    assert torch.equal(cos[0, :, :8], values(angles.cos()))
+    assert torch.equal(sin[0, :, 8:], values(angles.sin()))
+
+
+def test_the_regime_refuses_q8_k_activations():
+    from tracer.errors import TracerError
+
+    with pytest.raises(TracerError, match="candle 0.11 changed Q8_K's scale"):
+        emulated.quantize(torch.ones(1, 256), "q8_k")
+
+
+def test_implied_regime_names_what_it_cannot_reproduce_exactly():
+    knobs, caveats = emulated.implied_regime({"a.weight": "q4_1", "b.weight": "q6_k", "c.weight": "q5_0"})
+    assert knobs == {"preset": "candle-q", "weights": "gguf"}
+    assert len(caveats) == 2 and caveats[1].startswith("Q6_K weights") and "-127/max" in caveats[1]

@@ -1,0 +1,516 @@
+"""The `candle` engine: candle's own CPU kernels (the `candle-nn` 0.4.2 wheel, candle of March
+2024) running the Llama forward of candle-transformers 0.11, op by op, recorded under tracer's points.
+
+Two forwards, one per model source (`docs/engine-candle.md`):
+
+- an HF directory (f32 safetensors): `models/llama.rs` — `candle_nn::Linear` without bias
+  (`x.matmul(wᵀ)`), RMSNorm, `rope` (half-split) on HF rows, `repeat_kv` by concatenation,
+  unfused attention (matmul, /sqrt(D), a u8 causal mask through `where_cond` with −inf, softmax,
+  matmul; no mask for one token), SwiGLU, tied or untied `lm_head`. config.json is read as candle
+  0.11's serde `LlamaConfig` reads it (`tracer.config.read_candle`: theta 10000 when it sits only
+  under `rope_parameters`), unless the variant says `config=hf`.
+- a GGUF file (`candle:PATH.gguf`): `models/quantized_llama.rs` — `QTensor.matmul_t` on the file's
+  own tensors (activations quantized to the weight's vec-dot type, then candle's vec_dot kernels),
+  `rope_i` on the GGUF's permuted q/k rows, the embedding from the dequantized `token_embd`, the
+  tied `lm_head` a quantized matmul on it. Settings come from the GGUF's metadata, as there.
+
+0.4.2 has no fused `rms_norm`, `rope`, `rope_i` or `softmax_last_dim` (0.11 has them); each is
+composed from candle's own ops in the order 0.11's CPU kernel computes (`COMPOSED`). Points come
+out in tracer's names and HF layout (GGUF q/k rows un-permuted). Both forwards record every
+position of `lm_head` (candle's own forward keeps the last position only; every row is the same
+op on its own row).
+
+candle's pyo3 wheel was built with `target-cpu=native` on an AVX2/FMA/F16C machine: on anything
+else the engine refuses in one line before candle is imported (`check_platform`). It runs in the
+child process of `tracer.engines.isolated`, as every native runtime does.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tracer.engines.base import is_loaded_model, trace_meta
+from tracer.engines.registry import ENGINES
+from tracer.errors import TracerError
+from tracer.ggml.candle import candle_inv_freq, rope_angles
+from tracer.layouts import from_interleaved
+from tracer.points import EMBED, FINAL_NORM, LOGITS, is_causal, layer_point, split_point
+from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
+
+REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # the wheel's target-cpu=native build executes them
+# Ops candle-transformers 0.11 calls as one fused CPU kernel that 0.4.2 lacks: composed here from
+# candle's own ops, in the kernel's arithmetic. Only rms_norm's Σx² is summed in another order
+# (0.4.2's vec_sum, where 0.11's kernel sums sequentially); rope, rope_i and softmax_last_dim
+# compute the very same values.
+COMPOSED = {
+    "rms_norm": ("input_layernorm", "post_attention_layernorm", "model.norm"),
+    "rope / rope_i": ("self_attn.q_rope", "self_attn.k_rope"),
+    "softmax_last_dim": ("self_attn.probs",),
+}
+SAME_CODE = ("candle 0.11's Q4_0/Q4_1/Q8_0/Q8_1 quantized arithmetic is the same code as 0.4.2's "
+             "(k_quants.rs, avx.rs)")
+K_QUANT_CAVEAT = ("this GGUF has K-quant tensors ({types}): candle 0.11 changed Q8_K's scale to -127/max, so "
+                  "0.11 computes them otherwise than this 0.4.2 run")
+# GGUF tensor stems of one block (llama.cpp's names, which quantized_llama.rs reads)
+GGUF_LAYER = {"attn_norm": "input_layernorm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+              "attn_output": "o_proj", "ffn_norm": "post_attention_layernorm", "ffn_gate": "gate_proj",
+              "ffn_up": "up_proj", "ffn_down": "down_proj"}
+HF_LAYER = {"input_layernorm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+            "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+            "post_attention_layernorm": "post_attention_layernorm", "gate_proj": "mlp.gate_proj",
+            "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+
+
+# --- the machine ---------------------------------------------------------------------------------
+
+
+def check_platform(system: str | None = None, machine: str | None = None, flags: set[str] | None = None) -> None:
+    """The wheel is manylinux x86-64 code compiled for AVX2/FMA/F16C: anything else is one line
+    here, never an illegal-instruction crash inside candle."""
+    from tracer.ggml.strategies import cpu_flags
+
+    system, machine = system or platform.system(), (machine or platform.machine()).lower()
+    if system != "Linux" or machine not in ("x86_64", "amd64"):
+        raise TracerError(f"the candle engine runs candle-nn's manylinux x86-64 wheel; this machine is "
+                          f"{system} {machine}")
+    missing = [flag for flag in REQUIRED_FLAGS if flag not in (cpu_flags() if flags is None else flags)]
+    if missing:
+        raise TracerError(f"the candle engine needs a CPU with {', '.join(REQUIRED_FLAGS)} (candle-nn's wheel is "
+                          f"built for them); this one lacks {', '.join(missing)}")
+
+
+def runtime() -> dict:
+    """How reports name the runtime: "candle-nn 0.4.2 (candle kernels of March 2024)"."""
+    return {"name": "candle-nn", "version": f"{importlib.metadata.version('candle-nn')} (candle kernels of March 2024)"}
+
+
+def composed_text() -> str:
+    return "; ".join(f"{kernel}: {', '.join(points)}" for kernel, points in COMPOSED.items())
+
+
+# --- what the forward needs to know --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model as candle's forward reads it."""
+
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab_size: int
+    max_positions: int
+    eps: float
+    inv_freq: np.ndarray  # (D/2,) f32: candle's `1f32 / theta.powf(i / D)`
+    rope: str  # "half" (candle's rope) | "interleaved" (rope_i)
+    gguf_rows: bool  # q/k weight rows in GGUF's permuted order: points un-permuted
+    kv_repeat: str  # "interleave" (candle's repeat_kv) | "tile"
+    mask: str  # "where" (candle's masked_fill -inf) | "additive" | "none"
+
+
+# --- the forward, from candle's ops -------------------------------------------------------------
+
+
+class Forward:
+    """One forward over a prompt, composed from candle's ops, each point handed to `record` as a
+    candle tensor with a batch dimension."""
+
+    def __init__(self, shape: Shape, weights: dict, linear, candle):
+        self.shape, self.weights, self.linear, self.candle = shape, weights, linear, candle
+
+    def __call__(self, tokens: list[int], record) -> object:
+        c, s = self.candle, self.shape
+        count = len(tokens)
+        ids = c.tensor([int(t) for t in tokens])
+        h = self.weights[EMBED].index_select(ids, 0).reshape((1, count, s.hidden))  # (1, T, C)
+        record(EMBED, h)
+        angles = c.tensor(rope_angles(s.inv_freq, count).tolist())  # (T, D/2)
+        cos, sin = angles.cos(), angles.sin()
+        mask = self._mask(count)
+        for i in range(s.num_layers):
+            h = self.layer(h, i, cos, sin, mask, lambda sub, t, i=i: record(layer_point(i, sub), t))
+        h = self.rms_norm(h, self.weights[FINAL_NORM])
+        record(FINAL_NORM, h)
+        logits = self.linear(h, self.weights[LOGITS])  # (1, T, V)
+        record(LOGITS, logits)
+        return logits
+
+    def layer(self, x, i: int, cos, sin, mask, record):
+        w = self.weights[i]
+        h = self.rms_norm(x, w["input_layernorm"])
+        record("input_layernorm", h)
+        h = self.attention(h, w, cos, sin, mask, record)
+        x = x + h
+        record("resid_mid", x)
+        h = self.rms_norm(x, w["post_attention_layernorm"])
+        record("post_attention_layernorm", h)
+        gate, up = self.linear(h, w["gate_proj"]), self.linear(h, w["up_proj"])
+        record("mlp.gate_proj", gate)
+        record("mlp.up_proj", up)
+        act = self.candle.functional.silu(gate) * up
+        record("mlp.act", act)
+        h = self.linear(act, w["down_proj"])
+        record("mlp.down_proj", h)
+        x = x + h
+        record("", x)
+        return x
+
+    def attention(self, x, w: dict, cos, sin, mask, record):
+        s = self.shape
+        count = x.shape[1]
+        q, k, v = self.linear(x, w["q_proj"]), self.linear(x, w["k_proj"]), self.linear(x, w["v_proj"])
+        record("self_attn.q_proj", q)
+        record("self_attn.k_proj", k)
+        record("self_attn.v_proj", v)
+        q = q.reshape((1, count, s.heads, s.head_dim)).transpose(1, 2).contiguous()  # (1, H, T, D)
+        k = k.reshape((1, count, s.kv_heads, s.head_dim)).transpose(1, 2).contiguous()  # (1, KV, T, D)
+        v = v.reshape((1, count, s.kv_heads, s.head_dim)).transpose(1, 2).contiguous()  # (1, KV, T, D)
+        rope = self.rope_i if s.rope == "interleaved" else self.rope
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        record("self_attn.q_rope", q)
+        record("self_attn.k_rope", k)
+        k, v = self.repeat_kv(k), self.repeat_kv(v)  # (1, H, T, D)
+        scores = q.matmul(k.t()) / float(np.sqrt(s.head_dim))  # (1, H, T, T): an affine by 1/sqrt(D), as 0.11
+        record("self_attn.scores", scores)
+        probs = self.softmax_last_dim(self._masked(scores, mask))
+        record("self_attn.probs", probs)
+        context = probs.matmul(v.contiguous()).transpose(1, 2).reshape((1, count, s.heads * s.head_dim))  # (1, T, H·D)
+        record("self_attn.context", context)
+        out = self.linear(context, w["o_proj"])
+        record("self_attn.o_proj", out)
+        return out
+
+    # --- 0.11's fused kernels, composed -------------------------------------------------------
+
+    def rms_norm(self, x, weight):
+        """candle_nn::ops::rms_norm: m = sqrt(Σx²/n + eps) (a true division by n, then eps added
+        in f32), out = x / m * alpha."""
+        c = self.candle
+        n = c.tensor(float(x.shape[-1]))
+        m = (x.sqr().sum_keepdim(x.rank - 1).broadcast_div(n) + self.shape.eps).sqrt()  # (1, T, 1)
+        return x.broadcast_div(m).broadcast_mul(weight)
+
+    def rope(self, x, cos, sin):
+        """rotary_emb::rope (half-split): out[i] = x[i]·cos − x[i+D/2]·sin, out[i+D/2] = x[i]·sin + x[i+D/2]·cos."""
+        half = x.shape[-1] // 2
+        x1, x2 = x.narrow(-1, 0, half), x.narrow(-1, half, half)  # (1, H, T, D/2) each
+        return self.candle.cat([x1.broadcast_mul(cos) - x2.broadcast_mul(sin),
+                                x1.broadcast_mul(sin) + x2.broadcast_mul(cos)], -1)
+
+    def rope_i(self, x, cos, sin):
+        """rotary_emb::rope_i (adjacent pairs): out[2i] = x[2i]·cos − x[2i+1]·sin, out[2i+1] = x[2i]·sin + x[2i+1]·cos."""
+        b, heads, count, dim = x.shape
+        pairs = x.reshape((b, heads, count, dim // 2, 2))  # (1, H, T, D/2, 2)
+        x0, x1 = pairs.narrow(-1, 0, 1), pairs.narrow(-1, 1, 1)  # (1, H, T, D/2, 1) each
+        cos, sin = cos.reshape((count, dim // 2, 1)), sin.reshape((count, dim // 2, 1))
+        rotated = self.candle.cat([x0.broadcast_mul(cos) - x1.broadcast_mul(sin),
+                                   x0.broadcast_mul(sin) + x1.broadcast_mul(cos)], -1)  # (1, H, T, D/2, 2)
+        return rotated.reshape((b, heads, count, dim))
+
+    def softmax_last_dim(self, x):
+        """ops::softmax_last_dim: exp(x − max), summed by vec_sum, each divided by the sum (candle_nn's
+        softmax over the last dim is these very ops)."""
+        return self.candle.functional.softmax(x, -1)
+
+    def repeat_kv(self, x):
+        """utils::repeat_kv: n copies concatenated along T, reshaped: each kv head repeated in place
+        (transformers' order); `tile` concatenates along the heads instead."""
+        groups = self.shape.heads // self.shape.kv_heads
+        if groups == 1:
+            return x
+        b, kv, count, dim = x.shape
+        if self.shape.kv_repeat == "tile":
+            return self.candle.cat([x] * groups, 1)  # (1, KV·n, T, D), head h reads kv h % KV
+        return self.candle.cat([x] * groups, 2).reshape((b, kv * groups, count, dim))  # (1, KV·n, T, D)
+
+    def _mask(self, count: int):
+        """llama.rs' cache mask: u8 (T, T), 1 where j > i. None for one token (no mask, as candle)."""
+        if count == 1 or self.shape.mask == "none":
+            return None
+        blocked = [int(j > i) for i in range(count) for j in range(count)]
+        return self.candle.tensor(blocked).reshape((count, count)).to_dtype(self.candle.u8)
+
+    def _masked(self, scores, mask):
+        if mask is None:
+            return scores
+        c = self.candle
+        if self.shape.mask == "additive":  # transformers' min-float add, the knob's contrast
+            added = mask.to_dtype(c.f32) * float(np.finfo(np.float32).min)
+            return scores.broadcast_add(added)
+        neg_inf = c.tensor(float("-inf")).broadcast_as(scores.shape)
+        return mask.broadcast_as(scores.shape).where_cond(neg_inf, scores)
+
+
+def linear_f32(x, weight):
+    """candle_nn::Linear without bias on a (1, T, C) input: x.matmul(w.broadcast_left(1).t())."""
+    return x.matmul(weight.broadcast_left((x.shape[0],)).t())
+
+
+def linear_quantized(x, weight):
+    """QMatMul: QTensor.matmul_t on the (T, C) rows (activations quantized per row to the weight's
+    vec-dot type, then candle's vec_dot per output)."""
+    b, count, width = x.shape
+    return weight.matmul_t(x.reshape((b * count, width))).reshape((b, count, weight.shape[0]))
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def refuse_family(family: str) -> None:
+    if family != "llama":
+        raise TracerError(f"the candle engine does not trace {family} yet")
+
+
+def hf_model(model_dir: Path, variant: dict, candle) -> tuple[Shape, dict, object, dict]:
+    """llama.rs on an HF directory: (shape, weights by point, linear, config facts for the trace)."""
+    from tracer.config import RESAVES, load_config, variant_spec
+    from tracer.families import family_of
+    from tracer.llama import rope_inv_freq
+
+    config = load_config(model_dir)
+    refuse_family(family_of(config.get("model_type")).name)
+    knobs = {"config": "candle", **variant}
+    spec = variant_spec(config, {k: v for k, v in knobs.items() if k in ("config", "resave", "theta", "eps")})
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise TracerError(f"no *.safetensors in {model_dir}")
+    tensors = {}
+    for file in files:
+        tensors.update(candle.utils.load_safetensors(str(file)))
+
+    def tensor(name: str):
+        if name not in tensors:
+            raise TracerError(f"{model_dir}: no tensor {name} (candle's VarBuilder would fail the same way)")
+        return tensors[name].to_dtype(candle.f32)
+
+    weights: dict = {EMBED: tensor("model.embed_tokens.weight"), FINAL_NORM: tensor("model.norm.weight")}
+    weights[LOGITS] = weights[EMBED] if spec.tie_word_embeddings else tensor("lm_head.weight")
+    for i in range(spec.num_hidden_layers):
+        prefix = f"model.layers.{i}"
+        weights[i] = {key: tensor(f"{prefix}.{hf}.weight") for key, hf in HF_LAYER.items()}
+    inv_freq = candle_inv_freq(spec.rope_theta, spec.head_dim) if spec.rope_scaling is None else \
+        rope_inv_freq(spec).to(torch.float32).numpy()
+    shape = Shape(spec.num_hidden_layers, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
+                  spec.hidden_size, spec.vocab_size, spec.max_position_embeddings, spec.rms_norm_eps, inv_freq,
+                  variant.get("rope", "half"), False, variant.get("kv_repeat", "interleave"),
+                  variant.get("mask", "where"))
+    facts = {"reader": knobs["config"], "rope_theta": spec.rope_theta, "rms_norm_eps": spec.rms_norm_eps,
+             "unused_config_keys": list(spec.unused_keys), "config": RESAVES[knobs.get("resave", "none")](config)}
+    return shape, weights, linear_f32, facts
+
+
+def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, dict]:
+    """quantized_llama.rs on a GGUF file: settings from its metadata, projections as QTensors."""
+    refused = [k for k in ("config", "resave") if k in variant]
+    if refused:
+        raise TracerError(f"{refused[0]}= changes how config.json is read; candle:{path.name} reads the GGUF's "
+                          "metadata (quantized_llama.rs)")
+    from tracer.ggml.gguffile import GGUFFile
+
+    fields = GGUFFile(path).fields  # the metadata first: a family candle's Llama cannot run loads nothing
+    refuse_family(str(fields.get("general.architecture", "llama")))  # llama.cpp's architecture names
+    tensors, meta = candle.utils.load_gguf(str(path))
+
+    def number(key: str, default=None):
+        value = meta.get(f"llama.{key}", default)
+        if value is None:
+            raise TracerError(f"{path.name}: no llama.{key} in the GGUF metadata (quantized_llama.rs needs it)")
+        return value
+
+    def tensor(name: str):
+        if name not in tensors:
+            raise TracerError(f"{path.name}: no tensor {name} (quantized_llama.rs would fail the same way)")
+        return tensors[name]
+
+    heads, hidden = int(number("attention.head_count")), int(number("embedding_length"))
+    head_dim = int(number("rope.dimension_count", hidden // heads))
+    theta = float(variant.get("theta", number("rope.freq_base", 10000.0)))
+    eps = float(variant.get("eps", np.float32(number("attention.layer_norm_rms_epsilon"))))
+    embed = tensor("token_embd.weight")
+    weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensor("output_norm.weight").dequantize(),
+                     LOGITS: tensors.get("output.weight", embed)}  # tied: quantized_llama.rs takes token_embd
+    layers = int(number("block_count"))
+    for i in range(layers):
+        weights[i] = {key: tensor(f"blk.{i}.{stem}.weight") for stem, key in GGUF_LAYER.items()}
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weights[i][norm] = weights[i][norm].dequantize()
+    shape = Shape(layers, heads, int(number("attention.head_count_kv", heads)), head_dim, hidden, embed.shape[0],
+                  int(number("context_length", 4096)), eps, candle_inv_freq(theta, head_dim),
+                  variant.get("rope", "interleaved"), True, variant.get("kv_repeat", "interleave"),
+                  variant.get("mask", "where"))
+    types = sorted({str(t.ggml_dtype) for t in tensors.values()})
+    return shape, weights, linear_quantized, {"gguf_types": types, "rope_theta": theta, "rms_norm_eps": eps}
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+# A block's points leave candle once this many values are held: a long prompt's points go block
+# by block (candle reuses its memory), a short one's in a few files (each file costs a write).
+FLUSH_VALUES = 1 << 22
+
+
+def read_f32_file(file: str) -> dict[str, torch.Tensor]:
+    """The f32 tensors of a safetensors file candle wrote, as views of one buffer read at once
+    (safetensors' own reader slices a storage per tensor: 30 µs each, ~500 per forward)."""
+    data = np.fromfile(file, dtype=np.uint8)
+    size = int(data[:8].view("<u8")[0])
+    header = json.loads(data[8:8 + size].tobytes())
+    header.pop("__metadata__", None)
+    start = 8 + size
+    if start % 4 or any(info["dtype"] != "F32" for info in header.values()):
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    flat = torch.from_numpy(data[start:].view(np.float32))
+    return {name: flat[info["data_offsets"][0] // 4:info["data_offsets"][1] // 4].view(info["shape"])
+            for name, info in header.items()}
+
+
+@contextmanager
+def candle_errors():
+    """candle's own refusals (a ValueError carrying a Rust backtrace) as one line: its message."""
+    try:
+        yield
+    except ValueError as exc:
+        text = str(exc)
+        said = re.search(r'Msg\("(.*?)"\)', text)
+        raise TracerError(f"candle refused: {said.group(1) if said else text.split(', backtrace')[0]}") from None
+
+
+class CandleEngine:
+    entry = ENGINES["candle"]
+    name = entry.name
+    device = "cpu"
+
+    def __init__(self, label: str, variant: dict, shape: Shape, forward: Forward, facts: dict, gguf: bool):
+        self.label, self.variant, self.shape, self.forward, self.facts = label, dict(variant), shape, forward, facts
+        self.gguf = gguf
+        self.vocab_size, self.max_positions, self.num_layers = shape.vocab_size, shape.max_positions, shape.num_layers
+
+    def record(self, tokens: list[int], recorder=None) -> Trace:
+        """Every point of one forward. candle's tensors leave candle through its own safetensors
+        writer, one file per block as soon as the block is done (a point-by-point copy through
+        Python lists costs more than the forward; holding every point until the end keeps candle
+        from reusing its memory), and are read back into the recorder in order."""
+        recorder = recorder if recorder is not None else TraceRecorder()
+        with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
+            files: list[tuple[str, list[str]]] = []
+            kept: dict[str, object] = {}
+            held = [0]  # values in `kept`
+
+            def keep(point: str, tensor) -> None:
+                rows = tensor.shape[-2] if is_causal(point) else 0
+                if rows > ATTENTION_ROWS:  # (1, H, T, T): the last query rows only, as every recorder keeps
+                    tensor = tensor.narrow(2, rows - ATTENTION_ROWS, ATTENTION_ROWS)
+                kept[point], held[0] = tensor, held[0] + tensor.nelement
+                layer, sub = split_point(point)
+                if point == LOGITS or (layer is not None and sub == "" and held[0] > FLUSH_VALUES):
+                    files.append((str(Path(folder) / f"{len(files)}.safetensors"), list(kept)))
+                    self.forward.candle.utils.save_safetensors(files[-1][0], kept)
+                    kept.clear()
+                    held[0] = 0
+
+            with candle_errors():
+                self.forward(tokens, keep)
+            for file, points in files:
+                tensors = read_f32_file(file)
+                for point in points:
+                    recorder(point, self._layout(point, tensors.pop(point)))
+        return Trace(recorder.tensors, self._meta(tokens))
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """(T, V) logits of an unrecorded forward."""
+        from safetensors.torch import load_file
+
+        logits = self.plain_forward(tokens)
+        with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
+            file = str(Path(folder) / "logits.safetensors")
+            self.forward.candle.utils.save_safetensors(file, {"logits": logits})
+            return load_file(file)["logits"][0]
+
+    def plain_forward(self, tokens: list[int]):
+        """candle's forward with nothing recorded: the (1, T, V) logits as a candle tensor (what the
+        benchmark times recording against)."""
+        with candle_errors():
+            return self.forward(tokens, lambda name, tensor: None)
+
+    def _layout(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
+        """HF layout: GGUF q/k rows back in half-split order, per head."""
+        if self.shape.gguf_rows and point.endswith(("q_proj", "k_proj", "q_rope", "k_rope")):
+            return from_interleaved(tensor, self.shape.head_dim)  # per head of D along the last axis
+        return tensor
+
+    def _meta(self, tokens: list[int]) -> dict:
+        facts = self.facts
+        notes = []
+        if not self.gguf and facts["reader"] == "candle" and "rope_theta" not in facts["config"] and \
+                "theta" not in self.variant:
+            notes.append(f"candle's config reader (LlamaConfig, candle 0.11) took rope_theta = "
+                         f"{facts['rope_theta']:g}: config.json has no top-level rope_theta"
+                         + (" (only rope_parameters, as transformers 5 saves it)" if "rope_parameters" in facts["config"]
+                            else ""))
+        notes.append(f"composed from candle's ops where 0.4.2 lacks 0.11's fused kernel ({composed_text()})")
+        if self.gguf:
+            notes.append(SAME_CODE)
+            k_quants = [t for t in facts["gguf_types"] if t.lower().endswith("k")]
+            if k_quants:
+                notes.append(K_QUANT_CAVEAT.format(types=", ".join(k_quants)))
+        extra = {"unused_config_keys": facts.get("unused_config_keys", [])} if not self.gguf else {}
+        return trace_meta(
+            self, self.label, tokens, "float32", {}, num_layers=self.num_layers, runtime=runtime(),
+            candle={"forward": "quantized_llama.rs" if self.gguf else "llama.rs", "composed": COMPOSED,
+                    "rope_theta": facts["rope_theta"], "rms_norm_eps": facts["rms_norm_eps"],
+                    "threads": self.forward.candle.utils.get_num_threads(),
+                    **({"gguf_types": facts["gguf_types"]} if self.gguf else {"config_reader": facts["reader"]})},
+            notes=notes, **extra,
+        )
+
+
+def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False) -> CandleEngine:
+    """candle on `candle:PATH.gguf` (quantized_llama.rs), else on the model directory (llama.rs)."""
+    from tracer.sources import check_gguf_header, resolve_model
+
+    if is_loaded_model(source):
+        raise TracerError("the candle engine loads its model from files: pass a model directory or candle:PATH.gguf")
+    check_platform()
+    candle = import_candle(variant.get("threads"))
+    if argument:
+        path = Path(argument).expanduser()
+        if not path.is_file():
+            raise TracerError(f"GGUF file not found: {path}")
+        check_gguf_header(path)
+        shape, weights, linear, facts = gguf_model(path, variant, candle)
+        label, gguf = str(path), True
+    else:
+        model_dir = resolve_model(source)
+        shape, weights, linear, facts = hf_model(Path(model_dir), variant, candle)
+        label, gguf = str(model_dir), False
+    return CandleEngine(label, variant, shape, Forward(shape, weights, linear, candle), facts, gguf)
+
+
+def import_candle(threads: int | None):
+    """candle, its rayon pool sized by `threads` (RAYON_NUM_THREADS, read once when candle first
+    computes); a pool already running with another size is said, not ignored."""
+    import sys
+
+    if threads is not None and "candle" not in sys.modules:
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+    import candle
+
+    if threads is not None and candle.utils.get_num_threads() != threads:
+        raise TracerError(f"threads={threads}: candle already runs {candle.utils.get_num_threads()} threads in this "
+                          "process (its pool is sized once)")
+    return candle
