@@ -106,8 +106,6 @@ def test_the_lane_order_and_the_separate_min_sum_are_what_ggml_rounds():
     ggml, exact, blas = V.matmul_ggml(act, weight), V.matmul_f64(act, weight), V.matmul_blas(act, weight, F32)
     assert not torch.equal(ggml, exact) and not torch.equal(ggml, blas)  # three orders, three results
     assert float((ggml - exact).norm() / exact.norm()) < 3e-7
-    fused, separate = V.matmul_ggml(act, weight, contract_min=True), V.matmul_ggml(act, weight, contract_min=False)
-    assert float((fused - separate).abs().max()) < 1e-5
     # the min term uses the f16 block sum s, not the exact sum of the quantized values
     plain = (act.values().to(torch.float64) @ weight.values().to(torch.float64).T).to(F32)
     assert not torch.equal(plain, exact)

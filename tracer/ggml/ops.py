@@ -218,30 +218,13 @@ def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=v
     return acc * inverse[..., None]
 
 
-def _tile_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """simd_gemm for one KV tile: q (H, T, D) f32, k (H, N, D) -> (H, T, N), one f32 FMA chain per
-    score over the D dims in order, starting from 0."""
-    acc = torch.zeros(q.shape[0], q.shape[1], k.shape[1], dtype=F32)
-    for dim in range(q.shape[-1]):
-        acc = fma(k[:, None, :, dim], q[:, :, dim, None], acc)
-    return acc
-
-
-def _tile_context(acc: torch.Tensor, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """simd_gemm VKQ += P · V for one KV tile: acc (H, T, D), p (H, T, N), v (H, N, D); one FMA per
-    key in order, continuing from acc."""
-    for key in range(p.shape[-1]):
-        acc = fma(v[:, None, key, :], p[:, :, key, None], acc)
-    return acc
-
-
-def _tile_softmax_sum(p: torch.Tensor) -> torch.Tensor:
-    """ggml_vec_soft_max_f32's sum (AVX-512): per 16 values `_mm512_reduce_add_ps`, the partial
-    sums added in f64 one after another. p (H, T, N <= 64) -> (H, T) f64."""
-    p = torch.nn.functional.pad(p, (0, FA_TILE - p.shape[-1]))  # a short last tile: ggml pads it with zeros
-    total = torch.zeros(p.shape[:-1], dtype=F64)
-    for start in range(0, p.shape[-1], SIMD_F32):
-        total = total + reduce_add16(p[..., start:start + SIMD_F32]).to(F64)
+def _tile_softmax_sums(p: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_soft_max_f32's sum per tile (AVX-512): per 16 values `_mm512_reduce_add_ps`, the
+    partial sums added in f64 one after another. p (H, T, tiles, 64) -> (H, T, tiles) f64."""
+    partial = reduce_add16(p.unflatten(-1, (FA_TILE // SIMD_F32, SIMD_F32))).to(F64)  # (H, T, tiles, 4)
+    total = partial[..., 0]
+    for i in range(1, partial.shape[-1]):
+        total = total + partial[..., i]
     return total
 
 
@@ -251,29 +234,35 @@ def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
     scaled, masked (-inf); a row with nothing visible in the tile skips it; on a new maximum the
     f32 accumulator and S are scaled by expf(M_old - M); weights are ggml_v_expf(s - M), their sum
     (f64, per 16) is added to S; V is accumulated by FMA chains over the tile's keys. Output:
-    acc * (1/S). q/k (H, T, D) GGUF order, v (H, T, D) -> (H, T, D) f32."""
+    acc * (1/S). q/k (H, T, D) GGUF order, v (H, T, D) -> (H, T, D) f32.
+
+    The running maximum after each tile is a cumulative maximum of the tile maxima, so everything
+    but the two FMA chains (`tracer.ggml.kernels`) is computed for all tiles at once."""
+    from tracer.ggml import kernels
+
     heads, tokens, _ = q.shape
+    threads = torch.get_num_threads()
+    tiles = -(-tokens // FA_TILE)
     k32, v32 = round_f16(k), round_f16(v)
-    acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)
-    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
+    raw = torch.from_numpy(kernels.score_chains(q.to(F32).numpy(), k32.numpy(), threads))  # (H, T, T)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).triu(1)
+    scores = (raw * np.float32(scale)).masked_fill_(causal, float("-inf"))
+    by_tile = torch.nn.functional.pad(scores, (0, tiles * FA_TILE - tokens), value=float("-inf"))
+    by_tile = by_tile.unflatten(-1, (tiles, FA_TILE))  # (H, T, tiles, 64): a short last tile padded
+    tile_max = by_tile.amax(-1)  # (H, T, tiles)
+    active = tile_max > float("-inf")
+    best = tile_max.cummax(-1).values  # the maximum after each tile
+    before = torch.cat((torch.full_like(best[..., :1], float("-inf")), best[..., :-1]), dim=-1)
+    grows = active & (best > before)
+    ms = expf(torch.where(grows, before - best, 0.0))  # (H, T, tiles); expf(-inf) = 0 on the first tile
+    p = torch.where(active[..., None], ggml_v_expf(by_tile - best[..., None]), 0.0)  # (H, T, tiles, 64)
+    sums = _tile_softmax_sums(p)  # (H, T, tiles) f64
     total = torch.zeros(heads, tokens, dtype=F32)
-    queries = torch.arange(tokens)[:, None]  # (T, 1)
-    for start in range(0, tokens, FA_TILE):
-        keys = torch.arange(start, min(start + FA_TILE, tokens))  # (N,)
-        mask = torch.where(keys[None, :] <= queries, 0.0, float("-inf"))  # (T, N)
-        scores = _tile_scores(q, k32[:, keys]) * np.float32(scale) + mask  # (H, T, N)
-        tile_max = scores.amax(-1)  # (H, T)
-        active = tile_max > float("-inf")
-        new_best = torch.maximum(best, tile_max)
-        grows = active & (new_best > best)
-        ms = expf(torch.where(grows, best - new_best, 0.0))  # (H, T); expf(-inf) = 0 on the first tile
-        acc = torch.where(grows[..., None], acc * ms[..., None], acc)
-        total = torch.where(grows, total * ms, total)
-        best = torch.where(active, new_best, best)
-        p = ggml_v_expf(scores - best[..., None])  # (H, T, N)
-        p = torch.where(active[..., None], p, 0.0)
-        total = torch.where(active, (total.to(F64) + _tile_softmax_sum(p)).to(F32), total)
-        acc = _tile_context(acc, p, v32[:, keys])
+    for i in range(tiles):
+        total = torch.where(grows[..., i], total * ms[..., i], total)
+        total = torch.where(active[..., i], (total.to(F64) + sums[..., i]).to(F32), total)
+    weights = p.flatten(-2)[..., :tokens].contiguous().numpy()  # (H, T, T)
+    acc = torch.from_numpy(kernels.context_chains(weights, v32.numpy(), ms.numpy(), grows.numpy(), FA_TILE, threads))
     inverse = torch.where(total == 0, 0.0, rdiv(1.0, total))
     return acc * inverse[..., None]
 

@@ -56,7 +56,7 @@ class Blocks:
     m: torch.Tensor | None = None
     held: torch.Tensor | None = None
     _values: torch.Tensor | None = field(default=None, repr=False)
-    _lanes: tuple | None = field(default=None, repr=False)
+    _layout: tuple | None = field(default=None, repr=False)
     _scaled: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -87,14 +87,14 @@ class Blocks:
             self._scaled = scaled
         return scaled
 
-    def lanes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The unpacked blocks as ggml's x86 dot kernels walk them, cached: quants (B*8, R, 4) f32,
-        lane g = 4 consecutive values of one block; scales (B, R) f32."""
-        if self._lanes is None:
-            rows, blocks, _ = self.q.shape
-            quants = self.q.reshape(rows, blocks * 8, 4).transpose(0, 1).contiguous().to(F32)  # (B*8, R, 4)
-            self._lanes = (quants, self.d.T.contiguous())
-        return self._lanes
+    def kernel_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The unpacked blocks as `tracer.ggml.kernels` walks them, cached: quants (B, 32, R) f32
+        (outputs last), scales (B, R) f32, mins (B, R) f32 or None."""
+        if self._layout is None:
+            quants = self.q.to(F32).permute(1, 2, 0).contiguous().numpy()  # (B, 32, R)
+            mins = None if self.m is None else self.m.T.contiguous().numpy()
+            self._layout = (quants, self.d.T.contiguous().numpy(), mins)
+        return self._layout
 
     def rows(self, index: torch.Tensor) -> Blocks:
         """The blocks of the rows `index` (a permutation or a selection)."""
