@@ -195,7 +195,7 @@ def _v_expf(x, constants, out):  # pragma: no cover - compiled
         j = fma32(fma32(fma32(p0, b, p1), u, fma32(p2, b, p3)), u, fma32(p4, b, one))
         if abs(n) > 192:  # _mm512_scalef_ps' range check in ggml: 0 or inf
             out[i] = 0.0 if n <= 0 else np.inf
-        elif n != n:
+        elif np.isnan(n):
             out[i] = n
         else:  # scalef: j * 2^n rounded once (exact in f64, then one rounding to f32)
             out[i] = np.float32(np.float64(j) * (2.0 ** int(n)))
