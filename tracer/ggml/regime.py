@@ -42,16 +42,8 @@ from tracer.engines.registry import REGIME_KNOBS
 from tracer.errors import TracerError
 from tracer.ggml import ops
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
-from tracer.ggml.quants import (
-    ACT_BLOCK,
-    BLOCK_TYPES,
-    VEC_DOT_TYPE,
-    Blocks,
-    from_gguf_bytes,
-    quantize,
-    quantize_activations,
-    quantize_q8_0,
-)
+from tracer.ggml.quants import ACT_BLOCK, BLOCK_TYPES, VEC_DOT_TYPE, Blocks, from_gguf_bytes, quantize, \
+    quantize_activations, quantize_q8_0
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
 from tracer.layouts import to_interleaved
 
