@@ -335,17 +335,57 @@ def rotation_size(head_dim: int, keys: bool) -> int | None:
     return size
 
 
-def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """ggml_vec_dot_bf16, AVX-512F without BF16 instructions: two 16-lane accumulators over steps of
-    32 (products of bf16 values are exact), each reduced by `_mm512_reduce_add_ps` and added in
-    f64, then the values past the last whole 32 one by one in f64."""
-    width = x.shape[-1] - x.shape[-1] % 32
-    c1 = c2 = None
-    for start in range(0, width, 32):
-        a, b = x[..., start:start + 16] * y[..., start:start + 16], x[..., start + 16:start + 32] * y[..., start + 16:start + 32]
-        c1, c2 = (a, b) if c1 is None else (c1 + a, c2 + b)
+@functools.cache
+def llamacpp_cpu_features() -> frozenset[str]:
+    """The CPU features the llama.cpp build takes here, as it reports them (`llama_print_system_info`:
+    "AVX512_BF16 = 1 | ..."); without llama-cpp-python, what a native build would take: this CPU's
+    /proc/cpuinfo flags under llama.cpp's names (AVX512_BF16, AVX512_VNNI, AVX512, ...)."""
+    try:
+        import llama_cpp
+
+        report = llama_cpp.llama_print_system_info().decode(errors="replace")
+        return frozenset(name.strip() for name, _, on in (part.partition("=") for part in report.split("|"))
+                         if on.strip() == "1")
+    except (ImportError, OSError, AttributeError):
+        from tracer.ggml.regime import cpu_flags
+
+        return frozenset(flag.upper() if flag.startswith("avx512_") else flag.upper().replace("AVX512F", "AVX512")
+                         for flag in cpu_flags())
+
+
+def takes_dpbf16() -> bool:
+    """Whether llama.cpp's bf16 dot products take AVX512-BF16's `_mm512_dpbf16_ps` on this CPU."""
+    return "AVX512_BF16" in llamacpp_cpu_features()
+
+
+def dpbf16(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`_mm512_dpbf16_ps(acc, x, y)` (VDPBF16PS): x, y (..., 32) bf16 values in f32, acc (..., 16):
+    lane j adds the product of elements 2j+1, then of 2j, each add rounded to f32 (the products of
+    bf16 values are exact in f32)."""
+    xp, yp = x.unflatten(-1, (SIMD_F32, 2)), y.unflatten(-1, (SIMD_F32, 2))  # (..., 16, 2)
+    return (acc + xp[..., 1] * yp[..., 1]) + xp[..., 0] * yp[..., 0]
+
+
+def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor, use_dpbf16: bool | None = None) -> torch.Tensor:
+    """ggml_vec_dot_bf16 (vec.cpp) on bf16 values held in f32, x/y (..., K) broadcast -> (...).
+
+    AVX512-BF16 (`use_dpbf16`, default: what llama.cpp takes here): two 16-lane accumulators over
+    steps of 64, `_mm512_dpbf16_ps` on each half. AVX-512F without it: two accumulators over steps
+    of 32, an f32 add of each product. Then each is reduced by `_mm512_reduce_add_ps` and added in
+    f64, and the values past the last whole step one by one in f64."""
+    use_dpbf16 = takes_dpbf16() if use_dpbf16 is None else use_dpbf16
+    step = 64 if use_dpbf16 else 32
+    width = x.shape[-1] - x.shape[-1] % step
     shape = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
-    total = torch.zeros(shape, dtype=F64) if c1 is None else reduce_add16(c1).to(F64) + reduce_add16(c2).to(F64)
+    c1 = c2 = torch.zeros(*shape, SIMD_F32, dtype=F32)
+    for start in range(0, width, step):
+        half = start + step // 2
+        if use_dpbf16:
+            c1, c2 = dpbf16(c1, x[..., start:half], y[..., start:half]), dpbf16(c2, x[..., half:start + step],
+                                                                                y[..., half:start + step])
+        else:
+            c1, c2 = c1 + x[..., start:half] * y[..., start:half], c2 + x[..., half:start + step] * y[..., half:start + step]
+    total = reduce_add16(c1).to(F64) + reduce_add16(c2).to(F64)
     for i in range(width, x.shape[-1]):
         total = total + (x[..., i] * y[..., i]).to(F64)
     return total.to(F32)
@@ -388,10 +428,30 @@ def tinyblas_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return reduce_add16(acc)
 
 
-def _pad16(x: torch.Tensor) -> torch.Tensor:
-    """The key axis (last) padded with zeros to a multiple of 16: llama.cpp's KV cache holds 256
-    cells, the unused ones masked (weight 0)."""
-    return torch.nn.functional.pad(x, (0, -x.shape[-1] % SIMD_F32))
+def tinyblas_dot_dpbf16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """tinyBLAS on bf16 with AVX512-BF16 (`tinyBLAS<32, __m512, __m512bh, ...>`): per 32 values of
+    the inner axis one `_mm512_dpbf16_ps` into a 16-lane accumulator from 0, then
+    `_mm512_reduce_add_ps`. x, y (..., K) broadcast, K a multiple of 32 -> (...)."""
+    acc = torch.zeros(*torch.broadcast_shapes(x.shape[:-1], y.shape[:-1]), SIMD_F32, dtype=F32)
+    for start in range(0, x.shape[-1], 2 * SIMD_F32):
+        acc = dpbf16(acc, x[..., start:start + 2 * SIMD_F32], y[..., start:start + 2 * SIMD_F32])
+    return reduce_add16(acc)
+
+
+def bf16_mul_mat_dot(x: torch.Tensor, y: torch.Tensor, rows: int) -> torch.Tensor:
+    """The dot products of ggml_mul_mat on a bf16 cache as llama.cpp's build takes them here: from
+    2 rows tinyBLAS (AVX512-BF16's when the CPU has it, and the inner axis is whole steps of 32;
+    else its 16-lane f32 one), for one row or a refused tinyBLAS call ggml_vec_dot_bf16."""
+    use_dpbf16 = takes_dpbf16()
+    if rows == 1 or (use_dpbf16 and x.shape[-1] % (2 * SIMD_F32)):
+        return vec_dot_bf16(x, y, use_dpbf16)
+    return tinyblas_dot_dpbf16(x, y) if use_dpbf16 else tinyblas_dot(x, y)
+
+
+def _pad16(x: torch.Tensor, multiple: int = SIMD_F32) -> torch.Tensor:
+    """The key axis (last) padded with zeros to a multiple of 16 (or `multiple`, a divisor of 256):
+    llama.cpp's KV cache holds 256 cells, the unused ones masked (weight 0)."""
+    return torch.nn.functional.pad(x, (0, -x.shape[-1] % multiple))
 
 
 def soft_max(scores: torch.Tensor) -> torch.Tensor:
@@ -424,8 +484,10 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
     q_g = store(to_interleaved(q[0].to(F32), head_dim))[:, :, None, :]  # (H, T, 1, D)
     k_g = store(kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads))[:, None]  # (H, 1, T, D)
     dots = {"f16": vec_dot_f16, "bf16": vec_dot_bf16, "f32": vec_dot_f32}[kv_cache]
-    if kv_cache == "f32" or tokens == 1:
-        raw = dots(q_g, k_g)  # (H, T, T)
+    if kv_cache == "bf16":
+        raw = bf16_mul_mat_dot(k_g, q_g, tokens)  # (H, T, T)
+    elif kv_cache == "f32" or tokens == 1:
+        raw = dots(q_g, k_g)
     else:
         raw = tinyblas_dot(k_g, q_g)
     scores = raw * np.float32(attention_scale(head_dim))
@@ -433,7 +495,11 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
     if record is not None:
         record(f"{prefix}.scores", scores[None])
         record(f"{prefix}.probs", probs[None])
-    p = _pad16(store(probs))[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type
-    values = _pad16(store(kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2))[:, None]  # (H, 1, D, N)
-    out = dots(values, p) if tokens == 1 else tinyblas_dot(values, p)  # (H, T, D)
+    keys_multiple = 2 * SIMD_F32 if kv_cache == "bf16" else SIMD_F32  # tinyBLAS' step on the padded cache
+    p = _pad16(store(probs), keys_multiple)[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type
+    values = _pad16(store(kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2), keys_multiple)[:, None]  # (H, 1, D, N)
+    if kv_cache == "bf16":
+        out = bf16_mul_mat_dot(values, p, tokens)  # (H, T, D)
+    else:
+        out = dots(values, p) if tokens == 1 else tinyblas_dot(values, p)
     return out[None]
