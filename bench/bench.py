@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -270,26 +272,47 @@ def runtime_engines(model_dir: Path, tokens: dict[str, list[int]], repeats: int)
 REGIMES = {
     "preset=llamacpp,weights=gguf,accumulate=f32 (ggml's formats, BLAS sums)": {"accumulate": "f32"},
     "preset=llamacpp,weights=gguf,accumulate=f64 (the regime noise floor's run)": {"accumulate": "f64"},
-    "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)": {},
 }
-EXACT_REGIME_TOKENS = 64  # the bit-exact emulation costs ~25x a plain forward: timed on fewer tokens
+EXACT_REGIME = "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)"
+EXACT_REGIME_TOKENS = (64, 512, 2048)  # --regime auto judges free-running up to 2048 (tracer.regime.EXACT_TOKENS)
 
 
-def regimes(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, tuple[float, float]]:
+def median_ratio(measure: Callable[[], object], baseline: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(median seconds of `measure`, median of its per-round ratio to `baseline`), the two run
+    alternately in `repeats` rounds after one warm-up each: on a shared machine whose speed drifts,
+    each ratio compares neighbours in time."""
+    measure(), baseline()
+    seconds, ratios_ = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        baseline()
+        base = time.perf_counter() - started
+        started = time.perf_counter()
+        measure()
+        seconds.append(time.perf_counter() - started)
+        ratios_.append(seconds[-1] / base)
+    return statistics.median(seconds), statistics.median(ratios_)
+
+
+def regimes(model_dir: Path, tokens: list[int], repeats: int,
+            exact_counts: tuple[int, ...] = EXACT_REGIME_TOKENS) -> dict[str, tuple[float, float]]:
     """Seconds for a forward of the reimplementation in the llama.cpp regime (nothing recorded), and
-    its ratio to the plain reimplementation forward timed in the same rounds on the same tokens."""
+    its ratio to the plain reimplementation forward on the same tokens in alternating rounds
+    (medians); the bit-exact regime at each of `exact_counts` tokens."""
     from tracer.llama import Llama
 
     plain = Llama.from_dir(model_dir)
     rows = {}
     for name, knobs in REGIMES.items():
         regime = Llama.from_dir(model_dir, {"preset": "llamacpp", "weights": "gguf", **knobs})
-        used = tokens if knobs else tokens[:EXACT_REGIME_TOKENS]
-        ids = torch.tensor(used)
-        label = name if knobs else f"{name}, {len(used)} tokens"
-        pair = best_times({"plain": lambda: plain.forward(ids), label: lambda: regime.forward(ids)},
-                          repeats if knobs else 1)
-        rows[label] = (pair[label], pair[label] / pair["plain"])
+        ids = torch.tensor(tokens)
+        rows[name] = median_ratio(functools.partial(regime.forward, ids), functools.partial(plain.forward, ids), repeats)
+    exact = Llama.from_dir(model_dir, {"preset": "llamacpp", "weights": "gguf"})
+    for count in exact_counts:
+        ids = torch.tensor(bench_tokens(model_dir, count))
+        rounds = repeats if count <= 512 else max(1, repeats // 2)
+        rows[f"{EXACT_REGIME}, {count} tokens"] = median_ratio(functools.partial(exact.forward, ids),
+                                                               functools.partial(plain.forward, ids), rounds)
     return rows
 
 
@@ -335,6 +358,8 @@ def main() -> None:
                                                         f"quick {MLX_TOKENS_QUICK}: MLX's CPU build is slow)")
     parser.add_argument("--engines-only", action="store_true", help="only the runtime engines' rows")
     parser.add_argument("--regimes", action="store_true", help="only the number-format regime rows")
+    parser.add_argument("--exact-tokens", type=int, nargs="+", default=list(EXACT_REGIME_TOKENS),
+                        help="prompt lengths of the bit-exact regime rows (default 64 512 2048)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -346,8 +371,9 @@ def main() -> None:
     repeats = 3 if args.quick else 5
     mlx_count = args.mlx_tokens or (MLX_TOKENS_QUICK if args.quick else MLX_TOKENS)
     tokens = bench_tokens(model_dir, count)
-    regime_rows = regimes(model_dir, tokens, repeats)
-    regime_lines = ["| regime (reimpl forward, nothing recorded) | seconds | ratio to the plain reimpl forward |",
+    regime_rows = regimes(model_dir, tokens, repeats, tuple(args.exact_tokens))
+    regime_lines = [("| regime (reimpl forward, nothing recorded) | seconds (median) | ratio to the plain reimpl "
+                     "forward (median of alternating rounds) |"),
                     "|---|--:|--:|"] + [f"| {name} | {s:.3f} | {r:.2f}× |" for name, (s, r) in regime_rows.items()]
     if args.regimes:
         print("\n".join(regime_lines))
