@@ -213,6 +213,14 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
     the regime's format and the products accumulated as `accumulate` says: ggml's own order where
     its kernel is emulated (else f64), or BLAS in f32 / f64."""
     blas_dtype = F32 if accumulate == "f32" else torch.float64  # ggml: f64 where no kernel is emulated
+    last: dict = {}  # the input quantized last: q/k/v (and gate/up) take the same tensor object in turn
+
+    def quantized_input(x: torch.Tensor, kind: str):
+        """x's activation blocks, quantized once for consecutive projections of the same x (the
+        forward never writes a tensor in place once it has been passed on)."""
+        if last.get("x") is not x or last.get("kind") != kind:
+            last.update(x=x, kind=kind, act=quantize_activations(x[0].to(F32), kind, rounding))
+        return last["act"]
 
     def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -221,7 +229,7 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
         rows = x[0].to(F32)  # (T, C)
         kind = act_kind(weight, act_quant)
         if kind in ACT_BLOCK:
-            act = quantize_activations(rows, kind, rounding)
+            act = quantized_input(x, kind)
             exact_order = accumulate == "ggml" and isinstance(weight, Blocks) and has_kernel(weight, act)
             out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
         elif kind in ("f16", "bf16"):
