@@ -208,3 +208,46 @@ def v_expf(x: np.ndarray, constants: np.ndarray, threads: int | None = None) -> 
     _set_threads(threads)
     _v_expf(flat, constants, out)
     return out.reshape(x.shape)
+
+
+# --- quantize_row_q8_0 / q8_1 (arch/x86/quants.c) ----------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q8(x, away, q, d, sums):  # pragma: no cover - compiled
+    """x (T, B, 32) f32 -> q (T, B, 32) rounded quants, d (T, B) amax/127 in f32 (the caller rounds
+    it to f16), sums (T, B) d * sum(q) in f32 (Q8_1's s before its f16 rounding). x86: q =
+    round(x * (127/amax)) ties to even (`away`: ties away from zero, the portable reference)."""
+    tokens, blocks, size = x.shape
+    scale = np.float32(127.0)
+    for row in prange(tokens):
+        for b in range(blocks):
+            amax = np.float32(0.0)
+            nan = False
+            for i in range(size):
+                a = abs(x[row, b, i])
+                nan = nan or np.isnan(a)
+                amax = max(amax, a)
+            if nan:
+                amax = np.float32(np.nan)
+            inverse = scale / amax if amax != 0 else np.float32(0.0)
+            total = np.float32(0.0)
+            for i in range(size):
+                v = x[row, b, i] * inverse
+                if away:
+                    r = np.float32(np.sign(np.float64(v)) * np.floor(abs(np.float64(v)) + 0.5))
+                else:
+                    r = np.rint(v)
+                q[row, b, i] = r
+                total += r  # integers below 2^24: exact in any order
+            d[row, b] = amax / scale
+            sums[row, b] = d[row, b] * total
+
+
+def quantize_q8(x: np.ndarray, away: bool, threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(T, B, 32) f32 -> (q (T, B, 32), d (T, B), d * sum(q) (T, B)), f32: `_quantize_q8`."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    q, d, sums = np.empty_like(x), np.empty(x.shape[:2], np.float32), np.empty(x.shape[:2], np.float32)
+    _set_threads(threads)
+    _quantize_q8(x, away, q, d, sums)
+    return q, d, sums

@@ -213,23 +213,26 @@ def _blocked(x: torch.Tensor, size: int, kind: str) -> torch.Tensor:
     return x.to(F32).unflatten(-1, (x.shape[-1] // size, size))
 
 
+def _quantize_q8(x: torch.Tensor, kind: str, rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, C) -> q (T, B, 32), f32 d = amax/127 (T, B), f32 d*sum(q) (T, B): the x86 quantizer's
+    steps per block (`tracer.ggml.kernels.quantize_q8`, compiled)."""
+    from tracer.ggml import kernels
+
+    blocks = _blocked(x, 32, kind)  # (T, B, 32)
+    q, d, sums = kernels.quantize_q8(blocks.detach().cpu().numpy(), rounding == "away", torch.get_num_threads())
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(sums)
+
+
 def quantize_q8_0(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
     """quantize_row_q8_0 (x86): d = amax/127 stored f16, q = round(x * (127/amax)) in f32."""
-    blocks = _blocked(x, 32, "q8_0")  # (T, B, 32)
-    amax = blocks.abs().amax(-1)  # (T, B)
-    inverse = torch.where(amax != 0, rdiv(127.0, amax), torch.zeros_like(amax))
-    q = ROUNDINGS[rounding](blocks * inverse[..., None])
-    return ActBlocks("q8_0", round_f16(amax / 127.0), q)
+    q, d, _ = _quantize_q8(x, "q8_0", rounding)
+    return ActBlocks("q8_0", round_f16(d), q)
 
 
 def quantize_q8_1(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
     """quantize_row_q8_1 (x86): as Q8_0, plus s = f16(d * sum(q)) with d the f32 scale before rounding."""
-    blocks = _blocked(x, 32, "q8_1")  # (T, B, 32)
-    amax = blocks.abs().amax(-1)  # (T, B)
-    d = amax / 127.0
-    inverse = torch.where(amax != 0, rdiv(127.0, amax), torch.zeros_like(amax))
-    q = ROUNDINGS[rounding](blocks * inverse[..., None])
-    return ActBlocks("q8_1", round_f16(d), q, s=round_f16(d * q.sum(-1)))
+    q, d, sums = _quantize_q8(x, "q8_1", rounding)
+    return ActBlocks("q8_1", round_f16(d), q, s=round_f16(sums))
 
 
 def quantize_q8_k(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
