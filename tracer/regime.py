@@ -36,6 +36,9 @@ from tracer.variants import check_engine, expand_presets, parse_variant, variant
 # attention holds its scores and weights whole, ~10 f32 (H, T, T) arrays at the peak (1.5 GB for
 # SmolLM2's 9 heads at 2048 tokens, 24 GB at 8192), and the per-op view is the verdict.
 EXACT_TOKENS = 2048
+# With flash_attn=off the unfused attention's tinyBLAS emulation broadcasts (H, T, T, 16) products
+# in tensor code (2.4 GB a temporary at 2048 tokens): its limit stays lower.
+EXACT_TOKENS_UNFUSED = 512
 # Above this, an op's error on the candidate's own inputs is more than the emulation's own spread:
 # in f32 arithmetic (ggml's formats) 1e-4 (measured: 4e-5 worst with another summation order, at the
 # f16 accumulator of flash attention); in a 16-bit dtype ten unit roundoffs of that dtype (one op
@@ -152,12 +155,13 @@ def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
     emulation 1e-7 off flips a rounding and parts from the candidate by 1e-2 a layer later. There,
     free-running is a verdict only where the emulation is bit-exact: ggml's own summation order
     (accumulate=ggml), on this CPU and these weight types (no caveat), and on prompts up to
-    EXACT_TOKENS (about 2-3× a plain forward with the compiled loops of `tracer.ggml.kernels`);
-    otherwise the per-op view decides.
+    EXACT_TOKENS (about 2-3× a plain forward with the compiled loops of `tracer.ggml.kernels`;
+    EXACT_TOKENS_UNFUSED with flash_attn=off); otherwise the per-op view decides.
     """
     expanded = expand_presets(knobs)
     chaotic = expanded.get("act_quant", "none") != "none" or expanded.get("kv_cache") == "q8_0"
-    exact = not caveats and expanded.get("accumulate", "ggml") == "ggml" and num_tokens <= EXACT_TOKENS
+    limit = EXACT_TOKENS_UNFUSED if expanded.get("flash_attn") == "off" else EXACT_TOKENS
+    exact = not caveats and expanded.get("accumulate", "ggml") == "ggml" and num_tokens <= limit
     return "free" if not chaotic or exact else "per_op"
 
 
