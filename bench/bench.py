@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -308,31 +310,55 @@ LLAMACPP_Q = {"preset": "llamacpp", "weights": "gguf"}
 REGIMES = {
     "preset=llamacpp,weights=gguf,accumulate=f32 (ggml's formats, BLAS sums)": {**LLAMACPP_Q, "accumulate": "f32"},
     "preset=llamacpp,weights=gguf,accumulate=f64 (the regime noise floor's run)": {**LLAMACPP_Q, "accumulate": "f64"},
-    "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)": LLAMACPP_Q,
-    "preset=candle-q,weights=gguf (candle's own order, bit-exact)": {"preset": "candle-q", "weights": "gguf"},
 }
-EXACT_REGIME_TOKENS = 64  # the bit-exact emulation costs ~25x a plain forward: timed on fewer tokens
+EXACT_REGIME = "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)"
+CANDLE_REGIME = "preset=candle-q,weights=gguf (candle's own order, bit-exact)"
+EXACT_REGIME_TOKENS = (64, 512, 2048)  # --regime auto judges free-running up to 2048 (tracer.regime_view.EXACT_TOKENS)
 
 
-def regimes(model_dir: Path, tokens: list[int], repeats: int, only: str | None = None) -> dict[str, tuple[float, float]]:
-    """Seconds for a forward of the reimplementation in each regime (nothing recorded; `only`: the
-    regimes whose name has it), and its ratio to the plain reimplementation forward timed in the
-    same rounds on the same tokens."""
+def median_ratio(measure: Callable[[], object], baseline: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(median seconds of `measure`, median of its per-round ratio to `baseline`), the two run
+    alternately in `repeats` rounds after one warm-up each: on a shared machine whose speed drifts,
+    each ratio compares neighbours in time."""
+    measure(), baseline()
+    seconds, ratios_ = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        baseline()
+        base = time.perf_counter() - started
+        started = time.perf_counter()
+        measure()
+        seconds.append(time.perf_counter() - started)
+        ratios_.append(seconds[-1] / base)
+    return statistics.median(seconds), statistics.median(ratios_)
+
+
+def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tuple[int, ...] = EXACT_REGIME_TOKENS,
+            candle_only: bool = False) -> dict[str, tuple[float, float]]:
+    """Seconds for a forward of the reimplementation in the llama.cpp regime (nothing recorded), and
+    its ratio to the plain reimplementation forward on the same tokens in alternating rounds
+    (medians); the bit-exact regimes (llama.cpp's, candle's) at each of `exact_counts` tokens, candle's
+    alone with `candle_only`."""
     from tracer.llama import Llama
 
     plain = Llama.from_dir(model_dir)
     rows = {}
     for name, knobs in REGIMES.items():
-        if only is not None and only not in name:
-            continue
+        if candle_only:
+            break
         regime = Llama.from_dir(model_dir, knobs)
-        fast = "accumulate" in knobs
-        used = tokens if fast else tokens[:EXACT_REGIME_TOKENS]
-        ids = torch.tensor(used)
-        label = name if fast else f"{name}, {len(used)} tokens"
-        pair = best_times({"plain": lambda: plain.forward(ids), label: lambda: regime.forward(ids)},
-                          repeats if fast else 1)
-        rows[label] = (pair[label], pair[label] / pair["plain"])
+        ids = torch.tensor(tokens)
+        rows[name] = median_ratio(functools.partial(regime.forward, ids), functools.partial(plain.forward, ids), repeats)
+    exact_regimes = {CANDLE_REGIME: {"preset": "candle-q", "weights": "gguf"}}
+    if not candle_only:
+        exact_regimes = {EXACT_REGIME: LLAMACPP_Q, **exact_regimes}
+    for label, knobs in exact_regimes.items():
+        exact = Llama.from_dir(model_dir, knobs)
+        for count in exact_counts:
+            ids = torch.tensor(bench_tokens(model_dir, count))
+            rounds = repeats if count <= 512 else max(1, repeats // 2)
+            rows[f"{label}, {count} tokens"] = median_ratio(functools.partial(exact.forward, ids),
+                                                            functools.partial(plain.forward, ids), rounds)
     return rows
 
 
@@ -379,6 +405,8 @@ def main() -> None:
     parser.add_argument("--engines-only", action="store_true", help="only the runtime engines' rows")
     parser.add_argument("--regimes", action="store_true", help="only the number-format regime rows")
     parser.add_argument("--candle", action="store_true", help="only the candle engine's rows and candle's regime")
+    parser.add_argument("--exact-tokens", type=int, nargs="+", default=list(EXACT_REGIME_TOKENS),
+                        help="prompt lengths of the bit-exact regime rows (default 64 512 2048)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -392,12 +420,13 @@ def main() -> None:
     tokens = bench_tokens(model_dir, count)
     if args.candle:
         rows = candle_rows(model_dir, tokens, repeats) or {"candle-nn": "not installed"}
-        candle_regime = regimes(model_dir, tokens, repeats, only="candle")
-        print("\n".join([f"# candle ({count} tokens; regime on {EXACT_REGIME_TOKENS})", ""] + table(rows) + [""]
+        candle_regime = regimes(model_dir, tokens, repeats, (64,), candle_only=True)
+        print("\n".join([f"# candle ({count} tokens; its bit-exact regime on 64)", ""] + table(rows) + [""]
                         + table(candle_regime)))
         return
-    regime_rows = regimes(model_dir, tokens, repeats)
-    regime_lines = ["| regime (reimpl forward, nothing recorded) | seconds | ratio to the plain reimpl forward |",
+    regime_rows = regimes(model_dir, tokens, repeats, tuple(args.exact_tokens))
+    regime_lines = [("| regime (reimpl forward, nothing recorded) | seconds (median) | ratio to the plain reimpl "
+                     "forward (median of alternating rounds) |"),
                     "|---|--:|--:|"] + [f"| {name} | {s:.3f} | {r:.2f}× |" for name, (s, r) in regime_rows.items()]
     if args.regimes:
         print("\n".join(regime_lines))

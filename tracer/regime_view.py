@@ -32,8 +32,17 @@ from tracer.result import Result, Tolerance
 from tracer.trace import Trace
 from tracer.variants import expand_presets, parse_variant, setting, variant_text
 
-# Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`).
-EXACT_TOKENS = 64
+# Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`): verified
+# against llama.cpp on SmolLM2 at 2048 tokens. Past it, memory rather than time: the emulated flash
+# attention holds its scores and weights whole, ~10 f32 (H, T, T) arrays at the peak (1.5 GB for
+# SmolLM2's 9 heads at 2048 tokens, 24 GB at 8192), and the per-op view is the verdict.
+EXACT_TOKENS = 2048
+# With flash_attn=off the unfused attention's tinyBLAS emulation broadcasts (H, T, T, 16) products
+# in tensor code (2.4 GB a temporary at 2048 tokens): its limit stays lower.
+EXACT_TOKENS_UNFUSED = 512
+# candle's emulation (tracer.ggml.candle) is tensor code, ~9x a plain forward already at 64 tokens, and
+# its gemm chain is exact only within candle's 512-value k blocks: free-running up to 64 tokens.
+EXACT_TOKENS_CANDLE = 64
 # Above this, an op's error on the candidate's own inputs is more than the emulation's own spread:
 # in f32 arithmetic (ggml's formats) 1e-4 (measured: 4e-5 worst with another summation order, at the
 # f16 accumulator of flash attention); in a 16-bit dtype ten unit roundoffs of that dtype (one op
@@ -170,11 +179,15 @@ def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
     emulation 1e-7 off flips a rounding and parts from the candidate by 1e-2 a layer later. There,
     free-running is a verdict only where the emulation is bit-exact: ggml's own summation order
     (accumulate=ggml), on this CPU and these weight types (no caveat), and on prompts up to
-    EXACT_TOKENS (its cost grows to ~25× a plain forward); otherwise the per-op view decides.
+    EXACT_TOKENS (about 2-3× a plain forward with the compiled loops of `tracer.ggml.kernels`;
+    EXACT_TOKENS_UNFUSED with flash_attn=off); otherwise the per-op view decides.
     """
     expanded = expand_presets(knobs)
     chaotic = setting(expanded, "act_quant") != "none" or expanded.get("kv_cache") == "q8_0"
-    exact = not caveats and setting(expanded, "accumulate") in ("ggml", "candle") and num_tokens <= EXACT_TOKENS
+    accumulate = setting(expanded, "accumulate")
+    limit = (EXACT_TOKENS_CANDLE if accumulate == "candle"
+             else EXACT_TOKENS_UNFUSED if expanded.get("flash_attn") == "off" else EXACT_TOKENS)
+    exact = not caveats and accumulate in ("ggml", "candle") and num_tokens <= limit
     return "free" if not chaotic or exact else "per_op"
 
 

@@ -141,11 +141,24 @@ def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
     assert result.regime["per_op_over"] == ["model.layers.7.mlp.down_proj"]  # per op: that matmul alone
 
 
-def test_past_the_bit_exact_length_the_per_op_view_judges_and_reads_llama_cpp_as_correct(default_model):
+def test_regime_auto_judges_free_running_past_the_old_64_tokens_and_every_point_is_exactly_0(default_model):
+    """200 tokens: 4 tiles of llama.cpp's tiled flash attention, the compiled kernels throughout."""
     pytest.importorskip("llama_cpp")
-    from tracer.regime_view import EXACT_TOKENS
+    tokens = (PROMPT_IDS * 40)[:200]
+    result = tracer.run(default_model, tokens=tokens, candidate="llamacpp", regime="auto", greedy=0, progress=False)
+    assert result.regime["verdict_view"] == "free" and result.regime["variant"] == LLAMACPP
+    compared = [p for p in result.points if p.recorded]
+    assert result.verdict == "match" and len(compared) == 453
+    assert [p.point for p in compared if p.rel_l2 != 0] == []
 
-    tokens = (PROMPT_IDS * 40)[:EXACT_TOKENS + 16]
+
+def test_past_the_bit_exact_length_the_per_op_view_judges_and_reads_llama_cpp_as_correct(default_model, monkeypatch):
+    """The per-op view past tracer.regime_view.EXACT_TOKENS, with that limit lowered to 64 here (at 2048
+    tokens the same check would take minutes)."""
+    pytest.importorskip("llama_cpp")
+    monkeypatch.setattr("tracer.regime_view.EXACT_TOKENS", 64)
+
+    tokens = (PROMPT_IDS * 40)[:64 + 16]
     result = tracer.run(default_model, tokens=tokens, candidate="llamacpp", regime="auto", greedy=0, progress=False)
     assert result.regime["verdict_view"] == "per_op"
     assert result.regime["variant"] == {**LLAMACPP, "accumulate": "f32"}  # torch's BLAS sums: ~1.4× a forward

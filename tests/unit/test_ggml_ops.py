@@ -111,3 +111,55 @@ def test_flash_attention_from_64_rows_is_tiled_with_f32_accumulators():
     assert float((tiled - exact).norm() / exact.norm()) < 1e-6  # f32 accumulators: rounding level
     scores = (to_interleaved(q[0], 16) @ round_f16(to_interleaved(k[0], 16)).repeat(2, 1, 1).transpose(-1, -2))
     assert math.isfinite(float(scores.sum()))
+
+
+def _bf16_values(*shape: int, seed: int) -> torch.Tensor:
+    return _randn(*shape, seed=seed, scale=3).to(torch.bfloat16).to(F32)
+
+
+def _literal_dpbf16_dot(x: torch.Tensor, y: torch.Tensor) -> float:
+    """ggml_vec_dot_bf16 with AVX512-BF16 written out in numpy f32 scalars: two 16-lane
+    accumulators, per lane the odd element's product added before the even one's, then each
+    register reduced (halves 8, 4, then (t0+t2) + (t1+t3)) and added in f64, the tail in f64."""
+    xs, ys, f32 = x.tolist(), y.tolist(), np.float32
+    registers = [[f32(0)] * 16, [f32(0)] * 16]
+    width = len(xs) - len(xs) % 64
+    for start in range(0, width, 64):
+        for r in range(2):
+            for j in range(16):
+                i = start + 32 * r + 2 * j
+                acc = f32(registers[r][j] + f32(xs[i + 1]) * f32(ys[i + 1]))
+                registers[r][j] = f32(acc + f32(xs[i]) * f32(ys[i]))
+
+    def reduce(v):
+        v = [f32(v[i + 8] + v[i]) for i in range(8)]
+        v = [f32(v[i + 4] + v[i]) for i in range(4)]
+        return float(f32(f32(v[0] + v[2]) + f32(v[1] + v[3])))
+
+    total = reduce(registers[0]) + reduce(registers[1])
+    for i in range(width, len(xs)):
+        total += float(f32(xs[i]) * f32(ys[i]))
+    return float(f32(total))
+
+
+def test_vec_dot_bf16_with_avx512_bf16_is_dpbf16_written_out_and_differs_from_the_avx512f_path():
+    x, y = _bf16_values(6, 136, seed=11), _bf16_values(6, 136, seed=12)  # two steps of 64, a tail of 8
+    out = ops.vec_dot_bf16(x, y, use_dpbf16=True)
+    assert out.tolist() == [_literal_dpbf16_dot(x[i], y[i]) for i in range(6)]
+    many_x, many_y = _bf16_values(256, 128, seed=13), _bf16_values(256, 128, seed=14)
+    assert not torch.equal(ops.vec_dot_bf16(many_x, many_y, use_dpbf16=True),
+                           ops.vec_dot_bf16(many_x, many_y, use_dpbf16=False))  # the CPU's path matters
+
+
+def test_dpbf16_adds_the_odd_product_first():
+    acc, x, y = torch.full((16,), 2.0**24), torch.zeros(32), torch.zeros(32)
+    x[0], y[0], x[1], y[1] = 1.0, 1.0, 1.0, 1.0  # lane 0: 2^24 + 1 + 1, each add rounded
+    assert ops.dpbf16(acc, x, y)[0].item() == 2.0**24  # ties to even twice: both ones lost
+    x[1] = 2.0  # the odd product (2) first: 2^24 + 2 is exact, then + 1 ties to even
+    assert ops.dpbf16(acc, x, y)[0].item() == 2.0**24 + 4
+
+
+def test_the_cpu_features_are_llama_cpps_names():
+    features = ops.llamacpp_cpu_features()
+    assert "AVX2" in features  # every machine the regime is exact on
+    assert ops.takes_dpbf16() == ("AVX512_BF16" in features)

@@ -128,11 +128,15 @@ def test_regime_errors_are_one_line_and_exit_2(tiny_llama, args, message, capsys
 
 
 def test_the_per_op_view_judges_where_the_emulation_cannot_be_bit_exact():
-    from tracer.regime_view import EXACT_TOKENS, verdict_view
+    from tracer.regime_view import EXACT_TOKENS, EXACT_TOKENS_UNFUSED, verdict_view
 
     llamacpp = {"preset": "llamacpp", "weights": "gguf"}
     assert verdict_view(llamacpp, [], 5) == "free"  # bit-exact here: free-running is a verdict
-    assert verdict_view(llamacpp, [], EXACT_TOKENS + 1) == "per_op"  # too slow bit-exact
+    assert verdict_view(llamacpp, [], EXACT_TOKENS) == "free" and EXACT_TOKENS >= 2048
+    assert verdict_view(llamacpp, [], EXACT_TOKENS + 1) == "per_op"  # too large bit-exact
+    unfused = {**llamacpp, "flash_attn": "off"}
+    assert verdict_view(unfused, [], EXACT_TOKENS_UNFUSED) == "free"
+    assert verdict_view(unfused, [], EXACT_TOKENS_UNFUSED + 1) == "per_op"
     assert verdict_view(llamacpp, ["this CPU lacks avx512f: ..."], 5) == "per_op"
     assert verdict_view({"weights": "q8_0", "act_quant": "q8_0", "accumulate": "f32"}, [], 5) == "per_op"
     assert verdict_view({"weights": "q4_0"}, [], 512) == "free"  # no 8-bit activations: not chaotic

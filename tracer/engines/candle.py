@@ -78,7 +78,7 @@ HF_LAYER = {"input_layernorm": "input_layernorm", "q_proj": "self_attn.q_proj", 
 def check_platform(system: str | None = None, machine: str | None = None, flags: set[str] | None = None) -> None:
     """The wheel is manylinux x86-64 code compiled for AVX2/FMA/F16C: anything else is one line
     here, never an illegal-instruction crash inside candle."""
-    from tracer.ggml.strategies import cpu_flags
+    from tracer.ggml.ops import cpu_flags
 
     system, machine = system or platform.system(), (machine or platform.machine()).lower()
     if system != "Linux" or machine not in ("x86_64", "amd64"):

@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import functools
 
+import numpy as np
 import torch
 
 F32, F64 = torch.float32, torch.float64
@@ -175,18 +176,12 @@ EXP_POLY = [float.fromhex(h) for h in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.55
 
 def ggml_v_expf(x: torch.Tensor) -> torch.Tensor:
     """ggml_v_expf, AVX-512F/DQ variant (vec.h): exp(x) = 2^n * poly(b), b = x - n*ln2 in two fused
-    steps, `_mm512_scalef_ps` for 2^n; |n| > 192 gives 0 (n <= 0) or inf. Max error 1.45 + 0.5 ulp."""
-    x = x.to(F32)
-    z = fma(x, LOG2E, EXP_SHIFT)
-    n = z - EXP_SHIFT
-    b = fma(-n, LN2_LO, fma(-n, LN2_HI, x))
-    u = b * b
-    p0, p1, p2, p3, p4 = EXP_POLY
-    j = fma(fma(fma(p0, b, p1), u, fma(p2, b, p3)), u, fma(p4, b, 1.0))
-    scaled = (j.to(F64) * torch.exp2(n.to(F64))).to(F32)  # scalef: one rounding, subnormals included
-    out_of_range = n.abs() > 192
-    overflow = torch.where(n <= 0, torch.zeros_like(x), torch.full_like(x, float("inf")))
-    return torch.where(out_of_range, overflow, scaled)
+    steps, `_mm512_scalef_ps` for 2^n; |n| > 192 gives 0 (n <= 0) or inf. Max error 1.45 + 0.5 ulp.
+    Computed per element by `tracer.ggml.kernels._v_expf` (the same steps, compiled)."""
+    from tracer.ggml import kernels
+
+    constants = np.array([EXP_SHIFT, LOG2E, LN2_HI, LN2_LO, *EXP_POLY], dtype=np.float32)
+    return torch.from_numpy(kernels.v_expf(x.detach().to("cpu", F32).numpy(), constants, torch.get_num_threads()))
 
 
 def ggml_v_silu(x: torch.Tensor) -> torch.Tensor:

@@ -218,30 +218,13 @@ def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=v
     return acc * inverse[..., None]
 
 
-def _tile_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """simd_gemm for one KV tile: q (H, T, D) f32, k (H, N, D) -> (H, T, N), one f32 FMA chain per
-    score over the D dims in order, starting from 0."""
-    acc = torch.zeros(q.shape[0], q.shape[1], k.shape[1], dtype=F32)
-    for dim in range(q.shape[-1]):
-        acc = fma(k[:, None, :, dim], q[:, :, dim, None], acc)
-    return acc
-
-
-def _tile_context(acc: torch.Tensor, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """simd_gemm VKQ += P · V for one KV tile: acc (H, T, D), p (H, T, N), v (H, N, D); one FMA per
-    key in order, continuing from acc."""
-    for key in range(p.shape[-1]):
-        acc = fma(v[:, None, key, :], p[:, :, key, None], acc)
-    return acc
-
-
-def _tile_softmax_sum(p: torch.Tensor) -> torch.Tensor:
-    """ggml_vec_soft_max_f32's sum (AVX-512): per 16 values `_mm512_reduce_add_ps`, the partial
-    sums added in f64 one after another. p (H, T, N <= 64) -> (H, T) f64."""
-    p = torch.nn.functional.pad(p, (0, FA_TILE - p.shape[-1]))  # a short last tile: ggml pads it with zeros
-    total = torch.zeros(p.shape[:-1], dtype=F64)
-    for start in range(0, p.shape[-1], SIMD_F32):
-        total = total + reduce_add16(p[..., start:start + SIMD_F32]).to(F64)
+def _tile_softmax_sums(p: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_soft_max_f32's sum per tile (AVX-512): per 16 values `_mm512_reduce_add_ps`, the
+    partial sums added in f64 one after another. p (H, T, tiles, 64) -> (H, T, tiles) f64."""
+    partial = reduce_add16(p.unflatten(-1, (FA_TILE // SIMD_F32, SIMD_F32))).to(F64)  # (H, T, tiles, 4)
+    total = partial[..., 0]
+    for i in range(1, partial.shape[-1]):
+        total = total + partial[..., i]
     return total
 
 
@@ -251,29 +234,35 @@ def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
     scaled, masked (-inf); a row with nothing visible in the tile skips it; on a new maximum the
     f32 accumulator and S are scaled by expf(M_old - M); weights are ggml_v_expf(s - M), their sum
     (f64, per 16) is added to S; V is accumulated by FMA chains over the tile's keys. Output:
-    acc * (1/S). q/k (H, T, D) GGUF order, v (H, T, D) -> (H, T, D) f32."""
+    acc * (1/S). q/k (H, T, D) GGUF order, v (H, T, D) -> (H, T, D) f32.
+
+    The running maximum after each tile is a cumulative maximum of the tile maxima, so everything
+    but the two FMA chains (`tracer.ggml.kernels`) is computed for all tiles at once."""
+    from tracer.ggml import kernels
+
     heads, tokens, _ = q.shape
+    threads = torch.get_num_threads()
+    tiles = -(-tokens // FA_TILE)
     k32, v32 = round_f16(k), round_f16(v)
-    acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)
-    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
+    raw = torch.from_numpy(kernels.score_chains(q.to(F32).numpy(), k32.numpy(), threads))  # (H, T, T)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).triu(1)
+    scores = (raw * np.float32(scale)).masked_fill_(causal, float("-inf"))
+    by_tile = torch.nn.functional.pad(scores, (0, tiles * FA_TILE - tokens), value=float("-inf"))
+    by_tile = by_tile.unflatten(-1, (tiles, FA_TILE))  # (H, T, tiles, 64): a short last tile padded
+    tile_max = by_tile.amax(-1)  # (H, T, tiles)
+    active = tile_max > float("-inf")
+    best = tile_max.cummax(-1).values  # the maximum after each tile
+    before = torch.cat((torch.full_like(best[..., :1], float("-inf")), best[..., :-1]), dim=-1)
+    grows = active & (best > before)
+    ms = expf(torch.where(grows, before - best, 0.0))  # (H, T, tiles); expf(-inf) = 0 on the first tile
+    p = torch.where(active[..., None], ggml_v_expf(by_tile - best[..., None]), 0.0)  # (H, T, tiles, 64)
+    sums = _tile_softmax_sums(p)  # (H, T, tiles) f64
     total = torch.zeros(heads, tokens, dtype=F32)
-    queries = torch.arange(tokens)[:, None]  # (T, 1)
-    for start in range(0, tokens, FA_TILE):
-        keys = torch.arange(start, min(start + FA_TILE, tokens))  # (N,)
-        mask = torch.where(keys[None, :] <= queries, 0.0, float("-inf"))  # (T, N)
-        scores = _tile_scores(q, k32[:, keys]) * np.float32(scale) + mask  # (H, T, N)
-        tile_max = scores.amax(-1)  # (H, T)
-        active = tile_max > float("-inf")
-        new_best = torch.maximum(best, tile_max)
-        grows = active & (new_best > best)
-        ms = expf(torch.where(grows, best - new_best, 0.0))  # (H, T); expf(-inf) = 0 on the first tile
-        acc = torch.where(grows[..., None], acc * ms[..., None], acc)
-        total = torch.where(grows, total * ms, total)
-        best = torch.where(active, new_best, best)
-        p = ggml_v_expf(scores - best[..., None])  # (H, T, N)
-        p = torch.where(active[..., None], p, 0.0)
-        total = torch.where(active, (total.to(F64) + _tile_softmax_sum(p)).to(F32), total)
-        acc = _tile_context(acc, p, v32[:, keys])
+    for i in range(tiles):
+        total = torch.where(grows[..., i], total * ms[..., i], total)
+        total = torch.where(active[..., i], (total.to(F64) + sums[..., i]).to(F32), total)
+    weights = p.flatten(-2)[..., :tokens].contiguous().numpy()  # (H, T, T)
+    acc = torch.from_numpy(kernels.context_chains(weights, v32.numpy(), ms.numpy(), grows.numpy(), FA_TILE, threads))
     inverse = torch.where(total == 0, 0.0, rdiv(1.0, total))
     return acc * inverse[..., None]
 
@@ -346,17 +335,67 @@ def rotation_size(head_dim: int, keys: bool) -> int | None:
     return size
 
 
-def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """ggml_vec_dot_bf16, AVX-512F without BF16 instructions: two 16-lane accumulators over steps of
-    32 (products of bf16 values are exact), each reduced by `_mm512_reduce_add_ps` and added in
-    f64, then the values past the last whole 32 one by one in f64."""
-    width = x.shape[-1] - x.shape[-1] % 32
-    c1 = c2 = None
-    for start in range(0, width, 32):
-        a, b = x[..., start:start + 16] * y[..., start:start + 16], x[..., start + 16:start + 32] * y[..., start + 16:start + 32]
-        c1, c2 = (a, b) if c1 is None else (c1 + a, c2 + b)
+@functools.cache
+def cpu_flags() -> set[str]:
+    """This machine's CPU feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def llamacpp_cpu_features() -> frozenset[str]:
+    """The CPU features the llama.cpp build takes here, as it reports them (`llama_print_system_info`:
+    "AVX512_BF16 = 1 | ..."); without llama-cpp-python, what a native build would take: this CPU's
+    /proc/cpuinfo flags under llama.cpp's names (AVX512_BF16, AVX512_VNNI, AVX512, ...)."""
+    try:
+        import llama_cpp
+
+        report = llama_cpp.llama_print_system_info().decode(errors="replace")
+        return frozenset(name.strip() for name, _, on in (part.partition("=") for part in report.split("|"))
+                         if on.strip() == "1")
+    except (ImportError, OSError, AttributeError):
+        return frozenset(flag.upper() if flag.startswith("avx512_") else flag.upper().replace("AVX512F", "AVX512")
+                         for flag in cpu_flags())
+
+
+def takes_dpbf16() -> bool:
+    """Whether llama.cpp's bf16 dot products take AVX512-BF16's `_mm512_dpbf16_ps` on this CPU."""
+    return "AVX512_BF16" in llamacpp_cpu_features()
+
+
+def dpbf16(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`_mm512_dpbf16_ps(acc, x, y)` (VDPBF16PS): x, y (..., 32) bf16 values in f32, acc (..., 16):
+    lane j adds the product of elements 2j+1, then of 2j, each add rounded to f32 (the products of
+    bf16 values are exact in f32)."""
+    xp, yp = x.unflatten(-1, (SIMD_F32, 2)), y.unflatten(-1, (SIMD_F32, 2))  # (..., 16, 2)
+    return (acc + xp[..., 1] * yp[..., 1]) + xp[..., 0] * yp[..., 0]
+
+
+def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor, use_dpbf16: bool | None = None) -> torch.Tensor:
+    """ggml_vec_dot_bf16 (vec.cpp) on bf16 values held in f32, x/y (..., K) broadcast -> (...).
+
+    AVX512-BF16 (`use_dpbf16`, default: what llama.cpp takes here): two 16-lane accumulators over
+    steps of 64, `_mm512_dpbf16_ps` on each half. AVX-512F without it: two accumulators over steps
+    of 32, an f32 add of each product. Then each is reduced by `_mm512_reduce_add_ps` and added in
+    f64, and the values past the last whole step one by one in f64."""
+    use_dpbf16 = takes_dpbf16() if use_dpbf16 is None else use_dpbf16
+    step = 64 if use_dpbf16 else 32
+    width = x.shape[-1] - x.shape[-1] % step
     shape = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
-    total = torch.zeros(shape, dtype=F64) if c1 is None else reduce_add16(c1).to(F64) + reduce_add16(c2).to(F64)
+    c1 = c2 = torch.zeros(*shape, SIMD_F32, dtype=F32)
+    for start in range(0, width, step):
+        half = start + step // 2
+        if use_dpbf16:
+            c1, c2 = dpbf16(c1, x[..., start:half], y[..., start:half]), dpbf16(c2, x[..., half:start + step],
+                                                                                y[..., half:start + step])
+        else:
+            c1, c2 = c1 + x[..., start:half] * y[..., start:half], c2 + x[..., half:start + step] * y[..., half:start + step]
+    total = reduce_add16(c1).to(F64) + reduce_add16(c2).to(F64)
     for i in range(width, x.shape[-1]):
         total = total + (x[..., i] * y[..., i]).to(F64)
     return total.to(F32)
@@ -399,10 +438,30 @@ def tinyblas_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return reduce_add16(acc)
 
 
-def _pad16(x: torch.Tensor) -> torch.Tensor:
-    """The key axis (last) padded with zeros to a multiple of 16: llama.cpp's KV cache holds 256
-    cells, the unused ones masked (weight 0)."""
-    return torch.nn.functional.pad(x, (0, -x.shape[-1] % SIMD_F32))
+def tinyblas_dot_dpbf16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """tinyBLAS on bf16 with AVX512-BF16 (`tinyBLAS<32, __m512, __m512bh, ...>`): per 32 values of
+    the inner axis one `_mm512_dpbf16_ps` into a 16-lane accumulator from 0, then
+    `_mm512_reduce_add_ps`. x, y (..., K) broadcast, K a multiple of 32 -> (...)."""
+    acc = torch.zeros(*torch.broadcast_shapes(x.shape[:-1], y.shape[:-1]), SIMD_F32, dtype=F32)
+    for start in range(0, x.shape[-1], 2 * SIMD_F32):
+        acc = dpbf16(acc, x[..., start:start + 2 * SIMD_F32], y[..., start:start + 2 * SIMD_F32])
+    return reduce_add16(acc)
+
+
+def bf16_mul_mat_dot(x: torch.Tensor, y: torch.Tensor, rows: int) -> torch.Tensor:
+    """The dot products of ggml_mul_mat on a bf16 cache as llama.cpp's build takes them here: from
+    2 rows tinyBLAS (AVX512-BF16's when the CPU has it, and the inner axis is whole steps of 32;
+    else its 16-lane f32 one), for one row or a refused tinyBLAS call ggml_vec_dot_bf16."""
+    use_dpbf16 = takes_dpbf16()
+    if rows == 1 or (use_dpbf16 and x.shape[-1] % (2 * SIMD_F32)):
+        return vec_dot_bf16(x, y, use_dpbf16)
+    return tinyblas_dot_dpbf16(x, y) if use_dpbf16 else tinyblas_dot(x, y)
+
+
+def _pad16(x: torch.Tensor, multiple: int = SIMD_F32) -> torch.Tensor:
+    """The key axis (last) padded with zeros to a multiple of 16 (or `multiple`, a divisor of 256):
+    llama.cpp's KV cache holds 256 cells, the unused ones masked (weight 0)."""
+    return torch.nn.functional.pad(x, (0, -x.shape[-1] % multiple))
 
 
 def soft_max(scores: torch.Tensor) -> torch.Tensor:
@@ -435,8 +494,10 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
     q_g = store(to_interleaved(q[0].to(F32), head_dim))[:, :, None, :]  # (H, T, 1, D)
     k_g = store(kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads))[:, None]  # (H, 1, T, D)
     dots = {"f16": vec_dot_f16, "bf16": vec_dot_bf16, "f32": vec_dot_f32}[kv_cache]
-    if kv_cache == "f32" or tokens == 1:
-        raw = dots(q_g, k_g)  # (H, T, T)
+    if kv_cache == "bf16":
+        raw = bf16_mul_mat_dot(k_g, q_g, tokens)  # (H, T, T)
+    elif kv_cache == "f32" or tokens == 1:
+        raw = dots(q_g, k_g)
     else:
         raw = tinyblas_dot(k_g, q_g)
     scores = raw * np.float32(attention_scale(head_dim))
@@ -444,7 +505,11 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
     if record is not None:
         record(f"{prefix}.scores", scores[None])
         record(f"{prefix}.probs", probs[None])
-    p = _pad16(store(probs))[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type
-    values = _pad16(store(kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2))[:, None]  # (H, 1, D, N)
-    out = dots(values, p) if tokens == 1 else tinyblas_dot(values, p)  # (H, T, D)
+    keys_multiple = 2 * SIMD_F32 if kv_cache == "bf16" else SIMD_F32  # tinyBLAS' step on the padded cache
+    p = _pad16(store(probs), keys_multiple)[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type
+    values = _pad16(store(kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2), keys_multiple)[:, None]  # (H, 1, D, N)
+    if kv_cache == "bf16":
+        out = bf16_mul_mat_dot(values, p, tokens)  # (H, T, D)
+    else:
+        out = dots(values, p) if tokens == 1 else tinyblas_dot(values, p)
     return out[None]

@@ -56,7 +56,7 @@ class Blocks:
     m: torch.Tensor | None = None
     held: torch.Tensor | None = None
     _values: torch.Tensor | None = field(default=None, repr=False)
-    _lanes: tuple | None = field(default=None, repr=False)
+    _layout: tuple | None = field(default=None, repr=False)
     _scaled: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -87,14 +87,14 @@ class Blocks:
             self._scaled = scaled
         return scaled
 
-    def lanes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The unpacked blocks as ggml's x86 dot kernels walk them, cached: quants (B*8, R, 4) f32,
-        lane g = 4 consecutive values of one block; scales (B, R) f32."""
-        if self._lanes is None:
-            rows, blocks, _ = self.q.shape
-            quants = self.q.reshape(rows, blocks * 8, 4).transpose(0, 1).contiguous().to(F32)  # (B*8, R, 4)
-            self._lanes = (quants, self.d.T.contiguous())
-        return self._lanes
+    def kernel_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The unpacked blocks as `tracer.ggml.kernels` walks them, cached: quants (B, 32, R) f32
+        (outputs last), scales (B, R) f32, mins (B, R) f32 or None."""
+        if self._layout is None:
+            quants = self.q.to(F32).permute(1, 2, 0).contiguous().numpy()  # (B, 32, R)
+            mins = None if self.m is None else self.m.T.contiguous().numpy()
+            self._layout = (quants, self.d.T.contiguous().numpy(), mins)
+        return self._layout
 
     def rows(self, index: torch.Tensor) -> Blocks:
         """The blocks of the rows `index` (a permutation or a selection)."""
@@ -213,23 +213,26 @@ def _blocked(x: torch.Tensor, size: int, kind: str) -> torch.Tensor:
     return x.to(F32).unflatten(-1, (x.shape[-1] // size, size))
 
 
+def _quantize_q8(x: torch.Tensor, kind: str, rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, C) -> q (T, B, 32), f32 d = amax/127 (T, B), f32 d*sum(q) (T, B): the x86 quantizer's
+    steps per block (`tracer.ggml.kernels.quantize_q8`, compiled)."""
+    from tracer.ggml import kernels
+
+    blocks = _blocked(x, 32, kind)  # (T, B, 32)
+    q, d, sums = kernels.quantize_q8(blocks.detach().cpu().numpy(), rounding == "away", torch.get_num_threads())
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(sums)
+
+
 def quantize_q8_0(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
     """quantize_row_q8_0 (x86): d = amax/127 stored f16, q = round(x * (127/amax)) in f32."""
-    blocks = _blocked(x, 32, "q8_0")  # (T, B, 32)
-    amax = blocks.abs().amax(-1)  # (T, B)
-    inverse = torch.where(amax != 0, rdiv(127.0, amax), torch.zeros_like(amax))
-    q = ROUNDINGS[rounding](blocks * inverse[..., None])
-    return ActBlocks("q8_0", round_f16(amax / 127.0), q)
+    q, d, _ = _quantize_q8(x, "q8_0", rounding)
+    return ActBlocks("q8_0", round_f16(d), q)
 
 
 def quantize_q8_1(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
     """quantize_row_q8_1 (x86): as Q8_0, plus s = f16(d * sum(q)) with d the f32 scale before rounding."""
-    blocks = _blocked(x, 32, "q8_1")  # (T, B, 32)
-    amax = blocks.abs().amax(-1)  # (T, B)
-    d = amax / 127.0
-    inverse = torch.where(amax != 0, rdiv(127.0, amax), torch.zeros_like(amax))
-    q = ROUNDINGS[rounding](blocks * inverse[..., None])
-    return ActBlocks("q8_1", round_f16(d), q, s=round_f16(d * q.sum(-1)))
+    q, d, sums = _quantize_q8(x, "q8_1", rounding)
+    return ActBlocks("q8_1", round_f16(d), q, s=round_f16(sums))
 
 
 def quantize_q8_k(x: torch.Tensor, rounding: str = "even") -> ActBlocks:

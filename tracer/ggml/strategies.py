@@ -14,7 +14,7 @@ Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
 - `ops`: hf | ggml: embedding, RMSNorm, RoPE, SwiGLU and attention as transformers or as ggml's
   CPU backend computes them (`tracer.ggml.ops`).
 - `accumulate`: ggml | f32 | f64: the quantized matmuls, RoPE, SwiGLU and attention in ggml's own
-  order (bit-exact on x86, slow: ~25x a plain forward), or with the matmuls through torch's BLAS in
+  order (bit-exact on x86, ~2-3x a plain forward: `tracer.ggml.kernels`), or with the matmuls through torch's BLAS in
   f32 (another valid order, fast) or f64 (exact) and the rest exact in f64, rounded once (see
   `tracer.noise_floor.regime_noise`).
 - `flash_attn`: on | auto | off: with ops=ggml, llama.cpp's flash attention (auto is on for its
@@ -217,6 +217,14 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
 
         quantize = candle.quantize if rounding == "candle" else quantize_activations
         candle_matmul = candle.matmul if accumulate == "candle" else None
+    last: dict = {}  # the input quantized last: q/k/v (and gate/up) take the same tensor object in turn
+
+    def quantized_input(x: torch.Tensor, kind: str):
+        """x's activation blocks, quantized once for consecutive projections of the same x (the
+        forward never writes a tensor in place once it has been passed on)."""
+        if last.get("x") is not x or last.get("kind") != kind:
+            last.update(x=x, kind=kind, act=quantize(x[0].to(F32), kind, rounding))
+        return last["act"]
 
     def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -225,7 +233,7 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
         rows = x[0].to(F32)  # (T, C)
         kind = act_kind(weight, act_quant)
         if kind in ACT_BLOCK:
-            act = quantize(rows, kind, rounding)
+            act = quantized_input(x, kind)
             exact_order = accumulate == "ggml" and isinstance(weight, Blocks) and has_kernel(weight, act)
             if candle_matmul is not None and isinstance(weight, Blocks):
                 out = candle_matmul(act, weight)
@@ -458,18 +466,6 @@ NOT_EXACT_WHY = {
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
 
 
-def cpu_flags() -> set[str]:
-    """This machine's CPU feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[str, str] | None = None,
                    flags: set[str] | None = None) -> tuple[dict, list[str]]:
     """The reimpl variant that reproduces a llama.cpp CPU run, and what of it is not bit-exact here.
@@ -505,7 +501,7 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         names = [name for name, t in weight_types.items() if t == kind]
         caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): "
                        f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; accumulated in f64")
-    missing = [flag for flag in CPU_FLAGS if flag not in (cpu_flags() if flags is None else flags)]
+    missing = [flag for flag in CPU_FLAGS if flag not in (ops.cpu_flags() if flags is None else flags)]
     if missing:
         caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
                        "(exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated")

@@ -25,63 +25,23 @@ from __future__ import annotations
 
 import torch
 
-from tracer.ggml.floats import F32, F64, fma_, hsum8
+from tracer.ggml.floats import F32, F64
 from tracer.ggml.quants import ActBlocks, Blocks
 
 # (weight type, activation type) pairs whose x86 ggml_vec_dot kernel is emulated here.
 KERNELS = {("q4_0", "q8_0"), ("q4_1", "q8_1"), ("q5_0", "q8_0"), ("q5_1", "q8_1"), ("q8_0", "q8_0")}
-CHUNK_ELEMENTS = 1 << 20  # lane sums held at once (B*8 * tokens * rows): 4 MB, cache-sized
 
 
-def lane_sums(wq: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
-    """wq (R, B, 32), xq (T, B, 32) integer quants -> (B, 8, T, R): per block and lane l the exact
-    sum of the 4 products of values 4l..4l+3 (what `_mm256_madd_epi16(ones, maddubs(...))` holds)."""
-    rows, blocks, _ = wq.shape
-    w = wq.to(F32).reshape(rows, blocks * 8, 4).permute(1, 2, 0)  # (B*8, 4, R)
-    return torch.bmm(_act_lanes(xq), w).unflatten(0, (blocks, 8))  # (B, 8, T, R), exact: |sum| < 2^24
+def matmul_ggml(act: ActBlocks, weight: Blocks) -> torch.Tensor:
+    """(T, R): every `ggml_vec_dot_<weight>_<act>` of a matmul, in ggml's order, by the compiled
+    loop of `tracer.ggml.kernels` (on as many threads as torch uses)."""
+    from tracer.ggml import kernels
 
-
-def _act_lanes(xq: torch.Tensor) -> torch.Tensor:
-    """(T, B, 32) -> (B*8, T, 4) f32."""
-    return xq.to(F32).reshape(xq.shape[0], -1, 4).permute(1, 0, 2).contiguous()
-
-
-def matmul_ggml(act: ActBlocks, weight: Blocks, contract_min: bool = True) -> torch.Tensor:
-    """(T, R): every `ggml_vec_dot_<weight>_<act>` of a matmul, in chunks of rows and tokens small
-    enough for the lane sums to stay in cache."""
-    w_lanes, w_scales = weight.lanes()  # (B*8, R, 4), (B, R)
-    w_mins = None if weight.m is None else weight.m.T.contiguous()  # (B, R)
-    x_lanes = _act_lanes(act.q)  # (B*8, T, 4)
-    (groups, tokens, _), rows = x_lanes.shape, weight.shape[0]
-    token_chunk = min(tokens, 64)
-    row_chunk = max(16, CHUNK_ELEMENTS // (groups * token_chunk))
-    out = torch.empty(tokens, rows, dtype=F32)
-    for t0 in range(0, tokens, token_chunk):
-        t1 = min(t0 + token_chunk, tokens)
-        for r0 in range(0, rows, row_chunk):
-            r1 = min(r0 + row_chunk, rows)
-            w = w_lanes[:, r0:r1].transpose(1, 2)  # (B*8, 4, r)
-            lanes = torch.bmm(x_lanes[:, t0:t1], w).unflatten(0, (-1, 8))  # (B, 8, t, r)
-            mins = None if w_mins is None else (act.s[t0:t1], w_mins[:, r0:r1])
-            out[t0:t1, r0:r1] = _accumulate(lanes, act.d[t0:t1], w_scales[:, r0:r1], mins, contract_min)
-    return out
-
-
-def _accumulate(lanes: torch.Tensor, x_scales: torch.Tensor, w_scales: torch.Tensor, mins, contract_min: bool):
-    """The f32 chain over blocks: lanes (B, 8, t, r), x_scales (t, B), w_scales (B, r), mins
-    (s (t, B), m (B, r)) or None -> (t, r)."""
-    acc = torch.zeros(lanes.shape[1:], dtype=F32)  # (8, t, r)
-    scales = x_scales.T[:, :, None] * w_scales[:, None, :]  # (B, t, r): f16*f16, exact in f32
-    for b in range(lanes.shape[0]):
-        fma_(acc, scales[b], lanes[b])
-    summs = None
-    if mins is not None:
-        s, m = mins[0].T[:, :, None], mins[1][:, None, :]  # (B, t, 1), (B, 1, r)
-        summs = torch.zeros(lanes.shape[2:], dtype=F32)  # (t, r)
-        for b in range(lanes.shape[0]):
-            summs = fma_(summs, s[b], m[b]) if contract_min else summs.add_(s[b] * m[b])
-    out = hsum8(acc.permute(1, 2, 0))  # (t, r)
-    return out if summs is None else out + summs
+    quants, scales, mins = weight.kernel_layout()  # (B, 32, R), (B, R), (B, R) or None
+    x_sums = None if mins is None else act.s.to(F32).contiguous().numpy()
+    out = kernels.vec_dot_blocks(act.q.to(F32).contiguous().numpy(), act.d.to(F32).contiguous().numpy(),
+                                 quants, scales, x_sums, mins, threads=torch.get_num_threads())
+    return torch.from_numpy(out)
 
 
 def matmul_blas(act: ActBlocks | torch.Tensor, weight: Blocks | torch.Tensor, dtype: torch.dtype = F64) -> torch.Tensor:

@@ -1,0 +1,253 @@
+"""ggml's quantized dot kernels compiled by numba: the same order as `tracer.ggml.vecdot`'s tensor
+code, at the speed of a loop that keeps each output's 8 lane accumulators in registers.
+
+Why compiled: ggml accumulates every output's 8 lanes by one f32 FMA per 32-value block, a chain
+that no BLAS call can reorder. In tensor ops that chain is B elementwise passes over (8, T, R), plus
+the lane dot products of inner length 4 (~12x a plain forward on SmolLM2). numba compiles these
+loops with LLVM, which numba ships (no C compiler at run time); the compiled code is cached on disk
+(`cache=True`), so only the first run on a machine pays the compilation (~10 s).
+
+Exactness does not depend on how LLVM vectorises: the lane sums are integer, the FMA is LLVM's
+`llvm.fma.f32` (one rounding, a hardware FMA or the C library's `fmaf`), and numba does not
+contract or reassociate f32 arithmetic without `fastmath`.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.extending import intrinsic
+
+ROW_TILE = 32  # outputs per inner loop (vectorised): a tile of weights stays in L1
+TOKEN_TILE = 8  # tokens per pass over a tile of weights: each weight loaded once for 8 tokens
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """f32 fused multiply-add a*b + c, rounded once (LLVM's llvm.fma.f32)."""
+    if not all(t == numba.float32 for t in (a, b, c)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        function = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32] * 3))
+        return builder.call(function, args)
+
+    return numba.float32(numba.float32, numba.float32, numba.float32), codegen
+
+
+@njit(cache=True, parallel=True)
+def _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, row_tile, token_tile):  # pragma: no cover - compiled
+    """Every `ggml_vec_dot_<w>_<x>` of a matmul. xq (T, B, 32) f32 activation quants, xd (T, B)
+    scales, wq (B, 32, R) f32 weight quants (outputs last: the inner loops run over outputs), wd
+    (B, R) scales, xs (T, B) / wm (B, R) the Q8_1 block sums and the weight mins (empty when the
+    type has none) -> out (T, R). T a multiple of token_tile, R of row_tile (callers pad); the
+    tile sizes are arguments, not constants, so that LLVM vectorises the loops over outputs
+    rather than unrolling them into scalar code."""
+    tokens, blocks = xd.shape
+    rows = wd.shape[1]
+    has_min = wm.shape[0] > 0
+    for tile in prange(rows // row_tile):
+        r0 = tile * row_tile
+        acc = np.empty((token_tile, 8, row_tile), np.float32)
+        lane = np.empty((token_tile, row_tile), np.float32)
+        summs = np.empty((token_tile, row_tile), np.float32)
+        scale = np.empty(row_tile, np.float32)
+        for t0 in range(0, tokens, token_tile):
+            acc[:] = 0
+            summs[:] = 0
+            for b in range(blocks):
+                w_scales = wd[b, r0:r0 + row_tile]
+                for g in range(8):
+                    lane[:] = 0
+                    for k in range(4):  # maddubs + madd: 4 consecutive products, exact (integers < 2^24)
+                        w = wq[b, 4 * g + k, r0:r0 + row_tile]
+                        for u in range(token_tile):
+                            x = xq[t0 + u, b, 4 * g + k]
+                            lane_u = lane[u]
+                            for j in range(row_tile):
+                                lane_u[j] = fma32(x, w[j], lane_u[j])
+                    for u in range(token_tile):  # acc = fma(d_x*d_w, lane, acc): f16*f16 is exact in f32
+                        dx = xd[t0 + u, b]
+                        acc_ug, lane_u = acc[u, g], lane[u]
+                        for j in range(row_tile):
+                            scale[j] = dx * w_scales[j]
+                        for j in range(row_tile):
+                            acc_ug[j] = fma32(scale[j], lane_u[j], acc_ug[j])
+                if has_min:
+                    mins = wm[b, r0:r0 + row_tile]
+                    for u in range(token_tile):  # summs += m*s, contracted by GCC
+                        s, summs_u = xs[t0 + u, b], summs[u]
+                        for j in range(row_tile):
+                            summs_u[j] = fma32(mins[j], s, summs_u[j])
+            for u in range(token_tile):  # hsum_float_8, then the min terms
+                a = acc[u]
+                for j in range(row_tile):
+                    total = ((a[0, j] + a[4, j]) + (a[2, j] + a[6, j])) + ((a[1, j] + a[5, j]) + (a[3, j] + a[7, j]))
+                    out[t0 + u, r0 + j] = total + summs[u, j] if has_min else total
+
+
+def _pad_rows(x: np.ndarray, multiple: int, axis: int) -> np.ndarray:
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return np.pad(x, widths)
+
+
+def vec_dot_blocks(xq: np.ndarray, xd: np.ndarray, wq: np.ndarray, wd: np.ndarray,
+                   xs: np.ndarray | None = None, wm: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
+    """(T, R) f32: `_vec_dot_blocks` on numpy arrays (shapes there, any T and R), on `threads` of
+    numba's threads (default: all)."""
+    tokens, rows = xd.shape[0], wd.shape[1]
+    empty = np.zeros((0, 0), np.float32)
+    xq, xd = _pad_rows(xq, TOKEN_TILE, 0), _pad_rows(xd, TOKEN_TILE, 0)
+    xs = empty if xs is None else _pad_rows(xs, TOKEN_TILE, 0)
+    wq, wd = _pad_rows(wq, ROW_TILE, 2), _pad_rows(wd, ROW_TILE, 1)
+    wm = empty if wm is None else _pad_rows(wm, ROW_TILE, 1)
+    out = np.empty((xd.shape[0], wd.shape[1]), np.float32)
+    _set_threads(threads)
+    _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, ROW_TILE, TOKEN_TILE)
+    return out[:tokens, :rows]
+
+
+# --- flash attention's FMA chains (ggml_compute_forward_flash_attn_ext_tiled's simd_gemm) ------
+
+
+@njit(cache=True, parallel=True)
+def _score_chains(q, k_t, out):  # pragma: no cover - compiled
+    """q (H, T, D), k_t (H, D, T) -> out (H, T, T): per query t and key n <= t one f32 FMA chain
+    over the D dims in order, from 0 (keys past the query are masked: left 0)."""
+    heads, tokens, dims = q.shape
+    for row in prange(heads * tokens):
+        h, t = row // tokens, row % tokens
+        scores = out[h, t]
+        scores[:] = 0
+        for d in range(dims):
+            x, keys = q[h, t, d], k_t[h, d]
+            for n in range(t + 1):
+                scores[n] = fma32(keys[n], x, scores[n])
+
+
+@njit(cache=True, parallel=True)
+def _context_chains(p, v, ms, grows, tile, out):  # pragma: no cover - compiled
+    """p (H, T, T) softmax weights (0 past the query), v (H, T, D), ms / grows (H, T, tiles) ->
+    out (H, T, D): per query the f32 accumulator over D, scaled by ms where a tile raised the
+    maximum, then one FMA per key in order (masked keys add nothing: skipped)."""
+    heads, tokens, dims = v.shape
+    for row in prange(heads * tokens):
+        h, t = row // tokens, row % tokens
+        acc = out[h, t]
+        acc[:] = 0
+        for i in range(t // tile + 1):
+            if grows[h, t, i]:
+                scale = ms[h, t, i]
+                for d in range(dims):
+                    acc[d] = acc[d] * scale
+            for key in range(i * tile, min((i + 1) * tile, t + 1)):
+                weight, values = p[h, t, key], v[h, key]
+                for d in range(dims):
+                    acc[d] = fma32(values[d], weight, acc[d])
+
+
+def score_chains(q: np.ndarray, k: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """q, k (H, T, D) f32 -> (H, T, T) f32: `_score_chains`, 0 above the diagonal."""
+    out = np.empty((q.shape[0], q.shape[1], k.shape[1]), np.float32)
+    _set_threads(threads)
+    _score_chains(np.ascontiguousarray(q), np.ascontiguousarray(k.transpose(0, 2, 1)), out)
+    return out
+
+
+def context_chains(p: np.ndarray, v: np.ndarray, ms: np.ndarray, grows: np.ndarray, tile: int,
+                   threads: int | None = None) -> np.ndarray:
+    """(H, T, D) f32: `_context_chains`."""
+    out = np.empty(v.shape, np.float32)
+    _set_threads(threads)
+    _context_chains(np.ascontiguousarray(p), np.ascontiguousarray(v), np.ascontiguousarray(ms),
+                    np.ascontiguousarray(grows), tile, out)
+    return out
+
+
+def _set_threads(threads: int | None) -> None:
+    """numba's threads for the next call: `threads` (torch's count, by the callers), at most numba's own."""
+    numba.set_num_threads(min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
+
+
+# --- ggml_v_expf (vec.h, AVX-512F/DQ) ----------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _v_expf(x, constants, out):  # pragma: no cover - compiled
+    """`tracer.ggml.floats.ggml_v_expf` per element of the flat f32 array x; constants: shift,
+    log2(e), ln2 high and low parts, the 5 polynomial coefficients (f32)."""
+    shift, log2e, ln2_hi, ln2_lo = constants[0], constants[1], constants[2], constants[3]
+    p0, p1, p2, p3, p4 = constants[4], constants[5], constants[6], constants[7], constants[8]
+    one = np.float32(1.0)
+    for i in prange(x.shape[0]):
+        v = x[i]
+        z = fma32(v, log2e, shift)
+        n = z - shift
+        b = fma32(-n, ln2_lo, fma32(-n, ln2_hi, v))
+        u = b * b
+        j = fma32(fma32(fma32(p0, b, p1), u, fma32(p2, b, p3)), u, fma32(p4, b, one))
+        if abs(n) > 192:  # _mm512_scalef_ps' range check in ggml: 0 or inf
+            out[i] = 0.0 if n <= 0 else np.inf
+        elif np.isnan(n):
+            out[i] = n
+        else:  # scalef: j * 2^n rounded once (exact in f64, then one rounding to f32)
+            out[i] = np.float32(np.float64(j) * (2.0 ** int(n)))
+
+
+def v_expf(x: np.ndarray, constants: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """ggml_v_expf on an f32 array of any shape."""
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = np.empty_like(flat)
+    _set_threads(threads)
+    _v_expf(flat, constants, out)
+    return out.reshape(x.shape)
+
+
+# --- quantize_row_q8_0 / q8_1 (arch/x86/quants.c) ----------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q8(x, away, q, d, sums):  # pragma: no cover - compiled
+    """x (T, B, 32) f32 -> q (T, B, 32) rounded quants, d (T, B) amax/127 in f32 (the caller rounds
+    it to f16), sums (T, B) d * sum(q) in f32 (Q8_1's s before its f16 rounding). x86: q =
+    round(x * (127/amax)) ties to even (`away`: ties away from zero, the portable reference)."""
+    tokens, blocks, size = x.shape
+    scale = np.float32(127.0)
+    for row in prange(tokens):
+        for b in range(blocks):
+            amax = np.float32(0.0)
+            nan = False
+            for i in range(size):
+                a = abs(x[row, b, i])
+                nan = nan or np.isnan(a)
+                amax = max(amax, a)
+            if nan:
+                amax = np.float32(np.nan)
+            inverse = scale / amax if amax != 0 else np.float32(0.0)
+            total = np.float32(0.0)
+            for i in range(size):
+                v = x[row, b, i] * inverse
+                if away:
+                    r = np.float32(np.sign(np.float64(v)) * np.floor(abs(np.float64(v)) + 0.5))
+                else:
+                    r = np.rint(v)
+                q[row, b, i] = r
+                total += r  # integers below 2^24: exact in any order
+            d[row, b] = amax / scale
+            sums[row, b] = d[row, b] * total
+
+
+def quantize_q8(x: np.ndarray, away: bool, threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(T, B, 32) f32 -> (q (T, B, 32), d (T, B), d * sum(q) (T, B)), f32: `_quantize_q8`."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    q, d, sums = np.empty_like(x), np.empty(x.shape[:2], np.float32), np.empty(x.shape[:2], np.float32)
+    _set_threads(threads)
+    _quantize_q8(x, away, q, d, sums)
+    return q, d, sums
