@@ -74,9 +74,9 @@ def bench_tokens(model_dir: Path, count: int) -> list[int]:
 
 def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[str, float | str], list[str]]:
     """Seconds for a plain eager forward and for each way of recording it; the tools not installed."""
-    import tracer
     from transformers import LlamaForCausalLM
 
+    import tracer
     from tracer.llama import Llama
     from tracer.trace import TraceRecorder
 

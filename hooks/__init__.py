@@ -2,8 +2,8 @@
 attention function. Every hook and registration is removed on exit, even when the forward raises.
 """
 
-from .attention import recording_attention
-from .engine import HFEngine
-from .modules import recording_modules
+from tracer.hooks.attention import recording_attention
+from tracer.hooks.engine import HFEngine
+from tracer.hooks.modules import recording_modules
 
 __all__ = ["HFEngine", "recording_attention", "recording_modules"]

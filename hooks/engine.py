@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections import Counter
 import re
+from collections import Counter
 from contextlib import ExitStack
 
 import torch
@@ -25,13 +25,12 @@ from tracer.config import LlamaSpec, config_reading, load_config, read_hf, varia
 from tracer.engines.base import is_loaded_model, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
+from tracer.hooks.attention import recording_attention, unobservable_points
+from tracer.hooks.modules import recording_modules
 from tracer.points import model_points
-from tracer.trace import Trace, TraceRecorder
 from tracer.torch_types import TORCH_DTYPES
+from tracer.trace import Trace, TraceRecorder
 from tracer.variants import setting
-
-from .attention import recording_attention, unobservable_points
-from .modules import recording_modules
 
 # A local directory never needs the hub; make sure nothing tries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -21,7 +21,6 @@ from tracer import points
 from tracer.points import MODEL_OBSERVED, sub_points
 from tracer.torch_types import Recorder
 
-
 # How a module's output becomes the point's layout (batch kept): "output:(T, H, D)" -> (1, T, H*D), ...
 TO_POINT_LAYOUT = {
     "output": lambda t: t,

@@ -19,9 +19,16 @@ from matplotlib.colors import ListedColormap, LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, is_coarse, label, layer_of, layer_point, split_point
-from .summary import (
-    Summary, as_summary, comparison_title, fmt, number, points, rel_l2_threshold, tolerance_text,
+from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, is_coarse, label, layer_of, layer_point, split_point
+from tracer.reports.summary import (
+    Summary,
+    as_summary,
+    comparison_title,
+    fmt,
+    number,
+    points,
+    rel_l2_threshold,
+    tolerance_text,
 )
 
 DPI = 110

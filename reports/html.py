@@ -11,16 +11,25 @@ import json
 import os
 from collections.abc import Mapping
 
-
-from .figures import report_images
-from .summary import (
-    greedy_text, hints,
-    Summary, as_summary, comparison_title, fmt, first_difference, regime_cost_by_layer, regime_lines, runtime_text,
-    side_label, tolerance_text, verdict_sentence,
+from tracer.reports.figures import report_images
+from tracer.reports.summary import (
+    Summary,
+    as_summary,
+    comparison_title,
+    first_difference,
+    fmt,
+    greedy_text,
+    hints,
+    regime_cost_by_layer,
+    regime_lines,
+    runtime_text,
+    side_label,
+    tolerance_text,
+    verdict_sentence,
 )
-from ..variants import format_knob_value
-from .table import display_rows
-from .template import CSS, ENV, PAGE, SORT_SCRIPT
+from tracer.reports.table import display_rows
+from tracer.reports.template import CSS, ENV, PAGE, SORT_SCRIPT
+from tracer.variants import format_knob_value
 
 FIGURE_CAPTIONS = {
     "curve.png": "Error per block output (log scale). Top: relative L2; bottom: max|diff| "

@@ -9,12 +9,21 @@ from __future__ import annotations
 import html
 import re
 
-from ..points import is_coarse
-from .html import logits_rows
-from .summary import (
-    greedy_text, hints,
-    Summary, as_summary, comparison_title, fmt, fmt_rel, points,
-    regime_lines, runtime_text, tolerance_text, verdict_sentence,
+from tracer.points import is_coarse
+from tracer.reports.html import logits_rows
+from tracer.reports.summary import (
+    Summary,
+    as_summary,
+    comparison_title,
+    fmt,
+    fmt_rel,
+    greedy_text,
+    hints,
+    points,
+    regime_lines,
+    runtime_text,
+    tolerance_text,
+    verdict_sentence,
 )
 
 

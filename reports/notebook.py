@@ -12,17 +12,22 @@ import base64
 import sys
 from collections.abc import Mapping
 
-
-from ..errors import TracerError
-from ..points import folded, is_coarse, layer_of, rank
-from .figures import breakdown_figure, curve_figure, figure_png, has_breakdown, layer_heatmap_figure
-from .html import logits_rows
-from .summary import (
-    Summary, as_summary, comparison_title, greedy_text, hints, side_label, tolerance_text,
+from tracer.errors import TracerError
+from tracer.points import folded, is_coarse, layer_of, rank
+from tracer.reports.figures import breakdown_figure, curve_figure, figure_png, has_breakdown, layer_heatmap_figure
+from tracer.reports.html import logits_rows
+from tracer.reports.summary import (
+    Summary,
+    as_summary,
+    comparison_title,
+    greedy_text,
+    hints,
+    side_label,
+    tolerance_text,
     verdict_sentence,
 )
-from .table import display_rows
-from .template import ENV
+from tracer.reports.table import display_rows
+from tracer.reports.template import ENV
 
 # Every selector starts with the scope class: nothing here can restyle the rest of the notebook.
 CSS = """
@@ -202,7 +207,7 @@ SWEEP = ENV.from_string("""<div class="tracer-nb">
 def sweep_html(sweep, *, figure: bool = True) -> str:
     """The notebook view of a sweep (a `Sweep` or its dict): the overlay of every variant's curve
     and one row per variant, as `tracer.reports.sweep` renders them for the report."""
-    from .sweep import sweep_cells, sweep_figure, sweep_rows
+    from tracer.reports.sweep import sweep_cells, sweep_figure, sweep_rows
 
     summary = as_summary(sweep)
     rows = [sweep_cells(r) for r in sweep_rows(summary)]

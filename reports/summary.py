@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
-from ..points import split_point
+from tracer.points import split_point
 
 Summary = dict[str, Any]
 

@@ -21,16 +21,33 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .figures import (
-    COLORS, STYLE, add_tolerance, as_array, coarse_x, figure_png, floor_for, new_figure, plain, set_coarse_ticks,
+from tracer.reports.figures import (
+    COLORS,
+    STYLE,
+    add_tolerance,
+    as_array,
+    coarse_x,
+    figure_png,
+    floor_for,
+    new_figure,
+    plain,
+    set_coarse_ticks,
     set_log_limits,
 )
-from .html import figure_entries
-from .summary import (
-    DASH, as_summary, fmt, fmt_rel, greedy_cell, model_name, rel_l2_threshold, short_prompt, tolerance_text,
+from tracer.reports.html import figure_entries
+from tracer.reports.summary import (
+    DASH,
+    as_summary,
+    fmt,
+    fmt_rel,
+    greedy_cell,
+    model_name,
+    rel_l2_threshold,
+    short_prompt,
+    tolerance_text,
 )
-from .template import CSS, ENV
-from .write import write_folder
+from tracer.reports.template import CSS, ENV
+from tracer.reports.write import write_folder
 
 MARKER = "sweep.json"
 SWEEP_SIZE = (12.0, 5.5)  # inches

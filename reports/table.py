@@ -6,7 +6,7 @@ import csv
 import json
 import math
 
-from .summary import POINT_FIELDS, Summary, fmt, fmt_rel, missing_text, number, points
+from tracer.reports.summary import POINT_FIELDS, Summary, fmt, fmt_rel, missing_text, number, points
 
 
 def points_rows(summary: Summary) -> tuple[list[str], list[list[str]]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .summary import greedy_text, nonfinite_text, regime_lines, runtime_text, worst_point
+from tracer.reports.summary import greedy_text, nonfinite_text, regime_lines, runtime_text, worst_point
 
 
 def _g(value) -> str:

@@ -12,13 +12,13 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ..errors import TracerError
-from ..folders import replaceable_folder
-from .figures import report_images
-from .html import render_html
-from .markdown import markdown_summary
-from .summary import Summary, as_summary
-from .table import write_points_csv
+from tracer.errors import TracerError
+from tracer.folders import replaceable_folder
+from tracer.reports.figures import report_images
+from tracer.reports.html import render_html
+from tracer.reports.markdown import markdown_summary
+from tracer.reports.summary import Summary, as_summary
+from tracer.reports.table import write_points_csv
 
 # summary.json is always written: it is how a folder is recognised as a tracer report.
 FORMATS = ("csv", "png", "html", "md")

@@ -19,15 +19,30 @@ from tracer.errors import TracerError
 from tracer.fingerprint import resemblance
 from tracer.greedy import GREEDY_STEPS
 from tracer.pipeline import (
-    candidate_loader, check_tokens, compare_candidate, config_audit, prepared_from_trace, prepared_reference,
-    resolve_source, sweep_row, token_ids,
+    candidate_loader,
+    check_tokens,
+    compare_candidate,
+    config_audit,
+    prepared_from_trace,
+    prepared_reference,
+    resolve_source,
+    sweep_row,
+    token_ids,
 )
 from tracer.progress import stage, with_stages
 from tracer.regime_view import check_regime_run, compare_in_regime
 from tracer.regime_view import resolve as resolve_regime
 from tracer.request import (
-    DEFAULT_PROMPT, SWEEP_REPORT, Inputs, Outputs, Placement, check_engines, check_family_support, check_greedy,
-    check_tolerance, regime_knobs,
+    DEFAULT_PROMPT,
+    SWEEP_REPORT,
+    Inputs,
+    Outputs,
+    Placement,
+    check_engines,
+    check_family_support,
+    check_greedy,
+    check_tolerance,
+    regime_knobs,
 )
 from tracer.result import Diagnosis, Result, Sweep, Tolerance
 from tracer.trace import Trace

@@ -15,11 +15,20 @@ from pathlib import Path
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
 from tracer.errors import TracerError
 from tracer.request import (
-    DEFAULT_PROMPT, RUN_REPORT, SWEEP_REPORT, Inputs, Outputs, Placement, check_engines, check_greedy,
-    check_tolerance, regime_knobs,
+    DEFAULT_PROMPT,
+    RUN_REPORT,
+    SWEEP_REPORT,
+    Inputs,
+    Outputs,
+    Placement,
+    check_engines,
+    check_greedy,
+    check_tolerance,
+    regime_knobs,
 )
 from tracer.result import Tolerance
 from tracer.variants import parse_variant
+
 
 def inputs_of(args) -> Inputs:
     """The `Inputs` value of a command's flags (the prompt file read here, a bad one said in one line)."""

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tracer.errors import TracerError
 from tracer import families
+from tracer.errors import TracerError
 from tracer.families import family_of
 from tracer.variants import check_family, setting
 

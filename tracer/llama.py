@@ -42,7 +42,6 @@ from tracer.torch_types import TORCH_DTYPES, Recorder
 from tracer.variants import KNOBS, expand_presets, setting
 
 
-
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """transformers' gelu_pytorch_tanh (Gemma's GeGLU)."""
     return F.gelu(x, approximate="tanh")

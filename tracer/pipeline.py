@@ -244,9 +244,9 @@ def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], obj
         raise TracerError(f"{candidate} is a saved trace; variants need an engine that runs the model")
     if candidate == "reimpl" and prepared.source is not None and not is_loaded_model(prepared.source):
         from tracer.config import load_config
+        from tracer.engines.registry import check_engine
         from tracer.engines.reimpl import from_parts
         from tracer.weights import WeightFiles, read_weights
-        from tracer.engines.registry import check_engine
 
         config = load_config(prepared.source)
         weights = WeightFiles(prepared.source) if prepared.stream else read_weights(prepared.source)

@@ -28,7 +28,7 @@ from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
 from tracer.pipeline import compare_candidate, prepared_reference, timed
 from tracer.request import Inputs, Placement
-from tracer.result import Result, Tolerance
+from tracer.result import Result
 from tracer.trace import Trace
 from tracer.variants import expand_presets, parse_variant, setting, variant_text
 
@@ -94,7 +94,7 @@ def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, 
     quantizing the directory's weights to that file's projection type instead, said as a caveat.
     """
     from tracer.engines.llamacpp import gguf_of
-    from tracer.ggml.strategies import GGUFWeights, gguf_path, implied_regime
+    from tracer.ggml.strategies import GGUFWeights, implied_regime
 
     path = gguf_of(source, argument)
     types = GGUFWeights(path).types()

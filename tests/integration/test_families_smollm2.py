@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import tracer
+from tracer.catalogue import default_variants
 from tracer.config import load_config, read_hf
 from tracer.points import all_points
-from tracer.catalogue import default_variants
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ as candle and llama.cpp lay them out (tests/dumps.py).
 import pytest
 
 import tracer
+from tests.dumps import candle_dump, faulty_trace, ggml_dump, save_dump
 from tracer.errors import TracerError
 from tracer.testing import assert_traces_close
-from tests.dumps import candle_dump, faulty_trace, ggml_dump, save_dump
 
 PROMPT = "The capital of France is"
 FAULT_LAYER = 7

@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.dumps import CANDLE_NAMES, GGML_NAMES
 from tracer.aliases import AliasTable, alias_table, is_point, load_alias_file, rename
 from tracer.errors import TracerError
 from tracer.points import all_points
 from tracer.trace import Trace
-from tests.dumps import CANDLE_NAMES, GGML_NAMES
 
 
 @pytest.mark.parametrize("name, point", [

@@ -12,8 +12,7 @@ import pytest
 
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
-from tracer import cache
-from tracer import convert, sources
+from tracer import cache, convert, sources
 from tracer.errors import TracerError
 
 MARKER = convert.COMPLETE_MARKER

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 import tracer
+from tests.conftest import TOKENS, write_tiny_llama
+from tests.families import write_tiny_family
+from tests.ggml_gguf import sourced_copy, write_quantized_gguf
 from tracer import TracerError
 from tracer.engines import candle as candle_engine
 from tracer.points import all_points, layer_point
-
-from ..conftest import TOKENS, write_tiny_llama
-from ..families import write_tiny_family
-from ..ggml_gguf import sourced_copy, write_quantized_gguf
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tracer.cli import main
 from tests.conftest import TOKENS
+from tracer.cli import main
 
 TOKEN_ARG = ",".join(map(str, TOKENS))
 

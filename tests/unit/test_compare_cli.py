@@ -7,9 +7,9 @@ import sys
 import pytest
 
 import tracer
-from tracer.cli import main
 from tests.conftest import TOKENS
 from tests.dumps import candle_dump, faulty_trace, save_dump
+from tracer.cli import main
 
 TOKEN_ARG = ",".join(map(str, TOKENS))
 

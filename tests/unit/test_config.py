@@ -5,10 +5,19 @@ import math
 
 import pytest
 
-from tracer import TracerError
-from tracer.config import (HF_ACTIVATIONS, HF_ROPE_TYPES, LlamaSpec, audit, load_config, read_candle, read_config,
-                           read_hf, resave_tf5)
 from tests.conftest import TINY
+from tracer import TracerError
+from tracer.config import (
+    HF_ACTIVATIONS,
+    HF_ROPE_TYPES,
+    LlamaSpec,
+    audit,
+    load_config,
+    read_candle,
+    read_config,
+    read_hf,
+    resave_tf5,
+)
 
 V4 = {"model_type": "llama", "hidden_act": "silu", "tie_word_embeddings": True, **TINY, "rope_theta": 100000.0}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

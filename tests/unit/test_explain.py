@@ -3,8 +3,8 @@
 import torch
 
 import tracer
-from tracer.explain import breakdown, by_head, by_position, hints, top_channels
 from tests.conftest import TOKENS
+from tracer.explain import by_head, by_position, hints, top_channels
 
 
 def test_by_position_reads_the_query_axis_of_each_layout():

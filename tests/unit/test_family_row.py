@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tracer
+from tests.conftest import TOKENS, write_tiny_llama
 from tracer.cli import build_parser
 from tracer.config import load_config, read_hf
 from tracer.errors import TracerError
@@ -21,7 +22,6 @@ from tracer.families import FAMILIES, PRE_NORM, Family
 from tracer.llama import expected_shapes
 from tracer.points import all_points, layer_order, source_point, sub_points
 from tracer.variants import check_family, knobs_for
-from tests.conftest import TOKENS, write_tiny_llama
 
 POST_FF = "post_feedforward_layernorm"
 MADE_UP = Family("llama_postff", "Llama with an MLP post-norm", ("llama_postff",), "LlamaForCausalLM",

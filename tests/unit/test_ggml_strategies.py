@@ -12,10 +12,10 @@ import torch
 import tracer
 from tests.conftest import TOKENS
 from tests.ggml_gguf import quantized_models
-from tracer.config import load_config, read_hf
 from tracer.catalogue import diagnosis_variants
-from tracer.errors import TracerError
+from tracer.config import load_config, read_hf
 from tracer.engines.registry import engines_honouring
+from tracer.errors import TracerError
 from tracer.ggml import ops
 from tracer.ggml.quants import Blocks
 from tracer.ggml.strategies import GGUFWeights, implied_regime, regime_catalogue
@@ -149,8 +149,7 @@ def test_the_quantized_caches_go_through_flash_attention_only(tiny_llama):
 
 
 def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized):
-    from tracer.noise_floor import regime_noise
-    from tracer.noise_floor import estimate_noise
+    from tracer.noise_floor import estimate_noise, regime_noise
 
     _, _, converted = quantized
     reference = tracer.record(converted, TOKENS, engine="reimpl", variant=LLAMACPP, progress=False)

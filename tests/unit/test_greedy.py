@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tests.conftest import TOKENS
+from tracer.engines.load import load_engine
 from tracer.engines.registry import ENGINES
 from tracer.greedy import continuation as greedy_continuation
 from tracer.greedy import draft
-from tracer.engines.load import load_engine
 
 STEPS = 8
 

@@ -6,8 +6,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import tracer
-from tracer.engines.load import load_engine
 from tests.conftest import TOKENS
+from tracer.engines.load import load_engine
 
 
 def hook_count(model) -> int:

@@ -204,8 +204,8 @@ def test_python_run_records_the_equivalent_command(tiny_dir, tmp_path, monkeypat
 
 
 def test_sweep_html_overlays_and_tabulates(tiny_dir):
-    from tracer.reports import sweep_html
     from tracer import sweep
+    from tracer.reports import sweep_html
 
     swept = sweep(tiny_dir, tokens=TOKENS, variants=["theta=500", "layers=9"], greedy=0, progress=False)
     fragment = sweep_html(swept)

@@ -3,17 +3,16 @@
 import shutil
 
 import pytest
-
 import torch
 from safetensors.torch import load_file, save_file
 
 import tracer
+from tests.conftest import TOKENS
 from tracer.engines.load import load_engine
 from tracer.explain import amplification
-from tracer.points import source_point
-from tracer.pipeline import local_errors
 from tracer.noise_floor import estimate_noise
-from tests.conftest import TOKENS
+from tracer.pipeline import local_errors
+from tracer.points import source_point
 
 
 def faulty_copy(model_dir, tmp_path, tensor: str, scale: float = 0.05):

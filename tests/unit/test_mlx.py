@@ -6,11 +6,10 @@ import pytest
 import torch
 
 import tracer
+from tests.conftest import TOKENS
 from tracer import TracerError
 from tracer.engines.load import load_engine
 from tracer.points import all_points, layer_point
-
-from ..conftest import TOKENS
 
 FUSED = ("self_attn.scores", "self_attn.probs")
 

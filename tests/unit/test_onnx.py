@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import tracer
+from tests.conftest import TOKENS, write_tiny_llama
 from tracer import TracerError
 from tracer.engines.load import load_engine
 from tracer.points import all_points
-
-from ..conftest import TOKENS, write_tiny_llama
 
 
 @pytest.fixture(scope="module")

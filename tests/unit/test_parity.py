@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import tracer
-from tracer.points import all_points
 from tests.conftest import TOKENS
+from tracer.points import all_points
 
 SHAPES = {
     "gqa-tied": dict(),

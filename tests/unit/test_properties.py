@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from tracer.diff import compare, compare_point
-from tracer.result import Tolerance
 from tracer.errors import TracerError
+from tracer.result import Tolerance
 from tracer.trace import MANIFEST_KEY, Trace
 from tracer.variants import KNOBS, parse_variant
 

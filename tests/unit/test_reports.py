@@ -11,9 +11,9 @@ import pytest
 
 import tracer.reports as reports
 import tracer.reports.figures as report_figures
-from tracer.result import PointDiff, Result, Tolerance
 from tracer.errors import TracerError
 from tracer.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order
+from tracer.result import PointDiff, Result, Tolerance
 
 TOL = 1e-4
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

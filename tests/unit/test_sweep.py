@@ -4,14 +4,13 @@ import json
 
 import pytest
 
-from tracer import TracerError
-from tracer import sweep
+from tests.conftest import TOKENS
+from tracer import TracerError, sweep
+from tracer.catalogue import default_variants, split_variants
+from tracer.config import load_config, read_hf
 from tracer.engines.registry import ENGINES
 from tracer.reports.sweep import render_sweep_html, sweep_frame, sweep_markdown
-from tracer.catalogue import default_variants, split_variants
-from tracer.config import read_hf, load_config
 from tracer.variants import KNOBS, knobs_for
-from tests.conftest import TOKENS
 
 VARIANTS = ["theta=500", "kv_repeat=tile", "mask=where", "layers=3", "theta=500,rope=interleaved"]
 

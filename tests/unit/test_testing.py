@@ -3,10 +3,10 @@
 import pytest
 
 import tracer
-from tracer.errors import TracerError
-from tracer.testing import assert_traces_close
 from tests.conftest import TOKENS
 from tests.dumps import candle_dump, faulty_trace, save_dump
+from tracer.errors import TracerError
+from tracer.testing import assert_traces_close
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ import torch
 from safetensors import safe_open
 
 import tracer
-from tracer import Trace, TracerError
 from tests.conftest import TOKENS
+from tracer import Trace, TracerError
 
 
 def test_save_load_round_trip_keeps_order_tensors_and_meta(tiny_llama, tmp_path):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import tracer
-from tracer.aliases import TOKEN_TENSORS, AliasTable
 from tests.conftest import TOKENS
 from tests.dumps import save_dump, transformer_lens_4_dump, transformer_lens_4_names
+from tracer.aliases import TOKEN_TENSORS, AliasTable
 
 
 @pytest.mark.parametrize("name, point", [

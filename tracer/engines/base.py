@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import platform
 from importlib import metadata
-from pathlib import Path
+from typing import Protocol
 
 import torch
-
-from typing import Protocol
 
 from tracer.engines.registry import EngineEntry
 from tracer.errors import TracerError

@@ -7,8 +7,8 @@ import importlib
 import torch
 
 from tracer.engines.base import check_device
-from tracer.engines.registry import check_engine, check_runtime, parse_engine
 from tracer.engines.offload import check_offload
+from tracer.engines.registry import check_engine, check_runtime, parse_engine
 from tracer.errors import TracerError
 
 

@@ -35,8 +35,8 @@ from tracer.engines.base import is_loaded_model, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
 from tracer.points import EMBED, FINAL_NORM, LOGITS, fused_away, layer_point
-from tracer.trace import Trace, TraceRecorder
 from tracer.torch_types import TORCH_DTYPES
+from tracer.trace import Trace, TraceRecorder
 from tracer.variants import setting
 
 # Observed module (relative to `model.layers.{i}`) -> one (input point, output point) per call,

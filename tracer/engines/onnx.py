@@ -42,7 +42,6 @@ import importlib.metadata
 import io
 import json
 import logging
-import os
 import re
 import time
 import warnings

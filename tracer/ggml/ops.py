@@ -16,8 +16,20 @@ import numpy as np
 import torch
 
 from tracer.errors import TracerError
-from tracer.ggml.floats import F32, F64, expf, fma, ggml_v_expf, ggml_v_silu, libm, powf, rdiv, reduce_add16, \
-    round_f16, silu_scalar
+from tracer.ggml.floats import (
+    F32,
+    F64,
+    expf,
+    fma,
+    ggml_v_expf,
+    ggml_v_silu,
+    libm,
+    powf,
+    rdiv,
+    reduce_add16,
+    round_f16,
+    silu_scalar,
+)
 from tracer.layouts import to_interleaved
 
 SIMD_F32 = 16  # f32 lanes of an AVX-512 register (GGML_F32_EPR)
