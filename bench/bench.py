@@ -289,7 +289,8 @@ def runtime_engines(model_dir: Path, tokens: dict[str, list[int]], repeats: int)
     from tracer.engines.load import load_engine
     from tracer.engines.registry import ENGINES
 
-    rows = ["| engine (runtime) | tokens | plain forward, s | every point recorded, s | ratio |", "|---|--:|--:|--:|--:|"]
+    rows = ["| engine (runtime) | tokens | plain forward, s | every point recorded, s | ratio |",
+            "|---|--:|--:|--:|--:|"]
     missing = []
     for name, ids in tokens.items():
         entry = ENGINES[name]
@@ -348,7 +349,8 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
             break
         regime = Llama.from_dir(model_dir, knobs)
         ids = torch.tensor(tokens)
-        rows[name] = median_ratio(functools.partial(regime.forward, ids), functools.partial(plain.forward, ids), repeats)
+        rows[name] = median_ratio(functools.partial(regime.forward, ids), functools.partial(plain.forward, ids),
+                                  repeats)
     exact_regimes = {CANDLE_REGIME: {"preset": "candle-q", "weights": "gguf"}}
     if not candle_only:
         exact_regimes = {EXACT_REGIME: LLAMACPP_Q, **exact_regimes}
@@ -367,7 +369,8 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, float]:
     bare = (
         "import torch, transformers; from transformers import LlamaForCausalLM, AutoTokenizer\n"
         f"m = LlamaForCausalLM.from_pretrained({str(model_dir)!r}, attn_implementation='eager').eval()\n"
-        f"ids = AutoTokenizer.from_pretrained({str(model_dir)!r})('The capital of France is', return_tensors='pt').input_ids\n"
+        f"ids = AutoTokenizer.from_pretrained({str(model_dir)!r})"
+        "('The capital of France is', return_tensors='pt').input_ids\n"
         "with torch.inference_mode(): m(ids)\n"
     )
     out = HERE / ".bench-report"
@@ -386,7 +389,8 @@ def table(timings: dict[str, tuple[float, float] | str]) -> list[str]:
     """Rows of (seconds, ratio), or a tool's error instead of figures."""
     rows = ["| measurement | seconds | ratio |", "|---|--:|--:|"]
     for name, entry in timings.items():
-        rows.append(f"| {name} | {entry} | |" if isinstance(entry, str) else f"| {name} | {entry[0]:.3f} | {entry[1]:.2f}× |")
+        rows.append(f"| {name} | {entry} | |" if isinstance(entry, str)
+                    else f"| {name} | {entry[0]:.3f} | {entry[1]:.2f}× |")
     return rows
 
 
@@ -432,7 +436,8 @@ def main() -> None:
         print("\n".join(regime_lines))
         return
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
-    lines = [f"# tracer benchmark ({count} tokens, bundled SmolLM2, f32, {torch.get_num_threads()} threads; {machine})", ""]
+    lines = [f"# tracer benchmark ({count} tokens, bundled SmolLM2, f32, {torch.get_num_threads()} threads; {machine})",
+             ""]
     if not args.engines_only:
         forward, missing = in_process(model_dir, tokens, repeats)
         runs = whole_run(model_dir, 1 if args.quick else 3)

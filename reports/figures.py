@@ -273,8 +273,8 @@ def figure_legend(fig: Figure, axes) -> None:
     """One legend strip under both panels; same label in both panels listed once."""
     entries = {}
     for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            entries.setdefault(label, handle)
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(name, handle)
     # measurements first, then reference lines, then marker meanings
     rank = ("relative", "max |cand", "max |ref", "rounding", "tolerance", "out of", "exact", "not rec")
     order = sorted(entries, key=lambda lab: next((i for i, r in enumerate(rank) if lab.startswith(r)), 99))

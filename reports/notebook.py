@@ -70,30 +70,37 @@ RESULT = ENV.from_string("""<div class="tracer-nb">
 <details{% if open_rows %} open{% endif %}><summary>{{ rows_title }}</summary>
 <table class="tn">
 <tr><th>point</th><th>shape</th><th>max|diff|</th><th>max|ref|</th><th>rel_l2</th><th>cosine</th><th>status</th></tr>
-{% for r in rows %}<tr{% if r.css %} class="{{ r.css }}"{% endif %}><td><code>{{ r.point }}</code></td><td>{{ r.shape }}</td>
+{% for r in rows %}<tr{% if r.css %} class="{{ r.css }}"{% endif %}><td><code>{{ r.point }}</code></td>\
+<td>{{ r.shape }}</td>
 {% for text, key in r.cells %}<td class="num">{{ text }}</td>{% endfor %}<td>{{ r.status }}</td></tr>
 {% endfor %}
 </table>
 </details>
 {% endif %}
 <p class="tn-muted">{{ points_count }} points · <code>.table()</code> every point as a DataFrame ·
-<code>.plot()</code> curve, <code>.plot("heatmap")</code>{% if has_breakdown %}, <code>.plot("breakdown")</code>{% endif %}
+<code>.plot()</code> curve, <code>.plot("heatmap")</code>\
+{% if has_breakdown %}, <code>.plot("breakdown")</code>{% endif %}
 · <code>tracer.reports.write_report(result, "tracer-report")</code> the files for an issue</p>
 </div>""")
 
 TRACE = ENV.from_string("""<div class="tracer-nb">
 <style>{{ css | safe }}</style>
-<p><b>Trace</b> <code>{{ label }}</code> · {{ count }} points on {{ tokens }}{% if model %} · <code>{{ model }}</code>{% endif %}</p>
-{% if facts %}<table class="tn">{% for key, value in facts %}<tr><th>{{ key }}</th><td><code>{{ value }}</code></td></tr>{% endfor %}</table>{% endif %}
+<p><b>Trace</b> <code>{{ label }}</code> · {{ count }} points on {{ tokens }}\
+{% if model %} · <code>{{ model }}</code>{% endif %}</p>
+{% if facts %}<table class="tn">{% for key, value in facts %}\
+<tr><th>{{ key }}</th><td><code>{{ value }}</code></td></tr>{% endfor %}</table>{% endif %}
 <details{% if open_rows %} open{% endif %}><summary>points ({{ count }}; <code>{i}</code> = layer index)</summary>
 <table class="tn">
 <tr><th>point</th><th>layers</th><th>shape</th><th>dtype</th></tr>
-{% for r in rows %}<tr><td><code>{{ r.point }}</code></td><td>{{ r.layers }}</td><td>{{ r.shape }}</td><td>{{ r.dtype }}</td></tr>
+{% for r in rows %}<tr><td><code>{{ r.point }}</code></td>\
+<td>{{ r.layers }}</td><td>{{ r.shape }}</td><td>{{ r.dtype }}</td></tr>
 {% endfor %}
 </table>
 </details>
-{% if not_recorded %}<p class="tn-muted">not recorded: {% for point, reason in not_recorded %}<code>{{ point }}</code> ({{ reason }}){% if not loop.last %}, {% endif %}{% endfor %}</p>{% endif %}
-<p class="tn-muted"><code>trace["{{ example }}"]</code> a tensor · <code>.table()</code> a DataFrame · <code>.save(path)</code></p>
+{% if not_recorded %}<p class="tn-muted">not recorded: {% for point, reason in not_recorded %}\
+<code>{{ point }}</code> ({{ reason }}){% if not loop.last %}, {% endif %}{% endfor %}</p>{% endif %}
+<p class="tn-muted"><code>trace["{{ example }}"]</code> a tensor · <code>.table()</code> a DataFrame · \
+<code>.save(path)</code></p>
 </div>""")
 
 
@@ -190,10 +197,13 @@ def _ipython_shell():
 
 SWEEP = ENV.from_string("""<div class="tracer-nb">
 <style>{{ css | safe }}</style>
-<p><b>Sweep</b> of {{ rows | length }} variants against <code>{{ reference }}</code>{% if model %} on <code>{{ model }}</code>{% endif %}{% if prompt %} · {{ prompt }}{% endif %} · fails when {{ tolerance }}</p>
+<p><b>Sweep</b> of {{ rows | length }} variants against <code>{{ reference }}</code>\
+{% if model %} on <code>{{ model }}</code>{% endif %}\
+{% if prompt %} · {{ prompt }}{% endif %} · fails when {{ tolerance }}</p>
 {% if figure %}<img src="{{ figure }}" alt="every variant's per-layer error curve">{% endif %}
 <table class="tn">
-<tr><th>variant</th><th>verdict</th><th>first divergence</th><th>rel_l2 there</th><th>logits max|diff|</th><th>greedy same prefix</th></tr>
+<tr><th>variant</th><th>verdict</th><th>first divergence</th>\
+<th>rel_l2 there</th><th>logits max|diff|</th><th>greedy same prefix</th></tr>
 {% for r in rows %}<tr{% if r.css %} class="{{ r.css }}"{% endif %}>
 <td><code>{{ r.variant }}</code></td><td>{{ r.verdict }}</td>
 <td>{% if r.error %}{{ r.error }}{% else %}<code>{{ r.first }}</code>{% endif %}</td>

@@ -136,7 +136,8 @@ def sweep_figure(sweep) -> Figure:
         ax.set_ylabel("relative L2")
         fig.legend(loc="outside right upper", fontsize=7.5, frameon=False)
         failed = len(summary.get("variants") or []) - len(curves)
-        fig.suptitle(plain(f"tracer sweep: {len(curves)} variants vs {(summary.get('reference') or {}).get('label', '?')}"
+        fig.suptitle(plain(f"tracer sweep: {len(curves)} variants vs "
+                           f"{(summary.get('reference') or {}).get('label', '?')}"
                            f" on {model_name(summary)}" + (f" ({failed} more failed to load)" if failed else "")),
                      fontsize=11, fontweight="bold")
     return fig
@@ -152,20 +153,25 @@ _PAGE = ENV.from_string("""<!DOCTYPE html>
 </head>
 <body>
 <h1>tracer sweep</h1>
-<p class="sub">{{ reference }} vs {{ candidate }}[variant] on {{ model }}{% if prompt %} · prompt “{{ prompt }}”{% endif %} · fails when {{ tolerance }} · {% if greedy_steps %}greedy {{ greedy_steps }} tokens per variant{% else %}no greedy decoding{% endif %}</p>
+<p class="sub">{{ reference }} vs {{ candidate }}[variant] on {{ model }}\
+{% if prompt %} · prompt “{{ prompt }}”{% endif %} · fails when {{ tolerance }} · \
+{% if greedy_steps %}greedy {{ greedy_steps }} tokens per variant{% else %}no greedy decoding{% endif %}</p>
 <table id="points">
 <thead><tr><th>variant</th><th>verdict</th><th>first divergence</th><th class="num">rel_l2 there</th>
-<th class="num">logits max|diff| (last)</th><th class="num">argmax agree</th><th class="num">greedy same prefix</th><th>error</th></tr></thead>
+<th class="num">logits max|diff| (last)</th><th class="num">argmax agree</th>\
+<th class="num">greedy same prefix</th><th>error</th></tr></thead>
 <tbody>
 {% for row in rows %}
-<tr class="{{ row.css }}"><td class="point">{{ row.variant }}</td><td>{{ row.verdict }}</td><td class="point">{{ row.first }}</td>
+<tr class="{{ row.css }}"><td class="point">{{ row.variant }}</td><td>{{ row.verdict }}</td>\
+<td class="point">{{ row.first }}</td>
 <td class="num">{{ row.rel }}</td><td class="num">{{ row.logits }}</td><td class="num">{{ row.agree }}</td>
 <td class="num">{{ row.greedy }}</td><td>{{ row.error }}</td></tr>
 {% endfor %}
 </tbody>
 </table>
 {% for fig in figures %}
-<figure><img src="{{ fig.uri }}" alt="{{ fig.alt }}" width="{{ fig.width }}"><figcaption>{{ fig.caption }}</figcaption></figure>
+<figure><img src="{{ fig.uri }}" alt="{{ fig.alt }}" width="{{ fig.width }}">\
+<figcaption>{{ fig.caption }}</figcaption></figure>
 {% endfor %}
 {% if command %}<h2>Command</h2><pre>{{ command }}</pre>{% endif %}
 <footer>tracer {{ version }} · {{ timings }}</footer>

@@ -80,7 +80,9 @@ document.querySelectorAll("#points thead th").forEach(function (th, col) {
   th.addEventListener("click", function () {
     var body = th.closest("table").tBodies[0], rows = Array.from(body.rows);
     var dir = th.dataset.dir === "asc" ? -1 : 1; th.dataset.dir = dir > 0 ? "asc" : "desc";
-    function key(r) { var c = r.cells[col]; return c.dataset.v !== undefined ? parseFloat(c.dataset.v) : c.textContent; }
+    function key(r) {
+      var c = r.cells[col]; return c.dataset.v !== undefined ? parseFloat(c.dataset.v) : c.textContent;
+    }
     rows.sort(function (a, b) { var x = key(a), y = key(b); return (x > y ? 1 : x < y ? -1 : 0) * dir; });
     rows.forEach(function (r) { body.appendChild(r); });
   });
@@ -92,7 +94,8 @@ PAGE = """<!DOCTYPE html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'">
+<meta http-equiv="Content-Security-Policy" \
+content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'">
 <title>tracer: {{ verdict_label }} — {{ comparison }}</title>
 <style>{{ css | safe }}</style>
 </head>
@@ -153,7 +156,8 @@ PAGE = """<!DOCTYPE html>
   <div>
     <h3>{{ side.label }} <span class="muted">({{ side.role }})</span></h3>
     <div class="text">{{ side.common }}{% if side.rest %}<mark>{{ side.rest }}</mark>{% endif %}</div>
-    <p class="ids mono">{% for tok in side.ids %}<span{% if tok.css %} class="{{ tok.css }}"{% endif %}{% if tok.css == 'first' %} title="first differing token"{% endif %}>{{ tok.id }}</span>{% endfor %}</p>
+    <p class="ids mono">{% for tok in side.ids %}<span{% if tok.css %} class="{{ tok.css }}"{% endif %}\
+{% if tok.css == 'first' %} title="first differing token"{% endif %}>{{ tok.id }}</span>{% endfor %}</p>
   </div>
   {% endfor %}
 </div>
@@ -166,13 +170,16 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
 <table id="points">
 <thead><tr><th class="num">#</th><th>point</th><th class="num">layer</th><th>shape</th>
 <th class="num">max|diff|</th><th class="num">max|ref|</th><th class="num">rel_l2</th>
-<th class="num">cosine</th>{% if has_bounds %}<th class="num" title="the rel_l2 this point may reach: a multiple of its rounding noise">tolerance</th>{% endif %}<th>status</th></tr></thead>
+<th class="num">cosine</th>{% if has_bounds %}\
+<th class="num" title="the rel_l2 this point may reach: a multiple of its rounding noise">tolerance</th>{% endif %}\
+<th>status</th></tr></thead>
 <tbody>
 {% for r in rows %}<tr{% if r.css %} class="{{ r.css }}"{% endif %}{% if r.first %} id="first-divergence"{% endif %}>
 <td class="num" data-v="{{ r.index }}">{{ r.index }}</td><td class="point">{{ r.point }}</td>
 <td class="num">{{ r.layer }}</td><td class="mono">{{ r.shape }}</td>
 {% for text, key in r.cells %}<td class="num" data-v="{{ key }}">{{ text }}</td>{% endfor %}
-{% if has_bounds %}<td class="num" data-v="{{ r.bound[1] }}">{{ r.bound[0] }}</td>{% endif %}<td>{{ r.status }}</td></tr>
+{% if has_bounds %}<td class="num" data-v="{{ r.bound[1] }}">{{ r.bound[0] }}</td>{% endif %}\
+<td>{{ r.status }}</td></tr>
 {% endfor %}
 </tbody>
 </table>
@@ -181,11 +188,13 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
 {% if audit %}
 <h2>Config audit</h2>
 {% if audit.readers %}
-{% if audit.resave %}<p class="muted">config.json as read after re-saving: <code>{{ audit.resave }}</code></p>{% endif %}
+{% if audit.resave %}<p class="muted">config.json as read after re-saving: \
+<code>{{ audit.resave }}</code></p>{% endif %}
 {% if audit.differences %}
 <table class="audit">
 <thead><tr><th>spec value</th>{% for name in audit.reader_names %}<th>{{ name }} reader</th>{% endfor %}</tr></thead>
-<tbody>{% for key, values in audit.differences %}<tr class="differs"><td><code>{{ key }}</code></td>{% for value in values %}<td><code>{{ value }}</code></td>{% endfor %}</tr>{% endfor %}</tbody>
+<tbody>{% for key, values in audit.differences %}<tr class="differs"><td><code>{{ key }}</code></td>\
+{% for value in values %}<td><code>{{ value }}</code></td>{% endfor %}</tr>{% endfor %}</tbody>
 </table>
 {% else %}<p>The readers agree on every spec value.</p>{% endif %}
 <div class="grid2">
@@ -194,9 +203,12 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
     <h3>{{ reader.name }} reader</h3>
     <table class="kv">
       {% if reader.error %}<tr><th>error</th><td>{{ reader.error }}</td></tr>{% endif %}
-      <tr><th>reads</th><td>{% for key in reader.reads %}<code>{{ key }}</code>{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none</span>{% endfor %}</td></tr>
-      <tr><th>defaulted</th><td>{% for key, value in reader.defaulted %}<code>{{ key }}={{ value }}</code>{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none</span>{% endfor %}</td></tr>
-      <tr><th>ignored</th><td>{% for key in reader.ignored %}<code>{{ key }}</code>{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none</span>{% endfor %}</td></tr>
+      <tr><th>reads</th><td>{% for key in reader.reads %}<code>{{ key }}</code>{% if not loop.last %}, {% endif %}\
+{% else %}<span class="muted">none</span>{% endfor %}</td></tr>
+      <tr><th>defaulted</th><td>{% for key, value in reader.defaulted %}<code>{{ key }}={{ value }}</code>\
+{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none</span>{% endfor %}</td></tr>
+      <tr><th>ignored</th><td>{% for key in reader.ignored %}<code>{{ key }}</code>{% if not loop.last %}, {% endif %}\
+{% else %}<span class="muted">none</span>{% endfor %}</td></tr>
     </table>
   </div>
   {% endfor %}
@@ -213,7 +225,8 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
       <tr><th>engine</th><td><code>{{ side.engine }}</code></td></tr>
       {% if side.device %}<tr><th>device</th><td><code>{{ side.device }}</code></td></tr>{% endif %}
       {% if side.runtime %}<tr><th>runtime</th><td><code>{{ side.runtime }}</code></td></tr>{% endif %}
-      <tr><th>variant</th><td>{% for key, value in side.variant %}<code>{{ key }}={{ value }}</code>{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none (defaults)</span>{% endfor %}</td></tr>
+      <tr><th>variant</th><td>{% for key, value in side.variant %}<code>{{ key }}={{ value }}</code>\
+{% if not loop.last %}, {% endif %}{% else %}<span class="muted">none (defaults)</span>{% endfor %}</td></tr>
     </table>
   </div>
   {% endfor %}
@@ -226,16 +239,22 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
 
 <h2>Input</h2>
 {% if prompt is not none %}<p>Prompt:</p><pre>{{ prompt }}</pre>{% endif %}
-{% if chat %}<p>Fed through the model's chat template{% if chat.system is not none %} with a system message{% endif %} ({{ chat.tokens }} tokens):</p><pre>{{ chat.text }}</pre>{% endif %}
-<div class="tokens">{% for t in tokens %}<span class="tokcell"><span class="muted">{{ t.index }}</span><span class="mono">{{ t.id }}</span>{% if has_token_texts %}<span class="tok">{{ t.text }}</span>{% endif %}</span>{% endfor %}</div>
+{% if chat %}<p>Fed through the model's chat template\
+{% if chat.system is not none %} with a system message{% endif %} ({{ chat.tokens }} tokens):</p>\
+<pre>{{ chat.text }}</pre>{% endif %}
+<div class="tokens">{% for t in tokens %}<span class="tokcell"><span class="muted">{{ t.index }}</span>\
+<span class="mono">{{ t.id }}</span>{% if has_token_texts %}<span class="tok">{{ t.text }}</span>{% endif %}\
+</span>{% endfor %}</div>
 
 <h2>Reproduce</h2>
 {% if command %}<pre>{{ command }}</pre>{% else %}<p class="muted">No command recorded.</p>{% endif %}
 
 <h2>Environment</h2>
 <div class="grid2">
-  <table class="kv">{% for key, value in environment %}<tr><th>{{ key }}</th><td><code>{{ value }}</code></td></tr>{% endfor %}</table>
-  {% if timings %}<table class="kv">{% for key, value in timings %}<tr><th>{{ key }}</th><td class="num">{{ value }}</td></tr>{% endfor %}</table>{% endif %}
+  <table class="kv">{% for key, value in environment %}\
+<tr><th>{{ key }}</th><td><code>{{ value }}</code></td></tr>{% endfor %}</table>
+  {% if timings %}<table class="kv">{% for key, value in timings %}\
+<tr><th>{{ key }}</th><td class="num">{{ value }}</td></tr>{% endfor %}</table>{% endif %}
 </div>
 
 <footer>Generated by tracer {{ tracer_version }}. Self-contained: open offline, print, or attach to an issue.</footer>

@@ -23,7 +23,8 @@ def terminal_summary(result, out_dir=None) -> str:
     if s["verdict"] == "error":
         return "\n".join(lines + [f"verdict: ERROR  {s['error']}"])
     recorded = [p for p in s["points"] if p["recorded"]]
-    lines.append(f"verdict: {s['verdict'].upper()}  ({len(recorded)} points compared, criterion {s['tolerance']['text']})")
+    lines.append(f"verdict: {s['verdict'].upper()}  ({len(recorded)} points compared, "
+                 f"criterion {s['tolerance']['text']})")
     first = s["first_divergence"]
     if first:
         if first["last_agreeing"]:
@@ -44,7 +45,8 @@ def terminal_summary(result, out_dir=None) -> str:
     logits = s.get("logits")
     if logits:
         lines.append(f"  logits, last position: max|diff| {_g(logits['max_abs'])} (max|ref| {_g(logits['max_ref'])}); "
-                     f"all positions {_g(logits['max_abs_all'])}; argmax agrees at {logits['argmax_agree']:.0%} of positions")
+                     f"all positions {_g(logits['max_abs_all'])}; "
+                     f"argmax agrees at {logits['argmax_agree']:.0%} of positions")
     greedy = s.get("greedy")
     if greedy:
         lines.append(f"  greedy: {greedy_text(greedy)}")

@@ -74,8 +74,8 @@ def candle_dump(trace) -> dict[str, torch.Tensor]:
 
 def ggml_dump(trace, points=None) -> dict[str, torch.Tensor]:
     """llama.cpp: graph names; Qcur/Kcur after RoPE as (T, H, D) in GGUF's interleaved order,
-    Vcur as (T, KV, D), kq_soft_max over a KV cache padded by 3 keys; from ffn_inp of the last layer on, only the last row (llama.cpp's
-    inp_out_ids); row-major order of ggml's ne (reversed)."""
+    Vcur as (T, KV, D), kq_soft_max over a KV cache padded by 3 keys; from ffn_inp of the last layer on,
+    only the last row (llama.cpp's inp_out_ids); row-major order of ggml's ne (reversed)."""
     last_layer = trace.meta["num_layers"] - 1
     dump = {}
     for point, tensor in trace.tensors.items():
@@ -90,7 +90,8 @@ def ggml_dump(trace, points=None) -> dict[str, torch.Tensor]:
         elif sub == "self_attn.probs":  # (H, T, n_kv): the KV cache is padded, its extra keys masked to 0
             tensor = torch.cat((tensor, tensor.new_zeros(*tensor.shape[:2], 3)), dim=-1)
         elif sub == "self_attn.v_proj":
-            tensor = tensor.reshape(tensor.shape[0], -1, trace["model.layers.0.self_attn.k_rope"].shape[-1])  # (T, KV, D)
+            tensor = tensor.reshape(tensor.shape[0], -1,
+                                    trace["model.layers.0.self_attn.k_rope"].shape[-1])  # (T, KV, D)
         if layer_of(point) == last_layer and sub in ("resid_mid", "post_attention_layernorm", "mlp.gate_proj",
                                                        "mlp.up_proj", "mlp.act", "mlp.down_proj"):
             tensor = tensor[-1:]

@@ -71,7 +71,8 @@ def write_tiny_gguf(model_dir: Path, path: Path, *, dtype: str = "f32", value_le
     if value_length:
         for n in range(config["num_hidden_layers"]):
             v = tensors[f"blk.{n}.attn_v.weight"]  # (KV·D, C) -> (KV·value_length, C)
-            tensors[f"blk.{n}.attn_v.weight"] = v.reshape(-1, head_dim, v.shape[1])[:, :value_length].reshape(-1, v.shape[1])
+            tensors[f"blk.{n}.attn_v.weight"] = (v.reshape(-1, head_dim, v.shape[1])[:, :value_length]
+                                                 .reshape(-1, v.shape[1]))
     for name, tensor in tensors.items():
         keep_f32 = dtype == "f32" or tensor.ndim == 1 or name.split(".")[-2] in NORMS
         writer.add_tensor(name, tensor.numpy().astype(np.float32 if keep_f32 else np.float16))

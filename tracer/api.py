@@ -93,7 +93,8 @@ def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", vari
     check_engines(None, engine, variant, {})
     check_engine_name(engine)
     if placement.stream and not parse_engine(engine)[0].stream:
-        raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); the {engine} engine cannot")
+        raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); "
+                          f"the {engine} engine cannot")
     check_offload(placement.accelerate, engine)
     source = resolve_source(inputs.model, progress)
     check_family_support(engine, source)

@@ -151,7 +151,8 @@ def cmd_engines(args) -> int:
         missing = entry.missing_runtime()
         versions = ", ".join(f"{dist} {version}" for dist, version in entry.runtime_versions().items() if version)
         installed = (f"not installed: pip install -e '.[{entry.extra}]'" if missing and entry.extra
-                     else f"not installed: {', '.join(missing)}" if missing else f"installed ({versions or 'built in'})")
+                     else f"not installed: {', '.join(missing)}" if missing
+                     else f"installed ({versions or 'built in'})")
         print(f"{entry.usage}: {entry.summary}")
         print(f"  runtime    {installed}")
         print(f"  knobs      {', '.join(entry.honoured) or 'none'}")

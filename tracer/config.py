@@ -170,7 +170,8 @@ def _hf_rope(config: dict, params: dict | None = None, container: str = "rope_pa
     theta = _positive_number(f"{container}.rope_theta" if "rope_theta" in params else "rope_theta",
                              params.get("rope_theta", config.get("rope_theta", default_theta)))
     # partial_rotary_factor travels with the rope parameters in transformers 5 but is no scaling (Phi-3)
-    scaling = {k: v for k, v in {**legacy_scaling, **params}.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    scaling = {k: v for k, v in {**legacy_scaling, **params}.items()
+               if k not in ("rope_theta", "partial_rotary_factor")}
     type_key = key("rope_type") if "rope_type" in scaling else key("type")
     rope_type = _choice(type_key, scaling.pop("rope_type", scaling.pop("type", "default")), HF_ROPE_TYPES,
                         "a rope type transformers knows")
@@ -422,7 +423,8 @@ def _gemma_common(config: dict, caps: tuple[float | None, float | None], pattern
     attn_cap, final_cap = (_optional_number(config, key, default) for key, default in
                            zip(("attn_logit_softcapping", "final_logit_softcapping"), caps))
     layers = config["num_hidden_layers"]
-    types = _layer_types(config, ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)])
+    types = _layer_types(config, ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                  for i in range(layers)])
     return {
         **_biases(config),
         "query_pre_attn_scalar": _positive_number("query_pre_attn_scalar", config.get("query_pre_attn_scalar", 256)),

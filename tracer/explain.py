@@ -122,7 +122,8 @@ def _exact_prefix(quiet: list[bool]) -> int:
 OP_HINTS = {
     "norm": ["first error right after a norm: rms_norm_eps, or the norm's precision (f32 upcast)"],
     "embedding": ["error already at the embedding: the load dtype or the weights themselves"],
-    "projection": ["first error at a projection: its weights (layout, quantization, a dropped bias) or matmul precision"],
+    "projection": ["first error at a projection: its weights (layout, quantization, a dropped bias) "
+                   "or matmul precision"],
 }
 
 

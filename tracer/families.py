@@ -22,7 +22,8 @@ from tracer.errors import TracerError
 
 # Norm positions around a block's two sublayers: (before, after) the attention, (before, after) the MLP.
 PRE_NORM = (("input_layernorm", None), ("post_attention_layernorm", None))
-SANDWICH = (("input_layernorm", "post_attention_layernorm"), ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
+SANDWICH = (("input_layernorm", "post_attention_layernorm"),
+            ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
 POST_NORM = ((None, "post_attention_layernorm"), (None, "post_feedforward_layernorm"))
 
 
@@ -120,7 +121,8 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", "Mistral", ("mistral",), "MistralForCausalLM",
                "sliding window on every layer (transformers defaults sliding_window to 4096 when the key is absent)",
                sliding_window=True,
-               hints={"self_attn.probs": "Mistral " + _WINDOW + "; transformers reads an absent sliding_window as 4096"}),
+               hints={"self_attn.probs": "Mistral " + _WINDOW
+                                         + "; transformers reads an absent sliding_window as 4096"}),
         Family("gemma2", "Gemma 2", ("gemma2",), "Gemma2ForCausalLM",
                "(1 + w) RMSNorm, scaled embeddings, pre- and post-norms around both sublayers, attention and "
                "final-logit soft-capping, query_pre_attn_scalar, GeGLU (tanh), sliding window on alternate layers",
@@ -154,7 +156,8 @@ FAMILIES: dict[str, Family] = {
                hints={**_on(("self_attn.q_rope", "self_attn.k_rope"),
                             "Phi-3 splits its fused qkv_proj output as q | k | v with H·D, KV·D, KV·D columns "
                             "(qkv_split reorders it), and rotates only the first partial_rotary_factor·D dims"),
-                      "mlp.act": "Phi-3's fused gate_up_proj holds the gate first, then up (gate_up=up_gate swaps them)",
+                      "mlp.act": "Phi-3's fused gate_up_proj holds the gate first, then up "
+                                 "(gate_up=up_gate swaps them)",
                       "self_attn.probs": "Phi-3 " + _WINDOW}),
         Family("olmo2", "OLMo-2", ("olmo2",), "Olmo2ForCausalLM",
                "post-norms instead of pre-norms (norm of each sublayer's output, before the residual add), "

@@ -23,8 +23,8 @@ def default_steps(num_tokens: int) -> int:
 def continuation(engine, tokens: list[int], steps: int, guess: list[int] | None = None) -> list[int] | None:
     """`steps` greedy tokens after `tokens`; None when the engine cannot run a forward.
 
-    `guess` (its own `draft`, or the other side's continuation) saves most of the forwards: one forward over the prompt and
-    the guess gives this engine's argmax after every prefix of it, and as long as they agree
+    `guess` (its own `draft`, or the other side's continuation) saves most of the forwards: one forward
+    over the prompt and the guess gives this engine's argmax after every prefix of it, and as long as they agree
     the guess is this engine's continuation too. Two sides that agree cost one forward.
     """
     steps = _fitting(engine, tokens, steps)
@@ -74,7 +74,8 @@ def summary(reference: list[int] | None, candidate: list[int] | None, detokenize
     """Both continuations, how long they agree, and their texts (None when a side has none)."""
     if reference is None or candidate is None:
         return None
-    same = next((i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b), min(len(reference), len(candidate)))
+    same = next((i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b),
+                min(len(reference), len(candidate)))
     return {
         "reference": reference, "candidate": candidate, "steps": len(reference),
         "same_prefix": same,  # tokens before the first flip

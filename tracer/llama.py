@@ -318,7 +318,8 @@ def causal_mask(num_tokens: int, dtype: torch.dtype, device: torch.device | str 
     """(1, 1, T, T): 0 where attention is allowed, the dtype's most negative value where it is not."""
     blocked = blocked_keys(num_tokens, window, device)
     # Built in the target dtype: f64's most negative value does not fit the default f32.
-    return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
+    return (torch.zeros(blocked.shape, dtype=dtype, device=device)
+            .masked_fill(blocked, torch.finfo(dtype).min)[None, None])
 
 
 def mask_additive(scores: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -459,7 +460,8 @@ def qk_norm_per_head(q, k, w: dict, spec: LlamaSpec, strategies: Strategies, pre
     """Qwen3: RMSNorm over each head's D values on (1, T, heads, D), then the transpose."""
     out = []
     for name, x in (("q_norm", q), ("k_norm", k)):
-        x = strategies.qk_norm(x.unflatten(-1, (-1, spec.head_dim)), w[f"{name}.weight"], spec.rms_norm_eps)  # (1, T, heads, D)
+        x = strategies.qk_norm(x.unflatten(-1, (-1, spec.head_dim)), w[f"{name}.weight"],
+                               spec.rms_norm_eps)  # (1, T, heads, D)
         record(f"{prefix}.{name}", x.flatten(2))  # (1, T, heads*D)
         out.append(x.transpose(1, 2))  # (1, heads, T, D)
     return tuple(out)
@@ -470,7 +472,8 @@ def qk_norm_per_head_heads_first(q, k, w: dict, spec: LlamaSpec, strategies: Str
     """Gemma 3: the transpose first, then RMSNorm over each head's D values on (1, heads, T, D)."""
     out = []
     for name, x in (("q_norm", q), ("k_norm", k)):
-        x = strategies.qk_norm(heads_first(x, spec.head_dim), w[f"{name}.weight"], spec.rms_norm_eps)  # (1, heads, T, D)
+        x = strategies.qk_norm(heads_first(x, spec.head_dim), w[f"{name}.weight"],
+                               spec.rms_norm_eps)  # (1, heads, T, D)
         record(f"{prefix}.{name}", x.transpose(1, 2).flatten(2))  # (1, T, heads*D)
         out.append(x)
     return tuple(out)
@@ -562,7 +565,8 @@ def resolve_strategies(knobs: dict, spec: LlamaSpec | None = None) -> Strategies
     attn = setting(knobs, "attn")
     clashing = [k for k in EAGER_ONLY if attn == "sdpa" and setting(knobs, k) != KNOBS[k].default_value]
     if clashing:
-        raise TracerError(f"{clashing[0]}={knobs[clashing[0]]} needs attn=eager: sdpa masks and scales inside its fused kernel")
+        raise TracerError(f"{clashing[0]}={knobs[clashing[0]]} needs attn=eager: "
+                          "sdpa masks and scales inside its fused kernel")
     if spec is not None:
         _check_feature(knobs, spec)
     scale_scores, attention_dtype = ATTN_MATH[setting(knobs, "attn_math")]

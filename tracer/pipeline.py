@@ -165,7 +165,8 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
                 if noise_floor else (None, [])
         with timed(timings, "reference_greedy_s"):
             stage("reference greedy")
-            reference_greedy = greedy.continuation(engine, ids, greedy_steps, guess=greedy.draft(engine, ids, greedy_steps)) \
+            reference_greedy = greedy.continuation(engine, ids, greedy_steps,
+                                                   guess=greedy.draft(engine, ids, greedy_steps)) \
                 if greedy_steps else None
         yield Prepared(
             source=source, ids=ids, prompt=inputs.text, chat=chat_info,

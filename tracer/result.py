@@ -90,7 +90,8 @@ class PointDiff:
         return {
             "point": self.point, "layer": self.layer, "shape": list(self.shape) if self.shape else None,
             "recorded": self.recorded, "missing_on": self.missing_on, "max_abs": json_number(self.max_abs),
-            "max_ref": json_number(self.max_ref), "rel_l2": json_number(self.rel_l2), "cosine": json_number(self.cosine),
+            "max_ref": json_number(self.max_ref), "rel_l2": json_number(self.rel_l2),
+            "cosine": json_number(self.cosine),
             "diverged": self.diverged, "noise": json_number(self.noise), "threshold": json_number(self.threshold),
             "local_rel_l2": json_number(self.local_rel_l2),
             **({"reason": self.reason} if self.reason else {}),

@@ -210,7 +210,8 @@ def _manifest(path: Path, text: str) -> dict:
         manifest = json.loads(text)
     except ValueError:
         raise TracerError(f"cannot read trace {path}: its manifest is not valid JSON") from None
-    points, meta = (manifest.get("points", []), manifest.get("meta", {})) if isinstance(manifest, dict) else (None, None)
+    points, meta = ((manifest.get("points", []), manifest.get("meta", {})) if isinstance(manifest, dict)
+                    else (None, None))
     if not (isinstance(points, list) and all(isinstance(p, str) for p in points) and isinstance(meta, dict)
             and all(isinstance(meta.get(key, {}), dict) for key in ("variant", "not_recorded"))):
         raise TracerError(f"cannot read trace {path}: its manifest is malformed")

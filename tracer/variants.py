@@ -267,7 +267,8 @@ KNOBS: dict[str, Knob] = {
         Knob("flash_attn", _choice("on", "off", "auto"), "on | off | auto", "auto",
              "llama.cpp's flash attention (auto: on where the backend has it), which fuses scores, softmax and "
              "context", _fixed("flash_attn=off"), kind="regime"),
-        Knob("threads", _threads, f"an integer 1..{MAX_THREADS} (ggml's limit), e.g. threads=2", "4, at most the CPU count",
+        Knob("threads", _threads, f"an integer 1..{MAX_THREADS} (ggml's limit), e.g. threads=2",
+             "4, at most the CPU count",
              "the runtime's thread count (llama.cpp n_threads); results should not depend on it", _fixed("threads=1"),
              kind="runtime"),
     )

@@ -18,7 +18,8 @@ def executed(request, default_model, tmp_path_factory):
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), "strip outputs"
     assert all(cell.get("execution_count") is None for cell in notebook.cells if cell.cell_type == "code")
     workdir = tmp_path_factory.mktemp(request.param.stem)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(workdir)}}).execute()
     return request.param.name, notebook
 
 

@@ -1,4 +1,5 @@
-"""The figures docs/design.md, docs/measured.md and the porting notes quote, on the bundled SmolLM2-135M-Instruct (f32, CPU)."""
+"""The figures docs/design.md, docs/measured.md and the porting notes quote, on the bundled
+SmolLM2-135M-Instruct (f32, CPU)."""
 
 import json
 import subprocess

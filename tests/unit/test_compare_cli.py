@@ -81,7 +81,8 @@ def test_aliases_file_maps_a_ports_own_names(files, capsys):
 
 @pytest.mark.parametrize("setup, message", [
     (lambda tmp, ref: ["compare", str(ref), str(tmp / "nope.safetensors")], "trace file not found"),
-    (lambda tmp, ref: ["compare", str(ref), str(ref), "--aliases", str(tmp / "missing.json")], "cannot read aliases file"),
+    (lambda tmp, ref: ["compare", str(ref), str(ref), "--aliases", str(tmp / "missing.json")],
+     "cannot read aliases file"),
     (lambda tmp, ref: ["compare", str(ref), str(save_dump(candle_dump(tracer.Trace.load(ref)), tmp / "x.safetensors",
                                                             [3, 3, 3]))], "different token ids"),
 ])

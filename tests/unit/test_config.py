@@ -30,7 +30,8 @@ def test_both_readers_agree_on_a_transformers4_file():
 
 
 def test_candle_misses_theta_in_rope_parameters_and_defaults_to_10000():
-    v5 = {k: v for k, v in V4.items() if k != "rope_theta"} | {"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+    v5 = ({k: v for k, v in V4.items() if k != "rope_theta"}
+          | {"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}})
     assert read_hf(v5).rope_theta == 100000.0
     assert read_candle(v5).rope_theta == 10000.0
     assert "rope_parameters" in read_candle(v5).unused_keys
@@ -245,7 +246,8 @@ def test_well_formed_values_still_read():
     assert read_hf(V4 | {"hidden_act": "gelu_pytorch_tanh"}).hidden_act == "gelu_pytorch_tanh"
     # transformers fills a missing original_max_position_embeddings from max_position_embeddings
     no_original = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
-    assert read_hf(V4 | {"rope_scaling": no_original}).rope_scaling == LLAMA3 | {"original_max_position_embeddings": 128}
+    assert (read_hf(V4 | {"rope_scaling": no_original}).rope_scaling
+            == LLAMA3 | {"original_max_position_embeddings": 128})
 
 
 def test_name_lists_are_the_installed_transformers():

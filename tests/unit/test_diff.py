@@ -63,7 +63,8 @@ def test_first_divergence_and_unrecorded_points_in_execution_order():
     result = compare(ref, cand)
     assert not result and result.verdict == "diverged"
     first = result.first_divergence
-    assert first["point"] == "model.layers.0.self_attn.q_proj" and first["last_agreeing"] == "model.layers.0.input_layernorm"
+    assert (first["point"] == "model.layers.0.self_attn.q_proj"
+            and first["last_agreeing"] == "model.layers.0.input_layernorm")
     assert first["upstream_points"] == 2 and first["upstream_max_rel_l2"] < 1e-6
     assert [p.point for p in result.points][-1] == "model.layers.0.self_attn.scores"
     assert result.points[-1].missing_on == "both" and result.points[-1].reason == "fused"

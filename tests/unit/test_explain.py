@@ -38,7 +38,8 @@ def test_top_channels_names_the_worst_channels_first():
     ref = torch.zeros(2, 8)
     cand = ref.clone()
     cand[1, 5], cand[0, 2] = 3.0, 1.0
-    assert top_channels("model.layers.3", ref, cand, k=2) == [{"channel": 5, "max_abs": 3.0}, {"channel": 2, "max_abs": 1.0}]
+    assert top_channels("model.layers.3", ref, cand, k=2) == [{"channel": 5, "max_abs": 3.0},
+                                                              {"channel": 2, "max_abs": 1.0}]
 
 
 def test_hints_read_signatures():

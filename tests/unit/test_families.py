@@ -120,7 +120,8 @@ def test_config_audit_reads_the_familys_keys_and_keeps_candle_to_llama(tiny, cap
     assert main(["config", "--model", str(tiny["gemma2"]), "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
     hf = report["readers"]["hf"]
-    assert {"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "sliding_window"} <= set(hf["reads"])
+    assert {"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
+            "sliding_window"} <= set(hf["reads"])
     assert hf["spec"]["family"] == "gemma2" and hf["spec"]["final_logit_softcapping"] == 10.0
     assert "hidden_act" not in hf["reads"]  # Gemma 2 reads hidden_activation; a port reading hidden_act is wrong
     assert report["readers"]["candle"]["error"] == ("the candle reader reads Llama configs only (candle 0.11's "
@@ -366,5 +367,6 @@ def test_a_gguf_of_another_family_is_converted_and_traced(tmp_path, family):
     converted = gguf_model_path(gguf, tmp_path / "cache", progress=False)
     assert read_hf(load_config(converted)) == read_hf(load_config(source))
     original = tracer.record(source, TOKENS, engine="reimpl")
-    assert all(torch.equal(original[p], t) for p, t in tracer.record(converted, TOKENS, engine="reimpl").tensors.items())
+    assert all(torch.equal(original[p], t)
+               for p, t in tracer.record(converted, TOKENS, engine="reimpl").tensors.items())
     assert tracer.run(converted, tokens=TOKENS, greedy=0, progress=False).verdict == "match"

@@ -44,7 +44,8 @@ def made_up_dir(tmp_path, made_up):
     tensors = load_file(str(folder / "model.safetensors"))
     generator = torch.Generator().manual_seed(1)
     for n in range(config["num_hidden_layers"]):
-        tensors[f"model.layers.{n}.{POST_FF}.weight"] = 1 + 0.1 * torch.randn(config["hidden_size"], generator=generator)
+        tensors[f"model.layers.{n}.{POST_FF}.weight"] = 1 + 0.1 * torch.randn(config["hidden_size"],
+                                                                               generator=generator)
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
 

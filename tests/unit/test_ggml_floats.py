@@ -79,7 +79,8 @@ def test_expf_is_glibcs_where_exp_in_f64_rounded_is_not():
     assert torch.equal(ours, libc)
     naive = torch.exp(x.to(F64)).to(F32)
     assert int((naive != libc).sum()) > 0  # glibc is not correctly rounded everywhere (0.502 ulp)
-    assert floats.expf(torch.tensor([float("-inf"), 0.0, -104.0])).tolist() == [0.0, 1.0, floats.libm("expf", torch.tensor([-104.0])).item()]
+    assert (floats.expf(torch.tensor([float("-inf"), 0.0, -104.0])).tolist()
+            == [0.0, 1.0, floats.libm("expf", torch.tensor([-104.0])).item()])
 
 
 def test_cosf_sinf_powf_come_from_the_c_library():

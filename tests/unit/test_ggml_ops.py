@@ -67,7 +67,8 @@ def test_swiglu_takes_16_lane_vectors_and_a_scalar_tail():
     gate, up = _randn(1, 2, 20, seed=4, scale=3), _randn(1, 2, 20, seed=5)
     out = ops.swiglu(gate, up)
     assert out.shape == (1, 2, 20)
-    assert float(((out - ops.swiglu_exact(gate, up)).abs() / ops.swiglu_exact(gate, up).abs().clamp(min=1e-3)).max()) < 1e-6
+    assert float(((out - ops.swiglu_exact(gate, up)).abs()
+                  / ops.swiglu_exact(gate, up).abs().clamp(min=1e-3)).max()) < 1e-6
 
 
 def test_vec_dot_f16_adds_registers_0_and_2_then_1_and_3():

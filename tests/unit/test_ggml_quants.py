@@ -81,7 +81,8 @@ def _literal_vec_dot(weight: Q.Blocks, act: Q.ActBlocks, row: int, token: int) -
         d = f32(weight.d[row, b].item()) * f32(act.d[token, b].item())
         for lane in range(8):
             products = sum(int(weight.q[row, b, 4 * lane + k]) * int(act.q[token, b, 4 * lane + k]) for k in range(4))
-            acc[lane] = f32(_fma_via_f64(torch.tensor([d]), torch.tensor([float(products)]), torch.tensor([acc[lane]])).item())
+            acc[lane] = f32(_fma_via_f64(torch.tensor([d]), torch.tensor([float(products)]),
+                                         torch.tensor([acc[lane]])).item())
         if weight.m is not None:
             summs = f32(_fma_via_f64(weight.m[row, b:b + 1], act.s[token, b:b + 1], torch.tensor([summs])).item())
     pairs = [acc[i] + acc[i + 4] for i in range(4)]

@@ -144,7 +144,8 @@ def test_the_quantized_caches_go_through_flash_attention_only(tiny_llama):
     with pytest.raises(TracerError, match="kv_cache=q8_0 needs flash attention"):
         tracer.record(tiny_llama(), TOKENS, engine="reimpl", variant="preset=llamacpp,kv_cache=q8_0,flash_attn=off",
                       progress=False)
-    with pytest.raises(TracerError, match="flash_attn=on is llama.cpp's flash attention: on the reimpl engine it needs"):
+    with pytest.raises(TracerError,
+                       match="flash_attn=on is llama.cpp's flash attention: on the reimpl engine it needs"):
         tracer.record(tiny_llama(), TOKENS, engine="reimpl", variant="flash_attn=on", progress=False)
 
 

@@ -167,7 +167,8 @@ def test_config_level_knobs_mean_the_same_on_hf_and_reimpl(tiny_llama, variant):
 @pytest.mark.parametrize("knob", [k for k in KNOBS.values() if engines_honouring(k.name) == ("reimpl",)])
 def test_semantic_knobs_are_refused_by_hf_naming_reimpl(tiny_llama, knob):
     text = knob.representative(None)
-    with pytest.raises(TracerError, match=f"knob '{knob.name}' is not honoured by the hf engine; engines that honour it: reimpl"):
+    with pytest.raises(TracerError,
+                       match=f"knob '{knob.name}' is not honoured by the hf engine; engines that honour it: reimpl"):
         tracer.record(tiny_llama(), TOKENS, engine="hf", variant=text)
 
 
@@ -187,7 +188,8 @@ def test_preset_expands_and_explicit_knobs_win():
 
 @pytest.mark.parametrize("variant, message", [
     ("layers=3", r"missing tensor model\.layers\.2\.input_layernorm\.weight \(expected shape \(64,\)\)"),
-    ("head_dim=8", r"shape mismatch for model\.layers\.0\.self_attn\.q_proj\.weight: expected \(32, 64\), file has \(64, 64\)"),
+    ("head_dim=8", r"shape mismatch for model\.layers\.0\.self_attn\.q_proj\.weight: expected \(32, 64\), "
+                   r"file has \(64, 64\)"),
 ])
 def test_config_and_weights_that_disagree_are_one_line_naming_the_tensor(tiny_llama, variant, message):
     with pytest.raises(TracerError, match=message) as info:

@@ -23,7 +23,8 @@ def run(point, canon, other, source=None, head_dim=None):
 
 def gguf_permute(weight, heads):
     """llama.cpp convert_hf_to_gguf's q/k weight permutation, written from its source."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
 
 
 def test_from_interleaved_undoes_the_gguf_weight_permutation():
@@ -54,7 +55,8 @@ def test_rope_on_adjacent_pairs_after_unpermuting_equals_hf_half_split_rope():
 @pytest.mark.parametrize("point, canon, make", [
     ("model.layers.0.mlp.down_proj", (T, C), lambda x: x[None]),  # batch
     ("model.layers.0.self_attn.q_proj", (T, H * D), lambda x: x.reshape(T, H, D)),  # [T, H, D]
-    ("model.layers.0.self_attn.v_proj", (T, KV * D), lambda x: x.reshape(T, KV, D).transpose(0, 1)[None]),  # [1, KV, T, D]
+    ("model.layers.0.self_attn.v_proj", (T, KV * D),
+     lambda x: x.reshape(T, KV, D).transpose(0, 1)[None]),  # [1, KV, T, D]
     ("model.layers.0.self_attn.context", (T, H * D), lambda x: x.reshape(1, T, H, D)),  # TransformerLens hook_z
     ("model.layers.0.self_attn.k_rope", (KV, T, D), lambda x: x.transpose(0, 1)),  # [T, KV, D]
     ("model.layers.0.self_attn.q_rope", (H, T, D), lambda x: x.transpose(0, 1).reshape(T, H * D)),  # [T, H*D]
@@ -131,7 +133,8 @@ def test_align_takes_tracer_layout_as_template_on_either_side():
 
 
 def test_align_lists_what_each_side_lacks():
-    ours = Trace({"model.embed_tokens": randn(T, C), "model.layers.0.mlp.act": randn(T, 3), "model.layers.1.mlp.act": randn(T, 3)})
+    ours = Trace({"model.embed_tokens": randn(T, C), "model.layers.0.mlp.act": randn(T, 3),
+                  "model.layers.1.mlp.act": randn(T, 3)})
     dump = Trace({"model.embed_tokens": ours["model.embed_tokens"], "model.layers.0.resid_mid": randn(T, C)},
                  {"sources": {"model.embed_tokens": {"name": "inp_embd"}}, "unknown_names": ["weird"]})
     _, _, notes = align(ours, dump)

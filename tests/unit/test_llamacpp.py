@@ -188,7 +188,8 @@ def test_a_missing_runtime_is_one_line_naming_the_extra(tiny, monkeypatch):
 def test_knobs_llamacpp_cannot_honour_are_refused_before_anything_loads(tiny):
     with pytest.raises(TracerError, match="knob 'attn' is not honoured by the llamacpp engine"):
         tracer.record(tiny[0], TOKENS, engine="llamacpp", variant="attn=sdpa", progress=False)
-    with pytest.raises(TracerError, match=re.escape("bad value 'q4' for knob 'kv_cache'; expected f32 | f16 | bf16 | q8_0")):
+    with pytest.raises(TracerError,
+                       match=re.escape("bad value 'q4' for knob 'kv_cache'; expected f32 | f16 | bf16 | q8_0")):
         tracer.record(tiny[0], TOKENS, engine="llamacpp", variant="kv_cache=q4", progress=False)
     assert ENGINES["llamacpp"].knobs == ("theta", "kv_cache", "flash_attn", "threads")
 
@@ -257,7 +258,8 @@ def test_llamacpp_aborting_on_a_corrupt_gguf_ends_the_run_with_its_assert(tiny, 
     model_dir, _, _ = tiny
     bad = write_tiny_gguf(model_dir, tmp_path / "bad.gguf", value_length=8)
     out = tmp_path / "report"
-    with pytest.raises(TracerError, match=r"the llamacpp engine died \(SIGABRT\): .*GGML_ASSERT\(n_embd_head == hparams.n_embd_head_k\(\)\) failed"):
+    with pytest.raises(TracerError, match=r"the llamacpp engine died \(SIGABRT\): "
+                                          r".*GGML_ASSERT\(n_embd_head == hparams.n_embd_head_k\(\)\) failed"):
         tracer.run(model_dir, tokens=TOKENS, candidate=f"llamacpp:{bad}", variant="threads=1", greedy=0,
                    noise_floor=False, out=out, progress=False)
     assert not out.exists()

@@ -19,7 +19,8 @@ def faulty_copy(model_dir, tmp_path, tensor: str, scale: float = 0.05):
     faulty = tmp_path / "faulty"
     shutil.copytree(model_dir, faulty)
     weights = load_file(str(faulty / "model.safetensors"))
-    weights[tensor] = weights[tensor] + scale * torch.randn(weights[tensor].shape, generator=torch.Generator().manual_seed(1))
+    weights[tensor] = weights[tensor] + scale * torch.randn(weights[tensor].shape,
+                                                            generator=torch.Generator().manual_seed(1))
     save_file(weights, str(faulty / "model.safetensors"))
     return faulty
 

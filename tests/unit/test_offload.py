@@ -55,7 +55,8 @@ def test_max_memory_specs():
 @pytest.mark.parametrize("args, message", [
     (["run", "--max-memory", "cpu=plenty"], "expected DEVICE=SIZE"),
     (["run", "--reference", "reimpl", "--offload", "x"], "the reimpl engine loads its model whole"),
-    (["record", "--engine", "reimpl", "-o", "t.safetensors", "--offload", "x"], "the reimpl engine loads its model whole"),
+    (["record", "--engine", "reimpl", "-o", "t.safetensors", "--offload", "x"],
+     "the reimpl engine loads its model whole"),
     (["run", "--offload", "x", "--device", "cuda"], None),
 ])
 def test_offload_errors_are_one_line_and_exit_2(tiny_llama, args, message, capsys, tmp_path, monkeypatch):

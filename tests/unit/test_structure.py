@@ -98,15 +98,16 @@ def test_no_import_cycle_among_tracer_hooks_and_reports():
 # The layers, lowest first: a module imports from its own layer or a lower one, never a higher one
 # (function-level imports included). A name ending in "." is a whole package. A new module gets a place here.
 LAYERS = [
-    ("foundation", {"tracer", "tracer.errors", "tracer.folders", "tracer.progress", "tracer.tensorfile", "tracer.torch_types"}),
+    ("foundation", {"tracer", "tracer.errors", "tracer.folders", "tracer.progress", "tracer.tensorfile",
+                    "tracer.torch_types"}),
     ("vocabulary: families, points, knobs, aliases", {"tracer.families", "tracer.points", "tracer.variants",
                                                      "tracer.aliases"}),
     ("reports: render a summary", {"tracer.reports", "tracer.reports."}),
     ("values: traces, results, comparing them", {"tracer.trace", "tracer.result", "tracer.spill",
                                                  "tracer.fingerprint", "tracer.layouts", "tracer.explain",
                                                  "tracer.diff"}),
-    ("model files", {"tracer.cache", "tracer.ggml.gguffile", "tracer.weights", "tracer.tokenizer", "tracer.convert", "tracer.sources",
-                     "tracer.config"}),
+    ("model files", {"tracer.cache", "tracer.ggml.gguffile", "tracer.weights", "tracer.tokenizer", "tracer.convert",
+                     "tracer.sources", "tracer.config"}),
     ("ggml's arithmetic", {"tracer.ggml", "tracer.ggml."}),
     ("the reimplementation", {"tracer.llama", "tracer.forced_runs"}),
     ("engines", {"tracer.engines", "tracer.engines.", "tracer.hooks", "tracer.hooks."}),

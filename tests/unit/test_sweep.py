@@ -60,7 +60,8 @@ def test_json_has_the_contract_fields(tiny_sweep):
 def test_report_folder(tiny_sweep):
     result, folder = tiny_sweep
     report = folder / "report"
-    assert sorted(p.name for p in report.iterdir()) == ["sweep.csv", "sweep.html", "sweep.json", "sweep.md", "sweep.png"]
+    assert sorted(p.name for p in report.iterdir()) == ["sweep.csv", "sweep.html", "sweep.json", "sweep.md",
+                                                        "sweep.png"]
     assert (report / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = (report / "sweep.html").read_text()
     assert "data:image/png;base64," in html and "http" not in html.split("<body>")[1]

@@ -123,7 +123,8 @@ def _(tmp):
     return run_args(tmp, tmp / "no-such-model"), api_run(tmp / "no-such-model", tmp)
 
 
-@row("model path is some other file", r"unsupported model file \(expected a directory with config\.json or a \.gguf file\): .*/notes\.txt")
+@row("model path is some other file",
+     r"unsupported model file \(expected a directory with config\.json or a \.gguf file\): .*/notes\.txt")
 def _(tmp):
     (tmp / "notes.txt").write_text("hello")
     return run_args(tmp, tmp / "notes.txt"), api_run(tmp / "notes.txt", tmp)
@@ -346,7 +347,8 @@ def _(tmp):
             lambda: tracer.run(m, tokens=TOKENS, reference=f"file:{tmp / 'notes.txt'}", out=tmp / "report"))
 
 
-@row("reference trace on other token ids", r"trace .*/trace\.safetensors was recorded on tokens \[1, 17, 5, 42, 8, 63, 3\], not \[1, 2, 3\]")
+@row("reference trace on other token ids",
+     r"trace .*/trace\.safetensors was recorded on tokens \[1, 17, 5, 42, 8, 63, 3\], not \[1, 2, 3\]")
 def _(tmp):
     m = model(tmp)
     trace = saved_trace(tmp)

@@ -34,5 +34,6 @@ def test_every_knob_names_engines_and_what_it_reproduces():
 
 def test_engine_check_names_the_engines_that_can():
     check_engine({"theta": 1.0}, "hf")
-    with pytest.raises(TracerError, match="not honoured by the file engine; engines that honour it: hf, reimpl, llamacpp"):
+    with pytest.raises(TracerError,
+                       match="not honoured by the file engine; engines that honour it: hf, reimpl, llamacpp"):
         check_engine({"theta": 1.0}, "file")

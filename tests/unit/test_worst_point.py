@@ -18,7 +18,8 @@ def point(name, rel):
 
 
 def test_nan_is_the_worst_point_in_every_view():
-    summary = summary_with([point("model.layers.0.input_layernorm", 3e-5), point("model.layers.0.self_attn.q_proj", "nan"),
+    summary = summary_with([point("model.layers.0.input_layernorm", 3e-5),
+                            point("model.layers.0.self_attn.q_proj", "nan"),
                             point("model.layers.0.self_attn.k_proj", 5e-5)])
     assert worst_point(summary)["point"] == "model.layers.0.self_attn.q_proj"
     assert "largest error: model.layers.0.self_attn.q_proj rel_l2 nan" in terminal_summary(summary)
@@ -26,6 +27,7 @@ def test_nan_is_the_worst_point_in_every_view():
 
 
 def test_the_largest_finite_error_otherwise():
-    summary = summary_with([point("model.layers.0.input_layernorm", 3e-5), point("model.layers.0.self_attn.k_proj", 5e-5)])
+    summary = summary_with([point("model.layers.0.input_layernorm", 3e-5),
+                            point("model.layers.0.self_attn.k_proj", 5e-5)])
     assert "largest error: model.layers.0.self_attn.k_proj" in terminal_summary(summary)
     assert "5e-05 at model.layers.0.self_attn.k_proj" in render_html(summary, images={})

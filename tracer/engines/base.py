@@ -67,7 +67,8 @@ def check_device(device: str | torch.device) -> torch.device:
     except (RuntimeError, TypeError):
         parsed = None
     if parsed is None or parsed.type not in DEVICES:
-        raise TracerError(f"unknown device {str(device)!r}; devices: {', '.join(DEVICES)} (cuda:N for one GPU of several)")
+        raise TracerError(f"unknown device {str(device)!r}; devices: {', '.join(DEVICES)} "
+                          "(cuda:N for one GPU of several)")
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise TracerError(f"device {device}: torch {torch.__version__} sees no CUDA GPU here")
     if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():

@@ -211,7 +211,8 @@ class Forward:
                                 x1.broadcast_mul(sin) + x2.broadcast_mul(cos)], -1)
 
     def rope_i(self, x, cos, sin):
-        """rotary_emb::rope_i (adjacent pairs): out[2i] = x[2i]·cos − x[2i+1]·sin, out[2i+1] = x[2i]·sin + x[2i+1]·cos."""
+        """rotary_emb::rope_i (adjacent pairs): out[2i] = x[2i]·cos − x[2i+1]·sin,
+        out[2i+1] = x[2i]·sin + x[2i+1]·cos."""
         b, heads, count, dim = x.shape
         pairs = x.reshape((b, heads, count, dim // 2, 2))  # (1, H, T, D/2, 2)
         x0, x1 = pairs.narrow(-1, 0, 1), pairs.narrow(-1, 1, 1)  # (1, H, T, D/2, 1) each
@@ -460,8 +461,8 @@ class CandleEngine:
                 "theta" not in self.variant:
             notes.append(f"candle's config reader (LlamaConfig, candle 0.11) took rope_theta = "
                          f"{facts['rope_theta']:g}: config.json has no top-level rope_theta"
-                         + (" (only rope_parameters, as transformers 5 saves it)" if "rope_parameters" in facts["config"]
-                            else ""))
+                         + (" (only rope_parameters, as transformers 5 saves it)"
+                            if "rope_parameters" in facts["config"] else ""))
         notes.append(f"composed from candle's ops where 0.4.2 lacks 0.11's fused kernel ({composed_text()})")
         if self.gguf:
             notes.append(SAME_CODE)

@@ -239,7 +239,8 @@ def serve() -> None:
             from tracer.errors import one_line
 
             ours = isinstance(exc, TracerError)
-            reply = {"error": str(exc) if ours else one_line(exc), "kind": "TracerError" if ours else type(exc).__name__,
+            reply = {"error": str(exc) if ours else one_line(exc),
+                     "kind": "TracerError" if ours else type(exc).__name__,
                      "traceback": traceback.format_exc()}
         replies.write(json.dumps(reply) + "\n")
 

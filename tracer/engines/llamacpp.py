@@ -421,7 +421,8 @@ class LlamaCppEngine:
     def record(self, tokens: list[int], recorder=None) -> Trace:
         """Every point llama.cpp's graph shows on one forward over `tokens` (one micro-batch)."""
         if not self.observe:
-            raise TracerError("this llamacpp engine was made without an eval callback (observe=False): it cannot record")
+            raise TracerError("this llamacpp engine was made without an eval callback (observe=False): "
+                              "it cannot record")
         recorder = recorder if recorder is not None else TraceRecorder()
         shape = Shape(len(tokens), self.head_dim, self.interleaved, self.kq_scale)
         self.graph.start(recorder, shape)

@@ -137,9 +137,11 @@ def read_manifest(export_dir: Path) -> dict:
         manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
     except (OSError, ValueError) as exc:
         raise TracerError(f"the ONNX export {export_dir} has no readable {MANIFEST_FILE} "
-                          f"({getattr(exc, 'strerror', None) or one_line(exc)}): delete the folder to rebuild it") from None
+                          f"({getattr(exc, 'strerror', None) or one_line(exc)}): "
+                          "delete the folder to rebuild it") from None
     if not isinstance(manifest, dict) or not {"dtype", "num_layers"} <= manifest.keys():
-        raise TracerError(f"the ONNX export {export_dir} has a garbled {MANIFEST_FILE}: delete the folder to rebuild it")
+        raise TracerError(f"the ONNX export {export_dir} has a garbled {MANIFEST_FILE}: "
+                          "delete the folder to rebuild it")
     return manifest
 
 

@@ -99,7 +99,8 @@ def _pad_rows(x: np.ndarray, multiple: int, axis: int) -> np.ndarray:
 
 
 def vec_dot_blocks(xq: np.ndarray, xd: np.ndarray, wq: np.ndarray, wd: np.ndarray,
-                   xs: np.ndarray | None = None, wm: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
+                   xs: np.ndarray | None = None, wm: np.ndarray | None = None,
+                   threads: int | None = None) -> np.ndarray:
     """(T, R) f32: `_vec_dot_blocks` on numpy arrays (shapes there, any T and R), on `threads` of
     numba's threads (default: all)."""
     tokens, rows = xd.shape[0], wd.shape[1]

@@ -42,7 +42,8 @@ FA_TILE = 64  # GGML_FA_TILE_Q = GGML_FA_TILE_KV
 
 def sequential_sum_f64(values: torch.Tensor) -> torch.Tensor:
     """(..., C) f64 -> (...): a left-to-right f64 sum, as a C loop `sum += x[i]` computes it."""
-    return torch.from_numpy(np.cumsum(values.detach().to("cpu", F64).numpy(), axis=-1)[..., -1].copy()).to(values.device)
+    return (torch.from_numpy(np.cumsum(values.detach().to("cpu", F64).numpy(), axis=-1)[..., -1].copy())
+            .to(values.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,7 +86,8 @@ def rope_cos_sin(spec, num_tokens: int, dtype: torch.dtype | None, device="cpu",
     """
     scaling = spec.rope_scaling
     if scaling is not None and scaling.get("rope_type") != "linear":
-        raise TracerError(f"rope_type {scaling.get('rope_type')!r} is not emulated by the ggml regime (default, linear)")
+        raise TracerError(f"rope_type {scaling.get('rope_type')!r} is not emulated by the ggml regime "
+                          "(default, linear)")
     freq_scale = 1.0 / scaling["factor"] if scaling else 1.0
     cos, sin = _rope_angles(num_tokens, spec.head_dim, float(np.float32(spec.rope_theta)), freq_scale)
     return cos[None].to(device), sin[None].to(device)
@@ -406,7 +408,8 @@ def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor, use_dpbf16: bool | None = Non
             c1, c2 = dpbf16(c1, x[..., start:half], y[..., start:half]), dpbf16(c2, x[..., half:start + step],
                                                                                 y[..., half:start + step])
         else:
-            c1, c2 = c1 + x[..., start:half] * y[..., start:half], c2 + x[..., half:start + step] * y[..., half:start + step]
+            c1, c2 = (c1 + x[..., start:half] * y[..., start:half],
+                      c2 + x[..., half:start + step] * y[..., half:start + step])
     total = reduce_add16(c1).to(F64) + reduce_add16(c2).to(F64)
     for i in range(width, x.shape[-1]):
         total = total + (x[..., i] * y[..., i]).to(F64)

@@ -98,14 +98,18 @@ class Blocks:
 
     def rows(self, index: torch.Tensor) -> Blocks:
         """The blocks of the rows `index` (a permutation or a selection)."""
-        pick = (lambda t: None if t is None else t[index])
+        def pick(t):
+            return None if t is None else t[index]
+
         return Blocks(self.kind, (len(index), self.shape[1]), pick(self.d), pick(self.q), pick(self.m), pick(self.held))
 
     def to(self, dtype=None, device=None) -> Blocks:
         """On `device`; `dtype` is ignored: the blocks' format is the point of holding them."""
         if device is None:
             return self
-        move = (lambda t: None if t is None else t.to(device))
+        def move(t):
+            return None if t is None else t.to(device)
+
         return Blocks(self.kind, self.shape, move(self.d), move(self.q), move(self.m), move(self.held))
 
 
@@ -114,7 +118,8 @@ class Blocks:
 
 def _f16_field(raw: np.ndarray, offset: int) -> torch.Tensor:
     """(R, B, bytes) uint8 -> (R, B) f32: the little-endian f16 at `offset` of each block."""
-    return torch.from_numpy(np.ascontiguousarray(raw[..., offset:offset + 2]).view(np.float16)[..., 0].astype(np.float32))
+    return torch.from_numpy(np.ascontiguousarray(raw[..., offset:offset + 2]).view(np.float16)[..., 0]
+                            .astype(np.float32))
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -209,7 +214,8 @@ class ActBlocks:
 def _blocked(x: torch.Tensor, size: int, kind: str) -> torch.Tensor:
     """(T, C) -> (T, B, size) f32."""
     if x.shape[-1] % size:
-        raise TracerError(f"act_quant={kind}: a row of {x.shape[-1]} values is not a whole number of {size}-value blocks")
+        raise TracerError(f"act_quant={kind}: a row of {x.shape[-1]} values is not a whole number of "
+                          f"{size}-value blocks")
     return x.to(F32).unflatten(-1, (x.shape[-1] // size, size))
 
 

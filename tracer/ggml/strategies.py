@@ -494,8 +494,10 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         >>> from tracer.sources import bundled_gguf
         >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "f16"}, flags=set(CPU_FLAGS))
         ({'preset': 'llamacpp', 'weights': 'gguf'}, [])
-        >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "q8_0"}, flags={"avx2"})[1]
-        ['this CPU lacks fma, f16c, avx512f, avx512dq: llama.cpp takes other code paths here (exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated']
+        >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "q8_0"},
+        ...                flags={"avx2"})[1]  # doctest: +NORMALIZE_WHITESPACE
+        ['this CPU lacks fma, f16c, avx512f, avx512dq: llama.cpp takes other code paths here (exp, f16 dot products,
+          lane orders) than the AVX2/AVX-512 ones emulated']
     """
     knobs = dict(llamacpp_variant or {})
     variant = {"preset": "llamacpp", "weights": "gguf"}

@@ -8,9 +8,9 @@ Two accumulations of the same quantized operands:
   accumulated over the blocks with one f32 FMA, `acc = fma(d_w*d_x, lane, acc)` (Q5_1:
   `fma(lane, d_w*d_x, acc)`, the same value), the 8 lanes are summed by `hsum_float_8`, and for
   Q4_1/Q5_1 the min terms `m_w * s_x` are summed separately in f32 and added last (both are f16
-  values, so the product is exact and GCC's contraction of `summs += m*s` changes nothing). llamafile's tinyBLAS (`tinyBLAS_Q0_AVX`, taken for Q8_0/Q4_0/Q5_0
-  weights when several rows are multiplied at once) keeps one such 8-lane accumulator per output
-  and the same hsum, so its results are the same numbers.
+  values, so the product is exact and GCC's contraction of `summs += m*s` changes nothing). llamafile's
+  tinyBLAS (`tinyBLAS_Q0_AVX`, taken for Q8_0/Q4_0/Q5_0 weights when several rows are multiplied at
+  once) keeps one such 8-lane accumulator per output and the same hsum, so its results are the same numbers.
 - `f64`: every product and sum exact in f64 (the operands' products fit), rounded to f32 once:
   what any summation order approaches; the regime's noise floor compares the two.
 - `f32`: the same operands through torch's f32 BLAS: another valid f32 summation order, fast.
