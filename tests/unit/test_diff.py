@@ -105,8 +105,10 @@ def test_traces_with_no_point_in_common_are_not_a_match():
         compare(trace({"model.norm": torch.ones(3, 4)}), trace({"lm_head": torch.ones(3, 4)}))
 
 
-def test_an_unknown_engine_is_refused_before_anything_loads(tmp_path):
+def test_an_unknown_engine_is_refused_before_anything_loads(tiny_llama, monkeypatch):
     import tracer
+    from tracer import sources
 
+    monkeypatch.setattr(sources, "resolve_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(TracerError, match="unknown engine 'jax'"):
-        tracer.run(tmp_path / "not-even-a-model", candidate="jax")
+        tracer.run(tiny_llama(), candidate="jax")
