@@ -333,10 +333,10 @@ def _(tmp):
     return run_args(tmp, model(tmp), "--prompt-file", str(tmp / "prompt.txt"), tokens=None), None
 
 
-@row("unknown engine", r"unknown engine 'candle'; engines: hf, reimpl, file:PATH(, [\w:\[\]]+)*")
+@row("unknown engine", r"unknown engine 'jax'; engines: hf, reimpl, file:PATH(, [\w:\[\]]+)*")
 def _(tmp):
     m = model(tmp)
-    return run_args(tmp, m, "--candidate", "candle"), lambda: tracer.run(m, tokens=TOKENS, candidate="candle")
+    return run_args(tmp, m, "--candidate", "jax"), lambda: tracer.run(m, tokens=TOKENS, candidate="jax")
 
 
 @row("reference file that is not a trace", r"cannot read trace .*/notes\.txt: .*")
