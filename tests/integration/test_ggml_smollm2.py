@@ -55,8 +55,8 @@ def test_per_op_on_llama_cpps_inputs_is_exact_here_and_within_1e_4_in_another_or
 def _corrupt(source, target, tensor: str = "blk.7.ffn_down.weight", every: int = 20) -> float:
     """A copy of the GGUF with the first two quants of one block in `every` of `tensor` moved by one
     step each (Q4_1 nibbles, 15 -> 14, else +1): the relative change of that weight."""
-    from tracer.ggml.gguffile import GGUFFile
     from tracer.ggml.quants import from_gguf_bytes
+    from tracer.gguffile import GGUFFile
 
     data = bytearray(source.read_bytes())
     info = GGUFFile(source).tensors[tensor]

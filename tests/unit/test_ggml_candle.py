@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tracer.ggml import candle as emulated
-from tracer.ggml.gguffile import GGUFFile
 from tracer.ggml.quants import from_gguf_bytes
+from tracer.gguffile import GGUFFile
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,7 @@ LAYERS = [
     ("values: traces, results, comparing them", {"tracer.trace", "tracer.result", "tracer.spill",
                                                  "tracer.fingerprint", "tracer.layouts", "tracer.explain",
                                                  "tracer.diff"}),
-    ("model files", {"tracer.cache", "tracer.ggml.gguffile", "tracer.weights", "tracer.tokenizer", "tracer.convert",
+    ("model files", {"tracer.cache", "tracer.gguffile", "tracer.weights", "tracer.tokenizer", "tracer.convert",
                      "tracer.sources", "tracer.config"}),
     ("ggml's arithmetic", {"tracer.ggml", "tracer.ggml."}),
     ("the reimplementation", {"tracer.llama", "tracer.forced_runs"}),

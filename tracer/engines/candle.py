@@ -319,7 +319,7 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     if refused:
         raise TracerError(f"{refused[0]}= changes how config.json is read; candle:{path.name} reads the GGUF's "
                           "metadata (quantized_llama.rs)")
-    from tracer.ggml.gguffile import GGUFFile
+    from tracer.gguffile import GGUFFile
 
     fields = GGUFFile(path).fields  # the metadata first: a family candle's Llama cannot run loads nothing
     refuse_family(str(fields.get("general.architecture", "llama")))  # llama.cpp's architecture names

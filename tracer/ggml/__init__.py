@@ -7,9 +7,13 @@
 - `vecdot`: the quantized matrix products, in `ggml_vec_dot_*`'s accumulation order (x86
   AVX2/AVX-512) or accumulated exactly in f64.
 - `ops`: RMSNorm, RoPE, SwiGLU and flash attention as ggml's CPU backend computes them.
-- `gguffile`: a GGUF file's tensors read lazily (header parsed with `struct`, tensor bytes memory-mapped).
+- `kernels`: the loops whose order is the point (quantized dot products, flash attention's FMA chains,
+  ggml's exp, the Q8 quantizers), compiled by numba.
+- `candle`: candle's quantized CPU arithmetic (`preset=candle-q`).
 - `strategies`: the strategies `tracer.llama` runs for the regime knobs (`weights`, `act_quant`,
   `kv_cache`, `accumulate`, `preset=llamacpp`), and GGUF weights read as stored.
+
+GGUF files themselves are read by `tracer.gguffile` (a model-file job, below this package).
 
 Every function is pure, takes and returns torch tensors, and names the ggml source it follows.
 """

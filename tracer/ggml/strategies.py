@@ -114,7 +114,7 @@ class GGUFWeights(Mapping):
     as stored: llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
 
     def __init__(self, path: Path):
-        from tracer.ggml.gguffile import GGUFFile
+        from tracer.gguffile import GGUFFile
 
         self.file = GGUFFile(path)
         self.names = {name: info for info in self.file.tensors.values() if (name := hf_name(info.name))}
