@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tracer.aliases import GGUF
 from tracer.errors import TracerError
@@ -162,8 +163,15 @@ def _head_dim(file) -> int:
     return int(file.number(f"{arch}.embedding_length")) // int(file.number(f"{arch}.attention.head_count"))
 
 
+# source tensor -> {kind: its Blocks}: the variants of one sweep or diagnosis that share a weight
+# format (weights=q4_1 with and without act_quant, preset=candle-q,weights=q4_1) quantize it once,
+# and the blocks go when the weights read for them do.
+_QUANTIZED = WeakIdKeyDictionary()
+
+
 class QuantizedWeights(Mapping):
-    """The loaded weights with every projection quantized to `kind` on first access (cached)."""
+    """The loaded weights with every projection quantized to `kind` on first access (cached with
+    the tensor it was quantized from)."""
 
     def __init__(self, weights: Mapping, kind: str):
         self.weights, self.kind, self.cache = weights, kind, {}
@@ -172,7 +180,11 @@ class QuantizedWeights(Mapping):
         if not name.endswith(tuple(p + ".weight" for p in PROJECTIONS)):
             return self.weights[name]
         if name not in self.cache:
-            self.cache[name] = quantize(self.weights[name].to(F32), self.kind)
+            source = self.weights[name]
+            formats = _QUANTIZED.setdefault(source, {})
+            if self.kind not in formats:
+                formats[self.kind] = quantize(source.to(F32), self.kind)
+            self.cache[name] = formats[self.kind]
         return self.cache[name]
 
     def shapes(self):
