@@ -2,8 +2,15 @@
 attention function. Every hook and registration is removed on exit, even when the forward raises.
 """
 
-from tracer.hooks.attention import recording_attention
-from tracer.hooks.engine import HFEngine
-from tracer.hooks.modules import recording_modules
+import importlib
 
 __all__ = ["HFEngine", "recording_attention", "recording_modules"]
+_HOMES = {"HFEngine": "tracer.hooks.engine", "recording_attention": "tracer.hooks.attention",
+          "recording_modules": "tracer.hooks.modules"}
+
+
+def __getattr__(name: str):
+    # Lazy: loading the hf engine checks the model's files before transformers is imported.
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'tracer.hooks' has no attribute {name!r}")

@@ -25,7 +25,6 @@ from tracer.config import LlamaSpec, config_reading, load_config, read_hf, varia
 from tracer.engines.base import is_loaded_model, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
-from tracer.hooks.attention import recording_attention, unobservable_points
 from tracer.hooks.modules import recording_modules
 from tracer.points import model_points
 from tracer.torch_types import TORCH_DTYPES
@@ -64,6 +63,8 @@ class HFEngine:
 
     def record(self, tokens: list[int], recorder=None) -> Trace:
         """Every point of one forward; `recorder` (default in memory) may spill to disk instead."""
+        from tracer.hooks.attention import recording_attention, unobservable_points
+
         recorder = recorder if recorder is not None else TraceRecorder()
         names = {module: name for name, module in self.model.named_modules()}
         implementation = self.model.config._attn_implementation
@@ -126,16 +127,16 @@ def load(source, variant: dict, *, argument: str | None = None, device: torch.de
 def _load(model_dir, variant: dict, offload=None):
     """from_pretrained with the variant's config-level knobs applied before the weights load (and,
     with `offload`, accelerate's device_map="auto" placement)."""
-    import transformers
-    from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
-
     from tracer.weights import check_weight_files
 
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
-    # default (hidden_size 4096); our readers name the file or the key in one line first.
+    # default (hidden_size 4096); our readers name the file or the key in one line first, before
+    # transformers is even imported (seconds a user's typo does not need to wait).
     family = families.get(read_hf(load_config(model_dir)).family)
     check_weight_files(model_dir)
+    import transformers
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except Exception as exc:  # noqa: BLE001 - e.g. "use_cache": "yes", a key our readers do not use
