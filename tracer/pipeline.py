@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from tracer import greedy
+from tracer import greedy, reference_cache
 from tracer.diff import compare, rel_l2_by_point
 from tracer.engines.base import check_device, environment, is_loaded_model
 from tracer.engines.load import check_engine_name, load_engine
@@ -155,19 +155,28 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         greedy_steps = greedy.default_steps(len(ids))
         if not greedy_steps:
             notes.append(f"no greedy continuation for a {len(ids)}-token prompt (pass greedy=N to force)")
+    key = None if is_loaded_model(source) else reference_cache.entry_key(
+        source, ids, engine=reference, variant=reference_variant, placement=repr(placement),
+        noise_floor=noise_floor, greedy_steps=greedy_steps)
+    kept = reference_cache.load(key) if key is not None else None
     with spill_folder(len(ids)) as sink:
         with timed(timings, "reference_s"):
             stage("reference")
             trace = engine.record(ids, sink("reference"))
-        with timed(timings, "noise_s"):
-            stage("noise floor")
-            noise, noise_notes = reference_noise(source, reference, reference_variant, engine, trace, sink) \
-                if noise_floor else (None, [])
-        with timed(timings, "reference_greedy_s"):
-            stage("reference greedy")
-            reference_greedy = greedy.continuation(engine, ids, greedy_steps,
-                                                   guess=greedy.draft(engine, ids, greedy_steps)) \
-                if greedy_steps else None
+        if kept is not None:
+            noise, noise_notes, reference_greedy = kept["noise"], kept["noise_notes"], kept["greedy"]
+            notes.append("noise floor and reference greedy continuation read from the cache (an earlier run "
+                         "of this model and these tokens measured them)")
+        else:
+            with timed(timings, "noise_s"):
+                stage("noise floor")
+                noise, noise_notes = reference_noise(source, reference, reference_variant, engine, trace, sink) \
+                    if noise_floor else (None, [])
+            with timed(timings, "reference_greedy_s"):
+                stage("reference greedy")
+                reference_greedy = greedy.continuation(engine, ids, greedy_steps,
+                                                       guess=greedy.draft(engine, ids, greedy_steps)) \
+                    if greedy_steps else None
         yield Prepared(
             source=source, ids=ids, prompt=inputs.text, chat=chat_info,
             reference=reference, engine=engine, variant=reference_variant, trace=trace, noise=noise,
@@ -175,6 +184,8 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
             detokenize=detokenizer(source), sink=sink, device=str(device), stream=stream, offload=offload,
             notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings,
         )
+    if key is not None and kept is None:  # kept only once the run has succeeded: a failed run writes nothing
+        reference_cache.store(key, {"noise": noise, "noise_notes": noise_notes, "greedy": reference_greedy})
 
 
 def prepared_from_trace(trace: Trace, tolerance: Tolerance | None = None, tokens: list[int] | None = None) -> Prepared:

@@ -111,8 +111,8 @@ LAYERS = [
     ("ggml's arithmetic", {"tracer.ggml", "tracer.ggml."}),
     ("the reimplementation", {"tracer.llama", "tracer.forced_runs"}),
     ("engines", {"tracer.engines", "tracer.engines.", "tracer.hooks", "tracer.hooks."}),
-    ("pipeline", {"tracer.request", "tracer.noise_floor", "tracer.greedy", "tracer.catalogue", "tracer.pipeline",
-                  "tracer.regime_view"}),
+    ("pipeline", {"tracer.request", "tracer.noise_floor", "tracer.reference_cache", "tracer.greedy",
+                  "tracer.catalogue", "tracer.pipeline", "tracer.regime_view"}),
     ("api and cli", {"tracer.arguments", "tracer.api", "tracer.testing", "tracer.cli", "tracer.__main__"}),
 ]
 
