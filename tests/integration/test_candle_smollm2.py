@@ -21,8 +21,6 @@ from tracer.points import layer_point
 
 from .test_ggml_smollm2 import PROMPT_IDS, _corrupt
 
-pytestmark = pytest.mark.integration
-
 CANDLE_Q = {"preset": "candle-q", "weights": "gguf"}
 
 

@@ -14,7 +14,6 @@ import torch
 import tracer
 from tests.unit.test_structure import modules
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 

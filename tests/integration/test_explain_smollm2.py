@@ -57,6 +57,16 @@ def test_diagnose_names_the_mistake_a_recorded_trace_makes(default_model, tmp_pa
     assert result.best["score"] > 0.9
 
 
+# Next to the other diagnoses: the catalogue runs once for the four (tracer.api's catalogue rows).
+def test_diagnose_ranks_q4_1_weights_with_q8_1_activations_first(default_model, tmp_path):
+    observed = tracer.record(default_model, PROMPT, engine="reimpl", variant="weights=q4_1,act_quant=q8_1",
+                             progress=False)
+    diagnosis = tracer.diagnose(observed.save(tmp_path / "port.safetensors"), default_model, progress=False)
+    assert diagnosis.best["variant"] == "weights=q4_1,act_quant=q8_1"
+    assert diagnosis.best["score"] == pytest.approx(1.0)
+    assert diagnosis.ranking[1]["score"] < 0.99  # measured 0.93
+
+
 def test_kv_repeat_tile_differs_only_in_heads_whose_kv_head_moves(default_model):
     result = tracer.run(default_model, PROMPT, variant="kv_repeat=tile", greedy=0)
     first = result.first_divergence

@@ -1,15 +1,12 @@
 """The bundled SmolLM2 after the families came in: still a Llama, traced bitwise alike by both
 engines, and its sweep is the one it always was (no family knob of another family in it)."""
 
-import pytest
 import torch
 
 import tracer
 from tracer.catalogue import default_variants
 from tracer.config import load_config, read_hf
 from tracer.points import all_points
-
-pytestmark = pytest.mark.integration
 
 PROMPT = "The capital of France is"
 SMOLLM2_SWEEP = ["theta=10000", "eps=1e-3", "attn=sdpa", "dtype=bf16", "rope=interleaved", "rope_scaling=drop",

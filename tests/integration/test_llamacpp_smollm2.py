@@ -12,7 +12,6 @@ import pytest
 
 import tracer
 
-pytestmark = pytest.mark.integration
 PROJECTIONS = {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}
 
 

@@ -9,8 +9,6 @@ import tracer
 from tracer.catalogue import default_variants
 from tracer.config import load_config, read_hf
 
-pytestmark = pytest.mark.integration
-
 
 def test_every_default_sweep_row_names_the_first_divergence_run_names(default_model):
     variants = default_variants(read_hf(load_config(default_model)))

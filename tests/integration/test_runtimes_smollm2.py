@@ -9,8 +9,6 @@ import pytest
 import tracer
 from tracer.points import all_points, layer_point
 
-pytestmark = pytest.mark.integration
-
 PROMPT = "The capital of France is"
 
 

@@ -17,7 +17,6 @@ from tests.dumps import transformer_lens_4_names
 
 pytest.importorskip("transformer_lens")
 
-pytestmark = pytest.mark.integration
 
 PROMPT = "The capital of France is"
 
