@@ -8,6 +8,7 @@ folder.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tracer.catalogue import default_variants, diagnosis_variants, split_variants
@@ -386,12 +387,13 @@ _CATALOGUE_ROWS: dict[tuple, list] = {}
 
 
 def catalogue_key(prepared, placement: Placement, tried: list[dict]) -> tuple | None:
-    """What the catalogue's rows depend on: the model's files as they are on disk now (path, size,
-    modification time), the tokens, the placement and the variants; None for a loaded model."""
+    """What the catalogue's rows depend on: the model's files as they are on disk now (size, mtime,
+    ctime, inode of each), the tokens, the placement and the variants; None for a loaded model."""
     if prepared.source is None or not isinstance(prepared.source, Path):
         return None
-    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(prepared.source.iterdir())
-                  if f.is_file())
+    from tracer.reference_cache import folder_state
+
+    files = json.dumps(folder_state(prepared.source), sort_keys=True)
     return (str(prepared.source.resolve()), files, tuple(prepared.ids), repr(placement),
             tuple(variant_text(knobs) for knobs in tried))
 
