@@ -3,13 +3,16 @@
     python bench/bench.py            # full: 512 tokens, 5 repeats, whole-run timings
     python bench/bench.py --quick    # CI-sized: 256 tokens, 3 repeats (well under two minutes)
     python bench/bench.py --threads 1   # steadier figures on a small, busy machine
+    python bench/bench.py --whole-run   # only `tracer run` as a process against a bare transformers script
 
 Prints a table and writes it to bench/results.md (the machine is named in it). Each timing is
 the best of the repeats after one warm-up (as `timeit` reports: what else runs on the machine
 only ever adds time). Each in-process measure is timed in rounds alternating with a plain eager
 forward of the same loaded model, and its ratio divides by that forward's time from the same
-rounds, so that the machine's speed, and its drift, cancel out; the whole run is timed the same
-way against a bare transformers script. A sweep's cost per variant is given in the same unit.
+rounds, so that the machine's speed, and its drift, cancel out. The whole run is timed as a
+process against a bare transformers script, medians of alternating rounds, with the reference's
+noise floor and greedy continuation cached by an earlier run and without. A sweep's cost per
+variant is given in the same unit.
 
 The runtime engines (mlx, onnx; where installed) are each timed against their own runtime's
 plain forward instead, in the same alternating rounds: ORT running the plain export (the logits
@@ -364,8 +367,15 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     return rows
 
 
-def whole_run(model_dir: Path, repeats: int) -> dict[str, float]:
-    """Seconds for `tracer run --variant theta=10000` as a process vs a bare transformers script."""
+def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:
+    """`tracer run --variant theta=10000` as a process against a bare transformers script (import,
+    load, one forward): (median seconds, median ratio) of alternating rounds, with the reference's
+    noise floor and greedy continuation in the cache (every run after the first of a model and
+    prompt) and without them (the first run: this prompt's entry removed before each round)."""
+    from tracer.pipeline import token_ids
+    from tracer.reference_cache import entry_key, entry_path
+    from tracer.request import Placement
+
     bare = (
         "import torch, transformers; from transformers import LlamaForCausalLM, AutoTokenizer\n"
         f"m = LlamaForCausalLM.from_pretrained({str(model_dir)!r}, attn_implementation='eager').eval()\n"
@@ -374,15 +384,27 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, float]:
         "with torch.inference_mode(): m(ids)\n"
     )
     out = HERE / ".bench-report"
-    commands = {
-        "bare script: import transformers, load, one forward": [sys.executable, "-c", bare],
-        "tracer run --variant theta=10000 (report written)": [
-            sys.executable, "-m", "tracer", "run", "--model", str(model_dir), "--variant", "theta=10000",
-            "--out", str(out), "--json", str(HERE / ".bench-summary.json")],
-    }
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return best_times({name: lambda cmd=cmd: subprocess.run(cmd, check=True, capture_output=True, env=env)
-                       for name, cmd in commands.items()}, repeats)
+    command = [sys.executable, "-m", "tracer", "run", "--model", str(model_dir), "--variant", "theta=10000",
+               "--out", str(out), "--json", str(HERE / ".bench-summary.json")]
+    ids, _ = token_ids(model_dir, "The capital of France is")
+    entry = entry_path(entry_key(model_dir, ids, engine="hf", variant={}, placement=repr(Placement()),
+                                 noise_floor=True, greedy_steps=20))
+
+    def process(cmd):
+        return subprocess.run(cmd, check=True, capture_output=True, env=env)
+
+    def first_run():
+        entry.unlink(missing_ok=True)
+        process(command)
+
+    baseline = functools.partial(process, [sys.executable, "-c", bare])
+    seconds = median_ratio(baseline, baseline, repeats)[0]
+    return {"bare script: import transformers, load, one forward": (seconds, 1.0),
+            "tracer run --variant theta=10000 (report written), reference measurements cached":
+                median_ratio(functools.partial(process, command), baseline, repeats),
+            "the same, first run of this model and prompt (noise floor and reference greedy measured)":
+                median_ratio(first_run, baseline, repeats)}
 
 
 def table(timings: dict[str, tuple[float, float] | str]) -> list[str]:
@@ -392,10 +414,6 @@ def table(timings: dict[str, tuple[float, float] | str]) -> list[str]:
         rows.append(f"| {name} | {entry} | |" if isinstance(entry, str)
                     else f"| {name} | {entry[0]:.3f} | {entry[1]:.2f}× |")
     return rows
-
-
-def ratios(timings: dict[str, float], baseline: str) -> dict[str, tuple[float, float]]:
-    return {name: (seconds, seconds / timings[baseline]) for name, seconds in timings.items()}
 
 
 def main() -> None:
@@ -408,6 +426,8 @@ def main() -> None:
                                                         f"quick {MLX_TOKENS_QUICK}: MLX's CPU build is slow)")
     parser.add_argument("--engines-only", action="store_true", help="only the runtime engines' rows")
     parser.add_argument("--regimes", action="store_true", help="only the number-format regime rows")
+    parser.add_argument("--whole-run", action="store_true", help="only `tracer run` as a process against the bare "
+                        "transformers script")
     parser.add_argument("--candle", action="store_true", help="only the candle engine's rows and candle's regime")
     parser.add_argument("--exact-tokens", type=int, nargs="+", default=list(EXACT_REGIME_TOKENS),
                         help="prompt lengths of the bit-exact regime rows (default 64 512 2048)")
@@ -422,6 +442,9 @@ def main() -> None:
     repeats = 3 if args.quick else 5
     mlx_count = args.mlx_tokens or (MLX_TOKENS_QUICK if args.quick else MLX_TOKENS)
     tokens = bench_tokens(model_dir, count)
+    if args.whole_run:
+        print("\n".join(table(whole_run(model_dir, 5 if not args.quick else 3))))
+        return
     if args.candle:
         rows = candle_rows(model_dir, tokens, repeats) or {"candle-nn": "not installed"}
         candle_regime = regimes(model_dir, tokens, repeats, (64,), candle_only=True)
@@ -440,11 +463,11 @@ def main() -> None:
              ""]
     if not args.engines_only:
         forward, missing = in_process(model_dir, tokens, repeats)
-        runs = whole_run(model_dir, 1 if args.quick else 3)
+        runs = whole_run(model_dir, 3)
         lines += table(forward) + [""]
         if missing:
             lines += [f"Not installed, so not measured: {', '.join(missing)}.", ""]
-        lines += table(ratios(runs, "bare script: import transformers, load, one forward")) + [""]
+        lines += table(runs) + [""]
     engine_rows, engines_missing = runtime_engines(
         model_dir, {"onnx": tokens, "mlx": bench_tokens(model_dir, mlx_count)}, repeats)
     lines += ["Runtime engines, each against its own runtime's plain forward in alternating rounds:", ""] + engine_rows
