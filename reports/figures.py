@@ -571,8 +571,8 @@ def report_images(summary) -> dict[str, bytes]:
     """Every figure of a report as PNG bytes by file name (a failed run's figures say why).
 
     Drawing is Python holding the GIL (text layout, mostly): where the machine has a second core,
-    the curve is drawn by a forked child while this process draws the others (1.1 s -> 0.7 s for
-    the default run's three figures on 2 cores)."""
+    the curve is drawn by a forked child while this process draws the others (docs/measured.md
+    has the time it saves)."""
     summary = as_summary(summary)
     drawers = {"curve.png": curve_figure}
     if breakdowns(summary):  # where the error starts, right under where it shows

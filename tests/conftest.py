@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 # The suite's workers (pytest-xdist) share the machine's cores: each worker, and every process it
-# starts, takes its share of threads. Two workers of two OpenMP threads each on two cores spin-wait
-# on one another (measured: the ggml and explain integration files, 185 s -> 120 s).
+# starts, takes its share of threads: two workers of two OpenMP threads each on two cores spin-wait
+# on one another (docs/measured.md has the time it costs).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
