@@ -574,16 +574,18 @@ def report_images(summary) -> dict[str, bytes]:
     the curve is drawn by a forked child while this process draws the others (docs/measured.md
     has the time it saves)."""
     summary = as_summary(summary)
-    drawers = {"curve.png": curve_figure}
-    if breakdowns(summary):  # where the error starts, right under where it shows
-        drawers["breakdown.png"] = breakdown_figure
-    drawers["heatmap.png"] = layer_heatmap_figure
-    child = _forked(lambda: figure_png(curve_figure(summary)))
+
+    def png(draw) -> bytes:
+        return figure_png(draw(summary))
+
+    others = {"breakdown.png": breakdown_figure} if breakdowns(summary) else {}  # where the error starts
+    others["heatmap.png"] = layer_heatmap_figure
+    child = _forked(lambda: png(curve_figure))
     try:
-        images = {name: figure_png(draw(summary)) for name, draw in drawers.items() if name != "curve.png"}
+        images = {name: png(draw) for name, draw in others.items()}
     finally:
         curve = _collect(child) if child is not None else None
-    return {"curve.png": curve if curve is not None else figure_png(curve_figure(summary)), **images}
+    return {"curve.png": curve if curve is not None else png(curve_figure), **images}
 
 
 def _forked(make_bytes):

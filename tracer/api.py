@@ -389,7 +389,7 @@ _CATALOGUE_ROWS: dict[tuple, list] = {}
 def catalogue_key(prepared, placement: Placement, tried: list[dict]) -> tuple | None:
     """What the catalogue's rows depend on: the model's files as they are on disk now (size, mtime,
     ctime, inode of each), the tokens, the placement and the variants; None for a loaded model."""
-    if prepared.source is None or not isinstance(prepared.source, Path):
+    if not isinstance(prepared.source, Path):
         return None
     from tracer.reference_cache import folder_state
 

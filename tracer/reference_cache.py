@@ -17,6 +17,7 @@ be written is not kept (a read-only cache costs time, never a wrong answer). No 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -24,7 +25,9 @@ from pathlib import Path
 from tracer.cache import stats
 
 FORMAT = 1
-_SOURCE = Path(__file__).resolve().parent
+# tracer's own code, whose edits change what it measures: the package and the hf engine's
+# `tracer.hooks` (a folder of its own in a source checkout, inside the package in a wheel).
+_SOURCES = ("tracer", "tracer.hooks")
 
 
 def folder_state(folder: Path) -> dict[str, list[int]]:
@@ -37,12 +40,13 @@ def entry_key(model_dir: Path, tokens: list[int], **context) -> dict:
     (engine, variant, placement, what was asked for), with the versions that shape the numbers."""
     from tracer.convert import package_version
 
-    code = {str(p.relative_to(_SOURCE)): s for p, s in
-            ((p, p.stat()) for p in sorted(_SOURCE.rglob("*.py")))}
+    folders = {Path(location).resolve() for name in _SOURCES
+               for location in importlib.util.find_spec(name).submodule_search_locations}
+    code = {str(path): [path.stat().st_size, path.stat().st_mtime_ns]
+            for folder in sorted(folders) for path in sorted(folder.rglob("*.py"))}
     return {"format": FORMAT, "model": str(model_dir.resolve()), "files": folder_state(model_dir),
             "tokens": list(tokens), "context": context,
-            "versions": {name: package_version(name) for name in ("torch", "transformers")},
-            "tracer": {name: [s.st_size, s.st_mtime_ns] for name, s in code.items()}}
+            "versions": {name: package_version(name) for name in ("torch", "transformers")}, "tracer": code}
 
 
 def entry_path(key: dict) -> Path:
