@@ -1,10 +1,11 @@
 """Every mistake a user can make, through the real CLI: one line, exit code 2, nothing written.
 
-Each row builds a bad input on a tiny model, runs `python -m tracer ...` in a fresh process and
-checks what a user sees: stderr is exactly one line "tracer: error: <message>" (no traceback),
-stdout is empty, the exit code is 2, and the folder the command was told to write into holds
-nothing new (no report, no partial trace, no temporary folder). The same message comes from the
-Python API as a `TracerError`, and with `--json -` stdout is exactly one JSON object saying it.
+Each row builds a bad input on a tiny model, runs `tracer ...` in a fresh process (forked from a
+server that has imported tracer, torch and transformers: tests/warm_cli.py) and checks what a user
+sees: stderr is exactly one line "tracer: error: <message>" (no traceback), stdout is empty, the
+exit code is 2, and the folder the command was told to write into holds nothing new (no report,
+no partial trace, no temporary folder). The same message comes from the Python API as a
+`TracerError`, and with `--json -` stdout is exactly one JSON object saying it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
+from tests.warm_cli import Started, run_cli
 from tracer.cli import main
 from tracer.config import HF_ACTIVATIONS
 from tracer.errors import TracerError
@@ -445,10 +445,6 @@ def screen_lines(raw: bytes) -> list[str]:
     return [line for line in shown if line]
 
 
-def cli_command(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "tracer", *args]
-
-
 @dataclass
 class Outcome:
     folder: Path
@@ -462,8 +458,7 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict[str, Outcome | BaseException]:
-    """Every row through the real CLI, a few fresh processes at a time (each pays the torch and
-    transformers imports; run one after another they would take minutes)."""
+    """Every row through the real CLI, a fresh process each, as many at a time as there are cores."""
     prepared = {}
     for case in ROWS:
         folder = tmp_path_factory.mktemp("row")
@@ -479,14 +474,13 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome | BaseException]:
     pending = [(name, item) for name, item in prepared.items() if not isinstance(item, BaseException)]
     running: list = []
     while pending or running:
-        while pending and len(running) < 4:
+        while pending and len(running) < (os.cpu_count() or 1):
             name, (folder, args, api_calls, before) = pending.pop(0)
-            env = {**os.environ, "TRACER_CACHE": str(folder / "cache")}
-            process = subprocess.Popen(cli_command(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-            running.append((name, folder, api_calls, before, process))
-        name, folder, api_calls, before, process = running.pop(0)
-        stdout, stderr = process.communicate(timeout=600)
-        results[name] = Outcome(folder, api_calls, process.returncode, stdout, stderr, before, snapshot(folder))
+            child = Started(args, env={**os.environ, "TRACER_CACHE": str(folder / "cache")})
+            running.append((name, folder, api_calls, before, child))
+        name, folder, api_calls, before, child = running.pop(0)
+        returncode, stdout, stderr = child.finish()
+        results[name] = Outcome(folder, api_calls, returncode, stdout, stderr, before, snapshot(folder))
     return results
 
 
@@ -545,10 +539,10 @@ def test_an_error_leaves_a_previous_report_untouched(tmp_path, capsys):
 def test_json_file_that_cannot_be_written_is_one_line(tmp_path):
     m = write_tiny_llama(tmp_path / "model")
     target = tmp_path / "missing" / "r.json"
-    proc = subprocess.run(cli_command(["run", "--model", str(m), "--tokens", TOKEN_ARG, "--reference", "reimpl",
-                                       "--greedy", "0", "--no-report", "--json", str(target)]), capture_output=True)
-    assert proc.returncode == 2 and b"Traceback" not in proc.stderr
-    assert screen_lines(proc.stderr) == [f"{ERROR_PREFIX}--json {target}: no folder {target.parent}"]
+    code, _, stderr = run_cli(["run", "--model", str(m), "--tokens", TOKEN_ARG, "--reference", "reimpl",
+                               "--greedy", "0", "--no-report", "--json", str(target)])
+    assert code == 2 and b"Traceback" not in stderr
+    assert screen_lines(stderr) == [f"{ERROR_PREFIX}--json {target}: no folder {target.parent}"]
 
 
 def test_user_text_is_escaped_in_the_html_report(tmp_path):
