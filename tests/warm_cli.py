@@ -1,8 +1,8 @@
 """The CLI in a fresh process that does not pay torch's and transformers' imports each time.
 
 A forkserver imports tracer's CLI and API, torch and transformers once and runs nothing; every
-call forks a child from it that calls `tracer.cli.main` with its own argv, environment and
-stdout/stderr pipes, and exits with main's code, as `python -m tracer` would. Each child starts
+call forks a child from it that runs the `tracer` command's entry point with its own argv, environment and
+stdout/stderr pipes, and exits with its code, as `python -m tracer` would. Each child starts
 from the same clean state (nothing it does reaches the next), so a table of user errors checks what
 a user sees at a fraction of the cost of a new interpreter per row (~0.3 s instead of 2.5-7 s).
 `tests/unit/test_cli.py` keeps a run of the real `python -m tracer` entry point.
@@ -32,9 +32,9 @@ def _child(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> No
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     sys.argv = ["tracer", *args]
-    from tracer.cli import main
+    from tracer.cli import console_main
 
-    code = main(args)
+    code = console_main()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # as the interpreter would exit after `python -m tracer`, without multiprocessing's epilogue

@@ -1,5 +1,5 @@
 import sys
 
-from tracer.cli import main
+from tracer.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

@@ -293,5 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console_main() -> int:
+    """The `tracer` command: `main` in a process of its own, whose allocator it may tune."""
+    from tracer.allocator import reuse_freed_memory
+
+    reuse_freed_memory()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())
