@@ -37,7 +37,7 @@ def test_pyproject_lists_every_package_folder():
 def test_the_distribution_name_is_not_the_unrelated_tracer_on_the_index():
     project = pyproject()["project"]
     assert project["name"] == "llm-divergence-tracer"
-    assert project["scripts"]["tracer"] == "tracer.cli:main"
+    assert project["scripts"]["tracer"] == "tracer.cli:console_main"
     for extra in project["optional-dependencies"]["runtimes"]:
         assert extra.startswith(project["name"] + "[")
 
