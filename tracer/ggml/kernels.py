@@ -3,9 +3,10 @@ code, at the speed of a loop that keeps each output's 8 lane accumulators in reg
 
 Why compiled: ggml accumulates every output's 8 lanes by one f32 FMA per 32-value block, a chain
 that no BLAS call can reorder. In tensor ops that chain is B elementwise passes over (8, T, R), plus
-the lane dot products of inner length 4 (~12x a plain forward on SmolLM2). numba compiles these
-loops with LLVM, which numba ships (no C compiler at run time); the compiled code is cached on disk
-(`cache=True`), so only the first run on a machine pays the compilation (~10 s).
+the lane dot products of inner length 4, an order of magnitude slower than a plain forward.
+numba compiles these loops with LLVM, which numba ships (no C compiler at run time); the compiled
+code is cached on disk (`cache=True`), so only the first run on a machine pays the compilation
+(docs/measured.md has both costs).
 
 Exactness does not depend on how LLVM vectorises: the lane sums are integer, the FMA is LLVM's
 `llvm.fma.f32` (one rounding, a hardware FMA or the C library's `fmaf`), and numba does not

@@ -14,7 +14,7 @@ Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
 - `ops`: hf | ggml: embedding, RMSNorm, RoPE, SwiGLU and attention as transformers or as ggml's
   CPU backend computes them (`tracer.ggml.ops`).
 - `accumulate`: ggml | f32 | f64: the quantized matmuls, RoPE, SwiGLU and attention in ggml's own
-  order (bit-exact on x86, ~2-3x a plain forward: `tracer.ggml.kernels`), or with the matmuls through torch's BLAS in
+  order (bit-exact on x86, compiled: `tracer.ggml.kernels`), or with the matmuls through torch's BLAS in
   f32 (another valid order, fast) or f64 (exact) and the rest exact in f64, rounded once (see
   `tracer.noise_floor.regime_noise`).
 - `flash_attn`: on | auto | off: with ops=ggml, llama.cpp's flash attention (auto is on for its
