@@ -370,7 +370,9 @@ def diagnose_values(trace, inputs: Inputs, placement: Placement = Placement(), *
         rows = _CATALOGUE_ROWS.get(key) if key is not None else None
         if rows is None:
             load_candidate = candidate_loader("reimpl", prepared)
-            rows = [sweep_row(prepared, load_candidate, knobs) for knobs in tried]
+            # Without local errors: the observed trace has none (a file cannot rerun a block), so
+            # both sides' first divergences are where the total error leaves the floor.
+            rows = [sweep_row(prepared, load_candidate, knobs, local=False) for knobs in tried]
             _CATALOGUE_ROWS.clear()  # the last catalogue only: its rows hold every point's comparison
             if key is not None:
                 _CATALOGUE_ROWS[key] = rows

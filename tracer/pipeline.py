@@ -200,10 +200,10 @@ def prepared_from_trace(trace: Trace, tolerance: Tolerance | None = None, tokens
 
 
 def compare_candidate(prepared: Prepared, engine, *, command: str | None = None, notes: tuple[str, ...] = (),
-                      config_audit: dict | None = None, trace: Trace | None = None) -> Result:
+                      config_audit: dict | None = None, trace: Trace | None = None, local: bool = True) -> Result:
     """Record `engine` on the prepared tokens (or take its `trace` of them, already recorded) and
-    compare it with the reference: the `Result`, with local errors, greedy continuations and the
-    run's context attached."""
+    compare it with the reference: the `Result`, with local errors (unless `local` is False),
+    greedy continuations and the run's context attached."""
     check_tokens(prepared.ids, engine)
     timings = dict(prepared.timings)
     with timed(timings, "candidate_s"):
@@ -211,8 +211,8 @@ def compare_candidate(prepared: Prepared, engine, *, command: str | None = None,
         if trace is None:
             trace = engine.record(prepared.ids, prepared.sink("candidate"))
     with timed(timings, "local_s"):
-        local = local_errors(engine, prepared.trace, prepared.sink("local"))
-    result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=local)
+        errors = local_errors(engine, prepared.trace, prepared.sink("local")) if local else None
+    result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=errors)
     with timed(timings, "greedy_s"):
         stage("greedy")
         continuations = greedy_comparison(prepared, engine, prepared.tolerance)
@@ -273,12 +273,14 @@ def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], obj
                                      offload=offload_for(candidate, prepared.offload))
 
 
-def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], object], knobs: dict) -> SweepRow:
-    """One variant against the prepared reference; a variant that fails to load is a row with its error."""
+def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], object], knobs: dict, *,
+              local: bool = True) -> SweepRow:
+    """One variant against the prepared reference; a variant that fails to load is a row with its error.
+    `local`: with local errors (the first divergence localized by them), as `tracer.run` does."""
     started = time.perf_counter()
     label = variant_text(knobs)
     try:
-        result = compare_candidate(prepared, load_candidate(knobs), config_audit=None)
+        result = compare_candidate(prepared, load_candidate(knobs), config_audit=None, local=local)
     except TracerError as exc:
         return SweepRow(label, knobs, "error", error=str(exc), seconds=time.perf_counter() - started)
     curve = tuple({key: p.to_dict().get(key) for key in ("point", "layer", "rel_l2", "threshold", "diverged")}
