@@ -1,10 +1,10 @@
 """The CLI in a fresh process that does not pay torch's and transformers' imports each time.
 
-A forkserver imports tracer's CLI and API, torch and transformers once and runs nothing; every
-call forks a child from it that runs the `tracer` command's entry point with its own argv, environment and
-stdout/stderr pipes, and exits with its code, as `python -m tracer` would. Each child starts
+A forkserver imports tracer's CLI and API, torch and transformers once and runs nothing; every call
+forks a child from it that runs the `tracer` command's entry point with its own argv, environment
+and stdout/stderr files, and exits with its code, as `python -m tracer` would. Each child starts
 from the same clean state (nothing it does reaches the next), so a table of user errors checks what
-a user sees at a fraction of the cost of a new interpreter per row (~0.3 s instead of 2.5-7 s).
+a user sees without a new interpreter per row (docs/measured.md has the time it saves).
 `tests/unit/test_cli.py` keeps a run of the real `python -m tracer` entry point.
 """
 

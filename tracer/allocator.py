@@ -8,8 +8,8 @@ tokens the page faults cost more than the arithmetic (docs/measured.md has the f
 threshold raised, freed blocks stay in the heap and the next op reuses them; the top of the heap is
 still returned to the kernel past `TRIM_BYTES`, so an idle process does not hold a whole trace.
 
-The CLI calls `reuse_freed_memory()` for its process (and the test suite for its workers); a
-library import never changes the allocator of the process it is imported into.
+The `tracer` command (`tracer.cli.console_main`) calls `reuse_freed_memory()` for its own process;
+a library import never changes the allocator of the process it is imported into.
 """
 
 from __future__ import annotations
