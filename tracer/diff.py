@@ -17,7 +17,7 @@ import torch
 from tracer.errors import TracerError
 from tracer.points import FINAL_LOGITS, LOGITS, causal_allowed, is_causal, layer_of
 from tracer.result import PointDiff, Result, Tolerance
-from tracer.trace import Trace
+from tracer.trace import Trace, kept
 
 CHUNK = 1 << 16  # values per f64 chunk when reducing a point's metrics: 512 kB, in cache
 
@@ -126,6 +126,25 @@ def rel_l2_by_point(reference: Trace, other: Trace) -> dict[str, float]:
     """Per point both traces hold, the rel_l2 of `other` against `reference` (noise floors, local
     errors, a regime's cost, per-op errors)."""
     return {p.point: p.rel_l2 for p in compare_points(reference, other, Tolerance()) if p.recorded}
+
+
+class ErrorRecorder:
+    """A recorder that keeps no tensors: each point's rel_l2 against `reference`, computed as the
+    forward produces it (`rel_l2_by_point` of a run that is never stored).
+
+    For the runs whose points are wanted only as errors (the f64 noise run, the teacher-forced local
+    run, a forced run in f64): nothing is held in memory or written to disk, however long the prompt.
+    """
+
+    def __init__(self, reference: Trace):
+        self.reference = reference
+        self.rel_l2: dict[str, float] = {}
+        self.tensors: dict[str, torch.Tensor] = {}  # stays empty: the engines return a Trace of it
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.reference:
+            pair = last_rows_if_one_side_kept_one(name, self.reference[name], kept(name, tensor))
+            self.rel_l2[name] = compare_point(name, *pair, Tolerance()).rel_l2
 
 
 def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> list[str]:

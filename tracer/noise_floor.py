@@ -22,17 +22,17 @@ Measured figures (SmolLM2, preset=llamacpp): docs/regimes.md, "The noise floor i
 
 from __future__ import annotations
 
-from tracer.diff import rel_l2_by_point
+from tracer.diff import ErrorRecorder
 from tracer.engines.load import load_engine
 from tracer.trace import Trace
 
 NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many first tokens
 
 
-def estimate_noise(source, reference: Trace, reference_variant: dict, recorder=None, device="cpu") -> dict[str, float]:
+def estimate_noise(source, reference: Trace, reference_variant: dict, device="cpu") -> dict[str, float]:
     """Per point, rel_l2 between `reference` and an f64 run of the same model and variant.
 
-    `recorder` (default: in memory) receives the f64 run's points, e.g. a `DiskRecorder` for long prompts.
+    The f64 run's points are compared as they come and never kept (`tracer.diff.ErrorRecorder`).
     The f64 weights are streamed block by block: a whole f64 copy would be the largest thing in
     memory (twice the f32 model), for one forward. A number-format regime (weights=, act_quant=,
     preset=llamacpp, ...) gets its own estimate instead: `regime_noise`.
@@ -41,13 +41,14 @@ def estimate_noise(source, reference: Trace, reference_variant: dict, recorder=N
     from tracer.variants import expand_presets
 
     if is_regime(expand_presets(reference_variant)):
-        return regime_noise(source, reference, reference_variant, recorder, device)
+        return regime_noise(source, reference, reference_variant, device)
     engine = load_engine("reimpl", source, {**reference_variant, "dtype": "f64"}, device=device, stream=True)
-    exact = engine.record(reference.tokens, recorder)
-    return rel_l2_by_point(reference, exact)
+    errors = ErrorRecorder(reference)
+    engine.record(reference.tokens, errors)
+    return errors.rel_l2
 
 
-def regime_noise(source, reference: Trace, variant: dict, recorder=None, device="cpu") -> dict[str, float]:
+def regime_noise(source, reference: Trace, variant: dict, device="cpu") -> dict[str, float]:
     """Per point, rel_l2 between `reference` and the regime `variant` with `accumulate=f64`, every
     op of it fed `reference`'s values of its inputs.
 
@@ -55,7 +56,6 @@ def regime_noise(source, reference: Trace, variant: dict, recorder=None, device=
         source: the model (directory or loaded model) the reference ran.
         reference: the regime's trace (usually the reimpl engine's run of `variant`).
         variant: the regime's knobs, e.g. {"preset": "llamacpp", "weights": "gguf"}.
-        recorder: where the forced run's points go (default: in memory).
 
     Returns:
         point -> rel_l2, for every point both traces hold.
@@ -67,5 +67,6 @@ def regime_noise(source, reference: Trace, variant: dict, recorder=None, device=
         True
     """
     engine = load_engine("reimpl", source, {**variant, "accumulate": "f64"}, device=device)
-    forced = engine.op_trace(reference, recorder)
-    return rel_l2_by_point(reference, forced)
+    errors = ErrorRecorder(reference)
+    engine.op_trace(reference, errors)
+    return errors.rel_l2

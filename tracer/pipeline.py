@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from tracer import greedy, reference_cache
-from tracer.diff import compare, rel_l2_by_point
+from tracer.diff import ErrorRecorder, compare
 from tracer.engines.base import check_device, environment, is_loaded_model
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import Offload, check_offload, offload_for
@@ -170,7 +170,7 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         else:
             with timed(timings, "noise_s"):
                 stage("noise floor")
-                noise, noise_notes = reference_noise(source, reference, reference_variant, engine, trace, sink) \
+                noise, noise_notes = reference_noise(source, reference, reference_variant, engine, trace) \
                     if noise_floor else (None, [])
             with timed(timings, "reference_greedy_s"):
                 stage("reference greedy")
@@ -211,7 +211,7 @@ def compare_candidate(prepared: Prepared, engine, *, command: str | None = None,
         if trace is None:
             trace = engine.record(prepared.ids, prepared.sink("candidate"))
     with timed(timings, "local_s"):
-        errors = local_errors(engine, prepared.trace, prepared.sink("local")) if local else None
+        errors = local_errors(engine, prepared.trace) if local else None
     result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=errors)
     with timed(timings, "greedy_s"):
         stage("greedy")
@@ -225,13 +225,15 @@ def compare_candidate(prepared: Prepared, engine, *, command: str | None = None,
     )
 
 
-def local_errors(engine, reference: Trace, recorder=None) -> dict[str, float] | None:
+def local_errors(engine, reference: Trace) -> dict[str, float] | None:
     """Per point, the rel_l2 the engine introduces there given the reference's inputs; None for
-    engines that cannot rerun a block on foreign inputs (their registry entry says)."""
+    engines that cannot rerun a block on foreign inputs (their registry entry says). The forced
+    run's points are compared as they come, never kept."""
     if not engine.entry.local_errors:
         return None
-    forced = engine.local_trace(reference, recorder)
-    return rel_l2_by_point(reference, forced)
+    errors = ErrorRecorder(reference)
+    engine.local_trace(reference, errors)
+    return errors.rel_l2
 
 
 def greedy_comparison(prepared: Prepared, engine, tolerance: Tolerance) -> dict | None:
@@ -289,7 +291,7 @@ def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], object], knob
                     curve=curve, notes=result.notes, seconds=time.perf_counter() - started, result=result)
 
 
-def reference_noise(source, reference: str, variant: dict, engine, trace: Trace, sink):
+def reference_noise(source, reference: str, variant: dict, engine, trace: Trace):
     """(noise per point, notes): what f32 rounding alone makes at each point of the reference.
 
     Past NOISE_TOKENS tokens the noise is measured on the prompt's first NOISE_TOKENS: an f64
@@ -309,7 +311,7 @@ def reference_noise(source, reference: str, variant: dict, engine, trace: Trace,
         notes.append(f"noise floor measured on the first {NOISE_TOKENS} tokens (an f64 run of all of them "
                      "would double the memory)")
     try:
-        return estimate_noise(source, trace, variant, sink("noise"), engine.device), notes
+        return estimate_noise(source, trace, variant, engine.device), notes
     except TracerError as exc:
         return None, [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
 

@@ -1,8 +1,9 @@
 """Traces too large for memory: each point written to disk as it is recorded, read back on demand.
 
 A 2048-token SmolLM2 trace holds ~2.8 GB even with attention matrices cut to their last rows
-(`tracer.trace.ATTENTION_ROWS`), and a run holds up to four (reference, candidate, the f64 noise
-run, the teacher-forced local run). `DiskRecorder` writes each
+(`tracer.trace.ATTENTION_ROWS`), and a run keeps two (reference and candidate; the f64 noise run
+and the teacher-forced local run are compared point by point as they come, `tracer.diff.ErrorRecorder`,
+and never kept). `DiskRecorder` writes each
 point to its own safetensors file the moment the forward produces it, and `SpilledTensors` is a
 read-only mapping that loads one point when asked, so a `Trace` built on it makes the diff engine
 stream: peak memory is the model and one forward's activations, not the traces.
