@@ -46,6 +46,7 @@ _STAGES = ("load + dequantize", "write weights", "write tokenizer", "write confi
 # Serialises the (rare) concurrent conversions inside one process: silencing transformers
 # swaps a module attribute, which two threads must not save and restore interleaved.
 _QUIET_LOCK = threading.Lock()
+_GGUF_NAMES_LOCK = threading.Lock()
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -88,7 +89,7 @@ def cached_build(target: Path, build: Callable[[Path], None], progress: bool = T
             cache.seal(tmp, COMPLETE_MARKER)  # hashes of what was built, checked on every use
             os.replace(tmp, target)
         except BaseException:
-            # BaseException too: Ctrl-C during the ~20 s conversion must not leave a temp dir.
+            # BaseException too: Ctrl-C during the ~10 s conversion must not leave a temp dir.
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
@@ -156,7 +157,7 @@ def convert_gguf(
         file=sys.stderr,
         disable=not progress,
     )
-    with bar:
+    with bar, _gguf_parsed_once():
         model = _load_gguf_model(gguf)
         bar.update()
         bar.set_postfix_str(_STAGES[1])
@@ -224,6 +225,32 @@ def _quiet_transformers() -> Iterator[None]:
                 gguf_utils.tqdm = gguf_tqdm
             if bars_were_on:
                 hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """One conversion, one parse: transformers reads the GGUF anew for the config, the weights and
+    the tokenizer (3.5 s each for SmolLM2's 49k-entry vocabulary) and rebuilds gguf's tensor-name
+    map at every level of its module walk (6 s in all). Within the block a file is parsed once and
+    a map built once per architecture and depth; both are read-only to their callers, so the
+    converted files are byte for byte what they were (tests/unit/test_convert.py)."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def parsed_once(path, mode: str = "r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    with _GGUF_NAMES_LOCK:  # the gguf package's names are process-wide: one conversion at a time swaps them
+        gguf.GGUFReader, gguf.get_tensor_name_map = parsed_once, functools.cache(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def _write_weights(model, out: Path) -> None:

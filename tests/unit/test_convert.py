@@ -4,6 +4,7 @@ half-written) and the config.json a converted GGUF gets.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -189,3 +190,34 @@ def test_f32_shortest_keeps_non_f32_values():
     assert convert._f32_shortest(9.999999747378752e-06) == 1e-05
     assert convert._f32_shortest(0.1) == 0.1
     assert convert._f32_shortest(1e-5) == 1e-5  # a double that is not an f32 value stays as is
+
+
+def test_a_conversion_parses_the_gguf_once_and_writes_the_same_bytes(tmp_path, monkeypatch):
+    """transformers reads a GGUF once for the config, once for the weights and once for the
+    tokenizer; `convert._gguf_parsed_once` hands all three one parse, and what is written is
+    byte for byte what three parses write."""
+    gguf = pytest.importorskip("gguf")
+    from tests.conftest import write_tiny_llama
+    from tests.tiny_gguf import write_tiny_gguf
+
+    gguf_file = write_tiny_gguf(write_tiny_llama(tmp_path / "hf"), tmp_path / "tiny.gguf")
+    parses = []
+    reader = gguf.GGUFReader
+
+    def counted(*args, **kwargs):
+        parses.append(args[0])
+        return reader(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    written = {}
+    for name, context in (("once", convert._gguf_parsed_once), ("each", contextlib.nullcontext)):
+        monkeypatch.setattr(convert, "_gguf_parsed_once", context)
+        parses.clear()
+        out = tmp_path / name
+        out.mkdir()
+        convert.convert_gguf(gguf_file, out, source={"gguf": gguf_file.name}, progress=False, expected=None)
+        written[name] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+        written[name + " parses"] = len(parses)
+    assert written["once parses"] == 1 and written["each parses"] >= 2
+    assert "model.safetensors" in written["once"] and written["once"] == written["each"]
+    assert gguf.GGUFReader is counted  # the package's own name is back after the conversion
