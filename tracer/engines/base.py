@@ -25,8 +25,11 @@ DEVICES = ("cpu", "cuda", "mps")
 class Engine(Protocol):
     """What the pipeline asks of an engine.
 
-    `draft` exists where `entry.draft`, `local_trace` where `entry.local_errors`; `logits`
-    returns None where `entry.logits` is False.
+    `draft` exists where `entry.draft`, `local_trace` where `entry.local_errors`, `op_trace` on
+    the reimplementation (the engine a number-format regime runs on); `logits` returns None where
+    `entry.logits` is False. A `recorder` is any `record(name, tensor)` callable with `tensors`:
+    in memory (`TraceRecorder`), spilled (`tracer.spill.DiskRecorder`) or compared as it comes
+    (`tracer.diff.ErrorRecorder`).
     """
 
     entry: EngineEntry
@@ -48,6 +51,9 @@ class Engine(Protocol):
 
     def local_trace(self, reference: Trace, recorder=None) -> Trace:
         """Its points with every block fed the reference's input to that block."""
+
+    def op_trace(self, reference: Trace, recorder=None) -> Trace:
+        """Its points with every op fed the reference's values of its inputs."""
 
 
 def environment() -> dict:
