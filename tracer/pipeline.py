@@ -34,7 +34,7 @@ from tracer.errors import TracerError
 from tracer.points import is_coarse
 from tracer.progress import stage
 from tracer.request import Inputs, Placement, check_family_support
-from tracer.result import Result, SweepRow, Tolerance
+from tracer.result import Result, SweepRow, Tolerance, brief_divergence
 from tracer.spill import SPILL_TOKENS, spill_folder
 from tracer.trace import ATTENTION_ROWS, Trace
 from tracer.variants import parse_variant, setting, variant_text
@@ -246,8 +246,7 @@ def greedy_comparison(prepared: Prepared, engine, tolerance: Tolerance) -> dict 
         # Where the two sides part at the step whose argmax flips: same tokens on both sides.
         flip_ids = prepared.ids + prepared.reference_greedy[: summary["first_flip"] - 1]
         at_flip = compare(prepared.engine.record(flip_ids), engine.record(flip_ids), tolerance).first_divergence
-        summary["first_flip_divergence"] = at_flip and {
-            k: at_flip[k] for k in ("point", "layer", "max_abs", "max_ref", "rel_l2")}
+        summary["first_flip_divergence"] = brief_divergence(at_flip)
     return summary
 
 

@@ -28,7 +28,7 @@ from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
 from tracer.pipeline import compare_candidate, prepared_reference, timed
 from tracer.request import Inputs, Placement
-from tracer.result import Result
+from tracer.result import Result, brief_divergence
 from tracer.trace import Trace
 from tracer.variants import expand_presets, parse_variant, setting, variant_text
 
@@ -141,9 +141,8 @@ def regime_cost(f32_reference: Trace, regime_reference: Trace) -> dict[str, floa
 
 def raw_view(raw: Result) -> dict:
     """What the f32 comparison says, for the regime view's report."""
-    first = raw.first_divergence
     return {"verdict": raw.verdict, "reference": raw.reference,
-            "first_divergence": first and {k: first.get(k) for k in ("point", "layer", "rel_l2", "max_abs")},
+            "first_divergence": brief_divergence(raw.first_divergence),
             "logits": raw.logits}
 
 

@@ -116,6 +116,12 @@ def json_safe(value):
     return value
 
 
+def brief_divergence(first: dict | None) -> dict | None:
+    """A first divergence in brief, where and how large, for a view told beside the main one (the
+    raw f32 view of a regime, the step where the greedy continuations part)."""
+    return first and {k: first.get(k) for k in ("point", "layer", "rel_l2", "max_abs", "max_ref")}
+
+
 @dataclass(frozen=True)
 class Result:
     """The comparison of a candidate trace with a reference. `bool(result)`: no divergence.

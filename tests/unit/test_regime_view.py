@@ -37,6 +37,7 @@ def test_an_explicit_regime_makes_a_quantized_candidate_match_and_keeps_the_raw_
     # the raw view: 8-bit weights and activations against f32 transformers diverge at the first projection
     assert regime["raw"]["verdict"] == "diverged"
     assert regime["raw"]["first_divergence"]["point"] == "model.layers.0.self_attn.q_proj"
+    assert set(regime["raw"]["first_divergence"]) == {"point", "layer", "rel_l2", "max_abs", "max_ref"}  # in brief
     # the regime's own cost is that raw error where nothing else differs: zero before the first projection
     cost = regime["cost"]
     assert cost["model.embed_tokens"] == 0.0 and cost["model.layers.0.input_layernorm"] == 0.0
