@@ -43,10 +43,10 @@ CONFIG_FILE = "config.json"
 
 _STAGES = ("load + dequantize", "write weights", "write tokenizer", "write config")
 
-# Serialises the (rare) concurrent conversions inside one process: silencing transformers
-# swaps a module attribute, which two threads must not save and restore interleaved.
-_QUIET_LOCK = threading.Lock()
-_GGUF_NAMES_LOCK = threading.Lock()
+# Serialises the (rare) concurrent conversions inside one process: silencing transformers and
+# parsing the GGUF once swap module attributes, which two threads must not save and restore
+# interleaved. Reentrant: a conversion holds it around both swaps, one inside the other.
+_SWAP_LOCK = threading.RLock()
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -211,7 +211,7 @@ def _quiet_transformers() -> Iterator[None]:
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    with _QUIET_LOCK:
+    with _SWAP_LOCK:
         bars_were_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         # The GGUF dequantizing bar uses tqdm directly, outside transformers' switch.
@@ -245,7 +245,7 @@ def _gguf_parsed_once() -> Iterator[None]:
             readers[key] = reader(path, mode)
         return readers[key]
 
-    with _GGUF_NAMES_LOCK:  # the gguf package's names are process-wide: one conversion at a time swaps them
+    with _SWAP_LOCK:  # the gguf package's names are process-wide
         gguf.GGUFReader, gguf.get_tensor_name_map = parsed_once, functools.cache(name_map)
         try:
             yield
