@@ -15,6 +15,7 @@ import os
 import select
 import signal
 import sys
+import threading
 
 import matplotlib
 import numpy as np
@@ -37,6 +38,8 @@ from tracer.reports.summary import (
 
 DPI = 110
 CURVE_SIZE = (10.5, 6.0)  # inches
+# A child drawing one figure takes well under a second; past this it is stuck, and the curve is drawn here.
+CHILD_SECONDS = 20
 DEFAULT_FLOOR = 1e-12  # where exact zeros go when nothing else sets the scale
 
 COLORS = {"rel": "#1f5fa8", "abs": "#8a4fb0", "ref": "#9a9a9a", "bad": "#c62828", "tol": "#e07b00"}
@@ -570,9 +573,9 @@ def draw_bars(ax, values: np.ndarray, labels: list[str]) -> None:
 def report_images(summary) -> dict[str, bytes]:
     """Every figure of a report as PNG bytes by file name (a failed run's figures say why).
 
-    Drawing is Python holding the GIL (text layout, mostly): where the machine has a second core,
-    the curve is drawn by a forked child while this process draws the others (docs/measured.md
-    has the time it saves)."""
+    Drawing is Python holding the GIL (text layout, mostly): where the machine has a second core
+    and this process runs one thread, the curve is drawn by a forked child while this process
+    draws the others (docs/measured.md has the time it saves)."""
     summary = as_summary(summary)
 
     def png(draw) -> bytes:
@@ -590,8 +593,10 @@ def report_images(summary) -> dict[str, bytes]:
 
 def _forked(make_bytes):
     """(pid, pipe) of a forked child writing `make_bytes()` to the pipe; None where forking is not
-    safe or not worth it (not Linux, one core)."""
-    if not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2:
+    safe or not worth it (not Linux, one core, or other threads in this process: a lock one of them
+    holds at the fork stays held in the child, which then hangs until `_collect` gives up on it;
+    Jupyter's kernel, a pytest-xdist worker and a live engine's stderr reader all run threads)."""
+    if not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2 or threading.active_count() > 1:
         return None
     read, write = os.pipe()
     pid = os.fork()
@@ -609,11 +614,11 @@ def _forked(make_bytes):
 
 
 def _collect(child) -> bytes | None:
-    """The child's bytes, or None if it failed or took more than a minute (then drawn here)."""
+    """The child's bytes, or None if it failed or took more than CHILD_SECONDS (then drawn here)."""
     pid, read = child
     chunks = []
     with os.fdopen(read, "rb") as pipe:
-        while select.select([pipe], [], [], 60)[0]:
+        while select.select([pipe], [], [], CHILD_SECONDS)[0]:
             chunk = pipe.read1(1 << 20)
             if not chunk:
                 break

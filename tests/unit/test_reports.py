@@ -537,3 +537,27 @@ def test_html_forbids_remote_loads_and_prints():
     page = render(make_summary("diverged"))
     assert "Content-Security-Policy" in page and "default-src 'none'" in page
     assert "@media print" in page
+
+
+def test_the_curve_is_drawn_in_a_forked_child_only_where_this_process_runs_one_thread(monkeypatch):
+    """A fork copies only the calling thread: a lock another thread holds stays held in the child,
+    which then hangs (seen: a report in a pytest-xdist worker waiting out the child's timeout)."""
+    import os
+    import threading
+
+    summary = make_summary()
+    forks = []
+    real_fork = os.fork
+
+    def counted_fork():
+        forks.append(threading.active_count())
+        return real_fork()
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # as on a machine with two cores
+    monkeypatch.setattr(os, "fork", counted_fork)
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    alone = report_figures.report_images(summary)
+    monkeypatch.setattr(threading, "active_count", lambda: 2)
+    beside_a_thread = report_figures.report_images(summary)
+    assert forks == [1]  # one fork, for the curve, and none with a second thread running
+    assert alone == beside_a_thread and set(alone) == {"curve.png", "heatmap.png"}  # the same bytes either way
