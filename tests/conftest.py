@@ -105,10 +105,21 @@ SLOW_UNIT_FILES = {"test_user_errors.py", "test_matrix.py", "test_onnx.py", "tes
                    "test_lint.py"}
 
 
+# The files that take longest (measured alone, docs/measured.md), longest first. The workers take
+# whole files in collection order (`--dist loadfile --no-loadscope-reorder`): started first, they
+# run beside the many short files instead of leaving one worker alone with a long one at the end.
+LONGEST_FILES = ("test_long_prompt.py", "test_matrix.py", "test_ggml_smollm2.py", "test_notebooks.py",
+                 "test_explain_smollm2.py", "test_pipeline_smollm2.py", "test_cache_smollm2.py", "test_examples.py",
+                 "test_llamacpp.py", "test_onnx.py", "test_smollm2.py", "test_browser.py")
+
+
 def pytest_collection_modifyitems(items):
-    """Every test under tests/integration runs the bundled SmolLM2: marked `integration` here, in one place."""
+    """Every test under tests/integration runs the bundled SmolLM2: marked `integration` here, in one
+    place; the longest files go first."""
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
         elif item.path.name in SLOW_UNIT_FILES:
             item.add_marker(pytest.mark.slow)
+    rank = {name: n for n, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order

@@ -123,3 +123,20 @@ def test_the_compiled_dot_products_cross_their_tiles_in_ggml_order(kind):
     out = V.matmul_ggml(act, weight)
     picks = [(t, r) for t in (0, 7, 8, 10) for r in (0, 31, 32, 36)]
     assert [float(out[t, r]) for t, r in picks] == [_literal_vec_dot(weight, act, r, t) for t, r in picks]
+
+
+def test_the_compiled_kernels_leave_torchs_thread_count_as_it_was():
+    """numba's OpenMP pool, started by the first kernel, sets OpenMP's process-wide thread count to
+    every core; torch reads its count from there. In a fresh process asking for one thread."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, torch\nfrom tracer.ggml import kernels\n"
+            "before = torch.get_num_threads()\n"
+            "kernels.quantize_q8(np.ones((2, 1, 32), np.float32), False, torch.get_num_threads())\n"
+            "print(before, torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]

@@ -180,3 +180,14 @@ def test_every_engine_module_and_knob_in_the_registry_exists():
         assert set(entry.knobs) <= set(KNOBS), entry.name
         assert set(entry.kinds) <= set(KINDS), entry.name
     assert all(engines_honouring(name) for name in KNOBS)  # every knob has an engine that honours it
+
+
+def test_the_suites_file_lists_name_existing_test_files():
+    """A renamed file would silently leave the quick tier or the longest-first order."""
+    from tests.conftest import LONGEST_FILES, SLOW_UNIT_FILES
+
+    tests = Path(__file__).resolve().parents[1]
+    names = {p.name for p in tests.rglob("test_*.py")}
+    assert set(LONGEST_FILES) | SLOW_UNIT_FILES <= names
+    assert SLOW_UNIT_FILES <= {p.name for p in (tests / "unit").glob("test_*.py")}
+    assert len(set(LONGEST_FILES)) == len(LONGEST_FILES)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import njit, prange
 from numba.extending import intrinsic
@@ -174,8 +175,16 @@ def context_chains(p: np.ndarray, v: np.ndarray, ms: np.ndarray, grows: np.ndarr
 
 
 def _set_threads(threads: int | None) -> None:
-    """numba's threads for the next call: `threads` (torch's count, by the callers), at most numba's own."""
+    """numba's threads for the next call: `threads` (torch's count, by the callers), at most numba's own.
+
+    The first call starts numba's OpenMP pool, which sets OpenMP's process-wide thread count to
+    numba's own (every core), and torch takes its count from there: a process that had asked torch
+    for fewer threads (OMP_NUM_THREADS, torch.set_num_threads) would run torch on every core from
+    then on. torch's count is put back."""
+    torch_threads = torch.get_num_threads()
     numba.set_num_threads(min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
 
 
 # --- ggml_v_expf (vec.h, AVX-512F/DQ) ----------------------------------------------------------
