@@ -294,10 +294,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_main() -> int:
-    """The `tracer` command: `main` in a process of its own, whose allocator it may tune."""
+    """The `tracer` command: `main` in a process of its own, whose allocator and threads it may tune."""
+    import tqdm
+
     from tracer.allocator import reuse_freed_memory
 
     reuse_freed_memory()
+    # No monitor thread for the loading bars (it only closes bars left hanging): a process of one
+    # thread draws the report's curve in a forked child (tracer.reports.figures._forked).
+    tqdm.tqdm.monitor_interval = 0
     return main()
 
 

@@ -2,6 +2,7 @@
 SmolLM2-135M-Instruct (f32, CPU)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -91,10 +92,20 @@ def test_eager_vs_sdpa_matches(default_model):
 
 
 def test_cli_main_job_writes_the_report(default_model, tmp_path):
+    """The `tracer` command in a child, which also says whether the curve was drawn by a forked child
+    (the command runs one thread: tqdm's monitor is off, see tracer.reports.figures._forked)."""
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "tracer", "run", "--variant", "theta=10000", "--out", str(out),
+    wrapper = ("import sys, tracer.reports.figures as figures\n"
+               "forked = figures._forked\n"
+               "def spy(make):\n    child = forked(make)\n    print('FORKED', child is not None, file=sys.stderr)\n"
+               "    return child\n"
+               "figures._forked = spy\n"
+               "from tracer.cli import console_main\nsys.exit(console_main())")
+    proc = subprocess.run([sys.executable, "-c", wrapper, "run", "--variant", "theta=10000", "--out", str(out),
                            "--json", "-"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert "FORKED True" in proc.stderr
     payload = json.loads(proc.stdout)
     assert payload["first_divergence"]["point"] == "model.layers.0.self_attn.q_rope"
     html = (out / "report.html").read_text()
