@@ -32,7 +32,7 @@ _EXPORTS = {
     "sweep_frame": "sweep",
     "sweep_markdown": "sweep",
     "write_sweep_report": "sweep",
-    "report_images": "figures",
+    "report_images": "drawers",
     "result_html": "notebook",
     "sweep_html": "notebook",
     "trace_html": "notebook",

@@ -11,11 +11,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import select
-import signal
-import sys
-import threading
 
 import matplotlib
 import numpy as np
@@ -26,9 +21,12 @@ from matplotlib.patches import Rectangle
 
 from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, is_coarse, label, layer_of, layer_point, split_point
 from tracer.reports.summary import (
+    FIGURES,
     Summary,
     as_summary,
+    breakdowns,
     comparison_title,
+    figure_names,
     fmt,
     number,
     points,
@@ -38,8 +36,6 @@ from tracer.reports.summary import (
 
 DPI = 110
 CURVE_SIZE = (10.5, 6.0)  # inches
-# A child drawing one figure takes well under a second; past this it is stuck, and the curve is drawn here.
-CHILD_SECONDS = 20
 DEFAULT_FLOOR = 1e-12  # where exact zeros go when nothing else sets the scale
 
 COLORS = {"rel": "#1f5fa8", "abs": "#8a4fb0", "ref": "#9a9a9a", "bad": "#c62828", "tol": "#e07b00"}
@@ -471,12 +467,6 @@ METRIC_LABELS = {"max_abs": "max |cand − ref|", "rel_l2": "relative L2"}
 MAX_TOKEN_LABELS = 40  # beyond this many tokens the x axis shows indices only
 
 
-def breakdowns(summary: Summary) -> dict[str, list]:
-    """The first divergence's breakdowns the result carries: {"by_position": [...], "by_head": [...]}."""
-    first = summary.get("first_divergence") or {}
-    return {key: list(first[key]) for key in ("by_position", "by_head") if first.get(key)}
-
-
 def has_breakdown(summary) -> bool:
     return bool(breakdowns(as_summary(summary)))
 
@@ -570,60 +560,9 @@ def draw_bars(ax, values: np.ndarray, labels: list[str]) -> None:
     ax.grid(axis="x", visible=False)
 
 
-def report_images(summary) -> dict[str, bytes]:
-    """Every figure of a report as PNG bytes by file name (a failed run's figures say why).
-
-    Drawing is Python holding the GIL (text layout, mostly): where the machine has a second core
-    and this process runs one thread, the curve is drawn by a forked child while this process
-    draws the others (docs/measured.md has the time it saves)."""
+def draw_images(summary, names: tuple[str, ...] = FIGURES) -> dict[str, bytes]:
+    """PNG bytes by file name of those of `names` the summary has (a breakdown only where the first
+    divergence carries one), in the report's order; a failed run's figures say why."""
     summary = as_summary(summary)
-
-    def png(draw) -> bytes:
-        return figure_png(draw(summary))
-
-    others = {"breakdown.png": breakdown_figure} if breakdowns(summary) else {}  # where the error starts
-    others["heatmap.png"] = layer_heatmap_figure
-    child = _forked(lambda: png(curve_figure))
-    try:
-        images = {name: png(draw) for name, draw in others.items()}
-    finally:
-        curve = _collect(child) if child is not None else None
-    return {"curve.png": curve if curve is not None else png(curve_figure), **images}
-
-
-def _forked(make_bytes):
-    """(pid, pipe) of a forked child writing `make_bytes()` to the pipe; None where forking is not
-    safe or not worth it (not Linux, one core, or other threads in this process: a lock one of them
-    holds at the fork stays held in the child, which then hangs until `_collect` gives up on it;
-    Jupyter's kernel, a pytest-xdist worker and a live engine's stderr reader all run threads)."""
-    if not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2 or threading.active_count() > 1:
-        return None
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: draw, write, leave without running the parent's exit handlers
-        code = 1
-        try:
-            os.close(read)
-            with os.fdopen(write, "wb") as out:
-                out.write(make_bytes())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    return pid, read
-
-
-def _collect(child) -> bytes | None:
-    """The child's bytes, or None if it failed or took more than CHILD_SECONDS (then drawn here)."""
-    pid, read = child
-    chunks = []
-    with os.fdopen(read, "rb") as pipe:
-        while select.select([pipe], [], [], CHILD_SECONDS)[0]:
-            chunk = pipe.read1(1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    return b"".join(chunks) if os.waitstatus_to_exitcode(status) == 0 else None
+    draw = {"curve.png": curve_figure, "breakdown.png": breakdown_figure, "heatmap.png": layer_heatmap_figure}
+    return {name: figure_png(draw[name](summary)) for name in figure_names(summary) if name in names}

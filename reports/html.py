@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from tracer.reports.figures import report_images
+from tracer.reports.drawers import report_images
 from tracer.reports.summary import (
     Summary,
     as_summary,

@@ -34,6 +34,20 @@ def as_summary(result: Any) -> Summary:
     return dict(result)
 
 
+def breakdowns(summary: Summary) -> dict[str, list]:
+    """The first divergence's breakdowns the result carries: {"by_position": [...], "by_head": [...]}."""
+    first = summary.get("first_divergence") or {}
+    return {key: list(first[key]) for key in ("by_position", "by_head") if first.get(key)}
+
+
+FIGURES = ("curve.png", "breakdown.png", "heatmap.png")  # a report's figures, in its order
+
+
+def figure_names(summary: Summary) -> tuple[str, ...]:
+    """The figures a report of `summary` has: the breakdown only where the first divergence carries one."""
+    return tuple(name for name in FIGURES if name != "breakdown.png" or breakdowns(summary))
+
+
 def points(summary: Summary) -> list[dict]:
     return list(summary.get("points") or [])
 

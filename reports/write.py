@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tracer.errors import TracerError
 from tracer.folders import replaceable_folder
-from tracer.reports.figures import report_images
+from tracer.reports.drawers import report_images
 from tracer.reports.html import render_html
 from tracer.reports.markdown import markdown_summary
 from tracer.reports.summary import Summary, as_summary

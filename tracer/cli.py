@@ -61,6 +61,10 @@ def cmd_run(args) -> int:
     check_engines(args.reference, args.candidate, variant, reference_variant)
     check_greedy(args.greedy)
     regime = regime_knobs(args.regime)
+    if outputs.report is not None:
+        from tracer.reports.drawers import start_drawers
+
+        start_drawers()  # forked while this is one thread with no torch: matplotlib loads beside the run
     from tracer.api import run_values  # every argument checked: only now does torch load
     from tracer.reports.terminal import terminal_summary
 
@@ -294,15 +298,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_main() -> int:
-    """The `tracer` command: `main` in a process of its own, whose allocator and threads it may tune."""
-    import tqdm
-
+    """The `tracer` command: `main` in a process of its own, whose allocator it may tune."""
     from tracer.allocator import reuse_freed_memory
 
     reuse_freed_memory()
-    # No monitor thread for the loading bars (it only closes bars left hanging): a process of one
-    # thread draws the report's curve in a forked child (tracer.reports.figures._forked).
-    tqdm.tqdm.monitor_interval = 0
     return main()
 
 

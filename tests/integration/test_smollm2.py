@@ -92,20 +92,18 @@ def test_eager_vs_sdpa_matches(default_model):
 
 
 def test_cli_main_job_writes_the_report(default_model, tmp_path):
-    """The `tracer` command in a child, which also says whether the curve was drawn by a forked child
-    (the command runs one thread: tqdm's monitor is off, see tracer.reports.figures._forked)."""
+    """The `tracer` command in a child, which also says whether it imported matplotlib itself: with
+    two cores its drawers (tracer.reports.drawers), forked as it starts, draw every figure."""
     out = tmp_path / "report"
-    wrapper = ("import sys, tracer.reports.figures as figures\n"
-               "forked = figures._forked\n"
-               "def spy(make):\n    child = forked(make)\n    print('FORKED', child is not None, file=sys.stderr)\n"
-               "    return child\n"
-               "figures._forked = spy\n"
-               "from tracer.cli import console_main\nsys.exit(console_main())")
+    wrapper = ("import sys\nfrom tracer.cli import console_main\n"
+               "try:\n    code = console_main()\n"
+               "finally:\n    print('MATPLOTLIB', 'matplotlib' in sys.modules, file=sys.stderr)\n"
+               "sys.exit(code)")
     proc = subprocess.run([sys.executable, "-c", wrapper, "run", "--variant", "theta=10000", "--out", str(out),
                            "--json", "-"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     if len(os.sched_getaffinity(0)) >= 2:
-        assert "FORKED True" in proc.stderr
+        assert "MATPLOTLIB False" in proc.stderr
     payload = json.loads(proc.stdout)
     assert payload["first_divergence"]["point"] == "model.layers.0.self_attn.q_rope"
     html = (out / "report.html").read_text()

@@ -539,25 +539,42 @@ def test_html_forbids_remote_loads_and_prints():
     assert "@media print" in page
 
 
-def test_the_curve_is_drawn_in_a_forked_child_only_where_this_process_runs_one_thread(monkeypatch):
+def test_drawers_forked_ahead_draw_the_same_figures_and_only_a_one_thread_process_forks_them(monkeypatch):
     """A fork copies only the calling thread: a lock another thread holds stays held in the child,
-    which then hangs (seen: a report in a pytest-xdist worker waiting out the child's timeout)."""
+    which then hangs (seen: a report in a pytest-xdist worker waiting out its child's timeout)."""
     import os
     import threading
 
+    import tracer.reports.drawers as drawers
+
     summary = make_summary()
-    forks = []
-    real_fork = os.fork
-
-    def counted_fork():
-        forks.append(threading.active_count())
-        return real_fork()
-
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # as on a machine with two cores
-    monkeypatch.setattr(os, "fork", counted_fork)
-    monkeypatch.setattr(threading, "active_count", lambda: 1)
-    alone = report_figures.report_images(summary)
     monkeypatch.setattr(threading, "active_count", lambda: 2)
-    beside_a_thread = report_figures.report_images(summary)
-    assert forks == [1]  # one fork, for the curve, and none with a second thread running
-    assert alone == beside_a_thread and set(alone) == {"curve.png", "heatmap.png"}  # the same bytes either way
+    drawers.start_drawers()
+    assert drawers._started == []  # a second thread: nothing forked
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    drawers.start_drawers()
+    children = [d.pid for d in drawers._started]
+    assert len(children) == len(drawers.GROUPS)
+    from_drawers = drawers.report_images(summary)
+    assert drawers._started == []  # used once
+    for pid in children:  # every drawer has been waited for
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    here = drawers.report_images(summary)  # no drawers left: drawn in this process
+    assert from_drawers == here and list(here) == ["curve.png", "heatmap.png"]  # the same bytes either way
+
+
+def test_a_drawer_that_dies_leaves_its_figures_to_the_process(monkeypatch):
+    import os
+    import signal
+    import threading
+
+    import tracer.reports.drawers as drawers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    drawers.start_drawers()
+    os.kill(drawers._started[0].pid, signal.SIGKILL)  # the curve's drawer
+    images = drawers.report_images(make_summary())
+    assert list(images) == ["curve.png", "heatmap.png"] and images["curve.png"][:8] == b"\x89PNG\r\n\x1a\n"
