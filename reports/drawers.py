@@ -33,7 +33,6 @@ GROUPS = (("curve.png",), ("heatmap.png", "breakdown.png"))  # what each drawer 
 @dataclass
 class Drawer:
     pid: int
-    names: tuple[str, ...]
     to_child: int  # the summary goes down this pipe
     from_child: int  # the PNGs come back up this one
 
@@ -59,7 +58,7 @@ def start_drawers() -> None:
             _serve(names, summary_read, images_write)
         os.close(summary_read)
         os.close(images_write)
-        _started.append(Drawer(pid, names, summary_write, images_read))
+        _started.append(Drawer(pid, summary_write, images_read))
 
 
 def _serve(names: tuple[str, ...], summary_read: int, images_write: int) -> None:

@@ -105,7 +105,7 @@ SLOW_UNIT_FILES = {"test_user_errors.py", "test_matrix.py", "test_onnx.py", "tes
                    "test_lint.py"}
 
 
-# The files that take longest (measured alone, docs/measured.md), longest first. The workers take
+# The files that take longest (measured alone in one process), longest first. The workers take
 # whole files in collection order (`--dist loadfile --no-loadscope-reorder`): started first, they
 # run beside the many short files instead of leaving one worker alone with a long one at the end.
 LONGEST_FILES = ("test_long_prompt.py", "test_matrix.py", "test_ggml_smollm2.py", "test_notebooks.py",
