@@ -185,9 +185,14 @@ def test_diagnose_tries_the_regimes_once_each(tiny_llama):
 def test_implied_regime_names_what_is_not_bit_exact():
     exact_types = {"model.embed_tokens.weight": "q8_0", "model.layers.0.mlp.up_proj.weight": "q4_1"}
     flags = {"avx2", "fma", "f16c", "avx512f", "avx512dq"}
-    assert implied_regime(exact_types, {}, flags) == ({"preset": "llamacpp", "weights": "gguf"}, [])
+    build = frozenset({"AVX2", "AVX512", "AVX512_BF16"})
+    assert implied_regime(exact_types, {}, flags, build) == ({"preset": "llamacpp", "weights": "gguf"}, [])
     variant, caveats = implied_regime({**exact_types, "x": "q4_k"}, {"kv_cache": "bf16", "flash_attn": "off"},
-                                      {"avx2"})
+                                      {"avx2"}, build)
     assert variant == {"preset": "llamacpp", "weights": "gguf", "kv_cache": "bf16", "flash_attn": "off"}
     assert len(caveats) == 2 and "Q4_K weights" in caveats[0] and "lacks fma, f16c, avx512f" in caveats[1]
+    # A build with AMX multiplies Q4_1 and Q8_0 in AMX tiles: a caveat, so the per-op view decides.
+    _, caveats = implied_regime(exact_types, {}, flags, build | {"AMX_INT8"})
+    assert caveats == ["this llama.cpp build multiplies Q4_1, Q8_0 weights in AMX tiles (AMX_INT8), which are not "
+                       "emulated: build llama-cpp-python without AMX (docs/engine-llamacpp.md)"]
     assert json.dumps(variant)  # a plain dict: what the reimpl engine takes as its variant

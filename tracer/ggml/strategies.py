@@ -484,10 +484,12 @@ NOT_EXACT_WHY = {
     "f16": "tinyBLAS' f16 kernel is not emulated", "bf16": "tinyBLAS' bf16 kernel is not emulated",
 }
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
+# A native build on a CPU with AMX multiplies these weight types in AMX tiles at load (ggml-cpu/amx): not emulated.
+AMX_WEIGHT_TYPES = {"q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"}
 
 
 def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[str, str] | None = None,
-                   flags: set[str] | None = None) -> tuple[dict, list[str]]:
+                   flags: set[str] | None = None, build: frozenset[str] | None = None) -> tuple[dict, list[str]]:
     """The reimpl variant that reproduces a llama.cpp CPU run, and what of it is not bit-exact here.
 
     Args:
@@ -495,6 +497,7 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         llamacpp_variant: the llamacpp engine's knobs (`kv_cache`, `flash_attn`; llama.cpp's
             defaults f16 and auto, which is on for the CPU backend).
         flags: CPU feature flags (default: this machine's).
+        build: the features the llama.cpp build reports (default: `ops.llamacpp_cpu_features()`).
 
     Returns:
         (variant, caveats): e.g. ({"preset": "llamacpp", "weights": "gguf"}, []). With no caveat the
@@ -527,4 +530,8 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
     if missing:
         caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
                        "(exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated")
+    amx = sorted(set(weight_types.values()) & AMX_WEIGHT_TYPES)
+    if amx and "AMX_INT8" in (ops.llamacpp_cpu_features() if build is None else build):
+        caveats.append(f"this llama.cpp build multiplies {', '.join(t.upper() for t in amx)} weights in AMX tiles "
+                       "(AMX_INT8), which are not emulated: build llama-cpp-python without AMX (docs/engine-llamacpp.md)")
     return variant, caveats
