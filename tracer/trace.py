@@ -72,6 +72,7 @@ class TraceMeta:
         and written back as they came.
     """
 
+    # In the order the engines, then `tracer.record`, write them: a manifest keeps its key order.
     engine: str | None = None
     variant: dict | None = None
     model: str | None = None
@@ -80,28 +81,28 @@ class TraceMeta:
     device: str | None = None
     versions: dict[str, str | None] | None = None
     not_recorded: dict[str, str] | None = None
-    prompt: str | None = None
-    chat: dict | None = None
     num_layers: int | None = None
-    family: str | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
     attn_implementation: str | None = None
-    placement: str | None = None
-    unused_config_keys: list[str] | None = None
-    unused_tensors: list[str] | None = None
-    notes: list[str] | None = None
     runtime: dict | str | None = None
     ort_opt: str | None = None
     export: str | None = None
     weights: str | None = None
     flash_attn: str | None = None
     outputs: str | None = None
+    sources: dict[str, dict] | None = None
     system_info: str | None = None
     candle: dict | None = None
+    notes: list[str] | None = None
+    unused_config_keys: list[str] | None = None
+    unused_tensors: list[str] | None = None
+    family: str | None = None
+    placement: str | None = None
+    prompt: str | None = None
+    chat: dict | None = None
     file: str | None = None
-    sources: dict[str, dict] | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
     unknown_names: list[str] | None = None
     skipped_names: dict[str, str] | None = None
     duplicate_names: dict[str, list[str]] | None = None
