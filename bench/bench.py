@@ -134,7 +134,7 @@ def llamacpp_rows(model_dir: Path, tokens: list[int], repeats: int,
     def plain():
         plain_engine.logits(tokens)
 
-    flash = engine.record(tokens[:8]).meta["flash_attn"]  # what flash_attn=auto chose here
+    flash = engine.record(tokens[:8]).meta.flash_attn  # what flash_attn=auto chose here
     rows = {f"{LLAMACPP_PLAIN} (flash attention {flash})": (best_times({"plain": plain}, repeats)["plain"], 1.0)}
     measures = {
         "llamacpp engine, every point llama.cpp shows recorded (in process)": lambda: engine.record(tokens),
@@ -302,7 +302,7 @@ def runtime_engines(model_dir: Path, tokens: dict[str, list[int]], repeats: int)
             continue
         engine = load_engine(name, model_dir, {})
         pair = best_times({"plain": lambda: engine.logits(ids), "recorded": lambda: engine.record(ids)}, repeats)
-        runtime = engine.record(ids[:2]).meta["runtime"]
+        runtime = engine.record(ids[:2]).meta.runtime
         rows.append(f"| {name} ({runtime['name']} {runtime['version']}) | {len(ids)} | {pair['plain']:.3f} | "
                     f"{pair['recorded']:.3f} | {pair['recorded'] / pair['plain']:.2f}× |")
     return rows, missing

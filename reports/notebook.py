@@ -235,15 +235,16 @@ def sweep_html(sweep, *, figure: bool = True) -> str:
 def trace_html(trace) -> str:
     """The notebook view of a Trace: what it holds, one row per kind of point (layers folded)."""
     meta = trace.meta
-    tokens = meta.get("tokens") or []
-    facts = [(key, meta[key]) for key in ("prompt", "dtype", "device") if meta.get(key) is not None]
-    versions = meta.get("versions")
+    tokens = meta.tokens or []
+    facts = [(key, value) for key, value in (("prompt", meta.prompt), ("dtype", meta.dtype), ("device", meta.device))
+             if value is not None]
+    versions = meta.versions
     if isinstance(versions, Mapping):
         facts.append(("versions", ", ".join(f"{k} {v}" for k, v in versions.items())))
     rows = folded_rows(trace)
-    not_recorded = sorted((meta.get("not_recorded") or {}).items())
+    not_recorded = sorted(trace.not_recorded.items())
     return TRACE.render(
-        css=CSS, label=trace.label, count=len(trace), model=meta.get("model"),
+        css=CSS, label=trace.label, count=len(trace), model=meta.model,
         tokens=f"{len(tokens)} token" + ("" if len(tokens) == 1 else "s") if tokens else "unknown tokens",
         facts=facts, rows=rows, open_rows=len(rows) <= 30, not_recorded=fold_not_recorded(not_recorded),
         example=next(iter(trace.tensors), "model.embed_tokens"),
@@ -262,7 +263,7 @@ def folded_rows(trace) -> list[dict]:
          "dtype": dtype}
         for (pattern, shape, dtype), layers in groups.items()
     ]
-    family = trace.meta.get("family")
+    family = trace.meta.family
     return sorted(rows, key=lambda r: rank(r["point"], family))
 
 

@@ -76,7 +76,7 @@ def ggml_dump(trace, points=None) -> dict[str, torch.Tensor]:
     """llama.cpp: graph names; Qcur/Kcur after RoPE as (T, H, D) in GGUF's interleaved order,
     Vcur as (T, KV, D), kq_soft_max over a KV cache padded by 3 keys; from ffn_inp of the last layer on,
     only the last row (llama.cpp's inp_out_ids); row-major order of ggml's ne (reversed)."""
-    last_layer = trace.meta["num_layers"] - 1
+    last_layer = trace.meta.num_layers - 1
     dump = {}
     for point, tensor in trace.tensors.items():
         name = their_name(point, GGML_NAMES)
@@ -222,7 +222,7 @@ def transformer_lens_4_dump(trace) -> dict[str, torch.Tensor]:
     hidden = trace["model.embed_tokens"].shape[-1]
     stand_ins = {"hook_scale": (1, tokens, 1), "hook_cos": (1, tokens, head_dim), "hook_sin": (1, tokens, head_dim)}
     dump = {"embed.hook_in": torch.tensor([trace.tokens])}
-    for name, point in transformer_lens_4_names(trace.meta["num_layers"])[1:]:
+    for name, point in transformer_lens_4_names(trace.meta.num_layers)[1:]:
         if point is not None:
             dump[name] = _transformer_lens_layout(point, trace[point], head_dim)
         else:

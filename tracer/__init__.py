@@ -21,7 +21,8 @@ _EXPORTS = {
     "compare_files": "tracer.api", "compare": "tracer.diff",
     "Result": "tracer.result", "PointDiff": "tracer.result", "Tolerance": "tracer.result",
     "Sweep": "tracer.result", "SweepRow": "tracer.result", "Diagnosis": "tracer.result",
-    "Trace": "tracer.trace", "TracerError": "tracer.errors", "default_model_path": "tracer.sources",
+    "Trace": "tracer.trace", "TraceMeta": "tracer.trace", "TracerError": "tracer.errors",
+    "default_model_path": "tracer.sources",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -8,6 +8,7 @@ folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -106,9 +107,9 @@ def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", vari
     stage("record")
     trace = runner.record(ids)
     if inputs.text is not None:
-        trace.meta["prompt"] = inputs.text
+        trace.meta = dataclasses.replace(trace.meta, prompt=inputs.text)
     if chat_info:
-        trace.meta["chat"] = chat_info
+        trace.meta = dataclasses.replace(trace.meta, chat=chat_info)
     return trace
 
 
@@ -308,7 +309,7 @@ def sweep_values(inputs: Inputs, placement: Placement = Placement(), outputs: Ou
         rows = tuple(sweep_row(prepared, load_candidate, knobs) for knobs in parsed)
     result = Sweep(
         rows=rows, reference={"engine": reference, "variant": prepared.variant, "label": prepared.trace.label},
-        candidate={"engine": candidate}, tolerance=prepared.tolerance, model=prepared.trace.meta.get("model"),
+        candidate={"engine": candidate}, tolerance=prepared.tolerance, model=prepared.trace.meta.model,
         prompt=prepared.prompt, tokens=prepared.ids, chat=prepared.chat, greedy_steps=prepared.greedy_steps,
         reference_greedy=prepared.reference_greedy, environment=environment(), command=command,
         timings={**prepared.timings, "variants_s": sum(row.seconds or 0.0 for row in rows)}, notes=prepared.notes,
@@ -444,8 +445,8 @@ def compare_files(
     ref_trace, cand_trace = load_trace(reference, table), load_trace(candidate, table)
     prepared = prepared_from_trace(ref_trace, Tolerance(atol=atol, rtol=rtol), cand_trace.tokens)
     result = compare_candidate(prepared, FileEngine(cand_trace), command=command)
-    if result.prompt is None and cand_trace.meta.get("prompt"):
-        result = result.with_context(prompt=cand_trace.meta["prompt"])
+    if result.prompt is None and cand_trace.meta.prompt:
+        result = result.with_context(prompt=cand_trace.meta.prompt)
     if out is not None:
         from tracer.reports import write_report
 

@@ -157,8 +157,8 @@ def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> li
 
 
 def trace_family(*traces: Trace) -> str | None:
-    """The model family the traces were recorded on (`meta["family"]`; None for a trace without it)."""
-    return next((t.meta["family"] for t in traces if t.meta.get("family")), None)
+    """The model family the traces were recorded on (`meta.family`; None for a trace without it)."""
+    return next((t.meta.family for t in traces if t.meta.family), None)
 
 
 def last_rows_if_one_side_kept_one(point: str, ref: torch.Tensor, cand: torch.Tensor):
@@ -268,9 +268,9 @@ def explain_divergence(point: str, reference: Trace, candidate: Trace) -> dict:
 def side(trace: Trace) -> dict:
     """How a result names one side: engine, knobs, label, device, and a non-PyTorch runtime's
     name and version."""
-    runtime = trace.meta.get("runtime")
-    return {"engine": trace.meta.get("engine", "file"), "variant": trace.meta.get("variant", {}), "label": trace.label,
-            "device": trace.meta.get("device"), **({"runtime": runtime} if runtime else {})}
+    engine, runtime = trace.meta.engine, trace.meta.runtime
+    return {"engine": "file" if engine is None else engine, "variant": trace.variant, "label": trace.label,
+            "device": trace.meta.device, **({"runtime": runtime} if runtime else {})}
 
 
 def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,
@@ -293,7 +293,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     reference, candidate, layout_notes = align(reference, candidate)
     points = compare_points(reference, candidate, tolerance, noise)
     if not any(p.recorded for p in points):
-        unknown = [*reference.meta.get("unknown_names", []), *candidate.meta.get("unknown_names", [])]
+        unknown = [*(reference.meta.unknown_names or []), *(candidate.meta.unknown_names or [])]
         said = f"; names that match no alias: {', '.join(unknown[:3])}" if unknown else ""
         raise TracerError(f"the traces share no point to compare (reference: {len(reference)} points, "
                           f"candidate: {len(candidate)}{said}); see docs/trace-format.md for the names tracer reads")
@@ -310,7 +310,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         tolerance=tolerance,
         reference=side(reference),
         candidate=side(candidate),
-        model=reference.meta.get("model"),
+        model=reference.meta.model,
         tokens=ref_tokens or cand_tokens,
         notes=(*layout_notes, *logits_note(reference, candidate)),
         # A point whose metrics are all finite holds no NaN or Inf on either side: only the rest is scanned.

@@ -182,14 +182,14 @@ def reconcile(point: str, canon: torch.Tensor, other: torch.Tensor, source: dict
 
 def is_foreign(trace: Trace, point: str) -> bool:
     """A point imported from another runtime's dump (maybe in its layout), not recorded by tracer."""
-    return point in trace.meta.get("sources", {})
+    return point in (trace.meta.sources or {})
 
 
 def head_dim_of(*traces: Trace) -> int | None:
     """The head size: written in a dump's metadata, or the last axis of a q/k after RoPE in tracer's layout."""
     for trace in traces:
-        if trace.meta.get("head_dim"):
-            return int(trace.meta["head_dim"])
+        if trace.meta.head_dim:
+            return int(trace.meta.head_dim)
     for trace in traces:
         for point, tensor in trace.tensors.items():
             if layout_of(point) == "heads" and not is_foreign(trace, point) and tensor.ndim == 3:
@@ -233,10 +233,10 @@ def align(reference: Trace, candidate: Trace) -> tuple[Trace, Trace, list[str]]:
         if not (is_foreign(reference, point) or is_foreign(candidate, point)):
             continue
         if is_foreign(reference, point) and not is_foreign(candidate, point):
-            source = reference.meta["sources"][point]
+            source = reference.meta.sources[point]
             cand, ref = reconcile(point, cand_tensors[point], ref_tensors[point], source, head_dim, fixes, "reference")
         else:
-            source = candidate.meta.get("sources", {}).get(point)
+            source = (candidate.meta.sources or {}).get(point)
             ref, cand = reconcile(point, ref_tensors[point], cand_tensors[point], source, head_dim, fixes, "candidate")
         ref_tensors[point], cand_tensors[point] = ref, cand
     notes = [*fix_notes(fixes), *name_notes(reference, "reference"), *name_notes(candidate, "candidate"),
@@ -279,11 +279,11 @@ def fix_notes(fixes: Fixes) -> list[str]:
 def name_notes(trace: Trace, side: str) -> list[str]:
     """A dump's names that mapped to no point, or to a point another name already took."""
     notes = []
-    unknown = trace.meta.get("unknown_names") or []
+    unknown = trace.meta.unknown_names or []
     if unknown:
         notes.append(f"{side}: {len(unknown)} tensor names match no alias and were not compared: {_some(unknown, 5)} "
                      f"(map them with an aliases file, see docs/trace-format.md)")
-    skipped = trace.meta.get("skipped_names") or {}
+    skipped = trace.meta.skipped_names or {}
     for name, reason in list(skipped.items())[:5]:
         notes.append(f"{side}: {name} not compared: {reason}")
     if len(skipped) > 5:
@@ -297,8 +297,8 @@ def name_notes(trace: Trace, side: str) -> list[str]:
 def duplicate_notes(trace: Trace, side: str, limit: int = 3) -> list[str]:
     """Names that reach a point another name already gave: one note per point when few; one in all
     when many (a TransformerLens 4 cache names most points two or three times, the same tensor)."""
-    duplicates = trace.meta.get("duplicate_names") or {}
-    used = {point: trace.meta["sources"][point]["name"] for point in duplicates}
+    duplicates = trace.meta.duplicate_names or {}
+    used = {point: trace.meta.sources[point]["name"] for point in duplicates}
     if len(duplicates) <= limit:
         return [f"{side}: {', '.join(names)} also name {point}; compared {used[point]}"
                 for point, names in duplicates.items()]

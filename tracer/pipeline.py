@@ -192,8 +192,8 @@ def prepared_from_trace(trace: Trace, tolerance: Tolerance | None = None, tokens
     """A saved reference trace standing alone (no model, no noise floor, no greedy decoding);
     `tokens` when the trace does not carry its own."""
     return Prepared(
-        source=None, ids=list(trace.tokens or tokens or []), prompt=trace.meta.get("prompt"), chat=None,
-        reference="file", engine=None, variant=trace.meta.get("variant", {}), trace=trace, noise=None,
+        source=None, ids=list(trace.tokens or tokens or []), prompt=trace.meta.prompt, chat=None,
+        reference="file", engine=None, variant=trace.variant, trace=trace, noise=None,
         tolerance=tolerance or Tolerance(), greedy_steps=0, reference_greedy=None,
         detokenize=lambda ids: None, sink=lambda side: None,
     )
@@ -330,14 +330,15 @@ def trace_notes(*traces: Trace) -> list[str]:
     """What a side skipped or could not use, said rather than ignored."""
     notes = []
     for trace in traces:
-        notes += [f"{trace.label}: {note}" for note in trace.meta.get("notes", ())]  # what the engine itself says
-        if trace.meta.get("unused_config_keys"):
-            notes.append(f"{trace.label}: config keys not read: {', '.join(trace.meta['unused_config_keys'])}")
-        if trace.meta.get("unused_tensors"):
-            names = trace.meta["unused_tensors"]
-            notes.append(f"{trace.label}: {len(names)} tensors in the files are not used, e.g. {names[0]}")
-        if trace.meta.get("placement"):
-            notes.append(f"{trace.label}: {trace.meta['placement']}")
+        meta = trace.meta
+        notes += [f"{trace.label}: {note}" for note in meta.notes or ()]  # what the engine itself says
+        if meta.unused_config_keys:
+            notes.append(f"{trace.label}: config keys not read: {', '.join(meta.unused_config_keys)}")
+        if meta.unused_tensors:
+            notes.append(f"{trace.label}: {len(meta.unused_tensors)} tensors in the files are not used, "
+                         f"e.g. {meta.unused_tensors[0]}")
+        if meta.placement:
+            notes.append(f"{trace.label}: {meta.placement}")
         if trace.not_recorded:
             reasons = sorted(set(trace.not_recorded.values()))
             notes.append(f"{trace.label}: {len(trace.not_recorded)} points not recorded ({'; '.join(reasons)})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -25,15 +25,112 @@ MAX_LAYERS = 10_000  # far above any Llama (405B has 126 blocks)
 FORMAT_VERSION = 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class TraceMeta:
+    """What a trace says about its run, beside the tensors. None: this trace does not say (the key
+    is absent from its manifest). Saved as the JSON object `meta` of the manifest (`to_dict`).
+
+    Attributes written by every engine (`tracer.engines.base.trace_meta`):
+        engine: the registry name ("hf", "reimpl", ...); "file" for a dump from another runtime.
+        variant: knob -> value the engine ran with.
+        model: the model directory, .gguf file or label the engine ran.
+        tokens: the token ids of the forward.
+        dtype: the dtype it computed in, without "torch." ("float32", "f16").
+        device: where it ran ("cpu", "cuda:0").
+        versions: package -> version (python, platform, torch, transformers, safetensors).
+        not_recorded: point -> why this engine cannot observe it.
+
+    Attributes written by `tracer.record` (the request):
+        prompt: the prompt text the tokens came from.
+        chat: the chat template's details where it was applied.
+
+    Attributes on the model (engines, and a dump's metadata):
+        num_layers: decoder blocks.
+        family: the model family (`tracer.families`), which orders and explains the points.
+        num_attention_heads, num_key_value_heads, head_dim: a dump's attention shape.
+
+    Attributes one engine writes:
+        attn_implementation: transformers' attention kernel (hf).
+        placement: where accelerate put the modules (hf on a device_map).
+        unused_config_keys: config.json keys the engine did not read.
+        unused_tensors: weights the model did not use.
+        notes: what the engine itself says about its run (candle).
+        runtime: a non-PyTorch runtime: {name, version, ...} from an engine, its text from a dump.
+        ort_opt, export: ONNX Runtime's optimization level and the export folder (onnx).
+        weights, flash_attn, outputs, system_info: the model as llama.cpp describes it, its
+            flash attention ("on"/"off"), the positions it returns ("all"/"last"), its build (llamacpp).
+        candle: candle's forward, kernels and the config values it read (candle).
+
+    Attributes of a dump from another runtime (`import_foreign`; llama.cpp writes `sources` too):
+        file: the path it was read from.
+        sources: point -> {name, runtime, layout, qk_order} of the tensor it came from.
+        unknown_names: tensor names that map to no point.
+        skipped_names: tensor name -> why it was left out.
+        duplicate_names: point -> the other names that mapped onto it.
+
+    extra: keys tracer does not know (a foreign runtime's metadata, a newer tracer's keys), kept
+        and written back as they came.
+    """
+
+    # In the order the engines, then `tracer.record`, write them: a manifest keeps its key order.
+    engine: str | None = None
+    variant: dict | None = None
+    model: str | None = None
+    tokens: list[int] | None = None
+    dtype: str | None = None
+    device: str | None = None
+    versions: dict[str, str | None] | None = None
+    not_recorded: dict[str, str] | None = None
+    num_layers: int | None = None
+    attn_implementation: str | None = None
+    runtime: dict | str | None = None
+    ort_opt: str | None = None
+    export: str | None = None
+    weights: str | None = None
+    flash_attn: str | None = None
+    outputs: str | None = None
+    sources: dict[str, dict] | None = None
+    system_info: str | None = None
+    candle: dict | None = None
+    notes: list[str] | None = None
+    unused_config_keys: list[str] | None = None
+    unused_tensors: list[str] | None = None
+    family: str | None = None
+    placement: str | None = None
+    prompt: str | None = None
+    chat: dict | None = None
+    file: str | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    unknown_names: list[str] | None = None
+    skipped_names: dict[str, str] | None = None
+    duplicate_names: dict[str, list[str]] | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """The manifest's `meta` object: every key this trace says, then `extra` as it came."""
+        said = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**{key: value for key, value in said.items() if value is not None}, **self.extra}
+
+    @classmethod
+    def from_dict(cls, meta: dict) -> TraceMeta:
+        """A manifest's `meta` object (checked by `_manifest`); keys tracer does not know go to `extra`."""
+        return cls(**{key: value for key, value in meta.items() if key in META_KEYS},
+                   extra={key: value for key, value in meta.items() if key not in META_KEYS})
+
+
+META_KEYS = frozenset(f.name for f in fields(TraceMeta)) - {"extra"}
+
+
 @dataclass
 class Trace:
     """One side's recording.
 
     Attributes:
         tensors: point name -> tensor in execution order, batch dimension dropped.
-        meta: JSON-able metadata. Keys tracer writes: ``engine``, ``variant`` (knob -> value),
-            ``model``, ``tokens`` (ids), ``dtype``, ``device``, ``versions``,
-            ``not_recorded`` ({point: reason}) for points this engine cannot observe.
+        meta: what the trace says about its run (`TraceMeta`): engine, variant, model, token ids,
+            dtype, device, versions, points this engine cannot observe, ...
 
     Example:
         >>> trace = tracer.record(None, "The capital of France is", engine="reimpl", progress=False)
@@ -44,7 +141,7 @@ class Trace:
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)
+    meta: TraceMeta = field(default_factory=TraceMeta)
 
     def __getitem__(self, point: str) -> torch.Tensor:
         return self.tensors[point]
@@ -83,25 +180,29 @@ class Trace:
 
     @property
     def not_recorded(self) -> dict[str, str]:
-        return self.meta.get("not_recorded", {})
+        return self.meta.not_recorded or {}
 
     @property
     def tokens(self) -> list[int] | None:
-        return self.meta.get("tokens")
+        return self.meta.tokens
+
+    @property
+    def variant(self) -> dict:
+        return self.meta.variant or {}
 
     @property
     def label(self) -> str:
         """`engine[knob=value,...]`, how reports and summaries name this side; `candle (file)` for a
         dump whose metadata names its runtime."""
-        engine, runtime = self.meta.get("engine", "?"), self.meta.get("runtime")
+        engine, runtime = "?" if self.meta.engine is None else self.meta.engine, self.meta.runtime
         if engine == "file" and runtime:  # a dump's metadata names its runtime; a live engine's {"name", ...}
             engine = f"{runtime.get('name') if isinstance(runtime, dict) else runtime} (file)"
-        return side_label(engine, self.meta.get("variant", {}))
+        return side_label(engine, self.variant)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write one safetensors file; the manifest (order and metadata) goes in its header."""
         path = Path(path)
-        manifest = {"format": FORMAT_VERSION, "points": self.points, "meta": self.meta}
+        manifest = {"format": FORMAT_VERSION, "points": self.points, "meta": self.meta.to_dict()}
         tensors = {name: t.detach().contiguous() for name, t in self.tensors.items()}
         if not path.parent.is_dir():
             raise TracerError(f"cannot write trace {path}: no folder {path.parent}")
@@ -125,7 +226,8 @@ class Trace:
         A file without tracer's manifest is imported: its names go through the alias table
         (`tracer.aliases`; `aliases` adds a user mapping: a dict, a JSON file path or an
         AliasTable), its metadata keys (`tokens`, `runtime`, `model`, `qk_order`, head counts)
-        become the trace's meta, and names that map to no point are kept in `meta["unknown_names"]`.
+        become the trace's `TraceMeta` (other keys its `extra`), and names that map to no point are kept in
+        `meta.unknown_names`.
         """
         path = Path(path)
         if not path.is_file():
@@ -142,7 +244,7 @@ class Trace:
         order = [p for p in manifest.get("points", []) if p in tensors]
         order += [p for p in tensors if p not in order]
         meta = manifest.get("meta", {"engine": "file"})
-        return cls({p: tensors[p] for p in order}, meta)
+        return cls({p: tensors[p] for p in order}, TraceMeta.from_dict(meta))
 
 
 # Metadata keys a foreign file may carry (all safetensors metadata values are strings).
@@ -152,19 +254,17 @@ QK_ORDERS = ("half", "interleaved")
 
 
 def import_foreign(tensors: dict[str, torch.Tensor], header: dict[str, str], path: Path, aliases=None) -> Trace:
-    """A dump from another runtime as a Trace: names mapped onto points, metadata read."""
+    """A dump from another runtime as a Trace: names mapped onto points, metadata read. Metadata keys
+    tracer does not read stay in `meta.extra`, as text."""
     from tracer.aliases import TOKEN_TENSORS, alias_table, rename
 
-    meta: dict = {"engine": "file", "file": str(path)}
-    meta.update({key: header[key] for key in FOREIGN_TEXT_KEYS if key in header})
-    for key in FOREIGN_INT_KEYS:
-        if key in header:
-            meta[key] = _int_metadata(header[key], key, path)
+    read = {key: header[key] for key in FOREIGN_TEXT_KEYS if key in header}
+    read |= {key: _int_metadata(header[key], key, path) for key in FOREIGN_INT_KEYS if key in header}
     token_tensor = next((name for name in TOKEN_TENSORS if name in tensors), None)
     if "tokens" in header:
-        meta["tokens"] = _token_metadata(header["tokens"], path)
+        read["tokens"] = _token_metadata(header["tokens"], path)
     elif token_tensor is not None:
-        meta["tokens"] = [int(t) for t in tensors[token_tensor].reshape(-1).tolist()]
+        read["tokens"] = [int(t) for t in tensors[token_tensor].reshape(-1).tolist()]
     floats = {name: t for name, t in tensors.items() if name not in TOKEN_TENSORS}
     renamed = rename(floats, alias_table(aliases))
     if "qk_order" in header:
@@ -176,13 +276,13 @@ def import_foreign(tensors: dict[str, torch.Tensor], header: dict[str, str], pat
         if not tensor.is_floating_point():
             raise TracerError(f"{path}: tensor {renamed.sources[point]['name']} ({point}) is {tensor.dtype}, "
                               f"not a floating-point activation")
-    meta["sources"] = renamed.sources
-    meta["unknown_names"] = renamed.unknown
-    meta["skipped_names"] = renamed.skipped
-    meta["duplicate_names"] = renamed.duplicates
     layers = [int(p.split(".")[2]) for p in renamed.tensors if p.startswith("model.layers.")]
-    if layers:
-        meta["num_layers"] = max(layers) + 1
+    # qk_order went into the sources; a key named like one tracer sets itself ("engine", "num_layers")
+    # would contradict it: left out.
+    unread = {key: text for key, text in header.items() if key not in META_KEYS and key != "qk_order"}
+    meta = TraceMeta(engine="file", file=str(path), **read, sources=renamed.sources, unknown_names=renamed.unknown,
+                     skipped_names=renamed.skipped, duplicate_names=renamed.duplicates,
+                     num_layers=max(layers) + 1 if layers else None, extra=unread)
     return Trace(renamed.tensors, meta)
 
 

@@ -68,7 +68,7 @@ def test_a_transformers_5_save_makes_candles_reader_take_theta_10000(default_mod
             (saved / file.name).symlink_to(file)
     live = candle(saved)
     assert tracer.compare(reference, live).first_divergence["point"] == layer_point(0, "self_attn.q_rope")
-    assert any("took rope_theta = 10000" in note for note in live.meta["notes"])
+    assert any("took rope_theta = 10000" in note for note in live.meta.notes)
     file = tracer.compare_files(reference.save(tmp_path / "hf.safetensors"), live.save(tmp_path / "candle.safetensors"))
     assert file.first_divergence["point"] == layer_point(0, "self_attn.q_rope")
     fixed = candle(saved, {"config": "hf"})

@@ -17,7 +17,7 @@ SMOLLM2_SWEEP = ["theta=10000", "eps=1e-3", "attn=sdpa", "dtype=bf16", "rope=int
 def test_smollm2_is_bitwise_identical_on_both_engines(default_model):
     reference = tracer.record(default_model, PROMPT, engine="hf")
     candidate = tracer.record(default_model, PROMPT, engine="reimpl")
-    assert reference.meta["family"] == candidate.meta["family"] == "llama"
+    assert reference.meta.family == candidate.meta.family == "llama"
     assert reference.points == candidate.points == all_points(30)
     assert all(torch.equal(reference[p], candidate[p]) for p in reference.points)
 

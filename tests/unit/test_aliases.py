@@ -127,9 +127,9 @@ def test_loading_a_foreign_file_maps_names_and_reads_metadata(tmp_path):
               str(path), metadata={"runtime": "candle 0.11", "head_dim": "64"})
     trace = Trace.load(path)
     assert trace.points == ["model.layers.0.mlp.down_proj"]
-    assert trace.tokens == [5, 6, 7] and trace.meta["runtime"] == "candle 0.11" and trace.meta["head_dim"] == 64
-    assert trace.meta["unknown_names"] == ["mystery"] and trace.meta["engine"] == "file"
-    assert trace.meta["sources"]["model.layers.0.mlp.down_proj"]["name"] == "blocks.0.mlp.c_proj"
+    assert trace.tokens == [5, 6, 7] and trace.meta.runtime == "candle 0.11" and trace.meta.head_dim == 64
+    assert trace.meta.unknown_names == ["mystery"] and trace.meta.engine == "file"
+    assert trace.meta.sources["model.layers.0.mlp.down_proj"]["name"] == "blocks.0.mlp.c_proj"
 
 
 @pytest.mark.parametrize("metadata, message", [

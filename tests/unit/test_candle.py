@@ -50,8 +50,8 @@ def test_a_transformers_5_config_takes_theta_10000_in_candles_reader_and_says_so
     reference = tracer.record(model, TOKENS, engine="hf")
     candidate = record(model)
     assert first(reference, candidate) == layer_point(0, "self_attn.q_rope")
-    assert candidate.meta["candle"]["rope_theta"] == 10000.0
-    assert any("took rope_theta = 10000" in note and "rope_parameters" in note for note in candidate.meta["notes"])
+    assert candidate.meta.candle["rope_theta"] == 10000.0
+    assert any("took rope_theta = 10000" in note and "rope_parameters" in note for note in candidate.meta.notes)
     assert tracer.compare(reference, record(model, {"config": "hf"})).verdict == "match"
 
 
@@ -106,8 +106,8 @@ def test_quantized_llama_rs_rounds_activations_to_8_bits_inside_each_projection(
     assert by_point["model.embed_tokens"] == 0  # the dequantized Q8_0 table
     assert by_point[layer_point(0, "input_layernorm")] < 1e-6
     assert result.first_divergence["point"] in {layer_point(0, f"self_attn.{p}_proj") for p in "qkv"}
-    assert candidate.meta["candle"]["forward"] == "quantized_llama.rs"
-    assert candidate.meta["runtime"]["name"] == "candle-nn"
+    assert candidate.meta.candle["forward"] == "quantized_llama.rs"
+    assert candidate.meta.runtime["name"] == "candle-nn"
 
 
 def test_candles_regime_reproduces_quantized_llama_rs_bit_for_bit(quantized):
@@ -168,7 +168,7 @@ def test_through_its_child_process_with_one_thread_nothing_changes(candle, tiny_
     """The registered path: the isolated child, rayon sized by threads=1, the same values."""
     model = tiny_llama("m", rope_theta=500.0)
     child = tracer.record(model, TOKENS, engine="candle", variant={"threads": 1})
-    assert child.meta["candle"]["threads"] == 1
+    assert child.meta.candle["threads"] == 1
     here = record(model)
     assert all(torch.equal(child.tensors[p], here.tensors[p]) for p in here.tensors)
 

@@ -63,6 +63,6 @@ def test_a_trace_without_token_ids_is_refused(tmp_path):
 
     from tracer import Trace
 
-    path = Trace({"lm_head": torch.ones(2, 3)}, {}).save(tmp_path / "bare.safetensors")
+    path = Trace({"lm_head": torch.ones(2, 3)}).save(tmp_path / "bare.safetensors")
     with pytest.raises(tracer.TracerError, match="carries no token ids"):
         diagnose(path, progress=False)

@@ -3,13 +3,13 @@ import math
 import pytest
 import torch
 
-from tracer import Trace, TracerError, compare
+from tracer import Trace, TraceMeta, TracerError, compare
 from tracer.diff import compare_point
 from tracer.result import Tolerance
 
 
 def trace(tensors, **meta):
-    return Trace(dict(tensors), {"engine": "test", "variant": {}, "tokens": [1, 2, 3], **meta})
+    return Trace(dict(tensors), TraceMeta(**{"engine": "test", "variant": {}, "tokens": [1, 2, 3], **meta}))
 
 
 def test_metrics_on_literal_tensors():

@@ -81,10 +81,10 @@ def test_noise_floor_judges_points_on_their_own_rounding(tiny_llama):
 
 
 def test_next_token_accuracy_counts_argmax_hits_on_the_text():
-    from tracer import Trace
+    from tracer import Trace, TraceMeta
 
     logits = torch.full((3, 5), -1.0)
     logits[0, 7 % 5] = logits[1, 4] = 1.0  # predicts token 2 after position 0, token 4 after position 1
-    meta = {"engine": "x", "variant": {}, "tokens": [0, 2, 3]}
+    meta = TraceMeta(engine="x", variant={}, tokens=[0, 2, 3])
     summary = tracer.compare(Trace({"lm_head": logits}, meta), Trace({"lm_head": logits}, meta)).logits
     assert summary["next_token_accuracy"] == {"reference": 0.5, "candidate": 0.5}

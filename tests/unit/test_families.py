@@ -152,7 +152,7 @@ def test_hf_records_in_the_familys_execution_order(tiny, family):
     """The hooks fire in transformers' execution order: the order derived from the Family row is that order."""
     trace = tracer.record(tiny[family], TOKENS, engine="hf")
     assert trace.points == expected_points(tiny[family])
-    assert trace.meta["family"] == family
+    assert trace.meta.family == family
     ranked = sorted(reversed(trace.points), key=lambda point: rank(point, family))
     assert ranked == trace.points
 
@@ -218,7 +218,7 @@ def test_a_loaded_model_of_a_family_is_recorded_by_both_engines(tiny):
     on_hf = tracer.record(loaded, TOKENS, engine="hf")
     on_reimpl = tracer.record(loaded, TOKENS, engine="reimpl")
     assert tracer.compare(on_hf, on_reimpl).verdict == "match"
-    assert "model.layers.0.self_attn.q_norm" in on_hf and on_hf.meta["family"] == "gemma3"
+    assert "model.layers.0.self_attn.q_norm" in on_hf and on_hf.meta.family == "gemma3"
 
 
 # --- the families' classic porting mistakes -------------------------------------------------------

@@ -86,7 +86,7 @@ def test_cli_help_lists_the_row(made_up, capsys):
 
 def test_reimpl_records_the_made_up_family(made_up_dir, made_up):
     trace = tracer.record(made_up_dir, TOKENS, engine="reimpl")
-    assert trace.meta["family"] == made_up
+    assert trace.meta.family == made_up
     assert trace.points == all_points(2, made_up)
     # the block output is the residual plus the MLP output normed by the added norm (HF's RMSNorm: f32, then weight)
     down, mid = trace["model.layers.0.mlp.down_proj"], trace["model.layers.0.resid_mid"]

@@ -5,7 +5,7 @@ import torch
 
 from tracer.errors import TracerError
 from tracer.layouts import Fixes, align, fix_notes, from_interleaved, reconcile, to_interleaved
-from tracer.trace import Trace
+from tracer.trace import Trace, TraceMeta
 
 T, H, KV, D, C = 5, 4, 2, 8, 32
 g = torch.Generator().manual_seed(0)
@@ -121,9 +121,9 @@ def test_dtype_difference_is_said():
 
 
 def test_align_takes_tracer_layout_as_template_on_either_side():
-    ours = Trace({"model.layers.0": randn(T, C), "lm_head": randn(T, 7)}, {"num_layers": 1})
+    ours = Trace({"model.layers.0": randn(T, C), "lm_head": randn(T, 7)}, TraceMeta(num_layers=1))
     dump = Trace({"model.layers.0": ours["model.layers.0"][None], "lm_head": ours["lm_head"][-1:]},
-                 {"sources": {"model.layers.0": {"name": "l_out-0"}, "lm_head": {"name": "result_output"}}})
+                 TraceMeta(sources={"model.layers.0": {"name": "l_out-0"}, "lm_head": {"name": "result_output"}}))
     for ref, cand in ((ours, dump), (dump, ours)):
         ref2, cand2, notes = align(ref, cand)
         assert ref2["lm_head"].shape == cand2["lm_head"].shape == (1, 7)
@@ -136,7 +136,7 @@ def test_align_lists_what_each_side_lacks():
     ours = Trace({"model.embed_tokens": randn(T, C), "model.layers.0.mlp.act": randn(T, 3),
                   "model.layers.1.mlp.act": randn(T, 3)})
     dump = Trace({"model.embed_tokens": ours["model.embed_tokens"], "model.layers.0.resid_mid": randn(T, C)},
-                 {"sources": {"model.embed_tokens": {"name": "inp_embd"}}, "unknown_names": ["weird"]})
+                 TraceMeta(sources={"model.embed_tokens": {"name": "inp_embd"}}, unknown_names=["weird"]))
     _, _, notes = align(ours, dump)
     assert "not in the candidate: 2 points, compared on the rest (mlp.act ×2)" in notes
     assert "not in the reference: 1 points, compared on the rest (resid_mid)" in notes

@@ -93,7 +93,7 @@ def test_scores_are_kq_times_the_scale_on_the_prompts_keys(exact):
 def test_flash_attention_fuses_scores_and_probs_which_are_said_not_recorded(tiny, llamacpp):
     model_dir, gguf, reference = tiny
     trace = llamacpp.load(model_dir, {**EXACT, "flash_attn": "on"}, argument=str(gguf)).record(TOKENS)
-    assert trace.meta["flash_attn"] == "on"
+    assert trace.meta.flash_attn == "on"
     fused = {p for p in all_points(2) if p.endswith(("self_attn.scores", "self_attn.probs"))}
     assert set(trace.not_recorded) == fused
     assert all(reason == llamacpp.FLASH_REASON for reason in trace.not_recorded.values())
@@ -128,7 +128,7 @@ def test_theta_changes_rope_and_nothing_upstream(tiny, exact, llamacpp):
                 "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
     assert all(torch.equal(exact[1][p], theta[p]) for p in upstream)
     assert result.first_divergence["point"] == "model.layers.0.self_attn.q_rope"
-    assert theta.meta["variant"] == {**EXACT, "theta": 500.0}
+    assert theta.meta.variant == {**EXACT, "theta": 500.0}
 
 
 def test_last_layer_with_the_last_output_row_only_is_compared_on_that_row(tiny, llamacpp):
@@ -137,7 +137,7 @@ def test_last_layer_with_the_last_output_row_only_is_compared_on_that_row(tiny, 
     trace = llamacpp.load(model_dir, EXACT, argument=str(gguf), outputs="last").record(TOKENS)
     one_row = {f"model.layers.1.{sub}".rstrip(".") for sub in LAST_LAYER_ROWS} | {"model.norm", "lm_head"}
     assert {p for p, t in trace.tensors.items() if t.ndim == 2 and t.shape[0] == 1} == one_row
-    assert set(trace.meta["sources"]) == one_row
+    assert set(trace.meta.sources) == one_row
     result = tracer.compare(reference, trace)
     assert result.verdict == "match" and max(p.rel_l2 for p in result.points) < ROUNDING
     assert any("only the last position" in note for note in result.notes)
@@ -239,7 +239,7 @@ def test_an_engine_error_in_the_child_is_its_own_line_and_the_child_lives_on():
         engine.record([1, 2])
     healthy = crash_engine({})
     trace = healthy.record([1, 2])
-    assert trace["model.embed_tokens"].shape == (2, 4) and trace.meta["engine"] == "crashy"
+    assert trace["model.embed_tokens"].shape == (2, 4) and trace.meta.engine == "crashy"
     assert healthy.logits([1, 2]).shape == (2, 100)
 
 

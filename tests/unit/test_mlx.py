@@ -59,7 +59,7 @@ def test_every_point_but_the_fused_attention_matches_transformers(mlx, tiny_llam
     assert candidate["model.layers.1.self_attn.k_rope"].shape == (2, len(TOKENS), 16)
     worst = max(p.rel_l2 for p in result.points if p.recorded)
     assert 0 < worst < 1e-5
-    assert candidate.meta["runtime"]["name"] == "mlx" and candidate.meta["runtime"]["version"]
+    assert candidate.meta.runtime["name"] == "mlx" and candidate.meta.runtime["version"]
 
 
 def test_logits_are_an_unrecorded_forward_equal_to_the_recorded_one(mlx, model):
@@ -73,7 +73,7 @@ def test_logits_are_an_unrecorded_forward_equal_to_the_recorded_one(mlx, model):
 def test_dtype_knob_runs_mlx_in_that_dtype_and_diverges_at_the_embedding(mlx, model, dtype, torch_dtype):
     reference = tracer.record(model, TOKENS, engine="hf")
     candidate = tracer.record(model, TOKENS, engine="mlx", variant=f"dtype={dtype}")
-    assert candidate["model.layers.0.input_layernorm"].dtype == torch_dtype and candidate.meta["dtype"] == str(
+    assert candidate["model.layers.0.input_layernorm"].dtype == torch_dtype and candidate.meta.dtype == str(
         torch_dtype).removeprefix("torch.")
     result = tracer.compare(reference, candidate)
     assert result.first_divergence["point"] == "model.embed_tokens"

@@ -18,7 +18,7 @@ import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tracer.cli import main
 from tracer.diff import compare, first_nonfinite
-from tracer.trace import Trace
+from tracer.trace import Trace, TraceMeta
 
 F16_MAX = torch.finfo(torch.float16).max  # 65504
 OVERFLOW_POINT = "model.layers.1.mlp.act"
@@ -82,7 +82,7 @@ def test_cli_prints_the_first_nonfinite_point(overflowing_model, capsys):
 
 
 def trace_of(**tensors) -> Trace:
-    return Trace(dict(tensors), {"engine": "test", "tokens": [1, 2]})
+    return Trace(dict(tensors), TraceMeta(engine="test", tokens=[1, 2]))
 
 
 def test_first_nonfinite_names_the_side_and_counts():
@@ -133,13 +133,13 @@ def test_a_nan_in_any_chunk_of_the_logits_is_the_all_positions_figure(monkeypatc
     ref = torch.zeros(3, 4)
     cand = ref.clone()
     cand[0, 3] = float("nan")
-    summary = tracer.diff.logits_summary(Trace({LOGITS: ref}, {}), Trace({LOGITS: cand}, {}))
+    summary = tracer.diff.logits_summary(Trace({LOGITS: ref}), Trace({LOGITS: cand}))
     assert math.isnan(summary["max_abs_all"]) and summary["max_abs"] == 0.0
 
 
 def test_a_result_without_a_model_is_not_titled_on_none():
     from tracer.reports.terminal import terminal_summary
 
-    trace = Trace({"model.embed_tokens": torch.ones(2, 3)}, {})
+    trace = Trace({"model.embed_tokens": torch.ones(2, 3)})
     text = terminal_summary(compare(trace, trace))
     assert "on None" not in text.splitlines()[0]

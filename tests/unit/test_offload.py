@@ -24,11 +24,11 @@ def test_a_model_partly_on_disk_gives_the_in_memory_trace_bit_for_bit(tiny_llama
     whole = tracer.record(model, TOKENS, engine="hf", progress=False)
     offloaded = tracer.record(model, TOKENS, engine="hf", offload=tmp_path / "offload", max_memory=CAP,
                               progress=False)
-    placement = offloaded.meta["placement"]
+    placement = offloaded.meta.placement
     assert "on disk" in placement and "on cpu" in placement  # measured: 3 modules on disk, 2 on cpu
     assert whole.points == offloaded.points
     assert all(torch.equal(whole[p], offloaded[p]) for p in whole.points)
-    assert "placement" not in whole.meta or whole.meta["placement"] is None
+    assert whole.meta.placement is None
 
 
 def test_run_with_an_offloaded_reference_matches_and_says_where_it_lived(tiny_llama, tmp_path, capsys):

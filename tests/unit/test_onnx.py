@@ -56,8 +56,8 @@ def test_every_point_is_recorded_and_matches_transformers(engine, reference):
     assert all(p.recorded for p in result.points)
     worst = max(p.rel_l2 for p in result.points)
     assert 0 < worst < 1e-5  # ORT's own kernels: rounding differs from torch's, within it
-    runtime = candidate.meta["runtime"]
-    assert runtime["name"] == "onnxruntime" and runtime["version"] and candidate.meta["ort_opt"] == "all"
+    runtime = candidate.meta.runtime
+    assert runtime["name"] == "onnxruntime" and runtime["version"] and candidate.meta.ort_opt == "all"
 
 
 def test_one_export_serves_every_prompt_length(engine, model):
@@ -115,13 +115,13 @@ def test_the_export_is_cached_per_model_files_and_dtype(onnx_cache, model):
 @pytest.mark.parametrize("level", ["disable", "basic", "extended"])
 def test_ort_optimization_levels_all_match(onnx_cache, model, reference, level):
     candidate = load_engine("onnx", model, {"ort_opt": level}).record(TOKENS)
-    assert candidate.meta["ort_opt"] == level
+    assert candidate.meta.ort_opt == level
     assert tracer.compare(reference, candidate).verdict == "match"
 
 
 def test_an_f16_export_diverges_at_the_embedding(onnx_cache, model, reference):
     candidate = load_engine("onnx", model, {"dtype": "f16"}).record(TOKENS)
-    assert candidate.meta["dtype"] == "f16" and candidate["model.norm"].dtype == torch.float16
+    assert candidate.meta.dtype == "f16" and candidate["model.norm"].dtype == torch.float16
     result = tracer.compare(reference, candidate)
     assert result.first_divergence["point"] == "model.embed_tokens"
     assert result.logits["argmax_agree"] > 0.5

@@ -45,7 +45,7 @@ def test_the_noise_floor_is_the_same_from_streamed_f64_weights(tiny_llama):
     model = tiny_llama()
     reference = tracer.record(model, TOKENS, engine="hf", progress=False)
     noise = estimate_noise(model, reference, {})
-    exact = tracer.Trace(recorded(Llama.from_dir(model, {"dtype": "f64"})), {"tokens": TOKENS})
+    exact = tracer.Trace(recorded(Llama.from_dir(model, {"dtype": "f64"})), tracer.TraceMeta(tokens=TOKENS))
     expected = {p.point: p.rel_l2 for p in tracer.diff.compare_points(reference, exact, tracer.Tolerance())}
     assert noise == {point: value for point, value in expected.items() if point in noise}
     assert len(noise) == len(reference) and max(noise.values()) > 0
@@ -102,7 +102,7 @@ def test_traces_say_where_they_ran(tiny_llama):
     model = tiny_llama()
     for engine in ("hf", "reimpl"):
         trace = tracer.record(model, TOKENS, engine=engine, device="cpu", progress=False)
-        assert trace.meta["device"] == "cpu"
+        assert trace.meta.device == "cpu"
         assert all(trace[p].device.type == "cpu" for p in trace.points)
 
 
@@ -118,4 +118,4 @@ def test_cuda_run_localizes_theta_and_keeps_traces_on_the_cpu(tiny_llama, tmp_pa
     same = tracer.run(model, tokens=TOKENS, greedy=3, progress=False, device="cuda")
     assert same.verdict == "match", same.first_divergence
     trace = tracer.record(model, TOKENS, engine="reimpl", device="cuda", stream=True, progress=False)
-    assert trace.meta["device"].startswith("cuda") and trace["model.embed_tokens"].device.type == "cpu"
+    assert trace.meta.device.startswith("cuda") and trace["model.embed_tokens"].device.type == "cpu"

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tracer.diff import compare, compare_point
 from tracer.errors import TracerError
 from tracer.result import Tolerance
-from tracer.trace import MANIFEST_KEY, Trace
+from tracer.trace import MANIFEST_KEY, Trace, TraceMeta
 from tracer.variants import KNOBS, parse_variant
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -80,7 +80,7 @@ POINTS = ["model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers
 def good_trace_bytes() -> bytes:
     generator = torch.Generator().manual_seed(0)
     trace = Trace({p: torch.randn(3, 4, generator=generator) for p in POINTS},
-                  {"engine": "reimpl", "variant": {"theta": 500.0}, "tokens": [1, 2, 3], "num_layers": 1})
+                  TraceMeta(engine="reimpl", variant={"theta": 500.0}, tokens=[1, 2, 3], num_layers=1))
     with tempfile.TemporaryDirectory() as folder:
         path = trace.save(os.path.join(folder, "t.safetensors"))
         return path.read_bytes()
@@ -175,7 +175,7 @@ def tensor_pairs(draw, elements=finite):
 @given(tensor_pairs())
 def test_a_trace_against_itself_is_exact(pair):
     ref, _ = pair
-    trace = Trace({"model.embed_tokens": ref, "model.layers.0": ref * 2}, {"engine": "x", "tokens": [1]})
+    trace = Trace({"model.embed_tokens": ref, "model.layers.0": ref * 2}, TraceMeta(engine="x", tokens=[1]))
     result = compare(trace, trace)
     assert result.verdict == "match" and result.first_divergence is None and result.first_nonfinite is None
     assert all(p.rel_l2 == 0 and p.max_abs == 0 for p in result.points)
@@ -205,7 +205,7 @@ def test_nan_never_compares_as_a_match(pair, data, where, tolerance):
         cand[row, col] = math.nan
     point = compare_point("model.layers.0", ref, cand, tolerance)
     assert point.diverged
-    result = compare(Trace({"model.layers.0": ref}, {"tokens": [1]}), Trace({"model.layers.0": cand}, {"tokens": [1]}),
-                     tolerance)
+    result = compare(Trace({"model.layers.0": ref}, TraceMeta(tokens=[1])),
+                     Trace({"model.layers.0": cand}, TraceMeta(tokens=[1])), tolerance)
     assert result.verdict == "diverged" and result.first_nonfinite["side"] == where
     json.loads(result.to_json(), parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))

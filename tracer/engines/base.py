@@ -17,7 +17,7 @@ import torch
 from tracer.engines.registry import EngineEntry
 from tracer.errors import TracerError
 from tracer.points import layer_point
-from tracer.trace import Trace
+from tracer.trace import Trace, TraceMeta
 
 DEVICES = ("cpu", "cuda", "mps")
 
@@ -84,20 +84,13 @@ def check_device(device: str | torch.device) -> torch.device:
     return parsed
 
 
-def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, not_recorded: dict, **extra) -> dict:
-    """The metadata every engine writes into its traces (`runtime`: {name, version} of a
-    non-PyTorch runtime, shown in reports)."""
-    return {
-        "engine": engine.name,
-        "variant": dict(engine.variant),
-        "model": model,
-        "tokens": list(tokens),
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": str(engine.device),
-        "versions": environment(),
-        "not_recorded": not_recorded,
-        **extra,
-    }
+def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, not_recorded: dict,
+               **facts) -> TraceMeta:
+    """The metadata every engine writes into its traces, plus its own `facts` (`TraceMeta`'s fields:
+    `num_layers`, `family`, `runtime` for a non-PyTorch runtime, ...)."""
+    return TraceMeta(engine=engine.name, variant=dict(engine.variant), model=model, tokens=list(tokens),
+                     dtype=str(dtype).removeprefix("torch."), device=str(engine.device), versions=environment(),
+                     not_recorded=not_recorded, **facts)
 
 
 def per_layer(num_layers: int, reasons: dict[str, str]) -> dict[str, str]:

@@ -46,7 +46,7 @@ from tracer.errors import TracerError
 from tracer.ggml.candle import candle_inv_freq, rope_angles
 from tracer.layouts import from_interleaved
 from tracer.points import EMBED, FINAL_NORM, LOGITS, is_causal, layer_point, split_point
-from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
+from tracer.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # the wheel's target-cpu=native build executes them
 # Ops candle-transformers 0.11 calls as one fused CPU kernel that 0.4.2 lacks: composed here from
@@ -454,7 +454,7 @@ class CandleEngine:
             return from_interleaved(tensor, self.shape.head_dim)  # per head of D along the last axis
         return tensor
 
-    def _meta(self, tokens: list[int]) -> dict:
+    def _meta(self, tokens: list[int]) -> TraceMeta:
         facts = self.facts
         notes = []
         if not self.gguf and facts["reader"] == "candle" and "rope_theta" not in facts["config"] and \
@@ -469,14 +469,13 @@ class CandleEngine:
             k_quants = [t for t in facts["gguf_types"] if t.lower().endswith("k")]
             if k_quants:
                 notes.append(K_QUANT_CAVEAT.format(types=", ".join(k_quants)))
-        extra = {"unused_config_keys": facts.get("unused_config_keys", [])} if not self.gguf else {}
         return trace_meta(
             self, self.label, tokens, "float32", {}, num_layers=self.num_layers, runtime=runtime(),
             candle={"forward": "quantized_llama.rs" if self.gguf else "llama.rs", "composed": COMPOSED,
                     "rope_theta": facts["rope_theta"], "rms_norm_eps": facts["rms_norm_eps"],
                     "threads": self.forward.candle.utils.get_num_threads(),
                     **({"gguf_types": facts["gguf_types"]} if self.gguf else {"config_reader": facts["reader"]})},
-            notes=notes, **extra,
+            notes=notes, unused_config_keys=None if self.gguf else facts.get("unused_config_keys", []),
         )
 
 

@@ -18,7 +18,7 @@ class FileEngine:
 
     def __init__(self, trace: Trace, path: str | Path | None = None):
         self.trace, self.path = trace, path
-        self.variant = self.trace.meta.get("variant", {})
+        self.variant = self.trace.variant
 
     def record(self, tokens: list[int], recorder=None) -> Trace:
         """The saved trace itself (it is already on disk or in memory; `recorder` has nothing to do)."""

@@ -62,19 +62,19 @@ class IsolatedEngine:
 
     def record(self, tokens: list[int], recorder=None):
         from tracer.spill import DiskRecorder
-        from tracer.trace import Trace, TraceRecorder
+        from tracer.trace import Trace, TraceMeta, TraceRecorder
 
         tokens = [int(t) for t in tokens]
         if isinstance(recorder, DiskRecorder):  # the child writes the points where the caller spills
             reply = self._call({"op": "record", "tokens": tokens, "folder": str(recorder.folder)})
             recorder.files.update({point: Path(file) for point, file in reply["files"].items()})
-            return Trace(recorder.tensors, reply["meta"])
+            return Trace(recorder.tensors, TraceMeta.from_dict(reply["meta"]))
         recorder = recorder if recorder is not None else TraceRecorder()
         with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
             reply = self._call({"op": "record", "tokens": tokens, "file": str(Path(folder) / "trace.safetensors")})
             for point, tensor in _read(reply["file"], reply["points"]):
                 recorder(point, tensor[None])  # recorders take a batch dimension
-        return Trace(recorder.tensors, reply["meta"])
+        return Trace(recorder.tensors, TraceMeta.from_dict(reply["meta"]))
 
     def logits(self, tokens: list[int]):
         with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
@@ -209,10 +209,10 @@ class Server:
         if "folder" in request:
             recorder = DiskRecorder(request["folder"])
             trace = self.engine.record(request["tokens"], recorder)
-            return {"meta": trace.meta, "files": {point: str(file) for point, file in recorder.files.items()}}
+            return {"meta": trace.meta.to_dict(), "files": {point: str(file) for point, file in recorder.files.items()}}
         trace = self.engine.record(request["tokens"], TraceRecorder())
         save_file({point: tensor.contiguous() for point, tensor in trace.tensors.items()}, request["file"])
-        return {"meta": trace.meta, "file": request["file"], "points": list(trace.tensors)}
+        return {"meta": trace.meta.to_dict(), "file": request["file"], "points": list(trace.tensors)}
 
     def logits(self, request: dict) -> dict:
         from safetensors.torch import save_file

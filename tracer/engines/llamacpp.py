@@ -19,7 +19,7 @@ at once (ggml reuses the memory for later nodes) and brought to tracer's layout:
   converter permuted the q/k weight rows): `tracer.layouts.from_interleaved` puts them back;
 - in the last layer llama.cpp keeps only the output rows (`inp_out_ids`) from `ffn_inp` on. The
   engine asks for the logits of every position, so those are all rows; a run asked for fewer
-  (`outputs="last"`) records the rows it has and says so (`meta["sources"]`), and the comparison
+  (`outputs="last"`) records the rows it has and says so (`meta.sources`), and the comparison
   takes the same rows of the other side.
 
 Tokens are fed as ids (no llama.cpp tokenizer), the prompt as one micro-batch. Knobs are
@@ -51,7 +51,7 @@ from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.layouts import from_interleaved, sub_point
 from tracer.points import FUSED_AWAY, all_points, layer_point
-from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
+from tracer.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 from tracer.variants import setting
 
 # ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
@@ -517,7 +517,7 @@ class LlamaCppEngine:
 
     # --- metadata -----------------------------------------------------------------------------
 
-    def _meta(self, tokens: list[int], recorded) -> dict:
+    def _meta(self, tokens: list[int], recorded) -> TraceMeta:
         import llama_cpp
 
         not_recorded = self._not_recorded(recorded)
@@ -528,8 +528,7 @@ class LlamaCppEngine:
             runtime={"name": "llama.cpp", "version": f"{self.ggml.commit} (ggml {self.ggml.version})",
                      "package": f"llama-cpp-python {_distribution_version()}"},
             weights=self.description, flash_attn="on" if self.flash else "off", outputs=self.outputs,
-            **({"sources": sources} if sources else {}),
-            system_info=llama_cpp.llama_print_system_info().decode().strip(),
+            sources=sources or None, system_info=llama_cpp.llama_print_system_info().decode().strip(),
         )
 
     def _not_recorded(self, recorded) -> dict[str, str]:

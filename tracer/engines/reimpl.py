@@ -10,7 +10,7 @@ import torch
 from tracer.engines.base import check_device, is_loaded_model, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.llama import Llama
-from tracer.trace import Trace, TraceRecorder
+from tracer.trace import Trace, TraceMeta, TraceRecorder
 
 
 class ReimplEngine:
@@ -53,7 +53,7 @@ class ReimplEngine:
 
         return Trace(op_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
 
-    def _meta(self, tokens: list[int]) -> dict:
+    def _meta(self, tokens: list[int]) -> TraceMeta:
         spec = self.llama.spec
         not_recorded = per_layer(spec.num_hidden_layers, self.llama.strategies.not_recorded())
         return trace_meta(self, self.model, tokens, self.llama.strategies.dtype, not_recorded,
