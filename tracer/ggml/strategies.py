@@ -532,6 +532,7 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
                        "(exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated")
     amx = sorted(set(weight_types.values()) & AMX_WEIGHT_TYPES)
     if amx and "AMX_INT8" in (ops.llamacpp_cpu_features() if build is None else build):
-        caveats.append(f"this llama.cpp build multiplies {', '.join(t.upper() for t in amx)} weights in AMX tiles "
-                       "(AMX_INT8), which are not emulated: build llama-cpp-python without AMX (docs/engine-llamacpp.md)")
+        caveats.append(f"this llama.cpp build multiplies {', '.join(t.upper() for t in amx)} weights in AMX "
+                       "tiles (AMX_INT8), which are not emulated: build llama-cpp-python without AMX "
+                       "(docs/engine-llamacpp.md)")
     return variant, caveats
