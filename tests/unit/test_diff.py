@@ -63,9 +63,9 @@ def test_first_divergence_and_unrecorded_points_in_execution_order():
     result = compare(ref, cand)
     assert not result and result.verdict == "diverged"
     first = result.first_divergence
-    assert (first["point"] == "model.layers.0.self_attn.q_proj"
-            and first["last_agreeing"] == "model.layers.0.input_layernorm")
-    assert first["upstream_points"] == 2 and first["upstream_max_rel_l2"] < 1e-6
+    assert (first.point == "model.layers.0.self_attn.q_proj"
+            and first.last_agreeing == "model.layers.0.input_layernorm")
+    assert first.upstream_points == 2 and first.upstream_max_rel_l2 < 1e-6
     assert [p.point for p in result.points][-1] == "model.layers.0.self_attn.scores"
     assert result.points[-1].missing_on == "both" and result.points[-1].reason == "fused"
 
@@ -84,9 +84,9 @@ def test_logits_summary_last_position_and_all_positions():
     ref = torch.tensor([[0.0, 5.0], [1.0, 2.0], [3.0, 1.0]])
     cand = torch.tensor([[0.0, 5.5], [2.5, 2.0], [3.0, 1.25]])
     logits = compare(trace({"lm_head": ref}), trace({"lm_head": cand})).logits
-    assert logits["max_abs"] == 0.25 and logits["max_ref"] == 3.0
-    assert logits["max_abs_all"] == 1.5
-    assert logits["argmax_agree"] == pytest.approx(2 / 3)
+    assert logits.max_abs == 0.25 and logits.max_ref == 3.0
+    assert logits.max_abs_all == 1.5
+    assert logits.argmax_agree == pytest.approx(2 / 3)
 
 
 def test_result_json_contract():
