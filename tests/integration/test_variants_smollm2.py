@@ -65,8 +65,8 @@ def test_rope_interleaved_breaks_q_as_badly_as_the_notes_say(smollm2_sweep):
     # notes: rope_i vs transformers on q, max|diff| 6.36 (same order as q itself); theta 10000: 0.74
     interleaved = smollm2_sweep["rope=interleaved"].first_divergence
     theta = smollm2_sweep["theta=10000"].first_divergence
-    assert interleaved["max_abs"] > 5 * theta["max_abs"]
-    assert interleaved["rel_l2"] > 4 * theta["rel_l2"]  # q scrambled, not nudged
+    assert interleaved.max_abs > 5 * theta.max_abs
+    assert interleaved.rel_l2 > 4 * theta.rel_l2  # q scrambled, not nudged
 
 
 def test_the_hf_engine_reads_the_resaved_config_as_candle_does(default_model):

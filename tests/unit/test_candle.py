@@ -32,7 +32,7 @@ def record(model, variant=None, argument=None):
 
 def first(reference, candidate):
     divergence = tracer.compare(reference, candidate).first_divergence
-    return divergence and divergence["point"]
+    return divergence and divergence.point
 
 
 @pytest.mark.parametrize("shape", [{}, {"tie_word_embeddings": False}, {"num_key_value_heads": 4}])

@@ -89,6 +89,23 @@ def test_logits_summary_last_position_and_all_positions():
     assert logits.argmax_agree == pytest.approx(2 / 3)
 
 
+def test_the_first_divergence_is_a_value_whose_dict_is_its_piece_of_the_json():
+    ref = torch.arange(12.0).reshape(3, 4)
+    result = compare(trace({"model.norm": ref}), trace({"model.norm": ref * 2}))
+    first = result.first_divergence
+    assert (first.point, first.shape, first.index, first.upstream_points) == ("model.norm", (3, 4), 0, 0)
+    assert first.by_position == (3.0, 7.0, 11.0) and first.by_head is None  # max |diff| per token
+    assert first.top_channels[0] == {"channel": 3, "max_abs": 11.0}
+    assert any("rms_norm_eps" in hint for hint in first.hints)
+    assert list(result.to_dict()["first_divergence"]) == [
+        "point", "layer", "shape", "max_abs", "max_ref", "rel_l2", "cosine", "noise", "threshold", "local_rel_l2",
+        "index", "localized_by", "last_agreeing", "upstream_points", "upstream_max_rel_l2", "by_position", "by_head",
+        "top_channels", "hints"]
+    assert result.to_dict()["first_divergence"]["shape"] == [3, 4]
+    assert first.brief() == {"point": "model.norm", "layer": None, "rel_l2": first.rel_l2, "max_abs": 11.0,
+                             "max_ref": 11.0}
+
+
 def test_result_json_contract():
     result = compare(trace({"lm_head": torch.ones(3, 4)}), trace({"lm_head": torch.ones(3, 4)}))
     d = result.to_dict()
