@@ -76,6 +76,7 @@ def test_onnx_records_all_513_points_and_matches(onnx_run):
 def test_sweep_runs_the_knobs_each_runtime_honours(default_model, engine, variants, expected):
     pytest.importorskip({"onnx": "onnxruntime", "mlx": "mlx_lm"}[engine])
     result = tracer.sweep(default_model, PROMPT, candidate=engine, variants=variants, progress=False)
-    found = {row.variant: "error" if row.error else (row.first_divergence or {}).get("point") for row in result.rows}
+    found = {row.variant: "error" if row.error else row.first_divergence and row.first_divergence.point
+             for row in result.rows}
     assert found == expected
     assert "not honoured by the mlx engine" in (result.rows[-1].error or "") or engine == "onnx"
