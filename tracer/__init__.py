@@ -2,7 +2,7 @@
 
     >>> import tracer
     >>> result = tracer.run(variant="theta=10000", progress=False)  # hf vs reimpl, bundled SmolLM2
-    >>> result.first_divergence["point"]
+    >>> result.first_divergence.point
     'model.layers.0.self_attn.q_rope'
 
 `record` (model, tokens -> Trace), `compare` (Trace, Trace -> Result), `run` (both, plus
@@ -21,6 +21,8 @@ _EXPORTS = {
     "compare_files": "tracer.api", "compare": "tracer.diff",
     "Result": "tracer.result", "PointDiff": "tracer.result", "Tolerance": "tracer.result",
     "Sweep": "tracer.result", "SweepRow": "tracer.result", "Diagnosis": "tracer.result",
+    "Divergence": "tracer.result", "LogitsSummary": "tracer.result", "Greedy": "tracer.result",
+    "RegimeView": "tracer.result",
     "Trace": "tracer.trace", "TraceMeta": "tracer.trace", "TracerError": "tracer.errors",
     "default_model_path": "tracer.sources",
 }

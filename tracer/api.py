@@ -176,7 +176,7 @@ def run(
 
     Example:
         >>> result = tracer.run(variant="theta=10000", greedy=0, progress=False)
-        >>> result.first_divergence["point"]
+        >>> result.first_divergence.point
         'model.layers.0.self_attn.q_rope'
     """
     check_tolerance(atol, rtol)
@@ -273,7 +273,7 @@ def sweep(
 
     Example:
         >>> sweep = tracer.sweep(variants="theta=10000; eps=1e-3", progress=False)
-        >>> [row.first_divergence["point"] for row in sweep.rows]
+        >>> [row.first_divergence.point for row in sweep.rows]
         ['model.layers.0.self_attn.q_rope', 'model.layers.0.input_layernorm']
     """
     check_tolerance(atol, rtol)
@@ -379,7 +379,8 @@ def diagnose_values(trace, inputs: Inputs, placement: Placement = Placement(), *
                 _CATALOGUE_ROWS[key] = rows
     ranking = sorted((
         {"variant": row.variant, "score": resemblance(observed, row.result) if row.result is not None else 0.0,
-         "verdict": row.verdict, "first_divergence": (row.first_divergence or {}).get("point"), "error": row.error}
+         "verdict": row.verdict, "first_divergence": row.first_divergence and row.first_divergence.point,
+         "error": row.error}
         for row in rows), key=lambda entry: entry["score"], reverse=True)
     return Diagnosis(observed, tuple(ranking))
 
@@ -433,7 +434,7 @@ def compare_files(
         >>> ref = tracer.record(None, "The capital of France is", engine="reimpl", progress=False)
         >>> cand = tracer.record(None, "The capital of France is", engine="reimpl", variant="theta=10000",
         ...                      progress=False)
-        >>> tracer.compare_files(ref, cand).first_divergence["point"]
+        >>> tracer.compare_files(ref, cand).first_divergence.point
         'model.layers.0.self_attn.q_rope'
     """
     from tracer.aliases import alias_table

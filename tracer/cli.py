@@ -211,7 +211,7 @@ def cmd_diagnose(args) -> int:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
         first = result.observed.first_divergence
-        print(f"observed: {result.observed.verdict}" + (f", first divergence {first['point']}" if first else ""))
+        print(f"observed: {result.observed.verdict}" + (f", first divergence {first.point}" if first else ""))
         for rank, entry in enumerate(result.ranking[:5], 1):
             print(f"  {rank}. {entry['variant']:<28} resemblance {entry['score']:.2f}  "
                   f"({entry['verdict']}{', from ' + entry['first_divergence'] if entry['first_divergence'] else ''})")

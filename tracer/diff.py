@@ -16,7 +16,7 @@ import torch
 
 from tracer.errors import TracerError
 from tracer.points import FINAL_LOGITS, LOGITS, causal_allowed, is_causal, layer_of
-from tracer.result import PointDiff, Result, Tolerance
+from tracer.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
 from tracer.trace import Trace, kept
 
 CHUNK = 1 << 16  # values per f64 chunk when reducing a point's metrics: 512 kB, in cache
@@ -184,7 +184,7 @@ def output_logits(reference: Trace, candidate: Trace) -> str:
     return FINAL_LOGITS if FINAL_LOGITS in reference and FINAL_LOGITS in candidate else LOGITS
 
 
-def logits_summary(reference: Trace, candidate: Trace) -> dict | None:
+def logits_summary(reference: Trace, candidate: Trace) -> LogitsSummary | None:
     """Logits at the last position (what candle returns and the notes quote) and over all positions:
     the model's output (soft-capped in Gemma 2)."""
     point = output_logits(reference, candidate)
@@ -198,15 +198,15 @@ def logits_summary(reference: Trace, candidate: Trace) -> dict | None:
     chunks = [float((cand[i:i + rows].double() - ref[i:i + rows].double()).abs().max())
               for i in range(0, ref.shape[0], rows)]
     max_abs_all = math.nan if any(math.isnan(v) for v in chunks) else max(chunks)  # max() would drop a NaN
-    return {
-        "max_abs": float(last_diff.abs().max()),
-        "max_ref": float(last_ref.abs().max()),
-        "rel_l2": float(last_diff.norm() / last_ref.norm()),
-        "max_abs_all": max_abs_all,
-        "argmax_agree": float((cand.argmax(-1) == ref.argmax(-1)).double().mean()),
-        "positions": int(ref.shape[0]),
-        "next_token_accuracy": _next_token_accuracy(ref, cand, reference.tokens),
-    }
+    return LogitsSummary(
+        max_abs=float(last_diff.abs().max()),
+        max_ref=float(last_ref.abs().max()),
+        rel_l2=float(last_diff.norm() / last_ref.norm()),
+        max_abs_all=max_abs_all,
+        argmax_agree=float((cand.argmax(-1) == ref.argmax(-1)).double().mean()),
+        positions=int(ref.shape[0]),
+        next_token_accuracy=_next_token_accuracy(ref, cand, reference.tokens),
+    )
 
 
 def _next_token_accuracy(ref: torch.Tensor, cand: torch.Tensor, tokens: list[int] | None) -> dict | None:
@@ -225,7 +225,7 @@ def introduces_error(p: PointDiff) -> bool:
     return not p.local_rel_l2 <= p.threshold
 
 
-def first_divergence(points: list[PointDiff]) -> dict | None:
+def first_divergence(points: list[PointDiff]) -> Divergence | None:
     """The first point that introduces error, with how well everything upstream of it agrees.
 
     With local errors known, that is the first point whose *local* error leaves the floor; if
@@ -240,14 +240,12 @@ def first_divergence(points: list[PointDiff]) -> dict | None:
         return None
     p = points[index]
     upstream = [q for q in points[:index] if q.recorded]
-    return {
-        **{k: v for k, v in p.to_dict().items() if k not in ("recorded", "missing_on", "diverged")},
-        "index": index,
-        "localized_by": localized_by,
-        "last_agreeing": upstream[-1].point if upstream else None,
-        "upstream_points": len(upstream),
-        "upstream_max_rel_l2": max((q.rel_l2 for q in upstream), default=None),
-    }
+    return Divergence(
+        p.point, p.layer, p.shape, max_abs=p.max_abs, max_ref=p.max_ref, rel_l2=p.rel_l2, cosine=p.cosine,
+        noise=p.noise, threshold=p.threshold, local_rel_l2=p.local_rel_l2, index=index, localized_by=localized_by,
+        last_agreeing=upstream[-1].point if upstream else None, upstream_points=len(upstream),
+        upstream_max_rel_l2=max((q.rel_l2 for q in upstream), default=None),
+    )
 
 
 def num_heads(trace: Trace, layer: int | None) -> int | None:
@@ -256,13 +254,22 @@ def num_heads(trace: Trace, layer: int | None) -> int | None:
     return int(trace[q_rope].shape[0]) if layer is not None and q_rope in trace else None
 
 
-def explain_divergence(point: str, reference: Trace, candidate: Trace) -> dict:
-    """Breakdowns (per position, head, channel) of the first divergence and the hints they suggest."""
+def explain_divergence(first: Divergence, reference: Trace, candidate: Trace) -> Divergence:
+    """The first divergence with its breakdowns (per position, head, channel) and the hints they suggest."""
     from tracer.explain import breakdown, hints
 
+    point = first.point
     ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
-    details = breakdown(point, ref, cand, num_heads(reference, layer_of(point)))
-    return {**details, "hints": hints(point, details, trace_family(reference, candidate))}
+    details = breakdown(point, ref, cand, num_heads(reference, first.layer))
+    return dataclasses.replace(
+        first, by_position=tuple(details["by_position"]), by_head=_tuple_or_none(details["by_head"]),
+        top_channels=_tuple_or_none(details["top_channels"]),
+        hints=tuple(hints(point, details, trace_family(reference, candidate))),
+    )
+
+
+def _tuple_or_none(values: list | None) -> tuple | None:
+    return None if values is None else tuple(values)
 
 
 def side(trace: Trace) -> dict:
@@ -301,7 +308,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         points = [dataclasses.replace(p, local_rel_l2=local.get(p.point)) if p.recorded else p for p in points]
     first = first_divergence(points)
     if first:
-        first |= explain_divergence(first["point"], reference, candidate)
+        first = explain_divergence(first, reference, candidate)
     return Result(
         verdict="diverged" if first else "match",
         points=tuple(points),

@@ -23,9 +23,9 @@ def fingerprint(result: Result) -> dict[str, float]:
 def position_profile(result: Result) -> list[float] | None:
     """The first divergence's per-position error, log-scaled and normalized (None without one)."""
     first = result.first_divergence
-    if not first or not first.get("by_position"):
+    if not first or not first.by_position:
         return None
-    values = [math.log10(max(v, FLOOR)) - math.log10(FLOOR) for v in first["by_position"]]
+    values = [math.log10(max(v, FLOOR)) - math.log10(FLOOR) for v in first.by_position]
     norm = math.sqrt(sum(v * v for v in values))
     return [v / norm for v in values] if norm else None
 
@@ -37,9 +37,10 @@ def resemblance(observed: Result, variant: Result) -> float:
     if not common:
         return 0.0
     distance = sum(abs(seen[p] - tried[p]) for p in common) / len(common)
-    same_start = (observed.first_divergence or {}).get("point") == (variant.first_divergence or {}).get("point")
+    seen_first, tried_first = observed.first_divergence, variant.first_divergence
+    same_start = (seen_first and seen_first.point) == (tried_first and tried_first.point)
     shape = 0.5
-    if same_start and observed.first_divergence:
+    if same_start and seen_first:
         a, b = position_profile(observed), position_profile(variant)
         shape = sum(x * y for x, y in zip(a, b)) if a and b and len(a) == len(b) else 0.5
     return (0.5 + 0.5 * shape) / (1.0 + distance)

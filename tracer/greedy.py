@@ -11,6 +11,7 @@ cache is what its users get).
 from __future__ import annotations
 
 from tracer.progress import detail
+from tracer.result import Greedy
 
 GREEDY_STEPS = 20
 LONG_PROMPT = 128  # past this, greedy decoding (a whole forward per step and side) is off by default
@@ -70,19 +71,18 @@ def agreeing_prefix(engine, tokens: list[int], done: list[int], guess: list[int]
     return next((i for i, (a, b) in enumerate(zip(picked, rest)) if a != b), len(rest))
 
 
-def summary(reference: list[int] | None, candidate: list[int] | None, detokenize) -> dict | None:
+def summary(reference: list[int] | None, candidate: list[int] | None, detokenize) -> Greedy | None:
     """Both continuations, how long they agree, and their texts (None when a side has none)."""
     if reference is None or candidate is None:
         return None
     same = next((i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b),
                 min(len(reference), len(candidate)))
-    return {
-        "reference": reference, "candidate": candidate, "steps": len(reference),
-        "same_prefix": same,  # tokens before the first flip
-        "first_flip": same + 1 if same < len(reference) else None,  # 1-based step of the first differing token
-        "same_positions": sum(a == b for a, b in zip(reference, candidate)),
-        "reference_text": detokenize(reference), "candidate_text": detokenize(candidate),
-    }
+    return Greedy(
+        reference=reference, candidate=candidate, steps=len(reference), same_prefix=same,
+        first_flip=same + 1 if same < len(reference) else None,
+        same_positions=sum(a == b for a, b in zip(reference, candidate)),
+        reference_text=detokenize(reference), candidate_text=detokenize(candidate),
+    )
 
 
 def _fitting(engine, tokens: list[int], steps: int) -> int:

@@ -16,6 +16,7 @@ no model (`prepared_from_trace`). Because they share these steps, a sweep row sa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from tracer.errors import TracerError
 from tracer.points import is_coarse
 from tracer.progress import stage
 from tracer.request import Inputs, Placement, check_family_support
-from tracer.result import Result, SweepRow, Tolerance, brief_divergence
+from tracer.result import Greedy, Result, SweepRow, Tolerance
 from tracer.spill import SPILL_TOKENS, spill_folder
 from tracer.trace import ATTENTION_ROWS, Trace
 from tracer.variants import parse_variant, setting, variant_text
@@ -236,17 +237,17 @@ def local_errors(engine, reference: Trace) -> dict[str, float] | None:
     return errors.rel_l2
 
 
-def greedy_comparison(prepared: Prepared, engine, tolerance: Tolerance) -> dict | None:
+def greedy_comparison(prepared: Prepared, engine, tolerance: Tolerance) -> Greedy | None:
     """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
     if prepared.reference_greedy is None:
         return None
     candidate = greedy.continuation(engine, prepared.ids, prepared.greedy_steps, guess=prepared.reference_greedy)
     summary = greedy.summary(prepared.reference_greedy, candidate, prepared.detokenize)
-    if summary and summary["first_flip"]:
+    if summary and summary.first_flip:
         # Where the two sides part at the step whose argmax flips: same tokens on both sides.
-        flip_ids = prepared.ids + prepared.reference_greedy[: summary["first_flip"] - 1]
+        flip_ids = prepared.ids + prepared.reference_greedy[: summary.first_flip - 1]
         at_flip = compare(prepared.engine.record(flip_ids), engine.record(flip_ids), tolerance).first_divergence
-        summary["first_flip_divergence"] = brief_divergence(at_flip)
+        summary = dataclasses.replace(summary, first_flip_divergence=at_flip)
     return summary
 
 

@@ -28,7 +28,7 @@ from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
 from tracer.pipeline import compare_candidate, prepared_reference, timed
 from tracer.request import Inputs, Placement
-from tracer.result import Result, brief_divergence
+from tracer.result import RawView, RegimeView, Result
 from tracer.trace import Trace
 from tracer.variants import expand_presets, parse_variant, setting, variant_text
 
@@ -139,25 +139,24 @@ def regime_cost(f32_reference: Trace, regime_reference: Trace) -> dict[str, floa
     return rel_l2_by_point(f32_reference, regime_reference)
 
 
-def raw_view(raw: Result) -> dict:
+def raw_view(raw: Result) -> RawView:
     """What the f32 comparison says, for the regime view's report."""
-    return {"verdict": raw.verdict, "reference": raw.reference,
-            "first_divergence": brief_divergence(raw.first_divergence),
-            "logits": raw.logits}
+    return RawView(raw.verdict, raw.reference, raw.first_divergence, raw.logits)
 
 
 def regime_context(knobs: dict, caveats: list[str], raw: Result, cost: dict[str, float],
-                   per_op: dict[str, float] | None) -> dict:
-    """The `Result.regime` record: which regime, its caveats, the raw view, its cost, the per-op view."""
+                   per_op: dict[str, float] | None, view_kind: str) -> RegimeView:
+    """The `Result.regime` record: which regime, its caveats, the raw view, its cost, the per-op view
+    and how the verdict was judged (`verdict_view`)."""
     worst_op = max(per_op.items(), key=lambda item: item[1]) if per_op else None
     bound = PER_OP_BOUNDS.get(setting(knobs, "dtype"))  # None for f64: no bound
-    return {
-        "variant": knobs, "label": variant_text(knobs), "caveats": list(caveats), "raw": raw_view(raw),
-        "cost": cost, "per_op": per_op,
-        "per_op_worst": worst_op and {"point": worst_op[0], "rel_l2": worst_op[1]},
-        "per_op_bound": bound,
-        "per_op_over": [point for point, error in (per_op or {}).items() if bound is not None and error > bound],
-    }
+    return RegimeView(
+        variant=knobs, label=variant_text(knobs), caveats=tuple(caveats), raw=raw_view(raw), cost=cost,
+        per_op=per_op, per_op_worst=worst_op and {"point": worst_op[0], "rel_l2": worst_op[1]},
+        per_op_bound=bound,
+        per_op_over=tuple(point for point, error in (per_op or {}).items() if bound is not None and error > bound),
+        verdict_view=view_kind,
+    )
 
 
 def check_regime_run(reference: str, candidate: str) -> None:
@@ -226,5 +225,5 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
         notes=tuple(notes), prompt=raw.prompt, chat=raw.chat, token_texts=raw.token_texts, greedy=raw.greedy,
         environment=raw.environment, command=raw.command, config_audit=raw.config_audit,
         timings={**raw.timings, **timings},
-        regime={**regime_context(knobs, caveats, raw, cost, per_op), "verdict_view": view_kind},
+        regime=regime_context(knobs, caveats, raw, cost, per_op, view_kind),
     )

@@ -1,10 +1,12 @@
-"""What comparisons produce, as values: `Tolerance`, `PointDiff`, `Result`, `SweepRow`, `Sweep`,
-`Diagnosis`. The functions that compute them live apart (`tracer.diff` compares two traces,
-`tracer.pipeline` runs engines), as Polygraphy keeps `struct.py` apart from `compare.py`.
+"""What comparisons produce, as values: `Tolerance`, `PointDiff`, `Result` with its parts (`Divergence`,
+`LogitsSummary`, `Greedy`, `RegimeView`), `SweepRow`, `Sweep`, `Diagnosis`. The functions that compute
+them live apart (`tracer.diff` compares two traces, `tracer.pipeline` runs engines), as Polygraphy keeps
+`struct.py` apart from `compare.py`.
 
 A value is built once and never assigned to afterwards (frozen dataclasses; sequences are tuples).
 `bool(value)` says "within tolerance"; `to_dict()` is the JSON contract (docs/design.md, "JSON contract"),
-with NaN and Inf written as the strings "nan" / "inf" (JSON has neither).
+with NaN and Inf written as the strings "nan" / "inf" (JSON has neither). A part's `to_dict()` is its
+piece of the contract, made JSON-safe by the whole's.
 """
 
 from __future__ import annotations
@@ -116,10 +118,137 @@ def json_safe(value):
     return value
 
 
-def brief_divergence(first: dict | None) -> dict | None:
-    """A first divergence in brief, where and how large, for a view told beside the main one (the
-    raw f32 view of a regime, the step where the greedy continuations part)."""
-    return first and {k: first.get(k) for k in ("point", "layer", "rel_l2", "max_abs", "max_ref")}
+def dict_or_none(value) -> dict | None:
+    """A value's `to_dict()`, None for none (the optional parts of a result)."""
+    return None if value is None else value.to_dict()
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first point that introduces error (`tracer.diff.first_divergence`): its figures, how well
+    everything upstream agrees, and the breakdowns and hints `tracer.diff.explain_divergence` adds."""
+
+    point: str
+    layer: int | None
+    shape: tuple[int, ...] | None
+    max_abs: float | None
+    max_ref: float | None
+    rel_l2: float | None
+    cosine: float | None
+    noise: float | None
+    threshold: float | None
+    local_rel_l2: float | None
+    index: int  # its place in `Result.points`
+    localized_by: str  # "local" (by its error on the reference's inputs) or "total"
+    last_agreeing: str | None  # the last recorded point before it
+    upstream_points: int  # recorded points before it
+    upstream_max_rel_l2: float | None
+    by_position: tuple[float, ...] = ()  # max |diff| per token position (the query position for attention)
+    by_head: tuple[float, ...] | None = None  # max |diff| per head, for points that have heads
+    top_channels: tuple[dict, ...] | None = None  # {"channel", "max_abs"}, the worst channels first
+    hints: tuple[str, ...] = ()  # what an expert would suspect on seeing these breakdowns
+
+    def brief(self) -> dict:
+        """Where and how large, for a view told beside the main one (the raw f32 view of a regime,
+        the step where the greedy continuations part)."""
+        return {"point": self.point, "layer": self.layer, "rel_l2": self.rel_l2, "max_abs": self.max_abs,
+                "max_ref": self.max_ref}
+
+    def to_dict(self) -> dict:
+        return {
+            "point": self.point, "layer": self.layer, "shape": list(self.shape) if self.shape else None,
+            "max_abs": self.max_abs, "max_ref": self.max_ref, "rel_l2": self.rel_l2, "cosine": self.cosine,
+            "noise": self.noise, "threshold": self.threshold, "local_rel_l2": self.local_rel_l2,
+            "index": self.index, "localized_by": self.localized_by, "last_agreeing": self.last_agreeing,
+            "upstream_points": self.upstream_points, "upstream_max_rel_l2": self.upstream_max_rel_l2,
+            "by_position": list(self.by_position),
+            "by_head": None if self.by_head is None else list(self.by_head),
+            "top_channels": None if self.top_channels is None else list(self.top_channels),
+            "hints": list(self.hints),
+        }
+
+
+@dataclass(frozen=True)
+class LogitsSummary:
+    """The model's output compared (`tracer.diff.logits_summary`): at the last position, over all
+    positions, and as next-token predictions."""
+
+    max_abs: float  # at the last position
+    max_ref: float
+    rel_l2: float
+    max_abs_all: float  # over all positions
+    argmax_agree: float  # the fraction of positions whose argmax agrees
+    positions: int
+    next_token_accuracy: dict[str, float] | None  # side -> how often its argmax is the text's next token
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)  # the fields are the JSON keys, in order
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """Both sides' greedy continuations and how long they agree (`tracer.greedy.summary`)."""
+
+    reference: list[int]
+    candidate: list[int]
+    steps: int
+    same_prefix: int  # tokens before the first flip
+    first_flip: int | None  # 1-based step of the first differing token
+    same_positions: int
+    reference_text: str
+    candidate_text: str
+    # Where the sides part on the tokens of the first flip's step (`tracer.pipeline.greedy_comparison`).
+    first_flip_divergence: Divergence | None = None
+
+    def to_dict(self) -> dict:
+        flip = self.first_flip_divergence
+        return {
+            "reference": self.reference, "candidate": self.candidate, "steps": self.steps,
+            "same_prefix": self.same_prefix, "first_flip": self.first_flip, "same_positions": self.same_positions,
+            "reference_text": self.reference_text, "candidate_text": self.candidate_text,
+            # a continuation that flips says where, in brief (None: no point diverges at that step)
+            **({"first_flip_divergence": flip and flip.brief()} if self.first_flip else {}),
+        }
+
+
+@dataclass(frozen=True)
+class RawView:
+    """Beside a regime view, the same candidate against the f32 reference: the verdict without the regime."""
+
+    verdict: str
+    reference: dict
+    first_divergence: Divergence | None
+    logits: LogitsSummary | None
+
+    def to_dict(self) -> dict:
+        first = self.first_divergence
+        return {"verdict": self.verdict, "reference": self.reference, "first_divergence": first and first.brief(),
+                "logits": dict_or_none(self.logits)}
+
+
+@dataclass(frozen=True)
+class RegimeView:
+    """`Result.regime` (`tracer.regime_view`): the regime the reference ran in, the raw f32 view, the
+    regime's own cost per point and the per-op errors on the candidate's own inputs."""
+
+    variant: dict  # the regime's knobs
+    label: str
+    caveats: tuple[str, ...]
+    raw: RawView
+    cost: dict[str, float]  # per point, the rel_l2 of the regime reference against the f32 one
+    per_op: dict[str, float] | None  # per point, its op's error on the candidate's own inputs
+    per_op_worst: dict | None  # {"point", "rel_l2"} of the largest per-op error
+    per_op_bound: float | None  # the per-op error a correct op stays under (None: no bound)
+    per_op_over: tuple[str, ...]  # the points whose per-op error exceeds it
+    verdict_view: str  # "free" or "per_op": how the verdict was judged (`tracer.regime_view.verdict_view`)
+
+    def to_dict(self) -> dict:
+        return {
+            "variant": self.variant, "label": self.label, "caveats": list(self.caveats), "raw": self.raw.to_dict(),
+            "cost": self.cost, "per_op": self.per_op, "per_op_worst": self.per_op_worst,
+            "per_op_bound": self.per_op_bound, "per_op_over": list(self.per_op_over),
+            "verdict_view": self.verdict_view,
+        }
 
 
 @dataclass(frozen=True)
@@ -132,7 +261,7 @@ class Result:
 
     Example:
         >>> result = tracer.run(variant="theta=10000", progress=False)
-        >>> result.verdict, result.first_divergence["point"]
+        >>> result.verdict, result.first_divergence.point
         ('diverged', 'model.layers.0.self_attn.q_rope')
         >>> bool(result.table().loc["model.layers.0.self_attn.q_rope", "diverged"])
         True
@@ -140,8 +269,8 @@ class Result:
 
     verdict: str  # "match" | "diverged" | "error"
     points: tuple[PointDiff, ...]
-    first_divergence: dict | None
-    logits: dict | None
+    first_divergence: Divergence | None
+    logits: LogitsSummary | None
     tolerance: Tolerance
     reference: dict  # {"engine", "variant", "label", "device", "runtime"}
     candidate: dict
@@ -150,7 +279,7 @@ class Result:
     tokens: list[int] | None = None
     token_texts: list[str] | None = None
     chat: dict | None = None  # {"system", "text", "tokens"} when the prompt went through a chat template
-    greedy: dict | None = None
+    greedy: Greedy | None = None
     environment: dict = field(default_factory=dict)
     command: str | None = None
     timings: dict = field(default_factory=dict)
@@ -161,7 +290,7 @@ class Result:
     config_audit: dict | None = None  # what each config reader makes of the model's config.json
     # The regime view (`tracer.regime_view`): the reference ran in the candidate's number formats; the raw
     # f32 view, the regime's own cost per point and the per-op errors ride along.
-    regime: dict | None = None
+    regime: RegimeView | None = None
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -182,12 +311,12 @@ class Result:
             "verdict": self.verdict, "model": self.model, "prompt": self.prompt, "tokens": self.tokens,
             "token_texts": self.token_texts, "chat": self.chat, "reference": self.reference,
             "candidate": self.candidate, "tolerance": self.tolerance.to_dict(),
-            "first_divergence": self.first_divergence, "points": [p.to_dict() for p in self.points],
-            "logits": self.logits, "greedy": self.greedy, "environment": self.environment,
+            "first_divergence": dict_or_none(self.first_divergence), "points": [p.to_dict() for p in self.points],
+            "logits": dict_or_none(self.logits), "greedy": dict_or_none(self.greedy), "environment": self.environment,
             "command": self.command, "timings": self.timings, "notes": list(self.notes), "error": self.error,
             "first_nonfinite": self.first_nonfinite, "amplification": list(self.amplification),
             "config_audit": self.config_audit,
-            "view": "regime" if self.regime else "raw", "regime": self.regime,
+            "view": "raw" if self.regime is None else "regime", "regime": dict_or_none(self.regime),
         })
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -222,9 +351,9 @@ class SweepRow:
     variant: str
     knobs: dict
     verdict: str  # "match" | "diverged" | "error"
-    first_divergence: dict | None = None
-    logits: dict | None = None
-    greedy: dict | None = None
+    first_divergence: Divergence | None = None
+    logits: LogitsSummary | None = None
+    greedy: Greedy | None = None
     error: str | None = None
     curve: tuple[dict, ...] = ()  # coarse points: point, layer, rel_l2, threshold, diverged
     notes: tuple[str, ...] = ()
@@ -237,8 +366,9 @@ class SweepRow:
     def to_dict(self) -> dict:
         return json_safe({
             "variant": self.variant, "knobs": self.knobs, "verdict": self.verdict,
-            "first_divergence": self.first_divergence, "logits": self.logits, "greedy": self.greedy,
-            "error": self.error, "curve": list(self.curve), "notes": list(self.notes), "seconds": self.seconds,
+            "first_divergence": dict_or_none(self.first_divergence), "logits": dict_or_none(self.logits),
+            "greedy": dict_or_none(self.greedy), "error": self.error, "curve": list(self.curve),
+            "notes": list(self.notes), "seconds": self.seconds,
         })
 
 
@@ -248,7 +378,7 @@ class Sweep:
 
     Example:
         >>> sweep = tracer.sweep(variants=["theta=10000", "kv_repeat=tile"], progress=False)
-        >>> [(row.variant, row.first_divergence["point"]) for row in sweep.rows]
+        >>> [(row.variant, row.first_divergence.point) for row in sweep.rows]
         [('theta=10000', 'model.layers.0.self_attn.q_rope'), ('kv_repeat=tile', 'model.layers.0.self_attn.scores')]
         >>> list(sweep.table().index)  # one row per variant, a pandas DataFrame
         ['theta=10000', 'kv_repeat=tile']

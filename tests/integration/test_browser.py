@@ -67,7 +67,7 @@ def headless(chromium: str, tmp_path, *args: str) -> subprocess.CompletedProcess
 
 def test_html_and_markdown_name_the_first_divergence(report):
     result, folder = report
-    assert result.first_divergence["point"] == FIRST
+    assert result.first_divergence.point == FIRST
     page = (folder / "report.html").read_text(encoding="utf-8")
     markdown = (folder / "summary.md").read_text(encoding="utf-8")
     assert f"the first divergence is {FIRST}" in page

@@ -67,10 +67,10 @@ def test_a_transformers_5_save_makes_candles_reader_take_theta_10000(default_mod
         if file.name != "config.json":
             (saved / file.name).symlink_to(file)
     live = candle(saved)
-    assert tracer.compare(reference, live).first_divergence["point"] == layer_point(0, "self_attn.q_rope")
+    assert tracer.compare(reference, live).first_divergence.point == layer_point(0, "self_attn.q_rope")
     assert any("took rope_theta = 10000" in note for note in live.meta.notes)
     file = tracer.compare_files(reference.save(tmp_path / "hf.safetensors"), live.save(tmp_path / "candle.safetensors"))
-    assert file.first_divergence["point"] == layer_point(0, "self_attn.q_rope")
+    assert file.first_divergence.point == layer_point(0, "self_attn.q_rope")
     fixed = candle(saved, {"config": "hf"})
     assert tracer.compare(reference, fixed).verdict == "match"
 
@@ -78,7 +78,7 @@ def test_a_transformers_5_save_makes_candles_reader_take_theta_10000(default_mod
 def test_rope_i_on_hf_rows_diverges_at_the_first_rope(default_model, reference):
     candidate = candle(default_model, {"rope": "interleaved"})
     first = tracer.compare(reference, candidate).first_divergence
-    assert first["point"] == layer_point(0, "self_attn.q_rope") and first["max_abs"] > 1  # measured 4.4
+    assert first.point == layer_point(0, "self_attn.q_rope") and first.max_abs > 1  # measured 4.4
 
 
 def test_quantized_llama_rs_is_candles_regime_to_the_bit_and_f32_up_to_the_first_projection(
@@ -87,7 +87,7 @@ def test_quantized_llama_rs_is_candles_regime_to_the_bit_and_f32_up_to_the_first
     raw = tracer.compare(reference, candidate)
     by_point = {p.point: p.rel_l2 for p in raw.points}
     assert by_point[layer_point(0, "input_layernorm")] < 1e-6  # measured 1.2e-7
-    assert raw.first_divergence["point"] in {layer_point(0, f"self_attn.{x}_proj") for x in "qkv"}
+    assert raw.first_divergence.point in {layer_point(0, f"self_attn.{x}_proj") for x in "qkv"}
     exact = tracer.compare(candle_q, candidate)
     assert exact.verdict == "match" and {p.rel_l2 for p in exact.points if p.recorded} == {0.0}
 
@@ -95,9 +95,9 @@ def test_quantized_llama_rs_is_candles_regime_to_the_bit_and_f32_up_to_the_first
 def test_regime_auto_picks_candles_arithmetic_and_reads_candle_as_correct(default_model, gguf):
     result = tracer.run(default_model, tokens=PROMPT_IDS, candidate=f"candle:{gguf}", regime="auto", greedy=0,
                         noise_floor=False, progress=False)  # exactly 0 needs no noise floor
-    assert result.regime["variant"] == CANDLE_Q and result.regime["caveats"] == []
+    assert result.regime.variant == CANDLE_Q and result.regime.caveats == ()
     assert result.verdict == "match" and all(p.rel_l2 == 0 for p in result.points if p.recorded)
-    assert result.regime["raw"]["first_divergence"]["layer"] == 0
+    assert result.regime.raw.first_divergence.layer == 0
 
 
 def test_a_corrupted_tensor_stands_alone_in_candles_regime(default_model, candle_q, tmp_path):
@@ -107,4 +107,4 @@ def test_a_corrupted_tensor_stands_alone_in_candles_regime(default_model, candle
     _corrupt(bundled_gguf(), corrupted)
     candidate = candle(default_model, gguf=corrupted)
     first = tracer.compare(candle_q, candidate).first_divergence
-    assert first["point"] == "model.layers.7.mlp.down_proj" and first["upstream_max_rel_l2"] == 0.0
+    assert first.point == "model.layers.7.mlp.down_proj" and first.upstream_max_rel_l2 == 0.0

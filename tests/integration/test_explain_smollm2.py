@@ -17,11 +17,11 @@ def theta_run(default_model):
 
 def test_theta_signature_is_positional(theta_run):
     first = theta_run.first_divergence
-    positions = first["by_position"]
+    positions = first.by_position
     assert len(positions) == 5 and positions[0] == 0.0
     assert all(later > 0 for later in positions[1:]) and positions[-1] > positions[1]
-    assert len(first["by_head"]) == 9
-    assert any("positional encoding" in hint for hint in first["hints"])
+    assert len(first.by_head) == 9
+    assert any("positional encoding" in hint for hint in first.hints)
 
 
 def test_every_point_is_judged_against_its_measured_noise(theta_run):
@@ -32,16 +32,16 @@ def test_every_point_is_judged_against_its_measured_noise(theta_run):
 
 def test_greedy_first_flip_and_where_the_sides_part_at_that_step(theta_run):
     greedy = theta_run.greedy
-    assert greedy["first_flip"] == 18
-    assert greedy["first_flip_divergence"]["point"] == "model.layers.0.self_attn.q_rope"
+    assert greedy.first_flip == 18
+    assert greedy.first_flip_divergence.point == "model.layers.0.self_attn.q_rope"
 
 
 def test_long_text_argmax_agreement(default_model):
     result = tracer.run(default_model, TEXT, variant="theta=10000", greedy=0, noise_floor=False)  # logits only
     logits = result.logits
-    assert logits["positions"] > 250
-    assert 0.6 <= logits["argmax_agree"] <= 0.95  # the notes measured 84% on 249 tokens
-    accuracy = logits["next_token_accuracy"]
+    assert logits.positions > 250
+    assert 0.6 <= logits.argmax_agree <= 0.95  # the notes measured 84% on 249 tokens
+    accuracy = logits.next_token_accuracy
     assert 0 < accuracy["reference"] < 1 and 0 < accuracy["candidate"] < 1
 
 
@@ -70,9 +70,9 @@ def test_diagnose_ranks_q4_1_weights_with_q8_1_activations_first(default_model, 
 def test_kv_repeat_tile_differs_only_in_heads_whose_kv_head_moves(default_model):
     result = tracer.run(default_model, PROMPT, variant="kv_repeat=tile", greedy=0)
     first = result.first_divergence
-    assert first["point"] == "model.layers.0.self_attn.scores"
+    assert first.point == "model.layers.0.self_attn.scores"
     # 9 query heads on 3 kv heads: interleave gives head h kv head h // 3, tile gives h % 3.
     same_kv = [h for h in range(9) if h // 3 == h % 3]
     assert same_kv == [0, 4, 8]
-    assert [h for h, value in enumerate(first["by_head"]) if value == 0.0] == same_kv
-    assert any("GQA head mapping" in hint for hint in first["hints"])
+    assert [h for h, value in enumerate(first.by_head) if value == 0.0] == same_kv
+    assert any("GQA head mapping" in hint for hint in first.hints)

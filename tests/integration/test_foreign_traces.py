@@ -40,11 +40,11 @@ def test_candle_dump_with_a_faulty_mlp_is_localized_to_that_down_proj(reference,
     result = tracer.compare_files(reference, candle_fault)
     first = result.first_divergence
     assert result.verdict == "diverged"
-    assert first["point"] == f"model.layers.{FAULT_LAYER}.mlp.down_proj"
-    assert first["last_agreeing"] == f"model.layers.{FAULT_LAYER}.mlp.up_proj"
-    assert first["upstream_max_rel_l2"] < 1e-6  # everything the dump has upstream agrees
-    assert first["rel_l2"] > 1e-3
-    assert result.logits["positions"] == 1  # candle returns the last position's logits only
+    assert first.point == f"model.layers.{FAULT_LAYER}.mlp.down_proj"
+    assert first.last_agreeing == f"model.layers.{FAULT_LAYER}.mlp.up_proj"
+    assert first.upstream_max_rel_l2 < 1e-6  # everything the dump has upstream agrees
+    assert first.rel_l2 > 1e-3
+    assert result.logits.positions == 1  # candle returns the last position's logits only
     assert any("holds only the last position at lm_head" in note for note in result.notes)
     assert any("dropped a leading batch dimension of 1" in note for note in result.notes)
     missing = [p.point for p in result.points if p.missing_on == "candidate"]
@@ -55,8 +55,8 @@ def test_ggml_dump_with_only_block_outputs_is_localized_to_the_block(faulty, ref
     blocks = {f"model.layers.{i}" for i in range(30)}
     path = save_dump(ggml_dump(faulty, points=blocks), folder / "l_out.safetensors", reference.tokens)
     result = tracer.compare_files(reference, path)
-    assert result.first_divergence["point"] == f"model.layers.{FAULT_LAYER}"
-    assert result.first_divergence["last_agreeing"] == f"model.layers.{FAULT_LAYER - 1}"
+    assert result.first_divergence.point == f"model.layers.{FAULT_LAYER}"
+    assert result.first_divergence.last_agreeing == f"model.layers.{FAULT_LAYER - 1}"
     assert [p.point for p in result.points if p.recorded] == sorted(blocks, key=lambda p: int(p.split(".")[2]))
     # llama.cpp keeps only the output row in the last layer: compared there
     assert any("holds only the last position at model.layers.29" in note for note in result.notes)
@@ -73,7 +73,7 @@ def test_full_ggml_dump_matches_after_unpermuting_gguf_q_k(reference, folder):
     assert not any(p.missing_on for p in result.points if p.point.endswith("self_attn.probs"))
     # the same dump read as half-split: RoPE pairs scrambled, caught at the first q after RoPE
     plain = save_dump(dump, folder / "ggml-half.safetensors", reference.tokens, qk_order="half")
-    assert tracer.compare_files(reference, plain).first_divergence["point"] == "model.layers.0.self_attn.q_rope"
+    assert tracer.compare_files(reference, plain).first_divergence.point == "model.layers.0.self_attn.q_rope"
 
 
 def test_a_trace_against_itself_is_a_match(reference, folder):

@@ -81,11 +81,11 @@ def test_a_corrupted_tensor_is_the_first_divergence_in_the_regime_and_hidden_in_
     regime = tracer.run(default_model, tokens=PROMPT_IDS, reference="reimpl", reference_variant=LLAMACPP,
                         candidate=candidate, greedy=0, progress=False)
     first = regime.first_divergence
-    assert regime.verdict == "diverged" and first["point"] == "model.layers.7.mlp.down_proj"
-    assert first["upstream_max_rel_l2"] == 0.0  # every point before it: exactly llama.cpp's
-    assert first["rel_l2"] > 1e-3
+    assert regime.verdict == "diverged" and first.point == "model.layers.7.mlp.down_proj"
+    assert first.upstream_max_rel_l2 == 0.0  # every point before it: exactly llama.cpp's
+    assert first.rel_l2 > 1e-3
     raw = tracer.run(default_model, tokens=PROMPT_IDS, candidate=candidate, greedy=0, progress=False)
-    assert raw.first_divergence["layer"] == 0  # quantization itself diverges at the first projection
+    assert raw.first_divergence.layer == 0  # quantization itself diverges at the first projection
     by_point = {p.point: p.rel_l2 for p in raw.points if p.recorded}
     clean = tracer.run(default_model, tokens=PROMPT_IDS, candidate="llamacpp", greedy=0, progress=False)
     clean_point = {p.point: p.rel_l2 for p in clean.points if p.recorded}["model.layers.7.mlp.down_proj"]
@@ -96,24 +96,24 @@ def test_a_corrupted_tensor_is_the_first_divergence_in_the_regime_and_hidden_in_
 def test_block_quantized_weights_diverge_at_the_first_projection(default_model, kind):
     result = tracer.run(default_model, tokens=PROMPT_IDS, variant=f"weights={kind}", greedy=0, progress=False)
     assert result.verdict == "diverged"
-    assert result.first_divergence["point"] == "model.layers.0.self_attn.q_proj"
-    assert {"q8_0": 1e-3, "q4_0": 1e-2}[kind] < result.first_divergence["rel_l2"] < 0.1
+    assert result.first_divergence.point == "model.layers.0.self_attn.q_proj"
+    assert {"q8_0": 1e-3, "q4_0": 1e-2}[kind] < result.first_divergence.rel_l2 < 0.1
 
 
 def test_regime_auto_reads_llama_cpp_as_correct_and_keeps_the_raw_view(default_model, llamacpp_trace):
     result = tracer.run(default_model, tokens=PROMPT_IDS, candidate="llamacpp", regime="auto", greedy=3,
                         progress=False)
     regime = result.regime
-    assert regime["variant"] == LLAMACPP and result.verdict == "match"
+    assert regime.variant == LLAMACPP and result.verdict == "match"
     compared = [p for p in result.points if p.recorded]
     assert len(compared) == 453
-    if not regime["caveats"]:  # this machine's CPU takes the code paths emulated
-        assert all(p.rel_l2 == 0 for p in compared) and set(regime["per_op"].values()) == {0.0}
-    raw = regime["raw"]["first_divergence"]
-    assert raw["layer"] == 0 and sub_point(raw["point"]) in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    if not regime.caveats:  # this machine's CPU takes the code paths emulated
+        assert all(p.rel_l2 == 0 for p in compared) and set(regime.per_op.values()) == {0.0}
+    raw = regime.raw.first_divergence
+    assert raw.layer == 0 and sub_point(raw.point) in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     # what the Q4_1/Q8_1 regime costs over f32, where a user of this GGUF pays it
-    assert regime["cost"]["model.layers.0.input_layernorm"] < 1e-6 and regime["cost"]["lm_head"] > 1e-2
-    assert result.greedy["candidate"]  # llama.cpp's own continuation beside the f32 reference's
+    assert regime.cost["model.layers.0.input_layernorm"] < 1e-6 and regime.cost["lm_head"] > 1e-2
+    assert result.greedy.candidate  # llama.cpp's own continuation beside the f32 reference's
 
 
 def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
@@ -124,10 +124,10 @@ def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
     _corrupt(bundled_gguf(), corrupted)
     result = tracer.run(default_model, tokens=PROMPT_IDS, candidate=f"llamacpp:{corrupted}", regime="auto",
                         greedy=0, progress=False)
-    assert result.regime["variant"] == LLAMACPP  # the same tensor types: the directory's own GGUF is the regime's
-    assert result.verdict == "diverged" and result.first_divergence["point"] == "model.layers.7.mlp.down_proj"
-    assert result.regime["raw"]["first_divergence"]["layer"] == 0
-    assert result.regime["per_op_over"] == ["model.layers.7.mlp.down_proj"]  # per op: that matmul alone
+    assert result.regime.variant == LLAMACPP  # the same tensor types: the directory's own GGUF is the regime's
+    assert result.verdict == "diverged" and result.first_divergence.point == "model.layers.7.mlp.down_proj"
+    assert result.regime.raw.first_divergence.layer == 0
+    assert result.regime.per_op_over == ("model.layers.7.mlp.down_proj",)  # per op: that matmul alone
 
 
 def test_regime_auto_judges_free_running_past_the_old_64_tokens_and_every_point_is_exactly_0(default_model):
@@ -136,7 +136,7 @@ def test_regime_auto_judges_free_running_past_the_old_64_tokens_and_every_point_
     pytest.importorskip("llama_cpp")
     tokens = (PROMPT_IDS * 40)[:140]
     result = tracer.run(default_model, tokens=tokens, candidate="llamacpp", regime="auto", greedy=0, progress=False)
-    assert result.regime["verdict_view"] == "free" and result.regime["variant"] == LLAMACPP
+    assert result.regime.verdict_view == "free" and result.regime.variant == LLAMACPP
     compared = [p for p in result.points if p.recorded]
     assert result.verdict == "match" and len(compared) == 453
     assert [p.point for p in compared if p.rel_l2 != 0] == []
@@ -150,6 +150,6 @@ def test_past_the_bit_exact_length_the_per_op_view_judges_and_reads_llama_cpp_as
 
     tokens = (PROMPT_IDS * 40)[:64 + 16]
     result = tracer.run(default_model, tokens=tokens, candidate="llamacpp", regime="auto", greedy=0, progress=False)
-    assert result.regime["verdict_view"] == "per_op"
-    assert result.regime["variant"] == {**LLAMACPP, "accumulate": "f32"}  # torch's BLAS sums: ~1.4× a forward
-    assert result.verdict == "match" and result.regime["per_op_over"] == []  # measured at 512 tokens: worst 1.8e-6
+    assert result.regime.verdict_view == "per_op"
+    assert result.regime.variant == {**LLAMACPP, "accumulate": "f32"}  # torch's BLAS sums: ~1.4× a forward
+    assert result.verdict == "match" and result.regime.per_op_over == ()  # measured at 512 tokens: worst 1.8e-6

@@ -24,9 +24,9 @@ def test_llamacpp_against_transformers(default_model, llama_cpp, tmp_path):
     result = tracer.run(default_model, candidate="llamacpp", out=tmp_path / "report", progress=False)
     points = {p.point: p for p in result.points}
     assert points["model.layers.0.input_layernorm"].rel_l2 < 1e-6
-    assert result.first_divergence["point"] in PROJECTIONS
+    assert result.first_divergence.point in PROJECTIONS
     assert 1e-3 < points["model.layers.0.self_attn.v_proj"].rel_l2 < 5e-2  # 8-bit activations, not a bug
-    assert result.logits["argmax_agree"] == 1.0 and result.logits["max_abs"] < 2  # measured: 1.0 and 0.75
+    assert result.logits.argmax_agree == 1.0 and result.logits.max_abs < 2  # measured: 1.0 and 0.75
     summary = result.to_dict()
     assert summary["candidate"]["runtime"]["name"] == "llama.cpp"
     assert "llama-cpp-python" in summary["candidate"]["runtime"]["package"]
@@ -39,7 +39,7 @@ def test_llamacpp_against_transformers(default_model, llama_cpp, tmp_path):
 def test_theta_on_llamacpp_localizes_at_layer_0_rope_with_everything_upstream_bitwise_equal(default_model, llama_cpp):
     result = tracer.run(default_model, reference="llamacpp", candidate="llamacpp", variant="theta=10000",
                         greedy=0, progress=False)
-    first = result.first_divergence["point"]
+    first = result.first_divergence.point
     assert first in ("model.layers.0.self_attn.q_rope", "model.layers.0.self_attn.k_rope")
     upstream = [p for p in result.points if p.recorded][:[p.point for p in result.points if p.recorded].index(first)]
     assert {p.point for p in upstream} == {"model.embed_tokens", "model.layers.0.input_layernorm", *PROJECTIONS}

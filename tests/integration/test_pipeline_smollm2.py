@@ -22,8 +22,9 @@ def test_every_default_sweep_row_names_the_first_divergence_run_names(default_mo
             assert row.verdict == "error" and row.error == str(exc), row.variant
             continue
         assert row.verdict == result.verdict, row.variant
-        assert (row.first_divergence or {}).get("point") == (result.first_divergence or {}).get("point"), row.variant
-        assert (row.first_divergence or {}).get("localized_by") == (result.first_divergence or {}).get("localized_by")
+        in_sweep, alone = row.first_divergence, result.first_divergence
+        assert (in_sweep and in_sweep.point) == (alone and alone.point), row.variant
+        assert (in_sweep and in_sweep.localized_by) == (alone and alone.localized_by)
 
 
 def test_chat_feeds_what_transformers_apply_chat_template_gives(default_model, tmp_path):

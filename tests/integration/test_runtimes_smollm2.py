@@ -44,7 +44,7 @@ def test_mlx_matches_at_every_point_it_records(mlx_run):
 def test_mlx_in_bf16_diverges_first_at_the_embedding(default_model):
     pytest.importorskip("mlx_lm")
     result = tracer.run(default_model, PROMPT, candidate="mlx", variant="dtype=bf16", greedy=0, progress=False)
-    assert result.first_divergence["point"] == "model.embed_tokens"
+    assert result.first_divergence.point == "model.embed_tokens"
 
 
 def test_mlx_in_bf16_matches_in_the_bf16_regime(default_model):
@@ -53,10 +53,10 @@ def test_mlx_in_bf16_matches_in_the_bf16_regime(default_model):
     pytest.importorskip("mlx_lm")
     result = tracer.run(default_model, PROMPT, candidate="mlx", variant="dtype=bf16", regime="auto", greedy=0,
                         progress=False)
-    assert result.regime["variant"] == {"dtype": "bf16"}
+    assert result.regime.variant == {"dtype": "bf16"}
     assert result.verdict == "match"
-    assert result.regime["raw"]["first_divergence"]["point"] == "model.embed_tokens"
-    assert result.regime["per_op_over"] == []  # measured: worst 3.5e-3 at an mlp.act, bound 2e-2
+    assert result.regime.raw.first_divergence.point == "model.embed_tokens"
+    assert result.regime.per_op_over == ()  # measured: worst 3.5e-3 at an mlp.act, bound 2e-2
 
 
 def test_onnx_records_all_513_points_and_matches(onnx_run):
@@ -76,6 +76,7 @@ def test_onnx_records_all_513_points_and_matches(onnx_run):
 def test_sweep_runs_the_knobs_each_runtime_honours(default_model, engine, variants, expected):
     pytest.importorskip({"onnx": "onnxruntime", "mlx": "mlx_lm"}[engine])
     result = tracer.sweep(default_model, PROMPT, candidate=engine, variants=variants, progress=False)
-    found = {row.variant: "error" if row.error else (row.first_divergence or {}).get("point") for row in result.rows}
+    found = {row.variant: "error" if row.error else row.first_divergence and row.first_divergence.point
+             for row in result.rows}
     assert found == expected
     assert "not honoured by the mlx engine" in (result.rows[-1].error or "") or engine == "onnx"

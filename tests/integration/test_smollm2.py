@@ -56,38 +56,38 @@ def test_no_variant_matches_at_every_point(plain_run):
     assert [p.point for p in plain_run.points] == all_points(30)
     assert all(p.recorded for p in plain_run.points)
     assert len(layer_order("llama")) >= 15
-    assert plain_run.logits["max_abs"] <= 1e-4 and plain_run.logits["max_ref"] == pytest.approx(19.8, abs=0.05)
-    assert plain_run.greedy["same_prefix"] == 20
-    assert plain_run.greedy["reference_text"].startswith(" Paris.")
+    assert plain_run.logits.max_abs <= 1e-4 and plain_run.logits.max_ref == pytest.approx(19.8, abs=0.05)
+    assert plain_run.greedy.same_prefix == 20
+    assert plain_run.greedy.reference_text.startswith(" Paris.")
 
 
 def test_theta_10000_diverges_first_at_q_rope(theta_run):
     first = theta_run.first_divergence
     assert theta_run.verdict == "diverged"
-    assert first["point"] == "model.layers.0.self_attn.q_rope"
-    assert first["last_agreeing"] == "model.layers.0.self_attn.v_proj"
-    upstream = theta_run.points[: first["index"]]
+    assert first.point == "model.layers.0.self_attn.q_rope"
+    assert first.last_agreeing == "model.layers.0.self_attn.v_proj"
+    upstream = theta_run.points[: first.index]
     assert [p.point for p in upstream][:2] == ["model.embed_tokens", "model.layers.0.input_layernorm"]
     assert all(p.rel_l2 <= 1e-5 for p in upstream)
-    assert first["max_abs"] > 0.5 and first["rel_l2"] > 0.05
+    assert first.max_abs > 0.5 and first.rel_l2 > 0.05
 
 
 def test_theta_10000_logits_and_greedy_are_what_plain_transformers_gives(theta_run, transformers_thetas):
     (ref_logits, ref_greedy), (cand_logits, cand_greedy) = transformers_thetas[100_000.0], transformers_thetas[10_000.0]
     plain_last = float((cand_logits[-1] - ref_logits[-1]).abs().max())
     assert plain_last == pytest.approx(0.787, abs=0.005)
-    assert theta_run.logits["max_abs"] == pytest.approx(plain_last, rel=1e-4)
-    assert theta_run.logits["max_abs_all"] == pytest.approx(1.22, abs=0.01)
+    assert theta_run.logits.max_abs == pytest.approx(plain_last, rel=1e-4)
+    assert theta_run.logits.max_abs_all == pytest.approx(1.22, abs=0.01)
     greedy = theta_run.greedy
-    assert (greedy["reference"], greedy["candidate"]) == (ref_greedy, cand_greedy)
+    assert (greedy.reference, greedy.candidate) == (ref_greedy, cand_greedy)
     # 17 tokens agree, the 18th flips, and 18 of the 20 positions agree overall.
-    assert (greedy["same_prefix"], greedy["first_flip"], greedy["same_positions"]) == (17, 18, 18)
+    assert (greedy.same_prefix, greedy.first_flip, greedy.same_positions) == (17, 18, 18)
 
 
 def test_eager_vs_sdpa_matches(default_model):
     result = tracer.run(default_model, PROMPT, candidate="hf", variant="attn=sdpa", greedy=0)
     assert result.verdict == "match"
-    assert 1e-6 <= result.logits["max_abs"] <= 1e-4  # rounding differs, and only at rounding level
+    assert 1e-6 <= result.logits.max_abs <= 1e-4  # rounding differs, and only at rounding level
     assert {p.point.rsplit(".", 1)[-1] for p in result.not_recorded} == {"scores", "probs"}
 
 

@@ -38,7 +38,7 @@ def smollm2_sweep(default_model):
 def test_first_divergence(smollm2_sweep, variant):
     row = smollm2_sweep[variant]
     assert row.verdict == "diverged"
-    assert row.first_divergence["point"] == FIRST_DIVERGENCE[variant]
+    assert row.first_divergence.point == FIRST_DIVERGENCE[variant]
 
 
 @pytest.mark.parametrize("variant", MATCH)
@@ -46,7 +46,7 @@ def test_same_maths_matches(smollm2_sweep, variant):
     row = smollm2_sweep[variant]
     assert row.verdict == "match", row.first_divergence
     # the notes' 2.5e-5..3.3e-5 level (matmul shapes, fused kernels), far below theta's 0.79
-    assert row.logits["max_abs"] < 1e-4
+    assert row.logits.max_abs < 1e-4
 
 
 @pytest.mark.parametrize("variant", LOAD_ERRORS)
@@ -58,21 +58,21 @@ def test_load_mismatch_is_a_row_naming_the_tensor(smollm2_sweep, variant):
 def test_resaved_config_read_by_candle_is_the_theta_mistake(smollm2_sweep):
     # candle reading a transformers-5 config is exactly theta=10000: the same logits, bit for bit
     assert smollm2_sweep["config=candle,resave=tf5"].logits == smollm2_sweep["theta=10000"].logits
-    assert smollm2_sweep["theta=10000"].logits["max_abs"] == pytest.approx(0.787, abs=0.01)  # README figure
+    assert smollm2_sweep["theta=10000"].logits.max_abs == pytest.approx(0.787, abs=0.01)  # README figure
 
 
 def test_rope_interleaved_breaks_q_as_badly_as_the_notes_say(smollm2_sweep):
     # notes: rope_i vs transformers on q, max|diff| 6.36 (same order as q itself); theta 10000: 0.74
     interleaved = smollm2_sweep["rope=interleaved"].first_divergence
     theta = smollm2_sweep["theta=10000"].first_divergence
-    assert interleaved["max_abs"] > 5 * theta["max_abs"]
-    assert interleaved["rel_l2"] > 4 * theta["rel_l2"]  # q scrambled, not nudged
+    assert interleaved.max_abs > 5 * theta.max_abs
+    assert interleaved.rel_l2 > 4 * theta.rel_l2  # q scrambled, not nudged
 
 
 def test_the_hf_engine_reads_the_resaved_config_as_candle_does(default_model):
     result = sweep(default_model, PROMPT, variants=["config=candle,resave=tf5"], candidate="hf", greedy=0,
                    noise_floor=False, progress=False)
-    assert result.rows[0].first_divergence["point"] == L0 + "q_rope"
+    assert result.rows[0].first_divergence.point == L0 + "q_rope"
 
 
 def test_cli_run_with_a_layer_mismatch_is_verdict_error(default_model, capsys):

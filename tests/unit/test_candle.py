@@ -32,7 +32,7 @@ def record(model, variant=None, argument=None):
 
 def first(reference, candidate):
     divergence = tracer.compare(reference, candidate).first_divergence
-    return divergence and divergence["point"]
+    return divergence and divergence.point
 
 
 @pytest.mark.parametrize("shape", [{}, {"tie_word_embeddings": False}, {"num_key_value_heads": 4}])
@@ -105,7 +105,7 @@ def test_quantized_llama_rs_rounds_activations_to_8_bits_inside_each_projection(
     by_point = {p.point: p.rel_l2 for p in result.points}
     assert by_point["model.embed_tokens"] == 0  # the dequantized Q8_0 table
     assert by_point[layer_point(0, "input_layernorm")] < 1e-6
-    assert result.first_divergence["point"] in {layer_point(0, f"self_attn.{p}_proj") for p in "qkv"}
+    assert result.first_divergence.point in {layer_point(0, f"self_attn.{p}_proj") for p in "qkv"}
     assert candidate.meta.candle["forward"] == "quantized_llama.rs"
     assert candidate.meta.runtime["name"] == "candle-nn"
 

@@ -63,9 +63,9 @@ def test_first_divergence_and_unrecorded_points_in_execution_order():
     result = compare(ref, cand)
     assert not result and result.verdict == "diverged"
     first = result.first_divergence
-    assert (first["point"] == "model.layers.0.self_attn.q_proj"
-            and first["last_agreeing"] == "model.layers.0.input_layernorm")
-    assert first["upstream_points"] == 2 and first["upstream_max_rel_l2"] < 1e-6
+    assert (first.point == "model.layers.0.self_attn.q_proj"
+            and first.last_agreeing == "model.layers.0.input_layernorm")
+    assert first.upstream_points == 2 and first.upstream_max_rel_l2 < 1e-6
     assert [p.point for p in result.points][-1] == "model.layers.0.self_attn.scores"
     assert result.points[-1].missing_on == "both" and result.points[-1].reason == "fused"
 
@@ -84,9 +84,26 @@ def test_logits_summary_last_position_and_all_positions():
     ref = torch.tensor([[0.0, 5.0], [1.0, 2.0], [3.0, 1.0]])
     cand = torch.tensor([[0.0, 5.5], [2.5, 2.0], [3.0, 1.25]])
     logits = compare(trace({"lm_head": ref}), trace({"lm_head": cand})).logits
-    assert logits["max_abs"] == 0.25 and logits["max_ref"] == 3.0
-    assert logits["max_abs_all"] == 1.5
-    assert logits["argmax_agree"] == pytest.approx(2 / 3)
+    assert logits.max_abs == 0.25 and logits.max_ref == 3.0
+    assert logits.max_abs_all == 1.5
+    assert logits.argmax_agree == pytest.approx(2 / 3)
+
+
+def test_the_first_divergence_is_a_value_whose_dict_is_its_piece_of_the_json():
+    ref = torch.arange(12.0).reshape(3, 4)
+    result = compare(trace({"model.norm": ref}), trace({"model.norm": ref * 2}))
+    first = result.first_divergence
+    assert (first.point, first.shape, first.index, first.upstream_points) == ("model.norm", (3, 4), 0, 0)
+    assert first.by_position == (3.0, 7.0, 11.0) and first.by_head is None  # max |diff| per token
+    assert first.top_channels[0] == {"channel": 3, "max_abs": 11.0}
+    assert any("rms_norm_eps" in hint for hint in first.hints)
+    assert list(result.to_dict()["first_divergence"]) == [
+        "point", "layer", "shape", "max_abs", "max_ref", "rel_l2", "cosine", "noise", "threshold", "local_rel_l2",
+        "index", "localized_by", "last_agreeing", "upstream_points", "upstream_max_rel_l2", "by_position", "by_head",
+        "top_channels", "hints"]
+    assert result.to_dict()["first_divergence"]["shape"] == [3, 4]
+    assert first.brief() == {"point": "model.norm", "layer": None, "rel_l2": first.rel_l2, "max_abs": 11.0,
+                             "max_ref": 11.0}
 
 
 def test_result_json_contract():

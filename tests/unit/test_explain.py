@@ -58,9 +58,9 @@ def test_theta_on_a_tiny_model_explains_itself(tiny_llama):
     result = tracer.compare(tracer.record(model, TOKENS, engine="hf"),
                             tracer.record(model, TOKENS, engine="reimpl", variant="theta=500"))
     first = result.first_divergence
-    assert first["by_position"][0] == 0 and min(first["by_position"][1:]) > 0
-    assert len(first["by_head"]) == 4 and first["top_channels"] is None
-    assert any("positional encoding" in h for h in first["hints"])
+    assert first.by_position[0] == 0 and min(first.by_position[1:]) > 0
+    assert len(first.by_head) == 4 and first.top_channels is None
+    assert any("positional encoding" in h for h in first.hints)
 
 
 def test_noise_floor_judges_points_on_their_own_rounding(tiny_llama):
@@ -77,7 +77,7 @@ def test_noise_floor_judges_points_on_their_own_rounding(tiny_llama):
     point = judged.points[-1]
     assert point.noise == noise["lm_head"] and point.threshold == max(1e-6, 10 * noise["lm_head"])
     theta = tracer.compare(reference, tracer.record(model, TOKENS, engine="reimpl", variant="theta=9000"), noise=noise)
-    assert theta.first_divergence["point"] == "model.layers.0.self_attn.q_rope"
+    assert theta.first_divergence.point == "model.layers.0.self_attn.q_rope"
 
 
 def test_next_token_accuracy_counts_argmax_hits_on_the_text():
@@ -87,4 +87,4 @@ def test_next_token_accuracy_counts_argmax_hits_on_the_text():
     logits[0, 7 % 5] = logits[1, 4] = 1.0  # predicts token 2 after position 0, token 4 after position 1
     meta = TraceMeta(engine="x", variant={}, tokens=[0, 2, 3])
     summary = tracer.compare(Trace({"lm_head": logits}, meta), Trace({"lm_head": logits}, meta)).logits
-    assert summary["next_token_accuracy"] == {"reference": 0.5, "candidate": 0.5}
+    assert summary.next_token_accuracy == {"reference": 0.5, "candidate": 0.5}

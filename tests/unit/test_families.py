@@ -252,9 +252,9 @@ def test_each_mistake_first_shows_where_the_family_does_it(tiny, family, variant
     result = tracer.run(tiny[family], tokens=TOKENS, variant=variant, greedy=0, progress=False)
     first = result.first_divergence
     assert result.verdict == "diverged"
-    assert first["point"] == point, first["point"]
-    assert first["localized_by"] == "local" and first["upstream_max_rel_l2"] in (0.0, None)  # None: nothing upstream
-    assert any(words in hint for hint in first["hints"]), first["hints"]
+    assert first.point == point, first.point
+    assert first.localized_by == "local" and first.upstream_max_rel_l2 in (0.0, None)  # None: nothing upstream
+    assert any(words in hint for hint in first.hints), first.hints
 
 
 def test_the_final_soft_cap_is_a_point_of_its_own(tiny):
@@ -265,7 +265,7 @@ def test_the_final_soft_cap_is_a_point_of_its_own(tiny):
     # the logits summary is on what the model returns: the capped logits
     uncapped = tracer.record(tiny["gemma2"], TOKENS, engine="reimpl", variant="softcap=drop")
     summary = tracer.compare(reference, uncapped).logits
-    assert summary["max_abs_all"] == float((uncapped["lm_head.softcap"].double() - capped.double()).abs().max())
+    assert summary.max_abs_all == float((uncapped["lm_head.softcap"].double() - capped.double()).abs().max())
 
 
 def test_window_ignore_matches_while_the_prompt_fits_in_the_window(tiny):
@@ -273,9 +273,9 @@ def test_window_ignore_matches_while_the_prompt_fits_in_the_window(tiny):
     assert tracer.run(tiny["mistral"], tokens=within, variant="window=ignore", greedy=0, progress=False).verdict \
         == "match"
     longer = tracer.run(tiny["mistral"], tokens=TOKENS, variant="window=ignore", greedy=0, progress=False)
-    profile = longer.first_divergence["by_position"]
+    profile = longer.first_divergence.by_position
     assert max(profile[:WINDOW]) == 0 and min(profile[WINDOW:]) > 0  # exact within the window, not after
-    assert any("window of 4 keys" in hint for hint in longer.first_divergence["hints"])
+    assert any("window of 4 keys" in hint for hint in longer.first_divergence.hints)
 
 
 def test_embed_scale_in_f32_differs_only_in_half_precision(tiny):
@@ -284,8 +284,8 @@ def test_embed_scale_in_f32_differs_only_in_half_precision(tiny):
     assert f32.verdict == "match"
     bf16 = tracer.run(tiny["gemma2"], tokens=TOKENS, variant="dtype=bf16,embed_scale=f32",
                       reference_variant="dtype=bf16", greedy=0, progress=False, noise_floor=False)
-    assert bf16.first_divergence["point"] == "model.embed_tokens"
-    assert 1e-3 < bf16.first_divergence["rel_l2"] < 3e-3  # |6.9375 / 6.9282 - 1| = 1.3e-3, plus bf16 rounding
+    assert bf16.first_divergence.point == "model.embed_tokens"
+    assert 1e-3 < bf16.first_divergence.rel_l2 < 3e-3  # |6.9375 / 6.9282 - 1| = 1.3e-3, plus bf16 rounding
 
 
 @pytest.mark.parametrize("family, variant, message", [

@@ -10,7 +10,7 @@ from tests.conftest import TOKENS
 from tracer.engines.load import load_engine
 from tracer.engines.registry import ENGINES
 from tracer.greedy import continuation as greedy_continuation
-from tracer.greedy import draft
+from tracer.greedy import draft, summary
 
 STEPS = 8
 
@@ -91,3 +91,16 @@ def test_the_reference_checks_its_cached_decode_in_one_forward(tiny_llama):
     counting = Counting(engine)
     assert greedy_continuation(counting, TOKENS, STEPS, guess=guess) == stepwise
     assert counting.forwards == 1
+
+
+def test_the_summary_says_where_the_continuations_part_only_when_they_do():
+    def words(ids):
+        return " ".join(map(str, ids))
+
+    same = summary([1, 2, 3], [1, 2, 3], words)
+    assert (same.same_prefix, same.first_flip, same.same_positions) == (3, None, 3)
+    assert "first_flip_divergence" not in same.to_dict()
+    parted = summary([1, 2, 3], [1, 5, 3], words)
+    assert (parted.same_prefix, parted.first_flip, parted.same_positions) == (1, 2, 2)
+    assert parted.to_dict()["first_flip_divergence"] is None  # the pipeline compares the sides at that step
+    assert parted.to_dict()["candidate_text"] == "1 5 3"

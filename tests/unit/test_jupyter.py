@@ -49,7 +49,7 @@ def test_result_html_is_a_scoped_fragment(theta_result):
 
 def test_result_html_says_where_it_starts(theta_result):
     fragment = theta_result._repr_html_()
-    first = theta_result.first_divergence["point"]
+    first = theta_result.first_divergence.point
     assert first == "model.layers.0.self_attn.q_rope"
     assert "DIVERGED" in fragment and f"the first divergence is {first}" in fragment
     assert fragment.count("data:image/png;base64,") == 1  # the curve
@@ -78,7 +78,7 @@ def test_plot_returns_figures(theta_result):
     assert all(isinstance(fig, Figure) for fig in (curve, heatmap, breakdown))
     assert theta_result.plot().axes[0].get_yscale() == "log"
     assert heatmap.axes[0].images[-1].get_array().shape == (2, len(layer_order("llama")))
-    by_position = theta_result.first_divergence["by_position"]
+    by_position = theta_result.first_divergence.by_position
     bars = [patch.get_height() for patch in breakdown.axes[0].patches]
     assert bars == pytest.approx(by_position)
     assert by_position[0] == 0  # RoPE leaves position 0 alone whatever theta is
@@ -198,8 +198,8 @@ def test_python_run_records_the_equivalent_command(tiny_dir, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     assert main([*args[1:], "--json", "cli.json"]) == 0
     again = json.loads((tmp_path / "cli.json").read_text())
-    assert again["first_divergence"]["point"] == result.first_divergence["point"]
-    assert again["logits"] == result.logits and again["greedy"]["candidate"] == result.greedy["candidate"]
+    assert again["first_divergence"]["point"] == result.first_divergence.point
+    assert again["logits"] == result.logits.to_dict() and again["greedy"]["candidate"] == result.greedy.candidate
     assert tracer.run(tiny_dir, tokens=TOKENS, greedy=0, progress=False, command="mine").command == "mine"
 
 

@@ -79,8 +79,8 @@ def test_knob_diverges_first_where_its_operation_is(tiny, variant):
     model, reference = tiny
     result = tracer.compare(reference, tracer.record(model, TOKENS, engine="reimpl", variant=variant))
     assert result.verdict == "diverged"
-    assert result.first_divergence["point"] == FIRST[variant]
-    assert (result.first_divergence["upstream_max_rel_l2"] or 0.0) < 1e-6  # None: nothing upstream
+    assert result.first_divergence.point == FIRST[variant]
+    assert (result.first_divergence.upstream_max_rel_l2 or 0.0) < 1e-6  # None: nothing upstream
 
 
 @pytest.mark.parametrize("variant", MATCH)
@@ -104,7 +104,7 @@ def test_logits_last_records_one_row_and_is_compared_on_the_last_position(tiny):
     candidate = tracer.record(model, TOKENS, engine="reimpl", variant="logits=last")
     assert candidate["lm_head"].shape == (1, 97)
     result = tracer.compare(reference, candidate)
-    assert result.logits["positions"] == 1
+    assert result.logits.positions == 1
     assert any("last position only" in note for note in result.notes)
     torch.testing.assert_close(candidate["lm_head"][0], reference["lm_head"][-1], rtol=1e-5, atol=1e-5)
 
@@ -117,8 +117,8 @@ def test_bias_ignore_diverges_first_at_a_layer0_projection(tiny_llama, engine):
     model = tiny_llama("bias", attention_bias=True)
     result = tracer.compare(tracer.record(model, TOKENS, engine="hf"),
                             tracer.record(model, TOKENS, engine=engine, variant="bias=ignore"))
-    assert result.first_divergence["point"] == L0 + "self_attn.q_proj"
-    assert result.first_divergence["upstream_max_rel_l2"] == 0
+    assert result.first_divergence.point == L0 + "self_attn.q_proj"
+    assert result.first_divergence.upstream_max_rel_l2 == 0
 
 
 @pytest.mark.parametrize("engine", ["reimpl", "hf"])
@@ -127,7 +127,7 @@ def test_rope_scaling_drop_diverges_first_at_layer0_q_rope(tiny_llama, engine):
     assert len(TOKENS) > LLAMA3["rope_scaling"]["original_max_position_embeddings"]
     reference = tracer.record(model, TOKENS, engine="hf")
     result = tracer.compare(reference, tracer.record(model, TOKENS, engine=engine, variant="rope_scaling=drop"))
-    assert result.first_divergence["point"] == L0 + "self_attn.q_rope"
+    assert result.first_divergence.point == L0 + "self_attn.q_rope"
     # and dropping it is what candle does with a transformers 5 config: same q_rope
     candle = tracer.record(model, TOKENS, engine="reimpl", variant="config=candle")
     dropped = tracer.record(model, TOKENS, engine="reimpl", variant="rope_scaling=drop")

@@ -111,7 +111,7 @@ def test_an_f16_kv_cache_rounds_scores_and_nothing_before(tiny, exact, llamacpp)
     rel = {p.point: p.rel_l2 for p in result.points}
     assert rel["model.layers.0.self_attn.k_rope"] == 0.0  # stored into the cache after it is recorded
     assert rel["model.layers.0.self_attn.scores"] > 1e-5
-    assert result.first_divergence["point"] == "model.layers.0.self_attn.scores"
+    assert result.first_divergence.point == "model.layers.0.self_attn.scores"
 
 
 def test_threads_do_not_change_a_single_value(tiny, exact, llamacpp):
@@ -127,7 +127,7 @@ def test_theta_changes_rope_and_nothing_upstream(tiny, exact, llamacpp):
     upstream = ["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn.q_proj",
                 "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
     assert all(torch.equal(exact[1][p], theta[p]) for p in upstream)
-    assert result.first_divergence["point"] == "model.layers.0.self_attn.q_rope"
+    assert result.first_divergence.point == "model.layers.0.self_attn.q_rope"
     assert theta.meta.variant == {**EXACT, "theta": 500.0}
 
 

@@ -35,7 +35,7 @@ def test_a_single_block_fault_is_local_to_that_block(tiny_llama, tmp_path):
     result = tracer.compare(reference, candidate, noise=estimate_noise(model, reference, {}), local=local)
 
     first = result.first_divergence
-    assert first["point"] == "model.layers.1.mlp.down_proj" and first["localized_by"] == "local"
+    assert first.point == "model.layers.1.mlp.down_proj" and first.localized_by == "local"
     later = [p for p in result.points if p.layer in (2, 3)]
     assert all(p.diverged for p in later if p.point.endswith(("mlp.down_proj", "resid_mid")) or p.point[-1].isdigit())
     assert max(p.local_rel_l2 for p in later) == 0.0  # same weights, same reference inputs: nothing introduced

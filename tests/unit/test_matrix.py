@@ -84,4 +84,4 @@ def test_cell(engine, family, tiny, monkeypatch):
     # every point of the reference is compared, or its absence explained by the engine
     unexplained = [p.point for p in result.points if p.missing_on == "candidate" and not p.reason]
     assert unexplained == [], unexplained
-    assert result.greedy is None or result.greedy["first_flip"] is None  # a saved trace decodes nothing
+    assert result.greedy is None or result.greedy.first_flip is None  # a saved trace decodes nothing

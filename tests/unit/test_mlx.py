@@ -76,9 +76,9 @@ def test_dtype_knob_runs_mlx_in_that_dtype_and_diverges_at_the_embedding(mlx, mo
     assert candidate["model.layers.0.input_layernorm"].dtype == torch_dtype and candidate.meta.dtype == str(
         torch_dtype).removeprefix("torch.")
     result = tracer.compare(reference, candidate)
-    assert result.first_divergence["point"] == "model.embed_tokens"
+    assert result.first_divergence.point == "model.embed_tokens"
     # the half-precision run is the same model: its logits stay close to the f32 ones
-    assert result.logits["argmax_agree"] > 0.5
+    assert result.logits.argmax_agree > 0.5
 
 
 def test_half_precision_traces_agree_with_transformers_in_the_same_dtype(mlx, model):
@@ -115,7 +115,7 @@ def test_a_transformers_5_config_runs_with_mlx_lms_default_theta_and_says_so(mlx
     rope_parameters) silently runs at 10000. tracer localizes it at q/k after RoPE and names the key."""
     model = tiny_llama("v5", rope_theta=500.0, rope_format="v5")
     result = tracer.run(model, tokens=TOKENS, candidate="mlx", greedy=0, progress=False)
-    assert result.first_divergence["point"] == "model.layers.0.self_attn.q_rope"
+    assert result.first_divergence.point == "model.layers.0.self_attn.q_rope"
     # hidden_act too: mlx-lm's Llama always runs SiLU
     assert "mlx: config keys not read: hidden_act, rope_parameters" in result.notes
 

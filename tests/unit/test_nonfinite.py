@@ -134,7 +134,7 @@ def test_a_nan_in_any_chunk_of_the_logits_is_the_all_positions_figure(monkeypatc
     cand = ref.clone()
     cand[0, 3] = float("nan")
     summary = tracer.diff.logits_summary(Trace({LOGITS: ref}), Trace({LOGITS: cand}))
-    assert math.isnan(summary["max_abs_all"]) and summary["max_abs"] == 0.0
+    assert math.isnan(summary.max_abs_all) and summary.max_abs == 0.0
 
 
 def test_a_result_without_a_model_is_not_titled_on_none():

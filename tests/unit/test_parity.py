@@ -30,7 +30,7 @@ def test_reimpl_matches_hf_at_every_point(tiny_llama, name):
     assert all(p.recorded for p in result.points)
     worst = max(p.rel_l2 for p in result.points)
     assert worst <= 1e-6, f"reimpl differs from hf by rel_l2 {worst:.2e}"
-    assert result.logits["max_abs_all"] <= 1e-5
+    assert result.logits.max_abs_all <= 1e-5
 
 
 def test_recorded_shapes_follow_the_vocabulary(tiny_llama):
@@ -58,9 +58,9 @@ def test_theta_diverges_first_at_rope(tiny_llama, engine):
     result = tracer.compare(reference, candidate)
 
     assert result.verdict == "diverged"
-    assert result.first_divergence["point"] == "model.layers.0.self_attn.q_rope"
-    assert result.first_divergence["last_agreeing"] == "model.layers.0.self_attn.v_proj"
-    assert result.first_divergence["upstream_max_rel_l2"] <= 1e-6
+    assert result.first_divergence.point == "model.layers.0.self_attn.q_rope"
+    assert result.first_divergence.last_agreeing == "model.layers.0.self_attn.v_proj"
+    assert result.first_divergence.upstream_max_rel_l2 <= 1e-6
     q_rope_diff = (candidate["model.layers.0.self_attn.q_rope"] - reference["model.layers.0.self_attn.q_rope"]).abs()
     assert q_rope_diff[:, 0].max() == 0  # position 0 is not rotated, whatever theta is
     assert q_rope_diff[:, 1:].max() > 1e-3

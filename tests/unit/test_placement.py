@@ -91,7 +91,7 @@ def test_run_with_stream_says_the_hf_side_loads_whole(tiny_llama, capsys):
     model = tiny_llama()
     plain = tracer.run(model, tokens=TOKENS, variant="theta=500", greedy=2, progress=False)
     streamed = tracer.run(model, tokens=TOKENS, variant="theta=500", greedy=2, progress=False, stream=True)
-    assert streamed.first_divergence["point"] == plain.first_divergence["point"] == "model.layers.0.self_attn.q_rope"
+    assert streamed.first_divergence.point == plain.first_divergence.point == "model.layers.0.self_attn.q_rope"
     assert [p.rel_l2 for p in streamed.points] == [p.rel_l2 for p in plain.points]
     assert "stream: the hf engine loads its whole model" in " ".join(streamed.notes)
     assert not any("stream" in note for note in plain.notes)
@@ -111,7 +111,7 @@ def test_cuda_run_localizes_theta_and_keeps_traces_on_the_cpu(tiny_llama, tmp_pa
     model = tiny_llama()
     result = tracer.run(model, tokens=TOKENS, variant="theta=500", greedy=3, progress=False, device="cuda",
                         out=tmp_path / "report")
-    assert result.first_divergence["point"] == "model.layers.0.self_attn.q_rope"
+    assert result.first_divergence.point == "model.layers.0.self_attn.q_rope"
     assert "--device cuda" in result.command
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert summary["verdict"] == "diverged"

@@ -35,15 +35,15 @@ def test_an_explicit_regime_makes_a_quantized_candidate_match_and_keeps_the_raw_
     assert result.reference["engine"] == "reimpl" and result.reference["variant"] == {"weights": "q8_0",
                                                                                        "act_quant": "q8_0"}
     # the raw view: 8-bit weights and activations against f32 transformers diverge at the first projection
-    assert regime["raw"]["verdict"] == "diverged"
-    assert regime["raw"]["first_divergence"]["point"] == "model.layers.0.self_attn.q_proj"
-    assert set(regime["raw"]["first_divergence"]) == {"point", "layer", "rel_l2", "max_abs", "max_ref"}  # in brief
+    assert regime.raw.verdict == "diverged"
+    assert regime.raw.first_divergence.point == "model.layers.0.self_attn.q_proj"
+    assert set(regime.raw.to_dict()["first_divergence"]) == {"point", "layer", "rel_l2", "max_abs", "max_ref"}  # brief
     # the regime's own cost is that raw error where nothing else differs: zero before the first projection
-    cost = regime["cost"]
+    cost = regime.cost
     assert cost["model.embed_tokens"] == 0.0 and cost["model.layers.0.input_layernorm"] == 0.0
     assert 1e-3 < cost["model.layers.0.self_attn.q_proj"] == pytest.approx(
-        regime["raw"]["first_divergence"]["rel_l2"])
-    assert set(regime["per_op"].values()) == {0.0} and regime["per_op_over"] == []
+        regime.raw.first_divergence.rel_l2)
+    assert set(regime.per_op.values()) == {0.0} and regime.per_op_over == ()
     summary = result.to_dict()
     assert summary["view"] == "regime" and summary["regime"]["label"] == "weights=q8_0,act_quant=q8_0"
     assert json.loads(result.to_json())["regime"]["raw"]["verdict"] == "diverged"
@@ -54,9 +54,9 @@ def test_a_bug_still_stands_out_in_the_regime(tiny_llama):
     result = tracer.run(tiny_llama(), tokens=TOKENS, variant="weights=q8_0,theta=500000", regime="weights=q8_0",
                         greedy=0, progress=False)
     assert result.verdict == "diverged"
-    assert result.first_divergence["point"] in ("model.layers.0.self_attn.q_rope", "model.layers.0.self_attn.k_rope")
-    assert result.first_divergence["upstream_max_rel_l2"] == 0.0
-    assert "model.layers.0.self_attn.q_rope" in result.regime["per_op_over"]
+    assert result.first_divergence.point in ("model.layers.0.self_attn.q_rope", "model.layers.0.self_attn.k_rope")
+    assert result.first_divergence.upstream_max_rel_l2 == 0.0
+    assert "model.layers.0.self_attn.q_rope" in result.regime.per_op_over
 
 
 def test_a_reimpl_candidate_in_a_regime_implies_that_regime_without_its_mistakes(tiny_llama):
@@ -68,9 +68,9 @@ def test_a_reimpl_candidate_in_a_regime_implies_that_regime_without_its_mistakes
 def test_a_16_bit_candidate_implies_its_dtype(tiny_llama):
     result = tracer.run(tiny_llama(), tokens=TOKENS, candidate="reimpl", variant="dtype=bf16", regime="auto",
                         greedy=0, progress=False)
-    assert result.regime["variant"] == {"dtype": "bf16"} and result.verdict == "match"
-    assert result.regime["raw"]["verdict"] == "diverged"  # bf16 against f32: at the embedding
-    assert result.regime["per_op_bound"] == pytest.approx(10 * 2**-9)
+    assert result.regime.variant == {"dtype": "bf16"} and result.verdict == "match"
+    assert result.regime.raw.verdict == "diverged"  # bf16 against f32: at the embedding
+    assert result.regime.per_op_bound == pytest.approx(10 * 2**-9)
 
 
 def test_regime_auto_on_a_llama_cpp_candidate_is_its_cpu_regime_to_the_bit(quantized):
@@ -79,15 +79,15 @@ def test_regime_auto_on_a_llama_cpp_candidate_is_its_cpu_regime_to_the_bit(quant
     result = tracer.run(converted, tokens=TOKENS, candidate=f"llamacpp:{gguf}", regime="auto", greedy=0,
                         progress=False)
     regime = result.regime
-    assert regime["variant"] == {"preset": "llamacpp", "weights": "gguf"}
+    assert regime.variant == {"preset": "llamacpp", "weights": "gguf"}
     compared = [p for p in result.points if p.recorded]
     assert result.verdict == "match" and len(compared) == 33
-    if not regime["caveats"]:  # an x86 CPU with the AVX2/AVX-512 paths emulated
-        assert all(p.rel_l2 == 0 for p in compared) and set(regime["per_op"].values()) == {0.0}
-    assert max(regime["per_op"].values()) < regime["per_op_bound"]
+    if not regime.caveats:  # an x86 CPU with the AVX2/AVX-512 paths emulated
+        assert all(p.rel_l2 == 0 for p in compared) and set(regime.per_op.values()) == {0.0}
+    assert max(regime.per_op.values()) < regime.per_op_bound
     # raw: the directory holds the f32 weights the GGUF was quantized from, so the Q8_0 embedding differs first
-    assert regime["raw"]["verdict"] == "diverged"
-    assert regime["raw"]["first_divergence"]["point"] == "model.embed_tokens"
+    assert regime.raw.verdict == "diverged"
+    assert regime.raw.first_divergence.point == "model.embed_tokens"
     lines = terminal_summary(result)
     assert "view: the regime preset=llamacpp,weights=gguf" in lines and "raw view against f32 hf: diverged" in lines
     assert "the regime's own cost over f32" in markdown_summary(result)
@@ -151,10 +151,10 @@ def test_per_op_an_emulation_in_another_order_still_reads_a_correct_candidate_as
     regime = "weights=q8_0,act_quant=q8_0,accumulate=f32"
     correct = tracer.run(model, tokens=TOKENS, variant="weights=q8_0,act_quant=q8_0", regime=regime, greedy=0,
                          progress=False)
-    assert correct.regime["verdict_view"] == "per_op" and correct.verdict == "match"
-    assert max(correct.regime["per_op"].values()) < 1e-5
+    assert correct.regime.verdict_view == "per_op" and correct.verdict == "match"
+    assert max(correct.regime.per_op.values()) < 1e-5
     broken = tracer.run(model, tokens=TOKENS, variant="weights=q8_0,act_quant=q8_0,theta=500000", regime=regime,
                         greedy=0, progress=False)
     assert broken.verdict == "diverged"
-    assert broken.first_divergence["point"] in ("model.layers.0.self_attn.q_rope", "model.layers.0.self_attn.k_rope")
+    assert broken.first_divergence.point in ("model.layers.0.self_attn.q_rope", "model.layers.0.self_attn.k_rope")
     assert "judged each op on the candidate's own inputs" in terminal_summary(broken)

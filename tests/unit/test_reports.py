@@ -9,6 +9,7 @@ import re
 import pandas as pd
 import pytest
 
+import tracer.diff as diff
 import tracer.reports as reports
 import tracer.reports.figures as report_figures
 from tracer.errors import TracerError
@@ -390,7 +391,7 @@ def real_result() -> Result:
                           rel_l2=math.inf, cosine=math.nan, diverged=True)
     return Result(
         verdict="diverged", points=diffs, tolerance=Tolerance(),
-        first_divergence=first_divergence(rows, "model.layers.1.self_attn.q_rope"),
+        first_divergence=diff.first_divergence(diffs),
         logits=None, reference={"engine": "hf", "variant": {}, "label": "hf"},
         candidate={"engine": "file", "variant": {}, "label": "file:<run>.safetensors"},
         model="tiny", tokens=[1, 2, 3, 4, 5], notes=["hf: config keys not read: <rope_scaling>"],

@@ -42,7 +42,7 @@ def test_spilled_trace_compares_like_the_in_memory_one(tiny_llama, tmp_path):
     assert all(torch.equal(spilled[p], in_memory[p]) for p in in_memory)
     reference = load_engine("reimpl", model, {}).record([1, 5, 9, 2])
     from_disk, from_memory = tracer.compare(reference, spilled), tracer.compare(reference, in_memory)
-    assert from_disk.first_divergence["point"] == from_memory.first_divergence["point"]
+    assert from_disk.first_divergence.point == from_memory.first_divergence.point
     assert [p.rel_l2 for p in from_disk.points] == [p.rel_l2 for p in from_memory.points]
 
 

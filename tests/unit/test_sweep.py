@@ -28,8 +28,8 @@ def test_one_row_per_variant_in_order(tiny_sweep):
     result, _ = tiny_sweep
     assert [row.variant for row in result.rows] == VARIANTS
     assert [row.verdict for row in result.rows] == ["diverged", "diverged", "match", "error", "diverged"]
-    assert result["theta=500"].first_divergence["point"] == "model.layers.0.self_attn.q_rope"
-    assert result["kv_repeat=tile"].first_divergence["point"] == "model.layers.0.self_attn.scores"
+    assert result["theta=500"].first_divergence.point == "model.layers.0.self_attn.q_rope"
+    assert result["kv_repeat=tile"].first_divergence.point == "model.layers.0.self_attn.scores"
 
 
 def test_a_variant_that_fails_to_load_is_a_row_with_its_error(tiny_sweep):
@@ -41,13 +41,13 @@ def test_a_variant_that_fails_to_load_is_a_row_with_its_error(tiny_sweep):
 def test_rows_carry_logits_greedy_and_the_coarse_curve(tiny_sweep):
     result, _ = tiny_sweep
     row = result["theta=500"]
-    assert row.greedy["steps"] == 3 and len(row.greedy["candidate"]) == 3
-    assert result.reference_greedy == row.greedy["reference"]
-    assert row.logits["max_abs"] > 0
+    assert row.greedy.steps == 3 and len(row.greedy.candidate) == 3
+    assert result.reference_greedy == row.greedy.reference
+    assert row.logits.max_abs > 0
     assert [p["point"] for p in row.curve] == ["model.embed_tokens", "model.layers.0", "model.layers.1",
                                                "model.norm", "lm_head"]
     assert row.curve[0]["rel_l2"] == 0 and row.curve[1]["diverged"]
-    assert result["mask=where"].logits["max_abs"] < 1e-5
+    assert result["mask=where"].logits.max_abs < 1e-5
 
 
 def test_json_has_the_contract_fields(tiny_sweep):
@@ -118,7 +118,7 @@ def test_a_variant_that_does_not_parse_stops_the_sweep_before_anything_runs(tiny
 
 def test_sweep_on_the_hf_engine(tiny_llama):
     result = sweep(tiny_llama(), tokens=TOKENS, variants=["theta=500", "rope=interleaved"], candidate="hf", greedy=0)
-    assert result.rows[0].first_divergence["point"] == "model.layers.0.self_attn.q_rope"
+    assert result.rows[0].first_divergence.point == "model.layers.0.self_attn.q_rope"
     assert result.rows[1].verdict == "error" and "engines that honour it: reimpl" in result.rows[1].error
 
 
@@ -155,4 +155,4 @@ def test_a_variant_costs_one_candidate_forward_unless_greedy_is_asked(tiny_llama
     result = sweep(model, tokens=TOKENS, variants=["theta=500"], noise_floor=False, greedy=2, progress=False)
     # its recording, then at most one forward per greedy step (checking the reference's continuation)
     assert calls[0] == len(TOKENS) and 2 <= len(calls) <= 3
-    assert result.rows[0].greedy["steps"] == 2
+    assert result.rows[0].greedy.steps == 2

@@ -80,7 +80,7 @@ def test_a_bridge_cache_of_a_tiny_llama_matches_at_every_point(reference, tmp_pa
     result = tracer.compare_files(reference, path)
     compared = [p.point for p in result.points if p.recorded]
     assert result.verdict == "match" and compared == reference.points  # all 37, the norms among them
-    assert result.logits["max_abs_all"] == 0.0
+    assert result.logits.max_abs_all == 0.0
     notes = " | ".join(result.notes)
     assert "match no alias" not in notes  # every name of the cache is known
     skipped = [name for name, point in transformer_lens_4_names(2) if point is None and name not in TOKEN_TENSORS]
@@ -96,9 +96,9 @@ def test_a_wrong_norm_weight_in_a_bridge_cache_is_localized_to_that_norm(referen
     for name in ("blocks.1.ln2.hook_out", "blocks.1.mlp.hook_in"):  # the norm's output and its copy
         dump[name] = dump[name] * 1.01
     result = tracer.compare_files(reference, save_dump(dump, tmp_path / "tl.safetensors"))
-    assert result.first_divergence["point"] == "model.layers.1.post_attention_layernorm"
-    assert result.first_divergence["rel_l2"] == pytest.approx(0.01, rel=1e-3)
-    assert result.first_divergence["last_agreeing"] == "model.layers.1.resid_mid"
+    assert result.first_divergence.point == "model.layers.1.post_attention_layernorm"
+    assert result.first_divergence.rel_l2 == pytest.approx(0.01, rel=1e-3)
+    assert result.first_divergence.last_agreeing == "model.layers.1.resid_mid"
 
 
 def test_per_head_hooks_are_read_as_batch_pos_head_d_head_even_when_pos_equals_heads(tiny_llama, tmp_path):
@@ -106,7 +106,7 @@ def test_per_head_hooks_are_read_as_batch_pos_head_d_head_even_when_pos_equals_h
     reference = tracer.record(tiny_llama(), TOKENS[:4], engine="hf", progress=False)
     path = save_dump(transformer_lens_4_dump(reference), tmp_path / "tl.safetensors", tokens=reference.tokens)
     result = tracer.compare_files(reference, path)
-    assert result.verdict == "match" and result.logits["max_abs_all"] == 0.0
+    assert result.verdict == "match" and result.logits.max_abs_all == 0.0
     assert any("T equals the head count" in note and "[T, H, D]" in note for note in result.notes)
     assert torch.equal(reference["model.layers.0.self_attn.q_rope"],
                        transformer_lens_4_dump(reference)["blocks.0.attn.hook_rot_q"][0].transpose(0, 1))
