@@ -56,7 +56,9 @@ def eager_recording(record: Recorder, names: dict[nn.Module, str]) -> Callable:
         attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
         attn_output = torch.matmul(attn_weights, value_states)  # (1, H, T, D)
         attn_output = attn_output.transpose(1, 2).contiguous()  # (1, T, H, D)
-        record(f"{prefix}.context", attn_output.flatten(2))  # (1, T, H*D)
+        # (1, T, H*D), reshaped as the attention module then reshapes it: in an ONNX export the point is
+        # then the very value o_proj reads (one node), not a copy beside it
+        record(f"{prefix}.context", attn_output.reshape(*attn_output.shape[:-2], -1))
         return attn_output, attn_weights
 
     return attention

@@ -1,7 +1,7 @@
 """The live runtime engines (mlx, onnx) on the bundled SmolLM2-135M-Instruct, f32, CPU.
 
 MLX's CPU build is slow here (seconds for a 5-token forward): its runs decode few greedy tokens.
-The ONNX export is made once into the user's cache (about 30 s on an idle machine).
+The ONNX exports (f32, and f16 for the sweep) are made once into the user's cache.
 """
 
 import pytest
