@@ -126,10 +126,11 @@ def llamacpp_rows(model_dir: Path, tokens: list[int], repeats: int,
         return None
     from tracer.engines import llamacpp
     from tracer.engines.load import load_engine
+    from tracer.sources import ModelSource
 
     variant = {"threads": threads} if threads else {}  # --threads: llama.cpp's too
-    plain_engine = llamacpp.load(model_dir, variant, observe=False)
-    engine, child = llamacpp.load(model_dir, variant), load_engine("llamacpp", model_dir, variant)
+    plain_engine = llamacpp.load(ModelSource(model_dir), variant, observe=False)
+    engine, child = llamacpp.load(ModelSource(model_dir), variant), load_engine("llamacpp", model_dir, variant)
 
     def plain():
         plain_engine.logits(tokens)
@@ -159,12 +160,12 @@ def candle_rows(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, t
         return None
     from tracer.engines import candle
     from tracer.engines.load import load_engine
-    from tracer.sources import bundled_gguf
+    from tracer.sources import ModelSource, bundled_gguf
 
     rows = {}
     gguf = str(bundled_gguf())
     for label, argument in (("llama.rs, f32 directory", None), ("quantized_llama.rs, Q4_1 GGUF", gguf)):
-        engine = candle.load(model_dir, {}, argument=argument)
+        engine = candle.load(ModelSource(model_dir), {}, argument=argument)
         measures = {"plain": lambda engine=engine: engine.plain_forward(tokens),
                     "recorded": lambda engine=engine: engine.record(tokens)}
         if argument:
