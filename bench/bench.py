@@ -373,9 +373,9 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:
     load, one forward): (median seconds, median ratio) of alternating rounds, with the reference's
     noise floor and greedy continuation in the cache (every run after the first of a model and
     prompt) and without them (the first run: this prompt's entry removed before each round)."""
-    from tracer.pipeline import token_ids
     from tracer.reference_cache import entry_key, entry_path
     from tracer.request import Placement
+    from tracer.tokenizer import tokenize
 
     bare = (
         "import torch, transformers; from transformers import LlamaForCausalLM, AutoTokenizer\n"
@@ -388,7 +388,7 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "tracer", "run", "--model", str(model_dir), "--variant", "theta=10000",
                "--out", str(out), "--json", str(HERE / ".bench-summary.json")]
-    ids, _ = token_ids(model_dir, "The capital of France is")
+    ids = tokenize(model_dir, "The capital of France is")
     entry = entry_path(entry_key(model_dir, ids, engine="hf", variant={}, placement=repr(Placement()),
                                  noise_floor=True, greedy_steps=20))
 
