@@ -126,10 +126,11 @@ def llamacpp_rows(model_dir: Path, tokens: list[int], repeats: int,
         return None
     from tracer.engines import llamacpp
     from tracer.engines.load import load_engine
+    from tracer.sources import ModelSource
 
     variant = {"threads": threads} if threads else {}  # --threads: llama.cpp's too
-    plain_engine = llamacpp.load(model_dir, variant, observe=False)
-    engine, child = llamacpp.load(model_dir, variant), load_engine("llamacpp", model_dir, variant)
+    plain_engine = llamacpp.load(ModelSource(model_dir), variant, observe=False)
+    engine, child = llamacpp.load(ModelSource(model_dir), variant), load_engine("llamacpp", model_dir, variant)
 
     def plain():
         plain_engine.logits(tokens)
@@ -159,12 +160,12 @@ def candle_rows(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, t
         return None
     from tracer.engines import candle
     from tracer.engines.load import load_engine
-    from tracer.sources import bundled_gguf
+    from tracer.sources import ModelSource, bundled_gguf
 
     rows = {}
     gguf = str(bundled_gguf())
     for label, argument in (("llama.rs, f32 directory", None), ("quantized_llama.rs, Q4_1 GGUF", gguf)):
-        engine = candle.load(model_dir, {}, argument=argument)
+        engine = candle.load(ModelSource(model_dir), {}, argument=argument)
         measures = {"plain": lambda engine=engine: engine.plain_forward(tokens),
                     "recorded": lambda engine=engine: engine.record(tokens)}
         if argument:
@@ -372,9 +373,9 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:
     load, one forward): (median seconds, median ratio) of alternating rounds, with the reference's
     noise floor and greedy continuation in the cache (every run after the first of a model and
     prompt) and without them (the first run: this prompt's entry removed before each round)."""
-    from tracer.pipeline import token_ids
     from tracer.reference_cache import entry_key, entry_path
     from tracer.request import Placement
+    from tracer.tokenizer import tokenize
 
     bare = (
         "import torch, transformers; from transformers import LlamaForCausalLM, AutoTokenizer\n"
@@ -387,7 +388,7 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "tracer", "run", "--model", str(model_dir), "--variant", "theta=10000",
                "--out", str(out), "--json", str(HERE / ".bench-summary.json")]
-    ids, _ = token_ids(model_dir, "The capital of France is")
+    ids = tokenize(model_dir, "The capital of France is")
     entry = entry_path(entry_key(model_dir, ids, engine="hf", variant={}, placement=repr(Placement()),
                                  noise_floor=True, greedy_steps=20))
 

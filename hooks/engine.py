@@ -22,11 +22,12 @@ import torch
 
 from tracer import families
 from tracer.config import LlamaSpec, config_reading, load_config, read_hf, variant_spec
-from tracer.engines.base import is_loaded_model, per_layer, trace_meta
+from tracer.engines.base import per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
 from tracer.hooks.modules import recording_modules
 from tracer.points import model_points
+from tracer.sources import ModelSource
 from tracer.torch_types import TORCH_DTYPES
 from tracer.trace import Trace, TraceRecorder
 from tracer.variants import setting
@@ -101,21 +102,19 @@ class HFEngine:
         return torch.tensor([tokens], device=self.device)  # (1, T)
 
 
-def load(source, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
+def load(source: ModelSource, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
          stream: bool = False, offload=None) -> HFEngine:
-    """`source`: a model path (None for the bundled default) or a loaded transformers model of a
-    family tracer traces, which is recorded where it is (its own device; `device` is for models
-    loaded here). `offload` (`tracer.engines.offload.Offload`): accelerate places the model over
-    the devices and the offload folder instead (`device` then has no say)."""
-    if is_loaded_model(source):
+    """`source`: a model directory, or a loaded transformers model of a family tracer traces, which
+    is recorded where it is (its own device; `device` is for models loaded here). `offload`
+    (`tracer.engines.offload.Offload`): accelerate places the model over the devices and the
+    offload folder instead (`device` then has no say)."""
+    if source.loaded:
         if variant:
             raise TracerError("variant knobs need a model path; an already loaded model is recorded as it is")
         if offload is not None:
             raise TracerError("offloading needs a model path; an already loaded model is recorded where it is")
-        return HFEngine(source.eval(), {}, source.config.to_dict().get("_name_or_path") or "loaded model")
-    from tracer.sources import resolve_model
-
-    model_dir = resolve_model(source)
+        return HFEngine(source.module.eval(), {}, source.name)
+    model_dir = source.directory
     if offload is not None:
         if torch.device(device).type != "cpu":
             raise TracerError(f"--device {device} with --offload/--max-memory: accelerate places the model over the "

@@ -27,7 +27,6 @@ from tracer.pipeline import (
     config_audit,
     prepared_from_trace,
     prepared_reference,
-    resolve_source,
     sweep_row,
     token_ids,
 )
@@ -47,6 +46,7 @@ from tracer.request import (
     regime_knobs,
 )
 from tracer.result import Diagnosis, Result, Sweep, Tolerance
+from tracer.sources import ModelSource, resolve_source
 from tracer.trace import Trace
 from tracer.variants import format_knob_value, parse_variant, variant_text
 
@@ -206,7 +206,7 @@ def run_values(inputs: Inputs, placement: Placement = Placement(), outputs: Outp
         in_regime = resolve_regime(regime, candidate, variant, prepared.source) if regime is not None else None
         engine = load_engine(candidate, prepared.source, variant, device=placement.device, stream=placement.stream,
                              offload=offload_for(candidate, prepared.offload))
-        if command is None:
+        if command is None and not prepared.source.loaded:  # no command line can name a model object
             command = run_command(inputs, placement, outputs, reference=reference, candidate=candidate,
                                   variant=variant, reference_variant=prepared.variant, tolerance=tolerance,
                                   greedy=greedy, noise_floor=noise_floor, regime=regime)
@@ -393,12 +393,13 @@ _CATALOGUE_ROWS: dict[tuple, list] = {}
 def catalogue_key(prepared, placement: Placement, tried: list[dict]) -> tuple | None:
     """What the catalogue's rows depend on: the model's files as they are on disk now (size, mtime,
     ctime, inode of each), the tokens, the placement and the variants; None for a loaded model."""
-    if not isinstance(prepared.source, Path):
+    if prepared.source.loaded:
         return None
     from tracer.reference_cache import folder_state
 
-    files = json.dumps(folder_state(prepared.source), sort_keys=True)
-    return (str(prepared.source.resolve()), files, tuple(prepared.ids), repr(placement),
+    model_dir = prepared.source.directory
+    files = json.dumps(folder_state(model_dir), sort_keys=True)
+    return (str(model_dir.resolve()), files, tuple(prepared.ids), repr(placement),
             tuple(variant_text(knobs) for knobs in tried))
 
 
@@ -467,12 +468,11 @@ def load_trace(trace_or_path, aliases=None) -> Trace:
     return Trace.load(trace_or_path, aliases)
 
 
-def model_spec(source):
+def model_spec(source: ModelSource):
     """What the hf reader makes of the model's config (for the variants worth trying on it)."""
-    from tracer.config import load_config, read_hf
+    from tracer.config import read_hf
 
-    config = source.config.to_dict() if hasattr(source, "config") else load_config(source)
-    return read_hf(config)
+    return read_hf(source.config())
 
 
 def stream_notes(stream: bool, candidate: str) -> tuple[str, ...]:
@@ -485,13 +485,11 @@ def stream_notes(stream: bool, candidate: str) -> tuple[str, ...]:
 
 def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, reference: str, candidate: str,
                 variant: dict, reference_variant: dict, tolerance: Tolerance, greedy, noise_floor: bool,
-                regime) -> str | None:
-    """The `tracer run` line that repeats a Python `run` call, for the report (None for a model
-    object, which no command line can name), derived from the CLI's parser: defaults left out."""
+                regime) -> str:
+    """The `tracer run` line that repeats a Python `run` call on a model path, for the report,
+    derived from the CLI's parser: defaults left out."""
     from tracer.arguments import command_line
 
-    if hasattr(inputs.model, "state_dict"):
-        return None
     knobs = {k: f"{k}={format_knob_value(v)}" for k, v in {**variant}.items()}
     values = {
         "model": inputs.model, "tokens": None if inputs.tokens is None else ",".join(map(str, inputs.tokens)),

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from tracer.diff import ErrorRecorder
 from tracer.engines.load import load_engine
+from tracer.sources import ModelSource
 from tracer.trace import Trace
 
 NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many first tokens
 
 
-def estimate_noise(source, reference: Trace, reference_variant: dict, device="cpu") -> dict[str, float]:
+def estimate_noise(source: ModelSource, reference: Trace, reference_variant: dict, device="cpu") -> dict[str, float]:
     """Per point, rel_l2 between `reference` and an f64 run of the same model and variant.
 
     The f64 run's points are compared as they come and never kept (`tracer.diff.ErrorRecorder`).
@@ -48,12 +49,12 @@ def estimate_noise(source, reference: Trace, reference_variant: dict, device="cp
     return errors.rel_l2
 
 
-def regime_noise(source, reference: Trace, variant: dict, device="cpu") -> dict[str, float]:
+def regime_noise(source: ModelSource, reference: Trace, variant: dict, device="cpu") -> dict[str, float]:
     """Per point, rel_l2 between `reference` and the regime `variant` with `accumulate=f64`, every
     op of it fed `reference`'s values of its inputs.
 
     Args:
-        source: the model (directory or loaded model) the reference ran.
+        source: the model the reference ran (or a path to it: `load_engine` resolves one).
         reference: the regime's trace (usually the reimpl engine's run of `variant`).
         variant: the regime's knobs, e.g. {"preset": "llamacpp", "weights": "gguf"}.
 

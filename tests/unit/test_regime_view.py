@@ -16,6 +16,7 @@ from tracer.errors import TracerError
 from tracer.regime_view import resolve as resolve_regime
 from tracer.reports.markdown import markdown_summary
 from tracer.reports.terminal import terminal_summary
+from tracer.sources import ModelSource
 
 TOKEN_ARG = ",".join(map(str, TOKENS))
 
@@ -96,7 +97,7 @@ def test_regime_auto_on_a_llama_cpp_candidate_is_its_cpu_regime_to_the_bit(quant
 def test_a_gguf_the_directory_was_not_converted_from_is_emulated_by_its_projection_type(quantized):
     pytest.importorskip("llama_cpp")
     model, gguf, _ = quantized
-    knobs, caveats = resolve_regime("auto", f"llamacpp:{gguf}", {}, model)
+    knobs, caveats = resolve_regime("auto", f"llamacpp:{gguf}", {}, ModelSource(model))
     assert knobs == {"preset": "llamacpp", "weights": "q4_1"}
     assert any("not converted from a GGUF" in caveat and "Q4_1" in caveat for caveat in caveats)
 

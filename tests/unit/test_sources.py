@@ -71,6 +71,44 @@ def test_resolve_none_is_default(monkeypatch, tmp_path):
     assert sources.resolve_model(None) == tmp_path / "default"
 
 
+# --------------------------------------------------------------------------- resolve_source
+
+
+class LoadedModel:
+    """Stands in for a transformers model: a `state_dict` and a `config` naming where it came from."""
+
+    def __init__(self, name_or_path: str):
+        self.config = type("Config", (), {"to_dict": lambda _: {"_name_or_path": name_or_path, "hidden_size": 8}})()
+
+    def state_dict(self):
+        return {}
+
+
+def test_a_path_resolves_to_its_directory(tmp_path):
+    folder = make_model_dir(tmp_path / "m")
+    source = sources.resolve_source(str(folder))
+    assert source == sources.ModelSource(folder) and not source.loaded
+    assert source.name == str(folder) and source.config() == {}
+    assert sources.resolve_source(source) is source  # resolved once, then passed on as it is
+
+
+def test_a_loaded_model_keeps_the_folder_it_names_when_that_holds_a_config(tmp_path):
+    folder = make_model_dir(tmp_path / "m")
+    model = LoadedModel(str(folder))
+    source = sources.resolve_source(model)
+    assert source.loaded and source.module is model and source.directory == folder
+    assert source.name == str(folder)
+    assert source.config() == {"_name_or_path": str(folder), "hidden_size": 8}  # its own, not the file's
+
+
+@pytest.mark.parametrize("name, said", [("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M"),
+                                        ("", "loaded model")])
+def test_a_loaded_model_naming_no_local_folder_has_no_directory(name, said, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    source = sources.resolve_source(LoadedModel(name))
+    assert source.loaded and source.directory is None and source.name == said
+
+
 # magic, little-endian version 3, no tensors, no metadata: an empty GGUF that passes the checks
 GGUF_V3_HEADER = b"GGUF\x03\x00\x00\x00" + bytes(16)
 

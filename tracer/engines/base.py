@@ -1,9 +1,9 @@
 """What every engine is and shares: the `Engine` protocol, trace metadata, device checks.
 
 An engine is built by its module's `load(source, variant, *, argument, device, stream)` (see
-`tracer.engines.load`) and answers to the protocol below. What it *can* do is declared once in
-its registry entry (`tracer.engines.registry.EngineEntry`), which it carries as `entry`; the
-pipeline reads capabilities there, never by probing attributes.
+`tracer.engines.load`; `source` is a `tracer.sources.ModelSource`) and answers to the protocol
+below. What it *can* do is declared once in its registry entry (`tracer.engines.registry.EngineEntry`),
+which it carries as `entry`; the pipeline reads capabilities there, never by probing attributes.
 """
 
 from __future__ import annotations
@@ -96,7 +96,3 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
 def per_layer(num_layers: int, reasons: dict[str, str]) -> dict[str, str]:
     """Expand {"self_attn.scores": reason} to every layer's point, in execution order."""
     return {layer_point(i, sub): reason for i in range(num_layers) for sub, reason in reasons.items()}
-
-
-def is_loaded_model(source) -> bool:
-    return hasattr(source, "state_dict") and hasattr(source, "config")

@@ -40,12 +40,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.engines.base import is_loaded_model, trace_meta
+from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.ggml.candle import candle_inv_freq, rope_angles
 from tracer.layouts import from_interleaved
 from tracer.points import EMBED, FINAL_NORM, LOGITS, is_causal, layer_point, split_point
+from tracer.sources import ModelSource, check_gguf_header
 from tracer.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # the wheel's target-cpu=native build executes them
@@ -479,11 +480,10 @@ class CandleEngine:
         )
 
 
-def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False) -> CandleEngine:
+def load(source: ModelSource, variant: dict, *, argument: str | None = None, device="cpu",
+         stream: bool = False) -> CandleEngine:
     """candle on `candle:PATH.gguf` (quantized_llama.rs), else on the model directory (llama.rs)."""
-    from tracer.sources import check_gguf_header, resolve_model
-
-    if is_loaded_model(source):
+    if source.loaded:
         raise TracerError("the candle engine loads its model from files: pass a model directory or candle:PATH.gguf")
     check_platform()
     candle = import_candle(variant.get("threads"))
@@ -495,9 +495,8 @@ def load(source, variant: dict, *, argument: str | None = None, device="cpu", st
         shape, weights, linear, facts = gguf_model(path, variant, candle)
         label, gguf = str(path), True
     else:
-        model_dir = resolve_model(source)
-        shape, weights, linear, facts = hf_model(Path(model_dir), variant, candle)
-        label, gguf = str(model_dir), False
+        shape, weights, linear, facts = hf_model(source.directory, variant, candle)
+        label, gguf = source.name, False
     return CandleEngine(label, variant, shape, Forward(shape, weights, linear, candle), facts, gguf)
 
 

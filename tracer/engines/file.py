@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
+from tracer.sources import ModelSource
 from tracer.trace import Trace
 
 
@@ -33,7 +34,8 @@ class FileEngine:
         return None
 
 
-def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False) -> FileEngine:
+def load(source: ModelSource, variant: dict, *, argument: str | None = None, device="cpu",
+         stream: bool = False) -> FileEngine:
     if variant:
         raise TracerError("a saved trace (file:PATH) cannot take variant knobs")
     return FileEngine(Trace.load(argument), argument)  # another runtime's dump: names mapped onto points

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from tracer.engines.registry import EngineEntry
 from tracer.errors import TracerError
+from tracer.sources import ModelSource
 
 STDERR_LINES = 6  # how much of a dead child's stderr its error message quotes
 MESSAGE_LIMIT = 400  # characters of it, so the error stays one readable line
@@ -124,13 +125,11 @@ class IsolatedEngine:
         return self.death
 
 
-def load(entry: EngineEntry, source, variant: dict, *, argument: str | None = None, device="cpu",
+def load(entry: EngineEntry, source: ModelSource, variant: dict, *, argument: str | None = None, device="cpu",
          stream: bool = False) -> IsolatedEngine:
     """Start a child process and build the engine `entry` names in it (same arguments as every
-    engine's `load`). `source` must be a path: a loaded model cannot cross processes."""
-    from tracer.engines.base import is_loaded_model
-
-    if is_loaded_model(source):
+    engine's `load`). `source` must be a directory: a loaded model cannot cross processes."""
+    if source.loaded:
         raise TracerError(f"the {entry.name} engine runs in its own process and needs a model path, not a loaded model")
     module = importlib.import_module(entry.module)
     environment = {**getattr(module, "CHILD_ENVIRONMENT", {}), **os.environ}
@@ -140,7 +139,7 @@ def load(entry: EngineEntry, source, variant: dict, *, argument: str | None = No
     )
     engine = IsolatedEngine(entry, process)
     info = engine._call({
-        "op": "load", "module": entry.module, "source": None if source is None else str(source),
+        "op": "load", "module": entry.module, "directory": str(source.directory),
         "variant": variant, "argument": argument, "device": str(device), "stream": stream, "path": sys.path,
     })
     engine.variant, engine.device = info["variant"], info["device"]
@@ -194,7 +193,8 @@ class Server:
     def load(self, request: dict) -> dict:
         sys.path[:0] = [p for p in request["path"] if p not in sys.path]
         module = importlib.import_module(request["module"])
-        self.engine = module.load(request["source"], request["variant"], argument=request["argument"],
+        source = ModelSource(Path(request["directory"]))  # resolved by the parent
+        self.engine = module.load(source, request["variant"], argument=request["argument"],
                                   device=request["device"], stream=request["stream"])
         engine = self.engine
         return {"variant": dict(engine.variant), "device": str(engine.device), "vocab_size": engine.vocab_size,

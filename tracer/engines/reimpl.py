@@ -7,9 +7,10 @@ from collections.abc import Mapping
 
 import torch
 
-from tracer.engines.base import check_device, is_loaded_model, per_layer, trace_meta
+from tracer.engines.base import check_device, per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.llama import Llama
+from tracer.sources import ModelSource
 from tracer.trace import Trace, TraceMeta, TraceRecorder
 
 
@@ -61,19 +62,15 @@ class ReimplEngine:
                           unused_tensors=self.llama.unused_tensors, family=spec.family)
 
 
-def load(source, variant: dict, *, argument: str | None = None, device: str | torch.device = "cpu",
+def load(source: ModelSource, variant: dict, *, argument: str | None = None, device: str | torch.device = "cpu",
          stream: bool = False) -> ReimplEngine:
     """From a model directory, or an already loaded transformers model (its config and state dict
     read our own way). `stream`: each block's weights read from the files when it runs."""
-    from tracer.sources import resolve_model
-
     placement = {"device": check_device(device), "stream": stream}
-    if is_loaded_model(source):
-        config = source.config.to_dict()
-        llama = Llama.from_config(config, dict(source.state_dict()), variant, **placement)
-        return ReimplEngine(llama, config.get("_name_or_path", "loaded model"))
-    model_dir = resolve_model(source)
-    return ReimplEngine(Llama.from_dir(model_dir, variant, **placement), str(model_dir))
+    if source.loaded:
+        llama = Llama.from_config(source.config(), dict(source.module.state_dict()), variant, **placement)
+        return ReimplEngine(llama, source.name)
+    return ReimplEngine(Llama.from_dir(source.directory, variant, **placement), source.name)
 
 
 def from_parts(config: dict, weights: Mapping[str, torch.Tensor], variant: dict, label: str, *,
