@@ -101,8 +101,10 @@ def compare_point(point: str, ref: torch.Tensor, cand: torch.Tensor, tolerance: 
 
 
 def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
-                   noise: dict[str, float] | None = None) -> list[PointDiff]:
-    """Every point either side recorded or declared unobservable, in execution order."""
+                   noise: dict[str, float] | None = None, compared: dict[str, PointDiff] | None = None
+                   ) -> list[PointDiff]:
+    """Every point either side recorded or declared unobservable, in execution order; `compared`:
+    points already judged as they were recorded (`ErrorRecorder` with a store)."""
     order = list(reference.points)
     for extra in [*candidate.points, *reference.not_recorded, *candidate.not_recorded]:
         if extra not in order:
@@ -111,6 +113,9 @@ def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
     results = []
     for point in order:
         in_ref, in_cand = point in reference, point in candidate
+        if compared and point in compared:
+            results.append(compared[point])
+            continue
         if in_ref and in_cand:
             pair = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
             results.append(compare_point(point, *pair, tolerance, (noise or {}).get(point)))
@@ -129,22 +134,74 @@ def rel_l2_by_point(reference: Trace, other: Trace) -> dict[str, float]:
 
 
 class ErrorRecorder:
-    """A recorder that keeps no tensors: each point's rel_l2 against `reference`, computed as the
-    forward produces it (`rel_l2_by_point` of a run that is never stored).
+    """A recorder that compares each point with `reference` as the forward produces it.
 
-    For the runs whose points are wanted only as errors (the f64 noise run, the teacher-forced local
-    run, a forced run in f64): nothing is held in memory or written to disk, however long the prompt.
+    Without `store` it keeps no tensor: for the runs whose points are wanted only as errors (the
+    f64 noise run, the teacher-forced local run, a forced run in f64; `rel_l2`), nothing is held
+    in memory or written to disk, however long the prompt.
+
+    With `store` (a `tracer.spill.DiskRecorder`) it records a long run's candidate: each point is
+    judged with `tolerance` and `noise` as `compare` judges it (`diffs`, which `compare` then takes
+    as they are), and only the tensors `compare` reads again are written: the logits, points
+    holding NaN or Inf, the earliest point that can be the first divergence (`local` errors are
+    known before the candidate runs) and points it cannot pair with the reference. A long run
+    then writes one trace to disk, not two.
     """
 
-    def __init__(self, reference: Trace):
-        self.reference = reference
-        self.rel_l2: dict[str, float] = {}
-        self.tensors: dict[str, torch.Tensor] = {}  # stays empty: the engines return a Trace of it
+    def __init__(self, reference: Trace, tolerance: Tolerance | None = None, noise: dict[str, float] | None = None,
+                 local: dict[str, float] | None = None, store=None):
+        self.reference, self.tolerance, self.noise, self.local = reference, tolerance or Tolerance(), noise or {}, local
+        self.store = store
+        self.diffs: dict[str, PointDiff] = {}
+        self.names: list[str] = []  # every point recorded, in order
+        self._earliest: dict[str, tuple] = {}  # "diverged" / "introduces" -> rank of the earliest kept
+
+    @property
+    def rel_l2(self) -> dict[str, float]:
+        return {name: diff.rel_l2 for name, diff in self.diffs.items()}
+
+    @property
+    def tensors(self):
+        """Empty without a store (the engines return a Trace of it); else the points, the kept ones readable."""
+        if self.store is None:
+            return {}
+        from tracer.spill import SpilledTensors
+
+        return SpilledTensors(self.store.files, self.names)
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.reference:
-            pair = last_rows_if_one_side_kept_one(name, self.reference[name], kept(name, tensor))
-            self.rel_l2[name] = compare_point(name, *pair, Tolerance()).rel_l2
+        self.names.append(name)
+        if name not in self.reference:
+            self._keep(name, tensor)
+            return
+        ref, cand = last_rows_if_one_side_kept_one(name, self.reference[name], kept(name, tensor))
+        if self.store is not None and ref.shape != cand.shape:
+            self._keep(name, tensor)  # `compare` says the mismatch
+            return
+        diff = compare_point(name, ref, cand, self.tolerance, self.noise.get(name))
+        self.diffs[name] = diff
+        if self.store is not None and self._read_again(diff):
+            self._keep(name, tensor)
+
+    def _keep(self, name: str, tensor: torch.Tensor) -> None:
+        if self.store is not None:
+            self.store(name, tensor)
+
+    def _read_again(self, diff: PointDiff) -> bool:
+        """Will `compare` read this point's tensor (logits, NaN/Inf scan, the first divergence's breakdown)?"""
+        from tracer.points import rank
+
+        if diff.point in (LOGITS, FINAL_LOGITS) or not _finite_metrics(diff):
+            return True
+        if not diff.diverged:
+            return False
+        judged = dataclasses.replace(diff, local_rel_l2=self.local.get(diff.point)) if self.local else diff
+        # the two ways `first_divergence` picks a point; the earliest by the order it sorts in
+        ways = ["diverged", *(["introduces"] if introduces_error(judged) else [])]
+        order = rank(diff.point, self.reference.meta.family)
+        earlier = [way for way in ways if way not in self._earliest or order < self._earliest[way]]
+        self._earliest.update(dict.fromkeys(earlier, order))
+        return bool(earlier)
 
 
 def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> list[str]:
@@ -281,7 +338,8 @@ def side(trace: Trace) -> dict:
 
 
 def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,
-            noise: dict[str, float] | None = None, local: dict[str, float] | None = None) -> Result:
+            noise: dict[str, float] | None = None, local: dict[str, float] | None = None,
+            compared: dict[str, PointDiff] | None = None) -> Result:
     """Diff two traces point by point; name the first divergence and explain it.
 
     Args:
@@ -290,6 +348,8 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         local: per point, the rel_l2 the candidate introduces on the reference's inputs
             (`tracer.pipeline.local_errors`); localization then names the first point whose
             local error leaves the floor, and `amplification` ranks ops by error gain.
+        compared: per point, the `PointDiff` a long run's candidate recorder judged as it came
+            (`ErrorRecorder` with a store, given the same tolerance and noise); not judged again.
     """
     tolerance = tolerance or Tolerance()
     ref_tokens, cand_tokens = reference.tokens, candidate.tokens
@@ -298,7 +358,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     from tracer.layouts import align  # another runtime's names and layouts, brought to ours
 
     reference, candidate, layout_notes = align(reference, candidate)
-    points = compare_points(reference, candidate, tolerance, noise)
+    points = compare_points(reference, candidate, tolerance, noise, compared)
     if not any(p.recorded for p in points):
         unknown = [*(reference.meta.unknown_names or []), *(candidate.meta.unknown_names or [])]
         said = f"; names that match no alias: {', '.join(unknown[:3])}" if unknown else ""

@@ -4,9 +4,10 @@
    trace, the noise floor, the reference's greedy continuation, and the notes about all of that.
    A context manager: long prompts spill traces to a temporary folder that lives as long as the
    block.
-2. `compare_candidate(prepared, engine)`: the candidate's trace, its local (teacher-forced)
-   errors where its engine can run them, the diff against the reference, both greedy
-   continuations, and the notes: one `Result` with the run's context attached once.
+2. `compare_candidate(prepared, engine)`: the candidate's local (teacher-forced) errors where its
+   engine can run them, its trace (a long prompt's judged point by point as it is recorded), the
+   diff against the reference, both greedy continuations, and the notes: one `Result` with the
+   run's context attached once.
 
 `tracer.run` is one candidate; `tracer.sweep` many (one per variant, `sweep_row`);
 `tracer.diagnose` one observed trace plus the catalogue; `tracer.compare_files` two traces with
@@ -198,13 +199,21 @@ def compare_candidate(prepared: Prepared, engine: Engine, *, command: str | None
     greedy continuations and the run's context attached."""
     check_tokens(prepared.ids, engine)
     timings = dict(prepared.timings)
+    with timed(timings, "local_s"):
+        errors = local_errors(engine, prepared.trace) if local else None
+    compared = None
     with timed(timings, "candidate_s"):
         stage("candidate")
         if trace is None:
-            trace = engine.record(prepared.ids, prepared.sink("candidate"))
-    with timed(timings, "local_s"):
-        errors = local_errors(engine, prepared.trace) if local else None
-    result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=errors)
+            recorder = prepared.sink("candidate")
+            # A long run's candidate is judged as it comes; an isolated engine's child writes its points
+            # straight into the spill folder instead, which that would not save.
+            if recorder is not None and not engine.entry.isolated:
+                recorder = compared = ErrorRecorder(prepared.trace, prepared.tolerance, prepared.noise, errors,
+                                                    store=recorder)
+            trace = engine.record(prepared.ids, recorder)
+    result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=errors,
+                     compared=compared.diffs if compared is not None else None)
     with timed(timings, "greedy_s"):
         stage("greedy")
         continuations = greedy_comparison(prepared, engine, prepared.tolerance)
@@ -312,8 +321,9 @@ def memory_notes(num_tokens: int) -> list[str]:
         notes.append(f"attention scores and probs are kept and compared on their last {ATTENTION_ROWS} query rows "
                      f"(of {num_tokens}) to bound memory")
     if num_tokens > SPILL_TOKENS:
-        notes.append(f"{num_tokens} tokens: traces were written to a temporary folder point by point and compared "
-                     "from there, then deleted")
+        notes.append(f"{num_tokens} tokens: the reference's trace was written to a temporary folder point by point "
+                     "and the candidate compared with it from there (in-process engines as each point came), then "
+                     "deleted")
     return notes
 
 

@@ -1,12 +1,12 @@
 """Traces too large for memory: each point written to disk as it is recorded, read back on demand.
 
 A 2048-token SmolLM2 trace holds ~2.8 GB even with attention matrices cut to their last rows
-(`tracer.trace.ATTENTION_ROWS`), and a run keeps two (reference and candidate; the f64 noise run
-and the teacher-forced local run are compared point by point as they come, `tracer.diff.ErrorRecorder`,
-and never kept). `DiskRecorder` writes each
-point to its own safetensors file the moment the forward produces it, and `SpilledTensors` is a
-read-only mapping that loads one point when asked, so a `Trace` built on it makes the diff engine
-stream: peak memory is the model and one forward's activations, not the traces.
+(`tracer.trace.ATTENTION_ROWS`). `DiskRecorder` writes the reference's points, each to its own
+safetensors file the moment the forward produces it, and `SpilledTensors` is a read-only mapping
+that loads one point when asked, so a `Trace` built on it makes the diff engine stream: peak
+memory is the model and one forward's activations, not the traces. The other runs are compared
+with it point by point as they come (`tracer.diff.ErrorRecorder`): the f64 noise run and the
+teacher-forced local run keep nothing, the candidate only the few points the comparison reads again.
 """
 
 from __future__ import annotations
@@ -50,23 +50,31 @@ class DiskRecorder:
 
 
 class SpilledTensors(Mapping):
-    """point -> tensor, read from disk on each access; iteration keeps recording order."""
+    """point -> tensor, read from disk on each access; iteration keeps recording order.
 
-    def __init__(self, files: dict[str, Path]):
+    `names`: every point the run recorded, in order, where some were compared as they came and
+    not written (`tracer.diff.ErrorRecorder` with a store); those are listed but not readable.
+    """
+
+    def __init__(self, files: dict[str, Path], names: list[str] | None = None):
         self.files = dict(files)
+        self.names = list(files) if names is None else list(dict.fromkeys(names))
+        self._names = set(self.names)
 
     def __getitem__(self, point: str) -> torch.Tensor:
+        if point not in self.files and point in self._names:
+            raise KeyError(f"{point} was compared as it was recorded and not kept")
         # A plain read, not a memory map: the point leaves resident memory with its last reference.
         return TensorFile(self.files[point]).read("value")
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.files)
+        return iter(self.names)
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.names)
 
     def __contains__(self, point) -> bool:
-        return point in self.files
+        return point in self._names
 
 
 @contextmanager

@@ -24,14 +24,18 @@ F16_MAX = torch.finfo(torch.float16).max  # 65504
 OVERFLOW_POINT = "model.layers.1.mlp.act"
 
 
-@pytest.fixture(scope="module")
-def overflowing_model(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("f16") / "model")
+def write_overflowing_model(folder):
+    folder = write_tiny_llama(folder)
     tensors = load_file(str(folder / "model.safetensors"))
     for name in ("gate_proj", "up_proj"):
         tensors[f"model.layers.1.mlp.{name}.weight"] *= 300
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
+
+
+@pytest.fixture(scope="module")
+def overflowing_model(tmp_path_factory):
+    return write_overflowing_model(tmp_path_factory.mktemp("f16") / "model")
 
 
 def test_the_model_overflows_f16_at_layer_1_mlp_act_and_nowhere_before(overflowing_model):

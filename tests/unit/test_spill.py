@@ -1,8 +1,10 @@
 """Long prompts in bounded memory: attention matrices cut to their last rows, points spilled to disk."""
 
+import pytest
 import torch
 
 import tracer
+from tests.conftest import TOKENS
 from tracer.engines.load import load_engine
 from tracer.spill import DiskRecorder
 from tracer.trace import ATTENTION_ROWS
@@ -63,3 +65,62 @@ def test_aligning_two_native_traces_reads_no_tensor(tiny_llama, tmp_path):
     counted = tracer.Trace(Counting(spilled.tensors.files), spilled.meta)
     align(counted, counted)
     assert Counting.reads < len(spilled) / 4
+
+
+def _long_and_short_runs(model, monkeypatch, **run_args):
+    """The same run twice: judged in memory, and as a long run (spilled; the candidate judged as it
+    comes). Returns both results and the points each side wrote to disk."""
+    written: dict[str, list[str]] = {}
+    record_point = DiskRecorder.__call__
+
+    def counting(self, name, tensor):
+        written.setdefault(self.folder.name, []).append(name)
+        record_point(self, name, tensor)
+
+    in_memory = tracer.run(model, tokens=TOKENS, greedy=0, progress=False, **run_args)
+    with monkeypatch.context() as patch:
+        for module in ("tracer.spill", "tracer.pipeline"):  # where the folder is made, where its note is
+            patch.setattr(f"{module}.SPILL_TOKENS", 2)
+        patch.setattr(DiskRecorder, "__call__", counting)
+        spilled = tracer.run(model, tokens=TOKENS, greedy=0, progress=False, **run_args)
+    assert any("written to a temporary folder" in note for note in spilled.notes)
+    return in_memory, spilled, written
+
+
+def _same_findings(a, b):
+    """Equal findings, NaN for NaN (repr: a NaN never equals itself)."""
+    for field in ("verdict", "first_divergence", "logits", "points", "first_nonfinite", "amplification"):
+        assert repr(getattr(a, field)) == repr(getattr(b, field)), field
+
+
+def test_a_long_runs_candidate_is_judged_as_it_comes_and_writes_only_what_compare_reads(tiny_llama, monkeypatch):
+    in_memory, spilled, written = _long_and_short_runs(tiny_llama(), monkeypatch, variant="theta=500")
+    _same_findings(in_memory, spilled)
+    assert in_memory.first_divergence.point == "model.layers.0.self_attn.q_rope"
+    assert len(written["reference"]) == len([p for p in in_memory.points if p.recorded])
+    # the first divergence (read for its breakdown) and the logits (their summary), nothing else
+    assert written["candidate"] == ["model.layers.0.self_attn.q_rope", "lm_head"]
+
+
+def test_a_long_runs_candidate_keeps_the_points_holding_inf(monkeypatch, tmp_path):
+    from tests.unit.test_nonfinite import OVERFLOW_POINT, write_overflowing_model
+
+    model = write_overflowing_model(tmp_path / "model")
+    in_memory, spilled, written = _long_and_short_runs(model, monkeypatch, reference="reimpl", variant="dtype=f16")
+    _same_findings(in_memory, spilled)
+    assert spilled.first_nonfinite["point"] == OVERFLOW_POINT and OVERFLOW_POINT in written["candidate"]
+    assert len(written["candidate"]) < len(written["reference"]) / 2
+
+
+def test_a_long_run_on_an_isolated_engine_finds_what_the_short_one_finds(tiny_llama, monkeypatch, tmp_path):
+    """llama.cpp's child writes a long run's points into the spill folder itself, in ggml's names
+    (`meta.sources`), and the whole trace is aligned and compared from there."""
+    pytest.importorskip("llama_cpp")
+    from tests.tiny_gguf import write_tiny_gguf
+
+    model = tiny_llama()
+    gguf = write_tiny_gguf(model, tmp_path / "tiny.gguf")
+    in_memory, spilled, _ = _long_and_short_runs(model, monkeypatch, candidate=f"llamacpp:{gguf}",
+                                                       variant="kv_cache=f32,flash_attn=off")
+    _same_findings(in_memory, spilled)
+    assert in_memory.verdict == "match"
