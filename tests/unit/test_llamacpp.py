@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -245,6 +244,24 @@ def test_an_engine_error_in_the_child_is_its_own_line_and_the_child_lives_on():
     assert healthy.logits([1, 2]).shape == (2, 100)
 
 
+def test_an_ended_engines_child_serves_the_next_load_and_a_dead_one_never_does(monkeypatch):
+    first = crash_engine({})
+    pid = first.process.pid
+    first.close()
+    second = crash_engine({"die": "exit"})  # the same child, its first engine dropped
+    assert second.process.pid == pid and second.variant == {"die": "exit"}
+    assert second.draft([1], 2) == [7, 7]
+    with pytest.raises(TracerError, match=r"died \(exit code 3\): it wrote nothing to stderr"):
+        second.record([1, 2])
+    del second
+    third = crash_engine({})
+    assert third.process.pid != pid and third.record([1, 2])["model.embed_tokens"].shape == (2, 4)
+    monkeypatch.setenv("TRACER_TEST_OTHER_ENVIRONMENT", "1")  # a child started with another environment is not it
+    other = crash_engine({})
+    assert other.process.pid != third.process.pid
+    assert other._call({"op": "draft", "tokens": [1], "steps": 1}) == {"tokens": [7]}
+
+
 def test_the_child_writes_a_spilled_trace_where_the_caller_spills(tmp_path):
     from tracer.spill import DiskRecorder
 
@@ -269,7 +286,6 @@ def test_llamacpp_aborting_on_a_corrupt_gguf_ends_the_run_with_its_assert(tiny, 
 
 def test_a_run_through_the_child_matches_and_shows_llamacpps_own_greedy(tiny, llamacpp):
     model_dir, gguf, _ = tiny
-    started = time.perf_counter()
     result = tracer.run(model_dir, tokens=TOKENS, candidate=f"llamacpp:{gguf}",
                         variant="flash_attn=off,kv_cache=f32,threads=1", greedy=4, noise_floor=False, progress=False)
     assert result.verdict == "match", result.first_divergence
@@ -277,7 +293,6 @@ def test_a_run_through_the_child_matches_and_shows_llamacpps_own_greedy(tiny, ll
     assert summary["candidate"]["runtime"]["name"] == "llama.cpp"
     engine = llamacpp.load(ModelSource(model_dir), EXACT, argument=str(gguf))
     assert summary["greedy"]["candidate"] == engine.draft(TOKENS, 4)
-    assert time.perf_counter() - started < 120
 
 
 @pytest.mark.parametrize("argv", [

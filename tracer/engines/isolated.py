@@ -17,14 +17,19 @@ Errors the engine raises come back as messages: a `TracerError` is raised again 
 else as a RuntimeError carrying the child's traceback.
 
 An engine module may set `CHILD_ENVIRONMENT`: variables set in the child unless the user set
-them. The child lives as long as the engine object, or until tracer ends (its stdin closes).
-Cost (measured on the bundled SmolLM2, docs/engine-llamacpp.md): starting the child and
-importing tracer there, then each record's points written and read back once.
+them. When the engine object ends (`close`, or garbage), its child drops the engine and waits,
+one per environment, for the next `load` in the same environment: starting a child and
+importing torch and the runtime there is ~1.5 s, which a notebook or a sweep that loads one
+engine after another would pay each time. A child that died is never reused; idle children end
+with tracer. Cost (measured on the bundled SmolLM2, docs/engine-llamacpp.md): the first child's
+start, then each record's points written and read back once.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import gc
 import importlib
 import json
 import os
@@ -45,15 +50,75 @@ STDERR_LINES = 6  # how much of a dead child's stderr its error message quotes
 MESSAGE_LIMIT = 400  # characters of it, so the error stays one readable line
 
 
+class Child:
+    """A child process and the last lines it wrote to stderr (drained as it writes them)."""
+
+    def __init__(self, environment: dict[str, str]):
+        self.key = tuple(sorted(environment.items()))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tracer.engines.isolated"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=environment, bufsize=1,
+        )
+        self.stderr: collections.deque[str] = collections.deque(maxlen=200)
+        self.reader = threading.Thread(target=_drain, args=(self.process.stderr, self.stderr), daemon=True)
+        self.reader.start()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+_IDLE: dict[tuple, Child] = {}  # environment -> a child whose engine ended, kept for the next load
+_IDLE_LOCK = threading.Lock()
+_EXITING = [False]
+
+
+def _child(environment: dict[str, str]) -> Child:
+    """An idle child started with this environment, else a new one."""
+    key = tuple(sorted(environment.items()))
+    with _IDLE_LOCK:
+        child = _IDLE.pop(key, None)
+    if child is not None and child.alive():
+        child.stderr.clear()  # its last words are about this engine only
+        return child
+    return Child(environment)
+
+
+def _release(child: Child) -> None:
+    """An engine ended: its child drops the engine and waits for the next load, or stops."""
+    if not child.alive():
+        return
+    if not _EXITING[0]:
+        try:
+            child.process.stdin.write(json.dumps({"op": "unload"}) + "\n")  # answered with no reply
+            child.process.stdin.flush()
+        except OSError:
+            return
+        with _IDLE_LOCK:
+            replaced = _IDLE.get(child.key)
+            _IDLE[child.key] = child
+        if replaced is None:
+            return
+        child = replaced  # one idle child per environment
+    _stop(child.process)
+
+
+@atexit.register
+def _stop_idle() -> None:
+    _EXITING[0] = True
+    with _IDLE_LOCK:
+        idle = list(_IDLE.values())
+        _IDLE.clear()
+    for child in idle:
+        _stop(child.process)
+
+
 class IsolatedEngine:
     """The parent's handle on an engine running in a child process; answers to the `Engine` protocol."""
 
-    def __init__(self, entry: EngineEntry, process: subprocess.Popen):
-        self.entry, self.name, self.process = entry, entry.name, process
-        self.stderr: collections.deque[str] = collections.deque(maxlen=200)
-        self._reader = threading.Thread(target=_drain, args=(process.stderr, self.stderr), daemon=True)
-        self._reader.start()
-        self._finalizer = weakref.finalize(self, _stop, process)
+    def __init__(self, entry: EngineEntry, child: Child):
+        self.entry, self.name, self.child = entry, entry.name, child
+        self.process, self.stderr = child.process, child.stderr
+        self._finalizer = weakref.finalize(self, _release, child)
         self.death: str | None = None
         self.variant: dict = {}
         self.device = "cpu"
@@ -89,7 +154,7 @@ class IsolatedEngine:
         return self._call({"op": "draft", "tokens": [int(t) for t in tokens], "steps": int(steps)})["tokens"]
 
     def close(self) -> None:
-        """End the child now (it also ends with this object, or with tracer)."""
+        """End the engine now (it also ends with this object): its child waits for the next load."""
         self._finalizer()
 
     # --- the child ----------------------------------------------------------------------------
@@ -116,7 +181,7 @@ class IsolatedEngine:
     def _died(self) -> str:
         """The one line that says how the child ended, with the last words it wrote."""
         code = self.process.wait()
-        self._reader.join(timeout=5)
+        self.child.reader.join(timeout=5)
         how = _signal_name(-code) if code < 0 else f"exit code {code}"
         words = " | ".join(list(self.stderr)[-STDERR_LINES:]) or "it wrote nothing to stderr"
         if len(words) > MESSAGE_LIMIT:
@@ -133,11 +198,7 @@ def load(entry: EngineEntry, source: ModelSource, variant: dict, *, argument: st
         raise TracerError(f"the {entry.name} engine runs in its own process and needs a model path, not a loaded model")
     module = importlib.import_module(entry.module)
     environment = {**getattr(module, "CHILD_ENVIRONMENT", {}), **os.environ}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tracer.engines.isolated"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=environment, bufsize=1,
-    )
-    engine = IsolatedEngine(entry, process)
+    engine = IsolatedEngine(entry, _child(environment))
     info = engine._call({
         "op": "load", "module": entry.module, "directory": str(source.directory),
         "variant": variant, "argument": argument, "device": str(device), "stream": stream, "path": sys.path,
@@ -190,7 +251,13 @@ class Server:
     def handle(self, request: dict) -> dict:
         return getattr(self, request["op"])(request)
 
+    def unload(self, request: dict) -> None:
+        """The parent's engine ended: drop this one (its model's memory) and wait for the next load."""
+        self.engine = None
+        gc.collect()
+
     def load(self, request: dict) -> dict:
+        self.unload(request)
         sys.path[:0] = [p for p in request["path"] if p not in sys.path]
         module = importlib.import_module(request["module"])
         source = ModelSource(Path(request["directory"]))  # resolved by the parent
@@ -233,8 +300,12 @@ def serve() -> None:
     sys.stdout = sys.stderr
     server = Server()
     for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "unload":  # no reply: the parent does not wait for it
+            server.unload(request)
+            continue
         try:
-            reply = server.handle(json.loads(line))
+            reply = server.handle(request)
         except Exception as exc:  # noqa: BLE001 - every error goes back to the parent, which raises it
             from tracer.errors import one_line
 
