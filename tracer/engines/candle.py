@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tracer.aliases import GGUF
 from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
@@ -63,15 +64,13 @@ SAME_CODE = ("candle 0.11's Q4_0/Q4_1/Q8_0/Q8_1 quantized arithmetic is the same
              "(k_quants.rs, avx.rs)")
 K_QUANT_CAVEAT = ("this GGUF has K-quant tensors ({types}): candle 0.11 changed Q8_K's scale to -127/max, so "
                   "0.11 computes them otherwise than this 0.4.2 run")
-# GGUF tensor stems of one block (llama.cpp's names, which quantized_llama.rs reads)
-GGUF_LAYER = {"attn_norm": "input_layernorm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
-              "attn_output": "o_proj", "ffn_norm": "post_attention_layernorm", "ffn_gate": "gate_proj",
-              "ffn_up": "up_proj", "ffn_down": "down_proj"}
-HF_LAYER = {"input_layernorm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-            "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
-            "post_attention_layernorm": "post_attention_layernorm", "gate_proj": "mlp.gate_proj",
-            "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
-
+# A block's weights by the key candle's loaders use (the HF module's last name), named as the HF
+# module and as the GGUF tensor stem (llama.cpp's names, which quantized_llama.rs reads): the block
+# rows of tracer's one alias table, `tracer.aliases.GGUF`.
+_BLOCK_ROWS = [(alias.pattern.rsplit(".", 1)[-1], alias.point.split(".", 3)[3])  # ("attn_q", "self_attn.q_proj")
+               for alias in GGUF if alias.pattern.startswith("blk.{i}.")]
+HF_LAYER = {module.rsplit(".", 1)[-1]: module for _, module in _BLOCK_ROWS}  # "q_proj" -> "self_attn.q_proj"
+GGUF_LAYER = {stem: module.rsplit(".", 1)[-1] for stem, module in _BLOCK_ROWS}  # "attn_q" -> "q_proj"
 
 # --- the machine ---------------------------------------------------------------------------------
 
