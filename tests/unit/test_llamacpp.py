@@ -262,6 +262,23 @@ def test_an_ended_engines_child_serves_the_next_load_and_a_dead_one_never_does(m
     assert other._call({"op": "draft", "tokens": [1], "steps": 1}) == {"tokens": [7]}
 
 
+def test_a_child_whose_call_was_interrupted_is_not_reused():
+    """Its reply is still to come: it would answer the next engine's first request."""
+    class Interrupted:
+        def readline(self):
+            raise KeyboardInterrupt
+
+    engine = crash_engine({})
+    pid, replies = engine.process.pid, engine.process.stdout
+    engine.process.stdout = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        engine.draft([1], 2)
+    engine.process.stdout = replies
+    engine.close()
+    fresh = crash_engine({})
+    assert fresh.process.pid != pid and fresh.draft([1], 2) == [7, 7]
+
+
 def test_the_child_writes_a_spilled_trace_where_the_caller_spills(tmp_path):
     from tracer.spill import DiskRecorder
 

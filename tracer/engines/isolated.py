@@ -20,9 +20,10 @@ An engine module may set `CHILD_ENVIRONMENT`: variables set in the child unless 
 them. When the engine object ends (`close`, or garbage), its child drops the engine and waits,
 one per environment, for the next `load` in the same environment: starting a child and
 importing torch and the runtime there is ~1.5 s, which a notebook or a sweep that loads one
-engine after another would pay each time. A child that died is never reused; idle children end
-with tracer. Cost (measured on the bundled SmolLM2, docs/engine-llamacpp.md): the first child's
-start, then each record's points written and read back once.
+engine after another would pay each time. A child that died, or whose call was interrupted (its
+reply still to come), is never reused; idle children end with tracer. Cost (measured on the
+bundled SmolLM2, docs/engine-llamacpp.md): the first child's start, then each record's points
+written and read back once.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class Child:
     """A child process and the last lines it wrote to stderr (drained as it writes them)."""
 
     def __init__(self, environment: dict[str, str]):
-        self.key = tuple(sorted(environment.items()))
+        self.key = _environment_key(environment)
+        self.answering = False  # a request was sent and its reply not read (a call interrupted)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tracer.engines.isolated"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env=environment, bufsize=1,
@@ -67,6 +69,10 @@ class Child:
         return self.process.poll() is None
 
 
+def _environment_key(environment: dict[str, str]) -> tuple:
+    return tuple(sorted(environment.items()))
+
+
 _IDLE: dict[tuple, Child] = {}  # environment -> a child whose engine ended, kept for the next load
 _IDLE_LOCK = threading.Lock()
 _EXITING = [False]
@@ -74,7 +80,7 @@ _EXITING = [False]
 
 def _child(environment: dict[str, str]) -> Child:
     """An idle child started with this environment, else a new one."""
-    key = tuple(sorted(environment.items()))
+    key = _environment_key(environment)
     with _IDLE_LOCK:
         child = _IDLE.pop(key, None)
     if child is not None and child.alive():
@@ -84,10 +90,11 @@ def _child(environment: dict[str, str]) -> Child:
 
 
 def _release(child: Child) -> None:
-    """An engine ended: its child drops the engine and waits for the next load, or stops."""
+    """An engine ended: its child drops the engine and waits for the next load, or stops (at exit,
+    or when a call was interrupted: its reply, still to come, would answer the next engine)."""
     if not child.alive():
         return
-    if not _EXITING[0]:
+    if not _EXITING[0] and not child.answering:
         try:
             child.process.stdin.write(json.dumps({"op": "unload"}) + "\n")  # answered with no reply
             child.process.stdin.flush()
@@ -162,12 +169,14 @@ class IsolatedEngine:
     def _call(self, request: dict) -> dict:
         if self.death:
             raise TracerError(self.death)
+        self.child.answering = True
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
             line = self.process.stdout.readline()
         except (BrokenPipeError, OSError):
             line = ""
+        self.child.answering = False  # not reached when the call is interrupted (KeyboardInterrupt)
         if not line:
             raise TracerError(self._died())
         reply = json.loads(line)
