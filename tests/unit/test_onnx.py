@@ -1,7 +1,8 @@
 """The onnx engine on a tiny random Llama: ONNX Runtime on tracer's cached dynamo export.
 
 One export per dtype serves the whole module (a few seconds each on the tiny model), in a cache of
-its own so that the user's cache is left alone.
+its own so that the user's cache is left alone. The model has three layers, so its exports are the
+two-layer export with layer 1 repeated (`tracer.engines.onnx_layers`), which every test here runs.
 """
 
 import os
@@ -16,6 +17,8 @@ from tracer import TracerError
 from tracer.engines.load import load_engine
 from tracer.points import all_points
 
+LAYERS = 3  # one layer more than the export traces: the third is layer 1's nodes repeated
+
 
 @pytest.fixture(scope="module")
 def onnx_cache(tmp_path_factory):
@@ -28,7 +31,7 @@ def onnx_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("onnx") / "m", rope_theta=500.0)
+    return write_tiny_llama(tmp_path_factory.mktemp("onnx") / "m", rope_theta=500.0, num_hidden_layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def test_a_missing_runtime_is_one_line_naming_the_extra(tiny_llama, monkeypatch)
 
 def test_every_point_is_recorded_and_matches_transformers(engine, reference):
     candidate = engine.record(TOKENS)
-    assert list(candidate.tensors) == all_points(2) and not candidate.not_recorded
+    assert list(candidate.tensors) == all_points(LAYERS) and not candidate.not_recorded
     result = tracer.compare(reference, candidate)
     assert result.verdict == "match"
     assert all(p.recorded for p in result.points)
@@ -76,7 +79,7 @@ def test_the_points_are_the_graph_computation_itself_not_copies_beside_it(engine
     consumed = {name for node in graph.node for name in node.input}
     producer = {name: node for node in graph.node for name in node.output}
     outputs = [output.name for output in graph.output]
-    assert outputs == all_points(2)
+    assert outputs == all_points(LAYERS)
     for name in outputs[:-1]:
         node = producer[name]
         # scores and probs leave through a slice of their last query rows (all of them here)
@@ -110,6 +113,46 @@ def test_the_export_is_cached_per_model_files_and_dtype(onnx_cache, model):
         assert export_path(model, "f32") != path
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the other tests' export stays valid
+
+
+def test_a_repeated_layer_export_is_the_whole_export_bit_for_bit(engine, model, tmp_path):
+    import json
+
+    import numpy as np
+    import onnx
+    import onnxruntime
+
+    from tracer.engines.onnx import _export
+
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    _export(model, "f32", whole, repeat=False)
+    folders = (engine.export_dir, whole)
+    manifests = [json.loads((folder / "export.json").read_text()) for folder in folders]
+    assert [m["layers"] for m in manifests] == ["layers 2.. repeat layer 1", "every layer exported"]
+    assert manifests[0]["points"] == manifests[1]["points"] == all_points(LAYERS)
+    graphs = [onnx.load(str(folder / "model.onnx"), load_external_data=False).graph for folder in folders]
+    repeated, exported = ([sorted(n.op_type for n in g.node), sorted(i.name for i in g.initializer)] for g in graphs)
+    assert repeated == exported  # the same ops reading the same weights
+    feed = {"input_ids": np.array([(TOKENS * 4)[:17]], dtype=np.int64)}
+    runs = [onnxruntime.InferenceSession(str(folder / "model.onnx")).run(None, feed) for folder in folders]
+    assert all(np.array_equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_only_layers_that_are_one_computation_are_repeated(tmp_path):
+    from tests.families import write_tiny_family
+    from tracer.engines.onnx_layers import repeatable
+    from tracer.hooks.engine import load
+    from tracer.sources import ModelSource
+
+    def model(family, **overrides):
+        return load(ModelSource(write_tiny_family(tmp_path / family, family, **overrides)), {}).model
+
+    assert repeatable(model("mistral", num_hidden_layers=3))
+    assert not repeatable(model("llama", num_hidden_layers=2))  # nothing to repeat
+    assert not repeatable(model("gemma2", num_hidden_layers=4))  # sliding window on alternate layers
+    assert not repeatable(model("gemma3", num_hidden_layers=3,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
 
 
 @pytest.mark.parametrize("level", ["disable", "basic", "extended"])

@@ -202,34 +202,60 @@ def exported(model_dir: Path, dtype: str) -> Path:
     return cached_build(target, lambda folder: _export(model_dir, dtype, folder), progress=False)
 
 
-def _export(model_dir: Path, dtype: str, folder: Path) -> None:
-    from tracer.hooks.engine import load as load_hf
+def _export(model_dir: Path, dtype: str, folder: Path, *, repeat: bool = True) -> None:
+    """repeat: export two layers and repeat the second (`tracer.engines.onnx_layers`) where the
+    layers are one computation; False exports every layer (the tests compare the two)."""
+    from tracer.engines.onnx_layers import NotRepeatable
 
     detail(f"exporting to ONNX ({dtype}; first use only)")
     started = time.perf_counter()
+    try:
+        program, names, num_layers, layers = _exported_program(model_dir, dtype, repeat)
+    except NotRepeatable as reason:  # the layers are not one computation after all: every layer, as before
+        program, names, num_layers, _ = _exported_program(model_dir, dtype, False)
+        layers = f"every layer exported ({reason})"
+    program.save(str(folder / MODEL_FILE), external_data=True)
+    _write_plain(folder)
+    manifest = {"format": EXPORT_FORMAT, "model": str(model_dir), "dtype": dtype, "points": names,
+                "num_layers": num_layers,
+                "layers": layers, "seconds": round(time.perf_counter() - started, 1),
+                "versions": {dist: importlib.metadata.version(dist) for dist in EXPORTER}}
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _exported_program(model_dir: Path, dtype: str, repeat: bool):
+    """(the torch.onnx program, the points in execution order, the number of layers, how they were made)."""
+    from tracer.engines import onnx_layers
+    from tracer.hooks.engine import load as load_hf
+
     hf = load_hf(ModelSource(model_dir), {"dtype": dtype})
     wrapper = RecordingExport(hf).eval()
     # (1, T); not one token, which torch.export would specialize T to
     example = torch.arange(min(8, hf.max_positions)).unsqueeze(0)
     with torch.inference_mode():
         wrapper(example)  # the point names, in execution order
-    names = wrapper.names
+    names, layer_prefixes = wrapper.names, list(hf.layer_prefixes)
+    repeat = repeat and onnx_layers.repeatable(hf.model)
+    if repeat:
+        weights = {"model." + key: tensor for key, tensor in hf.model.state_dict().items()}
+        onnx_layers.cut_to_template(hf.model, layer_prefixes)
+        with torch.inference_mode():
+            wrapper(example)  # the two layers' points: the names the exporter gives the outputs
     seq = torch.export.Dim("seq", min=1, max=hf.max_positions)
     with _quiet_exporter() as said:
         try:
-            program = torch.onnx.export(wrapper, (example,), dynamo=True, input_names=[INPUT], output_names=names,
-                                        dynamic_shapes={INPUT: {1: seq}}, optimize=False, verbose=False)
-            _merge_duplicates(program.model)
-            program.save(str(folder / MODEL_FILE), external_data=True)
+            program = torch.onnx.export(wrapper, (example,), dynamo=True, input_names=[INPUT],
+                                        output_names=wrapper.names, dynamic_shapes={INPUT: {1: seq}},
+                                        optimize=False, verbose=False)
         except Exception as exc:  # noqa: BLE001 - the exporter raises anything from torch.export to onnxscript
             last = [line for line in said.getvalue().splitlines() if line.strip()][-1:]
             raise TracerError(f"torch.onnx.export failed on {model_dir}: {one_line(exc)}"
                               + (f" ({last[0]})" if last else "")) from None
-    _write_plain(folder)
-    manifest = {"format": EXPORT_FORMAT, "model": str(model_dir), "dtype": dtype, "points": names,
-                "num_layers": len(hf.layer_prefixes), "seconds": round(time.perf_counter() - started, 1),
-                "versions": {dist: importlib.metadata.version(dist) for dist in EXPORTER}}
-    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    if repeat:
+        onnx_layers.repeat_layers(program.model, layer_prefixes, names, weights)
+    _merge_duplicates(program.model)
+    layers = f"layers {onnx_layers.TEMPLATE_LAYERS}.. repeat layer 1" if repeat else "every layer exported"
+    return program, names, len(layer_prefixes), layers
 
 
 def _merge_duplicates(model) -> None:
