@@ -427,11 +427,10 @@ def label_heatmap_axes(ax, n_layers: int, labels: list[str]) -> None:
     ax.set_yticks(range(0, n_layers, step))
     ax.tick_params(axis="y", labelsize=8)
     ax.set_ylabel("layer")
-    # thin white lines between cells keep neighbouring equal colours apart
-    ax.set_xticks(np.arange(-0.5, len(labels)), minor=True)
-    ax.set_yticks(np.arange(-0.5, n_layers), minor=True)
-    ax.grid(which="minor", color="white", lw=0.6)
-    ax.tick_params(which="minor", length=0)
+    # thin white lines between cells keep neighbouring equal colours apart (two line collections:
+    # minor ticks as grid lines made a Tick object per line, a fifth of the figure's drawing time)
+    ax.vlines(np.arange(-0.5, len(labels)), -0.5, n_layers - 0.5, color="white", lw=0.6)
+    ax.hlines(np.arange(-0.5, n_layers), -0.5, len(labels) - 0.5, color="white", lw=0.6)
 
 
 def colorbar(fig: Figure, ax, image, summary: Summary) -> None:

@@ -105,13 +105,14 @@ SLOW_UNIT_FILES = {"test_user_errors.py", "test_matrix.py", "test_onnx.py", "tes
                    "test_lint.py"}
 
 
-# The files that take longest, longest first (test_runtimes_smollm2.py with an empty cache, where it
-# builds SmolLM2's ONNX exports: 108 s, 16 s once they are cached). The workers take whole files in
-# collection order (`--dist loadfile --no-loadscope-reorder`): started first, they run beside the
-# many short files instead of leaving one worker alone with a long one at the end.
-LONGEST_FILES = ("test_long_prompt.py", "test_runtimes_smollm2.py", "test_matrix.py", "test_ggml_smollm2.py",
-                 "test_notebooks.py", "test_explain_smollm2.py", "test_pipeline_smollm2.py", "test_cache_smollm2.py",
-                 "test_examples.py", "test_llamacpp.py", "test_onnx.py", "test_smollm2.py", "test_browser.py")
+# The files that take longest, longest first, as a fresh clone runs them (an empty cache: the files
+# that need SmolLM2 wait for its conversion, so the second is one that does not). The workers take
+# whole files in collection order (`--dist loadfile --no-loadscope-reorder`): started first, they run
+# beside the many short files instead of leaving one worker alone with a long one at the end.
+LONGEST_FILES = ("test_long_prompt.py", "test_matrix.py", "test_ggml_smollm2.py", "test_notebooks.py",
+                 "test_runtimes_smollm2.py", "test_explain_smollm2.py", "test_pipeline_smollm2.py",
+                 "test_cache_smollm2.py", "test_user_errors.py", "test_examples.py", "test_llamacpp.py",
+                 "test_onnx.py", "test_smollm2.py", "test_browser.py")
 
 
 def pytest_collection_modifyitems(items):
