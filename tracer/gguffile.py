@@ -74,8 +74,14 @@ class GGUFFile:
             if item in SCALARS:
                 size = struct.calcsize(SCALARS[item])
                 return np.frombuffer(self._need(size * count), dtype="<" + SCALARS[item]).copy()
-            for _ in range(count):
-                self._value(item)
+            if item == STRING:  # a vocabulary, merges: tracer needs none of it, so nothing is decoded
+                for _ in range(count):
+                    size = self._unpack("Q")  # then past the bytes; _need reads on when the next value asks
+                    self._pos += size
+                self._need(0)
+            else:
+                for _ in range(count):
+                    self._value(item)
             return None
         raise TracerError(f"unknown GGUF metadata type {kind} in {self.path}")
 
