@@ -22,7 +22,9 @@ probabilities exist as values.
 The export is made once per model directory (its path, file sizes and times), dtype and exporter
 versions (torch, transformers, onnx, onnxscript) and kept under `tracer.convert.cache_root()/onnx`,
 built in a temporary folder renamed into place when complete (`tracer.convert.cached_build`, as the
-GGUF conversion). The sequence length is a dynamic dimension, so one export serves every prompt
+GGUF conversion). A model whose layers are one computation is exported at two layers and layer 1's
+nodes are repeated for the rest (`tracer.engines.onnx_layers`: SmolLM2 36.7 s -> 8.6 s, the same
+outputs to the bit). The sequence length is a dynamic dimension, so one export serves every prompt
 length and greedy decoding. Next to `model.onnx` (every point an output) the cache holds
 `plain.onnx`, the same graph with only the logits as output, sharing the weights file: that is the
 model as it would be shipped, which `logits()` (greedy decoding) and the benchmark's plain forward
