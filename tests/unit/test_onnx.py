@@ -139,6 +139,33 @@ def test_a_repeated_layer_export_is_the_whole_export_bit_for_bit(engine, model, 
     assert all(np.array_equal(a, b) for a, b in zip(*runs, strict=True))
 
 
+def test_layers_the_config_hides_apart_are_found_out_and_exported_whole(onnx_cache, tmp_path, monkeypatch):
+    """The check behind the config's: a Qwen2 whose window starts at layer 1, taken for repeatable,
+    is found out by its two exported layers (they read different masks) and exported whole."""
+    import json
+
+    import numpy as np
+    import onnxruntime
+
+    from tests.families import write_tiny_family
+    from tracer.engines.onnx import _export
+
+    monkeypatch.setattr("tracer.engines.onnx_layers.repeatable", lambda model: True)
+    model = write_tiny_family(tmp_path / "qwen2", "qwen2", num_hidden_layers=3)  # max_window_layers=1
+    folder = tmp_path / "export"
+    folder.mkdir()
+    _export(model, "f32", folder)
+    manifest = json.loads((folder / "export.json").read_text())
+    assert manifest["layers"] == ("every layer exported (the two layers differ in an op, a constant, "
+                                  "a weight or a shared value)")
+    assert manifest["points"] == all_points(3)
+    tokens = (TOKENS * 4)[:17]
+    logits = onnxruntime.InferenceSession(str(folder / "plain.onnx")).run(
+        None, {"input_ids": np.array([tokens], dtype=np.int64)})[0]
+    reference = tracer.record(model, tokens, engine="hf")["lm_head"]
+    assert np.allclose(logits.reshape(reference.shape), reference.numpy(), rtol=0, atol=1e-5)
+
+
 def test_only_layers_that_are_one_computation_are_repeated(tmp_path):
     from tests.families import write_tiny_family
     from tracer.engines.onnx_layers import repeatable
