@@ -239,7 +239,7 @@ def _exported_program(model_dir: Path, dtype: str, repeat: bool):
     names, layer_prefixes = wrapper.names, list(hf.layer_prefixes)
     repeat = repeat and onnx_layers.repeatable(hf.model)
     if repeat:
-        weights = {"model." + key: tensor for key, tensor in hf.model.state_dict().items()}
+        weights = hf.model.state_dict()  # before the cut: every layer's
         onnx_layers.cut_to_template(hf.model, layer_prefixes)
         with torch.inference_mode():
             wrapper(example)  # the two layers' points: the names the exporter gives the outputs

@@ -57,8 +57,8 @@ def repeat_layers(model, layer_prefixes: list[str], names: list[str], weights: d
 
     layer_prefixes: every layer's module path in the full model ("model.layers.7"); names: the full
     model's points in execution order (the graph's outputs when done); weights: the full model's
-    state dict under the exporter's initializer names; module_prefix: what the exporter puts before
-    a module path (RecordingExport holds the model as `model`). Raises NotRepeatable."""
+    state dict; module_prefix: what the exporter puts before a module path in the names it gives
+    nodes and initializers (RecordingExport holds the model as `model`). Raises NotRepeatable."""
     import onnx_ir as ir
 
     graph = model.graph
@@ -70,19 +70,18 @@ def repeat_layers(model, layer_prefixes: list[str], names: list[str], weights: d
     if any(attribute.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
            for node in template for attribute in node.attributes.values()):
         raise NotRepeatable("a layer holds a subgraph")
-    handed_in, template_output = _check_copies(graph, first, template, layer_of, scopes)
+    handed_in, template_output = _check_copies(first, template, layer_of, scopes)
     after = [(node, index) for node, index in template_output.uses()
              if layer_of[node] is None]  # the final norm: rewired to the last copy
     weight_prefix = scopes[1] + "."
     previous = template_output
-    produced = {value for node in template for value in node.outputs}
     insert_at = template[-1]
     for layer in range(TEMPLATE_LAYERS, len(layer_prefixes)):
         scope = module_prefix + layer_prefixes[layer]
         renamed: dict = {handed_in: previous}
         copies = []
         for node in template:
-            inputs = [_input_of(value, renamed, produced, weight_prefix, scope, weights, graph)
+            inputs = [_input_of(value, renamed, weight_prefix, scope, weights, module_prefix, graph)
                       for value in node.inputs]
             outputs = [ir.Value(name=_renamed(value.name, layer_prefixes[1], layer_prefixes[layer], layer),
                                 shape=ir.Shape(value.shape) if value.shape is not None else None, type=value.type)
@@ -118,7 +117,7 @@ def _layer_of(node, scopes: list[str]) -> int | None:
     return None
 
 
-def _check_copies(graph, first: list, template: list, layer_of: dict, scopes: list[str]) -> tuple:
+def _check_copies(first: list, template: list, layer_of: dict, scopes: list[str]) -> tuple:
     """The value layer 0 hands to layer 1, and the one layer 1 hands on; raises NotRepeatable unless
     layer 1 is layer 0 op for op (attributes and constants alike), reading its own weights, the same
     shared values, and from layer 0 only the value layer 0 read from the embeddings."""
@@ -176,22 +175,22 @@ def _attributes(node) -> list:
     return sorted((name, str(attribute.type), key(attribute)) for name, attribute in node.attributes.items())
 
 
-def _input_of(value, renamed: dict, produced: set, weight_prefix: str, scope: str, weights: dict, graph):
-    """What a copy's node reads where the template's node reads `value`."""
+def _input_of(value, renamed: dict, weight_prefix: str, scope: str, weights: dict, module_prefix: str, graph):
+    """What a copy's node reads where the template's node reads `value` (the template's nodes are in
+    topological order, so a value one of them made is in `renamed` already)."""
     import onnx_ir as ir
 
     if value is None:
         return None
     if value in renamed:
         return renamed[value]
-    if value in produced:
-        raise NotRepeatable(f"{value.name} is read before it is made")
     if value.is_initializer() and value.name.startswith(weight_prefix):
         name = scope + "." + value.name[len(weight_prefix):]
         if name not in graph.initializers:
-            if name not in weights:
-                raise NotRepeatable(f"no weight {name}")
-            tensor = weights[name].detach().contiguous()
+            key = name[len(module_prefix):]
+            if key not in weights:
+                raise NotRepeatable(f"no weight {key}")
+            tensor = weights[key].detach().contiguous()
             initializer = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=value.type,
                                    const_value=ir.Tensor(tensor.numpy(), name=name))
             graph.register_initializer(initializer)
