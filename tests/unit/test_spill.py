@@ -1,12 +1,16 @@
 """Long prompts in bounded memory: attention matrices cut to their last rows, points spilled to disk."""
 
+import errno
+import os
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import tracer
 from tests.conftest import TOKENS
 from tracer.engines.load import load_engine
-from tracer.spill import DiskRecorder
+from tracer.spill import BLOCK, CHUNK, DiskRecorder, _aligned, read_point, write_point
 from tracer.trace import ATTENTION_ROWS
 
 LONG = [(7 * i + 3) % 97 for i in range(ATTENTION_ROWS + 22)]
@@ -124,3 +128,61 @@ def test_a_long_run_on_an_isolated_engine_finds_what_the_short_one_finds(tiny_ll
                                                        variant="kv_cache=f32,flash_attn=off")
     _same_findings(in_memory, spilled)
     assert in_memory.verdict == "match"
+
+
+POINT_TENSORS = {
+    "f32 matrix": torch.randn(7, 5),
+    "empty": torch.zeros(0, 576),
+    "bf16 over two chunks": torch.randn(CHUNK + 4099).to(torch.bfloat16),
+    "f16 one byte past a block": torch.randn(2049).half(),
+    "i64": torch.arange(-3, 40),
+    "bool": torch.tensor([True, False, True]),
+}
+
+
+@pytest.mark.parametrize("name", list(POINT_TENSORS))
+def test_a_point_file_is_a_safetensors_file_with_its_data_on_a_block_boundary(name, tmp_path):
+    tensor, path = POINT_TENSORS[name], tmp_path / "point.safetensors"
+    write_point(path, tensor, _aligned(CHUNK))
+    read = read_point(path)
+    assert read.dtype == tensor.dtype and read.shape == tensor.shape and torch.equal(read, tensor)
+    assert torch.equal(load_file(path)["value"], tensor)  # safetensors itself reads it
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    assert (8 + header) % BLOCK == 0 and path.stat().st_size == 8 + header + tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.parametrize("refusal", ["no O_DIRECT flag", "file system refuses O_DIRECT"])
+def test_without_direct_io_the_same_bytes_are_written_and_read(refusal, tmp_path, monkeypatch):
+    tensor = POINT_TENSORS["bf16 over two chunks"]
+    write_point(tmp_path / "direct.safetensors", tensor, _aligned(CHUNK))
+    if refusal == "no O_DIRECT flag":
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    else:
+        real_open = os.open
+
+        def refusing(path, flags, *args):
+            if flags & getattr(os, "O_DIRECT", 0):
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", refusing)
+    write_point(tmp_path / "buffered.safetensors", tensor, _aligned(CHUNK))
+    assert (tmp_path / "buffered.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
+    assert torch.equal(read_point(tmp_path / "direct.safetensors"), tensor)
+
+
+def test_reading_in_order_reads_each_point_once_ahead_of_its_use(tiny_llama, tmp_path, monkeypatch):
+    import tracer.spill
+
+    spilled = load_engine("reimpl", tiny_llama(), {}).record([1, 5, 9, 2], DiskRecorder(tmp_path / "spill"))
+    tensors = spilled.tensors
+    expected = {point: read_point(path) for point, path in tensors.files.items()}
+    reads = []
+    monkeypatch.setattr(tracer.spill, "read_point", lambda path: reads.append(path) or read_point(path))
+    order = list(tensors)
+    for n, point in enumerate(order):
+        assert torch.equal(tensors[point], expected[point])
+        tracer.spill._reader().submit(lambda: None).result()  # the reader thread has done what it was given
+        assert reads == [tensors.files[p] for p in order[:n + 2]]  # this point and, already, the next
+    backwards = order[::-1]  # out of order each read is its own, and still right
+    assert all(torch.equal(tensors[point], expected[point]) for point in backwards)
