@@ -11,7 +11,11 @@ on disk (size, mtime, ctime, inode of each: any write moves ctime), the token id
 engine, its variant and placement, whether a noise floor and how many greedy steps were asked
 for, the versions of torch and transformers, and tracer's own source files (their stats: an
 edited tracer measures again). An entry that cannot be read is measured again; one that cannot
-be written is not kept (a read-only cache costs time, never a wrong answer). No torch here.
+be written is not kept (a read-only cache costs time, never a wrong answer). Each store removes
+the entries that can never be read again, their model folder gone (a temporary one, a deleted
+download) or its files written since, and those no run has read for UNUSED_DAYS (an edited
+tracer's are never read again; another checkout sharing the cache keeps its own by using them).
+No torch here.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import hashlib
 import importlib.util
 import json
 import os
+import time
 from pathlib import Path
 
 from tracer.cache import stats
 
 FORMAT = 1
+UNUSED_DAYS = 30  # an entry no run has read (or written) for this long is removed by the next store
 # tracer's own code, whose edits change what it measures: the package and the hf engine's
 # `tracer.hooks` (a folder of its own in a source checkout, inside the package in a wheel).
 _SOURCES = ("tracer", "tracer.hooks")
@@ -64,6 +70,10 @@ def load(key: dict) -> dict | None:
         return None
     if not isinstance(entry, dict) or entry.get("key") != json.loads(json.dumps(key, default=str)):
         return None  # a digest collision or a garbled file: measure again
+    try:
+        os.utime(entry_path(key))  # used: its modification time is when a run last read it
+    except OSError:
+        pass  # a read-only cache
     return entry.get("measured")
 
 
@@ -77,3 +87,27 @@ def store(key: dict, measured: dict) -> None:
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
+        return
+    prune(path.parent)
+
+
+def prune(folder: Path) -> list[Path]:
+    """Remove the entries in `folder` that no run will read: unused for UNUSED_DAYS, or whose model
+    folder is gone or has been written since their measurement; the removed paths. An entry another
+    run is writing or removing at the same time is skipped."""
+    states: dict[str, dict | None] = {}  # model folder -> its files now (None: gone), looked at once
+    oldest = time.time() - UNUSED_DAYS * 86400
+    removed = []
+    for path in folder.glob("*.json"):
+        try:
+            unused = path.stat().st_mtime < oldest
+            key = None if unused else json.loads(path.read_text())["key"]
+            model = None if unused else key["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: `load` measures again and `store` replaces it
+        if model is not None and model not in states:
+            states[model] = folder_state(Path(model)) if Path(model).is_dir() else None
+        if unused or states[model] != key.get("files"):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

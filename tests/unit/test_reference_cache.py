@@ -1,10 +1,16 @@
 """What a run measures on the reference side besides its trace, kept between runs
 (`tracer.reference_cache`), and the reuse of work across a diagnosis's variants."""
 
+import json
+import os
+import shutil
+import time
+
 import pytest
 
 import tracer
 from tests.conftest import TOKENS
+from tracer import reference_cache
 from tracer.ggml.strategies import QuantizedWeights
 from tracer.weights import read_weights
 
@@ -40,7 +46,37 @@ def test_a_model_file_written_since_or_other_tokens_measure_again(tiny_llama, ca
     assert not any(FROM_CACHE in note for note in run(model).notes)
     other = tracer.run(model, tokens=TOKENS[:-1], variant="theta=500", greedy=4, progress=False)
     assert not any(FROM_CACHE in note for note in other.notes)
-    assert len(list(cache.iterdir())) == 3
+    assert len(list(cache.iterdir())) == 2  # the entry of the config as it was is removed: no run can read it
+
+
+def test_a_store_removes_the_entries_no_run_can_read_and_keeps_the_rest(tiny_llama, cache):
+    kept, rewritten, deleted, unused = (tiny_llama(name) for name in ("kept", "rewritten", "deleted", "unused"))
+    for model in (kept, rewritten, deleted, unused):
+        run(model)
+    entry_of = {json.loads(path.read_text())["key"]["model"]: path for path in cache.iterdir()}
+    assert len(entry_of) == 4
+    weights = rewritten / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())
+    shutil.rmtree(deleted)
+    old = time.time() - (reference_cache.UNUSED_DAYS + 1) * 86400
+    os.utime(entry_of[str(unused.resolve())], (old, old))
+    assert any(FROM_CACHE in note for note in run(kept).notes)  # a read removes nothing
+    assert len(list(cache.iterdir())) == 4
+    run(tiny_llama("new"))  # a store: the rewritten, the deleted and the unused model's entries go
+    left = sorted(path.name for path in cache.iterdir())
+    assert len(left) == 2 and entry_of[str(kept.resolve())].name in left
+    assert any(FROM_CACHE in note for note in run(kept).notes)
+
+
+def test_a_read_keeps_an_entry_in_use(tiny_llama, cache):
+    model = tiny_llama()
+    run(model)
+    (entry,) = cache.iterdir()
+    old = time.time() - (reference_cache.UNUSED_DAYS + 1) * 86400
+    os.utime(entry, (old, old))
+    assert any(FROM_CACHE in note for note in run(model).notes)
+    run(tiny_llama("other"))  # a store prunes: the entry read a moment ago stays
+    assert entry.exists()
 
 
 def test_a_damaged_entry_is_measured_again(tiny_llama, cache):
