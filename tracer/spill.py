@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -45,6 +46,7 @@ BLOCK = 4096
 # buffer the size of the logits (400 MB at 2048 tokens) would be resident for the whole run.
 CHUNK = 8 << 20
 SAFETENSORS_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+T = TypeVar("T")
 
 
 def _file_name(index: int, point: str) -> str:
@@ -129,16 +131,27 @@ def _round_up(size: int) -> int:
     return -(-size // BLOCK) * BLOCK
 
 
-def _open(path: Path, flags: int) -> tuple[int, bool]:
-    """(file descriptor, direct): O_DIRECT where the system and the file system take it."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
+def _open(path: Path, flags: int, direct: bool) -> tuple[int, bool]:
+    """(file descriptor, direct): with O_DIRECT if asked and the system and file system take it."""
+    flag = getattr(os, "O_DIRECT", 0) if direct else 0
+    if flag:
         try:
-            return os.open(path, flags | direct, 0o644), True
+            return os.open(path, flags | flag, 0o644), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
     return os.open(path, flags, 0o644), False
+
+
+def _buffered_if_refused(io: Callable[[bool], T]) -> T:
+    """`io(direct=True)`, or `io(direct=False)` where a direct read or write is refused after the
+    open succeeded (a device whose blocks are larger than BLOCK)."""
+    try:
+        return io(True)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return io(False)
 
 
 def write_point(path: Path, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
@@ -149,7 +162,11 @@ def write_point(path: Path, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
                                    "data_offsets": [0, data.numel()]}}).encode()
     header = header.ljust(_round_up(8 + len(header)) - 8)
     head = len(header).to_bytes(8, "little") + header
-    fd, direct = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    _buffered_if_refused(lambda direct: _write(path, head, data, buffer, direct))
+
+
+def _write(path: Path, head: bytes, data: torch.Tensor, buffer: torch.Tensor, direct: bool) -> None:
+    fd, direct = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
     try:
         view = memoryview(buffer.numpy())
         chunk = len(view)
@@ -173,7 +190,11 @@ def write_point(path: Path, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
 
 def read_point(path: Path) -> torch.Tensor:
     """The tensor a `write_point` file holds, read into ordinary memory."""
-    fd, direct = _open(path, os.O_RDONLY)
+    return _buffered_if_refused(lambda direct: _read(path, direct))
+
+
+def _read(path: Path, direct: bool) -> torch.Tensor:
+    fd, direct = _open(path, os.O_RDONLY, direct)
     try:
         first = _aligned(BLOCK)
         _read_into(fd, first, 0)

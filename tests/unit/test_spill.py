@@ -151,21 +151,29 @@ def test_a_point_file_is_a_safetensors_file_with_its_data_on_a_block_boundary(na
     assert (8 + header) % BLOCK == 0 and path.stat().st_size == 8 + header + tensor.numel() * tensor.element_size()
 
 
-@pytest.mark.parametrize("refusal", ["no O_DIRECT flag", "file system refuses O_DIRECT"])
+@pytest.mark.parametrize("refusal", ["no O_DIRECT flag", "file system refuses O_DIRECT", "device refuses the writes"])
 def test_without_direct_io_the_same_bytes_are_written_and_read(refusal, tmp_path, monkeypatch):
     tensor = POINT_TENSORS["bf16 over two chunks"]
     write_point(tmp_path / "direct.safetensors", tensor, _aligned(CHUNK))
+    real_open, real_write, direct_fds = os.open, os.write, set()
+
+    def refusing_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0) and refusal == "file system refuses O_DIRECT":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flags, *args)
+        (direct_fds.add if flags & getattr(os, "O_DIRECT", 0) else direct_fds.discard)(fd)  # numbers are reused
+        return fd
+
+    def refusing_write(fd, data):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
     if refusal == "no O_DIRECT flag":
         monkeypatch.delattr(os, "O_DIRECT", raising=False)
-    else:
-        real_open = os.open
-
-        def refusing(path, flags, *args):
-            if flags & getattr(os, "O_DIRECT", 0):
-                raise OSError(errno.EINVAL, "Invalid argument")
-            return real_open(path, flags, *args)
-
-        monkeypatch.setattr(os, "open", refusing)
+    monkeypatch.setattr(os, "open", refusing_open)
+    if refusal == "device refuses the writes":
+        monkeypatch.setattr(os, "write", refusing_write)
     write_point(tmp_path / "buffered.safetensors", tensor, _aligned(CHUNK))
     assert (tmp_path / "buffered.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
     assert torch.equal(read_point(tmp_path / "direct.safetensors"), tensor)
