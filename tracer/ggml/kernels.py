@@ -22,7 +22,8 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.extending import intrinsic
 
-ROW_TILE = 32  # outputs per inner loop (vectorised): a tile of weights stays in L1
+ZERO = np.float32(0.0)
+ROW_TILE = 64  # outputs per inner loop (vectorised): a tile of weights stays in L1
 TOKEN_TILE = 8  # tokens per pass over a tile of weights: each weight loaded once for 8 tokens
 
 
@@ -54,7 +55,6 @@ def _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, row_tile, token_tile):  # pragm
     for tile in prange(rows // row_tile):
         r0 = tile * row_tile
         acc = np.empty((token_tile, 8, row_tile), np.float32)
-        lane = np.empty((token_tile, row_tile), np.float32)
         summs = np.empty((token_tile, row_tile), np.float32)
         scale = np.empty(row_tile, np.float32)
         for t0 in range(0, tokens, token_tile):
@@ -63,21 +63,20 @@ def _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, row_tile, token_tile):  # pragm
             for b in range(blocks):
                 w_scales = wd[b, r0:r0 + row_tile]
                 for g in range(8):
-                    lane[:] = 0
-                    for k in range(4):  # maddubs + madd: 4 consecutive products, exact (integers < 2^24)
-                        w = wq[b, 4 * g + k, r0:r0 + row_tile]
-                        for u in range(token_tile):
-                            x = xq[t0 + u, b, 4 * g + k]
-                            lane_u = lane[u]
-                            for j in range(row_tile):
-                                lane_u[j] = fma32(x, w[j], lane_u[j])
-                    for u in range(token_tile):  # acc = fma(d_x*d_w, lane, acc): f16*f16 is exact in f32
+                    w0, w1 = wq[b, 4 * g, r0:r0 + row_tile], wq[b, 4 * g + 1, r0:r0 + row_tile]
+                    w2, w3 = wq[b, 4 * g + 2, r0:r0 + row_tile], wq[b, 4 * g + 3, r0:r0 + row_tile]
+                    for u in range(token_tile):
+                        x0, x1 = xq[t0 + u, b, 4 * g], xq[t0 + u, b, 4 * g + 1]
+                        x2, x3 = xq[t0 + u, b, 4 * g + 2], xq[t0 + u, b, 4 * g + 3]
                         dx = xd[t0 + u, b]
-                        acc_ug, lane_u = acc[u, g], lane[u]
+                        acc_ug = acc[u, g]
                         for j in range(row_tile):
-                            scale[j] = dx * w_scales[j]
+                            scale[j] = dx * w_scales[j]  # f16*f16: exact in f32
                         for j in range(row_tile):
-                            acc_ug[j] = fma32(scale[j], lane_u[j], acc_ug[j])
+                            # maddubs + madd: 4 consecutive products, exact (integers < 2^24), then
+                            # acc = fma(d_x*d_w, lane, acc); the lane stays in a register
+                            lane = fma32(x3, w3[j], fma32(x2, w2[j], fma32(x1, w1[j], fma32(x0, w0[j], ZERO))))
+                            acc_ug[j] = fma32(scale[j], lane, acc_ug[j])
                 if has_min:
                     mins = wm[b, r0:r0 + row_tile]
                     for u in range(token_tile):  # summs += m*s, contracted by GCC
