@@ -64,14 +64,15 @@ def entry_path(key: dict) -> Path:
 
 def load(key: dict) -> dict | None:
     """The measurements stored under `key`, or None (none stored, or unreadable)."""
+    path = entry_path(key)
     try:
-        entry = json.loads(entry_path(key).read_text())
+        entry = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(entry, dict) or entry.get("key") != json.loads(json.dumps(key, default=str)):
         return None  # a digest collision or a garbled file: measure again
     try:
-        os.utime(entry_path(key))  # used: its modification time is when a run last read it
+        os.utime(path)  # used: its modification time is when a run last read it
     except OSError:
         pass  # a read-only cache
     return entry.get("measured")
@@ -100,14 +101,17 @@ def prune(folder: Path) -> list[Path]:
     removed = []
     for path in folder.glob("*.json"):
         try:
-            unused = path.stat().st_mtime < oldest
-            key = None if unused else json.loads(path.read_text())["key"]
-            model = None if unused else key["model"]
+            if path.stat().st_mtime < oldest:
+                stale = True
+            else:
+                key = json.loads(path.read_text())["key"]
+                model = key["model"]
+                if model not in states:
+                    states[model] = folder_state(Path(model)) if Path(model).is_dir() else None
+                stale = states[model] != key.get("files")
         except (OSError, ValueError, KeyError, TypeError):
             continue  # unreadable: `load` measures again and `store` replaces it
-        if model is not None and model not in states:
-            states[model] = folder_state(Path(model)) if Path(model).is_dir() else None
-        if unused or states[model] != key.get("files"):
+        if stale:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

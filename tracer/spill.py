@@ -9,11 +9,10 @@ with it point by point as they come (`tracer.diff.ErrorRecorder`): the f64 noise
 teacher-forced local run keep nothing, the candidate only the few points the comparison reads again.
 
 Each point file is a safetensors file whose data starts on a 4096-byte boundary, written and read
-with O_DIRECT where the system allows it. On the 2-core test machine the page cache took about
-270 MB/s of kernel time to fill, so writing a 2048-token SmolLM2 trace (about 3 GB) cost 12 s;
-direct writes go at about 1.7 GB/s, and the reads, which then come from disk, are made one point
-ahead in a thread. Where O_DIRECT is refused (no such flag, or a file system without it) the
-files are written and read through the page cache, the same bytes.
+with O_DIRECT where the system allows it: filling the page cache costs kernel time per byte that a
+direct write does not (docs/memory.md has the figures). The reads, which then come from disk, are
+made one point ahead in a thread. Where O_DIRECT is refused (no such flag, a file system or
+device without it) the files are written and read through the page cache, the same bytes.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.extending import intrinsic
 
-ZERO = np.float32(0.0)
+ZERO = np.float32(0.0)  # a lane starts at +0, as the lane array did
 ROW_TILE = 64  # outputs per inner loop (vectorised): a tile of weights stays in L1
 TOKEN_TILE = 8  # tokens per pass over a tile of weights: each weight loaded once for 8 tokens
 
