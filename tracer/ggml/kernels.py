@@ -23,7 +23,7 @@ from numba import njit, prange
 from numba.extending import intrinsic
 
 ZERO = np.float32(0.0)  # a lane starts at +0, as the lane array did
-ROW_TILE = 64  # outputs per inner loop (vectorised): a tile of weights stays in L1
+ROW_TILE = 96  # outputs per inner loop (vectorised): a tile of weights stays in L1
 TOKEN_TILE = 8  # tokens per pass over a tile of weights: each weight loaded once for 8 tokens
 
 
@@ -56,7 +56,6 @@ def _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, row_tile, token_tile):  # pragm
         r0 = tile * row_tile
         acc = np.empty((token_tile, 8, row_tile), np.float32)
         summs = np.empty((token_tile, row_tile), np.float32)
-        scale = np.empty(row_tile, np.float32)
         for t0 in range(0, tokens, token_tile):
             acc[:] = 0
             summs[:] = 0
@@ -71,12 +70,11 @@ def _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, row_tile, token_tile):  # pragm
                         dx = xd[t0 + u, b]
                         acc_ug = acc[u, g]
                         for j in range(row_tile):
-                            scale[j] = dx * w_scales[j]  # f16*f16: exact in f32
-                        for j in range(row_tile):
                             # maddubs + madd: 4 consecutive products, exact (integers < 2^24), then
-                            # acc = fma(d_x*d_w, lane, acc); the lane stays in a register
+                            # acc = fma(d_x*d_w, lane, acc) (f16*f16: exact in f32); the lane and
+                            # the scale stay in registers
                             lane = fma32(x3, w3[j], fma32(x2, w2[j], fma32(x1, w1[j], fma32(x0, w0[j], ZERO))))
-                            acc_ug[j] = fma32(scale[j], lane, acc_ug[j])
+                            acc_ug[j] = fma32(dx * w_scales[j], lane, acc_ug[j])
                 if has_min:
                     mins = wm[b, r0:r0 + row_tile]
                     for u in range(token_tile):  # summs += m*s, contracted by GCC
