@@ -35,7 +35,6 @@ from tracer.ggml.floats import (
     F32,
     F64,
     expf,
-    fma,
     libm,
     powf,
     round_f16,
@@ -96,14 +95,15 @@ def matmul(act: ActBlocks, weight: Blocks) -> torch.Tensor:
 
 def matmul_q4_1_scalar(act: ActBlocks, weight: Blocks) -> torch.Tensor:
     """`BlockQ4_1::vec_dot`: sumf = Σ_b ((sumi_b·d_w)·d_x + m_w·s_x), each step rounded to f32.
-    act (T, B, 32) Q8_1, weight (R, B, 32) Q4_1 -> (T, R)."""
-    # sumi: exact integers (|Σ| ≤ 15·127·32 < 2^24), whatever order the f32 product sums them in
-    sumi = torch.einsum("tbk,rbk->btr", act.q.to(F32), weight.q.to(F32))  # (B, T, R)
-    out = torch.zeros(sumi.shape[1:], dtype=F32)
-    for b in range(sumi.shape[0]):
-        term = (sumi[b] * weight.d[:, b]) * act.d[:, b, None] + act.s[:, b, None] * weight.m[:, b]
-        out = out + term
-    return out
+    act (T, B, 32) Q8_1, weight (R, B, 32) Q4_1 -> (T, R), by the compiled loop of
+    `tracer.ggml.kernels` (on as many threads as torch uses)."""
+    from tracer.ggml import kernels
+
+    quants, scales, mins = weight.kernel_layout()  # (B, 32, R), (B, R), (B, R)
+    out = kernels.vec_dot_blocks(act.q.to(F32).contiguous().numpy(), act.d.to(F32).contiguous().numpy(),
+                                 quants, scales, act.s.to(F32).contiguous().numpy(), mins,
+                                 threads=torch.get_num_threads(), order="candle")
+    return torch.from_numpy(out)
 
 
 # --- candle's f32 kernels ------------------------------------------------------------------------
@@ -129,11 +129,11 @@ def vec_sum(x: torch.Tensor) -> torch.Tensor:
 
 def gemm_chain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (..., M, K) @ b (..., K, N) as the gemm crate sums a small product: one FMA per k from
-    zero, k in order -> (..., M, N)."""
-    out = torch.zeros(*a.shape[:-1], b.shape[-1], dtype=F32)
-    for k in range(a.shape[-1]):
-        out = fma(a[..., :, k:k + 1].expand_as(out), b[..., k:k + 1, :].expand_as(out), out)
-    return out
+    zero, k in order -> (..., M, N) (`tracer.ggml.kernels.fma_chains`)."""
+    from tracer.ggml import kernels
+
+    return torch.from_numpy(kernels.fma_chains(a.detach().to(F32).numpy(), b.detach().to(F32).numpy(),
+                                               threads=torch.get_num_threads()))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

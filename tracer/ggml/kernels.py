@@ -97,11 +97,44 @@ def _pad_rows(x: np.ndarray, multiple: int, axis: int) -> np.ndarray:
     return np.pad(x, widths)
 
 
+@njit(cache=True, parallel=True)
+def _q4_1_scalar_blocks(xq, xd, wq, wd, xs, wm, out, row_tile, token_tile):  # pragma: no cover - compiled
+    """candle's `BlockQ4_1::vec_dot` for every output, the operands laid out as `_vec_dot_blocks`'
+    (xs and wm required): per block sumi (an integer: exact in f32 in any order), then
+    `sumf += (sumi*d_w)*d_x + m_w*s_x`, each step rounded to f32 (Rust does not contract)."""
+    tokens, blocks = xd.shape
+    rows = wd.shape[1]
+    for tile in prange(rows // row_tile):
+        r0 = tile * row_tile
+        acc = np.empty((token_tile, row_tile), np.float32)
+        sumi = np.empty((token_tile, row_tile), np.float32)
+        for t0 in range(0, tokens, token_tile):
+            acc[:] = 0
+            for b in range(blocks):
+                sumi[:] = 0
+                for g in range(8):
+                    w0, w1 = wq[b, 4 * g, r0:r0 + row_tile], wq[b, 4 * g + 1, r0:r0 + row_tile]
+                    w2, w3 = wq[b, 4 * g + 2, r0:r0 + row_tile], wq[b, 4 * g + 3, r0:r0 + row_tile]
+                    for u in range(token_tile):
+                        x0, x1 = xq[t0 + u, b, 4 * g], xq[t0 + u, b, 4 * g + 1]
+                        x2, x3 = xq[t0 + u, b, 4 * g + 2], xq[t0 + u, b, 4 * g + 3]
+                        sumi_u = sumi[u]
+                        for j in range(row_tile):
+                            sumi_u[j] += ((x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j]))
+                w_scales, mins = wd[b, r0:r0 + row_tile], wm[b, r0:r0 + row_tile]
+                for u in range(token_tile):
+                    dx, sx, acc_u, sumi_u = xd[t0 + u, b], xs[t0 + u, b], acc[u], sumi[u]
+                    for j in range(row_tile):
+                        acc_u[j] = acc_u[j] + ((sumi_u[j] * w_scales[j]) * dx + mins[j] * sx)
+            for u in range(token_tile):
+                out[t0 + u, r0:r0 + row_tile] = acc[u]
+
+
 def vec_dot_blocks(xq: np.ndarray, xd: np.ndarray, wq: np.ndarray, wd: np.ndarray,
                    xs: np.ndarray | None = None, wm: np.ndarray | None = None,
-                   threads: int | None = None) -> np.ndarray:
-    """(T, R) f32: `_vec_dot_blocks` on numpy arrays (shapes there, any T and R), on `threads` of
-    numba's threads (default: all)."""
+                   threads: int | None = None, order: str = "ggml") -> np.ndarray:
+    """(T, R) f32: `_vec_dot_blocks` (order "ggml") or `_q4_1_scalar_blocks` ("candle") on numpy
+    arrays (shapes there, any T and R), on `threads` of numba's threads (default: all)."""
     tokens, rows = xd.shape[0], wd.shape[1]
     empty = np.zeros((0, 0), np.float32)
     xq, xd = _pad_rows(xq, TOKEN_TILE, 0), _pad_rows(xd, TOKEN_TILE, 0)
@@ -110,26 +143,44 @@ def vec_dot_blocks(xq: np.ndarray, xd: np.ndarray, wq: np.ndarray, wd: np.ndarra
     wm = empty if wm is None else _pad_rows(wm, ROW_TILE, 1)
     out = np.empty((xd.shape[0], wd.shape[1]), np.float32)
     _set_threads(threads)
-    _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, ROW_TILE, TOKEN_TILE)
+    kernel = {"ggml": _vec_dot_blocks, "candle": _q4_1_scalar_blocks}[order]
+    kernel(xq, xd, wq, wd, xs, wm, out, ROW_TILE, TOKEN_TILE)
     return out[:tokens, :rows]
 
 
-# --- flash attention's FMA chains (ggml_compute_forward_flash_attn_ext_tiled's simd_gemm) ------
+# --- FMA chains: flash attention's (ggml's simd_gemm), the gemm crate's small products (candle) --
 
 
 @njit(cache=True, parallel=True)
-def _score_chains(q, k_t, out):  # pragma: no cover - compiled
-    """q (H, T, D), k_t (H, D, T) -> out (H, T, T): per query t and key n <= t one f32 FMA chain
-    over the D dims in order, from 0 (keys past the query are masked: left 0)."""
-    heads, tokens, dims = q.shape
-    for row in prange(heads * tokens):
-        h, t = row // tokens, row % tokens
-        scores = out[h, t]
-        scores[:] = 0
-        for d in range(dims):
-            x, keys = q[h, t, d], k_t[h, d]
-            for n in range(t + 1):
-                scores[n] = fma32(keys[n], x, scores[n])
+def _fma_chains(a, b, out, causal, skip_zero):  # pragma: no cover - compiled
+    """a (G, M, K), b (G, K, N) -> out (G, M, N): per entry one f32 FMA chain over k in order, from
+    +0. `causal`: only n <= m (the rest left 0: masked keys). `skip_zero`: a zero a[g, m, k] is
+    skipped, exact when b is finite (fma(±0, finite, acc) is acc, and acc, starting at +0, is
+    never -0)."""
+    groups, rows, inner = a.shape
+    columns = b.shape[2]
+    for row in prange(groups * rows):
+        g, m = row // rows, row % rows
+        acc = out[g, m]
+        acc[:] = 0
+        width = m + 1 if causal else columns
+        for k in range(inner):
+            x, b_k = a[g, m, k], b[g, k]
+            if skip_zero and x == 0:
+                continue
+            for n in range(width):
+                acc[n] = fma32(b_k[n], x, acc[n])
+
+
+def fma_chains(a: np.ndarray, b: np.ndarray, causal: bool = False, threads: int | None = None) -> np.ndarray:
+    """a (..., M, K) @ b (..., K, N) -> (..., M, N) f32: `_fma_chains` over the leading dims."""
+    lead = a.shape[:-2]
+    a3 = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, *a.shape[-2:])  # (G, M, K)
+    b3 = np.ascontiguousarray(b, dtype=np.float32).reshape(-1, *b.shape[-2:])  # (G, K, N)
+    out = np.empty((a3.shape[0], a3.shape[1], b3.shape[2]), np.float32)
+    _set_threads(threads)
+    _fma_chains(a3, b3, out, causal, bool(np.isfinite(b3).all()))
+    return out.reshape(*lead, a3.shape[1], b3.shape[2])
 
 
 @njit(cache=True, parallel=True)
@@ -151,14 +202,6 @@ def _context_chains(p, v, ms, grows, tile, out):  # pragma: no cover - compiled
                 weight, values = p[h, t, key], v[h, key]
                 for d in range(dims):
                     acc[d] = fma32(values[d], weight, acc[d])
-
-
-def score_chains(q: np.ndarray, k: np.ndarray, threads: int | None = None) -> np.ndarray:
-    """q, k (H, T, D) f32 -> (H, T, T) f32: `_score_chains`, 0 above the diagonal."""
-    out = np.empty((q.shape[0], q.shape[1], k.shape[1]), np.float32)
-    _set_threads(threads)
-    _score_chains(np.ascontiguousarray(q), np.ascontiguousarray(k.transpose(0, 2, 1)), out)
-    return out
 
 
 def context_chains(p: np.ndarray, v: np.ndarray, ms: np.ndarray, grows: np.ndarray, tile: int,

@@ -258,7 +258,8 @@ def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
     threads = torch.get_num_threads()
     tiles = -(-tokens // FA_TILE)
     k32, v32 = round_f16(k), round_f16(v)
-    raw = torch.from_numpy(kernels.score_chains(q.to(F32).numpy(), k32.numpy(), threads))  # (H, T, T)
+    raw = torch.from_numpy(kernels.fma_chains(q.to(F32).numpy(), k32.numpy().transpose(0, 2, 1), causal=True,
+                                              threads=threads))  # (H, T, T)
     causal = torch.ones(tokens, tokens, dtype=torch.bool).triu(1)
     scores = (raw * np.float32(scale)).masked_fill_(causal, float("-inf"))
     by_tile = torch.nn.functional.pad(scores, (0, tiles * FA_TILE - tokens), value=float("-inf"))
