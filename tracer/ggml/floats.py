@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 F32, F64 = torch.float32, torch.float64
-MIDPOINT_BITS = 29  # an f64 significand has 29 bits more than an f32's
 
 
 # --- fused multiply-add ---------------------------------------------------------------------
@@ -143,25 +142,13 @@ def powf(base: float, exponent: float) -> float:
     return _libm_function("powf")(base, exponent)
 
 
-def _near_midpoint(y64: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Where an f64 value lies within `fraction` of an f32 ulp from an f32 rounding midpoint."""
-    low = y64.view(torch.int64) & ((1 << MIDPOINT_BITS) - 1)
-    half = 1 << (MIDPOINT_BITS - 1)
-    return (low - half).abs() < int(fraction * (1 << MIDPOINT_BITS))
-
-
 def expf(x: torch.Tensor) -> torch.Tensor:
-    """glibc's `expf` at every element of f32 `x`, fast: glibc evaluates in double with a relative
-    error of 1.69 * 2^-34 (at most 0.002 f32 ulp) before rounding, so exp in f64 rounded to f32
-    agrees with it except within that distance of an f32 rounding midpoint (and for subnormal
-    results); those few elements (about 1%) are evaluated by the C library itself."""
-    x = x.to(F32)
-    y64 = torch.exp(x.to(F64))
-    y = y64.to(F32)
-    hard = (_near_midpoint(y64, 0.005) | ((y64 < 2.0**-125) & (y64 > 0))) & torch.isfinite(x)
-    if bool(hard.any()):
-        y[hard] = libm("expf", x[hard])
-    return y
+    """The C library's `expf` at every element of f32 `x`, called by compiled code
+    (`tracer.ggml.kernels.libm_expf`) rather than once per element through ctypes."""
+    from tracer.ggml import kernels
+
+    flat = x.detach().to("cpu", F32).numpy()
+    return torch.from_numpy(kernels.libm_expf(flat, torch.get_num_threads()))
 
 
 # --- ggml's vectorised exp --------------------------------------------------------------------

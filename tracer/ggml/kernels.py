@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 ZERO = np.float32(0.0)  # a lane starts at +0, as the lane array did
@@ -258,6 +259,40 @@ def v_expf(x: np.ndarray, constants: np.ndarray, threads: int | None = None) -> 
     out = np.empty_like(flat)
     _set_threads(threads)
     _v_expf(flat, constants, out)
+    return out.reshape(x.shape)
+
+
+# --- the C library's expf -----------------------------------------------------------------------
+
+
+@intrinsic
+def c_expf(typingctx, x):
+    """The C library's `expf(x)`, called as a function: `nobuiltin` keeps LLVM from replacing the
+    call by its own exp or a vector library's (the C library's rounding is the point)."""
+    if x != numba.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32]), "expf")
+        function.attributes.add("nobuiltin")
+        return builder.call(function, args)
+
+    return numba.float32(numba.float32), codegen
+
+
+@njit(cache=True, parallel=True)
+def _libm_expf(x, out):  # pragma: no cover - compiled
+    for i in prange(x.shape[0]):
+        out[i] = c_expf(x[i])
+
+
+def libm_expf(x: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """The C library's expf on an f32 array of any shape."""
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = np.empty_like(flat)
+    _set_threads(threads)
+    _libm_expf(flat, out)
     return out.reshape(x.shape)
 
 
