@@ -7,7 +7,7 @@ code. Emulating that bit for bit needs each of those here, as functions of torch
 
 Depends on: IEEE-754 f32/f64 in torch (every CPU), a fused `torch.addcmul` for f32 (probed once;
 when the probe fails an exact f64 route with round-to-odd is taken instead), and glibc's libm
-(`ctypes`), whose float functions are the ones llama.cpp calls on Linux.
+(`ctypes`; `expf` from compiled code), whose float functions are the ones llama.cpp calls on Linux.
 """
 
 from __future__ import annotations
@@ -147,8 +147,7 @@ def expf(x: torch.Tensor) -> torch.Tensor:
     (`tracer.ggml.kernels.libm_expf`) rather than once per element through ctypes."""
     from tracer.ggml import kernels
 
-    flat = x.detach().to("cpu", F32).numpy()
-    return torch.from_numpy(kernels.libm_expf(flat, torch.get_num_threads()))
+    return torch.from_numpy(kernels.libm_expf(x.detach().to("cpu", F32).numpy(), torch.get_num_threads()))
 
 
 # --- ggml's vectorised exp --------------------------------------------------------------------

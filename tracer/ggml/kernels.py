@@ -253,13 +253,18 @@ def _v_expf(x, constants, out):  # pragma: no cover - compiled
             out[i] = np.float32(np.float64(j) * (2.0 ** int(n)))
 
 
-def v_expf(x: np.ndarray, constants: np.ndarray, threads: int | None = None) -> np.ndarray:
-    """ggml_v_expf on an f32 array of any shape."""
+def _elementwise(kernel, x: np.ndarray, *arguments, threads: int | None) -> np.ndarray:
+    """`kernel(flat x, *arguments, out)` on an f32 array of any shape, out shaped as x."""
     flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     out = np.empty_like(flat)
     _set_threads(threads)
-    _v_expf(flat, constants, out)
+    kernel(flat, *arguments, out)
     return out.reshape(x.shape)
+
+
+def v_expf(x: np.ndarray, constants: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """ggml_v_expf on an f32 array of any shape."""
+    return _elementwise(_v_expf, x, constants, threads=threads)
 
 
 # --- the C library's expf -----------------------------------------------------------------------
@@ -289,11 +294,7 @@ def _libm_expf(x, out):  # pragma: no cover - compiled
 
 def libm_expf(x: np.ndarray, threads: int | None = None) -> np.ndarray:
     """The C library's expf on an f32 array of any shape."""
-    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    out = np.empty_like(flat)
-    _set_threads(threads)
-    _libm_expf(flat, out)
-    return out.reshape(x.shape)
+    return _elementwise(_libm_expf, x, threads=threads)
 
 
 # --- quantize_row_q8_0 / q8_1 (arch/x86/quants.c) ----------------------------------------------
