@@ -25,7 +25,7 @@ _EXPORTS = {
     "layer_heatmap_figure": "figures",
     "markdown_summary": "markdown",
     "plot": "notebook",
-    "sweep_cells": "sweep",
+    "sweep_cells": "sweep_rows",
     "render_html": "html",
     "render_sweep_html": "sweep",
     "sweep_figure": "sweep",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 
 import matplotlib
 import numpy as np
@@ -35,7 +36,7 @@ from tracer.reports.summary import (
 )
 
 DPI = 110
-CURVE_SIZE = (10.5, 6.0)  # inches
+CURVE_SIZE = (8.6, 5.0)  # inches: shown on the report's first screen at about 800 px
 DEFAULT_FLOOR = 1e-12  # where exact zeros go when nothing else sets the scale
 
 COLORS = {"rel": "#1f5fa8", "abs": "#8a4fb0", "ref": "#9a9a9a", "bad": "#c62828", "tol": "#e07b00"}
@@ -262,7 +263,7 @@ def mark_first_divergence(axes, summary: Summary, coarse: list[dict], x: np.ndar
     for ax in axes:
         ax.axvline(at, color=COLORS["bad"], ls="--", lw=1.2, alpha=0.8)
     where = "" if first.get("layer") is None else f"block {first['layer']}, "
-    text = f"first divergence: {first['point']}  ({where}rel_l2 {fmt(first.get('rel_l2'), '.2g')})"
+    text = f"first divergence: {first['point']}  ({where}rel_l2 {fmt(first.get('rel_l2'))})"
     right_half = at > (x.min() + x.max()) / 2
     axes[0].annotate(
         plain(text), xy=(at, 0.97), xycoords=axes[0].get_xaxis_transform(),
@@ -302,7 +303,29 @@ def empty_figure(fig: Figure, summary: Summary) -> Figure:
     return fig
 
 
-# --- the layer × sub-point heatmap -----------------------------------------------------------
+# --- the layer × sub-point heatmaps: where error is made, where it is carried ---------------------
+
+NEAR = 0.25  # a cell at over a quarter of its tolerance is "near" it
+HEAT_COLORS = {  # (lightest, darkest) of each band; "out" starts saturated: no out cell reads as pale
+    "in": ("#f7fbff", "#9ecae1"), "near": ("#fff5b8", "#fdae61"), "out": ("#e8412c", "#67000d"),
+}
+
+
+@dataclass
+class LayerGrid:
+    """The summary's per-layer points as (layer, sub-point) grids."""
+
+    columns: list[str]  # sub-point names, in execution order
+    total: np.ndarray  # rel_l2 (NaN where not recorded; inf/NaN metrics kept as such)
+    local: np.ndarray | None  # rel_l2 with each block rerun on the reference's inputs; None: not measured
+    bound: np.ndarray  # the rel_l2 each cell is judged by (NaN: none, the elementwise criterion)
+    recorded: np.ndarray  # bool
+    diverged: np.ndarray  # bool: out of tolerance by its total error, as the diff engine judged it
+
+    @property
+    def judged_by_bound(self) -> bool:
+        """Every recorded cell has a rel_l2 bound, so a cell's error reads against its own tolerance."""
+        return bool(self.recorded.any()) and bool(np.isfinite(self.bound[self.recorded]).all())
 
 
 def layer_columns(summary: Summary) -> list[str]:
@@ -324,88 +347,131 @@ def layer_cells(summary: Summary):
             yield p, (layer, columns[sub])
 
 
-def layer_grid(summary: Summary) -> tuple[np.ndarray, np.ndarray]:
-    """rel_l2 per (layer, sub-point) (inf/NaN kept) and the mask of cells that were recorded."""
+def layer_grid(summary: Summary) -> LayerGrid:
     cells = list(layer_cells(summary))
-    n_layers = max((layer for _, (layer, _) in cells), default=-1) + 1
-    grid = np.full((n_layers, len(layer_columns(summary))), np.nan)
-    recorded = np.zeros(grid.shape, dtype=bool)
+    shape = (max((layer for _, (layer, _) in cells), default=-1) + 1, len(layer_columns(summary)))
+    total, local, bound = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
+    recorded, diverged = np.zeros(shape, dtype=bool), np.zeros(shape, dtype=bool)
+    single = number(rel_l2_threshold(summary))
     for p, cell in cells:
         value = number(p.get("rel_l2"))
-        if value is not None:
-            grid[cell], recorded[cell] = value, True
-    return grid, recorded
+        if value is None:
+            continue
+        total[cell], recorded[cell], diverged[cell] = value, True, bool(p.get("diverged"))
+        local[cell] = np.nan if number(p.get("local_rel_l2")) is None else number(p.get("local_rel_l2"))
+        own = number(p.get("threshold"))
+        bound[cell] = own if own is not None else single if single is not None else np.nan
+    measured = any(p.get("local_rel_l2") is not None for p, _ in cells)
+    return LayerGrid(layer_columns(summary), total, local if measured else None, bound, recorded, diverged)
+
+
+def heatmap_panels(grid: LayerGrid) -> list[tuple[str, np.ndarray]]:
+    """(title, the error shown) per panel: the local error beside the total one, where measured."""
+    total = ("the error it has (total: what it inherits included)", grid.total)
+    if grid.local is None:
+        return [total]
+    return [("the error each op makes (local: its block rerun on the reference's inputs)", grid.local), total]
+
+
+def tolerance_ratio(errors: np.ndarray, grid: LayerGrid) -> np.ndarray:
+    """Each cell's error over its own tolerance: ≤ NEAR in tolerance, up to 1 near it, over 1 out.
+    inf and NaN stay as they are; unrecorded cells are NaN."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = errors / grid.bound
+    ratio[~grid.recorded] = np.nan
+    return ratio
 
 
 def layer_heatmap_figure(summary) -> Figure:
-    """rel_l2 of every sub-point of every layer, log colour scale; unrecorded cells hatched grey."""
+    """Where the error is made: every sub-point of every layer, one panel for the error each op makes
+    (local: its block rerun on the reference's inputs, where the run measured it) beside one for the
+    error it has (total: what it inherits included), each cell coloured by its error over its own
+    tolerance on a log scale whose colour bar marks the bands: in tolerance (blue), near it (yellow,
+    over a quarter of it), out (red). The first divergence is outlined, no cell covered; unrecorded
+    cells are hatched grey. With the elementwise criterion (no rel_l2 bound) the cells show rel_l2
+    and the out-of-tolerance ones are crossed.
+
+    Args:
+        summary: a `Result` or its summary dict.
+    Returns:
+        A Figure on an Agg canvas; `fig.axes[i].images[0].get_array()` holds what panel i shows
+        (the ratio to tolerance, or rel_l2), per (layer, sub-point).
+    """
     summary = as_summary(summary)
-    grid, recorded = layer_grid(summary)
-    height = min(14.0, max(3.6, 0.17 * grid.shape[0] + 2.2))
+    grid = layer_grid(summary)
+    panels = heatmap_panels(grid)
+    n_layers = grid.total.shape[0]
+    height = min(14.0, max(3.0, 0.135 * n_layers + 2.0))
     with matplotlib.rc_context({**STYLE, "axes.grid": False}):
-        fig = new_figure((10, height))
-        if not recorded.any():
+        fig = new_figure((11.4 if len(panels) == 2 else 8.0, height))
+        if not grid.recorded.any():
             return empty_figure(fig, summary)
-        ax = fig.subplots()
-        threshold = rel_l2_threshold(summary)
-        floor = floor_for(grid, below=threshold)
-        finite = np.isfinite(grid)
-        # a fixed top of 1 (rel_l2 ~1 means "unrelated tensors") keeps a clean run from looking hot
-        vmax = max(np.max(grid[finite], initial=floor), 1.0)
-        shown = np.where(grid == 0, floor, grid)
-        shown[recorded & ~finite] = vmax  # inf / NaN: as bad as it gets
-        shown[~recorded] = np.nan
-        norm = LogNorm(vmin=floor, vmax=vmax)
-        cmap = error_cmap(floor, vmax, threshold)
-        if threshold is None and has_point_thresholds(summary):
-            # each point has its own bound: colour by the verdict of the cell, shade by its error
-            within = np.where(layer_status(summary, grid.shape), np.nan, shown)
-            ax.imshow(np.ma.masked_invalid(within), cmap=cool_cmap(), aspect="auto", norm=norm,
-                      interpolation="nearest")
-            shown = np.where(layer_status(summary, grid.shape), shown, np.nan)
-            cmap = cmap.with_extremes(bad=(0, 0, 0, 0))  # the blue layer shows through
-            ax.set_facecolor("#d9d9d9")  # unrecorded cells, under both layers
-        image = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap,
-                          aspect="auto", norm=norm, interpolation="nearest")
-        hatch_missing(ax, recorded)
-        label_non_finite(ax, grid, recorded & ~finite)
-        label_heatmap_axes(ax, grid.shape[0], [label(layer_point(0, sub)) for sub in layer_columns(summary)])
-        colorbar(fig, ax, image, summary)
-        outline_first_divergence(ax, summary)
+        axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+        by_bound = grid.judged_by_bound
+        shown = [tolerance_ratio(errors, grid) if by_bound else errors for _, errors in panels]
+        norm, cmap = heat_scale(shown, by_bound)
+        labels = [label(layer_point(0, sub)) for sub in grid.columns]
+        for ax, (title, errors), values in zip(axes, panels, shown):
+            image = draw_cells(ax, values, grid.recorded, norm, cmap)
+            if not by_bound:
+                cross_out_of_tolerance(ax, grid.diverged & grid.recorded)
+            label_heatmap_axes(ax, n_layers, labels, first=ax is axes[0])
+            outline_first_divergence(ax, summary, grid.columns)
+            ax.set_title(title, loc="left", color="#444444", fontsize=8.5)
+        heat_colorbar(fig, axes, image, by_bound)
         fig.suptitle(plain(comparison_title(summary)), fontsize=11, fontweight="bold")
-        within = "blue: within its tolerance · " if threshold is None and has_point_thresholds(summary) else ""
-        ax.set_title(f"relative L2 per layer and sub-point · {within}grey hatched: not recorded · "
-                     f"exact 0 shown as {floor:.0e}", loc="left", color="#444444")
+        fig.supxlabel(heat_legend(summary, by_bound), fontsize=8, color="#444444")
     return fig
 
 
-def has_point_thresholds(summary: Summary) -> bool:
-    return any(number(p.get("threshold")) is not None for p in points(summary))
+def heat_scale(shown: list[np.ndarray], by_bound: bool):
+    """The log colour scale every panel shares. Against the tolerance: from a decade under the
+    smallest non-zero ratio (at most 1e-2, at least 1e-4) to at least 10, the bands at NEAR and 1.
+    Against rel_l2 alone: from a decade under the smallest error to at least 1."""
+    values = np.concatenate([v[np.isfinite(v)].ravel() for v in shown])
+    positive = values[values > 0]
+    if by_bound:
+        low = 10.0 ** math.floor(math.log10(positive.min())) / 10 if positive.size else 1e-2
+        low = min(max(low, 1e-4), 1e-2)
+        high = max(10.0, float(values.max(initial=0.0)))
+        return LogNorm(vmin=low, vmax=high), tolerance_cmap(low, high)
+    low = floor_for(positive) if positive.size else DEFAULT_FLOOR
+    return LogNorm(vmin=low, vmax=max(1.0, float(values.max(initial=0.0)))), \
+        matplotlib.colormaps["YlOrRd"].with_extremes(bad=(0, 0, 0, 0))
 
 
-def layer_status(summary: Summary, shape: tuple[int, int]) -> np.ndarray:
-    """True where the (layer, sub-point) cell is out of tolerance, as the diff engine judged it."""
-    diverged = np.zeros(shape, dtype=bool)
-    for p, cell in layer_cells(summary):
-        diverged[cell] = bool(p.get("diverged"))
-    return diverged
+def tolerance_cmap(low: float, high: float) -> ListedColormap:
+    """Three bands on the log scale from `low` to `high`: blues in tolerance (under NEAR), yellows
+    near it, reds out (over 1), each band light to dark."""
+    n = 512
+    at = [round(n * math.log(x / low) / math.log(high / low)) for x in (NEAR, 1.0)]
+    sizes = [at[0], at[1] - at[0], n - at[1]]
+    bands = [_ramp(HEAT_COLORS[name], size) for name, size in zip(("in", "near", "out"), sizes)]
+    return ListedColormap(np.vstack(bands)).with_extremes(bad=(0, 0, 0, 0), over=HEAT_COLORS["out"][1])
 
 
-def cool_cmap():
-    colors = matplotlib.colormaps["Blues"](np.linspace(0.08, 0.6, 256))
-    return ListedColormap(colors).with_extremes(bad=(0, 0, 0, 0))
+def _ramp(colors: tuple[str, str], size: int) -> np.ndarray:
+    start, end = (np.array(matplotlib.colors.to_rgba(c)) for c in colors)
+    return start + np.linspace(0, 1, max(size, 0))[:, None] * (end - start)  # (size, 4)
 
 
-def error_cmap(floor: float, vmax: float, threshold: float | None):
-    """Cool blues under the tolerance, YlOrRd above it: in or out reads at a glance."""
-    warm = matplotlib.colormaps["YlOrRd"]
-    if threshold is None or not floor < threshold < vmax:
-        return warm.with_extremes(bad="#d9d9d9")
-    n = 256
-    cut = round(n * math.log(threshold / floor) / math.log(vmax / floor))
-    cool = matplotlib.colormaps["Blues"](np.linspace(0.08, 0.45, cut))
-    hot = warm(np.linspace(0.3, 1.0, n - cut))
-    return ListedColormap(np.vstack([cool, hot])).with_extremes(bad="#d9d9d9")
+def draw_cells(ax, values: np.ndarray, recorded: np.ndarray, norm, cmap):
+    """One panel's cells: exact zeros at the bottom of the scale, inf/NaN at its top (labelled),
+    unrecorded cells grey and hatched. The image's array holds the values as drawn."""
+    broken = recorded & ~np.isfinite(values)
+    drawn = np.where(values == 0, norm.vmin, values)
+    drawn[broken] = norm.vmax
+    ax.set_facecolor("#d9d9d9")
+    image = ax.imshow(np.ma.masked_invalid(np.where(recorded, drawn, np.nan)), cmap=cmap, norm=norm,
+                      aspect="auto", interpolation="nearest")
+    hatch_missing(ax, recorded)
+    label_non_finite(ax, values, broken)
+    return image
+
+
+def cross_out_of_tolerance(ax, cells: np.ndarray) -> None:
+    rows, cols = np.nonzero(cells)
+    ax.plot(cols, rows, ls="none", marker="x", ms=4, color="black", mew=0.8)
 
 
 def hatch_missing(ax, recorded: np.ndarray) -> None:
@@ -418,46 +484,58 @@ def label_non_finite(ax, grid: np.ndarray, cells: np.ndarray) -> None:
     """inf/NaN cells take the top colour; the word says which one it was."""
     for row, col in zip(*np.nonzero(cells)):
         ax.text(col, row, "nan" if np.isnan(grid[row, col]) else "inf", ha="center", va="center",
-                fontsize=7.5, color="white", fontweight="bold")
+                fontsize=7, color="white", fontweight="bold")
 
 
-def label_heatmap_axes(ax, n_layers: int, labels: list[str]) -> None:
-    ax.set_xticks(range(len(labels)), labels, rotation=40, ha="right", fontsize=8)
-    step = max(1, math.ceil(n_layers / 40))
+def label_heatmap_axes(ax, n_layers: int, labels: list[str], first: bool = True) -> None:
+    ax.set_xticks(range(len(labels)), labels, rotation=50, ha="right", rotation_mode="anchor", fontsize=7.5)
+    step = max(1, math.ceil(n_layers / 30))
     ax.set_yticks(range(0, n_layers, step))
-    ax.tick_params(axis="y", labelsize=8)
-    ax.set_ylabel("layer")
+    ax.tick_params(axis="y", labelsize=7.5)
+    if first:
+        ax.set_ylabel("layer")
     # thin white lines between cells keep neighbouring equal colours apart (two line collections:
     # minor ticks as grid lines made a Tick object per line, a fifth of the figure's drawing time)
-    ax.vlines(np.arange(-0.5, len(labels)), -0.5, n_layers - 0.5, color="white", lw=0.6)
-    ax.hlines(np.arange(-0.5, n_layers), -0.5, len(labels) - 0.5, color="white", lw=0.6)
+    ax.vlines(np.arange(-0.5, len(labels)), -0.5, n_layers - 0.5, color="white", lw=0.5)
+    ax.hlines(np.arange(-0.5, n_layers), -0.5, len(labels) - 0.5, color="white", lw=0.5)
 
 
-def colorbar(fig: Figure, ax, image, summary: Summary) -> None:
-    bar = fig.colorbar(image, ax=ax, pad=0.02, fraction=0.05)
-    bar.set_label("relative L2 (log scale)")
-    threshold = rel_l2_threshold(summary)
+def heat_colorbar(fig: Figure, axes, image, by_bound: bool) -> None:
+    """One colour bar for the panels; against the tolerance it names its bands beside them."""
+    bar = fig.colorbar(image, ax=list(axes), pad=0.015, fraction=0.04, aspect=30)
+    if not by_bound:
+        bar.set_label("relative L2 (log scale)")
+        return
+    bar.set_label("error ÷ its own tolerance (log scale)")
     low, high = image.norm.vmin, image.norm.vmax
-    if threshold is not None and low <= threshold <= high:
-        bar.ax.axhline(threshold, color="black", lw=2)
-        bar.ax.text(-0.15, threshold, "tol", transform=bar.ax.get_yaxis_transform(),
-                    ha="right", va="center", fontsize=8)
+    for level, style in ((NEAR, "--"), (1.0, "-")):
+        bar.ax.axhline(level, color="black", lw=1.4, ls=style)
+    middles = {"in": math.sqrt(low * NEAR), "near": math.sqrt(NEAR), "out": math.sqrt(high)}
+    for name, y in middles.items():
+        bar.ax.text(-0.25, y, name, transform=bar.ax.get_yaxis_transform(), ha="right", va="center",
+                    fontsize=7.5, rotation=90, color="#333333")
 
 
-def outline_first_divergence(ax, summary: Summary) -> None:
+def heat_legend(summary: Summary, by_bound: bool) -> str:
+    first = (summary.get("first_divergence") or {}).get("point")
+    parts = (["blue: in tolerance · yellow: near it (over ¼ of it) · red: out"] if by_bound else
+             ["x: out of tolerance (elementwise criterion)"])
+    parts += ["exact 0: the lightest colour", "grey hatched: not recorded"]
+    if first:
+        parts.append(f"outlined: the first divergence, {first}")
+    return plain(" · ".join(parts))
+
+
+def outline_first_divergence(ax, summary: Summary, columns: list[str]) -> None:
+    """A frame around the first divergence's cell, drawn on its border: no cell is covered."""
     first = summary.get("first_divergence") or {}
     layer = first.get("layer")
-    if layer is None:
-        return
-    columns = layer_columns(summary)
-    sub = split_point(first["point"])[1]
-    if sub not in columns:
+    sub = split_point(first.get("point", ""))[1]
+    if layer is None or sub not in columns:
         return
     col = columns.index(sub)
-    ax.add_patch(Rectangle((col - 0.5, layer - 0.5), 1, 1, fill=False, ec="black", lw=2.5, clip_on=False))
-    ax.annotate(plain(f"first divergence: {first['point']}"), xy=(col, layer),
-                xytext=(12, -4), textcoords="offset points", fontsize=8, color="black",
-                va="top", bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "black"})
+    ax.add_patch(Rectangle((col - 0.5, layer - 0.5), 1, 1, fill=False, ec="black", lw=2.2, clip_on=False,
+                           zorder=5))
 
 
 # --- the first divergence, per position and per head ------------------------------------------
@@ -487,7 +565,7 @@ def breakdown_figure(summary) -> Figure:
     parts = breakdowns(summary)
     first = summary.get("first_divergence") or {}
     with matplotlib.rc_context(STYLE):
-        fig = new_figure((10.5, 4.6))
+        fig = new_figure((10.5, 3.5))
         if not parts:
             reason = ("the result has no per-position breakdown of its first divergence" if first
                       else summary.get("error") or "nothing diverged")

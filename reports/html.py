@@ -16,10 +16,13 @@ from tracer.reports.summary import (
     Summary,
     as_summary,
     comparison_title,
+    divergence_facts,
     first_difference,
     fmt,
     greedy_text,
     hints,
+    next_steps,
+    outcome_facts,
     regime_cost_by_layer,
     regime_lines,
     runtime_text,
@@ -27,14 +30,16 @@ from tracer.reports.summary import (
     tolerance_text,
     verdict_sentence,
 )
-from tracer.reports.table import display_rows
-from tracer.reports.template import CSS, ENV, PAGE, SORT_SCRIPT
+from tracer.reports.table import display_rows, has_local, key_rows
+from tracer.reports.template import CSS, ENV, PAGE, SCRIPT
 from tracer.variants import format_knob_value
 
 FIGURE_CAPTIONS = {
-    "curve.png": "Error per block output (log scale). Top: relative L2; bottom: max|diff| "
-                 "with max|ref| for scale.",
-    "heatmap.png": "Relative L2 of every recorded point, layer by sub-point (log colour scale).",
+    "curve.png": "Error per block output (log scale). Top: relative L2 against each point's tolerance; "
+                 "bottom: max|diff| with max|ref| for scale.",
+    "heatmap.png": "Every point of every layer, coloured by its error over its own tolerance: left, the error "
+                   "each op makes (its block rerun on the reference's inputs); right, the error it has, what it "
+                   "inherits included. Blue: in tolerance; yellow: near it; red: out.",
     "breakdown.png": "The first divergence broken down per token position (and per head for "
                      "attention points): where inside the tensor the error sits.",
 }
@@ -44,6 +49,11 @@ _PAGE = ENV.from_string(PAGE)
 
 def render_html(result, images: Mapping[str, bytes] | None = None) -> str:
     """The report page for a Result (or its summary dict).
+
+    The first screen (1400 × 900 px) answers: the verdict, the first divergence with the error made
+    there and the error it inherits, the hints, the per-layer curve, the logits and greedy outcome,
+    and what to run next. Then the heatmaps, the points that matter (all of them behind a disclosure,
+    sortable and filterable), the config audit, the reproduction and the environment.
 
     Args:
         result: a `Result` or the dict `Result.to_dict()` returns.
@@ -61,9 +71,18 @@ def render_html(result, images: Mapping[str, bytes] | None = None) -> str:
 def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
     verdict = str(summary.get("verdict") or "error")
     rows = display_rows(summary)
+    figures = figure_entries(images) if summary.get("points") else []
+    audit = audit_context(summary.get("config_audit"))
+    regime = regime_lines(summary)
+    greedy = greedy_context(summary)
+    sections = [("verdict", "verdict"), *([("regime", "regime view")] if regime else []),
+                *([("figures", "figures")] if len(figures) > 1 else []), *([("points", "points")] if rows else []),
+                *([("audit", "config audit")] if audit else []), *([("greedy", "greedy")] if greedy else []),
+                ("reproduce", "reproduce"), ("environment", "environment")]
     return {
         "css": CSS,
-        "script": SORT_SCRIPT,
+        "script": SCRIPT,
+        "sections": sections,
         "verdict": verdict if verdict in ("match", "diverged") else "error",
         "verdict_label": verdict.upper(),
         "comparison": comparison_title(summary),
@@ -72,16 +91,20 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
         "sentence": verdict_sentence(summary),
         "notes": [str(note) for note in summary.get("notes") or []],
         "hints": hints(summary),
-        "audit": audit_context(summary.get("config_audit")),
-        "regime": regime_lines(summary),
-        "regime_cost": [(where, fmt(cost, ".2g")) for where, cost in regime_cost_by_layer(summary)],
+        "facts": divergence_facts(summary) + outcome_facts(summary),
+        "steps": next_steps(summary),
+        "curve": next((fig for fig in figures if fig["name"] == "curve.png"), None),
+        "figures": [fig for fig in figures if fig["name"] != "curve.png"],
+        "audit": audit,
+        "regime": regime,
+        "regime_cost": [(where, fmt(cost)) for where, cost in regime_cost_by_layer(summary)],
         "tolerance": tolerance_text(summary),
         "tolerance_params": tolerance_params(summary),
-        "logits": logits_rows(summary.get("logits")),
-        "greedy": greedy_context(summary),
-        "figures": figure_entries(images) if summary.get("points") else [],
+        "greedy": greedy,
         "rows": rows,
+        "key_rows": key_rows(summary),
         "has_first_row": any(r["first"] for r in rows),
+        "has_local": has_local(summary),
         "has_bounds": any(p.get("threshold") is not None for p in summary.get("points") or []),
         "sides": [side_context("reference", summary.get("reference")),
                   side_context("candidate", summary.get("candidate"))],
@@ -91,7 +114,7 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
         **token_context(summary),
         "command": summary.get("command"),
         "environment": sorted((str(k), str(v)) for k, v in (summary.get("environment") or {}).items()),
-        "timings": [(str(k), fmt_seconds(v)) for k, v in (summary.get("timings") or {}).items()],
+        "timings": [(str(k).removesuffix("_s"), fmt_seconds(v)) for k, v in (summary.get("timings") or {}).items()],
         "tracer_version": summary.get("tracer_version") or "?",
     }
 
@@ -137,6 +160,7 @@ def figure_entries(images: Mapping[str, bytes]) -> list[dict]:
     for name, png in images.items():
         caption = FIGURE_CAPTIONS.get(name, name)
         entries.append({
+            "name": name,
             "uri": "data:image/png;base64," + base64.b64encode(png).decode("ascii"),
             "alt": caption,
             "caption": caption,
@@ -155,24 +179,6 @@ def png_width(png: bytes) -> int | None:
 def tolerance_params(summary: Summary) -> list[tuple[str, str]]:
     tol = summary.get("tolerance") or {}
     return [(k, str(v)) for k, v in tol.items() if k not in ("text", "criterion")]
-
-
-def logits_rows(logits: Mapping | None) -> list[tuple[str, str]]:
-    """The logits summary as label/value pairs, labelled the way the porting notes quote them."""
-    if not logits:
-        return []
-    rows = [
-        ("logits max|diff| (last position)", fmt(logits.get("max_abs"))),
-        ("logits max|ref| (last position)", fmt(logits.get("max_ref"))),
-        ("logits rel_l2 (last position)", fmt(logits.get("rel_l2"), ".2e")),
-        ("logits max|diff| (all positions)", fmt(logits.get("max_abs_all"))),
-    ]
-    agree = logits.get("argmax_agree")
-    if agree is not None:
-        n = logits.get("positions")
-        count = f"{round(agree * n)}/{n} positions, " if n else ""
-        rows.append(("argmax agreement", f"{count}{agree:.0%}"))
-    return rows
 
 
 def greedy_context(summary: Summary) -> dict | None:
@@ -237,4 +243,4 @@ def token_context(summary: Summary) -> dict:
 
 
 def fmt_seconds(value) -> str:
-    return f"{value:.3g} s" if isinstance(value, (int, float)) else str(value)
+    return fmt(value) if isinstance(value, (int, float)) else str(value)

@@ -10,15 +10,14 @@ import html
 import re
 
 from tracer.points import is_coarse
-from tracer.reports.html import logits_rows
 from tracer.reports.summary import (
     Summary,
     as_summary,
     comparison_title,
+    divergence_facts,
     fmt,
-    fmt_rel,
-    greedy_text,
     hints,
+    outcome_facts,
     points,
     regime_lines,
     runtime_text,
@@ -97,17 +96,11 @@ def audit_differences(audit) -> str | None:
 
 
 def key_table(summary: Summary) -> str:
-    rows = []
-    first = summary.get("first_divergence")
-    if first:
-        rows.append(("first divergence", first.get("point")))
+    rows = divergence_facts(summary)
     rows.append(("tolerance: fails when", tolerance_text(summary)))
     rows += [(f"{role} runtime", runtime_text(summary.get(role))) for role in ("reference", "candidate")
              if runtime_text(summary.get(role))]
-    rows += [(key, value) for key, value in logits_rows(summary.get("logits"))]
-    greedy = summary.get("greedy")
-    if greedy:
-        rows.append(("greedy", greedy_text(greedy)))
+    rows += outcome_facts(summary)
     lines = ["| | |", "|---|---|"] + [f"| {cell(k)} | {cell(v)} |" for k, v in rows]
     return "\n".join(lines)
 
@@ -120,5 +113,5 @@ def coarse_table(summary: Summary) -> str:
             continue
         status = "not recorded" if not p.get("recorded", True) else ("**diverged**" if p.get("diverged") else "")
         lines.append(f"| `{p['point']}` | {fmt(p.get('max_abs'))} | {fmt(p.get('max_ref'))} | "
-                     f"{fmt_rel(p.get('rel_l2'))} | {status} |")
+                     f"{fmt(p.get('rel_l2'))} | {status} |")
     return "<details><summary>coarse curve</summary>\n\n" + "\n".join(lines) + "\n\n</details>"

@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from tracer.errors import TracerError
 from tracer.points import folded, is_coarse, layer_of, rank
 from tracer.reports.figures import breakdown_figure, curve_figure, figure_png, has_breakdown, layer_heatmap_figure
-from tracer.reports.html import logits_rows
 from tracer.reports.summary import (
     Summary,
     as_summary,
     comparison_title,
-    greedy_text,
+    divergence_facts,
     hints,
+    outcome_facts,
     side_label,
     tolerance_text,
     verdict_sentence,
@@ -117,9 +117,7 @@ def result_html(result, *, figure: bool = True) -> str:
     summary = as_summary(result)
     verdict = str(summary.get("verdict") or "error")
     rows, title, open_rows = focus_rows(summary)
-    outputs = list(logits_rows(summary.get("logits")))
-    if summary.get("greedy"):
-        outputs.append(("greedy continuation", greedy_text(summary["greedy"])))
+    outputs = divergence_facts(summary) + outcome_facts(summary)
     curve = None
     if figure and summary.get("points"):
         curve = "data:image/png;base64," + base64.b64encode(figure_png(curve_figure(summary))).decode("ascii")
@@ -217,7 +215,8 @@ SWEEP = ENV.from_string("""<div class="tracer-nb">
 def sweep_html(sweep, *, figure: bool = True) -> str:
     """The notebook view of a sweep (a `Sweep` or its dict): the overlay of every variant's curve
     and one row per variant, as `tracer.reports.sweep` renders them for the report."""
-    from tracer.reports.sweep import sweep_cells, sweep_figure, sweep_rows
+    from tracer.reports.sweep import sweep_figure
+    from tracer.reports.sweep_rows import sweep_cells, sweep_rows
 
     summary = as_summary(sweep)
     rows = [sweep_cells(r) for r in sweep_rows(summary)]

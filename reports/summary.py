@@ -8,11 +8,13 @@ summary already says; the numbers themselves are never recomputed.
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
 from tracer.points import split_point
+from tracer.variants import variant_text
 
 Summary = dict[str, Any]
 
@@ -40,7 +42,7 @@ def breakdowns(summary: Summary) -> dict[str, list]:
     return {key: list(first[key]) for key in ("by_position", "by_head") if first.get(key)}
 
 
-FIGURES = ("curve.png", "breakdown.png", "heatmap.png")  # a report's figures, in its order
+FIGURES = ("curve.png", "heatmap.png", "breakdown.png")  # a report's figures, in its order
 
 
 def figure_names(summary: Summary) -> tuple[str, ...]:
@@ -62,18 +64,32 @@ def number(x) -> float | None:
         return math.nan
 
 
-def fmt(x, spec: str = ".3g") -> str:
-    """Compact number for tables and sentences; an exact zero prints as 0, a missing value as —."""
+def fmt(x) -> str:
+    """A measured number the one way every report shows it (terminal, Markdown, HTML, figure labels):
+    three significant digits, "0.0805", "4.12e-07", "22500" (no exponent from 1e-3 to 1e5); an exact
+    zero prints as 0, a missing value as —, inf and NaN as such. summary.json and points.csv keep
+    full precision."""
     x = number(x)
     if x is None:
         return DASH
-    if x == 0:
-        return "0"
-    return format(x, spec)
+    if x == 0 or not math.isfinite(x):
+        return "0" if x == 0 else str(x)
+    if 1e3 <= abs(x) < 1e5:  # .3g would write 2.25e+04 for the 22500 of a massive activation
+        return str(int(round(x, 2 - math.floor(math.log10(abs(x))))))
+    return format(x, ".3g")
 
 
-def fmt_rel(x: float | None) -> str:
-    return fmt(x, ".2e")
+def percent(fraction) -> str:
+    """A share as a whole percent that never rounds a disagreement away: 0.996 is "99%", not "100%"."""
+    x = number(fraction)
+    if x is None or math.isnan(x):
+        return DASH
+    shown = round(100 * x)
+    if x < 1 and shown == 100:
+        shown = 99
+    elif x > 0 and shown == 0:
+        return "<1%"
+    return f"{shown}%"
 
 
 def model_name(summary: Summary) -> str:
@@ -178,7 +194,7 @@ def divergence_sentence(first: Mapping) -> str:
     """"Everything up to X agrees at rounding level (...); the first divergence is Y: ..."."""
     numbers = (
         f"max|diff| {fmt(first.get('max_abs'))}, max|ref| {fmt(first.get('max_ref'))}, "
-        f"rel_l2 {fmt(first.get('rel_l2'), '.2g')}"
+        f"rel_l2 {fmt(first.get('rel_l2'))}"
     )
     last = first.get("last_agreeing")
     if not last:
@@ -186,7 +202,7 @@ def divergence_sentence(first: Mapping) -> str:
     n = first.get("upstream_points")
     worst = number(first.get("upstream_max_rel_l2"))
     exact = worst == 0
-    upstream = "rel_l2 = 0" if exact else f"rel_l2 ≤ {fmt(worst, '.2g')}"
+    upstream = "rel_l2 = 0" if exact else f"rel_l2 ≤ {fmt(worst)}"
     if n is not None:
         upstream += f" over {n} point" + ("" if n == 1 else "s")
     how = "exactly" if exact else "at rounding level"
@@ -203,7 +219,7 @@ def match_sentence(summary: Summary) -> str:
     text = f"All {compared} compared points are within tolerance (a point fails when {tolerance_text(summary)})"
     worst = worst_point(summary)
     if worst is not None:
-        text += f"; the largest rel_l2 is {fmt(worst['rel_l2'], '.2g')} at {worst['point']}"
+        text += f"; the largest rel_l2 is {fmt(worst['rel_l2'])} at {worst['point']}"
     if missing:
         text += f"; {missing} point" + (" is" if missing == 1 else "s are") + " not recorded on one side"
     return text
@@ -258,19 +274,19 @@ def regime_lines(summary: Summary) -> list[str]:
     first = raw.get("first_divergence")
     raw_label = side_label(raw.get("reference"))
     lines.append(f"raw view against f32 {raw_label}: {raw.get('verdict')}" + (
-        f", first at {first['point']} (rel_l2 {fmt(first.get('rel_l2'), '.2g')})" if first else ""))
+        f", first at {first['point']} (rel_l2 {fmt(first.get('rel_l2'))})" if first else ""))
     cost = {point: number(error) for point, error in (regime.get("cost") or {}).items()}
     if cost:
         worst = max(cost, key=lambda point: _rank(cost[point]))
-        text = f"the regime's own cost over f32: largest rel_l2 {fmt(cost[worst], '.2g')} at {worst}"
+        text = f"the regime's own cost over f32: largest rel_l2 {fmt(cost[worst])} at {worst}"
         logits = next((cost[p] for p in ("lm_head", "lm_head.capped") if p in cost), None)
-        lines.append(text + (f"; logits {fmt(logits, '.2g')}" if logits is not None and worst != "lm_head" else ""))
+        lines.append(text + (f"; logits {fmt(logits)}" if logits is not None and worst != "lm_head" else ""))
     per_op_worst = regime.get("per_op_worst")
     if per_op_worst and number(per_op_worst["rel_l2"]) == 0:
         lines.append("per op on the candidate's own inputs: every op exactly equal")
     elif per_op_worst:
         over = regime.get("per_op_over") or []
-        lines.append(f"per op on the candidate's own inputs: worst rel_l2 {fmt(per_op_worst['rel_l2'], '.2g')} at "
+        lines.append(f"per op on the candidate's own inputs: worst rel_l2 {fmt(per_op_worst['rel_l2'])} at "
                      f"{per_op_worst['point']}; " + (f"{len(over)} point(s) over {fmt(regime.get('per_op_bound'))}, "
                                                       f"first {over[0]}" if over else
                                                       f"every op within {fmt(regime.get('per_op_bound'))}"))
@@ -289,3 +305,109 @@ def regime_cost_by_layer(summary: Summary) -> list[tuple[str, float | None]]:
         if value is not None:
             rows[key] = max(rows.get(key, value), value, key=_rank)
     return list(rows.items())
+
+
+# The flags of a `tracer run` line that choose the input and the model: a recording for `tracer
+# diagnose` must be made on the same ones.
+INPUT_FLAGS = ("--model", "--prompt", "--prompt-file", "--tokens", "--max-tokens", "--system")
+
+
+def command_words(command: str | None) -> list[str]:
+    try:
+        return shlex.split(command or "")
+    except ValueError:  # an unbalanced quote in a command someone edited by hand
+        return []
+
+
+def flag_value(words: list[str], flag: str) -> str | None:
+    """The value a command line gives `flag` (`--flag V` or `--flag=V`), the last one winning."""
+    value = None
+    for i, word in enumerate(words):
+        if word == flag and i + 1 < len(words):
+            value = words[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def next_steps(summary: Summary) -> list[tuple[str, str]]:
+    """What to run next, as (what it does, the command): the line that repeats this run and, for a
+    divergence, the one that finds which porting mistake reproduces it (a planted variant of
+    tracer's own model already is one: the sweep compares it with every other)."""
+    steps = [("repeat this run", str(summary["command"]))] if summary.get("command") else []
+    first = summary.get("first_divergence")
+    if summary.get("verdict") != "diverged" or not first:
+        return steps
+    candidate = summary.get("candidate") or {}
+    words = command_words(summary.get("command"))
+    model = flag_value(words, "--model")
+    inputs = [word for flag in INPUT_FLAGS if flag_value(words, flag) is not None
+              for word in (flag, flag_value(words, flag))] + (["--chat"] if "--chat" in words else [])
+    if candidate.get("variant") and candidate.get("engine") in ("reimpl", "hf"):
+        steps.append((f"{variant_text(candidate['variant'])} is a porting mistake planted in tracer's own model: "
+                      "a port whose first divergence and hint read like these has it; every planted mistake "
+                      "side by side", shlex.join(["tracer", "sweep", *inputs])))
+        return steps
+    if words[1:2] == ["compare"] and len(words) > 3:
+        trace = words[3]
+    elif (flag_value(words, "--candidate") or "").startswith("file:"):
+        trace = flag_value(words, "--candidate").removeprefix("file:")
+    else:
+        engine = flag_value(words, "--candidate") or candidate.get("engine") or "reimpl"
+        record = shlex.join(["tracer", "record", "--engine", engine, *inputs, "-o", "candidate.safetensors"])
+        steps.append(("save the candidate's trace", record))
+        trace = "candidate.safetensors"
+    steps.append(("which porting mistake reproduces it: tracer plants each in its own model and ranks them by "
+                  "resemblance to the trace", shlex.join(["tracer", "diagnose", trace]
+                                                          + (["--model", model] if model else []))))
+    return steps
+
+
+def divergence_facts(summary: Summary) -> list[tuple[str, str]]:
+    """The first divergence as the report's first screen states it: where, the error made there
+    (local: its block rerun on the reference's inputs) against its tolerance, the error it inherits,
+    and its total error; for a run without one, the largest error."""
+    first = summary.get("first_divergence")
+    if not first:
+        worst = worst_point(summary)
+        if worst is None:
+            return []
+        bound = number(worst.get("threshold"))
+        of = f" (its tolerance {fmt(bound)})" if bound else ""
+        return [("largest error", f"rel_l2 {fmt(worst['rel_l2'])}{of} at {worst['point']}")]
+    facts = [("first divergence", str(first["point"]))]
+    local, bound = number(first.get("local_rel_l2")), number(first.get("threshold"))
+    over = f", {fmt(local / bound)}× its tolerance {fmt(bound)}" if local is not None and bound else ""
+    if local is not None:
+        facts.append(("error made there", f"rel_l2 {fmt(local)}{over} (local: its block rerun on the "
+                                          "reference's inputs)"))
+    n = first.get("upstream_points")
+    if first.get("last_agreeing"):
+        upstream = number(first.get("upstream_max_rel_l2"))
+        over = f"over the {n} point{'' if n == 1 else 's'} before it"
+        facts.append(("error it inherits", f"none (rel_l2 = 0 {over})" if upstream == 0 else
+                      f"rel_l2 ≤ {fmt(upstream)} {over}"))
+    facts.append(("error there, in all", f"rel_l2 {fmt(first.get('rel_l2'))} · max|diff| {fmt(first.get('max_abs'))}"
+                                         f" · max|ref| {fmt(first.get('max_ref'))}"))
+    nonfinite = nonfinite_text(summary.get("first_nonfinite"))
+    if nonfinite:
+        facts.append(("NaN/Inf", nonfinite.removeprefix("First NaN/Inf: ")))
+    return facts
+
+
+def outcome_facts(summary: Summary) -> list[tuple[str, str]]:
+    """What the divergence does to the model's output: the logits and the greedy continuation."""
+    facts = []
+    logits = summary.get("logits")
+    if logits:
+        facts.append(("logits, last position", f"max|diff| {fmt(logits.get('max_abs'))} · max|ref| "
+                                                f"{fmt(logits.get('max_ref'))} · rel_l2 {fmt(logits.get('rel_l2'))}"))
+        agree, n = logits.get("argmax_agree"), logits.get("positions")
+        argmax = "" if agree is None else " · argmax agrees at " + (
+            f"{round(agree * n)}/{n} positions" if n else percent(agree))
+        facts.append(("logits, all positions", f"max|diff| {fmt(logits.get('max_abs_all'))}{argmax}"))
+    greedy = summary.get("greedy")
+    if greedy:
+        steps = greedy.get("steps") or len(greedy.get("reference") or [])
+        facts.append((f"greedy, {steps} tokens", greedy_text(greedy)))
+    return facts

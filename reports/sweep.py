@@ -36,16 +36,13 @@ from tracer.reports.figures import (
 )
 from tracer.reports.html import figure_entries
 from tracer.reports.summary import (
-    DASH,
     as_summary,
-    fmt,
-    fmt_rel,
-    greedy_cell,
     model_name,
     rel_l2_threshold,
     short_prompt,
     tolerance_text,
 )
+from tracer.reports.sweep_rows import sweep_cells, sweep_rows
 from tracer.reports.template import CSS, ENV
 from tracer.reports.write import write_folder
 
@@ -57,39 +54,6 @@ CAPTION = ("Relative L2 per block output, one line per variant (log scale; exact
 
 def as_sweep(sweep) -> dict:
     return as_summary(sweep)
-
-
-def sweep_rows(summary: dict) -> list[dict]:
-    """The table's rows, as plain values (the DataFrame, CSV, HTML and Markdown all show these)."""
-    rows = []
-    for entry in summary.get("variants") or []:
-        first, logits = entry.get("first_divergence") or {}, entry.get("logits") or {}
-        rows.append({
-            "variant": entry.get("variant"),
-            "verdict": entry.get("verdict"),
-            "first_divergence": first.get("point"),
-            "rel_l2_at_first": first.get("rel_l2"),
-            "logits_max_abs": logits.get("max_abs"),
-            "logits_max_abs_all": logits.get("max_abs_all"),
-            "argmax_agree": logits.get("argmax_agree"),
-            "greedy_same_prefix": (entry.get("greedy") or {}).get("same_prefix"),
-            "greedy_steps": (entry.get("greedy") or {}).get("steps"),
-            "error": entry.get("error"),
-            "seconds": entry.get("seconds"),
-        })
-    return rows
-
-
-def sweep_cells(row: dict) -> dict:
-    """How one row of `sweep_rows` reads, in every view (the HTML page, the notebook, Markdown)."""
-    return {
-        "variant": row["variant"], "verdict": row["verdict"] or "?", "error": row["error"] or "",
-        "first": row["first_divergence"] or DASH, "rel": fmt_rel(row["rel_l2_at_first"]),
-        "logits": fmt(row["logits_max_abs"]),
-        "agree": DASH if row["argmax_agree"] is None else f"{row['argmax_agree']:.0%}",
-        "greedy": greedy_cell(row["greedy_same_prefix"], row["greedy_steps"]),
-        "css": {"diverged": "diverged", "error": "missing"}.get(row["verdict"], ""),
-    }
 
 
 def sweep_frame(sweep) -> pd.DataFrame:

@@ -16,14 +16,19 @@ CSS = """
 :root { --ok: #2e7d32; --bad: #c62828; --err: #6d4c41; --muted: #6b6b6b; --line: #ddd; }
 * { box-sizing: border-box; }
 body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
-       color: #222; max-width: 1120px; margin: 0 auto; padding: 16px 24px 48px; }
-h1 { font-size: 20px; margin: 4px 0 2px; }
-h2 { font-size: 16px; margin: 28px 0 8px; border-bottom: 1px solid var(--line); padding-bottom: 4px; }
-.sub { color: var(--muted); margin: 0 0 12px; overflow-wrap: anywhere; }
+       color: #222; max-width: 1320px; margin: 0 auto; padding: 10px 24px 40px; }
+header.top { display: flex; flex-wrap: wrap; align-items: baseline; gap: 4px 16px; }
+h1 { font-size: 19px; margin: 2px 0; }
+header.top .sub { margin: 0; flex: 1 1 400px; }
+nav { font-size: 13px; }
+nav a { color: #1f5fa8; margin-left: 10px; text-decoration: none; }
+h2 { font-size: 16px; margin: 22px 0 8px; border-bottom: 1px solid var(--line); padding-bottom: 4px; }
+h3 { font-size: 14px; margin: 10px 0 4px; }
+.sub { color: var(--muted); overflow-wrap: anywhere; }
 code, pre, .mono { font-family: ui-monospace, "SF Mono", Menlo, Consolas, monospace; font-size: 12.5px; }
-pre { background: #f6f8fa; border: 1px solid var(--line); border-radius: 4px; padding: 8px 10px;
+pre { background: #f6f8fa; border: 1px solid var(--line); border-radius: 4px; padding: 6px 10px; margin: 2px 0 8px;
       white-space: pre-wrap; overflow-wrap: anywhere; }
-.banner { border-radius: 6px; padding: 12px 16px; color: white; margin: 8px 0 4px; }
+.banner { border-radius: 6px; padding: 10px 16px; color: white; margin: 8px 0; }
 .banner .verdict { font-size: 20px; font-weight: 700; letter-spacing: .04em; margin-right: 10px; }
 .banner p { margin: 6px 0 0; overflow-wrap: anywhere; }
 .banner.match { background: var(--ok); }
@@ -32,51 +37,68 @@ pre { background: #f6f8fa; border: 1px solid var(--line); border-radius: 4px; pa
 .banner code { color: inherit; font-weight: 600; }
 .banner a { color: inherit; }
 .banner ul.hints { margin: 6px 0 0; padding-left: 20px; }
+.glance { display: grid; grid-template-columns: minmax(0, 800px) minmax(0, 1fr); gap: 20px; align-items: start; }
+.glance figure { margin: 0; }
+.glance table.kv td { overflow-wrap: anywhere; }
+.glance .next { margin-top: 10px; }
+.glance .next p { margin: 6px 0 2px; }
 table.audit tr.differs td { background: #fff3e0; }
 table { border-collapse: collapse; margin: 4px 0; }
 th, td { padding: 3px 9px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
 th { background: #f3f3f3; font-weight: 600; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-table.kv th { background: none; color: var(--muted); font-weight: 500; padding-left: 0; }
+table.kv th { background: none; color: var(--muted); font-weight: 500; padding-left: 0; white-space: nowrap; }
 .grid2 { display: grid; grid-template-columns: 1fr 1fr; gap: 16px; }
-.grid2 > div { min-width: 0; }
+.grid3 { display: grid; grid-template-columns: 1fr 1fr 1fr; gap: 16px; }
+.grid2 > div, .grid3 > div { min-width: 0; }
 figure { margin: 10px 0; page-break-inside: avoid; break-inside: avoid; }
 figure img { max-width: 100%; height: auto; border: 1px solid var(--line); }
 figcaption { color: var(--muted); font-size: 12.5px; }
-#points { font-size: 12.5px; width: 100%; }
-#points thead th { position: sticky; top: 0; cursor: pointer; }
-#points tr.diverged td { background: #fdecea; }
-#points tr.first td { background: #f9c9c4; font-weight: 600; }
-#points tr.missing td { color: #9a9a9a; background: #f7f7f7; font-style: italic; }
-#points tr.block td { border-top: 2px solid #cfcfcf; }
-#points td.point { font-family: ui-monospace, Menlo, Consolas, monospace; overflow-wrap: anywhere; }
+table.points { font-size: 12.5px; width: 100%; }
+table.points td, table.points th { padding: 1px 8px; line-height: 1.35; }
+p.pairs { display: flex; flex-wrap: wrap; gap: 2px 18px; margin: 4px 0; overflow-wrap: anywhere; }
+table.points thead th { position: sticky; top: 0; cursor: pointer; }
+table.points tr.diverged td { background: #fdecea; }
+table.points tr.first td { background: #f9c9c4; font-weight: 600; }
+table.points tr.nonfinite td { background: #f4b6b0; }
+table.points tr.missing td { color: #9a9a9a; background: #f7f7f7; font-style: italic; }
+table.points tr.block td { border-top: 2px solid #cfcfcf; }
+table.points td.point { font-family: ui-monospace, Menlo, Consolas, monospace; overflow-wrap: anywhere; }
+table.points td.why { color: var(--muted); }
+details.all { margin: 10px 0; }
+details.all > summary { cursor: pointer; font-weight: 600; margin: 6px 0; }
+.filters { margin: 6px 0; display: flex; gap: 12px; align-items: center; flex-wrap: wrap; }
+.filters input[type=search] { width: 320px; padding: 3px 6px; }
 .ids span { display: inline-block; padding: 0 3px; margin: 1px; border-radius: 3px; background: #f0f0f0; }
 .ids span.first { background: var(--bad); color: white; font-weight: 700; }
 .ids span.after { background: #fdecea; }
 .text { white-space: pre-wrap; overflow-wrap: anywhere; border: 1px solid var(--line);
-        border-radius: 4px; padding: 8px 10px; background: #fcfcfc; }
+        border-radius: 4px; padding: 6px 10px; background: #fcfcfc; }
 mark { background: #f9c9c4; }
 .muted { color: var(--muted); }
 ul.notes { margin: 8px 0; padding: 8px 12px 8px 28px; background: #fff8e1; border: 1px solid #f3e0a0;
            border-radius: 4px; overflow-wrap: anywhere; }
+ul.regime { margin: 4px 0; padding-left: 20px; overflow-wrap: anywhere; }
 .tokens { display: flex; flex-wrap: wrap; gap: 4px; }
 .tokcell { display: inline-flex; flex-direction: column; align-items: center; border: 1px solid var(--line);
-           border-radius: 4px; padding: 2px 6px; font-size: 12px; }
+           border-radius: 4px; padding: 1px 5px; font-size: 12px; }
 .tok { white-space: pre; background: #f0f0f0; border-radius: 3px; padding: 0 2px; }
-footer { margin-top: 32px; color: var(--muted); font-size: 12px; }
+footer { margin-top: 28px; color: var(--muted); font-size: 12px; }
+@media (max-width: 1000px) { .glance, .grid2, .grid3 { grid-template-columns: minmax(0, 1fr); } }
 @media print {
   body { max-width: none; padding: 0; font-size: 11px; }
-  .banner, #points tr td, .ids span { -webkit-print-color-adjust: exact; print-color-adjust: exact; }
-  #points thead { display: table-header-group; }
-  #points tr { break-inside: avoid; }
-  #points thead th { position: static; }
-  .noprint { display: none; }
+  .banner, table.points tr td, .ids span { -webkit-print-color-adjust: exact; print-color-adjust: exact; }
+  table.points thead { display: table-header-group; }
+  table.points tr { break-inside: avoid; }
+  table.points thead th { position: static; }
+  .noprint, nav, .filters { display: none; }
 }
 """
 
-# Click a column header to sort by it (numbers by their raw value); the page works without it.
-SORT_SCRIPT = """
-document.querySelectorAll("#points thead th").forEach(function (th, col) {
+# The page's one script (it works without it): click a column header to sort by it (numbers by their
+# raw value); type in the filter box or pick a status to show only the matching rows of the full table.
+SCRIPT = """
+document.querySelectorAll("table.points thead th").forEach(function (th, col) {
   th.addEventListener("click", function () {
     var body = th.closest("table").tBodies[0], rows = Array.from(body.rows);
     var dir = th.dataset.dir === "asc" ? -1 : 1; th.dataset.dir = dir > 0 ? "asc" : "desc";
@@ -87,6 +109,23 @@ document.querySelectorAll("#points thead th").forEach(function (th, col) {
     rows.forEach(function (r) { body.appendChild(r); });
   });
 });
+(function () {
+  var text = document.getElementById("filter-text"), status = document.getElementById("filter-status");
+  var table = document.getElementById("all-points"), count = document.getElementById("filter-count");
+  if (!text || !table) { return; }
+  function apply() {
+    var words = text.value.toLowerCase().split(/\\s+/).filter(Boolean), wanted = status.value, shown = 0;
+    Array.from(table.tBodies[0].rows).forEach(function (r) {
+      var name = r.cells[1].textContent.toLowerCase();
+      var ok = words.every(function (w) { return name.indexOf(w) >= 0; }) &&
+               (wanted === "" || r.classList.contains(wanted));
+      r.hidden = !ok; if (ok) { shown += 1; }
+    });
+    count.textContent = shown + " shown";
+  }
+  text.addEventListener("input", apply);
+  status.addEventListener("change", apply);
+})();
 """
 
 PAGE = """<!DOCTYPE html>
@@ -100,18 +139,43 @@ content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-sr
 <style>{{ css | safe }}</style>
 </head>
 <body>
+<header class="top">
 <h1>tracer report</h1>
 <p class="sub">{{ comparison }}</p>
+<nav class="noprint">{% for anchor, title in sections %}<a href="#{{ anchor }}">{{ title }}</a>{% endfor %}</nav>
+</header>
 
-<div class="banner {{ verdict }}">
+<div class="banner {{ verdict }}" id="verdict">
   <span class="verdict">{{ verdict_label }}</span>
   <span>{{ reference_label }} vs {{ candidate_label }} · fails when {{ tolerance }}</span>
   <p>{{ sentence }}{% if has_first_row %} <a class="noprint" href="#first-divergence">(row)</a>{% endif %}</p>
-  {% if hints %}<ul class="hints">{% for hint in hints %}<li>{{ hint }}</li>{% endfor %}</ul>{% endif %}
+  {% if hints %}<ul class="hints">{% for hint in hints %}<li>hint: {{ hint }}</li>{% endfor %}</ul>{% endif %}
 </div>
+
+<div class="glance">
+  {% if curve %}<figure>
+    <img src="{{ curve.uri }}" alt="{{ curve.alt }}" width="{{ curve.width }}" id="curve">
+    <figcaption>{{ curve.caption }}</figcaption>
+  </figure>{% else %}<div></div>{% endif %}
+  <div>
+    {% if facts %}<table class="kv" id="facts">
+      {% for key, value in facts %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>{% endfor %}
+    </table>{% endif %}
+    {% if steps %}<div class="next" id="next">
+      <h3>Next</h3>
+      {% for what, command in steps %}<p>{{ what }}:</p><pre>{{ command }}</pre>{% endfor %}
+    </div>{% endif %}
+  </div>
+</div>
+{% if notes %}
+<ul class="notes">
+  {% for note in notes %}<li>{{ note }}</li>{% endfor %}
+</ul>
+{% endif %}
+
 {% if regime %}
-<h2>Regime view</h2>
-<ul>{% for line in regime %}<li>{{ line }}</li>{% endfor %}</ul>
+<h2 id="regime">Regime view</h2>
+<ul class="regime">{% for line in regime %}<li>{{ line }}</li>{% endfor %}</ul>
 {% if regime_cost %}
 <table class="kv">
   <tr><th>where</th><th>the regime's own cost over f32 (largest rel_l2)</th></tr>
@@ -119,28 +183,9 @@ content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-sr
 </table>
 {% endif %}
 {% endif %}
-{% if notes %}
-<ul class="notes">
-  {% for note in notes %}<li>{{ note }}</li>{% endfor %}
-</ul>
-{% endif %}
-
-{% if logits or greedy %}
-<h2>Outputs</h2>
-<div class="grid2">
-  {% if logits %}<div>
-  <table class="kv">
-    {% for key, value in logits %}<tr><th>{{ key }}</th><td class="num">{{ value }}</td></tr>{% endfor %}
-  </table></div>{% endif %}
-  {% if greedy %}<div>
-  <table class="kv">
-    <tr><th>greedy continuation</th><td>{{ greedy.prefix_text }}</td></tr>
-  </table></div>{% endif %}
-</div>
-{% endif %}
 
 {% if figures %}
-<h2>Figures</h2>
+<h2 id="figures">Where the error is made</h2>
 {% for fig in figures %}
 <figure>
   <img src="{{ fig.uri }}" alt="{{ fig.alt }}" width="{{ fig.width }}">
@@ -149,44 +194,50 @@ content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-sr
 {% endfor %}
 {% endif %}
 
-{% if greedy %}
-<h2>Greedy continuations</h2>
-<div class="grid2">
-  {% for side in greedy.sides %}
-  <div>
-    <h3>{{ side.label }} <span class="muted">({{ side.role }})</span></h3>
-    <div class="text">{{ side.common }}{% if side.rest %}<mark>{{ side.rest }}</mark>{% endif %}</div>
-    <p class="ids mono">{% for tok in side.ids %}<span{% if tok.css %} class="{{ tok.css }}"{% endif %}\
-{% if tok.css == 'first' %} title="first differing token"{% endif %}>{{ tok.id }}</span>{% endfor %}</p>
-  </div>
-  {% endfor %}
-</div>
-{% endif %}
-
-{% if rows %}
-<h2>Points <span class="muted">({{ rows | length }}, execution order)</span></h2>
-<p class="muted noprint">Click a column header to sort. Red rows are out of tolerance, the first
-divergence is darker; grey rows were not recorded on one side (never counted as a divergence).</p>
-<table id="points">
+{% macro points_table(id, rows, why) %}
+<table class="points" id="{{ id }}">
 <thead><tr><th class="num">#</th><th>point</th><th class="num">layer</th><th>shape</th>
-<th class="num">max|diff|</th><th class="num">max|ref|</th><th class="num">rel_l2</th>
-<th class="num">cosine</th>{% if has_bounds %}\
-<th class="num" title="the rel_l2 this point may reach: a multiple of its rounding noise">tolerance</th>{% endif %}\
-<th>status</th></tr></thead>
+<th class="num">max|diff|</th><th class="num">max|ref|</th><th class="num">rel_l2</th>\
+{% if has_local %}<th class="num" title="rel_l2 with its block rerun on the reference's inputs: the error made \
+here, not inherited">local rel_l2</th>{% endif %}\
+{% if has_bounds %}<th class="num" title="the rel_l2 this point may reach: a multiple of its rounding noise">\
+tolerance</th>{% endif %}<th>status</th>{% if why %}<th>shown because</th>{% endif %}</tr></thead>
 <tbody>
-{% for r in rows %}<tr{% if r.css %} class="{{ r.css }}"{% endif %}{% if r.first %} id="first-divergence"{% endif %}>
+{% for r in rows %}<tr{% if r.css %} class="{{ r.css }}"{% endif %}\
+{% if why and r.first %} id="first-divergence"{% endif %}>
 <td class="num" data-v="{{ r.index }}">{{ r.index }}</td><td class="point">{{ r.point }}</td>
 <td class="num">{{ r.layer }}</td><td class="mono">{{ r.shape }}</td>
 {% for text, key in r.cells %}<td class="num" data-v="{{ key }}">{{ text }}</td>{% endfor %}
+{% if has_local %}<td class="num" data-v="{{ r.local[1] }}">{{ r.local[0] }}</td>{% endif %}\
 {% if has_bounds %}<td class="num" data-v="{{ r.bound[1] }}">{{ r.bound[0] }}</td>{% endif %}\
-<td>{{ r.status }}</td></tr>
+<td>{{ r.status }}</td>{% if why %}<td class="why">{{ r.why }}</td>{% endif %}</tr>
 {% endfor %}
 </tbody>
 </table>
+{% endmacro %}
+{% if rows %}
+<h2 id="points">Points <span class="muted">({{ key_rows | length }} of {{ rows | length }}: around the first \
+divergence, the worst of each layer, NaN/Inf; all of them below and in points.csv)</span></h2>
+<p class="muted noprint">Red rows are out of tolerance, the first divergence darker; grey rows were not
+recorded on one side (never counted as a divergence). Click a column header to sort.</p>
+{{ points_table("key-points", key_rows, true) }}
+<details class="all" id="all">
+<summary>All {{ rows | length }} points, in execution order</summary>
+<div class="filters noprint">
+  <input type="search" id="filter-text" placeholder="filter by name: q_rope, layers.3., mlp" aria-label="filter points">
+  <select id="filter-status" aria-label="status">
+    <option value="">every status</option><option value="diverged">diverged</option>
+    <option value="ok">within tolerance</option><option value="missing">not recorded</option>
+    <option value="nonfinite">NaN/Inf</option>
+  </select>
+  <span class="muted" id="filter-count"></span>
+</div>
+{{ points_table("all-points", rows, false) }}
+</details>
 {% endif %}
 
 {% if audit %}
-<h2>Config audit</h2>
+<h2 id="audit">Config audit</h2>
 {% if audit.readers %}
 {% if audit.resave %}<p class="muted">config.json as read after re-saving: \
 <code>{{ audit.resave }}</code></p>{% endif %}
@@ -216,7 +267,22 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
 {% else %}<pre>{{ audit.raw }}</pre>{% endif %}
 {% endif %}
 
-<h2>Settings</h2>
+{% if greedy %}
+<h2 id="greedy">Greedy continuations</h2>
+<div class="grid2">
+  {% for side in greedy.sides %}
+  <div>
+    <h3>{{ side.label }} <span class="muted">({{ side.role }})</span></h3>
+    <div class="text">{{ side.common }}{% if side.rest %}<mark>{{ side.rest }}</mark>{% endif %}</div>
+    <p class="ids mono">{% for tok in side.ids %}<span{% if tok.css %} class="{{ tok.css }}"{% endif %}\
+{% if tok.css == 'first' %} title="first differing token"{% endif %}>{{ tok.id }}</span>{% endfor %}</p>
+  </div>
+  {% endfor %}
+</div>
+{% endif %}
+
+<h2 id="reproduce">Reproduce</h2>
+{% if command %}<pre>{{ command }}</pre>{% else %}<p class="muted">No command recorded.</p>{% endif %}
 <div class="grid2">
   {% for side in sides %}
   <div>
@@ -233,12 +299,10 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
 </div>
 <table class="kv">
   <tr><th>model</th><td><code>{{ model }}</code></td></tr>
-  <tr><th>tolerance</th><td><code>{{ tolerance }}</code></td></tr>
-  {% for key, value in tolerance_params %}<tr><th>{{ key }}</th><td><code>{{ value }}</code></td></tr>{% endfor %}
+  <tr><th>tolerance</th><td><code>{{ tolerance }}</code>{% for key, value in tolerance_params %} \
+<span class="muted">{{ key }}</span> <code>{{ value }}</code>{% endfor %}</td></tr>
+  {% if prompt is not none %}<tr><th>prompt</th><td><pre>{{ prompt }}</pre></td></tr>{% endif %}
 </table>
-
-<h2>Input</h2>
-{% if prompt is not none %}<p>Prompt:</p><pre>{{ prompt }}</pre>{% endif %}
 {% if chat %}<p>Fed through the model's chat template\
 {% if chat.system is not none %} with a system message{% endif %} ({{ chat.tokens }} tokens):</p>\
 <pre>{{ chat.text }}</pre>{% endif %}
@@ -246,16 +310,11 @@ divergence is darker; grey rows were not recorded on one side (never counted as 
 <span class="mono">{{ t.id }}</span>{% if has_token_texts %}<span class="tok">{{ t.text }}</span>{% endif %}\
 </span>{% endfor %}</div>
 
-<h2>Reproduce</h2>
-{% if command %}<pre>{{ command }}</pre>{% else %}<p class="muted">No command recorded.</p>{% endif %}
-
-<h2>Environment</h2>
-<div class="grid2">
-  <table class="kv">{% for key, value in environment %}\
-<tr><th>{{ key }}</th><td><code>{{ value }}</code></td></tr>{% endfor %}</table>
-  {% if timings %}<table class="kv">{% for key, value in timings %}\
-<tr><th>{{ key }}</th><td class="num">{{ value }}</td></tr>{% endfor %}</table>{% endif %}
-</div>
+<h2 id="environment">Environment</h2>
+<p class="pairs">{% for key, value in environment %}<span><span class="muted">{{ key }}</span> \
+<code>{{ value }}</code></span>{% endfor %}</p>
+{% if timings %}<p class="pairs"><span class="muted">seconds:</span>{% for key, value in timings %}\
+<span><span class="muted">{{ key }}</span> {{ value }}</span>{% endfor %}</p>{% endif %}
 
 <footer>Generated by tracer {{ tracer_version }}. Self-contained: open offline, print, or attach to an issue.</footer>
 {% if rows %}<script>{{ script | safe }}</script>{% endif %}

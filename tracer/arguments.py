@@ -7,10 +7,11 @@ above `tracer.request`, so the API can derive its reproduction line from here.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 from pathlib import Path
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 from tracer.families import FAMILIES
 from tracer.request import DEFAULT_PROMPT
 
@@ -19,8 +20,25 @@ DEFAULT_SWEEP_OUT = "tracer-sweep"
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's usage dump is noise; one line, exit 2, like every user error
+    """argparse with every mistake as one line (its usage dump is noise), exit 2 like every user error,
+    and the closest flag, command or choice named when the word looks like a typo."""
+
+    commands: dict[str, argparse.ArgumentParser] | None = None  # the top parser's sub-commands
+
+    def error(self, message):
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            message += did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
         raise TracerError(message)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = (self.commands or {}).get(getattr(parsed, "command", None), self)
+            flags = [flag for action in command._actions for flag in action.option_strings]  # noqa: SLF001
+            unknown = next((word for word in extras if word.startswith("--")), "").partition("=")[0]
+            raise TracerError(f"unrecognized arguments: {' '.join(extras)}" + did_you_mean(unknown, flags))
+        return parsed
 
 
 def _parent() -> argparse.ArgumentParser:
@@ -114,6 +132,7 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="tracer", description="Find where a Llama port diverges from transformers.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     subs = {} if commands_out is None else commands_out
+    parser.commands = subs  # whose flags a typo is compared with
 
     def command(name: str, help: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
         subs[name] = commands.add_parser(name, help=help, parents=list(parents))

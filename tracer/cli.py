@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 from tracer.request import (
     DEFAULT_PROMPT,
     RUN_REPORT,
@@ -115,59 +115,69 @@ def cmd_record(args) -> int:
 def cmd_variants(args) -> int:
     from tracer.engines.registry import engines_honouring
     from tracer.families import FAMILIES
+    from tracer.reports.terminal import table, wrapped
     from tracer.variants import KNOBS, PRESETS, knobs_for, variant_text
 
     if args.family is not None and args.family not in FAMILIES:
-        raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}")
+        raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}"
+                          + did_you_mean(args.family, FAMILIES))
     knobs = knobs_for(args.family) if args.family else list(KNOBS.values())
-    rows = [("knob", "values", "default", "engines", "families", "reproduces")]
-    rows += [(k.name, k.accepted, k.default, ", ".join(engines_honouring(k.name)),
-              "all" if k.families is None else ",".join(k.families),
-              k.reproduces) for k in knobs]
-    _print_columns(rows)
+    rows = [(k.name, k.accepted, ", ".join(engines_honouring(k.name))) for k in knobs]
+    only = {k.name: "" if k.families is None or args.family else f" · {', '.join(k.families)} only" for k in knobs}
+    lines = table(("knob", "values", "engines"), rows,
+                  details=[f"default {k.default}{only[k.name]} · reproduces {k.reproduces}" for k in knobs])
     if args.family:
         family = FAMILIES[args.family]
-        print(f"\n{family.title}: {family.adds}")
-        for knob in (k for k in knobs if k.expected):
-            print(f"  {knob.representative(None) or knob.name}: first divergence {knob.expected}")
+        lines += ["", f"{family.title}: {family.adds}"]
+        lines += [f"  {knob.representative(None) or knob.name}: first divergence {knob.expected}"
+                  for knob in knobs if knob.expected]
     else:
-        print("\nfamilies and their own knobs (`tracer variants --family NAME` for one):")
-        _print_columns([(name, family.title, ", ".join(k.name for k in knobs_for(name) if k.families is not None))
+        lines += ["", "families and their own knobs (`tracer variants --family NAME` for one):"]
+        lines += table(("family", "", "its own knobs"),
+                       [(name, family.title, ", ".join(k.name for k in knobs_for(name) if k.families is not None))
                         for name, family in FAMILIES.items()])
-    for name, preset in PRESETS.items():
-        print(f"\npreset={name} stands for {variant_text(preset)} (explicit knobs override it; Llama only)")
-    print("knobs combine: --variant theta=10000,rope=interleaved")
+    lines.append("")
+    lines += [f"preset={name} stands for {variant_text(preset)} (explicit knobs override it; Llama only)"
+              for name, preset in PRESETS.items()]
+    lines.append("knobs combine: --variant theta=10000,rope=interleaved")
+    print(wrapped(lines))
     return 0
-
-
-def _print_columns(rows: list[tuple]) -> None:
-    """Rows of text cells, every column but the last padded to its widest cell."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
 
 
 def cmd_engines(args) -> int:
     from tracer.engines.registry import ENGINES
     from tracer.points import FUSED_AWAY
+    from tracer.reports.terminal import command_lines, table, terminal_width, wrap
 
-    for entry in ENGINES.values():
-        missing = entry.missing_runtime()
+    def runtime(entry) -> str:
         versions = ", ".join(f"{dist} {version}" for dist, version in entry.runtime_versions().items() if version)
-        installed = (f"not installed: pip install -e '.[{entry.extra}]'" if missing and entry.extra
-                     else f"not installed: {', '.join(missing)}" if missing
-                     else f"installed ({versions or 'built in'})")
-        print(f"{entry.usage}: {entry.summary}")
-        print(f"  runtime    {installed}")
-        print(f"  knobs      {', '.join(entry.honoured) or 'none'}")
+        return "not installed" if entry.missing_runtime() else versions or "built in"
+
+    lines = table(("engine", "runtime", "devices", "families"),
+                  [(e.usage, runtime(e), ", ".join(e.devices), "all" if e.families is None else ", ".join(e.families))
+                   for e in ENGINES.values()])
+    for entry in ENGINES.values():
         fused = f" but {', '.join(FUSED_AWAY)} under fused attention ({entry.fused_attention})"
-        fused = fused if entry.fused_attention else ""
-        print(f"  records    every point{fused}")
         abilities = [("local (teacher-forced) errors", entry.local_errors), ("greedy decoding", entry.logits),
                      ("a cached draft", entry.draft), ("streamed weights", entry.stream)]
-        print(f"  can        {', '.join(name for name, able in abilities if able) or 'compare only'}")
-        print(f"  devices    {', '.join(entry.devices)}")
-        print(f"  families   {'all' if entry.families is None else ', '.join(entry.families)}")
+        fields = [
+            ("runtime", f"installed ({runtime(entry)})"),
+            ("knobs", ", ".join(entry.honoured) or "none"),
+            ("records", f"every point{fused if entry.fused_attention else ''}"),
+            ("can", ", ".join(name for name, able in abilities if able) or "compare only"),
+        ]
+        lines += ["", *wrap(f"{entry.usage}: {entry.summary}")]
+        if entry.missing_runtime():
+            fields[0] = ("runtime", "not installed" + (f" ({entry.install_note})" if entry.install_note else "")
+                         + f": {entry.install}")
+        for key, value in fields:
+            line = f"  {key:<9}{value}"
+            if key == "runtime" and len(line) > terminal_width():  # the command on lines of its own, to paste
+                line, command = line.split(": ", 1)
+                lines += [*wrap(line + ":", hang=9), *command_lines(command, indent=" " * 11)]
+            else:
+                lines += wrap(line, hang=9)
+    print("\n".join(lines))
     return 0
 
 
@@ -181,7 +191,7 @@ def cmd_sweep(args) -> int:
         parse_variant(text)  # a knob the candidate cannot honour is that row's error, said in the table
     check_greedy(args.greedy)
     from tracer.api import sweep_values
-    from tracer.reports.sweep import sweep_markdown
+    from tracer.reports.terminal import sweep_summary
 
     result = sweep_values(inputs, placement, outputs, variants=args.variants, reference=args.reference,
                           reference_variant=reference_variant, candidate=args.candidate, greedy=args.greedy,
@@ -189,9 +199,7 @@ def cmd_sweep(args) -> int:
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
-        print(sweep_markdown(result), end="")
-        print(f"{len(result.rows)} variants in {sum(result.timings.values()):.1f} s"
-              + ("" if outputs.report is None else f"; report: {Path(outputs.report) / 'sweep.html'}"))
+        print(sweep_summary(result, outputs.report))
     return 0
 
 

@@ -13,3 +13,15 @@ def one_line(exc: BaseException, limit: int = 200) -> str:
     """Another library's exception message as one line, short enough for a one-line CLI error."""
     text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip()) or type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def did_you_mean(name: str, choices) -> str:
+    """"; did you mean theta?" when one of `choices` is close to `name` (a typo), else "".
+
+    difflib's ratio at its usual cutoff: one letter dropped, doubled or swapped in a short name
+    passes ("thetaa" -> "theta", "--variantt" -> "--variant"), an unrelated word does not.
+    """
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(choice) for choice in choices], n=1)
+    return f"; did you mean {close[0]}?" if close else ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 from tracer.families import FAMILIES, Family
 
 DTYPES = ("f32", "bf16", "f16", "f64")
@@ -314,8 +314,8 @@ def parse_variant(spec: str | dict | None) -> dict[str, Any]:
     """`"theta=10000,attn=sdpa"` (or a dict, or a list of such strings) -> {"theta": 10000.0, ...}.
 
     Raises:
-        TracerError: unknown knob (listing the valid ones), malformed pair, or bad value
-            (quoting the accepted form).
+        TracerError: unknown knob (with the closest name when it looks like a typo), malformed pair,
+            or bad value (quoting the accepted form).
     """
     if not spec:
         return {}
@@ -328,13 +328,14 @@ def parse_variant(spec: str | dict | None) -> dict[str, Any]:
     for name, text in pairs:
         knob = KNOBS.get(name)
         if knob is None:
-            raise TracerError(f"unknown knob {name!r}; valid knobs: {', '.join(KNOBS)}")
+            raise TracerError(f"unknown knob {name!r} (`tracer variants` lists every knob){did_you_mean(name, KNOBS)}")
         if name in variant:
             raise TracerError(f"knob {name!r} is given twice")
         try:
             variant[name] = knob.parse(text)
         except ValueError:
-            raise TracerError(f"bad value {text!r} for knob {name!r}; expected {knob.accepted}") from None
+            raise TracerError(f"bad value {text!r} for knob {name!r}; expected {knob.accepted}"
+                              + did_you_mean(text, knob.values or ())) from None
     return variant
 
 

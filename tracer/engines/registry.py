@@ -11,7 +11,7 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 from tracer.points import FUSED_AWAY
 from tracer.variants import KNOBS
 
@@ -38,6 +38,8 @@ class EngineEntry:
         stream: it can read weights block by block (`stream=True`).
         argument: what follows the colon ("PATH"), or None; `argument_required` when it must.
         extra: the pip extra that installs its runtime (`pip install -e '.[extra]'`).
+        install_env: environment the install needs before `pip`, as the README writes it (llama.cpp
+            compiles: its build flags), and install_note what to expect of it.
         requires: (import name, distribution) pairs its runtime needs.
         greedy: how its greedy continuation is taken. "uncached": decoded the way an uncached
             forward over the whole sequence decodes it, each step checked with `logits` (a
@@ -71,6 +73,8 @@ class EngineEntry:
     argument: str | None = None
     argument_required: bool = False
     extra: str | None = None
+    install_env: str = ""
+    install_note: str = ""
     requires: tuple[tuple[str, str], ...] = ()
     noise_floor: bool = False
     offload: bool = False
@@ -101,6 +105,13 @@ class EngineEntry:
         if self.argument is None:
             return self.name
         return f"{self.name}:{self.argument}" if self.argument_required else f"{self.name}[:{self.argument}]"
+
+    @property
+    def install(self) -> str:
+        """The command that installs its runtime, exactly as the README gives it (from a clone)."""
+        if self.extra is None:
+            return f"pip install {' '.join(dist for _, dist in self.requires)}"
+        return f"{self.install_env}pip install{' --no-cache-dir' if self.install_env else ''} -e '.[{self.extra}]'"
 
     def missing_runtime(self) -> list[str]:
         """The distributions its runtime needs that are not installed here."""
@@ -161,6 +172,11 @@ ENGINES: dict[str, EngineEntry] = {
             knobs=("theta", "kv_cache", "flash_attn", "threads"),
             fused_attention="flash_attn=on, or auto where the backend has it",
             draft=True, greedy="cached", argument="PATH", extra="llamacpp",
+            # no wheel on the index: pip compiles llama.cpp, without AMX (docs/engine-llamacpp.md: in a VM that
+            # does not hand AMX's tile state over, an AMX build dies with a general-protection fault); no pip
+            # cache, which may hold a wheel built with AMX
+            install_env='CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" ',
+            install_note="compiles llama.cpp without AMX, about 5 minutes on 2 cores",
             requires=(("llama_cpp", "llama-cpp-python"),), isolated=True,
             # Qwen2's sliding window (llama.cpp ignores it) and Qwen3's q/k norms (nodes not mapped onto
             # points yet) keep the other families out until their cells match (tests/unit/test_matrix.py).
@@ -188,7 +204,8 @@ def parse_engine(name: str) -> tuple[EngineEntry, str | None]:
     base, colon, argument = name.partition(":")
     entry = ENGINES.get(base)
     if entry is None:
-        raise TracerError(f"unknown engine {name!r}; engines: {', '.join(e.usage for e in ENGINES.values())}")
+        raise TracerError(f"unknown engine {name!r}; engines: {', '.join(e.usage for e in ENGINES.values())}"
+                          + did_you_mean(base, ENGINES))
     if colon and entry.argument is None:
         raise TracerError(f"the {base} engine takes no argument after ':' (got {name!r})")
     if colon and not argument:
@@ -203,8 +220,9 @@ def check_runtime(entry: EngineEntry) -> None:
     """A runtime that is not installed is one line naming the extra that installs it."""
     missing = entry.missing_runtime()
     if missing:
-        install = f"pip install -e '.[{entry.extra}]'" if entry.extra else f"pip install {' '.join(missing)}"
-        raise TracerError(f"the {entry.name} engine needs {', '.join(missing)}, which is not installed: {install}")
+        note = f" ({entry.install_note})" if entry.install_note else ""
+        raise TracerError(f"the {entry.name} engine needs {', '.join(missing)}, which is not installed: "
+                          f"{entry.install}{note}")
 
 
 def engines_honouring(knob: str) -> tuple[str, ...]:
