@@ -202,8 +202,10 @@ def plot_series(ax, x, values, missing, diverged, floor, color, label):
 def set_log_limits(ax, floor: float, *series: np.ndarray) -> None:
     values = np.concatenate(series)
     peak = np.max(values[np.isfinite(values)], initial=floor)
-    ax.set_yscale("log")
+    # limits first: a series drawn only as markers on the floor (every value an exact 0) leaves the
+    # data limits empty, and switching an empty axis to log scale warns
     ax.set_ylim(floor / 4, max(peak, floor * 10) * 100)  # headroom above for the annotation
+    ax.set_yscale("log")
 
 
 def add_tolerance(ax, threshold: float | None) -> None:

@@ -8,7 +8,7 @@ from tracer.reports.summary import DASH, fmt, greedy_cell, percent
 
 # Why the greedy column is empty when it is: `tracer sweep` decodes nothing unless asked (each
 # greedy token costs a forward per variant), while `tracer run` decodes 20 tokens by default.
-GREEDY_OFF = "greedy decoding off: `--greedy N` decodes N tokens per variant and compares them with the reference's"
+GREEDY_OFF = "greedy decoding off: --greedy N decodes N tokens per variant and compares them with the reference's"
 
 
 def sweep_rows(summary: dict) -> list[dict]:

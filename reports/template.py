@@ -65,6 +65,7 @@ table.points tr.missing td { color: #9a9a9a; background: #f7f7f7; font-style: it
 table.points tr.block td { border-top: 2px solid #cfcfcf; }
 table.points td.point { font-family: ui-monospace, Menlo, Consolas, monospace; overflow-wrap: anywhere; }
 table.points td.why { color: var(--muted); }
+table.points.nowrap td.point { white-space: nowrap; }
 details.all { margin: 10px 0; }
 details.all > summary { cursor: pointer; font-weight: 600; margin: 6px 0; }
 .filters { margin: 6px 0; display: flex; gap: 12px; align-items: center; flex-wrap: wrap; }

@@ -167,7 +167,8 @@ def sweep_summary(sweep, out_dir=None) -> str:
 
     s = sweep.to_dict() if hasattr(sweep, "to_dict") else sweep
     cells = [sweep_cells(row) for row in sweep_rows(s)]
-    lines = [f"tracer sweep: {len(cells)} variants of {(s.get('candidate') or {}).get('engine', '?')} against "
+    variants = f"{len(cells)} variant" + ("" if len(cells) == 1 else "s")
+    lines = [f"tracer sweep: {variants} of {(s.get('candidate') or {}).get('engine', '?')} against "
              f"{side_label(s.get('reference'))} on {model_name(s)}",
              f"  {input_label(s)}; criterion {tolerance_text(s)}"]
     lines += table(("variant", "verdict", "first divergence", "rel_l2", "logits max|diff|", "greedy"),
@@ -177,6 +178,6 @@ def sweep_summary(sweep, out_dir=None) -> str:
     if note:
         lines.append(note)
     seconds = sum((s.get("timings") or {}).values())
-    lines.append(f"{len(cells)} variants in {seconds:.1f} s" + ("" if out_dir is None else
+    lines.append(f"{variants} in {seconds:.1f} s" + ("" if out_dir is None else
                                                                   f"; report: {out_dir}/sweep.html"))
     return wrapped(lines)

@@ -218,13 +218,17 @@ def cmd_diagnose(args) -> int:
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
+        from tracer.reports.terminal import table, wrapped
+
         first = result.observed.first_divergence
-        print(f"observed: {result.observed.verdict}" + (f", first divergence {first.point}" if first else ""))
-        for rank, entry in enumerate(result.ranking[:5], 1):
-            print(f"  {rank}. {entry['variant']:<28} resemblance {entry['score']:.2f}  "
-                  f"({entry['verdict']}{', from ' + entry['first_divergence'] if entry['first_divergence'] else ''})")
+        lines = [f"observed: {result.observed.verdict}" + (f", first divergence {first.point}" if first else "")]
+        lines += table(("", "variant", "resemblance", "its verdict"),
+                       [(f"{rank}.", entry["variant"], f"{entry['score']:.2f}", entry["verdict"] + (
+                           f", from {entry['first_divergence']}" if entry["first_divergence"] else ""))
+                        for rank, entry in enumerate(result.ranking[:5], 1)])
         if result.best:
-            print(f"your trace behaves most like {result.best['variant']}")
+            lines.append(f"your trace behaves most like {result.best['variant']}")
+        print(wrapped(lines))
     return 0
 
 
@@ -243,6 +247,8 @@ def cmd_config(args) -> int:
 
 
 def _audit_text(report: dict) -> str:
+    from tracer.reports.terminal import wrap
+
     lines = [] if report["resave"] == "none" else [f"config as re-saved by transformers 5 (resave={report['resave']})"]
     for name, entry in report["readers"].items():
         lines.append(f"{name} reader:")
@@ -256,7 +262,7 @@ def _audit_text(report: dict) -> str:
     lines.append("readers differ on: " + ("; ".join(
         f"{key} " + ", ".join(f"{reader} {json.dumps(value)}" for reader, value in values.items())
         for key, values in differences.items()) if differences else "nothing"))
-    return "\n".join(lines)
+    return "\n".join(piece for line in lines for piece in wrap(line, hang=11 if line.startswith("  ") else 4))
 
 
 def _command_line() -> str:

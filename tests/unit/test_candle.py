@@ -196,5 +196,5 @@ def test_without_the_extra_tracer_engines_says_how_to_install_it_and_the_rest_wo
     assert main(["engines"]) == 0
     listing = capsys.readouterr().out
     assert "candle[:PATH]: candle's own CPU kernels" in listing
-    assert "runtime    not installed: pip install -e '.[candle]'" in listing
+    assert "  runtime  not installed: pip install -e '.[candle]'" in listing
     assert tracer.record(tiny_llama(), TOKENS, engine="reimpl").tensors  # nothing else imports candle

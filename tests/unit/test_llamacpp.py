@@ -181,7 +181,9 @@ def test_a_missing_runtime_is_one_line_naming_the_extra(tiny, monkeypatch):
     with pytest.raises(TracerError) as info:
         tracer.record(tiny[0], TOKENS, engine="llamacpp", progress=False)
     assert str(info.value) == ("the llamacpp engine needs llama-cpp-python, which is not installed: "
-                               "pip install -e '.[llamacpp]'")
+                               'CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" pip install '
+                               "--no-cache-dir -e '.[llamacpp]' (compiles llama.cpp without AMX, about 5 minutes on 2 "
+                               "cores)")
     with pytest.raises(TracerError):
         check_runtime(ENGINES["llamacpp"])
 

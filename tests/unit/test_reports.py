@@ -13,7 +13,7 @@ import tracer.diff as diff
 import tracer.reports as reports
 import tracer.reports.figures as report_figures
 from tracer.errors import TracerError
-from tracer.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order
+from tracer.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order, split_point
 from tracer.result import PointDiff, Result, Tolerance
 
 TOL = 1e-4
@@ -52,7 +52,9 @@ def scale_of(point: str, n_layers: int) -> float:
 
 
 def make_points(n_layers: int, tokens: int, diverge_at: str | None, missing: tuple[str, ...] = (),
-                dims: dict | None = None) -> list[dict]:
+                dims: dict | None = None, local: bool = False) -> list[dict]:
+    """Points as the diff engine writes them; `local`: with the error each makes on the reference's
+    inputs (each block's points up to the diverging op's sub-point exact, the rest its total error)."""
     dims = dims or {"heads": 4, "kv_heads": 2, "head_dim": 16, "hidden": 64, "inter": 128, "vocab": 256}
     names = all_points(n_layers)
     start = names.index(diverge_at) if diverge_at else len(names)
@@ -75,6 +77,10 @@ def make_points(n_layers: int, tokens: int, diverge_at: str | None, missing: tup
                      "recorded": True, "missing_on": None, "max_abs": rel * ref * 2.5,
                      "max_ref": ref, "rel_l2": rel, "cosine": 1 - rel * rel / 2,
                      "diverged": rel > TOL})
+        if local:
+            made = layer is not None and diverge_at is not None and \
+                LAYER_POINTS_INDEX[split_point(name)[1]] >= LAYER_POINTS_INDEX[split_point(diverge_at)[1]]
+            rows[-1]["local_rel_l2"] = rel if made or i < start else 0.0
     return rows
 
 
@@ -91,11 +97,12 @@ def first_divergence(rows: list[dict], point: str) -> dict:
 
 def make_summary(verdict: str = "diverged", n_layers: int = 4, prompt: str | None = "The capital of France is",
                  missing: tuple[str, ...] = ("self_attn.scores",), diverge_at: str | None = None,
-                 **dims) -> dict:
+                 local: bool = False, **dims) -> dict:
     tokens = [504, 3575, 282, 4649, 314]
     if verdict == "diverged" and diverge_at is None:
         diverge_at = "model.layers.1.self_attn.q_rope"
-    rows = [] if verdict == "error" else make_points(n_layers, len(tokens), diverge_at, missing, dims or None)
+    rows = [] if verdict == "error" else make_points(n_layers, len(tokens), diverge_at, missing, dims or None,
+                                                     local)
     theta = verdict != "match"
     greedy = None if verdict == "error" else {
         "reference": [7042, 30, 378, 3575, 282, 4649, 314, 7042] + [30] * 12,
@@ -192,7 +199,10 @@ def test_pngs_are_legible_images(tmp_path):
     width, height = png_size((out / "curve.png").read_bytes())
     assert 900 <= width <= 1600 and 450 <= height <= 900
     width, height = png_size((out / "heatmap.png").read_bytes())
-    assert width >= 900 and height >= 300
+    assert width >= 850 and height >= 300  # one panel: the summary has no local errors
+    out = reports.write_report(make_summary("diverged", local=True), tmp_path / "s")
+    width, height = png_size((out / "heatmap.png").read_bytes())
+    assert 1100 <= width <= 1270 and height >= 300  # local beside total, within the page's 1272 px
 
 
 def test_formats_select_files(tmp_path):
@@ -275,7 +285,7 @@ def test_html_states_verdict_and_first_divergence():
     assert "Everything up to model.layers.1.self_attn.v_proj agrees at rounding level" in page
     assert 'id="first-divergence"' in page
     assert "18/20 tokens same prefix, first flip at step 19 (18/20 positions agree)" in page
-    assert "4/5 positions, 80%" in page
+    assert "argmax agrees at 4/5 positions" in page
     assert page.count("data:image/png;base64,") == 2
 
 
@@ -318,7 +328,8 @@ def test_html_escapes_user_text():
 
 def test_html_marks_missing_points_and_diverged_rows():
     page = render(make_summary("diverged"))
-    assert page.count('<tr class="missing"') == 4
+    every = page.split('id="all-points"')[1]
+    assert every.count('<tr class="missing"') == 4
     assert "not recorded on candidate" in page
     assert '<tr class="diverged' in page
 
@@ -484,13 +495,35 @@ def test_curve_draws_the_noise_band_and_per_point_tolerance():
     assert low < 1e-8
 
 
-def test_heatmap_colours_cells_by_their_own_verdict():
-    summary = with_noise(make_summary("diverged"))
-    images = reports.layer_heatmap_figure(summary).axes[0].images
-    within, out = (image.get_array() for image in images)
-    q_rope = LAYER_POINTS_INDEX["self_attn.q_rope"]
-    assert within.mask[1, q_rope] and not out.mask[1, q_rope]  # layer 1 q_rope diverged
-    assert not within.mask[0, q_rope] and out.mask[0, q_rope]  # layer 0 q_rope within
+def test_heatmap_shows_where_error_is_made_beside_where_it_is_carried():
+    summary = with_noise(make_summary("diverged", local=True))
+    fig = reports.layer_heatmap_figure(summary)
+    local_ax, total_ax, bar = fig.axes
+    local, total = local_ax.images[0].get_array(), total_ax.images[0].get_array()
+    assert local.shape == total.shape == (4, 17)
+    q_rope = [t.get_text() for t in local_ax.get_xticklabels()].index("q_rope")
+    # each cell is its error over its own tolerance: 1 is the tolerance
+    assert (local[0] <= 1).all()  # layer 0 agrees at rounding level
+    assert (local[1:, :q_rope] <= 1).all() and (local[1:, q_rope] > 1).all()  # q_rope makes it
+    assert (total[2:, :q_rope] > 1).all()  # ... and every later op carries it
+    assert local.mask[:, LAYER_POINTS_INDEX["self_attn.scores"]].all()  # not recorded
+    assert {text.get_text() for text in bar.texts} == {"in", "near", "out"}
+    assert sorted(line.get_ydata()[0] for line in bar.lines) == [report_figures.NEAR, 1.0]
+    # the first divergence is framed, no label sits on the cells
+    frames = [patch for patch in local_ax.patches if patch.get_linewidth() > 2]
+    assert [(frame.get_x(), frame.get_y()) for frame in frames] == [(q_rope - 0.5, 0.5)]
+    assert len(local_ax.texts) == len(total_ax.texts) == 0
+
+
+def test_heatmap_without_local_errors_or_a_rel_l2_bound():
+    summary = make_summary("diverged")
+    fig = reports.layer_heatmap_figure(summary)
+    assert len(fig.axes) == 2  # the total error alone, and its colour bar
+    summary["tolerance"] = {"criterion": "elementwise", "atol": 1e-5, "rtol": 1e-4, "text": "|diff| > ..."}
+    ax = reports.layer_heatmap_figure(summary).axes[0]
+    crosses = [line for line in ax.get_lines() if line.get_marker() == "x"]
+    diverged = sum(p["diverged"] for p in summary["points"] if p["layer"] is not None)
+    assert len(crosses[0].get_xdata()) == diverged  # out-of-tolerance cells crossed: no bound to colour by
 
 
 # --- config audit, Markdown size ---------------------------------------------------------------
@@ -511,7 +544,7 @@ def tf5_audit() -> dict:
 def test_html_renders_the_config_audit():
     summary = make_summary("diverged") | {"config_audit": tf5_audit()}
     page = render(summary)
-    assert "<h2>Config audit</h2>" in page
+    assert '<h2 id="audit">Config audit</h2>' in page
     row = re.search(r'<tr class="differs"><td><code>rope_theta</code></td>(.*?)</tr>', page).group(1)
     assert re.findall(r"<code>([^<]*)</code>", row) == ["100000.0", "10000.0"]
     assert "<code>rope_parameters</code>" in page  # candle ignores it
@@ -521,7 +554,7 @@ def test_html_renders_the_config_audit():
 
 def test_unknown_audit_shapes_are_shown_not_dropped():
     page = render(make_summary("diverged") | {"config_audit": {"note": "<odd>"}})
-    assert "<h2>Config audit</h2>" in page and "&lt;odd&gt;" in page
+    assert '<h2 id="audit">Config audit</h2>' in page and "&lt;odd&gt;" in page
 
 
 def test_markdown_is_sized_for_a_comment_and_names_the_png():

@@ -136,7 +136,11 @@ def test_cli_sweep_prints_one_json_object(tiny_llama, capsys, tmp_path):
     code = main(["sweep", "--model", str(model), "--tokens", "1,2,3,4", "--variants", "eps=1e-3",
                  "--greedy", "0", "--out", str(tmp_path / "s")])
     out, _ = capsys.readouterr()
-    assert code == 0 and "`model.layers.0.input_layernorm`" in out and (tmp_path / "s" / "sweep.html").is_file()
+    assert code == 0 and (tmp_path / "s" / "sweep.html").is_file()
+    row = next(line for line in out.splitlines() if line.startswith("eps=0.001"))
+    assert row.split()[:3] == ["eps=0.001", "diverged", "model.layers.0.input_layernorm"]  # a table, not Markdown
+    assert "greedy decoding off: --greedy N decodes N tokens per variant" in out
+    assert "| variant |" not in out and "\\|" not in out  # no Markdown on the terminal
 
 
 def test_a_variant_costs_one_candidate_forward_unless_greedy_is_asked(tiny_llama, monkeypatch):

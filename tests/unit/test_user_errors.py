@@ -100,10 +100,38 @@ def saved_trace(tmp: Path, tokens=TOKENS, name: str = "trace.safetensors") -> Pa
 # --- the table --------------------------------------------------------------------------------
 
 
-@row("unknown knob", r"unknown knob 'thetta'; valid knobs: " + re.escape(", ".join(KNOBS)))
+@row("unknown knob", r"unknown knob 'thetaa' \(`tracer variants` lists every knob\); did you mean theta\?")
 def _(tmp):
     m = model(tmp)
-    return run_args(tmp, m, "--variant", "thetta=10000"), api_run(m, tmp, variant="thetta=10000")
+    return run_args(tmp, m, "--variant", "thetaa=10000"), api_run(m, tmp, variant="thetaa=10000")
+
+
+@row("unknown knob, no close name", r"unknown knob 'zzz' \(`tracer variants` lists every knob\)")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--variant", "zzz=1"), api_run(m, tmp, variant="zzz=1")
+
+
+@row("knob value typo", r"bad value 'interleave' for knob 'rope'; expected half \| interleaved; "
+                        r"did you mean interleaved\?")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--variant", "rope=interleave"), api_run(m, tmp, variant="rope=interleave")
+
+
+@row("flag typo", r"unrecognized arguments: --variantt theta=10000; did you mean --variant\?")
+def _(tmp):
+    return run_args(tmp, model(tmp), "--variantt", "theta=10000"), None
+
+
+@row("command typo", r"argument command: invalid choice: 'rnu' \(choose from .*\); did you mean run\?")
+def _(tmp):
+    return ["rnu"], None
+
+
+@row("family typo", r"unknown family 'lama'; families: llama, .*; did you mean llama\?")
+def _(tmp):
+    return ["variants", "--family", "lama"], None
 
 
 @row("bad knob value", r"bad value 'abc' for knob 'theta'; expected " + re.escape(KNOBS["theta"].accepted))
@@ -337,6 +365,12 @@ def _(tmp):
 def _(tmp):
     m = model(tmp)
     return run_args(tmp, m, "--candidate", "jax"), lambda: tracer.run(m, tokens=TOKENS, candidate="jax")
+
+
+@row("engine typo", r"unknown engine 'llamacp'; engines: hf, .*; did you mean llamacpp\?")
+def _(tmp):
+    m = model(tmp)
+    return run_args(tmp, m, "--candidate", "llamacp"), lambda: tracer.run(m, tokens=TOKENS, candidate="llamacp")
 
 
 @row("reference file that is not a trace", r"cannot read trace .*/notes\.txt: .*")
