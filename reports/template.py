@@ -99,9 +99,9 @@ footer { margin-top: 28px; color: var(--muted); font-size: 12px; }
 # The page's one script (it works without it): click a column header to sort by it (numbers by their
 # raw value); type in the filter box or pick a status to show only the matching rows of the full table.
 SCRIPT = """
-document.querySelectorAll("table.points thead th").forEach(function (th, col) {
+document.querySelectorAll("table.points thead th").forEach(function (th) {
   th.addEventListener("click", function () {
-    var body = th.closest("table").tBodies[0], rows = Array.from(body.rows);
+    var col = th.cellIndex, body = th.closest("table").tBodies[0], rows = Array.from(body.rows);
     var dir = th.dataset.dir === "asc" ? -1 : 1; th.dataset.dir = dir > 0 ? "asc" : "desc";
     function key(r) {
       var c = r.cells[col]; return c.dataset.v !== undefined ? parseFloat(c.dataset.v) : c.textContent;

@@ -5,10 +5,13 @@ noise): the error starts at that op and propagates like a real port bug. The dum
 as candle and llama.cpp lay them out (tests/dumps.py).
 """
 
+import json
+
 import pytest
 
 import tracer
 from tests.dumps import candle_dump, faulty_trace, ggml_dump, save_dump
+from tests.readme import run_recipe
 from tracer.errors import TracerError
 from tracer.testing import assert_traces_close
 
@@ -49,6 +52,16 @@ def test_candle_dump_with_a_faulty_mlp_is_localized_to_that_down_proj(reference,
     assert any("dropped a leading batch dimension of 1" in note for note in result.notes)
     missing = [p.point for p in result.points if p.missing_on == "candidate"]
     assert len(missing) == 30 * 7  # q_rope, k_rope, scores, probs, context, resid_mid, act: not candle fields
+
+
+def test_the_readme_dump_recipe_localizes_the_same_fault(default_model, candle_fault, tmp_path):
+    """The README's recipe for a dump from your code, as written: the dump is candle's layout of the
+    faulty run, ./my-model the bundled model."""
+    run_recipe("A dump from your code", tmp_path, {"my-model": default_model, "my-dump.safetensors": candle_fault})
+    summary = json.loads((tmp_path / "tracer-report" / "summary.json").read_text())
+    assert summary["verdict"] == "diverged"
+    assert summary["first_divergence"]["point"] == f"model.layers.{FAULT_LAYER}.mlp.down_proj"
+    assert (tmp_path / "tracer-report" / "report.html").is_file()
 
 
 def test_ggml_dump_with_only_block_outputs_is_localized_to_the_block(faulty, reference, folder):

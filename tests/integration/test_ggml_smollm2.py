@@ -10,10 +10,13 @@ tensor corrupted in the file is the first divergence in the regime and invisible
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 import tracer
+from tests.readme import run_recipe
 from tracer.engines.load import load_engine
 from tracer.layouts import sub_point
 
@@ -100,20 +103,24 @@ def test_block_quantized_weights_diverge_at_the_first_projection(default_model, 
     assert {"q8_0": 1e-3, "q4_0": 1e-2}[kind] < result.first_divergence.rel_l2 < 0.1
 
 
-def test_regime_auto_reads_llama_cpp_as_correct_and_keeps_the_raw_view(default_model, llamacpp_trace):
-    result = tracer.run(default_model, tokens=PROMPT_IDS, candidate="llamacpp", regime="auto", greedy=3,
-                        progress=False)
-    regime = result.regime
-    assert regime.variant == LLAMACPP and result.verdict == "match"
-    compared = [p for p in result.points if p.recorded]
+def test_regime_auto_reads_llama_cpp_as_correct_and_keeps_the_raw_view(default_model, tmp_path):
+    """The README's GGUF recipe, as written: ./my-model the bundled model's directory, my-model.gguf its GGUF."""
+    from tracer.sources import bundled_gguf
+
+    run_recipe("A GGUF", tmp_path, {"my-model": default_model, "my-model.gguf": bundled_gguf()})
+    result = json.loads((tmp_path / "tracer-report" / "summary.json").read_text())
+    regime = result["regime"]
+    assert regime["variant"] == LLAMACPP and result["verdict"] == "match"
+    compared = [p for p in result["points"] if p["recorded"]]
     assert len(compared) == 453
-    if not regime.caveats:  # this machine's CPU takes the code paths emulated
-        assert all(p.rel_l2 == 0 for p in compared) and set(regime.per_op.values()) == {0.0}
-    raw = regime.raw.first_divergence
-    assert raw.layer == 0 and sub_point(raw.point) in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    if not regime["caveats"]:  # this machine's CPU takes the code paths emulated
+        assert all(p["rel_l2"] == 0 for p in compared) and set(regime["per_op"].values()) == {0.0}
+    raw = regime["raw"]["first_divergence"]
+    assert raw["layer"] == 0 and sub_point(raw["point"]) in ("self_attn.q_proj", "self_attn.k_proj",
+                                                             "self_attn.v_proj")
     # what the Q4_1/Q8_1 regime costs over f32, where a user of this GGUF pays it
-    assert regime.cost["model.layers.0.input_layernorm"] < 1e-6 and regime.cost["lm_head"] > 1e-2
-    assert result.greedy.candidate  # llama.cpp's own continuation beside the f32 reference's
+    assert regime["cost"]["model.layers.0.input_layernorm"] < 1e-6 and regime["cost"]["lm_head"] > 1e-2
+    assert result["greedy"]["candidate"]  # llama.cpp's own continuation beside the f32 reference's
 
 
 def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):

@@ -1,12 +1,16 @@
 """The live runtime engines (mlx, onnx) on the bundled SmolLM2-135M-Instruct, f32, CPU.
 
 MLX's CPU build is slow here (seconds for a 5-token forward): its runs decode few greedy tokens.
-The ONNX exports (f32, and f16 for the sweep) are made once into the user's cache.
+The ONNX exports (f32, and f16 for the sweep) are made once into the user's cache; the f32 run is
+the README's live-runtime recipe, run as written.
 """
+
+import json
 
 import pytest
 
 import tracer
+from tests.readme import run_recipe
 from tracer.points import all_points, layer_point
 
 PROMPT = "The capital of France is"
@@ -20,10 +24,11 @@ def mlx_run(default_model):
 
 
 @pytest.fixture(scope="module")
-def onnx_run(default_model):
-    pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxscript")
-    return tracer.run(default_model, PROMPT, candidate="onnx", progress=False).to_dict()
+def onnx_run(default_model, tmp_path_factory):
+    """The README's live-runtime recipe, as written, with ./my-model the bundled model."""
+    folder = tmp_path_factory.mktemp("recipe")
+    run_recipe("A live runtime", folder, {"my-model": default_model})
+    return json.loads((folder / "tracer-report" / "summary.json").read_text())
 
 
 def test_mlx_matches_at_every_point_it_records(mlx_run):

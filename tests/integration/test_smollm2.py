@@ -3,8 +3,10 @@ SmolLM2-135M-Instruct (f32, CPU)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,20 +93,45 @@ def test_eager_vs_sdpa_matches(default_model):
     assert {p.point.rsplit(".", 1)[-1] for p in result.not_recorded} == {"scores", "probs"}
 
 
-def test_cli_main_job_writes_the_report(default_model, tmp_path):
-    """The `tracer` command in a child, which also says whether it imported matplotlib itself: with
-    two cores its drawers (tracer.reports.drawers), forked as it starts, draw every figure."""
-    out = tmp_path / "report"
+def readme_output() -> list[str]:
+    """The lines the README says the main job prints."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## What the main job prints")[1]
+    return re.search(r"```\n(.*?)```", section, flags=re.S).group(1).splitlines()
+
+
+def without_cache_note(lines: list[str]) -> list[str]:
+    """The output less the note a run with a warm cache adds (the README shows a first run)."""
+    kept, in_note = [], False
+    for line in lines:
+        in_note = line.startswith("  note: noise floor and reference greedy") or (in_note and line.startswith(" " * 6))
+        if not in_note:
+            kept.append(line)
+    return kept
+
+
+def test_cli_main_job_prints_what_the_readme_shows_and_writes_the_report(default_model, tmp_path):
+    """The `tracer` command in a child on a 100-column terminal: its output is the README's, line for
+    line (the model's cache path and the report folder aside), none wider than 100 columns. The child
+    also says whether it imported matplotlib itself: with two cores its drawers
+    (tracer.reports.drawers), forked as it starts, draw every figure."""
+    out = tmp_path / "tracer-report"  # the default folder, in the child's working directory
     wrapper = ("import sys\nfrom tracer.cli import console_main\n"
                "try:\n    code = console_main()\n"
                "finally:\n    print('MATPLOTLIB', 'matplotlib' in sys.modules, file=sys.stderr)\n"
                "sys.exit(code)")
-    proc = subprocess.run([sys.executable, "-c", wrapper, "run", "--variant", "theta=10000", "--out", str(out),
-                           "--json", "-"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", wrapper, "run", "--variant", "theta=10000", "--json", "summary.json"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=os.environ | {"COLUMNS": "100"})
     assert proc.returncode == 0, proc.stderr
     if len(os.sched_getaffinity(0)) >= 2:
         assert "MATPLOTLIB False" in proc.stderr
-    payload = json.loads(proc.stdout)
+    printed = proc.stdout.splitlines()
+    assert max(len(line) for line in printed + proc.stderr.splitlines()) <= 100
+    expected = readme_output()
+    assert printed[0].startswith("tracer: hf vs reimpl[theta=10000] on ")  # the model's cache path is this machine's
+    assert without_cache_note(printed[1:]) == expected[1:]
+    payload = json.loads((tmp_path / "summary.json").read_text())
     assert payload["first_divergence"]["point"] == "model.layers.0.self_attn.q_rope"
     html = (out / "report.html").read_text()
     assert "model.layers.0.self_attn.q_rope" in html and "diverged" in html.lower()

@@ -1,6 +1,7 @@
 """The README's two commands stay true: CI runs the test command exactly as written."""
 
 import re
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,3 +66,32 @@ def test_every_flag_is_explained_in_the_readme_or_a_page_it_links():
     missing = sorted({flag for parser in commands().values() for flag in long_flags(parser)
                       if not re.search(re.escape(flag) + r"(?![\w-])", text)})
     assert missing == []
+
+
+def test_the_three_recipes_are_valid_commands_and_installs():
+    """Each recipe line parses as a tracer command or is an engine's install command, flags included
+    (the integration tests run them: test_runtimes_smollm2, test_ggml_smollm2, test_foreign_traces)."""
+    from tests.readme import recipes
+    from tracer.cli import build_parser
+    from tracer.engines.registry import ENGINES
+
+    found = recipes()
+    assert list(found) == ["A live runtime", "A GGUF", "A dump from your code"]
+    installs = {entry.install for entry in ENGINES.values()}
+    for line in (line for lines in found.values() for line in lines):
+        if line.startswith("tracer "):
+            build_parser().parse_args(shlex.split(line)[1:])
+        else:
+            assert line in installs, line
+
+
+def test_a_missing_extra_is_named_with_the_readmes_install_command():
+    from tracer.engines.registry import ENGINES
+
+    readme = (ROOT / "README.md").read_text()
+    llamacpp = ENGINES["llamacpp"].install
+    assert llamacpp in readme and "-mno-amx-int8" in llamacpp and "--no-cache-dir" in llamacpp
+    assert ENGINES["onnx"].install in readme
+    for entry in ENGINES.values():  # the others: the same line with their extra
+        if entry.extra and not entry.install_env:
+            assert entry.install == ENGINES["onnx"].install.replace("onnx", entry.extra)

@@ -14,6 +14,7 @@ import tracer.reports as reports
 import tracer.reports.figures as report_figures
 from tracer.errors import TracerError
 from tracer.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order, split_point
+from tracer.reports.summary import next_steps
 from tracer.result import PointDiff, Result, Tolerance
 
 TOL = 1e-4
@@ -612,3 +613,63 @@ def test_a_drawer_that_dies_leaves_its_figures_to_the_process(monkeypatch):
     os.kill(drawers._started[0].pid, signal.SIGKILL)  # the curve's drawer
     images = drawers.report_images(make_summary())
     assert list(images) == ["curve.png", "heatmap.png"] and images["curve.png"][:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the first screen, the points that matter, what to run next -------------------------------
+
+
+def test_the_first_screen_states_the_error_made_and_inherited_and_what_to_run_next():
+    summary = with_noise(with_breakdown(make_summary("diverged", local=True)))
+    summary["first_divergence"] |= {"local_rel_l2": 0.21, "threshold": 1e-6}
+    page = render(summary)
+    glance = page.split('<div class="glance">')[1].split("</div>\n</div>")[0]
+    facts = dict(re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td></tr>", glance))
+    assert facts["first divergence"] == "model.layers.1.self_attn.q_rope"
+    assert facts["error made there"].startswith("rel_l2 0.21, 2.1e+05× its tolerance 1e-06")
+    assert facts["error it inherits"].startswith("rel_l2 ≤ ") and "over the 21 points before it" in \
+        facts["error it inherits"]
+    assert facts["greedy, 20 tokens"].startswith("18/20 tokens same prefix")
+    commands = re.findall(r"<pre>(.*?)</pre>", glance)
+    assert commands == ["tracer run --variant theta=10000", "tracer sweep"]  # repeat it; every planted mistake
+
+
+@pytest.mark.parametrize("command, expected", [
+    ("tracer run --model m.gguf --candidate llamacpp --regime auto --prompt 'a b'",
+     ["tracer record --engine llamacpp --model m.gguf --prompt 'a b' -o candidate.safetensors",
+      "tracer diagnose candidate.safetensors --model m.gguf"]),
+    ("tracer compare ref.safetensors port.safetensors", ["tracer diagnose port.safetensors"]),
+    ("tracer run --candidate file:dump.safetensors", ["tracer diagnose dump.safetensors"]),
+])
+def test_a_port_that_diverges_is_told_how_to_find_the_mistake_that_reproduces_it(command, expected):
+    summary = make_summary("diverged") | {"command": command}
+    summary["candidate"] = {"engine": "llamacpp", "variant": {}, "label": "llamacpp"}
+    steps = [step for _, step in next_steps(summary)]
+    assert steps == [command, *expected]
+
+
+def test_the_points_table_is_collapsed_to_what_matters_and_whole_behind_a_disclosure():
+    summary = make_summary("diverged", n_layers=6)
+    summary["points"][-4]["rel_l2"] = "nan"  # a NaN in the last block
+    page = render(summary)
+    key, every = page.split('id="key-points"')[1].split('id="all-points"')
+    shown = re.findall(r'<td class="point">(.*?)</td>', key)
+    why = dict(zip(shown, re.findall(r'<td class="why">(.*?)</td>', key)))
+    assert why["model.layers.1.self_attn.q_rope"].startswith("first divergence")
+    assert why["model.layers.1.self_attn.k_proj"] == "upstream of it"
+    assert why["model.layers.1.self_attn.k_rope"].startswith("downstream of it")
+    assert sum("worst of layer" in reason for reason in why.values()) == 6
+    assert "NaN/Inf" in why[summary["points"][-4]["point"]]
+    assert len(shown) < len(summary["points"]) / 3
+    assert len(re.findall(r'<td class="point">', every)) == len(summary["points"])  # all of them, one click away
+    assert '<details class="all" id="all">' in page and 'id="filter-text"' in page
+    assert page.count("<script>") == 1 and "https://" not in page
+
+
+def test_a_regime_report_keeps_its_lines_in_one_section_others_can_extend():
+    summary = make_summary("match") | {"regime": {"label": "preset=llamacpp", "verdict_view": "free",
+                                                  "raw": {"verdict": "diverged", "reference": {"label": "hf"}},
+                                                  "caveats": ["<no AMX>"]}}
+    page = render(summary)
+    section = page.split('<h2 id="regime">Regime view</h2>')[1].split("<h2")[0]
+    assert "raw view against f32 hf: diverged" in section and "caveat: &lt;no AMX&gt;" in section
+    assert '<a href="#regime">' in page
