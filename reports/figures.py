@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from dataclasses import dataclass
 
 import matplotlib
@@ -56,6 +57,24 @@ STYLE = {
 def plain(text: str) -> str:
     """User text for a matplotlib label: a '$' would otherwise switch on mathtext."""
     return text.replace("$", r"\$")
+
+
+def figure_title(fig: Figure, text: str, points: float = 11) -> str:
+    """A title that fits the figure's width (a long model path or prompt would run off both edges):
+    broken between its " — " parts first, inside a part at words only where one is too long; user
+    text made safe for mathtext."""
+    width = int(fig.get_figwidth() * 72 / (0.62 * points))  # characters of bold sans at that size
+    lines = []
+    for line in plain(text).split("\n"):
+        current = ""
+        for part in line.split(" — "):
+            joined = f"{current} — {part}" if current else part
+            if current and len(joined) > width:
+                lines.append(current)
+                joined = part
+            current = joined
+        lines += textwrap.wrap(current, width, break_long_words=False) or [""]
+    return "\n".join(lines)
 
 
 def new_figure(size: tuple[float, float]) -> Figure:
@@ -290,7 +309,7 @@ def figure_legend(fig: Figure, axes) -> None:
 
 
 def set_titles(fig: Figure, ax, summary: Summary) -> None:
-    fig.suptitle(plain(comparison_title(summary)), fontsize=11, fontweight="bold")
+    fig.suptitle(figure_title(fig, comparison_title(summary)), fontsize=11, fontweight="bold")
     verdict = str(summary.get("verdict", "?")).upper()
     ax.set_title(plain(f"{verdict}   ·   fails when {tolerance_text(summary)}"), loc="left",
                  color="#444444")
@@ -299,7 +318,7 @@ def set_titles(fig: Figure, ax, summary: Summary) -> None:
 def empty_figure(fig: Figure, summary: Summary) -> Figure:
     """What a run without points (a failed run) draws: the reason, in place of a curve."""
     reason = summary.get("error") or "no points were compared"
-    fig.suptitle(plain(comparison_title(summary)), fontsize=11, fontweight="bold")
+    fig.suptitle(figure_title(fig, comparison_title(summary)), fontsize=11, fontweight="bold")
     fig.text(0.5, 0.5, plain(f"Nothing to plot.\n{reason}"), ha="center", va="center",
              fontsize=11, color="#555555", wrap=True)
     return fig
@@ -421,7 +440,7 @@ def layer_heatmap_figure(summary) -> Figure:
             outline_first_divergence(ax, summary, grid.columns)
             ax.set_title(title, loc="left", color="#444444", fontsize=8.5)
         heat_colorbar(fig, axes, image, by_bound)
-        fig.suptitle(plain(comparison_title(summary)), fontsize=11, fontweight="bold")
+        fig.suptitle(figure_title(fig, comparison_title(summary)), fontsize=11, fontweight="bold")
         fig.supxlabel(heat_legend(summary, by_bound), fontsize=8, color="#444444")
     return fig
 
@@ -584,7 +603,7 @@ def breakdown_figure(summary) -> Figure:
             ax.set_ylabel(metric)
             ax.set_xlabel("token (position: text)" if key == "by_position" else head_axis(first))
             ax.set_title("per position" if key == "by_position" else "per head", loc="left", color="#444444")
-        fig.suptitle(plain(f"{comparison_title(summary)}\nfirst divergence: {first.get('point')}"),
+        fig.suptitle(figure_title(fig, f"{comparison_title(summary)}\nfirst divergence: {first.get('point')}"),
                      fontsize=10.5, fontweight="bold")
     return fig
 

@@ -17,6 +17,7 @@ from tracer.reports.summary import (
     divergence_facts,
     fmt,
     hints,
+    next_steps,
     outcome_facts,
     points,
     regime_lines,
@@ -32,6 +33,12 @@ def text(value) -> str:
 
 def cell(value) -> str:
     return text(value).replace("|", r"\|").replace("\n", " ")
+
+
+def inline_code(body: str) -> str:
+    """`body` as inline code whose backtick run is longer than any inside it (shown literally)."""
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", body)), default=0) + 1)
+    return f"{fence} {body} {fence}" if len(fence) > 1 else f"`{body}`"
 
 
 def fenced(body: str, lang: str = "") -> str:
@@ -67,6 +74,9 @@ def markdown_summary(result) -> str:
         parts.append(coarse_table(summary))
     if summary.get("command"):
         parts.append("Reproduce:\n\n" + fenced(str(summary["command"]), "sh"))
+    then = [(what, command) for what, command in next_steps(summary) if command != summary.get("command")]
+    if then:
+        parts.append("Next:\n\n" + "\n".join(f"- {text(what)}: {inline_code(command)}" for what, command in then))
     env = summary.get("environment") or {}
     if env:
         parts.append(text(" · ".join(f"{k} {v}" for k, v in env.items())))

@@ -372,6 +372,8 @@ def divergence_facts(summary: Summary) -> list[tuple[str, str]]:
         worst = worst_point(summary)
         if worst is None:
             return []
+        if number(worst["rel_l2"]) == 0:
+            return [("largest error", "none: every compared point is exactly equal")]
         bound = number(worst.get("threshold"))
         of = f" (its tolerance {fmt(bound)})" if bound else ""
         return [("largest error", f"rel_l2 {fmt(worst['rel_l2'])}{of} at {worst['point']}")]
