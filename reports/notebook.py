@@ -26,7 +26,7 @@ from tracer.reports.summary import (
     tolerance_text,
     verdict_sentence,
 )
-from tracer.reports.table import display_rows
+from tracer.reports.table import display_rows, has_local
 from tracer.reports.template import ENV
 
 # Every selector starts with the scope class: nothing here can restyle the rest of the notebook.
@@ -69,10 +69,12 @@ RESULT = ENV.from_string("""<div class="tracer-nb">
 {% if rows %}
 <details{% if open_rows %} open{% endif %}><summary>{{ rows_title }}</summary>
 <table class="tn">
-<tr><th>point</th><th>shape</th><th>max|diff|</th><th>max|ref|</th><th>rel_l2</th><th>cosine</th><th>status</th></tr>
+<tr><th>point</th><th>shape</th><th>max|diff|</th><th>max|ref|</th><th>rel_l2</th>\
+{% if has_local %}<th title="its block rerun on the reference's inputs">local rel_l2</th>{% endif %}<th>status</th></tr>
 {% for r in rows %}<tr{% if r.css %} class="{{ r.css }}"{% endif %}><td><code>{{ r.point }}</code></td>\
 <td>{{ r.shape }}</td>
-{% for text, key in r.cells %}<td class="num">{{ text }}</td>{% endfor %}<td>{{ r.status }}</td></tr>
+{% for text, key in r.cells %}<td class="num">{{ text }}</td>{% endfor %}\
+{% if has_local %}<td class="num">{{ r.local[0] }}</td>{% endif %}<td>{{ r.status }}</td></tr>
 {% endfor %}
 </table>
 </details>
@@ -127,7 +129,7 @@ def result_html(result, *, figure: bool = True) -> str:
         tolerance=tolerance_text(summary), sentence=verdict_sentence(summary), hints=hints(summary),
         notes=[str(n) for n in summary.get("notes") or []], outputs=outputs, curve=curve,
         rows=rows, rows_title=title, open_rows=open_rows, points_count=len(summary.get("points") or []),
-        has_breakdown=has_breakdown(summary),
+        has_breakdown=has_breakdown(summary), has_local=has_local(summary),
     )
 
 
