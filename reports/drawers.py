@@ -4,8 +4,8 @@ Drawing is Python holding the GIL (matplotlib's import, text layout), about a se
 The command forks its drawers before it loads torch, while it is one thread (a fork copies only
 the calling thread: a lock another thread held would stay held in the child): each drawer imports
 matplotlib on the second core while the command imports torch and loads the model, then waits for
-the summary. `report_images` hands the summary to them; the curve is drawn by one, the other
-figures by the other, side by side, and the command itself never imports matplotlib. A drawer that
+the summary. `report_images` hands the summary to them; the curve and the breakdown are drawn by
+one, the two-panel heatmap by the other, side by side, and the command itself never imports matplotlib. A drawer that
 fails or takes longer than `SECONDS` is given up, and its figures are drawn in the process. Where
 nothing started drawers (the Python API, Jupyter, one core, not Linux) the figures are drawn in
 the process, one after another.
@@ -27,7 +27,7 @@ from tracer.reports.summary import as_summary, figure_names
 
 # A drawer draws its figures in well under a second; past this it is stuck.
 SECONDS = 20
-GROUPS = (("curve.png",), ("heatmap.png", "breakdown.png"))  # what each drawer draws, where it applies
+GROUPS = (("curve.png", "breakdown.png"), ("heatmap.png",))  # each drawer's figures (about equal time)
 
 
 @dataclass
