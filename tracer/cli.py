@@ -147,38 +147,40 @@ def cmd_variants(args) -> int:
 def cmd_engines(args) -> int:
     from tracer.engines.registry import ENGINES
     from tracer.points import FUSED_AWAY
-    from tracer.reports.terminal import command_lines, table, terminal_width, wrap
-
-    def runtime(entry) -> str:
-        versions = ", ".join(f"{dist} {version}" for dist, version in entry.runtime_versions().items() if version)
-        return "not installed" if entry.missing_runtime() else versions or "built in"
+    from tracer.reports.terminal import table, wrap
 
     lines = table(("engine", "runtime", "devices", "families"),
-                  [(e.usage, runtime(e), ", ".join(e.devices), "all" if e.families is None else ", ".join(e.families))
+                  [(e.usage, _runtime(e), ", ".join(e.devices), "all" if e.families is None else ", ".join(e.families))
                    for e in ENGINES.values()])
     for entry in ENGINES.values():
         fused = f" but {', '.join(FUSED_AWAY)} under fused attention ({entry.fused_attention})"
         abilities = [("local (teacher-forced) errors", entry.local_errors), ("greedy decoding", entry.logits),
                      ("a cached draft", entry.draft), ("streamed weights", entry.stream)]
-        fields = [
-            ("runtime", f"installed ({runtime(entry)})"),
-            ("knobs", ", ".join(entry.honoured) or "none"),
-            ("records", f"every point{fused if entry.fused_attention else ''}"),
-            ("can", ", ".join(name for name, able in abilities if able) or "compare only"),
-        ]
-        lines += ["", *wrap(f"{entry.usage}: {entry.summary}")]
-        if entry.missing_runtime():
-            fields[0] = ("runtime", "not installed" + (f" ({entry.install_note})" if entry.install_note else "")
-                         + f": {entry.install}")
-        for key, value in fields:
-            line = f"  {key:<9}{value}"
-            if key == "runtime" and len(line) > terminal_width():  # the command on lines of its own, to paste
-                line, command = line.split(": ", 1)
-                lines += [*wrap(line + ":", hang=9), *command_lines(command, indent=" " * 11)]
-            else:
-                lines += wrap(line, hang=9)
+        lines += ["", *wrap(f"{entry.usage}: {entry.summary}"), *_runtime_lines(entry)]
+        for key, value in (("knobs", ", ".join(entry.honoured) or "none"),
+                           ("records", f"every point{fused if entry.fused_attention else ''}"),
+                           ("can", ", ".join(name for name, able in abilities if able) or "compare only")):
+            lines += wrap(f"  {key:<9}{value}", hang=9)
     print("\n".join(lines))
     return 0
+
+
+def _runtime(entry) -> str:
+    versions = ", ".join(f"{dist} {version}" for dist, version in entry.runtime_versions().items() if version)
+    return "not installed" if entry.missing_runtime() else versions or "built in"
+
+
+def _runtime_lines(entry) -> list[str]:
+    """`tracer engines`' runtime line; a missing one with the README's install command, on lines of its
+    own (split where a shell joins them) when it does not fit beside the words."""
+    from tracer.reports.terminal import command_lines, terminal_width, wrap
+
+    if not entry.missing_runtime():
+        return wrap(f"  runtime  installed ({_runtime(entry)})", hang=9)
+    said = "  runtime  not installed" + (f" ({entry.install_note})" if entry.install_note else "") + ":"
+    if len(f"{said} {entry.install}") <= terminal_width():
+        return [f"{said} {entry.install}"]
+    return [*wrap(said, hang=9), *command_lines(entry.install, indent=" " * 11)]
 
 
 def cmd_sweep(args) -> int:
