@@ -78,9 +78,11 @@ def audit_weights(knobs: dict, source: ModelSource) -> WeightAudit:
     from) audited against the model's own weights (`tracer.ggml.audit`)."""
     from tracer.ggml.audit import audit_gguf
     from tracer.ggml.strategies import gguf_path
+    from tracer.sources import check_gguf_header
     from tracer.weights import WeightFiles
 
     path = Path(knobs["gguf_file"]) if knobs.get("gguf_file") else gguf_path(source.config().get("tracer_source"))
+    check_gguf_header(path)
     reference = dict(source.module.state_dict()) if source.loaded else WeightFiles(source.directory)
     return audit_gguf(path, reference)
 

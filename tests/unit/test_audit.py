@@ -81,8 +81,8 @@ def test_a_file_of_another_model_is_one_line(kquant, tmp_path):
 
     _, files = kquant
     other = write_tiny_llama(tmp_path / "other")  # 64 wide
-    with pytest.raises(TracerError, match=r"Q4_K_M.gguf is not a file of this model: its token_embd.weight is "
-                                          r"\(288, 256\), the model's lm_head.weight is") as info:
+    with pytest.raises(TracerError, match=r"Q4_K_M.gguf is not a file of this model: its output_norm.weight is "
+                                          r"\(256,\), the model's model.norm.weight is \(64,\)") as info:
         audit_gguf(files["Q4_K_M"], WeightFiles(other))
     assert "\n" not in str(info.value)
 

@@ -5,6 +5,8 @@ earlier point within its floor (exactly 0 where the kernels are emulated)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import tracer
@@ -32,9 +34,9 @@ def kquant(tmp_path_factory):
     }
 
 
-def regime_run(model, gguf):
+def regime_run(model, gguf, out=None):
     return tracer.run(model, tokens=TOKENS, reference="reimpl", candidate=f"llamacpp:{gguf}", regime="auto",
-                      greedy=0, progress=False)
+                      greedy=0, progress=False, out=out)
 
 
 @pytest.mark.parametrize("name", ["Q4_K_M-imatrix", "F16"])
@@ -49,9 +51,9 @@ def test_a_correct_file_reads_match_on_its_own_tensor_types(kquant, name):
     assert regime.raw.verdict == "diverged"  # the file's formats against f32
 
 
-def test_a_damaged_block_shows_at_its_op_with_everything_before_it_within_its_floor(kquant):
+def test_a_damaged_block_shows_at_its_op_with_everything_before_it_within_its_floor(kquant, tmp_path):
     model, files = kquant
-    result = regime_run(model, files["damaged"])
+    result = regime_run(model, files["damaged"], out=tmp_path / "report")
     regime = result.regime
     assert regime.audit.damaged == ("blk.1.attn_k.weight",)
     assert regime.variant["requantize"] == "blk.1.attn_k"
@@ -65,6 +67,10 @@ def test_a_damaged_block_shows_at_its_op_with_everything_before_it_within_its_fl
         assert all(p.rel_l2 <= p.threshold for p in upstream)
         assert all(p.rel_l2 == 0.0 for p in upstream if not p.point.endswith("_proj"))
     assert first.rel_l2 > 100 * first.threshold
-    lines = terminal_summary(result)
-    assert "audit: blk.1.attn_k.weight (Q4_K) damaged: one block of 128 at " in lines
-    assert "requantize=blk.1.attn_k" in lines
+    line = "audit: blk.1.attn_k.weight (Q4_K) damaged: one block of 128 at "
+    assert line in terminal_summary(result) and "requantize=blk.1.attn_k" in terminal_summary(result)
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["regime"]["audit"]["damaged"][0]["tensor"] == "blk.1.attn_k.weight"
+    assert summary["regime"]["variant"]["gguf_file"] == str(files["damaged"].resolve())  # the file, exactly
+    assert line in (tmp_path / "report" / "summary.md").read_text()
+    assert line in (tmp_path / "report" / "report.html").read_text()

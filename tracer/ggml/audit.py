@@ -166,12 +166,14 @@ def audit_gguf(path: str | Path, reference: Mapping[str, torch.Tensor], quantize
         TracerError: the file is not one of this model (a tensor the reference lacks, another shape).
 
     Example:
-        >>> audit = audit_gguf("smol-Q4_K_M.gguf", WeightFiles(tracer.default_model_path()))
+        >>> from tracer.sources import bundled_gguf
+        >>> from tracer.weights import WeightFiles
+        >>> audit = audit_gguf(bundled_gguf(), WeightFiles(tracer.default_model_path()))  # its own conversion
         >>> audit.verdict, audit.count("identical")
         ('identical', 272)
     """
     from tracer.ggml.quantizer import ggml_quantizer, quantizer_name
-    from tracer.ggml.strategies import GGUFWeights, check_same_model
+    from tracer.ggml.strategies import GGUFWeights, check_same_model, reference_tensor
 
     started = time.perf_counter()
     path = Path(path)
@@ -195,25 +197,10 @@ def audit_gguf(path: str | Path, reference: Mapping[str, torch.Tensor], quantize
                        seconds=time.perf_counter() - started)
 
 
-def reference_tensor(reference: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The reference's tensor for an HF name; the output layer of tied embeddings is the embedding."""
-    if name == "lm_head.weight" and name not in reference:
-        name = "model.embed_tokens.weight"
-    return reference[name]
-
-
-def gguf_rows(weights, name: str, rows: int) -> np.ndarray | None:
-    """Index of the reference's rows in the file's order (q/k rows are permuted in GGUF), or None."""
-    from tracer.ggml.strategies import PERMUTED
-    from tracer.layouts import to_interleaved
-
-    if not name.endswith(PERMUTED):
-        return None
-    return to_interleaved(torch.arange(rows)[None], weights.head_dim)[0].numpy()
-
-
 def _audit_tensor(weights, name: str, tensor: torch.Tensor, quantizer) -> _Tally | TensorAudit:
     """The tally of one tensor's blocks (a `TensorAudit` at once for a type the audit cannot judge)."""
+    from tracer.ggml.strategies import gguf_rows
+
     info = weights.names[name]
     kind, values = info.kind, tensor.reshape(-1, info.shape[-1]) if tensor.ndim > 1 else tensor[None]
     block = FLOAT_BLOCK if kind in MANTISSA_BITS else quantizer_block(kind)
@@ -374,6 +361,8 @@ def _worst_distance(shifted: np.ndarray, level: np.ndarray, judged: np.ndarray, 
 def _unchecked(weights, name: str, values: torch.Tensor, quantizer, blocks: int) -> TensorAudit:
     """A type the audit has no level layout for (IQ4_NL, IQ4_XS), or one ggml quantizes only with an
     importance matrix: identical or not, but a difference is not judged."""
+    from tracer.ggml.strategies import gguf_rows
+
     info = weights.names[name]
     kind = info.kind
     if quantizer.requires_imatrix(kind):

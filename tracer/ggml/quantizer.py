@@ -47,10 +47,11 @@ class GgmlQuantizer:
     """ggml's quantize and dequantize functions from one `libggml-base` shared library.
 
     Example:
-        >>> quantizer = ggml_quantizer()
-        >>> raw = quantizer.quantize("q8_0", np.ones((2, 32), np.float32))  # (R, bytes per row)
-        >>> raw.shape, quantizer.dequantize("q8_0", raw, (2, 32)).max()
-        ((2, 34), 1.0)
+        >>> quantizer = ggml_quantizer()  # None without llama-cpp-python
+        >>> rows = np.linspace(-1, 1, 64, dtype=np.float32)[None]  # (1, 64)
+        >>> raw = quantizer.quantize("q8_0", rows)  # (R, bytes per row): two blocks of 2 + 32 bytes
+        >>> raw.shape, bool(abs(quantizer.dequantize("q8_0", raw, rows.shape) - rows).max() < 1 / 254)
+        ((1, 68), True)
     """
 
     def __init__(self, library: Path):

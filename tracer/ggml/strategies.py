@@ -179,8 +179,6 @@ class RequantizedWeights(Mapping):
         if name not in self.replaced:
             return self.weights[name]
         if name not in self.cache:
-            from tracer.ggml.audit import gguf_rows, reference_tensor
-
             info = self.weights.names[name]
             values = reference_tensor(self.reference, name).to(F32).reshape(info.shape[0], -1)  # (R, C)
             order = gguf_rows(self.weights, name, info.shape[0])
@@ -199,6 +197,20 @@ class RequantizedWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.weights)
+
+
+def reference_tensor(reference: Mapping, name: str) -> torch.Tensor:
+    """A model's tensor for an HF name; the output layer of tied embeddings is the embedding."""
+    if name == "lm_head.weight" and name not in reference:
+        name = "model.embed_tokens.weight"
+    return reference[name]
+
+
+def gguf_rows(weights: GGUFWeights, name: str, rows: int) -> np.ndarray | None:
+    """Index of a model's rows in a GGUF's order (q/k rows are permuted there), or None: same order."""
+    if not name.endswith(PERMUTED):
+        return None
+    return to_interleaved(torch.arange(rows)[None], weights.head_dim)[0].numpy()
 
 
 def gguf_name(name: str) -> str | None:
