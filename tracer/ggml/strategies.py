@@ -3,8 +3,10 @@
 Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
 
 - `weights`: q4_0 | q4_1 | q5_0 | q5_1 | q8_0 (every projection quantized by the gguf package's
-  reference quantizer; embeddings and norms as loaded) or `gguf` (every tensor of the GGUF file
-  the model directory was converted from, each in its own type, q/k rows un-permuted to HF order).
+  reference quantizer; embeddings and norms as loaded) or `gguf` (every tensor of a GGUF file, each
+  in its own type, q/k rows un-permuted to HF order: `gguf_file`, another quantization of the same
+  model, else the file the model directory was converted from; `requantize` names tensors taken
+  as llama.cpp's quantizer makes them from the loaded weights instead).
 - `act_quant`: none | q8_0 | q8_1 | q8_k | auto (each quantized weight's vec-dot type, as ggml).
 - `act_round`: even (x86) | away (ggml's portable reference): ties of the activation rounding.
 - `kv_cache`: f32 | f16 | bf16 | q8_0: the format K and V are stored in. With `ops=ggml` the
@@ -111,8 +113,9 @@ def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
 
 
 class GGUFWeights(Mapping):
-    """HF name -> tensor (f32/f16/bf16 types) or `Blocks` (quantized types), read from a GGUF file
-    as stored: llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
+    """HF name -> tensor (f32 types) or `Blocks` (quantized types; f16/bf16 matrices, held as their
+    values), read from a GGUF file as stored: llama.cpp's own numbers. q/k weights get their rows
+    put back in HF order."""
 
     def __init__(self, path: Path):
         from tracer.gguffile import GGUFFile
