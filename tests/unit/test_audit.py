@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from tests.audited_gguf import activation_imatrix, damage_block
 from tests.conftest import TOKENS
@@ -112,3 +113,34 @@ def test_the_quantizer_is_llama_cpps_own(kquant):
     values = quantizer.dequantize("q4_k", raw, rows.shape)
     assert 0.02 < np.abs(values - rows).mean() < 0.1  # 4.5 bits: about 1/16 of the range, not exact, not wild
     assert np.array_equal(quantizer.quantize("q4_k", rows[1:2]), raw[1:2])  # rows are quantized alone
+
+
+def test_a_tensor_requantized_in_place_of_the_files_is_llama_cpps_own_bytes(kquant):
+    """requantize= decodes llama.cpp's quantization of the directory's weights: on a file made from
+    those very weights, the same model to the bit."""
+    import tracer
+
+    model, files = kquant
+    from_file = f"weights=gguf,gguf_file={files['Q4_K_M']}"
+    plain = tracer.record(model, TOKENS, engine="reimpl", variant=from_file, progress=False)
+    redone = tracer.record(model, TOKENS, engine="reimpl", variant=from_file + ",requantize=blk.1.attn_k+token_embd",
+                           progress=False)
+    assert all(torch.equal(plain[point], redone[point]) for point in plain.points)
+    assert redone.label.startswith("reimpl[weights=gguf,gguf_file=Q4_K_M.gguf,requantize=")  # the file by its name
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("gguf_file=x.gguf", r"gguf_file= says which GGUF tensors weights=gguf takes: it needs weights=gguf"),
+    ("weights=gguf,gguf_file=/nowhere/x.gguf", r"gguf_file=/nowhere/x.gguf: no such file"),
+    ("weights=gguf,gguf_file={Q4_K_M},requantize=blk.9.attn_q", r"Q4_K_M.gguf has no tensor blk.9.attn_q"),
+    ("weights=gguf,gguf_file={other}", r"Q4_K_M.gguf is not a file of this model"),
+])
+def test_a_wrong_file_or_tensor_is_one_line(kquant, tiny_llama, variant, message):
+    import tracer
+
+    model, files = kquant
+    target = tiny_llama() if "{other}" in variant else model
+    variant = variant.format(Q4_K_M=files["Q4_K_M"], other=files["Q4_K_M"])
+    with pytest.raises(TracerError, match=message) as info:
+        tracer.record(target, TOKENS, engine="reimpl", variant=variant, progress=False)
+    assert "\n" not in str(info.value)

@@ -7,30 +7,34 @@ llama.cpp's own quantizer (`tracer.ggml.quantizer`), in the tensor's own type, a
 the file's bytes:
 
 - identical: the file is what llama.cpp makes of these weights (a file quantized from them);
-- different, legitimate: another quantization of the same weights, made with an importance matrix
-  or by another quantizer version. Every quantizer of ggml picks a block's scale (and min), then
-  puts each value on the level nearest it: for some scale, every quant is the nearest level to the
-  reference's value (k-quants: for the scales stored; Q4_0/Q5_0/Q8_0 with an importance matrix: for
-  the scale the search rounded with, which the least-squares refit then moves);
-- damaged: a block whose quants fit no scale (a quant moved, a scale changed, bytes overwritten).
+- legitimate: another quantization of the same weights, made with an importance matrix or by
+  another quantizer version. Every ggml quantizer picks a block's scale (and min), then puts each
+  value on the level nearest it. k-quants round last, with the scales they store, and Q8_0's
+  quantizer ignores an importance matrix: their quants are nearest for the stored scales. Q4_0,
+  Q4_1, Q5_0 and Q5_1 with an importance matrix round with the scale their search found, then
+  store the least-squares scale of the rounded quants: nearest for some scale near the stored one;
+- damaged: a block whose quants fit no scale (a quant moved, bytes overwritten), a block rounded
+  with another scale than its own in a file that rounds at its stored scales (a scale changed), or
+  a block whose error is more than any quantization makes (MAX_ERROR_RATIO).
 
 Why not the error alone: measured on SmolLM2 with a realistic importance matrix, a legitimate
-Q5_0 block reaches 8.6x the rms error of llama.cpp's plain requantization of it, while three
-randomly rewritten quant bytes can give as little as 2x: no threshold on the error separates them.
-The nearest-level test does: a legitimate block is within half a step (the tolerance covers the f16
-rounding of the stored scale), a moved quant is a step or more off (docs/regimes.md has the figures).
-The error ratio stays the figure a user reads ("41x the error Q5_0 gives here").
+Q5_0 block reaches 7.5x the rms error of llama.cpp's plain requantization of it, while three
+rewritten quant bytes can give as little as 2x: no threshold on the error separates them. The
+nearest-level test does: a legitimate quant is within half a step of its value (the tolerance
+covers the f16 rounding of the stored scale), a moved one a step or more (docs/regimes.md, "The
+audit", has the figures). The error ratio stays the figure a user reads ("9.5x the error Q5_0
+gives here").
 
 Each block's levels are read with ggml's own dequantizer: the block is dequantized as stored, with
 every quant set to level `first`, and to `first + 1` (only the bytes that hold quants are written;
 scales stay), which gives each value's offset and step under the block's scales without
-reimplementing any format. Float types (f16, bf16, f32) are judged per element: a legitimate
+reimplementing any format. Float types (f16, bf16, f32) are judged per value: a legitimate
 conversion is within one unit in the last place of the reference's value.
 
 Streamed: one tensor at a time, its rows in chunks; the file's pages are released after each tensor
 (an 8B file is never resident whole), the reference's tensor is read and dropped.
 
-Notation: R rows, C values per row, B blocks, n values per block.
+Notation: R rows, C values per row, B blocks, n values per block; r rows of a chunk, b its blocks.
 """
 
 from __future__ import annotations
@@ -203,7 +207,7 @@ def _audit_tensor(weights, name: str, tensor: torch.Tensor, quantizer) -> _Tally
 
     info = weights.names[name]
     kind, values = info.kind, tensor.reshape(-1, info.shape[-1]) if tensor.ndim > 1 else tensor[None]
-    block = FLOAT_BLOCK if kind in MANTISSA_BITS else quantizer_block(kind)
+    block = FLOAT_BLOCK if kind in MANTISSA_BITS else _block_layout(kind)[0]
     count, width = values.shape
     blocks = count * width // block
     if kind not in LEVELS and kind not in MANTISSA_BITS or quantizer.requires_imatrix(kind):
@@ -221,10 +225,11 @@ def _audit_tensor(weights, name: str, tensor: torch.Tensor, quantizer) -> _Tally
     return tally
 
 
-def quantizer_block(kind: str) -> int:
+def _block_layout(kind: str) -> tuple[int, int]:
+    """(values, bytes) of one block of a ggml type (`tracer.gguffile.GGML_TYPES`)."""
     from tracer.gguffile import GGML_TYPES
 
-    return next(size for name, size, _ in GGML_TYPES.values() if name == kind)
+    return next((size, nbytes) for name, size, nbytes in GGML_TYPES.values() if name == kind)
 
 
 def _rows(values: torch.Tensor, order: np.ndarray | None, start: int, stop: int) -> np.ndarray:
@@ -315,10 +320,7 @@ def _beyond(distance: np.ndarray, level: np.ndarray, levels: Levels) -> np.ndarr
 
 def _with_quants(raw: np.ndarray, kind: str, pattern: tuple[int, ...]) -> np.ndarray:
     """(r, bytes) blocks of `kind` with every quant field filled with `pattern` (scales untouched)."""
-    from tracer.gguffile import GGML_TYPES
-
-    size = next(nbytes for name, _, nbytes in GGML_TYPES.values() if name == kind)
-    blocks = raw.reshape(raw.shape[0], -1, size).copy()  # (r, B, bytes)
+    blocks = raw.reshape(raw.shape[0], -1, _block_layout(kind)[1]).copy()  # (r, B, bytes)
     for (begin, end), byte in zip(LEVELS[kind].fields, pattern):
         blocks[..., begin:end] = byte
     return blocks.reshape(raw.shape)
