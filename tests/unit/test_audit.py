@@ -24,11 +24,12 @@ pytest.importorskip("llama_cpp")
 
 @pytest.fixture(scope="module")
 def kquant(tmp_path_factory):
-    """(model directory, GGUF files by name): llama.cpp's Q4_K_M, Q8_0, F16 of the directory's own
-    weights, and Q4_K_M and Q4_0 made with an importance matrix of its activations."""
+    """(model directory, GGUF files by name): its F32 GGUF, llama.cpp's Q4_K_M, Q8_0, F16, BF16 of the
+    directory's own weights, and Q4_K_M and Q4_0 made with an importance matrix of its activations."""
     folder = tmp_path_factory.mktemp("audit")
     model, f32 = write_kquant_llama(folder)
-    files = {ftype: quantize_gguf(f32, folder / f"{ftype}.gguf", ftype) for ftype in ("Q4_K_M", "Q8_0", "F16")}
+    files = {ftype: quantize_gguf(f32, folder / f"{ftype}.gguf", ftype) for ftype in ("Q4_K_M", "Q8_0", "F16", "BF16")}
+    files["F32"] = f32
     matrix = activation_imatrix(model, TOKENS)
     for ftype in ("Q4_K_M", "Q4_0"):
         files[f"{ftype}-imatrix"] = quantize_gguf(f32, folder / f"{ftype}-imatrix.gguf", ftype, imatrix=matrix)
@@ -144,3 +145,20 @@ def test_a_wrong_file_or_tensor_is_one_line(kquant, tiny_llama, variant, message
     with pytest.raises(TracerError, match=message) as info:
         tracer.record(target, TOKENS, engine="reimpl", variant=variant, progress=False)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("ftype", ["F16", "BF16", "F32"])
+def test_regime_auto_on_a_float_file_is_a_regime_the_reimplementation_runs(kquant, ftype):
+    """What once answered "bad value 'f16' for knob 'weights'": the file's own float matrices, each
+    type said as a caveat (judged per op where its kernel is not emulated)."""
+    import tracer
+    from tracer.regime_view import resolve as resolve_regime
+    from tracer.sources import ModelSource
+
+    model, files = kquant
+    knobs, caveats, audit = resolve_regime("auto", f"llamacpp:{files[ftype]}", {}, ModelSource(model))
+    assert knobs == {"preset": "llamacpp", "weights": "gguf", "gguf_file": str(files[ftype].resolve())}
+    assert audit.verdict == "identical"
+    assert any(caveat.startswith(f"{ftype} weights (15 tensors") for caveat in caveats)
+    trace = tracer.record(model, TOKENS, engine="reimpl", variant=knobs, progress=False)
+    assert trace["lm_head"].shape == (len(TOKENS), 288)

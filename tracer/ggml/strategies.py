@@ -584,7 +584,9 @@ def regime_catalogue() -> list[str]:
 # --- the regime a llama.cpp run implies ---------------------------------------------------------
 
 # Weight types whose llama.cpp CPU kernel (x86 AVX2/AVX-512 build) is emulated in its own order.
-EXACT_WEIGHT_TYPES = {"f32", "q4_1", "q5_0", "q5_1", "q8_0"}
+EXACT_WEIGHT_TYPES = {"q4_1", "q5_0", "q5_1", "q8_0"}
+# Tensors no matmul takes (norms, biases: f32 whatever the file type, and exact in any order).
+NOT_MULTIPLIED = ("norm.weight", ".bias")
 # Why the others are not, on x86: ggml repacks some at load (CPU_REPACK) or tiles them from 8 rows.
 NOT_EXACT_WHY = {
     "q4_0": "repacked to q4_0_8x8 at load on AVX2 (its gemv/gemm kernels are not emulated)",
@@ -595,6 +597,7 @@ NOT_EXACT_WHY = {
     "q5_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
     "q6_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
     "f16": "tinyBLAS' f16 kernel is not emulated", "bf16": "tinyBLAS' bf16 kernel is not emulated",
+    "f32": "llamafile's f32 sgemm (tinyBLAS) is not emulated",
 }
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
 # A native build on a CPU with AMX multiplies these weight types in AMX tiles at load (ggml-cpu/amx): not emulated.
@@ -616,7 +619,9 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         (variant, caveats): e.g. ({"preset": "llamacpp", "weights": "gguf"}, []). With no caveat the
         free-running comparison is expected to be exactly 0 at every point (with kv_cache=q8_0 but
         for llama.cpp's `kqv_out`, which it records Hadamard-rotated); with caveats compare per op
-        (`ReimplEngine.op_trace` fed the llama.cpp trace), where the emulation stays within 1e-4.
+        (`ReimplEngine.op_trace` fed the llama.cpp trace), against the per-op floor
+        (`tracer.regime_view.per_op_noise`). Norms and biases, which no matmul takes, are not weights
+        here: an f32 matrix is (llamafile's sgemm).
 
     Example:
         >>> from tracer.sources import bundled_gguf
@@ -635,10 +640,12 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
     if setting(knobs, "flash_attn") == "off":
         variant["flash_attn"] = "off"
     caveats = []
-    for kind in sorted(set(weight_types.values()) - EXACT_WEIGHT_TYPES):
-        names = [name for name, t in weight_types.items() if t == kind]
+    matrices = {name: kind for name, kind in weight_types.items() if not name.endswith(NOT_MULTIPLIED)}
+    for kind in sorted(set(matrices.values()) - EXACT_WEIGHT_TYPES):
+        names = [name for name, t in matrices.items() if t == kind]
         caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): "
-                       f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; accumulated in f64")
+                       f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; "
+                       f"{'summed by torch in f32' if kind == 'f32' else 'accumulated in f64'}")
     missing = [flag for flag in CPU_FLAGS if flag not in (ops.cpu_flags() if flags is None else flags)]
     if missing:
         caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
