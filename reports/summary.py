@@ -325,7 +325,9 @@ def _times(ratio) -> str:
     value = number(ratio)
     if value is None:
         return "?×"
-    return "∞×" if math.isinf(value) else f"{value:.0f}×" if value >= 10 else f"{value:.1f}×"
+    if value > 1000:  # the requantization is exact there (the reference on the type's own grid)
+        return "over 1000×"
+    return f"{value:.0f}×" if value >= 10 else f"{value:.1f}×"
 
 
 def regime_cost_by_layer(summary: Summary) -> list[tuple[str, float | None]]:

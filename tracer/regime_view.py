@@ -15,7 +15,11 @@ regime's verdict:
   point then carries its op's error only, which stays small where a free-running emulation's tiny
   differences would flip 8-bit roundings downstream. Where the emulation cannot be bit-exact
   (another CPU, a kernel not emulated, a long prompt), this view gives the verdict
-  (`verdict_view`).
+  (`verdict_view`), against `per_op_noise`.
+
+A regime on a GGUF's own tensors (the candidate's file, `gguf_file=`) audits them first against the
+model's own weights (`tracer.ggml.audit`): the audit rides along as `RegimeView.audit`, and a tensor
+found damaged is taken requantized from the model's weights (`requantize=`).
 """
 
 from __future__ import annotations
@@ -227,8 +231,8 @@ def per_op_noise(prepared, knobs: dict) -> dict[str, float] | None:
     Q4_K_M at 5 tokens: without the second, 4 of 30 flash-attention outputs of a correct file read
     over their floor (llama.cpp's f16 accumulator rounds differently once its q·k sums take another
     order, rel_l2 up to 5.7e-5 against floors of 4e-6)."""
-    if prepared.noise is None:
-        return None
+    if prepared.noise is None or setting(expand_presets(knobs), "accumulate") == "f32":
+        return prepared.noise  # a regime summed by torch in f32 already: its noise floor is that spread
     spread = order_spread(prepared, knobs)
     return {point: max(noise, spread.get(point, 0.0)) for point, noise in prepared.noise.items()}
 
