@@ -290,8 +290,60 @@ def regime_lines(summary: Summary) -> list[str]:
                      f"{per_op_worst['point']}; " + (f"{len(over)} point(s) over {fmt(regime.get('per_op_bound'))}, "
                                                       f"first {over[0]}" if over else
                                                       f"every op within {fmt(regime.get('per_op_bound'))}"))
+    lines += audit_lines(regime.get("audit"))
     lines += [f"caveat: {caveat}" for caveat in regime.get("caveats") or []]
     return lines
+
+
+def audit_lines(audit: Mapping | None) -> list[str]:
+    """The audit of the GGUF a regime took its tensors from: one line when every tensor is
+    identical, legitimate or not audited, one line per damaged tensor."""
+    if not audit:
+        return []
+    name = PurePath(audit.get("file") or "?").name
+    counts, total = audit.get("counts") or {}, len(audit.get("tensors") or {})
+    verdict = audit.get("verdict")
+    if verdict == "not_audited":
+        return [f"audit of {name}: {audit.get('why')}"]
+    if verdict == "identical":
+        return [f"audit of {name}: every one of its {total} tensors is what llama.cpp's quantizer makes of the "
+                f"reference's weights, byte for byte ({audit.get('quantizer')})"]
+    if verdict == "other_weights":
+        return [f"audit of {name}: not a quantization of the reference's weights ({counts.get('damaged')} of {total} "
+                "tensors hold blocks that no scale explains); the regime takes its bytes as they are: trace it with "
+                "the model it was made from"]
+    lines = []
+    differ = counts.get("legitimate", 0) + counts.get("unchecked", 0)
+    if differ:
+        worst = audit.get("legitimate_worst") or {}
+        text = (f"audit of {name}: {differ} of {total} tensors differ from llama.cpp's requantization of the "
+                "reference's weights as another quantization does (an importance matrix, another quantizer: every "
+                "quant on the level nearest its value for some scale)")
+        if worst:
+            text += (f", at most {_times(worst.get('error_ratio'))} the error {str(worst.get('type')).upper()} gives "
+                     f"there ({worst.get('tensor')})")
+        if counts.get("unchecked"):
+            text += f"; {counts['unchecked']} of a type the audit does not judge"
+        lines.append(text + "; the regime takes the file's bytes")
+    for tensor in audit.get("damaged") or []:
+        kind, off = str(tensor.get("type")).upper(), tensor.get("off_blocks")
+        blocks = "one block" if off == 1 else f"{off} blocks"
+        steps = number(tensor.get("steps_off"))
+        why = f" (a quant {steps:.1f} steps off its value)" if steps is not None and steps > 0.5 else ""
+        lines.append(f"audit: {tensor.get('tensor')} ({kind}) damaged: {blocks} of {tensor.get('blocks')} at "
+                     f"{_times(tensor.get('error_ratio'))} the error {kind} gives here{why}; the regime takes it "
+                     "requantized from the reference's weights")
+    return lines
+
+
+def _times(ratio) -> str:
+    """41× / 7.5×: an error ratio as a user reads it."""
+    value = number(ratio)
+    if value is None:
+        return "?×"
+    if value > 1000:  # the requantization is exact there (the reference on the type's own grid)
+        return "over 1000×"
+    return f"{value:.0f}×" if value >= 10 else f"{value:.1f}×"
 
 
 def regime_cost_by_layer(summary: Summary) -> list[tuple[str, float | None]]:

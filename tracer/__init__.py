@@ -7,9 +7,10 @@
 
 `record` (model, tokens -> Trace), `compare` (Trace, Trace -> Result), `run` (both, plus
 greedy continuations and the report folder), `sweep` (many variants against one reference),
-`diagnose` (which known mistake a foreign trace looks like) and `compare_files` (two saved
-traces, any runtime's names) are the API; the CLI maps onto them. Names load on first use, so
-`import tracer` (and `tracer variants`) does not pay for torch.
+`diagnose` (which known mistake a foreign trace looks like), `compare_files` (two saved
+traces, any runtime's names) and `audit_gguf` (a GGUF's tensors against the model's own) are
+the API; the CLI maps onto them. Names load on first use, so `import tracer` (and `tracer
+variants`) does not pay for torch.
 """
 
 import importlib
@@ -18,11 +19,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "record": "tracer.api", "run": "tracer.api", "sweep": "tracer.api", "diagnose": "tracer.api",
-    "compare_files": "tracer.api", "compare": "tracer.diff",
+    "compare_files": "tracer.api", "audit_gguf": "tracer.api", "compare": "tracer.diff",
     "Result": "tracer.result", "PointDiff": "tracer.result", "Tolerance": "tracer.result",
     "Sweep": "tracer.result", "SweepRow": "tracer.result", "Diagnosis": "tracer.result",
     "Divergence": "tracer.result", "LogitsSummary": "tracer.result", "Greedy": "tracer.result",
-    "RegimeView": "tracer.result",
+    "RegimeView": "tracer.result", "WeightAudit": "tracer.result",
     "Trace": "tracer.trace", "TraceMeta": "tracer.trace", "TracerError": "tracer.errors",
     "default_model_path": "tracer.sources",
 }

@@ -45,7 +45,7 @@ from tracer.request import (
     check_tolerance,
     regime_knobs,
 )
-from tracer.result import Diagnosis, Result, Sweep, Tolerance
+from tracer.result import Diagnosis, Result, Sweep, Tolerance, WeightAudit
 from tracer.sources import ModelSource, resolve_source
 from tracer.trace import Trace
 from tracer.variants import format_knob_value, parse_variant, variant_text
@@ -454,6 +454,31 @@ def compare_files(
 
         write_report(result, out)
     return result
+
+
+def audit_gguf(gguf: str | Path, model=None, *, progress: bool = True) -> WeightAudit:
+    """A GGUF file's tensors against llama.cpp's own requantization of a model's weights: each
+    identical, another legitimate quantization (an importance matrix, another quantizer), or
+    damaged, with where and how far (`tracer.ggml.audit`; what `run(..., regime="auto")` does
+    before it takes a GGUF's tensors, `result.regime.audit`).
+
+    Args:
+        gguf: the GGUF file, e.g. one made by llama.cpp's quantizer from this model.
+        model: the model whose weights it should hold: a directory, None for the bundled SmolLM2,
+            or a loaded transformers model.
+
+    Returns:
+        A `WeightAudit`: `verdict`, `damaged` (the GGUF names of damaged tensors), `tensors`.
+
+    Example:
+        >>> from tracer.sources import bundled_gguf
+        >>> audit = tracer.audit_gguf(bundled_gguf(), progress=False)  # the bundled SmolLM2's own Q4_1 file
+        >>> audit.verdict, audit.damaged
+        ('identical', ())
+    """
+    from tracer.regime_view import audit_weights
+
+    return audit_weights({"weights": "gguf", "gguf_file": str(gguf)}, resolve_source(model, progress))
 
 
 def load_trace(trace_or_path, aliases=None) -> Trace:

@@ -8,6 +8,7 @@ skipped. Tensor bytes come from `numpy.memmap`.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,16 @@ class GGUFFile:
         info = self.tensors[name]
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         return self._map[info.offset:info.offset + info.nbytes].reshape(rows, -1)
+
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from this process's resident memory (they stay in the page cache):
+        a whole-file pass, such as the audit of an 8B file, holds one tensor at a time."""
+        mapping = getattr(self._map, "_mmap", None)  # numpy.memmap's own mmap object
+        info = self.tensors[name]
+        page = mmap.PAGESIZE
+        begin = info.offset // page * page
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED, begin, min(len(mapping), info.offset + info.nbytes) - begin)
 
     def number(self, key: str):
         value = self.fields.get(key)

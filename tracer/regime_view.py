@@ -15,23 +15,28 @@ regime's verdict:
   point then carries its op's error only, which stays small where a free-running emulation's tiny
   differences would flip 8-bit roundings downstream. Where the emulation cannot be bit-exact
   (another CPU, a kernel not emulated, a long prompt), this view gives the verdict
-  (`verdict_view`).
+  (`verdict_view`), against `per_op_noise`.
+
+A regime on a GGUF's own tensors (the candidate's file, `gguf_file=`) audits them first against the
+model's own weights (`tracer.ggml.audit`): the audit rides along as `RegimeView.audit`, and a tensor
+found damaged is taken requantized from the model's weights (`requantize=`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+import os
+from pathlib import Path
 
 from tracer.diff import rel_l2_by_point
 from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
 from tracer.pipeline import compare_candidate, prepared_reference, timed
 from tracer.request import Inputs, Placement
-from tracer.result import RawView, RegimeView, Result
+from tracer.result import RawView, RegimeView, Result, WeightAudit
 from tracer.sources import ModelSource
 from tracer.trace import Trace
-from tracer.variants import expand_presets, parse_variant, setting, variant_text
+from tracer.variants import expand_presets, parse_variant, setting, variant_label, variant_text
 
 # Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`): verified
 # against llama.cpp on SmolLM2 at 2048 tokens. Past it, memory rather than time: the emulated flash
@@ -51,9 +56,14 @@ EXACT_TOKENS_CANDLE = 512
 PER_OP_BOUNDS = {"f32": 1e-4, "bf16": 10 * 2.0**-9, "f16": 10 * 2.0**-12}
 
 
-def resolve(regime, candidate: str, variant: dict, source: ModelSource) -> tuple[dict, list[str]]:
-    """The reimpl variant of the regime and its caveats: `"auto"` asks the candidate's runtime and
-    model file (`implied`); anything else is read as knobs, e.g. "weights=q4_1,act_quant=q8_1"."""
+def resolve(regime, candidate: str, variant: dict, source: ModelSource) -> tuple[dict, list[str], WeightAudit | None]:
+    """The reimpl variant of the regime, its caveats and the audit of the GGUF it takes tensors from:
+    `"auto"` asks the candidate's runtime and model file (`implied`); anything else is read as knobs,
+    e.g. "weights=q4_1,act_quant=q8_1".
+
+    A regime on a GGUF's own tensors (weights=gguf) audits them first (`audit_weights`); `"auto"`
+    then takes each damaged tensor requantized from the reference's weights (`requantize=`), so that
+    the fault shows at its op instead of being repeated by the reference."""
     if regime == "auto":
         knobs, caveats = implied(candidate, variant, source)
     else:
@@ -61,7 +71,24 @@ def resolve(regime, candidate: str, variant: dict, source: ModelSource) -> tuple
         if not knobs:
             raise TracerError("--regime needs 'auto' or knobs, e.g. --regime weights=q4_1,act_quant=q8_1")
     check_engine(knobs, "reimpl")
-    return knobs, caveats
+    audit = audit_weights(knobs, source) if knobs.get("weights") == "gguf" else None
+    if regime == "auto" and audit is not None and audit.damaged:
+        knobs = {**knobs, "requantize": "+".join(name.removesuffix(".weight") for name in audit.damaged)}
+    return knobs, caveats, audit
+
+
+def audit_weights(knobs: dict, source: ModelSource) -> WeightAudit:
+    """The GGUF a weights=gguf regime takes (gguf_file=, else the one the directory was converted
+    from) audited against the model's own weights (`tracer.ggml.audit`)."""
+    from tracer.ggml.audit import audit_gguf
+    from tracer.ggml.strategies import gguf_path
+    from tracer.sources import check_gguf_header
+    from tracer.weights import WeightFiles
+
+    path = Path(knobs["gguf_file"]) if knobs.get("gguf_file") else gguf_path(source.config().get("tracer_source"))
+    check_gguf_header(path)
+    reference = dict(source.module.state_dict()) if source.loaded else WeightFiles(source.directory)
+    return audit_gguf(path, reference)
 
 
 def implied(candidate: str, variant: dict, source: ModelSource) -> tuple[dict, list[str]]:
@@ -88,18 +115,13 @@ def implied(candidate: str, variant: dict, source: ModelSource) -> tuple[dict, l
 
 
 def llamacpp_regime(source: ModelSource, argument: str | None, variant: dict) -> tuple[dict, list[str]]:
-    """llama.cpp's CPU regime for the GGUF the candidate runs (`tracer.ggml.strategies.implied_regime`).
-
-    weights=gguf takes the exact tensors of the GGUF the model directory was converted from; a
-    candidate file with other tensor types (another quantization of the model) is emulated by
-    quantizing the directory's weights to that file's projection type instead, said as a caveat.
-    """
+    """llama.cpp's CPU regime for the GGUF the candidate runs (`tracer.ggml.strategies.implied_regime`),
+    on that file's own tensors (`file_weights`)."""
     from tracer.engines.llamacpp import gguf_of
     from tracer.ggml.strategies import GGUFWeights, implied_regime
 
     path = gguf_of(source, argument)
-    types = GGUFWeights(path).types()
-    return file_weights(source, path, types, *implied_regime(types, variant))
+    return file_weights(source, path, *implied_regime(GGUFWeights(path).types(), variant))
 
 
 def candle_regime(source: ModelSource, argument: str) -> tuple[dict, list[str]]:
@@ -109,28 +131,20 @@ def candle_regime(source: ModelSource, argument: str) -> tuple[dict, list[str]]:
     from tracer.ggml.strategies import GGUFWeights
 
     path = gguf_of(source, argument)
-    types = GGUFWeights(path).types()
-    return file_weights(source, path, types, *implied_regime(types))
+    return file_weights(source, path, *implied_regime(GGUFWeights(path).types()))
 
 
-def file_weights(source: ModelSource, path, types: dict[str, str], knobs: dict,
-                 caveats: list[str]) -> tuple[dict, list[str]]:
-    """weights=gguf where the model directory was converted from that very file; else the
-    directory's projections quantized to the file's projection type, said as a caveat."""
-    from tracer.ggml.strategies import GGUFWeights, gguf_path
+def file_weights(source: ModelSource, path: Path, knobs: dict, caveats: list[str]) -> tuple[dict, list[str]]:
+    """weights=gguf on the candidate's own file, each tensor in its own type, whatever directory the
+    model came from: `gguf_file=` names the file unless the directory was converted from it."""
+    from tracer.ggml.strategies import gguf_path
 
     try:
-        converted_from = GGUFWeights(gguf_path(source.config().get("tracer_source"))).types()
+        converted_from = gguf_path(source.config().get("tracer_source"))
     except TracerError:
         converted_from = None
-    if converted_from != types:
-        projections = Counter(kind for name, kind in types.items() if name.endswith("_proj.weight"))
-        kind = projections.most_common(1)[0][0] if projections else "f32"
-        knobs = {**knobs, "weights": kind} if kind != "f32" else {k: v for k, v in knobs.items() if k != "weights"}
-        why = ("the model directory was not converted from a GGUF" if converted_from is None
-               else "its tensor types differ from the GGUF the model directory was converted from")
-        caveats.append(f"{path.name}: {why}; the regime quantizes the directory's projections to "
-                       f"{kind.upper()} with the gguf package's quantizers (other tensors stay as loaded)")
+    if converted_from is None or not os.path.samefile(converted_from, path):
+        knobs = {**knobs, "gguf_file": str(Path(path).resolve())}
     return knobs, caveats
 
 
@@ -145,17 +159,17 @@ def raw_view(raw: Result) -> RawView:
 
 
 def regime_context(knobs: dict, caveats: list[str], raw: Result, cost: dict[str, float],
-                   per_op: dict[str, float] | None, view_kind: str) -> RegimeView:
-    """The `Result.regime` record: which regime, its caveats, the raw view, its cost, the per-op view
-    and how the verdict was judged (`verdict_view`)."""
+                   per_op: dict[str, float] | None, view_kind: str, audit: WeightAudit | None = None) -> RegimeView:
+    """The `Result.regime` record: which regime, its caveats, the raw view, its cost, the per-op view,
+    how the verdict was judged (`verdict_view`) and the audit of the GGUF it took tensors from."""
     worst_op = max(per_op.items(), key=lambda item: item[1]) if per_op else None
     bound = PER_OP_BOUNDS.get(setting(knobs, "dtype"))  # None for f64: no bound
     return RegimeView(
-        variant=knobs, label=variant_text(knobs), caveats=tuple(caveats), raw=raw_view(raw), cost=cost,
+        variant=knobs, label=variant_label(knobs), caveats=tuple(caveats), raw=raw_view(raw), cost=cost,
         per_op=per_op, per_op_worst=worst_op and {"point": worst_op[0], "rel_l2": worst_op[1]},
         per_op_bound=bound,
         per_op_over=tuple(point for point, error in (per_op or {}).items() if bound is not None and error > bound),
-        verdict_view=view_kind,
+        verdict_view=view_kind, audit=audit,
     )
 
 
@@ -183,26 +197,60 @@ def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
     """
     expanded = expand_presets(knobs)
     chaotic = setting(expanded, "act_quant") != "none" or expanded.get("kv_cache") == "q8_0"
-    accumulate = setting(expanded, "accumulate")
-    limit = (EXACT_TOKENS_CANDLE if accumulate == "candle"
-             else EXACT_TOKENS_UNFUSED if expanded.get("flash_attn") == "off" else EXACT_TOKENS)
-    exact = not caveats and accumulate in ("ggml", "candle") and num_tokens <= limit
+    exact = not caveats and exact_order(expanded, num_tokens)
     return "free" if not chaotic or exact else "per_op"
 
 
-def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[str], *,
-                      noise_floor: bool = True) -> Result:
+def exact_order(knobs: dict, num_tokens: int) -> bool:
+    """Whether the regime sums in its runtime's own order (accumulate=ggml or candle) on a prompt
+    short enough for that emulation (EXACT_TOKENS and its kin: memory, not time, sets them)."""
+    expanded = expand_presets(knobs)
+    accumulate = setting(expanded, "accumulate")
+    limit = (EXACT_TOKENS_CANDLE if accumulate == "candle"
+             else EXACT_TOKENS_UNFUSED if expanded.get("flash_attn") == "off" else EXACT_TOKENS)
+    return accumulate in ("ggml", "candle") and num_tokens <= limit
+
+
+def order_spread(prepared, knobs: dict) -> dict[str, float]:
+    """Per point, what another valid summation order changes in each op alone: the regime summed
+    by torch's BLAS in f32 (accumulate=f32), every op fed the regime reference's values of its
+    inputs, against that reference. The per-op floor of an op whose kernel is not emulated: the
+    reference sums it exactly (f64), the runtime in its own f32 order."""
+    from tracer.diff import ErrorRecorder
+    from tracer.engines.load import load_engine
+
+    engine = load_engine("reimpl", prepared.source, {**knobs, "accumulate": "f32"}, device=prepared.device)
+    errors = ErrorRecorder(prepared.trace)
+    engine.op_trace(prepared.trace, errors)
+    return errors.rel_l2
+
+
+def per_op_noise(prepared, knobs: dict) -> dict[str, float] | None:
+    """The per-op view's noise floor: per point, the larger of the regime's own (its f64 sums
+    against its order, `tracer.noise_floor.regime_noise`) and `order_spread`. Measured on SmolLM2's
+    Q4_K_M at 5 tokens: without the second, 4 of 30 flash-attention outputs of a correct file read
+    over their floor (llama.cpp's f16 accumulator rounds differently once its q·k sums take another
+    order, rel_l2 up to 5.7e-5 against floors of 4e-6)."""
+    if prepared.noise is None or setting(expand_presets(knobs), "accumulate") == "f32":
+        return prepared.noise  # a regime summed by torch in f32 already: its noise floor is that spread
+    spread = order_spread(prepared, knobs)
+    return {point: max(noise, spread.get(point, 0.0)) for point, noise in prepared.noise.items()}
+
+
+def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[str],
+                      audit: WeightAudit | None = None, *, noise_floor: bool = True) -> Result:
     """The candidate against tracer's model run in the regime `knobs`, on the tokens `prepared`
     (the f32 reference's) holds: the regime view's `Result`, with the raw view `raw`, the regime's
-    cost per point and the per-op errors attached (`Result.regime`).
+    cost per point, the per-op errors and the weights' `audit` attached (`Result.regime`).
 
-    Where `verdict_view` says "per_op" and the regime would sum in ggml's order, it sums with
-    torch's BLAS in f32 instead (accumulate=f32, ~1.4× a plain forward): per op, the order is
-    within the regime's noise floor. The regime reference decodes no greedy continuation: the raw
-    view's continuations, f32 reference against the candidate, are kept.
+    Where `verdict_view` says "per_op", the ops whose kernels are emulated keep their runtime's
+    order (exactly 0 on a correct candidate) and the others sum in f64, judged against
+    `per_op_noise`; a prompt too long for the runtime's order sums with torch's BLAS in f32
+    instead (accumulate=f32, ~1.4× a plain forward). The regime reference decodes no greedy
+    continuation: the raw view's continuations, f32 reference against the candidate, are kept.
     """
     view_kind = verdict_view(knobs, caveats, len(prepared.ids))
-    if view_kind == "per_op" and "accumulate" not in knobs:
+    if view_kind == "per_op" and "accumulate" not in knobs and not exact_order(knobs, len(prepared.ids)):
         knobs = {**knobs, "accumulate": "f32"}
     inputs, placement = Inputs(prepared.source, tokens=prepared.ids), Placement(prepared.device, prepared.stream)
     with prepared_reference(inputs, placement, reference="reimpl", reference_variant=knobs,
@@ -214,7 +262,11 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
         with timed(timings, "regime_per_op_s"):
             forced = in_regime.engine.op_trace(candidate)
         per_op = rel_l2_by_point(candidate, forced)
-        judged = in_regime if view_kind == "free" else dataclasses.replace(in_regime, trace=forced)
+        if view_kind == "free":
+            judged = in_regime
+        else:
+            with timed(timings, "regime_order_spread_s"):
+                judged = dataclasses.replace(in_regime, trace=forced, noise=per_op_noise(in_regime, knobs))
         view = compare_candidate(judged, engine, trace=candidate)
         cost = regime_cost(prepared.trace, in_regime.trace)
     timings |= {f"regime_{name}": seconds for name, seconds in view.timings.items() if name != "candidate_s"}
@@ -225,5 +277,5 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
         notes=tuple(notes), prompt=raw.prompt, chat=raw.chat, token_texts=raw.token_texts, greedy=raw.greedy,
         environment=raw.environment, command=raw.command, config_audit=raw.config_audit,
         timings={**raw.timings, **timings},
-        regime=regime_context(knobs, caveats, raw, cost, per_op, view_kind),
+        regime=regime_context(knobs, caveats, raw, cost, per_op, view_kind, audit),
     )

@@ -50,6 +50,9 @@ class Knob:
     # Where its representative value diverges first (f32 unless said), for `tracer variants`.
     expected: str = ""
     kind: str = ""  # one of KINDS
+    # How reports show its value, where the value itself is too long to read (a file's path: its name);
+    # None: as written. The variant itself, in summaries and commands, keeps the whole value.
+    display: Callable[[Any], str] | None = None
 
     @property
     def values(self) -> tuple[str, ...] | None:
@@ -139,6 +142,24 @@ _sdpa = _if(lambda spec: spec.attn_logit_softcapping is None, "attn=sdpa")
 _window_mistake = _if(lambda spec: spec.sliding_window is not None, "window=ignore")
 
 
+def _file_path(text: str) -> str:
+    if not text.strip() or "\n" in text:
+        raise ValueError(text)
+    return text
+
+
+def _tensor_names(text: str) -> str:
+    """"blk.5.attn_k+blk.7.ffn_down": GGUF tensor names joined by +."""
+    names = text.split("+")
+    if not all(name and all(ch.isalnum() or ch in "._" for ch in name) for name in names):
+        raise ValueError(text)
+    return text
+
+
+def _file_name(value: str) -> str:
+    return value.replace("\\", "/").rsplit("/", 1)[-1]
+
+
 def _qkv_order(text: str) -> str:
     if sorted(text) != ["k", "q", "v"]:
         raise ValueError(text)
@@ -197,8 +218,18 @@ KNOBS: dict[str, Knob] = {
              # None in the default sweep, which runs on reimpl: pass --variants ort_opt=disable with --candidate onnx
              _fixed(""), kind="runtime"),
         Knob("weights", _choice(*WEIGHT_FORMATS), " | ".join(WEIGHT_FORMATS), "as loaded",
-             "weights in a GGUF block format (the gguf package's quantizers), or gguf: the GGUF file's own tensors",
+             "weights in a GGUF block format (the gguf package's quantizers), or gguf: a GGUF file's own tensors "
+             "(gguf_file=, else the one the model was converted from)",
              _fixed("weights=q8_0"), kind="regime"),
+        Knob("gguf_file", _file_path, "a GGUF file's path, e.g. gguf_file=smol-Q4_K_M.gguf",
+             "the GGUF the model directory was converted from",
+             "with weights=gguf: the tensors of this GGUF (another quantization of the same model), each in its "
+             "own type", _if(lambda spec: False, "gguf_file=model.gguf,weights=gguf"), kind="regime",
+             display=_file_name),
+        Knob("requantize", _tensor_names, "GGUF tensor names joined by +, e.g. requantize=blk.5.attn_k", "none",
+             "with weights=gguf: these tensors as llama.cpp's quantizer makes them from the model's own weights, "
+             "in the file's type (what the regime view's audit takes in place of a damaged tensor)",
+             _if(lambda spec: False, "requantize=blk.0.attn_k,weights=gguf"), kind="regime"),
         Knob("act_quant", _choice(*ACT_QUANTS), " | ".join(ACT_QUANTS), "none",
              "ggml's activation quantization before a quantized matmul (auto: the weight type's vec-dot type)",
              _fixed("act_quant=q8_0"), kind="regime"),
@@ -305,9 +336,18 @@ def variant_text(variant: dict) -> str:
     return ",".join(f"{k}={format_knob_value(v)}" for k, v in variant.items())
 
 
+def variant_label(variant: dict) -> str:
+    """`variant_text` as reports show it: a file's path by the file's name (`Knob.display`)."""
+    def shown(knob: str, value) -> str:
+        display = KNOBS[knob].display if knob in KNOBS else None
+        return display(value) if display else format_knob_value(value)
+
+    return ",".join(f"{k}={shown(k, v)}" for k, v in variant.items())
+
+
 def side_label(engine: str, variant: dict) -> str:
     """`engine[knob=value,...]`: how reports name one side of a comparison."""
-    return f"{engine}[{variant_text(variant)}]" if variant else engine
+    return f"{engine}[{variant_label(variant)}]" if variant else engine
 
 
 def parse_variant(spec: str | dict | None) -> dict[str, Any]:

@@ -131,7 +131,9 @@ def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
     _corrupt(bundled_gguf(), corrupted)
     result = tracer.run(default_model, tokens=PROMPT_IDS, candidate=f"llamacpp:{corrupted}", regime="auto",
                         greedy=0, progress=False)
-    assert result.regime.variant == LLAMACPP  # the same tensor types: the directory's own GGUF is the regime's
+    # the candidate's own file, audited first: the corrupted tensor is taken requantized from the directory's weights
+    assert result.regime.variant == {**LLAMACPP, "gguf_file": str(corrupted.resolve()), "requantize": "blk.7.ffn_down"}
+    assert result.regime.audit.damaged == ("blk.7.ffn_down.weight",)
     assert result.verdict == "diverged" and result.first_divergence.point == "model.layers.7.mlp.down_proj"
     assert result.regime.raw.first_divergence.layer == 0
     assert result.regime.per_op_over == ("model.layers.7.mlp.down_proj",)  # per op: that matmul alone

@@ -61,9 +61,9 @@ def test_a_bug_still_stands_out_in_the_regime(tiny_llama):
 
 
 def test_a_reimpl_candidate_in_a_regime_implies_that_regime_without_its_mistakes(tiny_llama):
-    knobs, caveats = resolve_regime("auto", "reimpl", {"weights": "q8_0", "act_quant": "q8_0", "theta": 500000.0},
-                                    tiny_llama())
-    assert knobs == {"weights": "q8_0", "act_quant": "q8_0"} and caveats == []
+    knobs, caveats, audit = resolve_regime("auto", "reimpl", {"weights": "q8_0", "act_quant": "q8_0",
+                                                               "theta": 500000.0}, tiny_llama())
+    assert knobs == {"weights": "q8_0", "act_quant": "q8_0"} and caveats == [] and audit is None
 
 
 def test_a_16_bit_candidate_implies_its_dtype(tiny_llama):
@@ -94,12 +94,15 @@ def test_regime_auto_on_a_llama_cpp_candidate_is_its_cpu_regime_to_the_bit(quant
     assert "the regime's own cost over f32" in markdown_summary(result)
 
 
-def test_a_gguf_the_directory_was_not_converted_from_is_emulated_by_its_projection_type(quantized):
+def test_a_gguf_the_directory_was_not_converted_from_lends_the_regime_its_own_tensors(quantized):
+    """Each tensor in the file's own type (Q4_1 projections, Q8_0 embedding), whatever directory the
+    model came from; the file is named, and audited against the directory's weights first."""
     pytest.importorskip("llama_cpp")
     model, gguf, _ = quantized
-    knobs, caveats = resolve_regime("auto", f"llamacpp:{gguf}", {}, ModelSource(model))
-    assert knobs == {"preset": "llamacpp", "weights": "q4_1"}
-    assert any("not converted from a GGUF" in caveat and "Q4_1" in caveat for caveat in caveats)
+    knobs, caveats, audit = resolve_regime("auto", f"llamacpp:{gguf}", {}, ModelSource(model))
+    assert knobs == {"preset": "llamacpp", "weights": "gguf", "gguf_file": str(gguf.resolve())}
+    assert audit.file == str(gguf.resolve()) and audit.verdict in ("identical", "legitimate")
+    assert audit.damaged == ()
 
 
 def test_the_report_folder_has_the_regime_view(tiny_llama, tmp_path):

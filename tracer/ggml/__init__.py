@@ -12,6 +12,10 @@
 - `candle`: candle's quantized CPU arithmetic (`preset=candle-q`).
 - `strategies`: the strategies `tracer.llama` runs for the regime knobs (`weights`, `act_quant`,
   `kv_cache`, `accumulate`, `preset=llamacpp`), and GGUF weights read as stored.
+- `quantizer`: llama.cpp's own quantizer and dequantizers (ggml's `ggml_quantize_chunk`, through
+  ctypes from the library llama-cpp-python ships).
+- `audit`: a GGUF's tensors against llama.cpp's requantization of the model's own weights
+  (identical, another legitimate quantization, or damaged), before a regime takes them.
 
 GGUF files themselves are read by `tracer.gguffile` (a model-file job, below this package).
 

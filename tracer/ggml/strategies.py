@@ -3,8 +3,10 @@
 Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
 
 - `weights`: q4_0 | q4_1 | q5_0 | q5_1 | q8_0 (every projection quantized by the gguf package's
-  reference quantizer; embeddings and norms as loaded) or `gguf` (every tensor of the GGUF file
-  the model directory was converted from, each in its own type, q/k rows un-permuted to HF order).
+  reference quantizer; embeddings and norms as loaded) or `gguf` (every tensor of a GGUF file, each
+  in its own type, q/k rows un-permuted to HF order: `gguf_file`, another quantization of the same
+  model, else the file the model directory was converted from; `requantize` names tensors taken
+  as llama.cpp's quantizer makes them from the loaded weights instead).
 - `act_quant`: none | q8_0 | q8_1 | q8_k | auto (each quantized weight's vec-dot type, as ggml).
 - `act_round`: even (x86) | away (ggml's portable reference): ties of the activation rounding.
 - `kv_cache`: f32 | f16 | bf16 | q8_0: the format K and V are stored in. With `ops=ggml` the
@@ -96,7 +98,7 @@ def gguf_path(source: dict | None) -> Path:
     name = (source or {}).get("gguf_file")
     if not name:
         raise TracerError("weights=gguf needs a model converted from a GGUF file (its config.json has no "
-                          "tracer_source.gguf_file); pass --model FILE.gguf")
+                          "tracer_source.gguf_file): pass --model FILE.gguf, or name the file, gguf_file=PATH")
     path = bundled_gguf() if name == DEFAULT_GGUF else Path(name)
     if not path.is_file():
         raise TracerError(f"weights=gguf: the GGUF file this model was converted from is gone: {path}")
@@ -111,8 +113,9 @@ def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
 
 
 class GGUFWeights(Mapping):
-    """HF name -> tensor (f32/f16/bf16 types) or `Blocks` (quantized types), read from a GGUF file
-    as stored: llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
+    """HF name -> tensor (f32 types) or `Blocks` (quantized types; f16/bf16 matrices, held as their
+    values), read from a GGUF file as stored: llama.cpp's own numbers. q/k weights get their rows
+    put back in HF order."""
 
     def __init__(self, path: Path):
         from tracer.gguffile import GGUFFile
@@ -131,16 +134,18 @@ class GGUFWeights(Mapping):
 
     def __getitem__(self, name: str):
         if name not in self.cache:
-            self.cache[name] = self._read(name)
+            self.cache[name] = self.decode(name, self.file.raw(self.names[name].name))
         return self.cache[name]
 
-    def _read(self, name: str):
+    def decode(self, name: str, raw: np.ndarray):
+        """Tensor `name` from its GGUF bytes `raw` ((rows, bytes per row) uint8, the file's row order)."""
         info = self.names[name]
-        raw = self.file.raw(info.name)
         if info.kind in ("f32", "f16", "bf16"):
             dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[info.kind]
             values = torch.from_numpy(np.ascontiguousarray(raw).view(dtype).reshape(info.shape).copy())
             blocks = values.view(torch.bfloat16).to(F32) if info.kind == "bf16" else values.to(F32)
+            if info.kind != "f32" and len(info.shape) == 2:  # typed: a matmul takes its activations to f16/bf16
+                blocks = Blocks(info.kind, info.shape, held=blocks)
         else:
             blocks = from_gguf_bytes(info.kind, raw, info.shape)
         if name.endswith(PERMUTED):
@@ -153,6 +158,95 @@ class GGUFWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+class RequantizedWeights(Mapping):
+    """A GGUF's weights with some tensors replaced by llama.cpp's quantization of the reference's
+    own, in the file's type (`requantize=`: what the audit puts in place of a damaged tensor)."""
+
+    def __init__(self, weights: GGUFWeights, reference: Mapping, tensors: tuple[str, ...]):
+        from tracer.ggml.quantizer import ggml_quantizer
+
+        self.weights, self.reference, self.quantizer = weights, reference, ggml_quantizer()
+        by_gguf = {info.name.removesuffix(".weight"): name for name, info in weights.names.items()}
+        unknown = [tensor for tensor in tensors if tensor.removesuffix(".weight") not in by_gguf]
+        if unknown:
+            raise TracerError(f"requantize={'+'.join(tensors)}: {weights.file.path.name} has no tensor "
+                              f"{unknown[0]}")
+        if self.quantizer is None:
+            raise TracerError("requantize= takes llama.cpp's own quantizer, which is not installed (llama-cpp-python)")
+        self.replaced = {by_gguf[tensor.removesuffix(".weight")] for tensor in tensors}
+        self.cache: dict[str, object] = {}
+
+    def __getitem__(self, name: str):
+        if name not in self.replaced:
+            return self.weights[name]
+        if name not in self.cache:
+            info = self.weights.names[name]
+            values = reference_tensor(self.reference, name).to(F32).reshape(info.shape[0], -1)  # (R, C)
+            order = gguf_rows(self.weights, name, info.shape[0])
+            rows = values if order is None else values[torch.from_numpy(order)]
+            self.cache[name] = self.weights.decode(name, self.quantizer.quantize(info.kind, rows.numpy()))
+        return self.cache[name]
+
+    def shapes(self):
+        return self.weights.shapes()
+
+    def types(self):
+        return self.weights.types()
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def reference_tensor(reference: Mapping, name: str) -> torch.Tensor:
+    """A model's tensor for an HF name; the output layer of tied embeddings is the embedding."""
+    if name == "lm_head.weight" and name not in reference:
+        name = "model.embed_tokens.weight"
+    return reference[name]
+
+
+def gguf_rows(weights: GGUFWeights, name: str, rows: int) -> np.ndarray | None:
+    """Index of a model's rows in a GGUF's order (q/k rows are permuted there), or None: same order."""
+    if not name.endswith(PERMUTED):
+        return None
+    return to_interleaved(torch.arange(rows)[None], weights.head_dim)[0].numpy()
+
+
+def gguf_name(name: str) -> str | None:
+    """"model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight" (`hf_name` reversed)."""
+    stem, _, suffix = name.rpartition(".")
+    parts = stem.split(".")
+    if stem.startswith("model.layers.") and len(parts) > 3 and parts[2].isdigit():
+        generic = ".".join(["model.layers.{i}", *parts[3:]])
+        return next((f"{pattern.replace('{i}', parts[2])}.{suffix}" for pattern, point in GGUF_MODULES.items()
+                     if point == generic), None)
+    return next((f"{pattern}.{suffix}" for pattern, point in GGUF_MODULES.items() if point == stem), None)
+
+
+def check_same_model(weights: GGUFWeights, reference: Mapping, path: Path) -> None:
+    """A GGUF of this very model: every weight the reference has (an output layer tied to the
+    embedding aside) is in the file with the same shape.
+
+    Raises:
+        TracerError: in one line, naming the first tensor that differs or is missing, and both shapes.
+    """
+    shapes = reference.shapes() if hasattr(reference, "shapes") else {n: tuple(t.shape) for n, t in reference.items()}
+    for name, info in weights.names.items():
+        mine = shapes.get(name, shapes.get("model.embed_tokens.weight") if name == "lm_head.weight" else None)
+        if mine is None:
+            raise TracerError(f"{path.name} is not a file of this model: it has {info.name}, the model has no "
+                              f"{name}")
+        if tuple(mine) != tuple(info.shape):
+            raise TracerError(f"{path.name} is not a file of this model: its {info.name} is {tuple(info.shape)}, "
+                              f"the model's {name} is {tuple(mine)}")
+    missing = [name for name in shapes if name not in weights.names and name != "lm_head.weight" and gguf_name(name)]
+    if missing:
+        raise TracerError(f"{path.name} is not a file of this model: it has no {gguf_name(missing[0])} for the "
+                          f"model's {missing[0]}")
 
 
 def _head_dim(file) -> int:
@@ -198,13 +292,28 @@ class QuantizedWeights(Mapping):
         return len(self.weights)
 
 
-def weight_format(kind: str | None):
-    """The `weights` strategy: (loaded weights, the config's tracer_source) -> weights to run."""
+def weight_format(kind: str | None, gguf_file: str | None = None, requantize: str | None = None):
+    """The `weights` strategy: (loaded weights, the config's tracer_source) -> weights to run.
+
+    weights=gguf takes every tensor of a GGUF in its own type: `gguf_file` (another quantization of
+    this model, checked to be one: same names and shapes), else the file the directory was converted
+    from; `requantize` names tensors ("blk.5.attn_k+...") taken as llama.cpp's quantizer makes them
+    from the loaded weights instead, in the file's type."""
     if kind is None:
         return lambda weights, source: weights
-    if kind == "gguf":
-        return lambda weights, source: GGUFWeights(gguf_path(source))
-    return lambda weights, source: QuantizedWeights(weights, kind)
+    if kind != "gguf":
+        return lambda weights, source: QuantizedWeights(weights, kind)
+
+    def from_gguf(weights, source):
+        path = Path(gguf_file) if gguf_file else gguf_path(source)
+        if gguf_file and not path.is_file():
+            raise TracerError(f"gguf_file={gguf_file}: no such file")
+        stored = GGUFWeights(path)
+        if gguf_file:
+            check_same_model(stored, weights, path)
+        return RequantizedWeights(stored, weights, tuple(requantize.split("+"))) if requantize else stored
+
+    return from_gguf
 
 
 # --- matmuls ----------------------------------------------------------------------------------
@@ -410,6 +519,9 @@ def glu_ggml(accumulate: str):
 def check_knobs(knobs: dict) -> None:
     if not is_regime(knobs):
         return
+    for knob in ("gguf_file", "requantize"):
+        if knob in knobs and knobs.get("weights") != "gguf":
+            raise TracerError(f"{knob}= says which GGUF tensors weights=gguf takes: it needs weights=gguf")
     if setting(knobs, "dtype") != "f32":
         raise TracerError(f"dtype={knobs['dtype']} cannot combine with regime knobs: they emulate f32 arithmetic "
                           "(the regime's noise floor is tracer.noise_floor.regime_noise)")
@@ -436,7 +548,8 @@ def apply_regime(knobs: dict, strategies, spec=None):
                           "(the number-format knobs weights/act_quant/kv_cache apply to it)")
     rounding, accumulate = setting(knobs, "act_round"), setting(knobs, "accumulate")
     linear = make_linear(setting(knobs, "act_quant"), rounding, accumulate)
-    changes = {"weights": weight_format(knobs.get("weights")), "linear": linear,
+    changes = {"weights": weight_format(knobs.get("weights"), knobs.get("gguf_file"), knobs.get("requantize")),
+               "linear": linear,
                "logits": functools.partial(strategies.logits, linear=linear),
                "embed": dequantized_embed(strategies.embed)}
     kv_cache = knobs.get("kv_cache")
@@ -471,7 +584,9 @@ def regime_catalogue() -> list[str]:
 # --- the regime a llama.cpp run implies ---------------------------------------------------------
 
 # Weight types whose llama.cpp CPU kernel (x86 AVX2/AVX-512 build) is emulated in its own order.
-EXACT_WEIGHT_TYPES = {"f32", "q4_1", "q5_0", "q5_1", "q8_0"}
+EXACT_WEIGHT_TYPES = {"q4_1", "q5_0", "q5_1", "q8_0"}
+# Tensors no matmul takes (norms, biases: f32 whatever the file type, and exact in any order).
+NOT_MULTIPLIED = ("norm.weight", ".bias")
 # Why the others are not, on x86: ggml repacks some at load (CPU_REPACK) or tiles them from 8 rows.
 NOT_EXACT_WHY = {
     "q4_0": "repacked to q4_0_8x8 at load on AVX2 (its gemv/gemm kernels are not emulated)",
@@ -482,6 +597,7 @@ NOT_EXACT_WHY = {
     "q5_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
     "q6_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
     "f16": "tinyBLAS' f16 kernel is not emulated", "bf16": "tinyBLAS' bf16 kernel is not emulated",
+    "f32": "llamafile's f32 sgemm (tinyBLAS) is not emulated",
 }
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
 # A native build on a CPU with AMX multiplies these weight types in AMX tiles at load (ggml-cpu/amx): not emulated.
@@ -503,7 +619,9 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         (variant, caveats): e.g. ({"preset": "llamacpp", "weights": "gguf"}, []). With no caveat the
         free-running comparison is expected to be exactly 0 at every point (with kv_cache=q8_0 but
         for llama.cpp's `kqv_out`, which it records Hadamard-rotated); with caveats compare per op
-        (`ReimplEngine.op_trace` fed the llama.cpp trace), where the emulation stays within 1e-4.
+        (`ReimplEngine.op_trace` fed the llama.cpp trace), against the per-op floor
+        (`tracer.regime_view.per_op_noise`). Norms and biases, which no matmul takes, are not weights
+        here: an f32 matrix is (llamafile's sgemm).
 
     Example:
         >>> from tracer.sources import bundled_gguf
@@ -522,10 +640,12 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
     if setting(knobs, "flash_attn") == "off":
         variant["flash_attn"] = "off"
     caveats = []
-    for kind in sorted(set(weight_types.values()) - EXACT_WEIGHT_TYPES):
-        names = [name for name, t in weight_types.items() if t == kind]
+    matrices = {name: kind for name, kind in weight_types.items() if not name.endswith(NOT_MULTIPLIED)}
+    for kind in sorted(set(matrices.values()) - EXACT_WEIGHT_TYPES):
+        names = [name for name, t in matrices.items() if t == kind]
         caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): "
-                       f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; accumulated in f64")
+                       f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; "
+                       f"{'summed by torch in f32' if kind == 'f32' else 'accumulated in f64'}")
     missing = [flag for flag in CPU_FLAGS if flag not in (ops.cpu_flags() if flags is None else flags)]
     if missing:
         caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
