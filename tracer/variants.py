@@ -221,12 +221,12 @@ KNOBS: dict[str, Knob] = {
              "weights in a GGUF block format (the gguf package's quantizers), or gguf: a GGUF file's own tensors "
              "(gguf_file=, else the one the model was converted from)",
              _fixed("weights=q8_0"), kind="regime"),
-        Knob("gguf_file", _file_path, "a GGUF file's path, e.g. gguf_file=smol-Q4_K_M.gguf",
+        Knob("gguf_file", _file_path, "a GGUF path, e.g. gguf_file=model.gguf",
              "the GGUF the model directory was converted from",
              "with weights=gguf: the tensors of this GGUF (another quantization of the same model), each in its "
              "own type", _if(lambda spec: False, "gguf_file=model.gguf,weights=gguf"), kind="regime",
              display=_file_name),
-        Knob("requantize", _tensor_names, "GGUF tensor names joined by +, e.g. requantize=blk.5.attn_k", "none",
+        Knob("requantize", _tensor_names, "GGUF names joined by +, e.g. blk.5.attn_k", "none",
              "with weights=gguf: these tensors as llama.cpp's quantizer makes them from the model's own weights, "
              "in the file's type (what the regime view's audit takes in place of a damaged tensor)",
              _if(lambda spec: False, "requantize=blk.0.attn_k,weights=gguf"), kind="regime"),
