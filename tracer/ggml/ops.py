@@ -363,10 +363,13 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+@functools.cache
 def llamacpp_cpu_features() -> frozenset[str]:
     """The CPU features the llama.cpp build takes here, as it reports them (`llama_print_system_info`:
-    "AVX512_BF16 = 1 | ..."); without llama-cpp-python, what a native build would take: this CPU's
-    /proc/cpuinfo flags under llama.cpp's names (AVX512_BF16, AVX512_VNNI, AVX512, ...)."""
+    "AVX512_BF16 = 1 | ... | LLAMAFILE = 1 | REPACK = 1"); without llama-cpp-python, what a native
+    build would take: this CPU's /proc/cpuinfo flags under llama.cpp's names (AVX512_BF16,
+    AVX512_VNNI, AVX512, ...) and its default matmul paths (LLAMAFILE: tinyBLAS; REPACK: the
+    CPU_REPACK buffer)."""
     try:
         import llama_cpp
 
@@ -374,8 +377,8 @@ def llamacpp_cpu_features() -> frozenset[str]:
         return frozenset(name.strip() for name, _, on in (part.partition("=") for part in report.split("|"))
                          if on.strip() == "1")
     except (ImportError, OSError, AttributeError):
-        return frozenset(flag.upper() if flag.startswith("avx512_") else flag.upper().replace("AVX512F", "AVX512")
-                         for flag in cpu_flags())
+        return frozenset({flag.upper() if flag.startswith("avx512_") else flag.upper().replace("AVX512F", "AVX512")
+                          for flag in cpu_flags()} | {"LLAMAFILE", "REPACK"})
 
 
 def takes_dpbf16() -> bool:

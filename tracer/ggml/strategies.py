@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tracer.aliases import GGUF
 from tracer.errors import TracerError
-from tracer.ggml import ops
+from tracer.ggml import ops, repack, tinyblas
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
 from tracer.ggml.quants import (
     ACT_BLOCK,
@@ -111,8 +111,9 @@ def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
 
 
 class GGUFWeights(Mapping):
-    """HF name -> tensor (f32/f16/bf16 types) or `Blocks` (quantized types), read from a GGUF file
-    as stored: llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
+    """HF name -> `Blocks` (every matrix, f32/f16/bf16 ones included: ggml's mul_mat picks its
+    kernels by the type) or an f32 tensor (norm vectors), read from a GGUF file as stored:
+    llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
 
     def __init__(self, path: Path):
         from tracer.gguffile import GGUFFile
@@ -141,6 +142,8 @@ class GGUFWeights(Mapping):
             dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[info.kind]
             values = torch.from_numpy(np.ascontiguousarray(raw).view(dtype).reshape(info.shape).copy())
             blocks = values.view(torch.bfloat16).to(F32) if info.kind == "bf16" else values.to(F32)
+            if blocks.ndim == 2:  # a matrix keeps its type: ggml's mul_mat picks its kernels by it
+                blocks = Blocks(info.kind, info.shape, held=blocks)
         else:
             blocks = from_gguf_bytes(info.kind, raw, info.shape)
         if name.endswith(PERMUTED):
@@ -252,15 +255,23 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
                               f"(got {x.device.type})")
         rows = x[0].to(F32)  # (T, C)
         kind = act_kind(weight, act_quant)
+        if candle_matmul is not None and kind in ("f16", "bf16"):
+            kind = "none"  # candle dequantizes f16 weights and multiplies f32 activations
         if kind in ACT_BLOCK:
             act = quantized_input(x, kind)
             exact_order = accumulate == "ggml" and isinstance(weight, Blocks) and has_kernel(weight, act)
             if candle_matmul is not None and isinstance(weight, Blocks):
                 out = candle_matmul(act, weight)
+            elif accumulate == "ggml" and repack.emulates(weight, act):  # Q4_0/IQ4_NL: repacked or not
+                out = repack.matmul(act, weight)
             else:
                 out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
         elif kind in ("f16", "bf16"):
-            out = matmul_blas(ROUND[kind](rows), weight, blas_dtype)
+            converted = ROUND[kind](rows)  # mul_mat's conversion to the weight's vec-dot type
+            out = tinyblas.matmul(converted, weight) if accumulate == "ggml" else matmul_blas(converted, weight,
+                                                                                               blas_dtype)
+        elif accumulate == "ggml" and isinstance(weight, Blocks) and weight.kind == "f32":
+            out = tinyblas.matmul(rows, weight)  # a GGUF's f32 matrix: tinyBLAS' f32 kernel or ggml_vec_dot_f32
         elif isinstance(weight, Blocks) or accumulate != "ggml":
             out = matmul_blas(rows, weight, blas_dtype)
         else:
