@@ -23,19 +23,14 @@ Notation: T tokens, R outputs (weight rows), B blocks of 32 along the inner axis
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from numba import njit, prange
 
-from tracer.ggml import ops
+from tracer.ggml import kernels, ops
 from tracer.ggml.floats import F32, fma, hsum8
-from tracer.ggml.kernels import _pad_rows, _set_threads, fma32
 from tracer.ggml.quants import ActBlocks, Blocks
 from tracer.ggml.vecdot import matmul_ggml
 
 REPACKED = ("q4_0", "iq4_nl")  # the 4-bit, one-scale types repack.cpp interleaves 8 rows of on AVX2
-ROW_TILE = 96  # outputs per inner loop (vectorised)
-TOKEN_TILE = 8  # tokens per pass over a tile of weights
 
 
 def repacks(weight: Blocks, features: frozenset[str]) -> bool:
@@ -55,8 +50,8 @@ def matmul(act: ActBlocks, weight: Blocks, features: frozenset[str] | None = Non
     tokens = act.q.shape[0]
     if repacks(weight, features):
         quants, scales, _ = weight.kernel_layout()  # (B, 32, R), (B, R)
-        out = block_chains(act.q.to(F32).contiguous().numpy(), act.d.to(F32).contiguous().numpy(), quants, scales,
-                           torch.get_num_threads())
+        x_q, x_d = act.q.to(F32).contiguous().numpy(), act.d.to(F32).contiguous().numpy()  # (T, B, 32), (T, B)
+        out = kernels.block_chains(x_q, x_d, quants, scales, torch.get_num_threads())
         return torch.from_numpy(out)
     if weight.kind == "q4_0" or (tokens >= 2 and "LLAMAFILE" in features):  # vec_dot / tinyBLAS_Q0_AVX
         return matmul_ggml(act, weight)
@@ -80,48 +75,3 @@ def vec_dot_iq4_nl(act: ActBlocks, weight: Blocks) -> torch.Tensor:
             total = fma(scale[:, -1], lanes[:, -1].sum(-1), total)
         out.append(total)
     return torch.stack(out)
-
-
-@njit(cache=True, parallel=True)
-def _block_chains(xq, xd, wq, wd, out, row_tile, token_tile):  # pragma: no cover - compiled
-    """xq (T, B, 32) f32 activation quants, xd (T, B) scales, wq (B, 32, R) f32 weight quants, wd
-    (B, R) scales -> out (T, R): per output acc = fma(sum, d_w * d_x, acc) over the blocks in
-    order, `sum` the block's 32 integer products (exact in f32: below 2^24). T a multiple of
-    token_tile, R of row_tile (callers pad)."""
-    tokens, blocks = xd.shape
-    rows = wd.shape[1]
-    for tile in prange(rows // row_tile):
-        r0 = tile * row_tile
-        acc = np.empty((token_tile, row_tile), np.float32)
-        sums = np.empty((token_tile, row_tile), np.float32)
-        for t0 in range(0, tokens, token_tile):
-            acc[:] = 0
-            for b in range(blocks):
-                sums[:] = 0
-                for g in range(8):
-                    w0, w1 = wq[b, 4 * g, r0:r0 + row_tile], wq[b, 4 * g + 1, r0:r0 + row_tile]
-                    w2, w3 = wq[b, 4 * g + 2, r0:r0 + row_tile], wq[b, 4 * g + 3, r0:r0 + row_tile]
-                    for u in range(token_tile):
-                        x0, x1 = xq[t0 + u, b, 4 * g], xq[t0 + u, b, 4 * g + 1]
-                        x2, x3 = xq[t0 + u, b, 4 * g + 2], xq[t0 + u, b, 4 * g + 3]
-                        s = sums[u]
-                        for j in range(row_tile):
-                            s[j] = fma32(x3, w3[j], fma32(x2, w2[j], fma32(x1, w1[j], fma32(x0, w0[j], s[j]))))
-                w_scales = wd[b, r0:r0 + row_tile]
-                for u in range(token_tile):
-                    dx, s, a = xd[t0 + u, b], sums[u], acc[u]
-                    for j in range(row_tile):
-                        a[j] = fma32(s[j], w_scales[j] * dx, a[j])
-            out[t0:t0 + token_tile, r0:r0 + row_tile] = acc
-
-
-def block_chains(xq: np.ndarray, xd: np.ndarray, wq: np.ndarray, wd: np.ndarray,
-                 threads: int | None = None) -> np.ndarray:
-    """(T, R) f32: `_block_chains` (shapes there, any T and R) on `threads` of numba's threads."""
-    tokens, rows = xd.shape[0], wd.shape[1]
-    xq, xd = _pad_rows(xq, TOKEN_TILE, 0), _pad_rows(xd, TOKEN_TILE, 0)
-    wq, wd = _pad_rows(wq, ROW_TILE, 2), _pad_rows(wd, ROW_TILE, 1)
-    out = np.empty((xd.shape[0], wd.shape[1]), np.float32)
-    _set_threads(threads)
-    _block_chains(xq, xd, wq, wd, out, ROW_TILE, TOKEN_TILE)
-    return out[:tokens, :rows]

@@ -481,18 +481,17 @@ def regime_catalogue() -> list[str]:
 
 # --- the regime a llama.cpp run implies ---------------------------------------------------------
 
-# Weight types whose llama.cpp CPU kernel (x86 AVX2/AVX-512 build) is emulated in its own order.
-EXACT_WEIGHT_TYPES = {"f32", "q4_1", "q5_0", "q5_1", "q8_0"}
+# Weight types whose llama.cpp CPU kernels (x86 AVX2/AVX-512 build) are emulated in their own order,
+# on every path the build takes: Q4_0/IQ4_NL repacked at load or not (`tracer.ggml.repack`), f32/f16/
+# bf16 by tinyBLAS or ggml_vec_dot (`tracer.ggml.tinyblas`), the others by their vec_dot kernel.
+EXACT_WEIGHT_TYPES = {"f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"}
 # Why the others are not, on x86: ggml repacks some at load (CPU_REPACK) or tiles them from 8 rows.
 NOT_EXACT_WHY = {
-    "q4_0": "repacked to q4_0_8x8 at load on AVX2 (its gemv/gemm kernels are not emulated)",
-    "iq4_nl": "repacked to iq4_nl_8x8 at load on AVX2",
     "q4_k": "repacked to q4_K_8x8 at load on AVX2",
     "q2_k": "repacked to q2_K_8x8 at load on AVX-512",
     "q3_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
     "q5_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
     "q6_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
-    "f16": "tinyBLAS' f16 kernel is not emulated", "bf16": "tinyBLAS' bf16 kernel is not emulated",
 }
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
 # A native build on a CPU with AMX multiplies these weight types in AMX tiles at load (ggml-cpu/amx): not emulated.

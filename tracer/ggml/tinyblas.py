@@ -26,19 +26,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tracer.ggml import ops
+from tracer.ggml import kernels, ops
 from tracer.ggml.floats import F32
-from tracer.ggml.kernels import _pad_rows, _set_threads, fma32
 from tracer.ggml.quants import Blocks
 
 LANES = 16  # f32 lanes of an AVX-512 register: tinyBLAS' KN for f32/f16 (and bf16 without AVX512-BF16)
 DPBF16_STEP = 32  # bf16 values per `_mm512_dpbf16_ps`: tinyBLAS' KN for bf16 with AVX512-BF16
-ROW_TILE = 64  # outputs per inner loop (vectorised): 16 lane accumulators of 8 tokens, 32 KB
-TOKEN_TILE = 8  # tokens per pass over a tile of weights
-UNROLL = 4  # steps of a lane chain per accumulator load: the chain runs in a register
 
 # weight (a Blocks or an f32 tensor) -> {order: its (S, 16, R) layout}: transposed once per weight
 _LAYOUTS = WeakIdKeyDictionary()
@@ -68,7 +63,7 @@ def matmul(x: torch.Tensor, weight, features: frozenset[str] | None = None) -> t
     layout = _layout(weight, values, order)  # (S, 16, R)
     columns = x.to(F32)[:, dpbf16_order(x.shape[1])] if order == "dpbf16" else x.to(F32)
     steps = columns.shape[1] // LANES
-    out = lane_chains(columns.contiguous().numpy().reshape(-1, steps, LANES), layout, torch.get_num_threads())
+    out = kernels.lane_chains(columns.contiguous().numpy().reshape(-1, steps, LANES), layout, torch.get_num_threads())
     return torch.from_numpy(out)
 
 
@@ -97,56 +92,3 @@ def _layout(weight, values: torch.Tensor, order: str) -> np.ndarray:
         columns = values.to(F32)[:, dpbf16_order(values.shape[1])] if order == "dpbf16" else values.to(F32)
         layouts[order] = columns.T.contiguous().numpy().reshape(-1, LANES, values.shape[0])
     return layouts[order]
-
-
-@njit(cache=True, parallel=True)
-def _lane_chains(x, w, out, row_tile, token_tile, unroll):  # pragma: no cover - compiled
-    """x (T, S, 16) f32, w (S, 16, R) f32 -> out (T, R): per output 16 lane accumulators from +0,
-    lane l taking acc = fma(w[s, l], x[s, l], acc) for s in order (tinyBLAS' madd), then
-    `_mm512_reduce_add_ps`. T a multiple of token_tile, R of row_tile (callers pad); `unroll`
-    steps per pass, so that each chain runs that far in a register."""
-    tokens, steps, lanes = x.shape
-    rows = w.shape[2]
-    whole = steps - steps % unroll
-    for tile in prange(rows // row_tile):
-        r0 = tile * row_tile
-        acc = np.empty((token_tile, lanes, row_tile), np.float32)
-        for t0 in range(0, tokens, token_tile):
-            acc[:] = 0
-            for s in range(0, whole, unroll):
-                for lane in range(lanes):
-                    w0, w1 = w[s, lane, r0:r0 + row_tile], w[s + 1, lane, r0:r0 + row_tile]
-                    w2, w3 = w[s + 2, lane, r0:r0 + row_tile], w[s + 3, lane, r0:r0 + row_tile]
-                    for u in range(token_tile):
-                        x0, x1 = x[t0 + u, s, lane], x[t0 + u, s + 1, lane]
-                        x2, x3 = x[t0 + u, s + 2, lane], x[t0 + u, s + 3, lane]
-                        a = acc[u, lane]
-                        for j in range(row_tile):
-                            a[j] = fma32(w3[j], x3, fma32(w2[j], x2, fma32(w1[j], x1, fma32(w0[j], x0, a[j]))))
-            for s in range(whole, steps):
-                for lane in range(lanes):
-                    w0 = w[s, lane, r0:r0 + row_tile]
-                    for u in range(token_tile):
-                        x0, a = x[t0 + u, s, lane], acc[u, lane]
-                        for j in range(row_tile):
-                            a[j] = fma32(w0[j], x0, a[j])
-            for u in range(token_tile):  # _mm512_reduce_add_ps: halves 8, 4, then (t0 + t2) + (t1 + t3)
-                a = acc[u]
-                for j in range(row_tile):
-                    h0 = (a[0, j] + a[8, j]) + (a[4, j] + a[12, j])
-                    h1 = (a[1, j] + a[9, j]) + (a[5, j] + a[13, j])
-                    h2 = (a[2, j] + a[10, j]) + (a[6, j] + a[14, j])
-                    h3 = (a[3, j] + a[11, j]) + (a[7, j] + a[15, j])
-                    out[t0 + u, r0 + j] = (h0 + h2) + (h1 + h3)
-
-
-def lane_chains(x: np.ndarray, w: np.ndarray, threads: int | None = None) -> np.ndarray:
-    """(T, R) f32: `_lane_chains` on x (T, S, 16) and w (S, 16, R), any T and R, on `threads`."""
-    tokens, rows = x.shape[0], w.shape[2]
-    x = _pad_rows(np.ascontiguousarray(x, dtype=np.float32), TOKEN_TILE, 0)
-    w = _pad_rows(w, ROW_TILE, 2)
-    out = np.empty((x.shape[0], w.shape[2]), np.float32)
-    _set_threads(threads)
-    _lane_chains(x, w, out, ROW_TILE, TOKEN_TILE, UNROLL)
-    return out[:tokens, :rows]
-
