@@ -11,6 +11,10 @@ code is cached on disk (`cache=True`), so only the first run on a machine pays t
 Exactness does not depend on how LLVM vectorises: the lane sums are integer, the FMA is LLVM's
 `llvm.fma.f32` (one rounding, a hardware FMA or the C library's `fmaf`), and numba does not
 contract or reassociate f32 arithmetic without `fastmath`.
+
+The other chains ggml computes in an order of its own are here too: flash attention's and candle's
+FMA chains, tinyBLAS' 16-lane chains on float weights (`tracer.ggml.tinyblas`), the repacked
+Q4_0/IQ4_NL blocks (`tracer.ggml.repack`), ggml's vector exp, the C library's expf and the Q8 quantizer.
 """
 
 from __future__ import annotations

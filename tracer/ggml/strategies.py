@@ -232,7 +232,10 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
     """The `linear` strategy: x (1, T, C) @ weight (R, C)ᵀ + bias -> (1, T, R), the activations in
     the regime's format and the products accumulated as `accumulate` says: ggml's own order where
     its kernel is emulated (else f64), or BLAS in f32 / f64; `act_round=candle` and
-    `accumulate=candle` take candle's quantizer and vec_dot kernels (`tracer.ggml.candle`)."""
+    `accumulate=candle` take candle's quantizer and vec_dot kernels (`tracer.ggml.candle`).
+    ggml's order is the kernel llama.cpp's build takes for the weight: `vec_dot` (`tracer.ggml.vecdot`),
+    Q4_0/IQ4_NL repacked at load or not (`tracer.ggml.repack`), a GGUF's f32/f16/bf16 matrix by
+    tinyBLAS or `ggml_vec_dot_*` (`tracer.ggml.tinyblas`)."""
     blas_dtype = F32 if accumulate == "f32" else torch.float64  # ggml: f64 where no kernel is emulated
     quantize, candle_matmul = quantize_activations, None
     if "candle" in (rounding, accumulate):
@@ -494,8 +497,9 @@ NOT_EXACT_WHY = {
     "q6_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
 }
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
-# A native build on a CPU with AMX multiplies these weight types in AMX tiles at load (ggml-cpu/amx): not emulated.
-AMX_WEIGHT_TYPES = {"q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"}
+# A native build on a CPU with AMX multiplies these weight types in its AMX buffer (ggml-cpu/amx; f16
+# too: amx.cpp's supports_op): not emulated.
+AMX_WEIGHT_TYPES = {"f16", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"}
 
 
 def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[str, str] | None = None,
