@@ -510,8 +510,9 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
 
     f16/bf16 cache: Q and the probabilities converted to the cache type (mul_mat's vec-dot type),
     both products by tinyBLAS from 2 query rows (one 16-lane FMA chain per output), by
-    ggml_vec_dot_f16/bf16 for one row or on a build without LLAMAFILE. f32 cache: q·k by ggml_vec_dot_f32 (the first tinyBLAS call
-    needs a contiguous Q), the probabilities by tinyBLAS. Scores and probabilities are recorded.
+    ggml_vec_dot_f16/bf16 for one row or on a build without LLAMAFILE. f32 cache: q·k by
+    ggml_vec_dot_f32 (the first tinyBLAS call needs a contiguous Q), the probabilities by tinyBLAS.
+    Scores and probabilities are recorded.
     q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D)."""
     from tracer.ggml.floats import round_bf16
 
