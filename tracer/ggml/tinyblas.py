@@ -61,10 +61,9 @@ def matmul(x: torch.Tensor, weight, features: frozenset[str] | None = None) -> t
         return vec_dot(x, values, kind, features)
     order = "dpbf16" if kind == "bf16" and "AVX512_BF16" in features else "lanes"
     layout = _layout(weight, values, order)  # (S, 16, R)
-    columns = x.to(F32)[:, dpbf16_order(x.shape[1])] if order == "dpbf16" else x.to(F32)
-    steps = columns.shape[1] // LANES
-    out = kernels.lane_chains(columns.contiguous().numpy().reshape(-1, steps, LANES), layout, torch.get_num_threads())
-    return torch.from_numpy(out)
+    columns = x.to(F32)[:, dpbf16_order(x.shape[1])] if order == "dpbf16" else x.to(F32)  # (T, K)
+    lanes = columns.contiguous().numpy().reshape(x.shape[0], -1, LANES)  # (T, S, 16)
+    return torch.from_numpy(kernels.lane_chains(lanes, layout, torch.get_num_threads()))
 
 
 def vec_dot(x: torch.Tensor, values: torch.Tensor, kind: str, features: frozenset[str]) -> torch.Tensor:
@@ -90,5 +89,5 @@ def _layout(weight, values: torch.Tensor, order: str) -> np.ndarray:
     layouts = _LAYOUTS.setdefault(weight, {})
     if order not in layouts:
         columns = values.to(F32)[:, dpbf16_order(values.shape[1])] if order == "dpbf16" else values.to(F32)
-        layouts[order] = columns.T.contiguous().numpy().reshape(-1, LANES, values.shape[0])
+        layouts[order] = columns.T.contiguous().numpy().reshape(-1, LANES, values.shape[0])  # (S, 16, R)
     return layouts[order]
