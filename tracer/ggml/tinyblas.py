@@ -35,12 +35,8 @@ from tracer.ggml.quants import Blocks
 LANES = 16  # f32 lanes of an AVX-512 register: tinyBLAS' KN for f32/f16 (and bf16 without AVX512-BF16)
 DPBF16_STEP = 32  # bf16 values per `_mm512_dpbf16_ps`: tinyBLAS' KN for bf16 with AVX512-BF16
 
-# weight (a Blocks or an f32 tensor) -> {order: its (S, 16, R) layout}: transposed once per weight
+# weight -> {order: its (S, 16, R) layout}: transposed once per weight
 _LAYOUTS = WeakIdKeyDictionary()
-
-
-def weight_kind(weight) -> str:
-    return weight.kind if isinstance(weight, Blocks) else "f32"
 
 
 def takes_tinyblas(kind: str, shape: tuple[int, int], tokens: int, features: frozenset[str]) -> bool:
@@ -51,15 +47,14 @@ def takes_tinyblas(kind: str, shape: tuple[int, int], tokens: int, features: fro
     return "LLAMAFILE" in features and tokens >= 2 and inner % step == 0 and rows % 4 == 0
 
 
-def matmul(x: torch.Tensor, weight, features: frozenset[str] | None = None) -> torch.Tensor:
-    """x (T, K) f32 already in the weight's vec-dot type, weight (R, K) f32/f16/bf16 -> (T, R) f32,
-    summed as llama.cpp's build with `features` (default: this one's) sums them."""
+def matmul(x: torch.Tensor, weight: Blocks, features: frozenset[str] | None = None) -> torch.Tensor:
+    """x (T, K) f32 already in the weight's vec-dot type, weight (R, K) an f32/f16/bf16 matrix as
+    `Blocks` -> (T, R) f32, summed as llama.cpp's build with `features` (default: this one's) sums them."""
     features = ops.llamacpp_cpu_features() if features is None else features
-    kind = weight_kind(weight)
-    values = weight.values() if isinstance(weight, Blocks) else weight.to(F32)
-    if not takes_tinyblas(kind, tuple(values.shape), x.shape[0], features):
-        return vec_dot(x, values, kind, features)
-    order = "dpbf16" if kind == "bf16" and "AVX512_BF16" in features else "lanes"
+    values = weight.values()  # (R, K) f32
+    if not takes_tinyblas(weight.kind, weight.shape, x.shape[0], features):
+        return vec_dot(x, values, weight.kind, features)
+    order = "dpbf16" if weight.kind == "bf16" and "AVX512_BF16" in features else "lanes"
     layout = _layout(weight, values, order)  # (S, 16, R)
     columns = x.to(F32)[:, dpbf16_order(x.shape[1])] if order == "dpbf16" else x.to(F32)  # (T, K)
     lanes = columns.contiguous().numpy().reshape(x.shape[0], -1, LANES)  # (T, S, 16)
