@@ -319,6 +319,10 @@ REGIMES = {
 EXACT_REGIME = "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)"
 CANDLE_REGIME = "preset=candle-q,weights=gguf (candle's own order, bit-exact)"
 EXACT_REGIME_TOKENS = (64, 512, 2048)  # --regime auto judges free-running up to 2048 (tracer.regime_view.EXACT_TOKENS)
+# SmolLM2 files llama.cpp's quantizer makes from the bundled GGUF, and the kernels they bring: the
+# bit-exact regime on each at 512 tokens.
+FILE_REGIMES = {"Q4_0": "repacked q4_0_8x8 gemm/gemv", "F16": "tinyBLAS on f16 weights"}
+FILE_REGIME_TOKENS = 512
 
 
 def median_ratio(measure: Callable[[], object], baseline: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -343,7 +347,8 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     """Seconds for a forward of the reimplementation in the llama.cpp regime (nothing recorded), and
     its ratio to the plain reimplementation forward on the same tokens in alternating rounds
     (medians); the bit-exact regimes (llama.cpp's, candle's) at each of `exact_counts` tokens, candle's
-    alone with `candle_only`."""
+    alone with `candle_only`; where llama-cpp-python is installed, llama.cpp's on the files its
+    quantizer makes (`FILE_REGIMES`) at 512 tokens."""
     from tracer.llama import Llama
 
     plain = Llama.from_dir(model_dir)
@@ -365,7 +370,31 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
             rounds = repeats if count <= 512 else max(1, repeats // 2)
             rows[f"{label}, {count} tokens"] = median_ratio(functools.partial(exact.forward, ids),
                                                             functools.partial(plain.forward, ids), rounds)
+    if not candle_only and importlib.util.find_spec("llama_cpp"):
+        ids = torch.tensor(bench_tokens(model_dir, FILE_REGIME_TOKENS))
+        for ftype, kernels in FILE_REGIMES.items():
+            exact = Llama.from_dir(quantized_model(model_dir, ftype), LLAMACPP_Q)
+            rows[f"{EXACT_REGIME} on a {ftype} file ({kernels}), {FILE_REGIME_TOKENS} tokens"] = median_ratio(
+                functools.partial(exact.forward, ids), functools.partial(plain.forward, ids), repeats)
     return rows
+
+
+def quantized_model(model_dir: Path, ftype: str) -> Path:
+    """The bundled SmolLM2 as llama.cpp's quantizer writes it in `ftype`, beside a link to the
+    converted directory whose config names that file (made once, in bench/.bench-gguf)."""
+    sys.path.insert(0, str(HERE.parent))  # the test helpers: llama.cpp's quantizer in a child process
+    from tests.ggml_gguf import sourced_copy
+    from tests.quantized_gguf import quantize_gguf
+    from tracer.sources import bundled_gguf
+
+    folder = HERE / ".bench-gguf"
+    folder.mkdir(exist_ok=True)
+    gguf, linked = folder / f"smollm2-{ftype}.gguf", folder / f"smollm2-{ftype}"
+    if not gguf.is_file():
+        quantize_gguf(bundled_gguf(), gguf, ftype)
+    if not linked.is_dir():
+        sourced_copy(model_dir, gguf, linked, link=True)
+    return linked
 
 
 def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:

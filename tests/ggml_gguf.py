@@ -6,6 +6,7 @@ names that file as its source (`tracer_source`), as tracer's own GGUF conversion
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -39,11 +40,13 @@ def write_quantized_gguf(model_dir: Path, path: Path, *, projections: str = "q4_
     return path
 
 
-def sourced_copy(model_dir: Path, gguf_file: Path, target: Path) -> Path:
-    """`model_dir` copied to `target` with config.json's tracer_source naming `gguf_file`."""
-    shutil.copytree(model_dir, target)
+def sourced_copy(model_dir: Path, gguf_file: Path, target: Path, *, link: bool = False) -> Path:
+    """`model_dir` copied to `target` with config.json's tracer_source naming `gguf_file`; `link`:
+    the other files symlinked instead of copied (a converted SmolLM2's 540 MB of weights)."""
+    shutil.copytree(model_dir, target, copy_function=os.symlink if link else shutil.copy2)
     config = json.loads((target / "config.json").read_text())
     config["tracer_source"] = {"gguf_file": str(gguf_file)}
+    (target / "config.json").unlink()  # a link's target stays as it was
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return target
 

@@ -363,10 +363,13 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+@functools.cache
 def llamacpp_cpu_features() -> frozenset[str]:
     """The CPU features the llama.cpp build takes here, as it reports them (`llama_print_system_info`:
-    "AVX512_BF16 = 1 | ..."); without llama-cpp-python, what a native build would take: this CPU's
-    /proc/cpuinfo flags under llama.cpp's names (AVX512_BF16, AVX512_VNNI, AVX512, ...)."""
+    "AVX512_BF16 = 1 | ... | LLAMAFILE = 1 | REPACK = 1"); without llama-cpp-python, what a native
+    build would take: this CPU's /proc/cpuinfo flags under llama.cpp's names (AVX512_BF16,
+    AVX512_VNNI, AVX512, ...) and its default matmul paths (LLAMAFILE: tinyBLAS; REPACK: the
+    CPU_REPACK buffer)."""
     try:
         import llama_cpp
 
@@ -374,8 +377,8 @@ def llamacpp_cpu_features() -> frozenset[str]:
         return frozenset(name.strip() for name, _, on in (part.partition("=") for part in report.split("|"))
                          if on.strip() == "1")
     except (ImportError, OSError, AttributeError):
-        return frozenset(flag.upper() if flag.startswith("avx512_") else flag.upper().replace("AVX512F", "AVX512")
-                         for flag in cpu_flags())
+        return frozenset({flag.upper() if flag.startswith("avx512_") else flag.upper().replace("AVX512F", "AVX512")
+                          for flag in cpu_flags()} | {"LLAMAFILE", "REPACK"})
 
 
 def takes_dpbf16() -> bool:
@@ -464,12 +467,19 @@ def tinyblas_dot_dpbf16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return reduce_add16(acc)
 
 
+def takes_tinyblas(rows: int) -> bool:
+    """Whether ggml_mul_mat hands `rows` rows of its second operand to llamafile's tinyBLAS: from 2,
+    on a build with it (LLAMAFILE)."""
+    return rows > 1 and "LLAMAFILE" in llamacpp_cpu_features()
+
+
 def bf16_mul_mat_dot(x: torch.Tensor, y: torch.Tensor, rows: int) -> torch.Tensor:
     """The dot products of ggml_mul_mat on a bf16 cache as llama.cpp's build takes them here: from
     2 rows tinyBLAS (AVX512-BF16's when the CPU has it, and the inner axis is whole steps of 32;
-    else its 16-lane f32 one), for one row or a refused tinyBLAS call ggml_vec_dot_bf16."""
+    else its 16-lane f32 one), for one row, a refused tinyBLAS call or a build without LLAMAFILE
+    ggml_vec_dot_bf16."""
     use_dpbf16 = takes_dpbf16()
-    if rows == 1 or (use_dpbf16 and x.shape[-1] % (2 * SIMD_F32)):
+    if not takes_tinyblas(rows) or (use_dpbf16 and x.shape[-1] % (2 * SIMD_F32)):
         return vec_dot_bf16(x, y, use_dpbf16)
     return tinyblas_dot_dpbf16(x, y) if use_dpbf16 else tinyblas_dot(x, y)
 
@@ -500,8 +510,9 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
 
     f16/bf16 cache: Q and the probabilities converted to the cache type (mul_mat's vec-dot type),
     both products by tinyBLAS from 2 query rows (one 16-lane FMA chain per output), by
-    ggml_vec_dot_f16/bf16 for one row. f32 cache: q·k by ggml_vec_dot_f32 (the first tinyBLAS call
-    needs a contiguous Q), the probabilities by tinyBLAS. Scores and probabilities are recorded.
+    ggml_vec_dot_f16/bf16 for one row or on a build without LLAMAFILE. f32 cache: q·k by
+    ggml_vec_dot_f32 (the first tinyBLAS call needs a contiguous Q), the probabilities by tinyBLAS.
+    Scores and probabilities are recorded.
     q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D)."""
     from tracer.ggml.floats import round_bf16
 
@@ -512,7 +523,7 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
     dots = {"f16": vec_dot_f16, "bf16": vec_dot_bf16, "f32": vec_dot_f32}[kv_cache]
     if kv_cache == "bf16":
         raw = bf16_mul_mat_dot(k_g, q_g, tokens)  # (H, T, T)
-    elif kv_cache == "f32" or tokens == 1:
+    elif kv_cache == "f32" or not takes_tinyblas(tokens):
         raw = dots(q_g, k_g)
     else:
         raw = tinyblas_dot(k_g, q_g)
@@ -521,11 +532,12 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
     if record is not None:
         record(f"{prefix}.scores", scores[None])
         record(f"{prefix}.probs", probs[None])
-    keys_multiple = 2 * SIMD_F32 if kv_cache == "bf16" else SIMD_F32  # tinyBLAS' step on the padded cache
-    p = _pad16(store(probs), keys_multiple)[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type
-    values = _pad16(store(kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2), keys_multiple)[:, None]  # (H, 1, D, N)
+    # the cache's cells padded to whole steps of every dot product here (tinyBLAS: 16 or 32; ggml_vec_dot_*: 64),
+    # so that sums split where llama.cpp's over the 256 cells do
+    p = _pad16(store(probs), F16_DOT_STEP)[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type
+    values = _pad16(store(kv_for_heads(v[0].to(F32), heads)).transpose(-1, -2), F16_DOT_STEP)[:, None]  # (H, 1, D, N)
     if kv_cache == "bf16":
         out = bf16_mul_mat_dot(values, p, tokens)  # (H, T, D)
     else:
-        out = dots(values, p) if tokens == 1 else tinyblas_dot(values, p)
+        out = tinyblas_dot(values, p) if takes_tinyblas(tokens) else dots(values, p)
     return out[None]

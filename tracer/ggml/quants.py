@@ -3,10 +3,11 @@
 Weights: a matrix stored in a GGUF block type is kept here as `Blocks`: per block its scale `d`
 and, for Q4_1/Q5_1, its min `m` (both f16 in the file, held as exact f32), and the block's integer
 quants `q` as ggml's dot kernels see them (Q4_0: nibble - 8, Q5_0: 5 bits - 16, Q4_1/Q5_1:
-unsigned, Q8_0: int8). Quantizing an f32 matrix is left to the `gguf` package's own reference
-quantizers (`gguf.quants.quantize`), and the bytes they write are unpacked like a file's. Other
-types (k-quants, i-quants) are held dequantized (`gguf.quants.dequantize`): tracer has no exact
-kernel for them.
+unsigned, Q8_0: int8, IQ4_NL: the codebook value its nibble indexes). Quantizing an f32 matrix
+is left to the `gguf` package's own reference quantizers (`gguf.quants.quantize`), and the bytes
+they write are unpacked like a file's. Other types (k-quants, other i-quants) are held
+dequantized (`gguf.quants.dequantize`), and so are f16/bf16 matrices (`held`, their exact
+values): their kernels multiply values, not integer quants.
 
 Activations: before a quantized matmul ggml converts each f32 activation row to the weight
 type's vec-dot type (`type_traits_cpu[type].vec_dot_type`): Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for
@@ -30,6 +31,10 @@ from tracer.ggml.floats import F32, ROUNDINGS, fma, rdiv, round_f16
 # The block types ggml's CPU kernels are emulated for, with their block size and bytes per block.
 BLOCK_TYPES = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34)}
 # The vec-dot (activation) type ggml pairs with each weight type (ggml-cpu.c type_traits_cpu).
+# Types held unpacked without being quantizable here (the gguf package has no quantizer for them).
+UNPACKED_TYPES = BLOCK_TYPES | {"iq4_nl": (32, 18)}
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                         dtype=np.int16)  # ggml-common.h kvalues_iq4nl: the codebook a nibble indexes
 VEC_DOT_TYPE = {"q4_0": "q8_0", "q4_1": "q8_1", "q5_0": "q8_0", "q5_1": "q8_1", "q8_0": "q8_0",
                 "q2_k": "q8_k", "q3_k": "q8_k", "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k",
                 "iq4_nl": "q8_0", "iq4_xs": "q8_k", "f16": "f16", "bf16": "bf16", "f32": "f32"}
@@ -46,7 +51,7 @@ class Blocks:
         d: (R, B) block scales, f32 (the f16 field's value); None for types held dequantized.
         q: (R, B, 32) integer quants as the dot kernels use them, int16; None as `d`.
         m: (R, B) block mins (Q4_1, Q5_1), f32; else None.
-        held: (R, C) f32 values for types without an unpacked form (k-quants, ...).
+        held: (R, C) f32 values for types without an unpacked form (k-quants, f16, bf16, ...).
     """
 
     kind: str
@@ -139,6 +144,7 @@ UNPACK = {
     "q5_0": lambda raw: (_f16_field(raw, 0), None, (_nibbles(raw[..., 6:22]) | _fifth_bits(raw[..., 2:6])) - 16),
     "q5_1": lambda raw: (_f16_field(raw, 0), _f16_field(raw, 2), _nibbles(raw[..., 8:24]) | _fifth_bits(raw[..., 4:8])),
     "q8_0": lambda raw: (_f16_field(raw, 0), None, np.ascontiguousarray(raw[..., 2:34]).view(np.int8).astype(np.int16)),
+    "iq4_nl": lambda raw: (_f16_field(raw, 0), None, IQ4_NL_VALUES[_nibbles(raw[..., 2:18])]),
 }
 
 
@@ -149,8 +155,8 @@ def from_gguf_bytes(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Block
         TracerError: a type neither unpacked here nor dequantizable by the gguf package.
     """
     rows, cols = shape
-    if kind in BLOCK_TYPES:
-        size, nbytes = BLOCK_TYPES[kind]
+    if kind in UNPACKED_TYPES:
+        size, nbytes = UNPACKED_TYPES[kind]
         blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // size, nbytes)  # (R, B, bytes)
         d, m, q = UNPACK[kind](blocks)
         return Blocks(kind, shape, d=d, m=m, q=torch.from_numpy(np.ascontiguousarray(q)))

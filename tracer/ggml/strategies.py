@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tracer.aliases import GGUF
 from tracer.errors import TracerError
-from tracer.ggml import ops
+from tracer.ggml import ops, repack, tinyblas
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
 from tracer.ggml.quants import (
     ACT_BLOCK,
@@ -113,9 +113,9 @@ def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
 
 
 class GGUFWeights(Mapping):
-    """HF name -> tensor (f32 types) or `Blocks` (quantized types; f16/bf16 matrices, held as their
-    values), read from a GGUF file as stored: llama.cpp's own numbers. q/k weights get their rows
-    put back in HF order."""
+    """HF name -> `Blocks` (every matrix, f32/f16/bf16 ones included: ggml's mul_mat picks its
+    kernels by the type) or an f32 tensor (norm vectors), read from a GGUF file as stored:
+    llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
 
     def __init__(self, path: Path):
         from tracer.gguffile import GGUFFile
@@ -144,7 +144,7 @@ class GGUFWeights(Mapping):
             dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[info.kind]
             values = torch.from_numpy(np.ascontiguousarray(raw).view(dtype).reshape(info.shape).copy())
             blocks = values.view(torch.bfloat16).to(F32) if info.kind == "bf16" else values.to(F32)
-            if info.kind != "f32" and len(info.shape) == 2:  # typed: a matmul takes its activations to f16/bf16
+            if blocks.ndim == 2:  # a matrix keeps its type: ggml's mul_mat picks its kernels by it
                 blocks = Blocks(info.kind, info.shape, held=blocks)
         else:
             blocks = from_gguf_bytes(info.kind, raw, info.shape)
@@ -338,7 +338,10 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
     """The `linear` strategy: x (1, T, C) @ weight (R, C)ᵀ + bias -> (1, T, R), the activations in
     the regime's format and the products accumulated as `accumulate` says: ggml's own order where
     its kernel is emulated (else f64), or BLAS in f32 / f64; `act_round=candle` and
-    `accumulate=candle` take candle's quantizer and vec_dot kernels (`tracer.ggml.candle`)."""
+    `accumulate=candle` take candle's quantizer and vec_dot kernels (`tracer.ggml.candle`).
+    ggml's order is the kernel llama.cpp's build takes for the weight: `vec_dot` (`tracer.ggml.vecdot`),
+    Q4_0/IQ4_NL repacked at load or not (`tracer.ggml.repack`), a GGUF's f32/f16/bf16 matrix by
+    tinyBLAS or `ggml_vec_dot_*` (`tracer.ggml.tinyblas`)."""
     blas_dtype = F32 if accumulate == "f32" else torch.float64  # ggml: f64 where no kernel is emulated
     quantize, candle_matmul = quantize_activations, None
     if "candle" in (rounding, accumulate):
@@ -361,15 +364,23 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
                               f"(got {x.device.type})")
         rows = x[0].to(F32)  # (T, C)
         kind = act_kind(weight, act_quant)
+        if candle_matmul is not None and kind in ("f16", "bf16"):
+            kind = "none"  # candle dequantizes f16 weights and multiplies f32 activations
         if kind in ACT_BLOCK:
             act = quantized_input(x, kind)
             exact_order = accumulate == "ggml" and isinstance(weight, Blocks) and has_kernel(weight, act)
             if candle_matmul is not None and isinstance(weight, Blocks):
                 out = candle_matmul(act, weight)
+            elif accumulate == "ggml" and repack.emulates(weight, act):  # Q4_0/IQ4_NL: repacked or not
+                out = repack.matmul(act, weight)
             else:
                 out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
         elif kind in ("f16", "bf16"):
-            out = matmul_blas(ROUND[kind](rows), weight, blas_dtype)
+            converted = ROUND[kind](rows)  # mul_mat's conversion to the weight's vec-dot type
+            out = tinyblas.matmul(converted, weight) if accumulate == "ggml" else matmul_blas(converted, weight,
+                                                                                               blas_dtype)
+        elif accumulate == "ggml" and isinstance(weight, Blocks) and weight.kind == "f32":
+            out = tinyblas.matmul(rows, weight)  # a GGUF's f32 matrix: tinyBLAS' f32 kernel or ggml_vec_dot_f32
         elif isinstance(weight, Blocks) or accumulate != "ggml":
             out = matmul_blas(rows, weight, blas_dtype)
         else:
@@ -583,25 +594,24 @@ def regime_catalogue() -> list[str]:
 
 # --- the regime a llama.cpp run implies ---------------------------------------------------------
 
-# Weight types whose llama.cpp CPU kernel (x86 AVX2/AVX-512 build) is emulated in its own order.
-EXACT_WEIGHT_TYPES = {"q4_1", "q5_0", "q5_1", "q8_0"}
+# Weight types whose llama.cpp CPU kernels (x86 AVX2/AVX-512 build) are emulated in their own order,
+# on every path the build takes: Q4_0/IQ4_NL repacked at load or not (`tracer.ggml.repack`), f32/f16/
+# bf16 by tinyBLAS or ggml_vec_dot (`tracer.ggml.tinyblas`), the others by their vec_dot kernel.
+EXACT_WEIGHT_TYPES = {"f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"}
 # Tensors no matmul takes (norms, biases: f32 whatever the file type, and exact in any order).
 NOT_MULTIPLIED = ("norm.weight", ".bias")
 # Why the others are not, on x86: ggml repacks some at load (CPU_REPACK) or tiles them from 8 rows.
 NOT_EXACT_WHY = {
-    "q4_0": "repacked to q4_0_8x8 at load on AVX2 (its gemv/gemm kernels are not emulated)",
-    "iq4_nl": "repacked to iq4_nl_8x8 at load on AVX2",
     "q4_k": "repacked to q4_K_8x8 at load on AVX2",
     "q2_k": "repacked to q2_K_8x8 at load on AVX-512",
     "q3_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
     "q5_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
     "q6_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
-    "f16": "tinyBLAS' f16 kernel is not emulated", "bf16": "tinyBLAS' bf16 kernel is not emulated",
-    "f32": "llamafile's f32 sgemm (tinyBLAS) is not emulated",
 }
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
-# A native build on a CPU with AMX multiplies these weight types in AMX tiles at load (ggml-cpu/amx): not emulated.
-AMX_WEIGHT_TYPES = {"q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"}
+# A native build on a CPU with AMX multiplies these weight types in its AMX buffer (ggml-cpu/amx; f16
+# too: amx.cpp's supports_op): not emulated.
+AMX_WEIGHT_TYPES = {"f16", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"}
 
 
 def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[str, str] | None = None,
