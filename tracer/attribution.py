@@ -1,0 +1,284 @@
+"""Where the loss is made: each component of the candidate alone inside the reference's forward.
+
+`tracer quality` measures how far a candidate's next-token distributions are from the
+reference's over a text (`tracer.perplexity`). This module says where that KL divergence comes
+from. Both sides are emulated by tracer's reimplementation (`tracer.llama`): the reference on its
+own weights in f32 arithmetic, the candidate in its own regime (a llama.cpp GGUF: llama.cpp's CPU
+arithmetic on that file's tensors, `preset=llamacpp,weights=gguf`; a reimpl or hf variant: its
+knobs). Then, for each component c (the embedding, every block, the final norm, lm_head), the
+reference runs with c alone replaced by the candidate's: c is fed the reference's own input, its
+output goes on through the reference's other components, and the final distributions are
+compared with the reference's by llama-perplexity's KLD. Component c's share is that KLD over
+the candidate's whole (measured) KLD.
+
+The candidate's components on the reference's inputs come from `tracer.forced_runs`'s
+teacher-forced run; the reference's continuation from block i+1 is the reimplementation's own
+blocks. Cost per chunk: a reference forward, a teacher-forced candidate forward, a whole
+candidate forward (the emulation's own total), and L(L-1)/2 reference blocks plus L+3 lm_heads
+for the replaced runs (~15 forwards for SmolLM2's 30 layers).
+
+The shares need not add up to 1: errors of several components compound or cancel downstream,
+and the KL divergence is not additive. For small errors it is about quadratic in the logit error
+(KLD ≈ ½ Var_p(δ)), so independent errors add in KLD to first order and the sum of shares is
+near 1; the sum is reported as measured. Two checks come with the shares: the emulated
+candidate's whole KLD against the measured one (is the emulation the candidate?), and the floor,
+the KLD of the emulated reference from the real one (shares below it are not resolved).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tracer.engines.registry import ENGINES, parse_engine
+from tracer.errors import TracerError
+from tracer.forced_runs import teacher_forced_points
+from tracer.llama import Llama, decoder_layer, layer_positions
+from tracer.perplexity import Statistics, StoredLogProbs, TokenFigures, scored_rows, stored_log_probs, token_figures
+from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_of, layer_point
+from tracer.sources import ModelSource
+from tracer.trace import Trace, TraceMeta
+from tracer.variants import KNOBS, variant_text
+
+REIMPL = ENGINES["reimpl"]
+
+
+# --- what each side is emulated as ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How tracer's reimplementation stands in for one side: its knobs, the GGUF file whose tensors
+    it runs (None: the model directory's weights), and what of it is not exact."""
+
+    knobs: dict
+    gguf: Path | None = None
+    caveats: tuple[str, ...] = ()
+
+    @property
+    def text(self) -> str:
+        weights = f" on {self.gguf.name}" if self.gguf else ""
+        return (variant_text(self.knobs) or "no knobs") + weights
+
+
+def emulation(engine: str, variant: dict, source: ModelSource, *, role: str) -> Emulation:
+    """The reimplementation's stand-in for `engine` with `variant`. A candidate on a GGUF runtime
+    (llamacpp, candle) runs in that runtime's regime on the file's own tensors; the reference on its
+    file's tensors in f32 arithmetic (it is the yardstick; the floor says how close). Knobs the
+    reimplementation does not honour (threads) are left out; an engine with no emulation is refused."""
+    entry, argument = parse_engine(engine)
+    knobs = {k: v for k, v in variant.items() if REIMPL.honours(k)}
+    if entry.name in ("llamacpp", "candle"):
+        from tracer.engines.llamacpp import gguf_of
+        from tracer.ggml.strategies import GGUFWeights
+
+        path = gguf_of(source, argument)
+        if role == "reference":
+            plain = {k: v for k, v in knobs.items() if KNOBS[k].kind != "regime"}
+            return Emulation({**plain, "weights": "gguf"}, path)
+        types = GGUFWeights(path).types()
+        if entry.name == "llamacpp":
+            from tracer.ggml.strategies import implied_regime as llamacpp_regime
+
+            implied, caveats = llamacpp_regime(types, variant)
+        else:
+            from tracer.ggml.candle import implied_regime as candle_regime
+
+            implied, caveats = candle_regime(types)
+        plain = {k: v for k, v in knobs.items() if KNOBS[k].kind != "regime"}
+        return Emulation({**implied, **plain}, path, tuple(caveats))
+    if entry.name in ("hf", "reimpl"):
+        return Emulation(knobs)
+    raise TracerError(f"--by-layer emulates each side with tracer's reimplementation; the {entry.name} engine has "
+                      "no emulation (use hf, reimpl, llamacpp or candle)")
+
+
+def emulated_model(source: ModelSource, emulated: Emulation, weights, device) -> Llama:
+    """The reimplementation running `emulated` (`weights`: the directory's, read once for both sides)."""
+    config = dict(source.config())
+    if emulated.gguf is not None:  # weights=gguf reads the file named here
+        config["tracer_source"] = {"gguf_file": str(emulated.gguf)}
+    return Llama.from_config(config, weights, emulated.knobs, device=device)
+
+
+def check_alike(reference: Llama, candidate: Llama) -> None:
+    """The component swap needs the same shapes at every component's boundary."""
+    for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        ours, theirs = getattr(reference.spec, name), getattr(candidate.spec, name)
+        if ours != theirs:
+            raise TracerError(f"--by-layer swaps components between the two sides, whose {name} differ "
+                              f"({ours} vs {theirs})")
+
+
+# --- the replaced runs -----------------------------------------------------------------------------
+
+
+class Kept:
+    """A recorder keeping only the named points (batch dimension dropped, on the run's device)."""
+
+    def __init__(self, names):
+        self.names, self.tensors = set(names), {}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.names:
+            self.tensors[name] = tensor.detach()[0]
+
+
+def components(llama: Llama) -> list[str]:
+    """The points whose producers are swapped one at a time, in execution order."""
+    names = [EMBED, *(layer_point(i, "") for i in range(llama.spec.num_hidden_layers)), FINAL_NORM, LOGITS]
+    return names + ([FINAL_LOGITS] if llama.spec.final_logit_softcapping is not None else [])
+
+
+def softcapped(llama: Llama, logits: torch.Tensor) -> torch.Tensor:
+    if llama.spec.final_logit_softcapping is None:
+        return logits
+    return llama.strategies.softcap(logits, llama.spec.final_logit_softcapping)
+
+
+def run_on(llama: Llama, point: str, value: torch.Tensor, positions) -> torch.Tensor:
+    """The reference's forward continued after `point`, whose output is `value` (T, ...): (T, V) logits."""
+    spec, w, strategies = llama.spec, llama.weights, llama.strategies
+    h = value[None].to(strategies.dtype)  # (1, T, C) or (1, T, V)
+    if point == FINAL_LOGITS:
+        return h[0]
+    if point == LOGITS:
+        return softcapped(llama, h)[0]
+    if point != FINAL_NORM:
+        start = 0 if point == EMBED else layer_of(point) + 1
+        for i in range(start, spec.num_hidden_layers):
+            h = decoder_layer(h, llama.layers[i], spec, positions[i], strategies, layer_point(i, ""), _ignore)
+        h = strategies.norm(h, w["model.norm.weight"], spec.rms_norm_eps)
+    return softcapped(llama, strategies.logits(h, w["lm_head.weight"]))[0]  # (T, V)
+
+
+def _ignore(name: str, tensor: torch.Tensor) -> None:
+    pass
+
+
+class ReplacedRuns:
+    """One chunk's runs: the reference's (T, V) logits, the candidate's own, and, one at a time
+    (`swapped`), the reference's with one component alone the candidate's."""
+
+    @torch.inference_mode()
+    def __init__(self, reference: Llama, candidate: Llama, tokens: list[int]):
+        ids = torch.tensor(tokens)
+        self.reference, self.names = reference, components(reference)
+        kept = Kept(self.names)
+        self.reference_logits = reference.forward(ids, kept)  # (T, V)
+        self.candidate_logits = candidate.forward(ids)  # (T, V)
+        self.forced = Kept(self.names)  # the candidate's components, each on the reference's input
+        teacher_forced_points(candidate, Trace(kept.tensors, TraceMeta(tokens=list(tokens))), self.forced)
+        self.positions = layer_positions(reference.spec, reference.strategies, len(tokens),
+                                         reference.strategies.dtype, reference.device)
+
+    @torch.inference_mode()
+    def swapped(self):
+        """(component, (T, V) logits) in execution order, each computed when asked for."""
+        for name in self.names:
+            yield name, run_on(self.reference, name, self.forced.tensors[name], self.positions)
+
+
+# --- the value -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Share:
+    """One component swapped alone: the KLD it causes, its share of the candidate's, and how often
+    the top token still agrees."""
+
+    component: str
+    kld: float
+    share: float
+    same_top: float
+
+    def to_dict(self) -> dict:
+        return {"component": self.component, "kld": self.kld, "share": self.share, "same_top": self.same_top}
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Where the candidate's KL divergence is made (module docstring).
+
+    Attributes:
+        shares: per component, in execution order.
+        total_kld: the candidate's measured mean KLD (the real engines), the shares' denominator.
+        emulated_kld: the emulated candidate's whole mean KLD from the emulated reference.
+        floor_kld: the emulated reference's mean KLD from the real reference.
+        sum_of_shares: the shares added (1 only when the components' losses add).
+        reference, candidate: how each side is emulated (`Emulation.text`).
+        caveats: what of the candidate's emulation is not exact.
+        seconds: the attribution's own time.
+    """
+
+    shares: tuple[Share, ...]
+    total_kld: float
+    emulated_kld: float
+    floor_kld: float
+    sum_of_shares: float
+    reference: str
+    candidate: str
+    caveats: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"shares": [s.to_dict() for s in self.shares], "total_kld": self.total_kld,
+                "emulated_kld": self.emulated_kld, "floor_kld": self.floor_kld,
+                "sum_of_shares": self.sum_of_shares, "reference": self.reference, "candidate": self.candidate,
+                "caveats": list(self.caveats), "seconds": self.seconds}
+
+
+class Attributor:
+    """Accumulates the replaced runs chunk by chunk; `result` turns them into an `Attribution`."""
+
+    def __init__(self, source: ModelSource, reference: Emulation, candidate: Emulation, device="cpu"):
+        started = time.perf_counter()
+        from tracer.weights import read_weights
+
+        if source.loaded:
+            weights = dict(source.module.state_dict())
+        else:
+            weights = read_weights(source.directory)
+        self.emulations = (reference, candidate)
+        self.reference = emulated_model(source, reference, weights, device)
+        self.candidate = emulated_model(source, candidate, weights, device)
+        check_alike(self.reference, self.candidate)
+        self.names = components(self.reference)
+        self.parts: dict[str, list[TokenFigures]] = {name: [] for name in self.names}
+        self.whole: list[TokenFigures] = []
+        self.floor: list[TokenFigures] = []
+        self.seconds = time.perf_counter() - started
+
+    def add(self, tokens: list[int], n_ctx: int, targets: np.ndarray, base: StoredLogProbs) -> None:
+        """One chunk: `base` is the real reference's stored log-probabilities of its scored rows."""
+        started = time.perf_counter()
+        runs = ReplacedRuns(self.reference, self.candidate, tokens)
+        ours = stored_log_probs(_rows(runs.reference_logits, n_ctx))
+        self.floor.append(token_figures(_rows(runs.reference_logits, n_ctx), base, targets))
+        self.whole.append(token_figures(_rows(runs.candidate_logits, n_ctx), ours, targets))
+        for name, logits in runs.swapped():
+            self.parts[name].append(token_figures(_rows(logits, n_ctx), ours, targets))
+        self.seconds += time.perf_counter() - started
+
+    def result(self, total_kld: float) -> Attribution:
+        def statistics(parts: list[TokenFigures]) -> Statistics:
+            return Statistics.of(TokenFigures.concatenate(parts))
+
+        shares = []
+        for name in self.names:
+            s = statistics(self.parts[name])
+            shares.append(Share(name, s.kld.value, s.kld.value / total_kld if total_kld else float("nan"),
+                                s.same_top.value))
+        reference, candidate = self.emulations
+        return Attribution(
+            shares=tuple(shares), total_kld=total_kld, emulated_kld=statistics(self.whole).kld.value,
+            floor_kld=statistics(self.floor).kld.value, sum_of_shares=sum(s.share for s in shares),
+            reference=reference.text, candidate=candidate.text, caveats=candidate.caveats, seconds=self.seconds)
+
+
+def _rows(logits: torch.Tensor, n_ctx: int) -> np.ndarray:
+    return scored_rows(logits, n_ctx).float().cpu().numpy()
