@@ -82,6 +82,8 @@ def quality_text(summary: dict) -> str:
     lines += _wrapped(f"  mean KLD {s['kld']['value']:.6f}, same top {100 * s['same_top']['value']:.3f}%, "
                       f"PPL {s['ppl']['value']:.4f} vs {s['ppl_base']['value']:.4f} "
                       f"(ΔPPL {s['ppl_diff']['value']:+.4f})")
+    lines += _wrapped(f"  exact mean KLD {summary['exact_kld']['value']:.6g} (whole vocabulary in f64, without "
+                      "llama-perplexity's 16-bit base and -16 cutoff)")
     lines += ["", perplexity_table(summary)]
     if summary.get("layers"):
         lines += ["", *layers_text(summary["layers"])]
@@ -90,16 +92,20 @@ def quality_text(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _share(value: float) -> str:
+    return "n/a" if value != value else f"{100 * value:.1f}%"  # NaN: the candidate lost nothing to share
+
+
 def layers_text(layers: dict) -> list[str]:
     lines = ["====== Where the loss is made ======",
-             "each component alone the candidate's, inside the reference's forward:",
-             f"  {'component':<22} {'KLD':>10} {'share':>8} {'same top':>9}"]
+             "each component alone the candidate's, inside the reference's forward (exact KLD):",
+             f"  {'component':<22} {'KLD':>11} {'share':>8} {'same top':>9}"]
     for share in layers["shares"]:
-        lines.append(f"  {share['component']:<22} {share['kld']:10.6f} {100 * share['share']:7.1f}% "
+        lines.append(f"  {share['component']:<22} {share['kld']:11.3e} {_share(share['share']):>8} "
                      f"{100 * share['same_top']:8.2f}%")
-    lines += _wrapped(f"sum of shares {100 * layers['sum_of_shares']:.1f}% of the measured KLD "
-                      f"{layers['total_kld']:.6f}; the emulated candidate's whole KLD {layers['emulated_kld']:.6f}; "
-                      f"floor (emulated reference from the real one) {layers['floor_kld']:.2e}")
+    lines += _wrapped(f"sum of shares {_share(layers['sum_of_shares'])} of the measured exact KLD "
+                      f"{layers['total_kld']:.6g}; the emulated candidate's own {layers['emulated_kld']:.6g}; "
+                      f"floor (the emulated reference's from the real one) {layers['floor_kld']:.2e}")
     lines += _wrapped(f"reference emulated as {layers['reference']}; candidate as {layers['candidate']} "
                       f"({layers['seconds']:.1f} s)")
     for caveat in layers.get("caveats", []):
@@ -114,7 +120,10 @@ def quality_markdown(summary: dict) -> str:
     def pm(name: str, scale: float = 1.0, places: int = 6, unit: str = "") -> str:
         return f"{scale * s[name]['value']:.{places}f} ± {scale * s[name]['uncertainty']:.{places}f}{unit}"
 
-    rows = [("Mean KLD", pm("kld")), ("Median KLD", f"{s['kld_median']:.6f}"),
+    exact = summary["exact_kld"]
+    rows = [("Mean KLD", pm("kld")),
+            ("Mean KLD, exact (f64, whole vocabulary)", f"{exact['value']:.6g} ± {exact['uncertainty']:.2g}"),
+            ("Median KLD", f"{s['kld_median']:.6f}"),
             ("99.0% KLD", f"{s['kld_percentiles']['99.0']:.6f}"), ("Maximum KLD", f"{s['kld_max']:.6f}"),
             ("Same top p", pm("same_top", 100, 3, " %")), ("RMS Δp", pm("rms_p_diff", 100, 3, " %")),
             ("Mean Δp", pm("p_diff", 100, 3, " %")), ("PPL(Q)", pm("ppl")), ("PPL(base)", pm("ppl_base")),
@@ -126,14 +135,15 @@ def quality_markdown(summary: dict) -> str:
     layers = summary.get("layers")
     if layers:
         parts += ["", "#### Where the loss is made", "",
-                  "Each component alone the candidate's, inside the reference's forward "
-                  f"(sum of shares {100 * layers['sum_of_shares']:.1f}%; emulated candidate's KLD "
-                  f"{layers['emulated_kld']:.6f}, measured {layers['total_kld']:.6f}; floor "
+                  "Each component alone the candidate's, inside the reference's forward; exact KLD "
+                  f"(sum of shares {_share(layers['sum_of_shares'])}; the emulated candidate's KLD "
+                  f"{layers['emulated_kld']:.6g}, measured {layers['total_kld']:.6g}; floor "
                   f"{layers['floor_kld']:.2e}).", "",
                   "| component | KLD | share | same top |", "|---|---|---|---|"]
-        parts += [f"| {cell(x['component'])} | {x['kld']:.6f} | {100 * x['share']:.1f}% | "
+        parts += [f"| {cell(x['component'])} | {x['kld']:.3e} | {_share(x['share'])} | "
                   f"{100 * x['same_top']:.2f}% |" for x in layers["shares"]]
-    parts += [f"- {text(note)}" for note in summary.get("notes", [])]
+    if summary.get("notes"):
+        parts += [""] + [f"- {text(note)}" for note in summary["notes"]]
     if summary.get("command"):
         parts += ["", fenced(summary["command"], "sh")]
     return "\n".join(parts) + "\n"

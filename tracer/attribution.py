@@ -8,8 +8,11 @@ arithmetic on that file's tensors, `preset=llamacpp,weights=gguf`; a reimpl or h
 knobs). Then, for each component c (the embedding, every block, the final norm, lm_head), the
 reference runs with c alone replaced by the candidate's: c is fed the reference's own input, its
 output goes on through the reference's other components, and the final distributions are
-compared with the reference's by llama-perplexity's KLD. Component c's share is that KLD over
-the candidate's whole (measured) KLD.
+compared with the reference's. Component c's share is that mean KL divergence over the
+candidate's whole (measured) one. Both are the exact divergence (`tracer.perplexity.exact_kld`:
+the whole vocabulary in f64), not llama-perplexity's 16-bit one, whose storage alone gives
+identical logits a KLD of ~1e-7 to 1e-6: a component the candidate leaves unchanged then has a
+share of exactly 0.
 
 The candidate's components on the reference's inputs come from `tracer.forced_runs`'s
 teacher-forced run; the reference's continuation from block i+1 is the reimplementation's own
@@ -27,6 +30,7 @@ the KLD of the emulated reference from the real one (shares below it are not res
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +42,7 @@ from tracer.engines.registry import ENGINES, parse_engine
 from tracer.errors import TracerError
 from tracer.forced_runs import teacher_forced_points
 from tracer.llama import Llama, decoder_layer, layer_positions
-from tracer.perplexity import Statistics, StoredLogProbs, TokenFigures, scored_rows, stored_log_probs, token_figures
+from tracer.perplexity import exact_kld, scored_rows
 from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_of, layer_point
 from tracer.sources import ModelSource
 from tracer.trace import Trace, TraceMeta
@@ -206,9 +210,9 @@ class Attribution:
 
     Attributes:
         shares: per component, in execution order.
-        total_kld: the candidate's measured mean KLD (the real engines), the shares' denominator.
-        emulated_kld: the emulated candidate's whole mean KLD from the emulated reference.
-        floor_kld: the emulated reference's mean KLD from the real reference.
+        total_kld: the candidate's measured mean exact KLD (the real engines), the shares' denominator.
+        emulated_kld: the emulated candidate's whole mean exact KLD from the emulated reference.
+        floor_kld: the emulated reference's mean exact KLD from the real reference.
         sum_of_shares: the shares added (1 only when the components' losses add).
         reference, candidate: how each side is emulated (`Emulation.text`).
         caveats: what of the candidate's emulation is not exact.
@@ -239,45 +243,45 @@ class Attributor:
         started = time.perf_counter()
         from tracer.weights import read_weights
 
-        if source.loaded:
-            weights = dict(source.module.state_dict())
-        else:
-            weights = read_weights(source.directory)
+        weights = dict(source.module.state_dict()) if source.loaded else read_weights(source.directory)
         self.emulations = (reference, candidate)
         self.reference = emulated_model(source, reference, weights, device)
         self.candidate = emulated_model(source, candidate, weights, device)
         check_alike(self.reference, self.candidate)
         self.names = components(self.reference)
-        self.parts: dict[str, list[TokenFigures]] = {name: [] for name in self.names}
-        self.whole: list[TokenFigures] = []
-        self.floor: list[TokenFigures] = []
+        self.kld: dict[str, list[np.ndarray]] = {name: [] for name in (*self.names, WHOLE, FLOOR)}
+        self.same_top: dict[str, list[np.ndarray]] = {name: [] for name in self.names}
         self.seconds = time.perf_counter() - started
 
-    def add(self, tokens: list[int], n_ctx: int, targets: np.ndarray, base: StoredLogProbs) -> None:
-        """One chunk: `base` is the real reference's stored log-probabilities of its scored rows."""
+    def add(self, tokens: list[int], n_ctx: int, reference_rows: np.ndarray) -> None:
+        """One chunk; `reference_rows`: the real reference's scored (N, V) logits."""
         started = time.perf_counter()
         runs = ReplacedRuns(self.reference, self.candidate, tokens)
-        ours = stored_log_probs(_rows(runs.reference_logits, n_ctx))
-        self.floor.append(token_figures(_rows(runs.reference_logits, n_ctx), base, targets))
-        self.whole.append(token_figures(_rows(runs.candidate_logits, n_ctx), ours, targets))
+        ours = _rows(runs.reference_logits, n_ctx)
+        self.kld[FLOOR].append(exact_kld(reference_rows, ours))
+        self.kld[WHOLE].append(exact_kld(ours, _rows(runs.candidate_logits, n_ctx)))
+        top = ours.argmax(axis=1)
         for name, logits in runs.swapped():
-            self.parts[name].append(token_figures(_rows(logits, n_ctx), ours, targets))
+            rows = _rows(logits, n_ctx)
+            self.kld[name].append(exact_kld(ours, rows))
+            self.same_top[name].append(rows.argmax(axis=1) == top)
         self.seconds += time.perf_counter() - started
 
     def result(self, total_kld: float) -> Attribution:
-        def statistics(parts: list[TokenFigures]) -> Statistics:
-            return Statistics.of(TokenFigures.concatenate(parts))
+        """The shares of `total_kld`, the candidate's measured mean exact KLD."""
+        def mean(values: list[np.ndarray]) -> float:
+            return float(np.concatenate(values).mean())
 
-        shares = []
-        for name in self.names:
-            s = statistics(self.parts[name])
-            shares.append(Share(name, s.kld.value, s.kld.value / total_kld if total_kld else float("nan"),
-                                s.same_top.value))
+        shares = tuple(Share(name, mean(self.kld[name]), mean(self.kld[name]) / total_kld if total_kld else math.nan,
+                             mean(self.same_top[name])) for name in self.names)
         reference, candidate = self.emulations
         return Attribution(
-            shares=tuple(shares), total_kld=total_kld, emulated_kld=statistics(self.whole).kld.value,
-            floor_kld=statistics(self.floor).kld.value, sum_of_shares=sum(s.share for s in shares),
-            reference=reference.text, candidate=candidate.text, caveats=candidate.caveats, seconds=self.seconds)
+            shares=shares, total_kld=total_kld, emulated_kld=mean(self.kld[WHOLE]), floor_kld=mean(self.kld[FLOOR]),
+            sum_of_shares=sum(s.share for s in shares), reference=reference.text, candidate=candidate.text,
+            caveats=candidate.caveats, seconds=self.seconds)
+
+
+WHOLE, FLOOR = "<whole candidate>", "<reference emulated>"  # the two checks' keys
 
 
 def _rows(logits: torch.Tensor, n_ctx: int) -> np.ndarray:

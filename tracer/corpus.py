@@ -25,9 +25,12 @@ from tracer.perplexity import (
     MIN_CTX,
     STATISTICS_MIN_COUNT,
     ChunkLine,
+    Estimate,
     Statistics,
     TokenFigures,
     chunk_tokens,
+    exact_kld,
+    mean_and_uncertainty,
     scored_rows,
     scored_targets,
     stored_log_probs,
@@ -51,6 +54,8 @@ class Quality:
         tokens: how many tokens the text has; `bos` the id put at each chunk's start (None: none).
         ctx: the chunk size (-c); `chunks` how many chunks were evaluated.
         statistics: llama-perplexity's final statistics (`tracer.perplexity.Statistics`).
+        exact_kld: the mean KLD over the whole vocabulary in f64 from both sides' f32 logits, without
+            llama-perplexity's 16-bit storage of the base and its -16 cutoff (`perplexity.exact_kld`).
         lines: its running line after each chunk (`ChunkLine`).
         layers: where the loss is made (`tracer.attribution.Attribution`), when asked for.
         timings: seconds per stage; `notes`: what the figures rest on.
@@ -71,6 +76,7 @@ class Quality:
     ctx: int
     chunks: int
     statistics: Statistics
+    exact_kld: Estimate
     lines: tuple[ChunkLine, ...]
     layers: object | None = None  # tracer.attribution.Attribution
     timings: dict = field(default_factory=dict)
@@ -83,6 +89,7 @@ class Quality:
         return {"reference": self.reference, "candidate": self.candidate, "model": self.model, "text": self.text,
                 "tokens": self.tokens, "bos": self.bos, "ctx": self.ctx, "chunks": self.chunks,
                 "scored": self.statistics.count, "statistics": self.statistics.to_dict(),
+                "exact_kld": self.exact_kld.to_dict(),
                 "lines": [line.to_dict() for line in self.lines],
                 "layers": None if self.layers is None else self.layers.to_dict(),
                 "timings": self.timings, "notes": list(self.notes), "command": self.command,
@@ -181,26 +188,30 @@ def measure_quality(inputs: Inputs, placement: Placement = Placement(), *, refer
                                 emulation(candidate, variant, source, role="candidate"), placement.device)
     timings["load_s"] = time.perf_counter() - started
     stage("chunks")
-    figures, lines = [], []
+    figures, lines, exact = [], [], []
     for number, window in enumerate(windows):
         detail(f"chunk {number + 1}/{len(windows)}")
         targets = scored_targets(ids, ctx, number)
-        base = stored_log_probs(scored_rows(chunk_logits(engines["reference"], window, "reference"), ctx))
-        figures.append(token_figures(scored_rows(chunk_logits(engines["candidate"], window, "candidate"), ctx),
-                                     base, targets))
+        reference_rows = scored_rows(chunk_logits(engines["reference"], window, "reference"), ctx)
+        candidate_rows = scored_rows(chunk_logits(engines["candidate"], window, "candidate"), ctx)
+        base = stored_log_probs(reference_rows)
+        figures.append(token_figures(candidate_rows, base, targets))
+        exact.append(exact_kld(reference_rows, candidate_rows))
         lines.append(ChunkLine.after(number + 1, TokenFigures.concatenate(figures)))
         if attributor is not None:
-            attributor.add(window, ctx, targets, base)
+            attributor.add(window, ctx, reference_rows)
     statistics = Statistics.of(TokenFigures.concatenate(figures))
+    exact_values = np.concatenate(exact)
+    exact_mean = mean_and_uncertainty(exact_values.sum(), (exact_values * exact_values).sum(), len(exact_values))
     timings["chunks_s"] = time.perf_counter() - started - timings["load_s"] - (attributor.seconds if attributor else 0)
     layers = None
     if attributor is not None:
-        layers = attributor.result(statistics.kld.value)
+        layers = attributor.result(exact_mean.value)
         timings["layers_s"] = attributor.seconds
     return Quality(
         reference=_side(reference, reference_variant), candidate=_side(candidate, variant),
         model=source.name, text=text_name, tokens=len(ids), bos=bos, ctx=ctx, chunks=len(windows),
-        statistics=statistics, lines=tuple(lines), layers=layers, timings=timings,
+        statistics=statistics, exact_kld=exact_mean, lines=tuple(lines), layers=layers, timings=timings,
         notes=tuple(_notes(len(ids), ctx, len(windows), statistics.count, bos, inputs)), command=command,
         environment=environment())
 

@@ -178,6 +178,21 @@ def token_figures(logits: np.ndarray, base: StoredLogProbs, targets: np.ndarray)
                         top == base_log_probs.argmax(axis=1))
 
 
+def exact_kld(reference_logits: np.ndarray, candidate_logits: np.ndarray) -> np.ndarray:
+    """(N,) f64 KL(P_ref ‖ P_cand) per row over the whole vocabulary, from the f32 logits in f64:
+    the divergence without llama-perplexity's 16-bit storage of the base and its -16 cutoff."""
+    reference, candidate = (np.asarray(x, dtype=F64) for x in (reference_logits, candidate_logits))
+    log_p = reference - _log_sum_exp64(reference)
+    log_q = candidate - _log_sum_exp64(candidate)
+    return (np.exp(log_p) * (log_p - log_q)).sum(axis=1)
+
+
+def _log_sum_exp64(x: np.ndarray) -> np.ndarray:
+    """(N, V) f64 -> (N, 1): log Σ exp over each row."""
+    top = x.max(axis=1, keepdims=True)
+    return top + np.log(np.exp(x - top).sum(axis=1, keepdims=True))
+
+
 # --- statistics ---------------------------------------------------------------------------------
 
 
