@@ -17,8 +17,9 @@ share of exactly 0.
 The candidate's components on the reference's inputs come from `tracer.forced_runs`'s
 teacher-forced run; the reference's continuation from block i+1 is the reimplementation's own
 blocks. Cost per chunk: a reference forward, a teacher-forced candidate forward, a whole
-candidate forward (the emulation's own total), and L(L-1)/2 reference blocks plus L+3 lm_heads
-for the replaced runs (~15 forwards for SmolLM2's 30 layers).
+candidate forward (the emulation's own total), and for the replaced runs L(L-1)/2 reference
+blocks plus L+3 lm_heads on the scored half of the positions (SmolLM2's 30 layers: ~15 forwards'
+blocks and ~2 forwards' lm_heads).
 
 The shares need not add up to 1: errors of several components compound or cancel downstream,
 and the KL divergence is not additive. For small errors it is about quadratic in the logit error
@@ -42,7 +43,7 @@ from tracer.engines.registry import ENGINES, parse_engine
 from tracer.errors import TracerError
 from tracer.forced_runs import teacher_forced_points
 from tracer.llama import Llama, decoder_layer, layer_positions
-from tracer.perplexity import exact_kld, scored_rows
+from tracer.perplexity import exact_kld, scored_rows, scored_slice
 from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_of, layer_point
 from tracer.sources import ModelSource
 from tracer.trace import Trace, TraceMeta
@@ -144,20 +145,23 @@ def softcapped(llama: Llama, logits: torch.Tensor) -> torch.Tensor:
     return llama.strategies.softcap(logits, llama.spec.final_logit_softcapping)
 
 
-def run_on(llama: Llama, point: str, value: torch.Tensor, positions) -> torch.Tensor:
-    """The reference's forward continued after `point`, whose output is `value` (T, ...): (T, V) logits."""
+def run_on(llama: Llama, point: str, value: torch.Tensor, positions, rows: slice) -> torch.Tensor:
+    """The reference's forward continued after `point`, whose output is `value` (T, ...): the
+    logits of the positions `rows` (the blocks run on every position, the head on those only)."""
     spec, w, strategies = llama.spec, llama.weights, llama.strategies
     h = value[None].to(strategies.dtype)  # (1, T, C) or (1, T, V)
     if point == FINAL_LOGITS:
-        return h[0]
+        return h[0, rows]
     if point == LOGITS:
-        return softcapped(llama, h)[0]
+        return softcapped(llama, h[:, rows])[0]
     if point != FINAL_NORM:
         start = 0 if point == EMBED else layer_of(point) + 1
         for i in range(start, spec.num_hidden_layers):
             h = decoder_layer(h, llama.layers[i], spec, positions[i], strategies, layer_point(i, ""), _ignore)
-        h = strategies.norm(h, w["model.norm.weight"], spec.rms_norm_eps)
-    return softcapped(llama, strategies.logits(h, w["lm_head.weight"]))[0]  # (T, V)
+        h = strategies.norm(h[:, rows], w["model.norm.weight"], spec.rms_norm_eps)  # (1, R, C)
+    else:
+        h = h[:, rows]
+    return softcapped(llama, strategies.logits(h, w["lm_head.weight"]))[0]  # (R, V)
 
 
 def _ignore(name: str, tensor: torch.Tensor) -> None:
@@ -169,9 +173,9 @@ class ReplacedRuns:
     (`swapped`), the reference's with one component alone the candidate's."""
 
     @torch.inference_mode()
-    def __init__(self, reference: Llama, candidate: Llama, tokens: list[int]):
+    def __init__(self, reference: Llama, candidate: Llama, tokens: list[int], rows: slice):
         ids = torch.tensor(tokens)
-        self.reference, self.names = reference, components(reference)
+        self.reference, self.names, self.rows = reference, components(reference), rows
         kept = Kept(self.names)
         self.reference_logits = reference.forward(ids, kept)  # (T, V)
         self.candidate_logits = candidate.forward(ids)  # (T, V)
@@ -182,9 +186,9 @@ class ReplacedRuns:
 
     @torch.inference_mode()
     def swapped(self):
-        """(component, (T, V) logits) in execution order, each computed when asked for."""
+        """(component, (R, V) logits of the rows asked for) in execution order, each computed when asked for."""
         for name in self.names:
-            yield name, run_on(self.reference, name, self.forced.tensors[name], self.positions)
+            yield name, run_on(self.reference, name, self.forced.tensors[name], self.positions, self.rows)
 
 
 # --- the value -------------------------------------------------------------------------------------
@@ -256,13 +260,13 @@ class Attributor:
     def add(self, tokens: list[int], n_ctx: int, reference_rows: np.ndarray) -> None:
         """One chunk; `reference_rows`: the real reference's scored (N, V) logits."""
         started = time.perf_counter()
-        runs = ReplacedRuns(self.reference, self.candidate, tokens)
+        runs = ReplacedRuns(self.reference, self.candidate, tokens, scored_slice(n_ctx))
         ours = _rows(runs.reference_logits, n_ctx)
         self.kld[FLOOR].append(exact_kld(reference_rows, ours))
         self.kld[WHOLE].append(exact_kld(ours, _rows(runs.candidate_logits, n_ctx)))
         top = ours.argmax(axis=1)
         for name, logits in runs.swapped():
-            rows = _rows(logits, n_ctx)
+            rows = logits.float().cpu().numpy()  # (R, V): the scored rows only
             self.kld[name].append(exact_kld(ours, rows))
             self.same_top[name].append(rows.argmax(axis=1) == top)
         self.seconds += time.perf_counter() - started

@@ -79,9 +79,14 @@ def scored_targets(tokens: list[int], n_ctx: int, chunk: int) -> np.ndarray:
     return np.asarray(tokens[start + first_scored(n_ctx) + 1:start + n_ctx], dtype=np.int64)
 
 
+def scored_slice(n_ctx: int) -> slice:
+    """The positions of a chunk whose logits llama-perplexity scores: n_ctx/2 .. n_ctx - 2."""
+    return slice(first_scored(n_ctx), n_ctx - 1)
+
+
 def scored_rows(logits, n_ctx: int):
     """(n_ctx, V) logits of a chunk -> the (n_ctx - 1 - n_ctx/2, V) rows llama-perplexity scores."""
-    return logits[first_scored(n_ctx):n_ctx - 1]
+    return logits[scored_slice(n_ctx)]
 
 
 # --- the base file ------------------------------------------------------------------------------
