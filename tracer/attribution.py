@@ -169,20 +169,26 @@ def _ignore(name: str, tensor: torch.Tensor) -> None:
 
 
 class ReplacedRuns:
-    """One chunk's runs: the reference's (T, V) logits, the candidate's own, and, one at a time
-    (`swapped`), the reference's with one component alone the candidate's."""
+    """One chunk's runs: the reference's logits of the scored `rows` (`baseline`), the candidate's
+    own (T, V), and, one at a time (`swapped`), the reference's with one component alone the
+    candidate's."""
 
     @torch.inference_mode()
     def __init__(self, reference: Llama, candidate: Llama, tokens: list[int], rows: slice):
         ids = torch.tensor(tokens)
         self.reference, self.names, self.rows = reference, components(reference), rows
         kept = Kept(self.names)
-        self.reference_logits = reference.forward(ids, kept)  # (T, V)
+        reference.forward(ids, kept)
         self.candidate_logits = candidate.forward(ids)  # (T, V)
         self.forced = Kept(self.names)  # the candidate's components, each on the reference's input
         teacher_forced_points(candidate, Trace(kept.tensors, TraceMeta(tokens=list(tokens))), self.forced)
         self.positions = layer_positions(reference.spec, reference.strategies, len(tokens),
                                          reference.strategies.dtype, reference.device)
+        # The reference's own logits of those rows, computed as the replaced runs' are (the head on
+        # the rows alone: a matmul of other shapes may round otherwise), so an unchanged component
+        # gives exactly the same numbers.
+        last = layer_point(reference.spec.num_hidden_layers - 1, "")
+        self.baseline = run_on(reference, last, kept.tensors[last], self.positions, rows)  # (R, V)
 
     @torch.inference_mode()
     def swapped(self):
@@ -261,7 +267,7 @@ class Attributor:
         """One chunk; `reference_rows`: the real reference's scored (N, V) logits."""
         started = time.perf_counter()
         runs = ReplacedRuns(self.reference, self.candidate, tokens, scored_slice(n_ctx))
-        ours = _rows(runs.reference_logits, n_ctx)
+        ours = runs.baseline.float().cpu().numpy()  # (R, V)
         self.kld[FLOOR].append(exact_kld(reference_rows, ours))
         self.kld[WHOLE].append(exact_kld(ours, _rows(runs.candidate_logits, n_ctx)))
         top = ours.argmax(axis=1)
