@@ -43,7 +43,7 @@ from tracer.engines.registry import ENGINES, parse_engine
 from tracer.errors import TracerError
 from tracer.forced_runs import teacher_forced_points
 from tracer.llama import Llama, decoder_layer, layer_positions
-from tracer.perplexity import exact_kld, scored_rows, scored_slice
+from tracer.perplexity import ExactKL, scored_rows, scored_slice
 from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_of, layer_point
 from tracer.sources import ModelSource
 from tracer.trace import Trace, TraceMeta
@@ -72,34 +72,36 @@ class Emulation:
 
 def emulation(engine: str, variant: dict, source: ModelSource, *, role: str) -> Emulation:
     """The reimplementation's stand-in for `engine` with `variant`. A candidate on a GGUF runtime
-    (llamacpp, candle) runs in that runtime's regime on the file's own tensors; the reference on its
-    file's tensors in f32 arithmetic (it is the yardstick; the floor says how close). Knobs the
+    (llamacpp, candle) runs in that runtime's regime on the file's own tensors; a reference on its
+    file's tensors with transformers' ops (it is the yardstick; the floor says how close). Knobs the
     reimplementation does not honour (threads) are left out; an engine with no emulation is refused."""
     entry, argument = parse_engine(engine)
     knobs = {k: v for k, v in variant.items() if REIMPL.honours(k)}
-    if entry.name in ("llamacpp", "candle"):
-        from tracer.engines.llamacpp import gguf_of
-        from tracer.ggml.strategies import GGUFWeights
-
-        path = gguf_of(source, argument)
-        if role == "reference":
-            plain = {k: v for k, v in knobs.items() if KNOBS[k].kind != "regime"}
-            return Emulation({**plain, "weights": "gguf"}, path)
-        types = GGUFWeights(path).types()
-        if entry.name == "llamacpp":
-            from tracer.ggml.strategies import implied_regime as llamacpp_regime
-
-            implied, caveats = llamacpp_regime(types, variant)
-        else:
-            from tracer.ggml.candle import implied_regime as candle_regime
-
-            implied, caveats = candle_regime(types)
-        plain = {k: v for k, v in knobs.items() if KNOBS[k].kind != "regime"}
-        return Emulation({**implied, **plain}, path, tuple(caveats))
     if entry.name in ("hf", "reimpl"):
         return Emulation(knobs)
-    raise TracerError(f"--by-layer emulates each side with tracer's reimplementation; the {entry.name} engine has "
-                      "no emulation (use hf, reimpl, llamacpp or candle)")
+    if entry.name not in ("llamacpp", "candle"):
+        raise TracerError(f"--by-layer emulates each side with tracer's reimplementation; the {entry.name} engine "
+                          "has no emulation (use hf, reimpl, llamacpp or candle)")
+    from tracer.engines.llamacpp import gguf_of
+    from tracer.ggml.strategies import GGUFWeights
+
+    path = gguf_of(source, argument)
+    plain = {k: v for k, v in knobs.items() if KNOBS[k].kind != "regime"}  # theta, eps, ...
+    if role == "reference":
+        return Emulation({**plain, "weights": "gguf"}, path)
+    implied, caveats = runtime_regime(entry.name, GGUFWeights(path).types(), variant)
+    return Emulation({**implied, **plain}, path, tuple(caveats))
+
+
+def runtime_regime(runtime: str, types: dict[str, str], variant: dict) -> tuple[dict, list[str]]:
+    """The regime llama.cpp or candle computes in on a GGUF of these tensor types, and its caveats."""
+    if runtime == "llamacpp":
+        from tracer.ggml.strategies import implied_regime
+
+        return implied_regime(types, variant)
+    from tracer.ggml.candle import implied_regime
+
+    return implied_regime(types)
 
 
 def emulated_model(source: ModelSource, emulated: Emulation, weights, device) -> Llama:
@@ -268,12 +270,13 @@ class Attributor:
         started = time.perf_counter()
         runs = ReplacedRuns(self.reference, self.candidate, tokens, scored_slice(n_ctx))
         ours = runs.baseline.float().cpu().numpy()  # (R, V)
-        self.kld[FLOOR].append(exact_kld(reference_rows, ours))
-        self.kld[WHOLE].append(exact_kld(ours, _rows(runs.candidate_logits, n_ctx)))
+        self.kld[FLOOR].append(ExactKL(reference_rows)(ours))
+        from_ours = ExactKL(ours)
+        self.kld[WHOLE].append(from_ours(_rows(runs.candidate_logits, n_ctx)))
         top = ours.argmax(axis=1)
         for name, logits in runs.swapped():
             rows = logits.float().cpu().numpy()  # (R, V): the scored rows only
-            self.kld[name].append(exact_kld(ours, rows))
+            self.kld[name].append(from_ours(rows))
             self.same_top[name].append(rows.argmax(axis=1) == top)
         self.seconds += time.perf_counter() - started
 

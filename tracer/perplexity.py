@@ -183,19 +183,30 @@ def token_figures(logits: np.ndarray, base: StoredLogProbs, targets: np.ndarray)
                         top == base_log_probs.argmax(axis=1))
 
 
+class ExactKL:
+    """KL(P_ref ‖ Q) per row over the whole vocabulary, from f32 logits in f64, against one
+    reference's (N, V) logits whose log-probabilities are taken once: the divergence without
+    llama-perplexity's 16-bit storage of the base and its -16 cutoff."""
+
+    def __init__(self, reference_logits: np.ndarray):
+        self.log_p = _log_softmax64(reference_logits)  # (N, V) f64
+        self.p = np.exp(self.log_p)
+
+    def __call__(self, candidate_logits: np.ndarray) -> np.ndarray:
+        """(N,) f64."""
+        return (self.p * (self.log_p - _log_softmax64(candidate_logits))).sum(axis=1)
+
+
 def exact_kld(reference_logits: np.ndarray, candidate_logits: np.ndarray) -> np.ndarray:
-    """(N,) f64 KL(P_ref ‖ P_cand) per row over the whole vocabulary, from the f32 logits in f64:
-    the divergence without llama-perplexity's 16-bit storage of the base and its -16 cutoff."""
-    reference, candidate = (np.asarray(x, dtype=F64) for x in (reference_logits, candidate_logits))
-    log_p = reference - _log_sum_exp64(reference)
-    log_q = candidate - _log_sum_exp64(candidate)
-    return (np.exp(log_p) * (log_p - log_q)).sum(axis=1)
+    """(N,) f64 KL(P_ref ‖ P_cand) per row (`ExactKL`)."""
+    return ExactKL(reference_logits)(candidate_logits)
 
 
-def _log_sum_exp64(x: np.ndarray) -> np.ndarray:
-    """(N, V) f64 -> (N, 1): log Σ exp over each row."""
+def _log_softmax64(logits: np.ndarray) -> np.ndarray:
+    """(N, V) -> (N, V) f64 log-probabilities."""
+    x = np.asarray(logits, dtype=F64)
     top = x.max(axis=1, keepdims=True)
-    return top + np.log(np.exp(x - top).sum(axis=1, keepdims=True))
+    return x - (top + np.log(np.exp(x - top).sum(axis=1, keepdims=True)))
 
 
 # --- statistics ---------------------------------------------------------------------------------
