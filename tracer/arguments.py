@@ -169,7 +169,7 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     qual.add_argument("--by-layer", action="store_true",
                       help="also say where the loss is made: each block (and the embedding, final norm, lm_head) "
                            "of the candidate alone in the reference's forward, its share of the KLD "
-                           "(docs/quality.md; ~15 forwards per chunk for 30 layers)")
+                           "(docs/quality.md; ~25 forwards per chunk for 30 layers)")
     qual.add_argument("--markdown", metavar="-|FILE", help="write a Markdown summary (- for stdout)")
 
     cfg = command("config", "how transformers (its family's reading) and candle 0.11 (Llama only) "
