@@ -16,6 +16,7 @@ from tracer.request import DEFAULT_CTX, DEFAULT_PROMPT
 
 DEFAULT_OUT = "tracer-report"
 DEFAULT_SWEEP_OUT = "tracer-sweep"
+TOKENS_HELP = "comma-separated token ids, for models without a tokenizer"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,7 +36,7 @@ def _inputs() -> argparse.ArgumentParser:
     source = parent.add_mutually_exclusive_group()
     source.add_argument("--prompt", help=f'text to run (default: "{DEFAULT_PROMPT}")')
     source.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
-    source.add_argument("--tokens", help="comma-separated token ids, for models without a tokenizer")
+    source.add_argument("--tokens", help=TOKENS_HELP)
     parent.add_argument("--chat", action="store_true",
                         help="feed the prompt through the model's chat template, as an instruct model is used")
     parent.add_argument("--system", help="a system message before the prompt (with --chat)")
@@ -158,7 +159,7 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
                                       "(default: bundled SmolLM2-135M-Instruct)")
     corpus = qual.add_mutually_exclusive_group(required=True)
     corpus.add_argument("--text", type=Path, metavar="FILE", help="the text, a UTF-8 file (llama-perplexity's -f)")
-    corpus.add_argument("--tokens", help="comma-separated token ids instead of a text")
+    corpus.add_argument("--tokens", help=TOKENS_HELP)
     qual.add_argument("--candidate", default="reimpl",
                       help="candidate engine: reimpl | hf | llamacpp:PATH.gguf | ..., see `tracer engines` "
                            "(default reimpl)")

@@ -297,8 +297,8 @@ def _write_json(payload: dict, target: str) -> None:
         return
     try:
         Path(target).write_text(text + "\n")
-    except OSError as exc:
-        raise TracerError(f"cannot write JSON to {target}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a name no file can have (a NUL byte)
+        raise TracerError(f"cannot write JSON to {target}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _write_text(text: str, target: str) -> None:
@@ -307,8 +307,8 @@ def _write_text(text: str, target: str) -> None:
         return
     try:
         Path(target).write_text(text)
-    except OSError as exc:
-        raise TracerError(f"cannot write {target}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a name no file can have (a NUL byte)
+        raise TracerError(f"cannot write {target}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _error_payload(message: str) -> dict:
