@@ -8,7 +8,8 @@
 `record` (model, tokens -> Trace), `compare` (Trace, Trace -> Result), `run` (both, plus
 greedy continuations and the report folder), `sweep` (many variants against one reference),
 `diagnose` (which known mistake a foreign trace looks like), `compare_files` (two saved
-traces, any runtime's names) and `audit_gguf` (a GGUF's tensors against the model's own) are
+traces, any runtime's names), `audit_gguf` (a GGUF's tensors against the model's own) and
+`quality` (llama-perplexity's KL-divergence figures over a text, and where the loss is made) are
 the API; the CLI maps onto them. Names load on first use, so `import tracer` (and `tracer
 variants`) does not pay for torch.
 """
@@ -19,7 +20,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "record": "tracer.api", "run": "tracer.api", "sweep": "tracer.api", "diagnose": "tracer.api",
-    "compare_files": "tracer.api", "audit_gguf": "tracer.api", "compare": "tracer.diff",
+    "compare_files": "tracer.api", "audit_gguf": "tracer.api", "quality": "tracer.api", "compare": "tracer.diff",
+    "Quality": "tracer.corpus",
     "Result": "tracer.result", "PointDiff": "tracer.result", "Tolerance": "tracer.result",
     "Sweep": "tracer.result", "SweepRow": "tracer.result", "Diagnosis": "tracer.result",
     "Divergence": "tracer.result", "LogitsSummary": "tracer.result", "Greedy": "tracer.result",

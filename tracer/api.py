@@ -1,4 +1,4 @@
-"""The public API: `record`, `run`, `sweep`, `diagnose`, `compare_files`. The CLI maps onto these.
+"""The public API: `record`, `run`, `sweep`, `diagnose`, `compare_files`, `quality`. The CLI maps onto these.
 
 Run first, compare later: `record` turns a model and tokens into a `Trace`; `tracer.compare`
 (`tracer.diff`) turns two traces into a `Result`. The other functions compose the two steps of
@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from tracer.catalogue import default_variants, diagnosis_variants, split_variants
+from tracer.corpus import Quality, measure_quality
 from tracer.engines.base import environment
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import check_offload, offload_for
@@ -34,6 +35,7 @@ from tracer.progress import stage, with_stages
 from tracer.regime_view import check_regime_run, compare_in_regime
 from tracer.regime_view import resolve as resolve_regime
 from tracer.request import (
+    DEFAULT_CTX,
     DEFAULT_PROMPT,
     SWEEP_REPORT,
     Inputs,
@@ -383,6 +385,72 @@ def diagnose_values(trace, inputs: Inputs, placement: Placement = Placement(), *
          "error": row.error}
         for row in rows), key=lambda entry: entry["score"], reverse=True)
     return Diagnosis(observed, tuple(ranking))
+
+
+@with_stages("load", "chunks")
+def quality(text: str | None = None, model=None, *, text_file: str | Path | None = None, tokens=None,
+            reference: str = "hf", candidate: str = "reimpl", variant=None, reference_variant=None,
+            ctx: int = DEFAULT_CTX, chunks: int | None = None, by_layer: bool = False, device: str = "cpu",
+            stream: bool = False, offload: str | Path | None = None, max_memory=None, command: str | None = None,
+            progress: bool = True) -> Quality:
+    """How much a candidate loses against a reference over a text, in llama-perplexity's terms.
+
+    The text is tokenized and cut as `llama-perplexity --kl-divergence` cuts it (chunks of `ctx`
+    tokens, BOS first where the vocabulary adds one, the second half of each chunk scored); both
+    engines give every chunk's logits, and the figures are llama-perplexity's, computed as it
+    computes them (docs/quality.md): mean KLD with its uncertainty, percentiles, same top p,
+    PPL of both sides and their difference, Δp statistics.
+
+    Args:
+        text: the text itself; or `text_file`, a UTF-8 file; or `tokens`, token ids.
+        model: as in `run` (None: the bundled SmolLM2-135M-Instruct); its tokenizer reads the text.
+        reference, candidate: engines that run the model ("hf", "reimpl", "llamacpp:F16.gguf", ...).
+        variant, reference_variant: knobs for each side, e.g. "theta=10000".
+        ctx: tokens per chunk (llama-perplexity's -c, default 512); the text needs 2·ctx tokens.
+        chunks: evaluate at most this many chunks (llama-perplexity's --chunks).
+        by_layer: also say where the loss is made: each component (embedding, every block, final
+            norm, lm_head) of the candidate alone inside the reference's forward (`tracer.attribution`).
+        device, stream, offload, max_memory: as in `run`.
+
+    Returns:
+        A `Quality`: `statistics` (`.kld`, `.same_top`, `.ppl_diff`, ...), `layers`, `to_dict()`,
+        `table()` (llama-perplexity's printed table), `markdown()`.
+
+    Raises:
+        TracerError: fewer than 2·ctx tokens, a ctx past the model's positions, an engine that cannot
+            give logits (a saved trace), an unknown engine or knob.
+
+    Example:
+        >>> q = tracer.quality(text_file="tests/data/porting.txt", reference="llamacpp:F16.gguf",
+        ...                    candidate="llamacpp:Q4_K_M.gguf", ctx=128, progress=False)  # SmolLM2, docs/quality.md
+        >>> round(q.statistics.kld.value, 6), round(q.statistics.same_top.value, 5)  # llama-perplexity's figures
+        (0.056316, 0.81746)
+    """
+    text_name = None
+    if text_file is not None:
+        if text is not None:
+            raise TracerError("give a text or a text file, not both")
+        try:
+            text = Path(text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TracerError(f"cannot read text file {text_file}: {getattr(exc, 'strerror', None) or exc}") from None
+        text_name = Path(text_file).name
+    if text is None and tokens is None:
+        raise TracerError("give a text (text=, text_file=) or token ids (tokens=)")
+    inputs = Inputs(model, prompt=text, tokens=tokens)
+    return quality_values(inputs, Placement(device, stream, offload, max_memory), reference=reference,
+                          candidate=candidate, variant=variant, reference_variant=reference_variant, ctx=ctx,
+                          chunks=chunks, by_layer=by_layer, text_name=text_name or ("<tokens>" if text is None
+                                                                                    else "<text>"),
+                          command=command)
+
+
+@with_stages("load", "chunks")
+def quality_values(inputs: Inputs, placement: Placement = Placement(), *, progress: bool = True,
+                   **options) -> Quality:
+    """`quality` on the request's values (`tracer.request`), as the CLI builds them (`options`:
+    `tracer.corpus.measure_quality`'s)."""
+    return measure_quality(inputs, placement, **options)
 
 
 # The catalogue's rows for the last model, tokens and placement diagnosed: diagnosing several

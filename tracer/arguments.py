@@ -13,10 +13,11 @@ from pathlib import Path
 
 from tracer.errors import TracerError, did_you_mean
 from tracer.families import FAMILIES
-from tracer.request import DEFAULT_PROMPT
+from tracer.request import DEFAULT_CTX, DEFAULT_PROMPT
 
 DEFAULT_OUT = "tracer-report"
 DEFAULT_SWEEP_OUT = "tracer-sweep"
+TOKENS_HELP = "comma-separated token ids, for models without a tokenizer"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,7 +54,7 @@ def _inputs() -> argparse.ArgumentParser:
     source = parent.add_mutually_exclusive_group()
     source.add_argument("--prompt", help=f'text to run (default: "{DEFAULT_PROMPT}")')
     source.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
-    source.add_argument("--tokens", help="comma-separated token ids, for models without a tokenizer")
+    source.add_argument("--tokens", help=TOKENS_HELP)
     parent.add_argument("--chat", action="store_true",
                         help="feed the prompt through the model's chat template, as an instruct model is used")
     parent.add_argument("--system", help="a system message before the prompt (with --chat)")
@@ -169,6 +170,27 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     swp.add_argument("--candidate", default="reimpl",
                      help="engine the variants run on: reimpl | hf | ..., see `tracer engines` (default reimpl)")
     swp.add_argument("--greedy", type=int, default=0, help="greedy tokens per variant, each a forward (default 0)")
+
+    qual = command("quality", "how much a candidate loses over a text: llama-perplexity's KL-divergence "
+                              "figures, and where the loss is made", _variant(), _reference(), _placement(),
+                   _json("figures"))
+    qual.add_argument("--model", help="HF model directory or .gguf file; its tokenizer reads the text "
+                                      "(default: bundled SmolLM2-135M-Instruct)")
+    corpus = qual.add_mutually_exclusive_group(required=True)
+    corpus.add_argument("--text", type=Path, metavar="FILE", help="the text, a UTF-8 file (llama-perplexity's -f)")
+    corpus.add_argument("--tokens", help=TOKENS_HELP)
+    qual.add_argument("--candidate", default="reimpl",
+                      help="candidate engine: reimpl | hf | llamacpp:PATH.gguf | ..., see `tracer engines` "
+                           "(default reimpl)")
+    qual.add_argument("-c", "--ctx", type=int, default=DEFAULT_CTX,
+                      help=f"tokens per chunk, the second half of each scored (llama-perplexity's -c; "
+                           f"default {DEFAULT_CTX})")
+    qual.add_argument("--chunks", type=int, help="evaluate at most N chunks (default: all the text fills)")
+    qual.add_argument("--by-layer", action="store_true",
+                      help="also say where the loss is made: each block (and the embedding, final norm, lm_head) "
+                           "of the candidate alone in the reference's forward, its share of the KLD "
+                           "(docs/quality.md; ~25 forwards per chunk for 30 layers)")
+    qual.add_argument("--markdown", metavar="-|FILE", help="write a Markdown summary (- for stdout)")
 
     cfg = command("config", "how transformers (its family's reading) and candle 0.11 (Llama only) "
                             "read config.json, and where they differ", _json("audit"))

@@ -234,6 +234,41 @@ def cmd_diagnose(args) -> int:
     return 0
 
 
+def cmd_quality(args) -> int:
+    placement = placement_of(args)
+    outputs_of(args)
+    if args.markdown not in (None, "-"):
+        from tracer.request import writable_file
+
+        writable_file(args.markdown, "--markdown")
+    if args.json == "-" and args.markdown == "-":
+        raise TracerError("--json - and --markdown - both want stdout: write one of them to a file")
+    text = None
+    if args.text is not None:
+        try:
+            text = args.text.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TracerError(f"cannot read text file {args.text}: {getattr(exc, 'strerror', None) or exc}") from None
+    inputs = Inputs(model=args.model, prompt=text, tokens=args.tokens)
+    variant, reference_variant = parse_variant(args.variant), parse_variant(args.reference_variant)
+    check_engines(args.reference, args.candidate, variant, reference_variant)
+    from tracer.api import quality_values
+    from tracer.reports.quality import quality_markdown, quality_text
+
+    result = quality_values(inputs, placement, reference=args.reference, candidate=args.candidate, variant=variant,
+                            reference_variant=reference_variant, ctx=args.ctx, chunks=args.chunks,
+                            by_layer=args.by_layer, text_name=args.text.name if args.text else "<tokens>",
+                            command=_command_line(), progress=args.json != "-" and args.markdown != "-")
+    summary = result.to_dict()
+    if args.json:
+        _write_json(summary, args.json)
+    if args.markdown:
+        _write_text(quality_markdown(summary), args.markdown)
+    if "-" not in (args.json, args.markdown):
+        print(quality_text(summary))
+    return 0
+
+
 def cmd_config(args) -> int:
     from tracer.config import audit, load_config
     from tracer.sources import resolve_model
@@ -278,8 +313,18 @@ def _write_json(payload: dict, target: str) -> None:
         return
     try:
         Path(target).write_text(text + "\n")
-    except OSError as exc:
-        raise TracerError(f"cannot write JSON to {target}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a name no file can have (a NUL byte)
+        raise TracerError(f"cannot write JSON to {target}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _write_text(text: str, target: str) -> None:
+    if target == "-":
+        _STDOUT[0].write(text)
+        return
+    try:
+        Path(target).write_text(text)
+    except (OSError, ValueError) as exc:  # ValueError: a name no file can have (a NUL byte)
+        raise TracerError(f"cannot write {target}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _error_payload(message: str) -> dict:
@@ -289,7 +334,8 @@ def _error_payload(message: str) -> dict:
 
 _STDOUT = [sys.stdout]  # the real stdout, kept while library output is redirected to stderr
 COMMANDS = {"run": cmd_run, "compare": cmd_compare, "record": cmd_record, "variants": cmd_variants,
-            "engines": cmd_engines, "sweep": cmd_sweep, "config": cmd_config, "diagnose": cmd_diagnose}
+            "engines": cmd_engines, "sweep": cmd_sweep, "config": cmd_config, "diagnose": cmd_diagnose,
+            "quality": cmd_quality}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         # With --json -, stdout carries the JSON object alone: anything a library prints goes to stderr.
-        quiet = getattr(args, "json", None) == "-"
+        quiet = "-" in (getattr(args, "json", None), getattr(args, "markdown", None))
         with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
             return COMMANDS[args.command](args)
     except TracerError as exc:

@@ -28,6 +28,7 @@ from tracer.tokenizer import check_prompt
 from tracer.variants import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
 
 DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_CTX = 512  # `tracer quality`'s tokens per chunk: llama-perplexity's default -c
 DEVICE_FORM = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 # What --regime takes: the number-format knobs, a 16-bit dtype, and the presets made of those.
 REGIME_EXTRA = ("dtype",)

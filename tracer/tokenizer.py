@@ -14,7 +14,7 @@ from tracer.errors import TracerError, one_line
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["chat_text", "chat_tokens", "check_prompt", "detokenize", "tokenize"]
+__all__ = ["chat_text", "chat_tokens", "check_prompt", "detokenize", "tokenize", "tokenize_plain"]
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -29,6 +29,33 @@ def tokenize(model_dir: str | os.PathLike, prompt: str) -> list[int]:
     if not ids:
         raise TracerError(f"prompt gives no tokens: {prompt!r}")
     return list(ids)
+
+
+def tokenize_plain(model_dir: str | os.PathLike, text: str) -> tuple[list[int], int | None]:
+    """Token ids of a text as llama.cpp's `common_tokenize(ctx, text, add_special=true,
+    parse_special=false)` gives them (what llama-perplexity reads): the tokenizer's own special
+    tokens added, special-token text inside `text` read as plain text; and the id of the BOS the
+    tokenizer puts in front (None: it adds none).
+    """
+    from tokenizers import Tokenizer
+
+    check_prompt(text)
+    path = Path(model_dir).expanduser().resolve() / TOKENIZER_FILE
+    if not path.is_file():
+        raise TracerError(f"model {model_dir} has no tokenizer.json; pass token ids instead of a text")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))  # a copy of its own: the setting below is not shared
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception on bad files
+        raise TracerError(f"cannot read tokenizer {path}: {one_line(exc)}") from exc
+    tokenizer.encode_special_tokens = True  # parse_special=false
+    ids = tokenizer.encode(text, add_special_tokens=True).ids
+    plain = tokenizer.encode(text, add_special_tokens=False).ids
+    if ids == plain:
+        return list(ids), None
+    if ids[1:] == plain:
+        return list(ids), ids[0]
+    raise TracerError(f"the tokenizer of {model_dir} adds more than a BOS in front of a text (an EOS?); "
+                      "llama-perplexity refuses vocabularies that add an EOS")
 
 
 def chat_text(model_dir: str | os.PathLike, prompt: str, system: str | None = None) -> str:

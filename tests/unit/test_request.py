@@ -207,7 +207,7 @@ class Reached(Exception):
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(argv=st.one_of(argv_for("run"), argv_for("sweep"), argv_for("record")))
+@given(argv=st.one_of(argv_for("run"), argv_for("sweep"), argv_for("record"), argv_for("quality")))
 def test_any_value_of_any_flag_passes_the_checks_or_is_one_line_exit_2_with_nothing_written(argv):
     from tracer.cli import main
 
@@ -216,7 +216,7 @@ def test_any_value_of_any_flag_passes_the_checks_or_is_one_line_exit_2_with_noth
 
     with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder), \
             mock.patch("tracer.api.run_values", reached), mock.patch("tracer.api.sweep_values", reached), \
-            mock.patch("tracer.api.record_values", reached):
+            mock.patch("tracer.api.record_values", reached), mock.patch("tracer.api.quality_values", reached):
         err, out = io.StringIO(), io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):

@@ -105,14 +105,15 @@ LAYERS = [
     ("reports: render a summary", {"tracer.reports", "tracer.reports."}),
     ("values: traces, results, comparing them", {"tracer.trace", "tracer.result", "tracer.spill",
                                                  "tracer.fingerprint", "tracer.layouts", "tracer.explain",
-                                                 "tracer.diff"}),
+                                                 "tracer.diff", "tracer.perplexity"}),
     ("model files", {"tracer.cache", "tracer.gguffile", "tracer.weights", "tracer.tokenizer", "tracer.convert",
                      "tracer.sources", "tracer.config"}),
     ("ggml's arithmetic", {"tracer.ggml", "tracer.ggml."}),
     ("the reimplementation", {"tracer.llama", "tracer.forced_runs"}),
     ("engines", {"tracer.engines", "tracer.engines.", "tracer.hooks", "tracer.hooks."}),
     ("pipeline", {"tracer.request", "tracer.noise_floor", "tracer.reference_cache", "tracer.greedy",
-                  "tracer.catalogue", "tracer.pipeline", "tracer.regime_view"}),
+                  "tracer.catalogue", "tracer.pipeline", "tracer.regime_view", "tracer.attribution",
+                  "tracer.corpus"}),
     ("api and cli", {"tracer.arguments", "tracer.api", "tracer.testing", "tracer.cli", "tracer.__main__"}),
 ]
 
@@ -162,9 +163,10 @@ def test_the_documented_functions_are_the_package_attributes():
     import tracer
     import tracer.reports
 
-    for name in ("record", "run", "sweep", "diagnose", "compare", "compare_files"):
+    for name in ("record", "run", "sweep", "diagnose", "compare", "compare_files", "quality"):
         assert callable(getattr(tracer, name)), name
     assert tracer.sweep.__module__ == tracer.diagnose.__module__ == "tracer.api"  # no module shadows them
+    assert tracer.quality.__module__ == "tracer.api"
     for name in tracer.reports.__all__:  # every advertised report function exists
         assert getattr(tracer.reports, name) is not None, name
 
