@@ -43,12 +43,12 @@ from tracer.aliases import GGUF
 from tracer.errors import TracerError
 from tracer.ggml import ops
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
+from tracer.ggml.kquants import from_gguf_bytes
 from tracer.ggml.quants import (
     ACT_BLOCK,
     BLOCK_TYPES,
     VEC_DOT_TYPE,
     Blocks,
-    from_gguf_bytes,
     quantize,
     quantize_activations,
     quantize_q8_0,
