@@ -261,6 +261,8 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
                 out = matmul_ggml(act, weight) if exact_order else matmul_blas(act, weight, blas_dtype)
         elif kind in ("f16", "bf16"):
             out = matmul_blas(ROUND[kind](rows), weight, blas_dtype)
+        elif candle_matmul is not None:  # candle: an F32/F16 weight dequantized, multiplied by gemm
+            out = candle_matmul(rows, weight)
         elif isinstance(weight, Blocks) or accumulate != "ggml":
             out = matmul_blas(rows, weight, blas_dtype)
         else:
