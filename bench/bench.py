@@ -318,6 +318,7 @@ REGIMES = {
 }
 EXACT_REGIME = "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)"
 CANDLE_REGIME = "preset=candle-q,weights=gguf (candle's own order, bit-exact)"
+CANDLE_KQUANT_REGIME = "preset=candle-q,weights=gguf on SmolLM2 made Q4_K_M (candle's Q5_0 loop and k-quant kernels)"
 EXACT_REGIME_TOKENS = (64, 512, 2048)  # --regime auto judges free-running up to 2048 (tracer.regime_view.EXACT_TOKENS)
 
 
@@ -343,8 +344,10 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     """Seconds for a forward of the reimplementation in the llama.cpp regime (nothing recorded), and
     its ratio to the plain reimplementation forward on the same tokens in alternating rounds
     (medians); the bit-exact regimes (llama.cpp's, candle's) at each of `exact_counts` tokens, candle's
-    alone with `candle_only`."""
+    alone with `candle_only`; candle's also on SmolLM2 made Q4_K_M (where llama-cpp-python can make
+    the file), up to the prompt length its regime is exact for."""
     from tracer.llama import Llama
+    from tracer.regime_view import EXACT_TOKENS_CANDLE
 
     plain = Llama.from_dir(model_dir)
     rows = {}
@@ -355,17 +358,49 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
         ids = torch.tensor(tokens)
         rows[name] = median_ratio(functools.partial(regime.forward, ids), functools.partial(plain.forward, ids),
                                   repeats)
-    exact_regimes = {CANDLE_REGIME: {"preset": "candle-q", "weights": "gguf"}}
+    candle_q = {"preset": "candle-q", "weights": "gguf"}
+    exact_regimes = {CANDLE_REGIME: (model_dir, candle_q)}
+    kquant_dir = q4_k_m_model(model_dir)
+    if kquant_dir is not None:
+        exact_regimes[CANDLE_KQUANT_REGIME] = (kquant_dir, candle_q)
     if not candle_only:
-        exact_regimes = {EXACT_REGIME: LLAMACPP_Q, **exact_regimes}
-    for label, knobs in exact_regimes.items():
-        exact = Llama.from_dir(model_dir, knobs)
-        for count in exact_counts:
+        exact_regimes = {EXACT_REGIME: (model_dir, LLAMACPP_Q), **exact_regimes}
+    for label, (folder, knobs) in exact_regimes.items():
+        exact = Llama.from_dir(folder, knobs)
+        counts = exact_counts if folder == model_dir else [c for c in exact_counts if c <= EXACT_TOKENS_CANDLE]
+        for count in counts:
             ids = torch.tensor(bench_tokens(model_dir, count))
             rounds = repeats if count <= 512 else max(1, repeats // 2)
             rows[f"{label}, {count} tokens"] = median_ratio(functools.partial(exact.forward, ids),
                                                             functools.partial(plain.forward, ids), rounds)
     return rows
+
+
+def q4_k_m_model(model_dir: Path) -> Path | None:
+    """The file a user makes of SmolLM2 (llama.cpp's quantizer, Q4_K_M: tests/quantized_gguf.py)
+    and a folder of links to `model_dir`'s files whose config names it as tracer_source (what
+    `weights=gguf` reads), both in bench/.bench-q4_k_m, made once; None without llama-cpp-python."""
+    import json
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    sys.path.insert(0, str(HERE.parent))
+    from tests.quantized_gguf import quantize_gguf
+    from tracer.sources import bundled_gguf
+
+    folder = HERE / ".bench-q4_k_m"
+    gguf_file, model = folder / "smollm2-q4_k_m.gguf", folder / "model"
+    if not gguf_file.is_file():
+        folder.mkdir(exist_ok=True)
+        quantize_gguf(bundled_gguf(), gguf_file, "Q4_K_M")
+    if not model.is_dir():
+        model.mkdir()
+        for file in model_dir.iterdir():
+            if file.name != "config.json":
+                (model / file.name).symlink_to(file)
+        config = json.loads((model_dir / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "tracer_source": {"gguf_file": str(gguf_file)}}))
+    return model
 
 
 def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:

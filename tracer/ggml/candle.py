@@ -8,12 +8,12 @@ where they exist) differs from ggml's x86 path in three places:
   `id = 1/d`, `q = f32::round(x·id)` (ties away from zero); ggml's x86 quantizer multiplies by
   `127/amax` and rounds ties to even. Q8_1's block sum is `s = f16(sum) * f16(d)`, an f16 product
   (half's `Mul`: the f32 product rounded to f16), where ggml stores `f16(d·sum)`. Q8_K (k-quant
-  weights) is 0.4.2's: `iscale = -128/max` (0.11 and ggml: -127/max), `tracer.ggml.candle_kquants`;
+  weights) is 0.4.2's: `iscale = -128/max` (0.11 and ggml: -127/max), `tracer.ggml.candle_kernels`;
 - the dot products (`vec_dot`, knob `accumulate=candle`): Q4_1, Q5_1 and Q5_0 have no AVX2
   kernel, so candle's scalar loops run: per block `sumf += sumi·d_w·d_x (+ m_w·s_x)` in f32, left
   to right, no FMA (Rust does not contract); Q8_0×Q8_0 and Q4_0×Q8_0 run AVX2 kernels whose lane
   order and FMA chain are ggml's (`tracer.ggml.vecdot.matmul_ggml`); Q2_K..Q6_K×Q8_K run avx.rs'
-  k-quant kernels (`tracer.ggml.candle_kquants`). `QMatMul` dequantizes F32/F16 weights and
+  k-quant kernels (`tracer.ggml.candle_kernels`). `QMatMul` dequantizes F32/F16 weights and
   multiplies them by gemm (below). Other pairs are summed in f64 (a caveat);
 - the ops around the matmuls (knob `ops=candle`) are candle's f32 kernels as the candle engine
   composes them: RMSNorm with Σx² by candle's `vec_sum` (4×8 AVX lanes over 32-value chunks, then
@@ -26,7 +26,7 @@ blocks' sums added in order; the block is min(k, 512) for products of at most 64
 columns, else its cache model's (at least 512, then k split evenly: 576 -> 2 × 288); a single row
 or column goes through its gemv (8 × 8 lanes).
 
-Measured against the wheel (tests/unit/test_ggml_candle.py, test_ggml_candle_kquants.py): every
+Measured against the wheel (tests/unit/test_ggml_candle.py, test_ggml_candle_kernels.py): every
 piece bit-exact, including gemm past 512 values of depth and the one-row gemv.
 """
 
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from tracer.errors import TracerError
-from tracer.ggml import candle_kquants
-from tracer.ggml.candle_kquants import KQUANT_KINDS, quantize_q8_k
+from tracer.ggml import candle_kernels
+from tracer.ggml.candle_kernels import KQUANT_KINDS
 from tracer.ggml.floats import (
     F32,
     F64,
@@ -50,8 +50,6 @@ from tracer.ggml.floats import (
     fma,
     libm,
     powf,
-    round_f16,
-    round_half_away,
     silu_scalar,
 )
 from tracer.ggml.quants import ActBlocks, Blocks
@@ -61,7 +59,7 @@ from tracer.layouts import to_interleaved
 # (weight, activation) pairs whose candle kernel is emulated in its own order.
 SCALAR_KERNELS = {("q4_1", "q8_1"), ("q5_1", "q8_1"), ("q5_0", "q8_0")}  # k_quants.rs' generic loops (no AVX2 kernel)
 AVX2_KERNELS = {("q4_0", "q8_0"), ("q8_0", "q8_0")}  # avx.rs: ggml's lane order and FMA chain
-KQUANT_KERNELS = {(kind, "q8_k") for kind in KQUANT_KINDS}  # avx.rs' vec_dot_q*k_q8k (tracer.ggml.candle_kquants)
+KQUANT_KERNELS = {(kind, "q8_k") for kind in KQUANT_KINDS}  # avx.rs' vec_dot_q*k_q8k (tracer.ggml.candle_kernels)
 # Verified bit-exact against the wheel (tests/unit/test_ggml_candle*.py, SmolLM2 Q4_K_M end to end).
 EXACT_WEIGHT_TYPES = {"f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", *KQUANT_KINDS}
 # The gemm crate (0.17, candle's f32 matmul; built without its `nightly` feature, so its FMA
@@ -74,28 +72,16 @@ GEMM_MR, GEMM_NR, GEMM_SMALL, GEMM_MIN_DEPTH = 24, 4, 64, 512
 
 
 def quantize(x: torch.Tensor, kind: str, rounding: str = "candle") -> ActBlocks:
-    """(T, C) f32 -> candle's Q8_0 / Q8_1 blocks (`from_float`): d = amax/127, id = 1/d, round
-    ties away; Q8_1 adds s = f16(f16(Σq)·f16(d)). `rounding` is "candle" (the signature of
+    """(T, C) f32 -> candle's Q8_0 / Q8_1 / Q8_K blocks (`from_float`, compiled:
+    `tracer.ggml.candle_kernels.quantize`). `rounding` is "candle" (the signature of
     `tracer.ggml.quants.quantize_activations`, whose place it takes with act_round=candle).
 
-    Q8_K is candle 0.4.2's (`tracer.ggml.candle_kquants.quantize_q8_k`).
-
     Raises:
-        TracerError: another activation type.
+        TracerError: another activation type, or a row that is not a whole number of blocks.
     """
-    if kind == "q8_k":
-        return quantize_q8_k(x)
-    if kind not in ("q8_0", "q8_1"):
+    if kind not in candle_kernels.ACT_BLOCK:
         raise TracerError(f"act_round=candle emulates candle's Q8_0/Q8_1/Q8_K quantizers; {kind} is not one")
-    if x.shape[-1] % 32:
-        raise TracerError(f"act_quant={kind}: a row of {x.shape[-1]} values is not a whole number of 32-value blocks")
-    blocks = x.to(F32).unflatten(-1, (x.shape[-1] // 32, 32))  # (T, B, 32)
-    d = blocks.abs().amax(-1) / torch.tensor(127.0, dtype=F32)  # (T, B), an f32 division
-    inverse = torch.where(d != 0, torch.tensor(1.0, dtype=F32) / d, torch.zeros_like(d))
-    q = round_half_away(blocks * inverse[..., None])
-    d16 = round_f16(d)
-    s = round_f16(round_f16(q.sum(-1)) * d16) if kind == "q8_1" else None  # half's Mul: f32 product to f16
-    return ActBlocks(kind, d16, q, s=s)
+    return candle_kernels.quantize(x, kind)
 
 
 # --- matmuls -----------------------------------------------------------------------------------
@@ -113,7 +99,7 @@ def matmul(act: ActBlocks | torch.Tensor, weight: Blocks | torch.Tensor) -> torc
     if weight.unpacked and pair in AVX2_KERNELS:
         return matmul_ggml(act, weight)
     if weight.unpacked and pair in KQUANT_KERNELS:
-        return candle_kquants.matmul(act, weight)
+        return candle_kernels.matmul(act, weight)
     return matmul_blas(act, weight, F64)
 
 

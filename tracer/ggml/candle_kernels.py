@@ -1,12 +1,14 @@
-"""candle's k-quant arithmetic, emulated: its Q8_K activation quantizer and the AVX2 vec_dot
-kernels for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K weights (candle-core 0.4.2, the wheel the candle engine
-runs: `quantized/k_quants.rs` `BlockQ8K::from_float`, `quantized/avx.rs` `vec_dot_q*k_q8k`; the
+"""candle's integer arithmetic, compiled: its activation quantizers (Q8_0, Q8_1, Q8_K) and the
+AVX2 vec_dot kernels for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K weights (candle-core 0.4.2, the wheel the
+candle engine runs: `quantized/k_quants.rs` `from_float`, `quantized/avx.rs` `vec_dot_q*k_q8k`; the
 wheel is built for AVX2/FMA, so `vec_dot` takes avx.rs' kernels, never the generic loops).
 
+Q8_0 / Q8_1 (`BlockQ8_0/BlockQ8_1::from_float`): per 32 values `d = amax/127`, `id = 1/d`,
+`q = f32::round(x·id)` (ties away from zero); Q8_1's `s = f16(f16(Σq)·f16(d))`.
 Q8_K in 0.4.2 (`BlockQ8K::from_float`): per 256 values `max` is the first value of largest
 magnitude, `iscale = -128/max` (0.11 and ggml take -127/max), `q = min(127, f32::round(iscale·x))`
-(ties away from zero; q = -128 where x = max), `d = 1/iscale` kept in f32, and `bsums` the sums of
-16 consecutive quants. An all-zero block has d = 0 and quants 0.
+(q = -128 where x = max), `d = 1/iscale` kept in f32, and `bsums` the sums of 16 consecutive
+quants. An all-zero block has d = 0 and quants 0.
 
 The kernels take the block's integers exactly as ggml's AVX2 kernels of the same era do: per
 super-block, 8 int32 lanes, lane l summing scale·quant·q8 over the values p with (p mod 32) div 4
@@ -23,10 +25,10 @@ per lane `acc_l = fma(d, f32(lane_l), acc_l)` with `d = y.d·x.d` (an f32 produc
 - Q3_K, Q6_K: none (Q6_K's quants enter as q − 32, Q3_K's as −4..3).
 
 Every lane sum is an integer of at most 2^24 in magnitude, so f32 holds it exactly in any order.
-Verified against the wheel's `QTensor.matmul_t` on files llama.cpp's quantizer wrote
-(tests/unit/test_ggml_candle_kquants.py).
+Verified against the wheel's `Tensor.quantize` and `QTensor.matmul_t`, on files llama.cpp's
+quantizer wrote too (tests/unit/test_ggml_candle_kernels.py).
 
-Notation: T tokens, R output features, B super-blocks of 256 values per row, S sub-blocks.
+Notation: T tokens, R output features, B blocks of 32 or 256 values per row, S sub-blocks.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from numba import njit, prange
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tracer.errors import TracerError
-from tracer.ggml.floats import F32, rdiv, round_half_away
+from tracer.ggml.floats import F32, round_f16
 from tracer.ggml.kernels import ROW_TILE, TOKEN_TILE, _pad_rows, _set_threads, fma32
 from tracer.ggml.kquants import QK_K, QUANT_ZERO, KBlocks
 from tracer.ggml.quants import ActBlocks
@@ -46,29 +48,81 @@ from tracer.ggml.quants import ActBlocks
 MINS_NONE, MINS_LANES4, MINS_SCALAR, MINS_LANES8 = 0, 1, 2, 3
 MINS_MODE = {"q2_k": MINS_LANES8, "q3_k": MINS_NONE, "q4_k": MINS_LANES4, "q5_k": MINS_SCALAR, "q6_k": MINS_NONE}
 KQUANT_KINDS = tuple(MINS_MODE)
+ACT_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_k": QK_K}
 
 
 # --- activations -------------------------------------------------------------------------------
 
 
-def quantize_q8_k(x: torch.Tensor) -> ActBlocks:
-    """(T, C) f32 -> candle 0.4.2's Q8_K blocks (`BlockQ8K::from_float`): d (T, B) f32, q (T, B, 256).
+@njit(cache=True)
+def _round_away(v):  # pragma: no cover - compiled
+    """f32::round: to nearest, ties away from zero (v − trunc(v) is exact in f32)."""
+    whole = np.trunc(v)
+    fraction = v - whole
+    if fraction >= 0.5:
+        return whole + np.float32(1.0)
+    if fraction <= -0.5:
+        return whole - np.float32(1.0)
+    return whole
+
+
+@njit(cache=True, parallel=True)
+def _quantize(x, k_quant, q, d, sums):  # pragma: no cover - compiled
+    """x (T, B, size) f32 -> q (T, B, size) quants, d (T, B) f32 scales, sums (T, B) Σq. k_quant:
+    Q8_K's `iscale = -128/max` (max the first value of largest magnitude), `q = min(127,
+    round(iscale·x))`, `d = 1/iscale`; else Q8_0/Q8_1's `d = amax/127`, `q = round(x·(1/d))`."""
+    tokens, blocks, size = x.shape
+    one, zero = np.float32(1.0), np.float32(0.0)
+    for row in prange(tokens):
+        for b in range(blocks):
+            values = x[row, b]
+            amax, peak = zero, zero
+            for i in range(size):
+                if amax < abs(values[i]):  # strict: the first of equal magnitudes stays
+                    amax, peak = abs(values[i]), values[i]
+            total = zero
+            if k_quant:
+                if amax == 0:
+                    d[row, b] = zero
+                    q[row, b] = zero
+                    sums[row, b] = zero
+                    continue
+                iscale = np.float32(-128.0) / peak
+                for i in range(size):
+                    q[row, b, i] = min(_round_away(iscale * values[i]), np.float32(127.0))
+                    total += q[row, b, i]
+                d[row, b] = one / iscale
+            else:
+                scale = amax / np.float32(127.0)
+                inverse = one / scale if scale != 0 else zero
+                for i in range(size):
+                    q[row, b, i] = _round_away(values[i] * inverse)
+                    total += q[row, b, i]  # integers below 2^24: exact in any order
+                d[row, b] = scale
+            sums[row, b] = total
+
+
+def quantize(x: torch.Tensor, kind: str) -> ActBlocks:
+    """(T, C) f32 -> candle's `kind` blocks ("q8_0", "q8_1", "q8_k"), compiled: d (T, B) (Q8_0/Q8_1:
+    the f16 value; Q8_K: f32), q (T, B, size), Q8_1's s.
 
     Raises:
-        TracerError: a row that is not a whole number of 256-value blocks.
+        TracerError: a row that is not a whole number of blocks.
     """
-    if x.shape[-1] % QK_K:
-        raise TracerError(f"act_quant=q8_k: a row of {x.shape[-1]} values is not a whole number of "
-                          f"{QK_K}-value blocks")
-    blocks = x.to(F32).unflatten(-1, (x.shape[-1] // QK_K, QK_K))  # (T, B, 256)
-    first_largest = blocks.abs().argmax(-1, keepdim=True)  # the first maximum, as `amax < |x|` keeps it
-    peak = blocks.gather(-1, first_largest)[..., 0]  # (T, B)
-    zero = peak == 0
-    iscale = torch.where(zero, torch.ones_like(peak), rdiv(-128.0, peak))  # (T, B)
-    q = round_half_away(blocks * iscale[..., None]).clamp(max=127)  # (T, B, 256)
-    q = torch.where(zero[..., None], torch.zeros_like(q), q)
-    d = torch.where(zero, torch.zeros_like(peak), rdiv(1.0, iscale))
-    return ActBlocks("q8_k", d, q)
+    size = ACT_BLOCK[kind]
+    if x.shape[-1] % size:
+        raise TracerError(f"act_quant={kind}: a row of {x.shape[-1]} values is not a whole number of "
+                          f"{size}-value blocks")
+    blocks = np.ascontiguousarray(x.detach().to("cpu", F32).numpy().reshape(x.shape[0], -1, size))  # (T, B, size)
+    q, d, sums = np.empty_like(blocks), np.empty(blocks.shape[:2], np.float32), np.empty(blocks.shape[:2], np.float32)
+    _set_threads(torch.get_num_threads())
+    _quantize(blocks, kind == "q8_k", q, d, sums)
+    q, d, sums = torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(sums)
+    if kind == "q8_k":
+        return ActBlocks(kind, d, q)
+    d16 = round_f16(d)
+    s = round_f16(round_f16(sums) * d16) if kind == "q8_1" else None  # half's Mul: the f32 product to f16
+    return ActBlocks(kind, d16, q, s=s)
 
 
 # --- weights, laid out for the kernel ------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""candle's arithmetic on the GGUF types people download (tracer.ggml.candle_kquants,
+"""candle's arithmetic on the GGUF types people download (tracer.ggml.candle_kernels,
 tracer.ggml.candle) against candle-nn 0.4.2's own kernels, bit for bit: its Q8_K quantizer,
 `QTensor.matmul_t` on Q2_K..Q6_K, Q5_0, Q5_1 and F16 weights, and quantized_llama.rs end to end
 on a tiny Llama that llama.cpp's quantizer made Q3_K_M (Q3_K, Q4_K, Q5_K and Q6_K tensors).
@@ -17,7 +17,6 @@ from tests.quantized_gguf import quantize_gguf, write_kquant_llama
 from tracer import TracerError
 from tracer.engines import candle as candle_engine
 from tracer.ggml import candle as emulated
-from tracer.ggml.candle_kquants import quantize_q8_k
 from tracer.ggml.kquants import from_gguf_bytes
 from tracer.ggml.quants import VEC_DOT_TYPE
 from tracer.gguffile import GGUFFile
@@ -73,7 +72,7 @@ def test_q8_k_is_candle_0_4_2s_with_minus_128_over_max(candle, tmp_path):
     raw = gguf.GGUFReader(path).tensors[0].data.reshape(3, 2, 292)  # (T, B, bytes): d f32, 256 qs, 16 bsums
     d = torch.from_numpy(np.ascontiguousarray(raw[..., :4]).view(np.float32)[..., 0])
     q = torch.from_numpy(np.ascontiguousarray(raw[..., 4:260]).view(np.int8).astype(np.float32))
-    ours = quantize_q8_k(x)
+    ours = emulated.quantize(x, "q8_k")
     assert torch.equal(ours.d, d) and torch.equal(ours.q, q)
     assert ours.q[2, 1, 300 - 256] == -128 and ours.q[2, 1, 45:47].tolist() == [3, -4]
     assert ours.d[0, 0] == 0 and not ours.q[0, 0].any()
