@@ -52,7 +52,7 @@ from tracer.ggml.floats import (
     powf,
     silu_scalar,
 )
-from tracer.ggml.quants import ActBlocks, Blocks
+from tracer.ggml.quants import ACT_BLOCK, ActBlocks, Blocks
 from tracer.ggml.vecdot import matmul_blas, matmul_ggml
 from tracer.layouts import to_interleaved
 
@@ -79,7 +79,7 @@ def quantize(x: torch.Tensor, kind: str, rounding: str = "candle") -> ActBlocks:
     Raises:
         TracerError: another activation type, or a row that is not a whole number of blocks.
     """
-    if kind not in candle_kernels.ACT_BLOCK:
+    if kind not in ACT_BLOCK:
         raise TracerError(f"act_round=candle emulates candle's Q8_0/Q8_1/Q8_K quantizers; {kind} is not one")
     return candle_kernels.quantize(x, kind)
 

@@ -42,13 +42,12 @@ from tracer.errors import TracerError
 from tracer.ggml.floats import F32, round_f16
 from tracer.ggml.kernels import ROW_TILE, TOKEN_TILE, _pad_rows, _set_threads, fma32
 from tracer.ggml.kquants import QK_K, QUANT_ZERO, KBlocks
-from tracer.ggml.quants import ActBlocks
+from tracer.ggml.quants import ACT_BLOCK, ActBlocks
 
 # How each type's mins enter (see the module docstring); types without mins have none.
 MINS_NONE, MINS_LANES4, MINS_SCALAR, MINS_LANES8 = 0, 1, 2, 3
 MINS_MODE = {"q2_k": MINS_LANES8, "q3_k": MINS_NONE, "q4_k": MINS_LANES4, "q5_k": MINS_SCALAR, "q6_k": MINS_NONE}
 KQUANT_KINDS = tuple(MINS_MODE)
-ACT_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_k": QK_K}
 
 
 # --- activations -------------------------------------------------------------------------------
