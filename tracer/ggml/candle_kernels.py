@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tracer.errors import TracerError
 from tracer.ggml.floats import F32, round_f16
-from tracer.ggml.kernels import ROW_TILE, TOKEN_TILE, _pad_rows, _set_threads, fma32
+from tracer.ggml.kernels import ROW_TILE, TOKEN_TILE, fma32, pad_rows, set_threads
 from tracer.ggml.kquants import QK_K, QUANT_ZERO, KBlocks
 from tracer.ggml.quants import ACT_BLOCK, ActBlocks
 
@@ -114,7 +114,7 @@ def quantize(x: torch.Tensor, kind: str) -> ActBlocks:
                           f"{size}-value blocks")
     blocks = np.ascontiguousarray(x.detach().to("cpu", F32).numpy().reshape(x.shape[0], -1, size))  # (T, B, size)
     q, d, sums = np.empty_like(blocks), np.empty(blocks.shape[:2], np.float32), np.empty(blocks.shape[:2], np.float32)
-    _set_threads(torch.get_num_threads())
+    set_threads(torch.get_num_threads())
     _quantize(blocks, kind == "q8_k", q, d, sums)
     q, d, sums = torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(sums)
     if kind == "q8_k":
@@ -236,13 +236,13 @@ def matmul(act: ActBlocks, weight: KBlocks) -> torch.Tensor:
     q = act.q.to(F32)  # (T, B, 256)
     sums = q.unflatten(-1, (QK_K // sub, sub)).sum(-1)  # (T, B, S): integers, exact
     tokens, rows = q.shape[0], weight.shape[0]
-    xq = _pad_rows(q.contiguous().numpy(), TOKEN_TILE, 0)
-    xd = _pad_rows(act.d.to(F32).contiguous().numpy(), TOKEN_TILE, 0)
-    xsums = _pad_rows(sums.contiguous().numpy(), TOKEN_TILE, 0)
-    wq, wd = _pad_rows(wq, ROW_TILE, 2), _pad_rows(wd, ROW_TILE, 1)
+    xq = pad_rows(q.contiguous().numpy(), TOKEN_TILE, 0)
+    xd = pad_rows(act.d.to(F32).contiguous().numpy(), TOKEN_TILE, 0)
+    xsums = pad_rows(sums.contiguous().numpy(), TOKEN_TILE, 0)
+    wq, wd = pad_rows(wq, ROW_TILE, 2), pad_rows(wd, ROW_TILE, 1)
     if wmins.size:
-        wdmin, wmins = _pad_rows(wdmin, ROW_TILE, 1), _pad_rows(wmins, ROW_TILE, 2)
+        wdmin, wmins = pad_rows(wdmin, ROW_TILE, 1), pad_rows(wmins, ROW_TILE, 2)
     out = np.empty((xd.shape[0], wd.shape[1]), np.float32)
-    _set_threads(torch.get_num_threads())
+    set_threads(torch.get_num_threads())
     _vec_dot_kquants(xq, xd, xsums, wq, wd, wdmin, wmins, MINS_MODE[weight.kind], out, ROW_TILE, TOKEN_TILE)
     return torch.from_numpy(out[:tokens, :rows])
