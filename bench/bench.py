@@ -318,6 +318,7 @@ REGIMES = {
 }
 EXACT_REGIME = "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)"
 CANDLE_REGIME = "preset=candle-q,weights=gguf (candle's own order, bit-exact)"
+CANDLE_KQUANT_REGIME = "preset=candle-q,weights=gguf on SmolLM2 made Q4_K_M (candle's Q5_0 loop and k-quant kernels)"
 EXACT_REGIME_TOKENS = (64, 512, 2048)  # --regime auto judges free-running up to 2048 (tracer.regime_view.EXACT_TOKENS)
 # SmolLM2 files llama.cpp's quantizer makes from the bundled GGUF, and the kernels they bring: the
 # bit-exact regime on each at 512 tokens.
@@ -347,9 +348,11 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     """Seconds for a forward of the reimplementation in the llama.cpp regime (nothing recorded), and
     its ratio to the plain reimplementation forward on the same tokens in alternating rounds
     (medians); the bit-exact regimes (llama.cpp's, candle's) at each of `exact_counts` tokens, candle's
-    alone with `candle_only`; where llama-cpp-python is installed, llama.cpp's on the files its
-    quantizer makes (`FILE_REGIMES`) at 512 tokens."""
+    alone with `candle_only`; candle's also on SmolLM2 made Q4_K_M, up to the prompt length its
+    regime is exact for; llama.cpp's on the files its quantizer makes (`FILE_REGIMES`) at 512 tokens
+    (the files where llama-cpp-python is installed)."""
     from tracer.llama import Llama
+    from tracer.regime_view import EXACT_TOKENS_CANDLE
 
     plain = Llama.from_dir(model_dir)
     rows = {}
@@ -360,12 +363,16 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
         ids = torch.tensor(tokens)
         rows[name] = median_ratio(functools.partial(regime.forward, ids), functools.partial(plain.forward, ids),
                                   repeats)
-    exact_regimes = {CANDLE_REGIME: {"preset": "candle-q", "weights": "gguf"}}
+    candle_q = {"preset": "candle-q", "weights": "gguf"}
+    exact_regimes = {CANDLE_REGIME: (model_dir, candle_q)}
+    if importlib.util.find_spec("llama_cpp"):
+        exact_regimes[CANDLE_KQUANT_REGIME] = (quantized_model(model_dir, "Q4_K_M"), candle_q)
     if not candle_only:
-        exact_regimes = {EXACT_REGIME: LLAMACPP_Q, **exact_regimes}
-    for label, knobs in exact_regimes.items():
-        exact = Llama.from_dir(model_dir, knobs)
-        for count in exact_counts:
+        exact_regimes = {EXACT_REGIME: (model_dir, LLAMACPP_Q), **exact_regimes}
+    for label, (folder, knobs) in exact_regimes.items():
+        exact = Llama.from_dir(folder, knobs)
+        counts = exact_counts if folder == model_dir else [c for c in exact_counts if c <= EXACT_TOKENS_CANDLE]
+        for count in counts:
             ids = torch.tensor(bench_tokens(model_dir, count))
             rounds = repeats if count <= 512 else max(1, repeats // 2)
             rows[f"{label}, {count} tokens"] = median_ratio(functools.partial(exact.forward, ids),

@@ -64,6 +64,9 @@ SAME_CODE = ("candle 0.11's Q4_0/Q4_1/Q8_0/Q8_1 quantized arithmetic is the same
              "(k_quants.rs, avx.rs)")
 K_QUANT_CAVEAT = ("this GGUF has K-quant tensors ({types}): candle 0.11 changed Q8_K's scale to -127/max, so "
                   "0.11 computes them otherwise than this 0.4.2 run")
+# The GGUF tensor types candle 0.4.2 reads (`quantized::GgmlDType`; BF16 and the i-quants came later).
+READABLE_TYPES = {"f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", "q2_k", "q3_k", "q4_k", "q5_k",
+                  "q6_k", "q8_k"}
 # A block's weights by the key candle's loaders use (the HF module's last name), named as the HF
 # module and as the GGUF tensor stem (llama.cpp's names, which quantized_llama.rs reads): the block
 # rows of tracer's one alias table, `tracer.aliases.GGUF`.
@@ -321,8 +324,12 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
                           "metadata (quantized_llama.rs)")
     from tracer.gguffile import GGUFFile
 
-    fields = GGUFFile(path).fields  # the metadata first: a family candle's Llama cannot run loads nothing
-    refuse_family(str(fields.get("general.architecture", "llama")))  # llama.cpp's architecture names
+    file = GGUFFile(path)  # the metadata first: a family candle's Llama cannot run loads nothing
+    refuse_family(str(file.fields.get("general.architecture", "llama")))  # llama.cpp's architecture names
+    unreadable = sorted({info.kind for info in file.tensors.values()} - READABLE_TYPES)
+    if unreadable:
+        raise TracerError(f"candle-nn 0.4.2 cannot read {', '.join(t.upper() for t in unreadable)} tensors "
+                          f"(its GgmlDType has no such type): {path.name} cannot run in this candle")
     tensors, meta = candle.utils.load_gguf(str(path))
 
     def number(key: str, default=None):

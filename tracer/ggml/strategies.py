@@ -45,12 +45,12 @@ from tracer.aliases import GGUF
 from tracer.errors import TracerError
 from tracer.ggml import ops, repack, tinyblas
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
+from tracer.ggml.kquants import from_gguf_bytes
 from tracer.ggml.quants import (
     ACT_BLOCK,
     BLOCK_TYPES,
     VEC_DOT_TYPE,
     Blocks,
-    from_gguf_bytes,
     quantize,
     quantize_activations,
     quantize_q8_0,
@@ -379,6 +379,8 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
             converted = ROUND[kind](rows)  # mul_mat's conversion to the weight's vec-dot type
             out = tinyblas.matmul(converted, weight) if accumulate == "ggml" else matmul_blas(converted, weight,
                                                                                                blas_dtype)
+        elif candle_matmul is not None:  # candle: an F32/F16 weight dequantized, multiplied by gemm
+            out = candle_matmul(rows, weight)
         elif accumulate == "ggml" and isinstance(weight, Blocks) and weight.kind == "f32":
             out = tinyblas.matmul(rows, weight)  # a GGUF's f32 matrix: tinyBLAS' f32 kernel or ggml_vec_dot_f32
         elif isinstance(weight, Blocks) or accumulate != "ggml":
