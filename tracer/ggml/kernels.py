@@ -395,10 +395,10 @@ def _lane_chains(x, w, out, row_tile, token_tile, unroll):  # pragma: no cover -
 def lane_chains(x: np.ndarray, w: np.ndarray, threads: int | None = None) -> np.ndarray:
     """(T, R) f32: `_lane_chains` on x (T, S, 16) and w (S, 16, R), any T and R, on `threads`."""
     tokens, rows = x.shape[0], w.shape[2]
-    x = _pad_rows(np.ascontiguousarray(x, dtype=np.float32), TOKEN_TILE, 0)
-    w = _pad_rows(w, LANE_ROW_TILE, 2)
+    x = pad_rows(np.ascontiguousarray(x, dtype=np.float32), TOKEN_TILE, 0)
+    w = pad_rows(w, LANE_ROW_TILE, 2)
     out = np.empty((x.shape[0], w.shape[2]), np.float32)
-    _set_threads(threads)
+    set_threads(threads)
     _lane_chains(x, w, out, LANE_ROW_TILE, TOKEN_TILE, LANE_UNROLL)
     return out[:tokens, :rows]
 
@@ -440,9 +440,9 @@ def block_chains(xq: np.ndarray, xd: np.ndarray, wq: np.ndarray, wd: np.ndarray,
                  threads: int | None = None) -> np.ndarray:
     """(T, R) f32: `_block_chains` (shapes there, any T and R) on `threads` of numba's threads."""
     tokens, rows = xd.shape[0], wd.shape[1]
-    xq, xd = _pad_rows(xq, TOKEN_TILE, 0), _pad_rows(xd, TOKEN_TILE, 0)
-    wq, wd = _pad_rows(wq, ROW_TILE, 2), _pad_rows(wd, ROW_TILE, 1)
+    xq, xd = pad_rows(xq, TOKEN_TILE, 0), pad_rows(xd, TOKEN_TILE, 0)
+    wq, wd = pad_rows(wq, ROW_TILE, 2), pad_rows(wd, ROW_TILE, 1)
     out = np.empty((xd.shape[0], wd.shape[1]), np.float32)
-    _set_threads(threads)
+    set_threads(threads)
     _block_chains(xq, xd, wq, wd, out, ROW_TILE, TOKEN_TILE)
     return out[:tokens, :rows]
