@@ -127,7 +127,8 @@ def test_regime_auto_picks_candles_arithmetic_for_a_gguf_and_none_for_f32(quanti
 
     _, gguf_file, converted = quantized
     source = ModelSource(converted)
-    assert resolve("auto", f"candle:{gguf_file}", {}, source) == ({"preset": "candle-q", "weights": "gguf"}, [])
+    knobs, caveats, audit = resolve("auto", f"candle:{gguf_file}", {}, source)
+    assert (knobs, caveats, audit.verdict) == ({"preset": "candle-q", "weights": "gguf"}, [], "identical")
     with pytest.raises(TracerError, match="runs f32 and implies no number-format regime"):
         resolve("auto", "candle", {}, source)
 

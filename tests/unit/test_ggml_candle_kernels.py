@@ -152,7 +152,8 @@ def test_regime_auto_on_k_quants_has_no_caveat(q3_k_m):
     from tracer.regime_view import resolve
 
     gguf_file, converted = q3_k_m
-    assert resolve("auto", f"candle:{gguf_file}", {}, ModelSource(converted)) == (CANDLE_Q, [])
+    knobs, caveats, audit = resolve("auto", f"candle:{gguf_file}", {}, ModelSource(converted))
+    assert (knobs, caveats, audit.verdict) == (CANDLE_Q, [], "identical")
 
 
 @pytest.mark.slow
