@@ -421,10 +421,13 @@ def quality(text: str | None = None, model=None, *, text_file: str | Path | None
             give logits (a saved trace), an unknown engine or knob.
 
     Example:
-        >>> q = tracer.quality(text_file="tests/data/porting.txt", reference="llamacpp:F16.gguf",
-        ...                    candidate="llamacpp:Q4_K_M.gguf", ctx=128, progress=False)  # SmolLM2, docs/quality.md
-        >>> round(q.statistics.kld.value, 6), round(q.statistics.same_top.value, 5)  # llama-perplexity's figures
-        (0.056316, 0.81746)
+        >>> q = tracer.quality(text="The capital of France is Paris. " * 40, variant="theta=10000", ctx=64,
+        ...                    progress=False)  # bundled SmolLM2 against itself with a wrong RoPE base
+        >>> q.chunks, round(q.statistics.kld.value, 4), round(q.statistics.same_top.value, 4)
+        (4, 0.0346, 0.9355)
+
+        llama.cpp's F16 against its Q4_K_M on `tests/data/porting.txt` at ctx=128 gives llama-perplexity's
+        own figures (docs/quality.md).
     """
     text_name = None
     if text_file is not None:

@@ -219,6 +219,10 @@ class Estimate:
     value: float
     uncertainty: float
 
+    def __post_init__(self):  # plain floats, whatever numpy scalar the sums came as
+        object.__setattr__(self, "value", float(self.value))
+        object.__setattr__(self, "uncertainty", float(self.uncertainty))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
