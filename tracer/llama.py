@@ -39,7 +39,7 @@ from tracer.config import LlamaSpec, apply_overrides, load_config, read_config
 from tracer.errors import TracerError
 from tracer.points import FINAL_LOGITS, fused_away
 from tracer.torch_types import TORCH_DTYPES, Recorder
-from tracer.variants import KNOBS, expand_presets, setting
+from tracer.variants import KNOBS, expand_presets, is_regime, setting
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -574,9 +574,7 @@ def resolve_strategies(knobs: dict, spec: LlamaSpec | None = None) -> Strategies
     norm = norm_table[knobs.get(norm_knob, next(iter(norm_table))) if norm_knob else None]
     cast, precision = ROPE_PRECISIONS[family.rope_precision]
     rope = precision(ROPES[setting(knobs, "rope")])
-    from tracer.ggml.strategies import apply_regime
-
-    return apply_regime(knobs, Strategies(
+    plain = Strategies(
         attention=ATTENTION[attn],
         dtype=TORCH_DTYPES[setting(knobs, "dtype")],
         norm=norm,
@@ -597,7 +595,12 @@ def resolve_strategies(knobs: dict, spec: LlamaSpec | None = None) -> Strategies
         rope_cast=cast,
         softcap=SOFTCAPS[setting(knobs, "softcap")],
         window=WINDOWS[setting(knobs, "window")],
-    ), spec)
+    )
+    if not is_regime(knobs):
+        return plain  # numba's kernels stay unimported (about 60 MB and 250 ms) outside a regime
+    from tracer.ggml.strategies import apply_regime
+
+    return apply_regime(knobs, plain, spec)
 
 
 # A knob that undoes a feature this model's config does not use would change nothing: said, not ignored.

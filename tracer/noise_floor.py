@@ -38,8 +38,7 @@ def estimate_noise(source: ModelSource, reference: Trace, reference_variant: dic
     memory (twice the f32 model), for one forward. A number-format regime (weights=, act_quant=,
     preset=llamacpp, ...) gets its own estimate instead: `regime_noise`.
     """
-    from tracer.ggml.strategies import is_regime
-    from tracer.variants import expand_presets
+    from tracer.variants import expand_presets, is_regime
 
     if is_regime(expand_presets(reference_variant)):
         return regime_noise(source, reference, reference_variant, device)

@@ -411,3 +411,8 @@ def knobs_for(family: str) -> list[Knob]:
 def setting(variant: dict, name: str) -> Any:
     """The value `variant` gives knob `name`, else the knob's default (None where that is no value)."""
     return variant[name] if name in variant else KNOBS[name].default_value
+
+
+def is_regime(variant: dict) -> bool:
+    """Whether a variant (presets expanded) emulates a number-format regime (`tracer.ggml.strategies`)."""
+    return any(KNOBS[knob].kind == "regime" for knob in variant if knob in KNOBS)
