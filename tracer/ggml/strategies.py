@@ -57,7 +57,7 @@ from tracer.ggml.quants import (
 )
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
 from tracer.layouts import to_interleaved
-from tracer.variants import KNOBS, PRESETS, is_regime, setting
+from tracer.variants import PRESETS, is_regime, setting
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
