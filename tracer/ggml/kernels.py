@@ -89,7 +89,8 @@ def _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, row_tile, token_tile):  # pragm
                     out[t0 + u, r0 + j] = total + summs[u, j] if has_min else total
 
 
-def _pad_rows(x: np.ndarray, multiple: int, axis: int) -> np.ndarray:
+def pad_rows(x: np.ndarray, multiple: int, axis: int) -> np.ndarray:
+    """`x` with zeros appended along `axis` up to a multiple of `multiple` (the kernels' tiles)."""
     extra = -x.shape[axis] % multiple
     if not extra:
         return x
@@ -138,12 +139,12 @@ def vec_dot_blocks(xq: np.ndarray, xd: np.ndarray, wq: np.ndarray, wd: np.ndarra
     arrays (shapes there, any T and R), on `threads` of numba's threads (default: all)."""
     tokens, rows = xd.shape[0], wd.shape[1]
     empty = np.zeros((0, 0), np.float32)
-    xq, xd = _pad_rows(xq, TOKEN_TILE, 0), _pad_rows(xd, TOKEN_TILE, 0)
-    xs = empty if xs is None else _pad_rows(xs, TOKEN_TILE, 0)
-    wq, wd = _pad_rows(wq, ROW_TILE, 2), _pad_rows(wd, ROW_TILE, 1)
-    wm = empty if wm is None else _pad_rows(wm, ROW_TILE, 1)
+    xq, xd = pad_rows(xq, TOKEN_TILE, 0), pad_rows(xd, TOKEN_TILE, 0)
+    xs = empty if xs is None else pad_rows(xs, TOKEN_TILE, 0)
+    wq, wd = pad_rows(wq, ROW_TILE, 2), pad_rows(wd, ROW_TILE, 1)
+    wm = empty if wm is None else pad_rows(wm, ROW_TILE, 1)
     out = np.empty((xd.shape[0], wd.shape[1]), np.float32)
-    _set_threads(threads)
+    set_threads(threads)
     kernel = {"ggml": _vec_dot_blocks, "candle": _q4_1_scalar_blocks}[order]
     kernel(xq, xd, wq, wd, xs, wm, out, ROW_TILE, TOKEN_TILE)
     return out[:tokens, :rows]
@@ -179,7 +180,7 @@ def fma_chains(a: np.ndarray, b: np.ndarray, causal: bool = False, threads: int 
     a3 = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, *a.shape[-2:])  # (G, M, K)
     b3 = np.ascontiguousarray(b, dtype=np.float32).reshape(-1, *b.shape[-2:])  # (G, K, N)
     out = np.empty((a3.shape[0], a3.shape[1], b3.shape[2]), np.float32)
-    _set_threads(threads)
+    set_threads(threads)
     _fma_chains(a3, b3, out, causal, bool(np.isfinite(b3).all()))
     return out.reshape(*lead, a3.shape[1], b3.shape[2])
 
@@ -209,13 +210,13 @@ def context_chains(p: np.ndarray, v: np.ndarray, ms: np.ndarray, grows: np.ndarr
                    threads: int | None = None) -> np.ndarray:
     """(H, T, D) f32: `_context_chains`."""
     out = np.empty(v.shape, np.float32)
-    _set_threads(threads)
+    set_threads(threads)
     _context_chains(np.ascontiguousarray(p), np.ascontiguousarray(v), np.ascontiguousarray(ms),
                     np.ascontiguousarray(grows), tile, out)
     return out
 
 
-def _set_threads(threads: int | None) -> None:
+def set_threads(threads: int | None) -> None:
     """numba's threads for the next call: `threads` (torch's count, by the callers), at most numba's own.
 
     The first call starts numba's OpenMP pool, which sets OpenMP's process-wide thread count to
@@ -257,7 +258,7 @@ def _elementwise(kernel, x: np.ndarray, *arguments, threads: int | None) -> np.n
     """`kernel(flat x, *arguments, out)` on an f32 array of any shape, out shaped as x."""
     flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     out = np.empty_like(flat)
-    _set_threads(threads)
+    set_threads(threads)
     kernel(flat, *arguments, out)
     return out.reshape(x.shape)
 
@@ -335,6 +336,6 @@ def quantize_q8(x: np.ndarray, away: bool, threads: int | None = None) -> tuple[
     """(T, B, 32) f32 -> (q (T, B, 32), d (T, B), d * sum(q) (T, B)), f32: `_quantize_q8`."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     q, d, sums = np.empty_like(x), np.empty(x.shape[:2], np.float32), np.empty(x.shape[:2], np.float32)
-    _set_threads(threads)
+    set_threads(threads)
     _quantize_q8(x, away, q, d, sums)
     return q, d, sums

@@ -242,13 +242,15 @@ def quantize_q8_1(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
 
 
 def quantize_q8_k(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
-    """quantize_row_q8_K_ref: iscale = -127/max with max the first value of largest magnitude,
-    q = min(127, nearest_int(iscale * x)) (ties to even), d = 1/iscale kept in f32."""
+    """quantize_row_q8_K_ref, which the x86 build runs too (`quantize_row_q8_K`): iscale = -127/max
+    with max the first value of largest magnitude, q = min(127, nearest_int(iscale * x)), d =
+    1/iscale kept in f32. `nearest_int` (the f32 sum with 1.5·2^23) rounds ties to even in the
+    reference and on x86 alike: `rounding` does not apply to Q8_K."""
     blocks = _blocked(x, 256, "q8_k")  # (T, B, 256)
     first_largest = blocks.abs().argmax(-1, keepdim=True)  # torch takes the first maximum
     peak = blocks.gather(-1, first_largest)[..., 0]  # (T, B)
     iscale = torch.where(peak != 0, rdiv(-127.0, peak), torch.zeros_like(peak))
-    q = ROUNDINGS[rounding](blocks * iscale[..., None]).clamp(max=127)
+    q = ROUNDINGS["even"](blocks * iscale[..., None]).clamp(max=127)
     d = torch.where(peak != 0, rdiv(1.0, iscale), torch.zeros_like(peak))
     return ActBlocks("q8_k", d, q)
 
