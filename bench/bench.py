@@ -317,6 +317,11 @@ REGIMES = {
     "preset=llamacpp,weights=gguf,accumulate=f64 (the regime noise floor's run)": {**LLAMACPP_Q, "accumulate": "f64"},
 }
 EXACT_REGIME = "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)"
+# The k-quant row: SmolLM2 requantized to Q4_K_M by llama.cpp's own quantizer (Q4_K/Q6_K ffn_down,
+# Q5_0/Q8_0 elsewhere: its width 576 is not a multiple of 256), the regime against the plain forward
+# of the directory converted from that file.
+KQUANT_FILE = "Q4_K_M"
+KQUANT_REGIME = f"preset=llamacpp,weights=gguf on SmolLM2 {KQUANT_FILE} (ggml's own order, bit-exact)"
 CANDLE_REGIME = "preset=candle-q,weights=gguf (candle's own order, bit-exact)"
 EXACT_REGIME_TOKENS = (64, 512, 2048)  # --regime auto judges free-running up to 2048 (tracer.regime_view.EXACT_TOKENS)
 
@@ -365,7 +370,31 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
             rounds = repeats if count <= 512 else max(1, repeats // 2)
             rows[f"{label}, {count} tokens"] = median_ratio(functools.partial(exact.forward, ids),
                                                             functools.partial(plain.forward, ids), rounds)
+        if label == EXACT_REGIME and (kquant_dir := kquant_model(KQUANT_FILE)) is not None:
+            kquant, kquant_plain = Llama.from_dir(kquant_dir, LLAMACPP_Q), Llama.from_dir(kquant_dir)
+            for count in exact_counts:
+                ids = torch.tensor(bench_tokens(model_dir, count))
+                rounds = repeats if count <= 512 else max(1, repeats // 2)
+                rows[f"{KQUANT_REGIME}, {count} tokens"] = median_ratio(
+                    functools.partial(kquant.forward, ids), functools.partial(kquant_plain.forward, ids), rounds)
     return rows
+
+
+def kquant_model(ftype: str) -> Path | None:
+    """SmolLM2 quantized to `ftype` by llama.cpp's own quantizer (tests/quantized_gguf.py, made once
+    into tracer's cache), as the directory tracer converts from that file; None without llama-cpp-python."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from tracer.convert import cache_root
+    from tracer.sources import bundled_gguf, gguf_model_path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ holds the quantizer's driver
+    from tests.quantized_gguf import quantize_gguf
+
+    target = cache_root() / f"bench-smollm2-{ftype}.gguf"
+    if not target.is_file():  # written beside, then renamed: an interrupted run leaves no half file
+        quantize_gguf(bundled_gguf(), target.with_suffix(".partial"), ftype).rename(target)
+    return gguf_model_path(target, progress=False)
 
 
 def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:

@@ -29,12 +29,12 @@ serves both.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
 
-from tracer.ggml import kquant_kernels as kernels
 from tracer.ggml import ops
 from tracer.ggml.floats import F32
 from tracer.ggml.kquants import QK_K, KBlocks
@@ -75,7 +75,10 @@ def _atoi(text: str) -> int:
 
 @functools.cache
 def _features() -> frozenset[str]:
-    return ops.llamacpp_cpu_features()
+    """The build's features; without llama-cpp-python (a trace made elsewhere), a native build's
+    defaults on this CPU, which include the repack buffer (GGML_CPU_REPACK is on by default)."""
+    features = ops.llamacpp_cpu_features()
+    return features if importlib.util.find_spec("llama_cpp") else features | {"REPACK"}
 
 
 def this_build() -> Build:
@@ -90,35 +93,36 @@ def is_repacked(kind: str, rows: int, build: Build) -> bool:
     return build.repack and REPACKED.get(kind) in build.features and rows % 8 == 0
 
 
-def paths(kind: str, rows: int, tokens: int, build: Build) -> list[tuple[int, int, int]]:
-    """[(path, first token, end token)]: the `tracer.ggml.kquant_kernels` path each run of
-    activation rows takes, in order."""
+def paths(kind: str, rows: int, tokens: int, build: Build) -> list[tuple[str, int, int]]:
+    """[(path, first token, end token)]: the path ("gemm", "gemv", "tiled", "vec_dot") each run
+    of activation rows takes, in order."""
     if is_repacked(kind, rows, build):
-        gemm_rows = tokens - tokens % GEMM_ROWS if tokens > GEMM_ROWS - 1 else 0
-        runs = [(kernels.GEMM, 0, gemm_rows)] if gemm_rows else []
-        return runs + [(kernels.GEMV, gemm_rows, tokens)] * (gemm_rows < tokens)
+        gemm_rows = tokens - tokens % GEMM_ROWS if tokens >= GEMM_ROWS else 0
+        runs = [("gemm", 0, gemm_rows), ("gemv", gemm_rows, tokens)]
+        return [run for run in runs if run[1] < run[2]]
     if build.tiled and build.tiled_compiled and (tokens >= TILED_MIN_ROWS or build.tiled_forced):
-        return [(kernels.TILED, 0, tokens)]
-    return [(kernels.VEC_DOT, 0, tokens)]
+        return [("tiled", 0, tokens)]
+    return [("vec_dot", 0, tokens)]
 
 
-def emulated(build: Build) -> bool:
-    """Whether this build's k-quant code is the x86 AVX2 code emulated (its vec_dot, tiled and
-    repacked kernels); an AVX-only, ARM or other build takes other kernels."""
-    return "AVX2" in build.features and "FMA" in build.features
+def emulated(features: frozenset[str]) -> bool:
+    """Whether a build with these features runs the x86 k-quant code emulated (AVX2 and FMA: its
+    vec_dot, tiled and repacked kernels); an AVX-only, ARM or other build takes other kernels."""
+    return {"AVX2", "FMA"} <= features
 
 
 def matmul_kquant(act: ActBlocks, weight: KBlocks, build: Build | None = None) -> torch.Tensor:
     """(T, R): x · Wᵀ as llama.cpp's x86 build computes it for this weight and this many rows."""
+    from tracer.ggml import kquant_kernels as kernels
+
     build = this_build() if build is None else build
     tokens, rows = act.d.shape[0], weight.shape[0]
     xq = act.q.to(F32).contiguous().numpy()  # (T, B, 256)
     xd = act.d.to(F32).contiguous().numpy()  # (T, B)
     bsums = act.q.reshape(tokens, -1, QK_K // 16, 16).sum(-1).to(torch.int32).numpy()  # (T, B, 16)
-    layout = weight.kernel_layout()
     out = torch.empty(tokens, rows, dtype=F32)
     for path, start, end in paths(weight.kind, rows, tokens, build):
-        group = GEMM_GROUP[weight.kind] if path == kernels.GEMM else 128
-        out[start:end] = torch.from_numpy(kernels.kquant_dot(xq[start:end], xd[start:end], bsums[start:end], layout,
-                                                             weight.kind, path, group, torch.get_num_threads()))
+        out[start:end] = torch.from_numpy(kernels.kquant_dot(xq[start:end], xd[start:end], bsums[start:end], weight,
+                                                             path, GEMM_GROUP.get(weight.kind, 0),
+                                                             torch.get_num_threads()))
     return out

@@ -1,0 +1,44 @@
+"""The llama.cpp regime on SmolLM2 as users quantize it: the bundled GGUF requantized by llama.cpp's
+own quantizer to Q4_K_M (Q4_K and Q6_K `ffn_down`, the 576-wide projections falling back to
+Q5_0/Q8_0), against llama.cpp 0.3.36 on this machine's CPU.
+
+Measured here (docs/regimes.md): `tracer run --model FILE.gguf --candidate llamacpp --regime auto`
+matches free-running with every one of the 453 points exactly 0, at 5 and at 512 tokens, for
+Q4_K_M, Q5_K_M and Q6_K files alike.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import tracer
+
+PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(default_model, tmp_path_factory):
+    """SmolLM2 quantized to Q4_K_M by llama.cpp (made once for the module)."""
+    pytest.importorskip("llama_cpp")
+    from tests.quantized_gguf import quantize_gguf
+    from tracer.sources import bundled_gguf
+
+    return quantize_gguf(bundled_gguf(), tmp_path_factory.mktemp("kquants") / "smollm2-Q4_K_M.gguf", "Q4_K_M")
+
+
+def test_regime_auto_on_a_q4_k_m_gguf_is_llama_cpp_to_the_bit(q4_k_m):
+    """70 tokens: the repacked Q4_K gemm (68 rows) and gemv (2), the tiled Q6_K matmul, the tiled
+    flash attention; the model directory is converted from the very file."""
+    from tracer.ggml import kmatmul
+    from tracer.ggml.strategies import GGUFWeights
+
+    types = set(GGUFWeights(q4_k_m).types().values())
+    assert {"q4_k", "q6_k"} <= types
+    result = tracer.run(model=q4_k_m, tokens=(PROMPT_IDS * 14)[:70], candidate="llamacpp", regime="auto", greedy=0,
+                        progress=False)
+    assert result.regime.variant == {"preset": "llamacpp", "weights": "gguf"}
+    compared = [p for p in result.points if p.recorded]
+    assert result.verdict == "match" and len(compared) == 453
+    if kmatmul.emulated(kmatmul.this_build().features) and not result.regime.caveats:
+        assert result.regime.verdict_view == "free"
+        assert [p.point for p in compared if p.rel_l2 != 0] == []
