@@ -278,3 +278,19 @@ def test_llama_cpp_on_k_quant_ggufs_is_the_regime_to_the_bit(kquant_ggufs, ftype
         compared = [p for p in result.points if p.recorded]
         assert result.verdict == "match" and len(compared) == 33
         assert [(p.point, p.rel_l2) for p in compared if p.rel_l2] == [], f"{count} tokens"
+
+
+def test_the_blas_accumulations_sum_the_same_k_quant_operands(kquant_ggufs):
+    """accumulate=f32 / f64 (the fast regime, the noise floor's run): the same Q4_K weights and Q8_K
+    activations through torch's BLAS: another order, so close to ggml's but not equal."""
+    import tracer
+    from tests.conftest import TOKENS
+
+    _, converted = kquant_ggufs["Q4_K_M"]
+    runs = {accumulate: tracer.record(converted, TOKENS, engine="reimpl", progress=False,
+                                      variant={"preset": "llamacpp", "weights": "gguf", "accumulate": accumulate})
+            for accumulate in ("ggml", "f32", "f64")}
+    point = "model.layers.0.self_attn.q_proj"  # the first matmul: the same inputs in all three
+    for accumulate in ("f32", "f64"):
+        difference = runs[accumulate][point] - runs["ggml"][point]
+        assert 0 < float(difference.norm() / runs["ggml"][point].norm()) < 1e-6

@@ -48,7 +48,6 @@ from numba.extending import intrinsic  # noqa: E402
 ZERO = np.float32(0.0)  # a lane starts at +0, as the lane array did
 ROW_TILE = 192  # outputs per inner loop (vectorised): long loops amortise each block's set-up
 TOKEN_TILE = 8  # tokens per pass over a tile of weights, written out: each weight loaded once for 8 tokens
-TOKEN_GROUP = 64  # tokens per parallel work item (with a tile of outputs): the threads stay busy when outputs are few
 
 
 @intrinsic
@@ -79,26 +78,27 @@ def lane4(x, w0, w1, w2, w3):  # pragma: no cover - compiled
 
 
 @njit(cache=True, parallel=True)
-def _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, row_tile):  # pragma: no cover - compiled
+def _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, row_tile, token_group):  # pragma: no cover - compiled
     """Every `ggml_vec_dot_<w>_<x>` of a matmul. xq (T, B, 32) f32 activation quants, xd (T, B)
     scales, wq (B, 32, R) f32 weight quants (outputs last: the inner loops run over outputs), wd
     (B, R) scales, xs (T, B) / wm (B, R) the Q8_1 block sums and the weight mins (empty when the
     type has none) -> out (T, R). T a multiple of TOKEN_TILE (callers pad); outputs in tiles of
-    row_tile, the last one shorter. Eight tokens at a time, written out, so that each weight loaded
+    row_tile, the last one shorter, tokens in groups of token_group (a multiple of TOKEN_TILE): the
+    threads take (tile, group) pairs. Eight tokens at a time, written out, so that each weight loaded
     serves eight outputs; the tile size is an argument, not a constant, so that LLVM vectorises the loops
     over outputs rather than unrolling them into scalar code."""
     tokens, blocks = xd.shape
     rows = wd.shape[1]
     has_min = wm.shape[0] > 0
-    token_groups = (tokens + TOKEN_GROUP - 1) // TOKEN_GROUP
+    token_groups = (tokens + token_group - 1) // token_group
     # threads share tiles of outputs and groups of tokens; one tile's groups in turn, its weights in cache
     for item in prange(((rows + row_tile - 1) // row_tile) * token_groups):
-        r0, first = (item // token_groups) * row_tile, (item % token_groups) * TOKEN_GROUP
+        r0, first = (item // token_groups) * row_tile, (item % token_groups) * token_group
         width = min(row_tile, rows - r0)
         acc = np.empty((TOKEN_TILE, 8, width), np.float32)
         summs = np.empty((TOKEN_TILE, width), np.float32)
         scales = np.empty((TOKEN_TILE, width), np.float32)  # d_x * d_w per token, for the block's 8 lanes
-        for t0 in range(first, min(tokens, first + TOKEN_GROUP), TOKEN_TILE):
+        for t0 in range(first, min(tokens, first + token_group), TOKEN_TILE):
             acc[:] = 0
             summs[:] = 0
             for b in range(blocks):
@@ -142,6 +142,16 @@ def _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, row_tile):  # pragma: no cover 
                 for j in range(width):
                     total = ((a[0, j] + a[4, j]) + (a[2, j] + a[6, j])) + ((a[1, j] + a[5, j]) + (a[3, j] + a[7, j]))
                     out[t0 + u, r0 + j] = total + summs[u, j] if has_min else total
+
+
+def token_group(tokens: int, rows: int, row_tile: int, threads: int | None) -> int:
+    """Tokens per parallel work item: all of them (each tile's weights read once from memory)
+    unless the tiles of outputs are too few to keep twice the threads busy, then fewer, a multiple
+    of TOKEN_TILE."""
+    threads = min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
+    tiles = -(-rows // row_tile)
+    groups = min(-(-tokens // TOKEN_TILE), max(1, -(-2 * threads // tiles)))
+    return TOKEN_TILE * -(-tokens // (TOKEN_TILE * groups))
 
 
 def pad_rows(x: np.ndarray, multiple: int, axis: int) -> np.ndarray:
@@ -200,7 +210,7 @@ def vec_dot_blocks(xq: np.ndarray, xd: np.ndarray, wq: np.ndarray, wd: np.ndarra
     set_threads(threads)
     if order == "ggml":
         out = np.empty((xd.shape[0], rows), np.float32)
-        _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, ROW_TILE)
+        _vec_dot_blocks(xq, xd, wq, wd, xs, wm, out, ROW_TILE, token_group(tokens, rows, ROW_TILE, threads))
         return out[:tokens]
     wq, wd = pad_rows(wq, ROW_TILE, 2), pad_rows(wd, ROW_TILE, 1)
     wm = wm if wm is empty else pad_rows(wm, ROW_TILE, 1)
@@ -275,6 +285,75 @@ def context_chains(p: np.ndarray, v: np.ndarray, ms: np.ndarray, grows: np.ndarr
     return out
 
 
+@njit(inline="always")
+def reduce_add16(v, start):  # pragma: no cover - compiled
+    """GCC's `_mm512_reduce_add_ps` over v[start:start + 16]: halves added 8, 4, then (t0+t2) +
+    (t1+t3) (`tracer.ggml.floats.reduce_add16`)."""
+    t0, t1, t2, t3 = v[start + 8] + v[start], v[start + 9] + v[start + 1], v[start + 10] + v[start + 2], \
+        v[start + 11] + v[start + 3]
+    t4, t5, t6, t7 = v[start + 12] + v[start + 4], v[start + 13] + v[start + 5], v[start + 14] + v[start + 6], \
+        v[start + 15] + v[start + 7]
+    u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
+    return (u0 + u2) + (u1 + u3)
+
+
+@njit(cache=True, parallel=True)
+def _tile_softmax(raw, scale, constants, tile, p, ms, grows, total):  # pragma: no cover - compiled
+    """The online softmax of ggml's tiled flash attention per query row, its tiles of `tile` keys
+    (a multiple of 16) in turn: raw (H, T, T) q·k sums (keys past the query: ignored), scaled by
+    `scale` -> p (H, T, T) the weights ggml_v_expf(s - M) (0 past the query), ms / grows (H, T,
+    tiles) the factor expf(M_old - M) (1 where the maximum stayed) and whether the tile raised the
+    maximum M, total (H, T) the sum S: on a new maximum S = S * ms, then S += the tile's sum (per 16
+    weights `_mm512_reduce_add_ps`, the four added in f64, added to S in f64)."""
+    heads, tokens = raw.shape[0], raw.shape[1]
+    tiles = ms.shape[2]
+    neg_inf = np.float32(-np.inf)
+    for row in prange(heads * tokens):
+        h, t = row // tokens, row % tokens
+        weights = np.empty(tile, np.float32)
+        best, s_total = neg_inf, np.float32(0.0)
+        for i in range(tiles):
+            k0 = i * tile
+            if k0 > t:  # no visible key: the tile is skipped
+                grows[h, t, i], ms[h, t, i] = False, 1.0
+                for key in range(k0, min(k0 + tile, tokens)):
+                    p[h, t, key] = 0.0
+                continue
+            tile_max = neg_inf
+            for k in range(tile):
+                key = k0 + k
+                weights[k] = raw[h, t, key] * scale if key <= t else neg_inf  # masked and padded: -inf
+                tile_max = max(tile_max, weights[k])
+            before, best = best, max(best, tile_max)
+            grew = best > before
+            factor = c_expf(before - best) if grew else np.float32(1.0)  # expf(-inf) = 0 on the first tile
+            grows[h, t, i], ms[h, t, i] = grew, factor
+            for k in range(tile):
+                weights[k] = v_expf1(weights[k] - best, constants)
+            sums = np.float64(reduce_add16(weights, 0))
+            for c in range(16, tile, 16):
+                sums = sums + np.float64(reduce_add16(weights, c))
+            if grew:
+                s_total = s_total * factor
+            s_total = np.float32(np.float64(s_total) + sums)
+            for k in range(min(tile, tokens - k0)):
+                p[h, t, k0 + k] = weights[k]
+        total[h, t] = s_total
+
+
+def tile_softmax(raw: np.ndarray, scale: float, constants: np.ndarray, tile: int,
+                 threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """raw (H, T, T) f32 -> (p (H, T, T), ms (H, T, tiles), grows (H, T, tiles), total (H, T)):
+    `_tile_softmax` on tiles of `tile` keys."""
+    heads, tokens = raw.shape[0], raw.shape[1]
+    tiles = -(-tokens // tile)
+    p, total = np.empty_like(raw), np.empty((heads, tokens), np.float32)
+    ms, grows = np.empty((heads, tokens, tiles), np.float32), np.empty((heads, tokens, tiles), np.bool_)
+    set_threads(threads)
+    _tile_softmax(np.ascontiguousarray(raw, dtype=np.float32), np.float32(scale), constants, tile, p, ms, grows, total)
+    return p, ms, grows, total
+
+
 def set_threads(threads: int | None) -> None:
     """numba's threads for the next call: `threads` (torch's count, by the callers), at most numba's own.
 
@@ -305,26 +384,31 @@ def pow2_f64(typingctx, n):
     return numba.float64(numba.int64), codegen
 
 
-@njit(cache=True, parallel=True)
-def _v_expf(x, constants, out):  # pragma: no cover - compiled
-    """`tracer.ggml.floats.ggml_v_expf` per element of the flat f32 array x; constants: shift,
-    log2(e), ln2 high and low parts, the 5 polynomial coefficients (f32)."""
+@njit(inline="always")
+def v_expf1(v, constants):  # pragma: no cover - compiled
+    """`tracer.ggml.floats.ggml_v_expf` of one f32; constants: shift, log2(e), ln2 high and low
+    parts, the 5 polynomial coefficients (f32)."""
     shift, log2e, ln2_hi, ln2_lo = constants[0], constants[1], constants[2], constants[3]
     p0, p1, p2, p3, p4 = constants[4], constants[5], constants[6], constants[7], constants[8]
     one, zero = np.float32(1.0), np.float32(0.0)
+    z = fma32(v, log2e, shift)
+    n = z - shift
+    b = fma32(-n, ln2_lo, fma32(-n, ln2_hi, v))
+    u = b * b
+    j = fma32(fma32(fma32(p0, b, p1), u, fma32(p2, b, p3)), u, fma32(p4, b, one))
+    in_range = abs(n) <= 192  # _mm512_scalef_ps' range check in ggml: else 0 or inf (NaN: not in range)
+    # scalef: j * 2^n rounded once (exact in f64, then one rounding to f32); selects, not
+    # branches, so that loops vectorise
+    scaled = np.float32(np.float64(j) * pow2_f64(np.int64(n if in_range else zero)))
+    out_of_range = n if np.isnan(n) else (zero if n <= 0 else np.float32(np.inf))
+    return scaled if in_range else out_of_range
+
+
+@njit(cache=True, parallel=True)
+def _v_expf(x, constants, out):  # pragma: no cover - compiled
+    """`v_expf1` per element of the flat f32 array x."""
     for i in prange(x.shape[0]):
-        v = x[i]
-        z = fma32(v, log2e, shift)
-        n = z - shift
-        b = fma32(-n, ln2_lo, fma32(-n, ln2_hi, v))
-        u = b * b
-        j = fma32(fma32(fma32(p0, b, p1), u, fma32(p2, b, p3)), u, fma32(p4, b, one))
-        in_range = abs(n) <= 192  # _mm512_scalef_ps' range check in ggml: else 0 or inf (NaN: not in range)
-        # scalef: j * 2^n rounded once (exact in f64, then one rounding to f32); selects, not
-        # branches, so that the loop vectorises
-        scaled = np.float32(np.float64(j) * pow2_f64(np.int64(n if in_range else zero)))
-        out_of_range = n if np.isnan(n) else (zero if n <= 0 else np.float32(np.inf))
-        out[i] = scaled if in_range else out_of_range
+        out[i] = v_expf1(x[i], constants)
 
 
 def _elementwise(kernel, x: np.ndarray, *arguments, threads: int | None) -> np.ndarray:

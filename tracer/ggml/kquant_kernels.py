@@ -34,9 +34,9 @@ Notation: T tokens, R outputs, B super-blocks per row, S sub-blocks per super-bl
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
-from tracer.ggml.kernels import TOKEN_GROUP, TOKEN_TILE, fma32, lane4, pad_rows, quad, set_threads
+# numba through tracer.ggml.kernels, which sets its CPU features before importing it
+from tracer.ggml.kernels import TOKEN_TILE, fma32, lane4, njit, pad_rows, prange, quad, set_threads, token_group
 
 VEC_DOT, TILED, GEMV, GEMM = 0, 1, 2, 3  # the paths (`mode`)
 PATHS = {"vec_dot": VEC_DOT, "tiled": TILED, "gemv": GEMV, "gemm": GEMM}
@@ -61,24 +61,25 @@ def _block_products(out, coefficients, b, r0, width, bsums, first, count, pair):
 
 
 @njit(cache=True, parallel=True)
-def _kquant_dot(xq, xd, xbs, w, wd, wdmin, wsc, wmin, out, kind, mode, group, centred, row_tile):
+def _kquant_dot(xq, xd, xbs, w, wd, wdmin, wsc, wmin, out, kind, mode, group, centred, row_tile, token_group):
     # pragma: no cover - compiled
     """Every output of a k-quant × Q8_K matmul by path `mode`. xq (T, B, 256) f32 activation quants,
     xd (T, B) f32 scales, xbs (T, B, 16) int32 sums of 16 quants; w (B, 256, R) f32 scale*quant,
     wd / wdmin (B, R) f32 super-block scales, wsc / wmin (B, S, R) int32 sub-block scales and
     mins (wdmin / wmin (0, 0[, 0]) without mins) -> out (T, R). `group`: values per f32 partial
     sum (GEMM: per FMA step); `centred`: Q6_K's weights less their zero (else unsigned, corrected
-    by 32 * scale * bsum). T a multiple of TOKEN_TILE (callers pad); outputs in tiles of
-    row_tile, the last one shorter. Every loop over outputs is innermost (vectorised)."""
+    by 32 * scale * bsum). T a multiple of TOKEN_TILE (callers pad); outputs in tiles of row_tile,
+    the last one shorter, tokens in groups of token_group: the threads take (tile, group) pairs.
+    Every loop over outputs is innermost (vectorised)."""
     tokens, blocks = xd.shape
     rows = wd.shape[1]
     has_min = wmin.shape[0] > 0
     pair = kind in (4, 5)  # 32-value sub-blocks
     sub_blocks = 8 if pair else 16
-    token_groups = (tokens + TOKEN_GROUP - 1) // TOKEN_GROUP
+    token_groups = (tokens + token_group - 1) // token_group
     # threads share tiles of outputs and groups of tokens; one tile's groups in turn, its weights in cache
     for item in prange(((rows + row_tile - 1) // row_tile) * token_groups):
-        r0, first = (item // token_groups) * row_tile, (item % token_groups) * TOKEN_GROUP
+        r0, first = (item // token_groups) * row_tile, (item % token_groups) * token_group
         width = min(row_tile, rows - r0)
         lanes = np.empty((TOKEN_TILE, 8, width), np.float32)  # a group's lane sums (integers)
         ilanes = np.empty((TOKEN_TILE, 8, width), np.int32)  # a super-block's lane sums
@@ -86,7 +87,7 @@ def _kquant_dot(xq, xd, xbs, w, wd, wdmin, wsc, wmin, out, kind, mode, group, ce
         acc_m = np.empty((TOKEN_TILE, 4, width), np.float32)  # Q4_K's min lanes; Q5_K's summs in [0]
         total, mins = np.empty(width, np.int32), np.empty(width, np.int32)  # one token's integers
         scale, scale_min = np.empty(width, np.float32), np.empty(width, np.float32)
-        for t0 in range(first, min(tokens, first + TOKEN_GROUP), TOKEN_TILE):
+        for t0 in range(first, min(tokens, first + token_group), TOKEN_TILE):
             acc[:] = 0
             acc_m[:] = 0
             for b in range(blocks):
@@ -229,6 +230,7 @@ def kquant_dot(xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray, weight, path: st
     wmin = np.zeros((0, 0, 0), np.int32) if no_min else layout.mins
     out = np.empty((xd.shape[0], layout.d.shape[1]), np.float32)
     set_threads(threads)
+    tokens_per_item = token_group(tokens, layout.d.shape[1], ROW_TILE, threads)
     _kquant_dot(xq, xd, xbs, layout.weights, layout.d, wdmin, layout.scales, wmin, out, KIND_CODES[weight.kind],
-                PATHS[path], group, layout.centred, ROW_TILE)
+                PATHS[path], group, layout.centred, ROW_TILE, tokens_per_item)
     return out[:tokens]
