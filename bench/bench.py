@@ -317,8 +317,12 @@ REGIMES = {
     "preset=llamacpp,weights=gguf,accumulate=f64 (the regime noise floor's run)": {**LLAMACPP_Q, "accumulate": "f64"},
 }
 EXACT_REGIME = "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)"
+# The k-quant rows: SmolLM2 requantized to Q4_K_M by llama.cpp's own quantizer (Q4_K/Q6_K ffn_down,
+# Q5_0/Q8_0 elsewhere: its width 576 is not a multiple of 256).
+KQUANT_FILE = "Q4_K_M"
+KQUANT_REGIME = f"preset=llamacpp,weights=gguf on SmolLM2 {KQUANT_FILE} (ggml's own order, bit-exact)"
 CANDLE_REGIME = "preset=candle-q,weights=gguf (candle's own order, bit-exact)"
-CANDLE_KQUANT_REGIME = "preset=candle-q,weights=gguf on SmolLM2 made Q4_K_M (candle's Q5_0 loop and k-quant kernels)"
+CANDLE_KQUANT_REGIME = f"preset=candle-q,weights=gguf on SmolLM2 {KQUANT_FILE} (candle's Q5_0 loop and k-quant kernels)"
 EXACT_REGIME_TOKENS = (64, 512, 2048)  # --regime auto judges free-running up to 2048 (tracer.regime_view.EXACT_TOKENS)
 # SmolLM2 files llama.cpp's quantizer makes from the bundled GGUF, and the kernels they bring: the
 # bit-exact regime on each at 512 tokens.
@@ -348,8 +352,8 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     """Seconds for a forward of the reimplementation in the llama.cpp regime (nothing recorded), and
     its ratio to the plain reimplementation forward on the same tokens in alternating rounds
     (medians); the bit-exact regimes (llama.cpp's, candle's) at each of `exact_counts` tokens, candle's
-    alone with `candle_only`; candle's also on SmolLM2 made Q4_K_M, up to the prompt length its
-    regime is exact for; llama.cpp's on the files its quantizer makes (`FILE_REGIMES`) at 512 tokens
+    alone with `candle_only`; both also on SmolLM2 made Q4_K_M (candle's up to the prompt length its
+    regime is exact for); llama.cpp's on the files its quantizer makes (`FILE_REGIMES`) at 512 tokens
     (the files where llama-cpp-python is installed)."""
     from tracer.llama import Llama
     from tracer.regime_view import EXACT_TOKENS_CANDLE
@@ -364,14 +368,18 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
         rows[name] = median_ratio(functools.partial(regime.forward, ids), functools.partial(plain.forward, ids),
                                   repeats)
     candle_q = {"preset": "candle-q", "weights": "gguf"}
-    exact_regimes = {CANDLE_REGIME: (model_dir, candle_q)}
-    if importlib.util.find_spec("llama_cpp"):
-        exact_regimes[CANDLE_KQUANT_REGIME] = (quantized_model(model_dir, "Q4_K_M"), candle_q)
+    longest = max(exact_counts)
+    exact_regimes = {CANDLE_REGIME: (model_dir, candle_q, longest)}  # label: (model, knobs, most tokens)
     if not candle_only:
-        exact_regimes = {EXACT_REGIME: (model_dir, LLAMACPP_Q), **exact_regimes}
-    for label, (folder, knobs) in exact_regimes.items():
+        exact_regimes = {EXACT_REGIME: (model_dir, LLAMACPP_Q, longest), **exact_regimes}
+    if importlib.util.find_spec("llama_cpp"):
+        kquant_dir = quantized_model(model_dir, KQUANT_FILE)
+        if not candle_only:
+            exact_regimes[KQUANT_REGIME] = (kquant_dir, LLAMACPP_Q, longest)
+        exact_regimes[CANDLE_KQUANT_REGIME] = (kquant_dir, candle_q, EXACT_TOKENS_CANDLE)
+    for label, (folder, knobs, most) in exact_regimes.items():
         exact = Llama.from_dir(folder, knobs)
-        counts = exact_counts if folder == model_dir else [c for c in exact_counts if c <= EXACT_TOKENS_CANDLE]
+        counts = [c for c in exact_counts if c <= most]
         for count in counts:
             ids = torch.tensor(bench_tokens(model_dir, count))
             rounds = repeats if count <= 512 else max(1, repeats // 2)

@@ -114,14 +114,16 @@ def test_the_lane_order_and_the_separate_min_sum_are_what_ggml_rounds():
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_the_compiled_dot_products_cross_their_tiles_in_ggml_order(kind):
-    """37 outputs and 11 tokens: across the kernel's tiles of 32 outputs by 8 tokens, and padded."""
+    """ROW_TILE + 8 outputs and 11 tokens: a whole tile of outputs and a short one, tokens in tiles
+    of 4 and padded."""
     from tracer.ggml import kernels
 
-    assert 37 % kernels.ROW_TILE and 11 % kernels.TOKEN_TILE
-    weight, x = Q.quantize(_random(37, 64, seed=6), kind), _random(11, 64, seed=7) * 3
+    rows = kernels.ROW_TILE + 8
+    assert 11 % kernels.TOKEN_TILE
+    weight, x = Q.quantize(_random(rows, 64, seed=6), kind), _random(11, 64, seed=7) * 3
     act = Q.quantize_activations(x, Q.VEC_DOT_TYPE[kind])
     out = V.matmul_ggml(act, weight)
-    picks = [(t, r) for t in (0, 7, 8, 10) for r in (0, 31, 32, 36)]
+    picks = [(t, r) for t in (0, 3, 4, 10) for r in (0, rows - 9, rows - 8, rows - 1)]
     assert [float(out[t, r]) for t, r in picks] == [_literal_vec_dot(weight, act, r, t) for t, r in picks]
 
 

@@ -158,6 +158,7 @@ LOG2E = float.fromhex("0x1.715476p+0")
 LN2_HI, LN2_LO = float.fromhex("0x1.62e4p-1"), float.fromhex("0x1.7f7d1cp-20")
 EXP_POLY = [float.fromhex(h) for h in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2",
                                        "0x1.ffffecp-1")]
+EXP_CONSTANTS = np.array([EXP_SHIFT, LOG2E, LN2_HI, LN2_LO, *EXP_POLY], dtype=np.float32)  # for the compiled loops
 
 
 def ggml_v_expf(x: torch.Tensor) -> torch.Tensor:
@@ -166,8 +167,7 @@ def ggml_v_expf(x: torch.Tensor) -> torch.Tensor:
     Computed per element by `tracer.ggml.kernels._v_expf` (the same steps, compiled)."""
     from tracer.ggml import kernels
 
-    constants = np.array([EXP_SHIFT, LOG2E, LN2_HI, LN2_LO, *EXP_POLY], dtype=np.float32)
-    return torch.from_numpy(kernels.v_expf(x.detach().to("cpu", F32).numpy(), constants, torch.get_num_threads()))
+    return torch.from_numpy(kernels.v_expf(x.detach().to("cpu", F32).numpy(), EXP_CONSTANTS, torch.get_num_threads()))
 
 
 def ggml_v_silu(x: torch.Tensor) -> torch.Tensor:

@@ -90,17 +90,24 @@ class KBlocks(Blocks):
         return KBlocks(self.kind, self.shape, d=move(self.d), q=move(self.q), scales=move(self.scales),
                        mins=move(self.mins), dmin=move(self.dmin))
 
-    def kernel_layout(self) -> KernelLayout:
-        """The super-blocks as `tracer.ggml.kquant_kernels` walks them (outputs last), cached."""
-        if self._layout is None:
-            scaled = self.q.to(torch.int32) * self.scales.to(torch.int32).repeat_interleave(self.sub_block, -1)
-            self._layout = KernelLayout(
+    def kernel_layout(self, centred: bool = False) -> KernelLayout:
+        """The super-blocks as `tracer.ggml.kquant_kernels` walks them (outputs last), cached.
+        `centred`: the quants less their zero (Q6_K's signed -32..31, as the tiled kernel takes
+        them; the vec_dot kernel takes them unsigned); the same layout for the other types."""
+        centred = centred and self.kind in QUANT_ZERO
+        layouts = self._layout if self._layout is not None else {}
+        if centred not in layouts:
+            quants = self.q.to(torch.int32) - (QUANT_ZERO[self.kind] if centred else 0)
+            scaled = quants * self.scales.to(torch.int32).repeat_interleave(self.sub_block, -1)  # (R, B, 256)
+            layouts[centred] = KernelLayout(
                 weights=scaled.to(F32).permute(1, 2, 0).contiguous().numpy(),  # (B, 256, R)
                 d=self.d.T.contiguous().numpy(),  # (B, R)
                 dmin=None if self.dmin is None else self.dmin.T.contiguous().numpy(),
                 scales=self.scales.to(torch.int32).permute(1, 2, 0).contiguous().numpy(),  # (B, S, R)
-                mins=None if self.mins is None else self.mins.to(torch.int32).permute(1, 2, 0).contiguous().numpy())
-        return self._layout
+                mins=None if self.mins is None else self.mins.to(torch.int32).permute(1, 2, 0).contiguous().numpy(),
+                centred=centred)
+            self._layout = layouts
+        return layouts[centred]
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,7 @@ class KernelLayout:
 
     Attributes:
         weights: (B, 256, R) f32 scale * quant per value (an integer: |x| <= 8064), the weight
-            side of every integer product (Q6_K's quant unsigned).
+            side of every integer product (Q6_K's quant unsigned, or less its zero if `centred`).
         d: (B, R) f32 super-block scales.
         dmin: (B, R) f32 super-block scales of the mins, or None.
         scales: (B, S, R) int32 sub-block scales (Q6_K's correction of its unsigned quants).
@@ -121,6 +128,7 @@ class KernelLayout:
     dmin: np.ndarray | None
     scales: np.ndarray
     mins: np.ndarray | None
+    centred: bool = False
 
 
 # --- unpacking GGUF bytes (ggml-common.h block layouts) ---------------------------------------

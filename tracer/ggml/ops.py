@@ -17,6 +17,7 @@ import torch
 
 from tracer.errors import TracerError
 from tracer.ggml.floats import (
+    EXP_CONSTANTS,
     F32,
     F64,
     expf,
@@ -232,16 +233,6 @@ def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=v
     return acc * inverse[..., None]
 
 
-def _tile_softmax_sums(p: torch.Tensor) -> torch.Tensor:
-    """ggml_vec_soft_max_f32's sum per tile (AVX-512): per 16 values `_mm512_reduce_add_ps`, the
-    partial sums added in f64 one after another. p (H, T, tiles, 64) -> (H, T, tiles) f64."""
-    partial = reduce_add16(p.unflatten(-1, (FA_TILE // SIMD_F32, SIMD_F32))).to(F64)  # (H, T, tiles, 4)
-    total = partial[..., 0]
-    for i in range(1, partial.shape[-1]):
-        total = total + partial[..., i]
-    return total
-
-
 def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
     """ggml_compute_forward_flash_attn_ext_tiled (64 or more query rows, f16/f32 K/V): Q stays f32,
     K and V are widened from the f16 cache; per tile of 64 keys the scores are FMA chains over D,
@@ -250,34 +241,17 @@ def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
     (f64, per 16) is added to S; V is accumulated by FMA chains over the tile's keys. Output:
     acc * (1/S). q/k (H, T, D) GGUF order, v (H, T, D) -> (H, T, D) f32.
 
-    The running maximum after each tile is a cumulative maximum of the tile maxima, so everything
-    but the two FMA chains (`tracer.ggml.kernels`) is computed for all tiles at once."""
+    Three compiled passes (`tracer.ggml.kernels`): the q·k FMA chains, the online softmax per
+    query row (`tile_softmax`), the FMA chains over V."""
     from tracer.ggml import kernels
 
-    heads, tokens, _ = q.shape
     threads = torch.get_num_threads()
-    tiles = -(-tokens // FA_TILE)
     k32, v32 = round_f16(k), round_f16(v)
-    raw = torch.from_numpy(kernels.fma_chains(q.to(F32).numpy(), k32.numpy().transpose(0, 2, 1), causal=True,
-                                              threads=threads))  # (H, T, T)
-    causal = torch.ones(tokens, tokens, dtype=torch.bool).triu(1)
-    scores = (raw * np.float32(scale)).masked_fill_(causal, float("-inf"))
-    by_tile = torch.nn.functional.pad(scores, (0, tiles * FA_TILE - tokens), value=float("-inf"))
-    by_tile = by_tile.unflatten(-1, (tiles, FA_TILE))  # (H, T, tiles, 64): a short last tile padded
-    tile_max = by_tile.amax(-1)  # (H, T, tiles)
-    active = tile_max > float("-inf")
-    best = tile_max.cummax(-1).values  # the maximum after each tile
-    before = torch.cat((torch.full_like(best[..., :1], float("-inf")), best[..., :-1]), dim=-1)
-    grows = active & (best > before)
-    ms = expf(torch.where(grows, before - best, 0.0))  # (H, T, tiles); expf(-inf) = 0 on the first tile
-    p = torch.where(active[..., None], ggml_v_expf(by_tile - best[..., None]), 0.0)  # (H, T, tiles, 64)
-    sums = _tile_softmax_sums(p)  # (H, T, tiles) f64
-    total = torch.zeros(heads, tokens, dtype=F32)
-    for i in range(tiles):
-        total = torch.where(grows[..., i], total * ms[..., i], total)
-        total = torch.where(active[..., i], (total.to(F64) + sums[..., i]).to(F32), total)
-    weights = p.flatten(-2)[..., :tokens].contiguous().numpy()  # (H, T, T)
-    acc = torch.from_numpy(kernels.context_chains(weights, v32.numpy(), ms.numpy(), grows.numpy(), FA_TILE, threads))
+    raw = kernels.fma_chains(q.to(F32).numpy(), k32.numpy().transpose(0, 2, 1), causal=True,
+                             threads=threads)  # (H, T, T)
+    p, ms, grows, total = kernels.tile_softmax(raw, scale, EXP_CONSTANTS, FA_TILE, threads)
+    acc = torch.from_numpy(kernels.context_chains(p, v32.numpy(), ms, grows, FA_TILE, threads))
+    total = torch.from_numpy(total)  # (H, T)
     inverse = torch.where(total == 0, 0.0, rdiv(1.0, total))
     return acc * inverse[..., None]
 

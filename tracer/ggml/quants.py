@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tracer.errors import TracerError
-from tracer.ggml.floats import F32, ROUNDINGS, fma, rdiv, round_f16
+from tracer.ggml.floats import F32, fma, round_f16
 
 # The block types ggml's CPU kernels are emulated for, with their block size and bytes per block.
 BLOCK_TYPES = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34)}
@@ -248,15 +248,16 @@ def quantize_q8_1(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
 
 
 def quantize_q8_k(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
-    """quantize_row_q8_K_ref: iscale = -127/max with max the first value of largest magnitude,
-    q = min(127, nearest_int(iscale * x)) (ties to even), d = 1/iscale kept in f32."""
+    """quantize_row_q8_K_ref, which the x86 build runs too (`quantize_row_q8_K`): iscale = -127/max
+    with max the first value of largest magnitude, q = min(127, nearest_int(iscale * x)), d =
+    1/iscale kept in f32 (compiled: `tracer.ggml.kernels.quantize_q8_k`). `nearest_int` (the f32
+    sum with 1.5·2^23) rounds ties to even in the reference and on x86 alike: `rounding` does not
+    apply to Q8_K."""
+    from tracer.ggml import kernels
+
     blocks = _blocked(x, 256, "q8_k")  # (T, B, 256)
-    first_largest = blocks.abs().argmax(-1, keepdim=True)  # torch takes the first maximum
-    peak = blocks.gather(-1, first_largest)[..., 0]  # (T, B)
-    iscale = torch.where(peak != 0, rdiv(-127.0, peak), torch.zeros_like(peak))
-    q = ROUNDINGS[rounding](blocks * iscale[..., None]).clamp(max=127)
-    d = torch.where(peak != 0, rdiv(1.0, iscale), torch.zeros_like(peak))
-    return ActBlocks("q8_k", d, q)
+    q, d = kernels.quantize_q8_k(blocks.detach().cpu().numpy(), torch.get_num_threads())
+    return ActBlocks("q8_k", torch.from_numpy(d), torch.from_numpy(q))
 
 
 ACT_QUANTIZERS = {"q8_0": quantize_q8_0, "q8_1": quantize_q8_1, "q8_k": quantize_q8_k}

@@ -45,7 +45,8 @@ from tracer.aliases import GGUF
 from tracer.errors import TracerError
 from tracer.ggml import ops, repack, tinyblas
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
-from tracer.ggml.kquants import from_gguf_bytes
+from tracer.ggml.kmatmul import emulated as kquants_emulated
+from tracer.ggml.kquants import KQUANT_TYPES, from_gguf_bytes
 from tracer.ggml.quants import (
     ACT_BLOCK,
     BLOCK_TYPES,
@@ -597,14 +598,11 @@ def regime_catalogue() -> list[str]:
 EXACT_WEIGHT_TYPES = {"f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"}
 # Tensors no matmul takes (norms, biases: f32 whatever the file type, and exact in any order).
 NOT_MULTIPLIED = ("norm.weight", ".bias")
-# Why the others are not, on x86: ggml repacks some at load (CPU_REPACK) or tiles them from 8 rows.
-NOT_EXACT_WHY = {
-    "q4_k": "repacked to q4_K_8x8 at load on AVX2",
-    "q2_k": "repacked to q2_K_8x8 at load on AVX-512",
-    "q3_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
-    "q5_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
-    "q6_k": "k-quant dot kernels (and the tiled path from 8 rows) are not emulated",
-}
+# The k-quants are, on a build that runs the x86 AVX2 code (every path: `tracer.ggml.kmatmul`).
+KQUANT_WEIGHT_TYPES = set(KQUANT_TYPES)
+KQUANT_NOT_EXACT = ("this llama.cpp build lacks AVX2 or FMA: its k-quant kernels (the AVX, ARM or scalar ones) "
+                    "are not the x86 AVX2 ones emulated")
+NOT_EXACT_WHY = {kind: KQUANT_NOT_EXACT for kind in KQUANT_WEIGHT_TYPES}
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
 # A native build on a CPU with AMX multiplies these weight types in its AMX buffer (ggml-cpu/amx; f16
 # too: amx.cpp's supports_op): not emulated.
@@ -646,19 +644,22 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         variant["kv_cache"] = kv_cache
     if setting(knobs, "flash_attn") == "off":
         variant["flash_attn"] = "off"
+    build = ops.llamacpp_cpu_features() if build is None else build
+    exact = EXACT_WEIGHT_TYPES | (KQUANT_WEIGHT_TYPES if kquants_emulated(build) else set())
     caveats = []
     matrices = {name: kind for name, kind in weight_types.items() if not name.endswith(NOT_MULTIPLIED)}
-    for kind in sorted(set(matrices.values()) - EXACT_WEIGHT_TYPES):
+    for kind in sorted(set(matrices.values()) - exact):
         names = [name for name, t in matrices.items() if t == kind]
+        summed = ("summed in the x86 order instead" if kind in KQUANT_WEIGHT_TYPES
+                  else "summed by torch in f32" if kind == "f32" else "accumulated in f64")
         caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): "
-                       f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; "
-                       f"{'summed by torch in f32' if kind == 'f32' else 'accumulated in f64'}")
+                       f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; {summed}")
     missing = [flag for flag in CPU_FLAGS if flag not in (ops.cpu_flags() if flags is None else flags)]
     if missing:
         caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
                        "(exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated")
     amx = sorted(set(weight_types.values()) & AMX_WEIGHT_TYPES)
-    if amx and "AMX_INT8" in (ops.llamacpp_cpu_features() if build is None else build):
+    if amx and "AMX_INT8" in build:
         caveats.append(f"this llama.cpp build multiplies {', '.join(t.upper() for t in amx)} weights in AMX "
                        "tiles (AMX_INT8), which are not emulated: build llama-cpp-python without AMX "
                        "(docs/engine-llamacpp.md)")

@@ -26,15 +26,23 @@ from __future__ import annotations
 import torch
 
 from tracer.ggml.floats import F32, F64
+from tracer.ggml.kquants import KQUANT_TYPES, KBlocks
 from tracer.ggml.quants import ActBlocks, Blocks
 
-# (weight type, activation type) pairs whose x86 ggml_vec_dot kernel is emulated here.
-KERNELS = {("q4_0", "q8_0"), ("q4_1", "q8_1"), ("q5_0", "q8_0"), ("q5_1", "q8_1"), ("q8_0", "q8_0")}
+# (weight type, activation type) pairs whose x86 kernels are emulated here (k-quants: each of
+# llama.cpp's paths for them, `tracer.ggml.kmatmul`).
+KERNELS = {("q4_0", "q8_0"), ("q4_1", "q8_1"), ("q5_0", "q8_0"), ("q5_1", "q8_1"), ("q8_0", "q8_0")} | \
+    {(kind, "q8_k") for kind in KQUANT_TYPES}
 
 
 def matmul_ggml(act: ActBlocks, weight: Blocks) -> torch.Tensor:
     """(T, R): every `ggml_vec_dot_<weight>_<act>` of a matmul, in ggml's order, by the compiled
-    loop of `tracer.ggml.kernels` (on as many threads as torch uses)."""
+    loop of `tracer.ggml.kernels` (on as many threads as torch uses); k-quants by the path
+    llama.cpp takes for this weight and this many rows (`tracer.ggml.kmatmul`)."""
+    if isinstance(weight, KBlocks):
+        from tracer.ggml.kmatmul import matmul_kquant
+
+        return matmul_kquant(act, weight)
     from tracer.ggml import kernels
 
     quants, scales, mins = weight.kernel_layout()  # (B, 32, R), (B, R), (B, R) or None
