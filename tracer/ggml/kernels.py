@@ -535,3 +535,106 @@ def quantize_q8_k(x: np.ndarray, threads: int | None = None) -> tuple[np.ndarray
     set_threads(threads)
     _quantize_q8_k(x, q, d)
     return q, d
+
+
+# --- tinyBLAS' lane chains and the repacked Q4_0/IQ4_NL blocks (tracer.ggml.tinyblas, .repack) --
+
+LANE_ROW_TILE = 64  # outputs per inner loop of `_lane_chains`: 16 lane accumulators of 8 tokens, 32 KB
+LANE_UNROLL = 4  # steps of a lane chain per accumulator load: the chain runs in a register
+
+
+@njit(cache=True, parallel=True)
+def _lane_chains(x, w, out, row_tile, token_tile, unroll):  # pragma: no cover - compiled
+    """x (T, S, 16) f32, w (S, 16, R) f32 -> out (T, R): per output 16 lane accumulators from +0,
+    lane l taking acc = fma(w[s, l], x[s, l], acc) for s in order (tinyBLAS' madd), then
+    `_mm512_reduce_add_ps`. T a multiple of token_tile, R of row_tile (callers pad); `unroll`
+    steps per pass, so that each chain runs that far in a register."""
+    tokens, steps, lanes = x.shape
+    rows = w.shape[2]
+    whole = steps - steps % unroll
+    for tile in prange(rows // row_tile):
+        r0 = tile * row_tile
+        acc = np.empty((token_tile, lanes, row_tile), np.float32)
+        for t0 in range(0, tokens, token_tile):
+            acc[:] = 0
+            for s in range(0, whole, unroll):
+                for lane in range(lanes):
+                    w0, w1 = w[s, lane, r0:r0 + row_tile], w[s + 1, lane, r0:r0 + row_tile]
+                    w2, w3 = w[s + 2, lane, r0:r0 + row_tile], w[s + 3, lane, r0:r0 + row_tile]
+                    for u in range(token_tile):
+                        x0, x1 = x[t0 + u, s, lane], x[t0 + u, s + 1, lane]
+                        x2, x3 = x[t0 + u, s + 2, lane], x[t0 + u, s + 3, lane]
+                        a = acc[u, lane]
+                        for j in range(row_tile):
+                            a[j] = fma32(w3[j], x3, fma32(w2[j], x2, fma32(w1[j], x1, fma32(w0[j], x0, a[j]))))
+            for s in range(whole, steps):
+                for lane in range(lanes):
+                    w0 = w[s, lane, r0:r0 + row_tile]
+                    for u in range(token_tile):
+                        x0, a = x[t0 + u, s, lane], acc[u, lane]
+                        for j in range(row_tile):
+                            a[j] = fma32(w0[j], x0, a[j])
+            for u in range(token_tile):  # _mm512_reduce_add_ps: halves 8, 4, then (t0 + t2) + (t1 + t3)
+                a = acc[u]
+                for j in range(row_tile):
+                    h0 = (a[0, j] + a[8, j]) + (a[4, j] + a[12, j])
+                    h1 = (a[1, j] + a[9, j]) + (a[5, j] + a[13, j])
+                    h2 = (a[2, j] + a[10, j]) + (a[6, j] + a[14, j])
+                    h3 = (a[3, j] + a[11, j]) + (a[7, j] + a[15, j])
+                    out[t0 + u, r0 + j] = (h0 + h2) + (h1 + h3)
+
+
+def lane_chains(x: np.ndarray, w: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """(T, R) f32: `_lane_chains` on x (T, S, 16) and w (S, 16, R), any T and R, on `threads`."""
+    tokens, rows = x.shape[0], w.shape[2]
+    x = pad_rows(np.ascontiguousarray(x, dtype=np.float32), TOKEN_TILE, 0)
+    w = pad_rows(w, LANE_ROW_TILE, 2)
+    out = np.empty((x.shape[0], w.shape[2]), np.float32)
+    set_threads(threads)
+    _lane_chains(x, w, out, LANE_ROW_TILE, TOKEN_TILE, LANE_UNROLL)
+    return out[:tokens, :rows]
+
+
+@njit(cache=True, parallel=True)
+def _block_chains(xq, xd, wq, wd, out, row_tile, token_tile):  # pragma: no cover - compiled
+    """xq (T, B, 32) f32 activation quants, xd (T, B) scales, wq (B, 32, R) f32 weight quants, wd
+    (B, R) scales -> out (T, R): per output acc = fma(sum, d_w * d_x, acc) over the blocks in
+    order, `sum` the block's 32 integer products (exact in f32: below 2^24). T a multiple of
+    token_tile, R of row_tile (callers pad)."""
+    tokens, blocks = xd.shape
+    rows = wd.shape[1]
+    for tile in prange(rows // row_tile):
+        r0 = tile * row_tile
+        acc = np.empty((token_tile, row_tile), np.float32)
+        sums = np.empty((token_tile, row_tile), np.float32)
+        for t0 in range(0, tokens, token_tile):
+            acc[:] = 0
+            for b in range(blocks):
+                sums[:] = 0
+                for g in range(8):
+                    w0, w1 = wq[b, 4 * g, r0:r0 + row_tile], wq[b, 4 * g + 1, r0:r0 + row_tile]
+                    w2, w3 = wq[b, 4 * g + 2, r0:r0 + row_tile], wq[b, 4 * g + 3, r0:r0 + row_tile]
+                    for u in range(token_tile):
+                        x0, x1 = xq[t0 + u, b, 4 * g], xq[t0 + u, b, 4 * g + 1]
+                        x2, x3 = xq[t0 + u, b, 4 * g + 2], xq[t0 + u, b, 4 * g + 3]
+                        s = sums[u]
+                        for j in range(row_tile):
+                            s[j] = fma32(x3, w3[j], fma32(x2, w2[j], fma32(x1, w1[j], fma32(x0, w0[j], s[j]))))
+                w_scales = wd[b, r0:r0 + row_tile]
+                for u in range(token_tile):
+                    dx, s, a = xd[t0 + u, b], sums[u], acc[u]
+                    for j in range(row_tile):
+                        a[j] = fma32(s[j], w_scales[j] * dx, a[j])
+            out[t0:t0 + token_tile, r0:r0 + row_tile] = acc
+
+
+def block_chains(xq: np.ndarray, xd: np.ndarray, wq: np.ndarray, wd: np.ndarray,
+                 threads: int | None = None) -> np.ndarray:
+    """(T, R) f32: `_block_chains` (shapes there, any T and R) on `threads` of numba's threads."""
+    tokens, rows = xd.shape[0], wd.shape[1]
+    xq, xd = pad_rows(xq, TOKEN_TILE, 0), pad_rows(xd, TOKEN_TILE, 0)
+    wq, wd = pad_rows(wq, ROW_TILE, 2), pad_rows(wd, ROW_TILE, 1)
+    out = np.empty((xd.shape[0], wd.shape[1]), np.float32)
+    set_threads(threads)
+    _block_chains(xq, xd, wq, wd, out, ROW_TILE, TOKEN_TILE)
+    return out[:tokens, :rows]
