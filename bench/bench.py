@@ -80,7 +80,7 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
     from transformers import LlamaForCausalLM
 
     import tracer
-    from tracer.llama import Llama
+    from tracer.reimpl.forward import Model
     from tracer.trace import TraceRecorder
 
     model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
@@ -90,7 +90,7 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
         with torch.inference_mode():
             model(input_ids=ids, use_cache=False)
 
-    llama, streamed = Llama.from_dir(model_dir), Llama.from_dir(model_dir, stream=True)
+    llama, streamed = Model.from_dir(model_dir), Model.from_dir(model_dir, stream=True)
     token_tensor = torch.tensor(tokens)
     measures = {
         PLAIN: plain,  # the baseline row: its own best time, ratio 1 by definition
@@ -344,14 +344,14 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     its ratio to the plain reimplementation forward on the same tokens in alternating rounds
     (medians); the bit-exact regimes (llama.cpp's, candle's) at each of `exact_counts` tokens, candle's
     alone with `candle_only`."""
-    from tracer.llama import Llama
+    from tracer.reimpl.forward import Model
 
-    plain = Llama.from_dir(model_dir)
+    plain = Model.from_dir(model_dir)
     rows = {}
     for name, knobs in REGIMES.items():
         if candle_only:
             break
-        regime = Llama.from_dir(model_dir, knobs)
+        regime = Model.from_dir(model_dir, knobs)
         ids = torch.tensor(tokens)
         rows[name] = median_ratio(functools.partial(regime.forward, ids), functools.partial(plain.forward, ids),
                                   repeats)
@@ -359,7 +359,7 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     if not candle_only:
         exact_regimes = {EXACT_REGIME: LLAMACPP_Q, **exact_regimes}
     for label, knobs in exact_regimes.items():
-        exact = Llama.from_dir(model_dir, knobs)
+        exact = Model.from_dir(model_dir, knobs)
         for count in exact_counts:
             ids = torch.tensor(bench_tokens(model_dir, count))
             rounds = repeats if count <= 512 else max(1, repeats // 2)

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 
+from tracer.model.points import INPUT_NORM, split_point
 from tracer.reports.summary import POINT_FIELDS, Summary, fmt, fmt_rel, missing_text, number, points
 
 
@@ -52,7 +53,7 @@ def display_row(index: int, p: dict, first: str | None) -> dict:
     is_first = p["point"] == first
     if is_first:
         status, css = "first divergence", css + " first"
-    if p["point"].endswith(".input_layernorm"):
+    if split_point(p["point"])[1] == INPUT_NORM:
         css += " block"  # a rule above each block's first point
     shape = p.get("shape")
     return {

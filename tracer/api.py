@@ -20,6 +20,7 @@ from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
 from tracer.fingerprint import resemblance
 from tracer.greedy import GREEDY_STEPS
+from tracer.model.knobs import format_knob_value, parse_variant, variant_text
 from tracer.pipeline import (
     candidate_loader,
     check_tokens,
@@ -48,7 +49,6 @@ from tracer.request import (
 from tracer.result import Diagnosis, Result, Sweep, Tolerance
 from tracer.sources import ModelSource, resolve_source
 from tracer.trace import Trace
-from tracer.variants import format_knob_value, parse_variant, variant_text
 
 
 @with_stages("load", "record")
@@ -415,7 +415,7 @@ def compare_files(
 ) -> Result:
     """Compare two saved traces: tracer's own, or dumps from candle, llama.cpp, MLX, PyTorch.
 
-    Names are mapped onto points (`tracer.aliases`), layouts brought to ours (`tracer.layouts`),
+    Names are mapped onto points (`tracer.model.names`), layouts brought to ours (`tracer.layouts`),
     and only the points both sides have are compared; the Result's `notes` say what was missing
     on each side, which names were not recognized and which layout was assumed.
 
@@ -438,8 +438,8 @@ def compare_files(
         >>> tracer.compare_files(ref, cand).first_divergence.point
         'model.layers.0.self_attn.q_rope'
     """
-    from tracer.aliases import alias_table
     from tracer.engines.file import FileEngine
+    from tracer.model.names import alias_table
 
     check_tolerance(atol, rtol)
     Outputs(report=None if out is None else str(out))  # the report folder can be written: checked before reading
@@ -470,7 +470,7 @@ def load_trace(trace_or_path, aliases=None) -> Trace:
 
 def model_spec(source: ModelSource):
     """What the hf reader makes of the model's config (for the variants worth trying on it)."""
-    from tracer.config import read_hf
+    from tracer.model.config import read_hf
 
     return read_hf(source.config())
 

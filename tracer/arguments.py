@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 
 from tracer.errors import TracerError
-from tracer.families import FAMILIES
+from tracer.model.families import FAMILIES
 from tracer.request import DEFAULT_PROMPT
 
 DEFAULT_OUT = "tracer-report"

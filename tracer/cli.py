@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
 from tracer.errors import TracerError
+from tracer.model.knobs import parse_variant
 from tracer.request import (
     DEFAULT_PROMPT,
     RUN_REPORT,
@@ -27,7 +28,6 @@ from tracer.request import (
     regime_knobs,
 )
 from tracer.result import Tolerance
-from tracer.variants import parse_variant
 
 
 def inputs_of(args) -> Inputs:
@@ -114,8 +114,8 @@ def cmd_record(args) -> int:
 
 def cmd_variants(args) -> int:
     from tracer.engines.registry import engines_honouring
-    from tracer.families import FAMILIES
-    from tracer.variants import KNOBS, PRESETS, knobs_for, variant_text
+    from tracer.model.families import FAMILIES
+    from tracer.model.knobs import KNOBS, PRESETS, knobs_for, variant_text
 
     if args.family is not None and args.family not in FAMILIES:
         raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}")
@@ -149,7 +149,7 @@ def _print_columns(rows: list[tuple]) -> None:
 
 def cmd_engines(args) -> int:
     from tracer.engines.registry import ENGINES
-    from tracer.points import FUSED_AWAY
+    from tracer.model.points import FUSED_AWAY
 
     for entry in ENGINES.values():
         missing = entry.missing_runtime()
@@ -221,7 +221,7 @@ def cmd_diagnose(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from tracer.config import audit, load_config
+    from tracer.model.config import audit, load_config
     from tracer.sources import resolve_model
 
     outputs_of(args)

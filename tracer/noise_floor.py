@@ -12,7 +12,7 @@ The estimate keeps the formats and changes only what an equally valid implementa
 may change, the order of its sums: the regime with `accumulate=f64` (every quantized matmul, RoPE,
 SwiGLU and q·k sum exact and rounded once; ggml's online softmax and f16 flash-attention
 accumulator kept) is run with every op fed the reference's values of its inputs
-(`tracer.forced_runs.op_forced_points`), and a point's noise is its rel_l2 to the reference there:
+(`tracer.reimpl.forced_runs.op_forced_points`), and a point's noise is its rel_l2 to the reference there:
 the error a different summation order makes in that op alone. Forcing per op, not per block, keeps
 one op's flips from spreading to the next ops of its block. Points both variants compute alike
 (embedding, norms, residual adds) get 0 and fall back to the criterion's absolute floor.
@@ -39,7 +39,7 @@ def estimate_noise(source: ModelSource, reference: Trace, reference_variant: dic
     preset=llamacpp, ...) gets its own estimate instead: `regime_noise`.
     """
     from tracer.ggml.strategies import is_regime
-    from tracer.variants import expand_presets
+    from tracer.model.knobs import expand_presets
 
     if is_regime(expand_presets(reference_variant)):
         return regime_noise(source, reference, reference_variant, device)

@@ -32,14 +32,14 @@ from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import Offload, check_offload, offload_for
 from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
-from tracer.points import is_coarse
+from tracer.model.knobs import parse_variant, setting, variant_text
+from tracer.model.points import is_coarse
 from tracer.progress import stage
 from tracer.request import Inputs, Placement, check_family_support
 from tracer.result import Greedy, Result, SweepRow, Tolerance
 from tracer.sources import ModelSource, resolve_source
 from tracer.spill import SPILL_TOKENS, spill_folder
 from tracer.trace import ATTENTION_ROWS, Trace
-from tracer.variants import parse_variant, setting, variant_text
 
 
 @dataclass(frozen=True)
@@ -351,7 +351,7 @@ def config_audit(source: ModelSource, variant: dict) -> dict | None:
     None for a loaded model, whose config is not a file."""
     if source.loaded:
         return None
-    from tracer.config import audit
+    from tracer.model.config import audit
 
     return audit(source.config(), setting(variant, "resave"))
 

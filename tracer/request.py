@@ -23,9 +23,9 @@ from tracer.engines.offload import Offload, parse_max_memory
 from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
 from tracer.folders import replaceable_folder
+from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
 from tracer.sources import ModelSource, check_source
 from tracer.tokenizer import check_prompt
-from tracer.variants import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
 
 DEFAULT_PROMPT = "The capital of France is"
 DEVICE_FORM = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
@@ -240,7 +240,7 @@ def check_family_support(engine: str, source: ModelSource) -> None:
 def family_name(source: ModelSource) -> str | None:
     """The family of a model directory (its config.json) or of a loaded model; None when unknown
     (an unreadable config is said by the engine that reads it)."""
-    from tracer.families import model_types
+    from tracer.model.families import model_types
 
     try:
         model_type = source.config().get("model_type")

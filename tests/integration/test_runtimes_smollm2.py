@@ -7,7 +7,7 @@ The ONNX exports (f32, and f16 for the sweep) are made once into the user's cach
 import pytest
 
 import tracer
-from tracer.points import all_points, layer_point
+from tracer.model.points import all_points, layer_point
 
 PROMPT = "The capital of France is"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tracer
-from tracer.points import all_points, layer_order
+from tracer.model.points import all_points, layer_order
 from tracer.tokenizer import tokenize
 
 PROMPT = "The capital of France is"

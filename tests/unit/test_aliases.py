@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import save_file
 
 from tests.dumps import CANDLE_NAMES, GGML_NAMES
-from tracer.aliases import AliasTable, alias_table, is_point, load_alias_file, rename
 from tracer.errors import TracerError
-from tracer.points import all_points
+from tracer.model.names import AliasTable, alias_table, is_point, load_alias_file, rename
+from tracer.model.points import all_points
 from tracer.trace import Trace
 
 
@@ -148,8 +148,8 @@ def test_the_gguf_names_are_gguf_pys_own():
     """tracer's one table of GGUF names (aliases.GGUF, which the regime's weight reader also reads) says
     what gguf-py's TensorNameMap for Llama says, module by module."""
     gguf = pytest.importorskip("gguf")
-    from tracer.aliases import GGUF
     from tracer.ggml.strategies import hf_name
+    from tracer.model.names import GGUF
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 4)
     rows = [alias for alias in GGUF if alias.pattern != "blk.{i}"]

@@ -16,12 +16,12 @@ from safetensors.torch import load_file, save_file
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tracer.cli import build_parser
-from tracer.config import load_config, read_hf
 from tracer.errors import TracerError
-from tracer.families import FAMILIES, PRE_NORM, Family
 from tracer.llama import expected_shapes
-from tracer.points import all_points, layer_order, source_point, sub_points
-from tracer.variants import check_family, knobs_for
+from tracer.model.config import load_config, read_hf
+from tracer.model.families import FAMILIES, PRE_NORM, Family
+from tracer.model.knobs import check_family, knobs_for
+from tracer.model.points import all_points, layer_order, source_point, sub_points
 
 POST_FF = "post_feedforward_layernorm"
 MADE_UP = Family("llama_postff", "Llama with an MLP post-norm", ("llama_postff",), "LlamaForCausalLM",

@@ -13,7 +13,7 @@ import tracer.diff as diff
 import tracer.reports as reports
 import tracer.reports.figures as report_figures
 from tracer.errors import TracerError
-from tracer.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order
+from tracer.model.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order
 from tracer.result import PointDiff, Result, Tolerance
 
 TOL = 1e-4
@@ -498,7 +498,7 @@ def test_heatmap_colours_cells_by_their_own_verdict():
 
 def tf5_audit() -> dict:
     """tracer.config's audit of a transformers-5 re-save: candle's reader loses theta 100000."""
-    from tracer.config import audit
+    from tracer.model.config import audit
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
               "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
