@@ -113,8 +113,8 @@ class Component:
         return {}
 
     def all_parts(self) -> tuple[Component, ...]:
-        """Itself and every part inside it, depth first."""
-        return (self, *(each for part in self.parts() for each in part.all_parts()))
+        """Every part inside it, depth first, then itself (the order its weights are listed in)."""
+        return (*(each for part in self.parts() for each in part.all_parts()), self)
 
 
 class Steps:

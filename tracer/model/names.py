@@ -113,10 +113,24 @@ def gguf_tensor_name(hf_name: str, family: str | None = None) -> str | None:
     return (stem if layer is None else stem.replace("{i}", str(layer))) + "." + suffix
 
 
-def gguf_block(gguf_name: str, family: str | None = None) -> int | None:
-    """The block a GGUF tensor belongs to (None: outside the blocks, or not a tensor of the family's points)."""
-    hf_name = hf_tensor_name(gguf_name, family)
-    return None if hf_name is None else split_point(hf_name.rpartition(".")[0])[0]
+def gguf_block_of(gguf_name: str) -> int | None:
+    """The block a GGUF tensor belongs to, by gguf's own name formats (`gguf.TENSOR_NAMES`:
+    "blk.{bid}.attn_q"); None outside the blocks."""
+    if _BLOCK_RE[0] is None:
+        import gguf
+
+        prefixes = {text.split("{bid}")[0] for text in gguf.TENSOR_NAMES.values() if "{bid}" in text}
+        _BLOCK_RE[0] = re.compile("^(?:" + "|".join(map(re.escape, sorted(prefixes))) + r")(\d+)\.")
+    match = _BLOCK_RE[0].match(gguf_name)
+    return int(match.group(1)) if match else None
+
+
+_BLOCK_RE: list = [None]
+
+
+def gguf_family(arch: str | None) -> Family | None:
+    """The registered family whose llama.cpp architecture `arch` is (the first: Llama for "llama")."""
+    return next((family for family in registered().values() if family.gguf_arch == arch), None)
 
 
 def aliases() -> list[Alias]:
