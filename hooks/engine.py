@@ -170,6 +170,9 @@ def _load(model_dir, variant: dict, offload=None):
             config=config,
             dtype=TORCH_DTYPES[setting(variant, "dtype")],
             attn_implementation=setting(variant, "attn"),
+            # a mixture of experts runs transformers' eager loop over its experts, as attention runs eager
+            # (5.25 defaults to grouped_mm where it can): the op order tracer's forward mirrors
+            experts_implementation="eager",
             output_loading_info=True,
             # Mismatches are then listed in `info` (named below) instead of raised as a RuntimeError
             # that only points at a report we silence.

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from tracer.catalogue import default_variants, diagnosis_variants, split_variants
-from tracer.engines.base import environment
+from tracer.engines.base import at_positions, environment
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import check_offload, offload_for
 from tracer.engines.registry import parse_engine
@@ -43,6 +43,7 @@ from tracer.request import (
     check_engines,
     check_family_support,
     check_greedy,
+    check_positions,
     check_tolerance,
     regime_knobs,
 )
@@ -54,7 +55,7 @@ from tracer.trace import Trace
 @with_stages("load", "record")
 def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device: str = "cpu", stream: bool = False,
            chat: bool = False, system: str | None = None, offload: str | Path | None = None, max_memory=None,
-           progress: bool = True) -> Trace:
+           position_offset: int = 0, progress: bool = True) -> Trace:
     """Record every point of one forward pass.
 
     Args:
@@ -71,6 +72,8 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
         offload, max_memory: load the model through accelerate's big-model placement (engines
             that can: hf): device_map="auto" under `max_memory` ("cpu=2GiB,0=20GiB" or a dict),
             what fits nowhere in the `offload` folder; for models larger than memory.
+        position_offset: the first token's absolute position (default 0), on the engines that take
+            positions (hf, reimpl): RoPE at far positions, as a decode step deep in a context sees it.
 
     Returns:
         The `Trace`: point name -> tensor in execution order, with metadata.
@@ -83,7 +86,7 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
     """
     is_prompt = isinstance(tokens_or_prompt, str)
     inputs = Inputs(model, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
-                    chat=chat, system=system)
+                    chat=chat, system=system, position_offset=position_offset)
     return record_values(inputs, Placement(device, stream, offload, max_memory), engine, variant, progress=progress)
 
 
@@ -94,6 +97,7 @@ def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", vari
     variant = parse_variant(variant)
     check_engines(None, engine, variant, {})
     check_engine_name(engine)
+    check_positions(inputs.position_offset, engine)
     if placement.stream and not parse_engine(engine)[0].stream:
         raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); "
                           f"the {engine} engine cannot")
@@ -103,9 +107,9 @@ def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", vari
     runner = load_engine(engine, source, variant, device=placement.device, stream=placement.stream,
                          offload=placement.accelerate)
     ids, chat_info = token_ids(source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
-    check_tokens(ids, runner)
+    check_tokens(ids, runner, inputs.position_offset)
     stage("record")
-    trace = runner.record(ids)
+    trace = runner.record(ids, **at_positions(inputs.position_offset, len(ids)))
     if inputs.text is not None:
         trace.meta = dataclasses.replace(trace.meta, prompt=inputs.text)
     if chat_info:
@@ -138,6 +142,7 @@ def run(
     regime: str | None = None,
     offload: str | Path | None = None,
     max_memory=None,
+    position_offset: int = 0,
 ) -> Result:
     """Trace a reference and a candidate on the same tokens and localize the first divergence.
 
@@ -166,6 +171,7 @@ def run(
             regime's own cost per point and the per-op errors on the candidate's inputs.
         offload, max_memory: as in `record`, for every side whose engine can take them (hf): a
             reference larger than memory.
+        position_offset: the first token's absolute position (default 0), both sides (hf, reimpl).
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
     there (`tracer.spill`), and attention matrices over 128 tokens keep their last 128 query
@@ -180,7 +186,7 @@ def run(
         'model.layers.0.self_attn.q_rope'
     """
     check_tolerance(atol, rtol)
-    return run_values(Inputs(model, prompt, tokens, chat, system, max_tokens),
+    return run_values(Inputs(model, prompt, tokens, chat, system, max_tokens, position_offset),
                       Placement(device, stream, offload, max_memory),
                       Outputs(report=None if out is None else str(out)), reference=reference, candidate=candidate,
                       variant=variant, reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
@@ -196,6 +202,7 @@ def run_values(inputs: Inputs, placement: Placement = Placement(), outputs: Outp
     is checked here, before torch loads anything."""
     variant, reference_variant = parse_variant(variant), parse_variant(reference_variant)
     check_engines(reference, candidate, variant, reference_variant)
+    check_positions(inputs.position_offset, reference, candidate)
     check_greedy(greedy)
     regime = regime_knobs(regime)
     if regime is not None:
@@ -496,6 +503,7 @@ def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, refer
         "prompt": inputs.prompt if inputs.tokens is None and inputs.prompt != DEFAULT_PROMPT else None,
         "chat": inputs.chat, "system": inputs.system,
         "max_tokens": inputs.max_tokens if inputs.tokens is None else None,
+        "position_offset": inputs.position_offset,
         "reference": reference, "candidate": candidate,
         "reference_variant": [",".join(f"{k}={format_knob_value(v)}" for k, v in reference_variant.items())]
         if reference_variant else [],

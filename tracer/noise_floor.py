@@ -23,6 +23,7 @@ Measured figures (SmolLM2, preset=llamacpp): docs/regimes.md, "The noise floor i
 from __future__ import annotations
 
 from tracer.diff import ErrorRecorder
+from tracer.engines.base import at_positions
 from tracer.engines.load import load_engine
 from tracer.sources import ModelSource
 from tracer.trace import Trace
@@ -45,7 +46,7 @@ def estimate_noise(source: ModelSource, reference: Trace, reference_variant: dic
         return regime_noise(source, reference, reference_variant, device)
     engine = load_engine("reimpl", source, {**reference_variant, "dtype": "f64"}, device=device, stream=True)
     errors = ErrorRecorder(reference)
-    engine.record(reference.tokens, errors)
+    engine.record(reference.tokens, errors, **at_positions(reference.meta.position_offset or 0, len(reference.tokens)))
     return errors.rel_l2
 
 

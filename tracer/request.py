@@ -1,7 +1,7 @@
 """A run's request as a few frozen values, checked in one place before torch is imported or
 anything is written.
 
-`Inputs` (model, prompt or tokens, chat, system, max tokens), `Placement` (device, stream,
+`Inputs` (model, prompt or tokens, chat, system, max tokens, the first position), `Placement` (device, stream,
 offload, max memory) and `Outputs` (report folder, JSON file, trace file) are built once (by the
 CLI from its flags, by the API from its arguments) and passed whole to `tracer.pipeline`. Each
 checks itself when built: value ranges, duplicates, and that every output location can be
@@ -74,7 +74,8 @@ def token_list(tokens) -> tuple[int, ...] | None:
 @dataclass(frozen=True)
 class Inputs:
     """What the model is fed: a model (a directory, a .gguf file, None for the bundled SmolLM2,
-    or a loaded transformers model), a prompt or token ids, the chat template, and a truncation."""
+    or a loaded transformers model), a prompt or token ids, the chat template, a truncation, and the
+    absolute position of the first token (`position_offset`, 0 by default: RoPE at far positions)."""
 
     model: object = None
     prompt: str | None = DEFAULT_PROMPT
@@ -82,10 +83,12 @@ class Inputs:
     chat: bool = False
     system: str | None = None
     max_tokens: int | None = None
+    position_offset: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", token_list(self.tokens))
         whole_number(self.max_tokens, "--max-tokens", minimum=1)
+        whole_number(self.position_offset, "--position-offset", minimum=0)
         if self.tokens is None:
             if self.prompt is None:
                 raise TracerError("give a prompt or token ids")
@@ -206,6 +209,20 @@ def check_engines(reference: str | None, candidate: str | None, variant: dict, r
                 raise TracerError(f"{engine} is a saved trace; knobs ({variant_text(knobs)}) need an engine that "
                                   "runs the model")
             check_engine(knobs, entry.name)
+
+
+def check_positions(offset: int, *engines: str | None) -> None:
+    """A first position other than 0 needs engines that take positions (their registry entry says);
+    any other is refused in one line, naming the ones that can."""
+    if not offset:
+        return
+    for name in engines:
+        if name is not None and not parse_engine(name)[0].positions:
+            from tracer.engines.registry import ENGINES
+
+            able = ", ".join(entry.name for entry in ENGINES.values() if entry.positions)
+            raise TracerError(f"--position-offset {offset}: the {parse_engine(name)[0].name} engine runs its tokens "
+                              f"from position 0; engines that take positions: {able}")
 
 
 def regime_knobs(regime) -> dict | str | None:

@@ -384,7 +384,7 @@ class FamilyConfig:
     divisible_heads: bool = False
 
 
-def _rope_fields(config: dict) -> dict:
+def rope_fields(config: dict) -> dict:
     theta, scaling = _hf_rope(config)
     return {"rope_theta": theta, "rope_scaling": scaling}
 
@@ -394,7 +394,7 @@ def _biases(config: dict) -> dict:
 
 
 def llama_extras(config: dict) -> dict:
-    return {**_rope_fields(config), **_biases(config), "mlp_bias": _boolean("mlp_bias", config.get("mlp_bias", False))}
+    return {**rope_fields(config), **_biases(config), "mlp_bias": _boolean("mlp_bias", config.get("mlp_bias", False))}
 
 
 def _layer_types(config: dict, default: list[str]) -> tuple[str, ...]:
@@ -424,7 +424,7 @@ def _qwen_windows(config: dict) -> dict:
     return {"sliding_window": window, "layer_types": types if "sliding_attention" in types else None}
 
 
-def _every_layer_window(config: dict, default: int | None) -> dict:
+def every_layer_window(config: dict, default: int | None) -> dict:
     """Mistral, Phi-3: one window on every layer, when there is one."""
     window = _window(config, default)
     return {"sliding_window": window,
@@ -432,15 +432,15 @@ def _every_layer_window(config: dict, default: int | None) -> dict:
 
 
 def qwen2_extras(config: dict) -> dict:
-    return {**_rope_fields(config), "qkv_bias": True, **_qwen_windows(config)}  # Qwen2Attention: bias=True always
+    return {**rope_fields(config), "qkv_bias": True, **_qwen_windows(config)}  # Qwen2Attention: bias=True always
 
 
 def qwen3_extras(config: dict) -> dict:
-    return {**_rope_fields(config), **_biases(config), **_qwen_windows(config)}
+    return {**rope_fields(config), **_biases(config), **_qwen_windows(config)}
 
 
 def mistral_extras(config: dict) -> dict:
-    return {**_rope_fields(config), **_every_layer_window(config, 4096)}
+    return {**rope_fields(config), **every_layer_window(config, 4096)}
 
 
 def _gemma_common(config: dict, caps: tuple[float | None, float | None], pattern: int) -> dict:
@@ -471,7 +471,7 @@ def _causal_only(config: dict) -> None:
 
 def gemma2_extras(config: dict) -> dict:
     _causal_only(config)
-    return {**_rope_fields(config), **_gemma_common(config, (50.0, 30.0), 2)}
+    return {**rope_fields(config), **_gemma_common(config, (50.0, 30.0), 2)}
 
 
 def gemma3_extras(config: dict) -> dict:
@@ -511,11 +511,11 @@ def phi3_extras(config: dict) -> dict:
         raise _refuse("partial_rotary_factor", factor, f"at most 1, rotating an even number of the {head_dim} "
                                                        "dims of a head")
     return {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": factor,
-            **_every_layer_window(config, None)}
+            **every_layer_window(config, None)}
 
 
 def olmo2_extras(config: dict) -> dict:
-    return {**_rope_fields(config), **_biases(config)}
+    return {**rope_fields(config), **_biases(config)}
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
