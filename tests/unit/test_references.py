@@ -139,6 +139,6 @@ def test_a_stale_path_or_name_is_found_and_prose_is_not():
                        "`tracer/engines/<name>.py`, `tracer run --variant theta=10000`, `docs/design.md`"}
     assert stale(written) == [
         "page: `tracer/model.py` is not there",
-        "page: `tracer.model.load`: tracer has no model",
+        "page: `tracer.model.load`: tracer.model has no load",
         "page: `tracer.trace.TraceMeta.nonsense`: tracer.trace.TraceMeta has no nonsense",
     ]

@@ -3,7 +3,7 @@
 Two readers of the same file, because a port reads it its own way:
 
 - `read_hf` follows how transformers 5 reads the `config.json` of each family tracer traces
-  (`tracer.families`; `LlamaConfig`, `Qwen2Config`, `Gemma2Config`, ... and
+  (`tracer.model.families`; `LlamaConfig`, `Qwen2Config`, `Gemma2Config`, ... and
   `RotaryEmbeddingConfigMixin.standardize_rope_params`): `rope_theta` from `rope_parameters`
   (transformers 5 files) or top level (transformers 4 files), default 10000; `head_dim` default
   hidden/heads; kv heads default to the query heads. Each family's own defaults and keys (Qwen's
@@ -66,7 +66,7 @@ class LlamaSpec:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}; None = plain RoPE
-    # What the families beyond Llama add (tracer.families); the defaults are Llama's.
+    # What the families beyond Llama add (tracer.model.families); the defaults are Llama's.
     family: str = "llama"
     qkv_bias: bool = False  # q/k/v biases without an o_proj bias (Qwen2, always)
     sliding_window: int | None = None  # keys a query sees on a sliding layer (itself included)
