@@ -355,6 +355,9 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     ref_tokens, cand_tokens = reference.tokens, candidate.tokens
     if ref_tokens is not None and cand_tokens is not None and list(ref_tokens) != list(cand_tokens):
         raise TracerError(f"the traces were recorded on different token ids: {ref_tokens} vs {cand_tokens}")
+    starts = [trace.meta.position_offset or 0 for trace in (reference, candidate) if trace.meta.engine != "file"]
+    if len(set(starts)) > 1:  # a dump from another runtime says no position: taken as it is
+        raise TracerError(f"the traces were recorded at different positions: from {starts[0]} vs from {starts[1]}")
     from tracer.layouts import align  # another runtime's names and layouts, brought to ours
 
     reference, candidate, layout_notes = align(reference, candidate)

@@ -114,6 +114,8 @@ def test_a_recorded_trace_says_its_first_position(llama_dir, tmp_path):
     hf = tracer.record(llama_dir, TOKENS, engine="hf", position_offset=100, progress=False)
     for point in (layer_point(1, K_ROPE), layer_point(1, SCORES), layer_point(1, O_PROJ), LOGITS):
         torch.testing.assert_close(hf[point], trace[point], rtol=1e-5, atol=1e-5, msg=point)
+    with pytest.raises(TracerError, match="the traces were recorded at different positions: from 100 vs from 0"):
+        tracer.compare(hf, tracer.record(llama_dir, TOKENS, engine="reimpl", progress=False))
 
 
 def test_engines_without_positions_refuse_an_offset_in_one_line(llama_dir, capsys):
