@@ -158,6 +158,15 @@ def test_listing_variants_and_engines_leaves_torch_out():
     assert "kv_repeat" in out and "file:PATH" in out
 
 
+def test_importing_the_model_leaves_torch_out():
+    """The model's declarations hold their forward code (torch imported when first used), yet reading
+    them (families, points, knobs, names, config) never loads torch."""
+    code = ("import sys, tracer.model.families, tracer.model.names, tracer.model.config, tracer.model.points as p; "
+            "p.all_points(2, 'gemma3'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_the_documented_functions_are_the_package_attributes():
     import tracer
     import tracer.reports

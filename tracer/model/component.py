@@ -122,13 +122,14 @@ class Steps:
     from the variant. A regime replaces slots by name (`replace`); an unknown slot is an error."""
 
     def __init__(self, slots: dict[str, Any]):
+        clashing = sorted(set(slots) & set(dir(Steps)))
+        if clashing:
+            raise TracerError(f"a step cannot be named {clashing[0]!r}")
+        self.__dict__.update(slots)  # read as plain attributes: the forward reads steps hundreds of times
         object.__setattr__(self, "_slots", dict(slots))
 
     def __getattr__(self, slot: str):
-        try:
-            return self._slots[slot]
-        except KeyError:
-            raise AttributeError(f"no step {slot!r}") from None
+        raise AttributeError(f"no step {slot!r} in this model's forward")
 
     def __setattr__(self, name, value):
         raise AttributeError("steps are resolved once; use replace()")

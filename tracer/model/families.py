@@ -203,7 +203,3 @@ def expected_shapes(spec) -> dict[str, tuple[int, ...]]:
         shapes |= {f"{layer_point(i, BLOCK_OUT)}.{name}": shape for name, shape in layer.items()}
     return shapes | dict(family.head.weights(spec))
 
-
-def get(name: str | None) -> Family:
-    """A family by tracer's name (None: Llama)."""
-    return family_named(name)

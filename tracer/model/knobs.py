@@ -57,6 +57,8 @@ class Knob:
     # Where its representative value diverges first (f32 unless said), for `tracer variants`.
     expected: str = ""
     kind: str = ""  # one of KINDS
+    # A component's knob: the knob it follows in the catalogue (`tracer variants`, a sweep's order); "": last.
+    after: str = ""
 
     @property
     def values(self) -> tuple[str, ...] | None:
@@ -132,7 +134,7 @@ def llama_graph(family: Family) -> bool:
 
 def _llama_only(text: str) -> Callable[[Any], str]:
     """A representative for Llama models only (the candle presets read Llama configs only)."""
-    return when(lambda spec: spec.family == "llama", text)
+    return when(lambda spec: llama_graph(family_named(spec.family)), text)
 
 
 # transformers' Gemma 2 has no sdpa path (it cannot soft-cap), nor has the fused kernel
@@ -239,10 +241,11 @@ class Catalogue(Mapping):
     def _table(self) -> dict[str, Knob]:
         version, table = self._cached
         if version != registry_version():
-            table = dict(MODEL_WIDE)
+            own = {}
             for family in registered().values():
                 for knob in family.knobs():
-                    table.setdefault(knob.name, knob)
+                    own.setdefault(knob.name, knob)
+            table = _placed(MODEL_WIDE, [knob for name, knob in own.items() if name not in MODEL_WIDE])
             self._cached = (registry_version(), table)
         return table
 
@@ -254,6 +257,27 @@ class Catalogue(Mapping):
 
     def __len__(self) -> int:
         return len(self._table())
+
+
+def _placed(table: dict[str, Knob], knobs: list[Knob]) -> dict[str, Knob]:
+    """`table` with each of `knobs` right after the knob it names in `after` (once that one is placed;
+    those placed after one anchor keep their order), the rest at the end."""
+    names, waiting = list(table), list(knobs)
+    placed = dict(table)
+    while waiting:
+        ready = [knob for knob in waiting if knob.after in placed]
+        if not ready:
+            break
+        for knob in ready:
+            anchor = names.index(knob.after)
+            while anchor + 1 < len(names) and placed[names[anchor + 1]].after == knob.after:
+                anchor += 1
+            names.insert(anchor + 1, knob.name)
+            placed[knob.name] = knob
+            waiting.remove(knob)
+    names += [knob.name for knob in waiting]
+    placed |= {knob.name: knob for knob in waiting}
+    return {name: placed[name] for name in names}
 
 
 KNOBS = Catalogue()

@@ -248,7 +248,7 @@ def _qkv_order(text: str) -> str:
 
 QKV_SPLIT = Knob("qkv_split", _qkv_order, "an order of q, k, v, e.g. qkv_split=kqv", "qkv",
                  "the fused qkv_proj output split in another order than q | k | v (sizes H·D, KV·D, KV·D in that "
-                 "order)", fixed("qkv_split=kqv"), expected=f"layers.0.{Q_ROPE}", kind="semantic")
+                 "order)", fixed("qkv_split=kqv"), expected=f"layers.0.{Q_ROPE}", kind="semantic", after="act")
 
 
 @dataclass(frozen=True)
@@ -349,7 +349,7 @@ def qk_norm_skipped(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 QK_NORM = Knob("qk_norm", choice("keep", "drop"), "keep | drop", "keep",
                "the RMSNorm of q and k before RoPE (per head in Qwen3 and Gemma 3, over the projection in OLMo-2) "
-               "forgotten", fixed("qk_norm=drop"), expected=f"layers.0.{Q_NORM}", kind="semantic")
+               "forgotten", fixed("qk_norm=drop"), expected=f"layers.0.{Q_NORM}", kind="semantic", after="softcap")
 _PER_HEAD = ("per-head RMSNorm of the queries (over D)", "per-head RMSNorm of the keys (over D)")
 
 
@@ -401,11 +401,12 @@ class WholeNorm(PerHeadNorm):
 WINDOW = Knob("window", choice("keep", "ignore"), "keep | ignore", "keep",
               "the sliding window ignored: every query attends to the whole prefix (visible once the prompt is "
               "longer than the window)", when(lambda spec: spec.sliding_window is not None, "window=ignore"),
-              expected=f"{PROBS} of the first windowed layer; match on prompts within the window", kind="semantic")
+              expected=f"{PROBS} of the first windowed layer; match on prompts within the window", kind="semantic",
+              after="qk_norm")
 SOFTCAP = Knob("softcap", choice("keep", "drop"), "keep | drop", "keep",
                "Gemma 2's soft-capping of attention scores and final logits, cap·tanh(x/cap), forgotten",
                when(lambda spec: spec.attn_logit_softcapping is not None or spec.final_logit_softcapping is not None,
-                    "softcap=drop"), expected=f"layers.0.{SCORES}", kind="semantic")
+                    "softcap=drop"), expected=f"layers.0.{SCORES}", kind="semantic", after="embed_scale")
 
 # A knob that undoes a feature this model's config does not use would change nothing: said, not ignored.
 # (The fused sdpa kernel cannot soft-cap, as transformers' Gemma 2 cannot.)

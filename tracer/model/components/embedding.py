@@ -32,7 +32,7 @@ EMBED_SCALE = Knob("embed_scale", choice("model", "drop", "f32"), "model | drop 
                    "it, f32 scales in f32 before the cast (differs in bf16/f16 only)",
                    fixed("embed_scale=drop"),
                    expected=f"{EMBED} (f32: with dtype=bf16 or f16 only, rel_l2 ~2e-3, as large as bf16's own rounding "
-                            "there: seen against the fixed bound, --no-noise)", kind="semantic")
+                            "there: seen against the fixed bound, --no-noise)", kind="semantic", after="norm_offset")
 
 # Llama's embeddings in other runtimes (GGUF's `token_embd` comes from gguf's TensorNameMap).
 _NAMES = (Name("candle", "wte"), Name("ggml", "embd"), Name("ggml", "inp_embd"),

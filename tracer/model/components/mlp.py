@@ -54,7 +54,7 @@ def gate_up_fused(x, run):
 
 GATE_UP = Knob("gate_up", choice("gate_up", "up_gate"), "gate_up | up_gate", "gate_up",
                "the fused gate_up_proj output split up-first (Phi-3 stores the gate first)",
-               fixed("gate_up=up_gate"), expected=f"layers.0.{MLP_ACT}", kind="semantic")
+               fixed("gate_up=up_gate"), expected=f"layers.0.{MLP_ACT}", kind="semantic", after="qkv_split")
 
 # Llama's MLP in other runtimes: candle's llama.rs (c_fc1 gate, c_fc2 up, c_proj down), llama.cpp's graph
 # (older builds wrote silu(gate)·up as ffn_gate_par), TransformerLens 3 hooks and TransformerLens 4's bridge.

@@ -56,10 +56,10 @@ def rms_norm_olmo(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 CANDLE_NORM = Knob("norm", choice("hf", "candle"), "hf | candle", "hf",
                    "candle's RMSNorm: x / root in the load dtype (HF: x * rsqrt in f32, cast, then weight)",
-                   fixed("norm=candle"), kind="semantic")
+                   fixed("norm=candle"), kind="semantic", after="attn_math")
 NORM_OFFSET = Knob("norm_offset", choice("keep", "drop"), "keep | drop", "keep",
                    "Gemma's RMSNorm scales by (1 + weight); a port that multiplies by the stored weight forgets the 1",
-                   fixed("norm_offset=drop"), expected=f"layers.0.{INPUT_NORM}", kind="semantic")
+                   fixed("norm_offset=drop"), expected=f"layers.0.{INPUT_NORM}", kind="semantic", after="head_dim")
 
 
 @dataclass(frozen=True)

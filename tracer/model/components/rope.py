@@ -157,7 +157,7 @@ class Positions:
 ROPE_LOCAL = Knob("rope_local", choice("local", "global"), "local | global", "local",
                   "Gemma 3's local (sliding) layers given the global RoPE base instead of rope_local_base_freq",
                   fixed("rope_local=global"),
-                  expected=f"{Q_ROPE} of the first local layer (layer 0)", kind="config")
+                  expected=f"{Q_ROPE} of the first local layer (layer 0)", kind="config", after="window")
 
 
 @dataclass(frozen=True)
