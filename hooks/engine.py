@@ -251,9 +251,16 @@ def _refuse_qkv_bias(config, spec: LlamaSpec) -> None:
                       "(the reimpl engine can: --candidate reimpl)")
 
 
+def _write_extra(config, spec: LlamaSpec) -> None:
+    """The config fields a family's own components declare: attributes of the same names."""
+    for key, value in spec.extra.items():
+        setattr(config, key, value)
+
+
 # LlamaSpec field -> how transformers' config of the family holds it (default: the attribute of that name).
 _CONFIG_WRITERS = {"rope_theta": _write_rope, "rope_scaling": _write_rope, "rope_local_theta": _write_local_rope,
-                   "hidden_act": _write_activation, "num_hidden_layers": _write_layers, "qkv_bias": _refuse_qkv_bias}
+                   "hidden_act": _write_activation, "num_hidden_layers": _write_layers, "qkv_bias": _refuse_qkv_bias,
+                   "extra": _write_extra}
 
 
 def write_spec(config, file_spec: LlamaSpec, spec: LlamaSpec) -> None:

@@ -641,7 +641,8 @@ def audit(config: dict, resave: str = "none") -> dict:
         }
         try:
             spec = READERS[name](config)
-            specs[name] = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.compare}
+            specs[name] = {**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                              if f.compare and f.name != "extra"}, **spec.extra}  # a component's fields as the rest
             entry["spec"] = specs[name]
         except TracerError as exc:
             entry["error"] = str(exc)
