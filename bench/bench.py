@@ -80,7 +80,7 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
     from transformers import LlamaForCausalLM
 
     import tracer
-    from tracer.llama import Llama
+    from tracer.reimpl.forward import Model
     from tracer.trace import TraceRecorder
 
     model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
@@ -90,7 +90,7 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
         with torch.inference_mode():
             model(input_ids=ids, use_cache=False)
 
-    llama, streamed = Llama.from_dir(model_dir), Llama.from_dir(model_dir, stream=True)
+    llama, streamed = Model.from_dir(model_dir), Model.from_dir(model_dir, stream=True)
     token_tensor = torch.tensor(tokens)
     measures = {
         PLAIN: plain,  # the baseline row: its own best time, ratio 1 by definition
@@ -355,15 +355,15 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     alone with `candle_only`; both also on SmolLM2 made Q4_K_M (candle's up to the prompt length its
     regime is exact for); llama.cpp's on the files its quantizer makes (`FILE_REGIMES`) at 512 tokens
     (the files where llama-cpp-python is installed)."""
-    from tracer.llama import Llama
     from tracer.regime_view import EXACT_TOKENS_CANDLE
+    from tracer.reimpl.forward import Model
 
-    plain = Llama.from_dir(model_dir)
+    plain = Model.from_dir(model_dir)
     rows = {}
     for name, knobs in REGIMES.items():
         if candle_only:
             break
-        regime = Llama.from_dir(model_dir, knobs)
+        regime = Model.from_dir(model_dir, knobs)
         ids = torch.tensor(tokens)
         rows[name] = median_ratio(functools.partial(regime.forward, ids), functools.partial(plain.forward, ids),
                                   repeats)
@@ -378,7 +378,7 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
             exact_regimes[KQUANT_REGIME] = (kquant_dir, LLAMACPP_Q, longest)
         exact_regimes[CANDLE_KQUANT_REGIME] = (kquant_dir, candle_q, EXACT_TOKENS_CANDLE)
     for label, (folder, knobs, most) in exact_regimes.items():
-        exact = Llama.from_dir(folder, knobs)
+        exact = Model.from_dir(folder, knobs)
         counts = [c for c in exact_counts if c <= most]
         for count in counts:
             ids = torch.tensor(bench_tokens(model_dir, count))
@@ -388,7 +388,7 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     if not candle_only and importlib.util.find_spec("llama_cpp"):
         ids = torch.tensor(bench_tokens(model_dir, FILE_REGIME_TOKENS))
         for ftype, kernels in FILE_REGIMES.items():
-            exact = Llama.from_dir(quantized_model(model_dir, ftype), LLAMACPP_Q)
+            exact = Model.from_dir(quantized_model(model_dir, ftype), LLAMACPP_Q)
             rows[f"{EXACT_REGIME} on a {ftype} file ({kernels}), {FILE_REGIME_TOKENS} tokens"] = median_ratio(
                 functools.partial(exact.forward, ids), functools.partial(plain.forward, ids), repeats)
     return rows

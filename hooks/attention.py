@@ -20,7 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from tracer.points import fused_away
+from tracer.model.points import CONTEXT, K_ROPE, PROBS, Q_ROPE, SCORES, fused_away, layer_point, split_point
 from tracer.torch_types import Recorder
 
 _session_ids = itertools.count()
@@ -36,9 +36,9 @@ def eager_recording(record: Recorder, names: dict[nn.Module, str]) -> Callable:
     """
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-        prefix = names[module]
-        record(f"{prefix}.q_rope", query)  # (1, H, T, D)
-        record(f"{prefix}.k_rope", key)  # (1, KV, T, D)
+        layer = split_point(names[module])[0]  # the attention module model.layers.{i}.self_attn
+        record(layer_point(layer, Q_ROPE), query)  # (1, H, T, D)
+        record(layer_point(layer, K_ROPE), key)  # (1, KV, T, D)
         if scaling is None:  # Gemma's eager function defaults it so
             scaling = module.head_dim**-0.5
         key_states = repeat_kv(key, module.num_key_value_groups)  # (1, H, T, D)
@@ -48,17 +48,17 @@ def eager_recording(record: Recorder, names: dict[nn.Module, str]) -> Callable:
             attn_weights = attn_weights / softcap
             attn_weights = torch.tanh(attn_weights)
             attn_weights = attn_weights * softcap
-        record(f"{prefix}.scores", attn_weights)
+        record(layer_point(layer, SCORES), attn_weights)
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
         attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-        record(f"{prefix}.probs", attn_weights)
+        record(layer_point(layer, PROBS), attn_weights)
         attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
         attn_output = torch.matmul(attn_weights, value_states)  # (1, H, T, D)
         attn_output = attn_output.transpose(1, 2).contiguous()  # (1, T, H, D)
         # (1, T, H*D), reshaped as the attention module then reshapes it: in an ONNX export the point is
         # then the very value o_proj reads (one node), not a copy beside it
-        record(f"{prefix}.context", attn_output.reshape(*attn_output.shape[:-2], -1))
+        record(layer_point(layer, CONTEXT), attn_output.reshape(*attn_output.shape[:-2], -1))
         return attn_output, attn_weights
 
     return attention
@@ -68,11 +68,11 @@ def fused_recording(inner: Callable, record: Recorder, names: dict[nn.Module, st
     """Wraps a fused implementation (sdpa, ...): only its inputs and output can be recorded."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        prefix = names[module]
-        record(f"{prefix}.q_rope", query)  # (1, H, T, D)
-        record(f"{prefix}.k_rope", key)  # (1, KV, T, D)
+        layer = split_point(names[module])[0]  # the attention module model.layers.{i}.self_attn
+        record(layer_point(layer, Q_ROPE), query)  # (1, H, T, D)
+        record(layer_point(layer, K_ROPE), key)  # (1, KV, T, D)
         attn_output, attn_weights = inner(module, query, key, value, attention_mask, **kwargs)
-        record(f"{prefix}.context", attn_output.flatten(2))  # (1, T, H, D) -> (1, T, H*D)
+        record(layer_point(layer, CONTEXT), attn_output.flatten(2))  # (1, T, H, D) -> (1, T, H*D)
         return attn_output, attn_weights
 
     return attention

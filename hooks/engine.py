@@ -1,9 +1,9 @@
 """The `hf` engine: transformers' own model of the family (`LlamaForCausalLM`, `Gemma2ForCausalLM`,
-... as `tracer.families` names them), observed, never modified.
+... as `tracer.model.families` names them), observed, never modified.
 
 Config-level knobs (`theta`, `eps`, `layers`, `head_dim`, `rope_scaling`, `bias`, `config`,
 `resave`, `act`, `rope_local`) build the same `LlamaSpec` the reimpl engine builds
-(`tracer.config.variant_spec`); the fields where it differs from transformers' own reading are
+(`tracer.model.config.variant_spec`); the fields where it differs from transformers' own reading are
 written into the family's config before the weights load, so transformers runs exactly that model;
 a change a family's config cannot express (Qwen2's q/k/v biases are not configurable) is refused.
 `dtype` and `attn` go to `from_pretrained`.
@@ -20,17 +20,17 @@ from contextlib import ExitStack
 
 import torch
 
-from tracer import families
-from tracer.config import LlamaSpec, config_reading, load_config, read_hf, variant_spec
-from tracer.engines.base import per_layer, trace_meta
+from tracer.engines.base import per_layer, position_offset, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
 from tracer.hooks.modules import recording_modules
-from tracer.points import model_points
+from tracer.model.component import family_named, family_of
+from tracer.model.config import LlamaSpec, config_reading, load_config, read_hf, variant_spec
+from tracer.model.knobs import setting
+from tracer.model.points import model_points
 from tracer.sources import ModelSource
 from tracer.torch_types import TORCH_DTYPES
 from tracer.trace import Trace, TraceRecorder
-from tracer.variants import setting
 
 # A local directory never needs the hub; make sure nothing tries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,8 +45,9 @@ class HFEngine:
     def __init__(self, model, variant: dict, label: str):
         self.model, self.variant, self.label = model, variant, label
         self.layer_prefixes = [n for n, _ in model.named_modules() if _LAYER_NAME.fullmatch(n)]
-        self.family = families.family_of(model.config.model_type).name
-        self.model_points = model_points(getattr(model.config, "final_logit_softcapping", None) is not None)
+        self.family = family_of(model.config.model_type).name
+        self.model_points = model_points(getattr(model.config, "final_logit_softcapping", None) is not None,
+                                         self.family)
 
     @property
     def device(self) -> torch.device:
@@ -62,10 +63,12 @@ class HFEngine:
     def max_positions(self) -> int:
         return self.model.config.max_position_embeddings
 
-    def record(self, tokens: list[int], recorder=None) -> Trace:
-        """Every point of one forward; `recorder` (default in memory) may spill to disk instead."""
+    def record(self, tokens: list[int], recorder=None, *, positions: torch.Tensor | None = None) -> Trace:
+        """Every point of one forward at `positions` (transformers' `position_ids`; default 0..T-1);
+        `recorder` (default in memory) may spill to disk instead."""
         from tracer.hooks.attention import recording_attention, unobservable_points
 
+        offset = position_offset(positions, len(tokens))
         recorder = recorder if recorder is not None else TraceRecorder()
         names = {module: name for name, module in self.model.named_modules()}
         implementation = self.model.config._attn_implementation
@@ -73,33 +76,41 @@ class HFEngine:
             stack.enter_context(recording_modules(self.model, recorder, self.layer_prefixes, self.family,
                                                   self.model_points))
             stack.enter_context(recording_attention(self.model, recorder, names))
-            self.model(input_ids=self._ids(tokens), use_cache=False)
+            self.model(input_ids=self._ids(tokens), use_cache=False, **self._positions(positions))
         not_recorded = per_layer(len(self.layer_prefixes), unobservable_points(implementation))
         meta = trace_meta(self, self.label, tokens, self.model.dtype, not_recorded,
                           num_layers=len(self.layer_prefixes), attn_implementation=implementation,
                           unused_tensors=getattr(self.model, "tracer_unused_tensors", []), family=self.family,
-                          placement=placement_text(self.model))
+                          position_offset=offset, placement=placement_text(self.model))
         return Trace(recorder.tensors, meta)
 
     @torch.inference_mode()
-    def logits(self, tokens: list[int]) -> torch.Tensor:
-        return self.model(input_ids=self._ids(tokens), use_cache=False).logits[0]
+    def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=self._ids(tokens), use_cache=False, **self._positions(positions)).logits[0]
 
     @torch.inference_mode()
-    def draft(self, tokens: list[int], steps: int) -> list[int]:
+    def draft(self, tokens: list[int], steps: int, *, positions: torch.Tensor | None = None) -> list[int]:
         """A quick guess at the greedy continuation, decoded with transformers' KV cache (one
-        token per step); `greedy_continuation` checks it with uncached forwards."""
-        out = self.model(input_ids=self._ids(tokens), use_cache=True)
+        token per step, each at the position after the last); `greedy_continuation` checks it with
+        uncached forwards."""
+        start = 0 if positions is None else int(positions[0])
+        out = self.model(input_ids=self._ids(tokens), use_cache=True, **self._positions(positions))
         picks = [int(out.logits[0, -1].argmax())]
         while len(picks) < steps:
             # transformers 5.24 names the cache `cache`; earlier 5.x releases `past_key_values`
             cache = {"cache": out["cache"]} if "cache" in out else {"past_key_values": out["past_key_values"]}
-            out = self.model(input_ids=self._ids(picks[-1:]), use_cache=True, **cache)
+            at = torch.tensor([start + len(tokens) + len(picks) - 1]) if start else None
+            out = self.model(input_ids=self._ids(picks[-1:]), use_cache=True, **cache, **self._positions(at))
             picks.append(int(out.logits[0, -1].argmax()))
         return picks
 
     def _ids(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor([tokens], device=self.device)  # (1, T)
+
+    def _positions(self, positions: torch.Tensor | None) -> dict:
+        """transformers' `position_ids` (1, T) for absolute positions; the mask stays the prompt's own
+        (causal over its T tokens: without a cache, transformers builds it from 0..T-1)."""
+        return {} if positions is None else {"position_ids": torch.as_tensor(positions, device=self.device)[None]}
 
 
 def load(source: ModelSource, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",
@@ -131,7 +142,7 @@ def _load(model_dir, variant: dict, offload=None):
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
     # default (hidden_size 4096); our readers name the file or the key in one line first, before
     # transformers is even imported (seconds a user's typo does not need to wait).
-    family = families.get(read_hf(load_config(model_dir)).family)
+    family = family_named(read_hf(load_config(model_dir)).family)
     check_weight_files(model_dir)
     import transformers
     from transformers import AutoConfig
@@ -159,6 +170,9 @@ def _load(model_dir, variant: dict, offload=None):
             config=config,
             dtype=TORCH_DTYPES[setting(variant, "dtype")],
             attn_implementation=setting(variant, "attn"),
+            # a mixture of experts runs transformers' eager loop over its experts, as attention runs eager
+            # (5.25 defaults to grouped_mm where it can): the op order tracer's forward mirrors
+            experts_implementation="eager",
             output_loading_info=True,
             # Mismatches are then listed in `info` (named below) instead of raised as a RuntimeError
             # that only points at a report we silence.
@@ -237,9 +251,16 @@ def _refuse_qkv_bias(config, spec: LlamaSpec) -> None:
                       "(the reimpl engine can: --candidate reimpl)")
 
 
+def _write_extra(config, spec: LlamaSpec) -> None:
+    """The config fields a family's own components declare: attributes of the same names."""
+    for key, value in spec.extra.items():
+        setattr(config, key, value)
+
+
 # LlamaSpec field -> how transformers' config of the family holds it (default: the attribute of that name).
 _CONFIG_WRITERS = {"rope_theta": _write_rope, "rope_scaling": _write_rope, "rope_local_theta": _write_local_rope,
-                   "hidden_act": _write_activation, "num_hidden_layers": _write_layers, "qkv_bias": _refuse_qkv_bias}
+                   "hidden_act": _write_activation, "num_hidden_layers": _write_layers, "qkv_bias": _refuse_qkv_bias,
+                   "extra": _write_extra}
 
 
 def write_spec(config, file_spec: LlamaSpec, spec: LlamaSpec) -> None:

@@ -4,10 +4,10 @@ Module outputs are recorded under their HF module path. Points that are module *
 residual stream after attention, `resid_mid`, is the input of `post_attention_layernorm` in Llama,
 of `pre_feedforward_layernorm` in Gemma and of the MLP in OLMo-2; the MLP's `act(gate) * up`,
 `mlp.act`, the input of `down_proj`) are taken by forward pre-hooks. Which is which is read from
-the point table as the model's family has it (`tracer.points.sub_points(family)`, its `observed`
+the point table as the model's family has it (`tracer.model.points.sub_points(family)`, its `observed`
 field), and so is the layout of a module that returns per-head values (Qwen3's q_norm returns
-(1, T, H, D), Gemma 3's (1, H, T, D); the point is (T, H·D)). Gemma's capped logits are the whole
-model's output (`MODEL_OBSERVED`).
+(1, T, H, D), Gemma 3's (1, H, T, D); the point is (T, H·D); a module that flattens the batch away,
+a mixture of experts' router, returns (T, X)). Gemma's capped logits are the whole model's output.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tracer import points
-from tracer.points import MODEL_OBSERVED, sub_points
+from tracer.model.points import model_point_records, sub_points
 from tracer.torch_types import Recorder
 
 # How a module's output becomes the point's layout (batch kept): "output:(T, H, D)" -> (1, T, H*D), ...
@@ -26,6 +25,7 @@ TO_POINT_LAYOUT = {
     "output": lambda t: t,
     "output:(T, H, D)": lambda t: t.flatten(2),  # (1, T, H, D) -> (1, T, H*D)
     "output:(H, T, D)": lambda t: t.transpose(1, 2).flatten(2),  # (1, H, T, D) -> (1, T, H*D)
+    "output:(T, X)": lambda t: t[None],  # (T, X) -> (1, T, X)
 }
 
 
@@ -68,11 +68,12 @@ def recording_modules(model: nn.Module, record: Recorder, layer_prefixes: list[s
                       model_points: tuple[str, ...] | None = None):
     """Attach every hook of `family`'s points (and of `model_points`, the points outside the blocks:
     embeddings, final norm, logits by default); remove every handle on exit, even when the forward raises."""
+    outside = model_point_records(family)
     modules = dict(model.named_modules())
     handles = []
     try:
-        for point in model_points or points.model_points():
-            handles.append(_hook(modules, "", point, MODEL_OBSERVED[point], point, record))
+        for point in model_points or model_point_records(family, False):
+            handles.append(_hook(modules, "", point, outside[point].observed, point, record))
         for prefix in layer_prefixes:
             for sub, entry in sub_points(family).items():
                 handles.append(_hook(modules, prefix, sub, entry.observed, _join(prefix, sub), record))

@@ -21,7 +21,20 @@ from matplotlib.colors import ListedColormap, LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, is_coarse, label, layer_of, layer_point, split_point
+from tracer.model.points import (
+    EMBED,
+    FINAL_LOGITS,
+    FINAL_NORM,
+    K_PROJ,
+    K_ROPE,
+    LOGITS,
+    V_PROJ,
+    is_coarse,
+    label,
+    layer_of,
+    layer_point,
+    split_point,
+)
 from tracer.reports.summary import (
     FIGURES,
     Summary,
@@ -624,7 +637,7 @@ def shorten(text: str, limit: int = 12) -> str:
 
 
 def is_kv_point(first: dict) -> bool:
-    return str(first.get("point", "")).endswith(("k_proj", "v_proj", "k_rope"))
+    return split_point(str(first.get("point", "")))[1] in (K_PROJ, V_PROJ, K_ROPE)
 
 
 def head_axis(first: dict) -> str:

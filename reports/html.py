@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Mapping
 
+from tracer.model.knobs import format_knob_value
 from tracer.reports.drawers import report_images
 from tracer.reports.summary import (
     Summary,
@@ -32,7 +33,6 @@ from tracer.reports.summary import (
 )
 from tracer.reports.table import display_rows, has_local, key_rows
 from tracer.reports.template import CSS, ENV, PAGE, SCRIPT
-from tracer.variants import format_knob_value
 
 FIGURE_CAPTIONS = {
     "curve.png": "Error per block output (log scale). Top: relative L2 against each point's tolerance; "
@@ -122,7 +122,7 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
 def audit_context(audit) -> dict | None:
     """The config audit (what each config reader read, defaulted, ignored; where they differ).
 
-    Anything not shaped like `tracer.config.audit`'s dict is shown verbatim as JSON, never dropped.
+    Anything not shaped like `tracer.model.config.audit`'s dict is shown verbatim as JSON, never dropped.
     """
     if not audit:
         return None

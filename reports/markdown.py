@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import re
 
-from tracer.points import is_coarse
+from tracer.model.points import is_coarse
 from tracer.reports.summary import (
     Summary,
     as_summary,

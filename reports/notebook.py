@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 
 from tracer.errors import TracerError
-from tracer.points import folded, is_coarse, layer_of, rank
+from tracer.model.points import EMBED, folded, is_coarse, layer_of, rank
 from tracer.reports.figures import breakdown_figure, curve_figure, figure_png, has_breakdown, layer_heatmap_figure
 from tracer.reports.summary import (
     Summary,
@@ -248,7 +248,7 @@ def trace_html(trace) -> str:
         css=CSS, label=trace.label, count=len(trace), model=meta.model,
         tokens=f"{len(tokens)} token" + ("" if len(tokens) == 1 else "s") if tokens else "unknown tokens",
         facts=facts, rows=rows, open_rows=len(rows) <= 30, not_recorded=fold_not_recorded(not_recorded),
-        example=next(iter(trace.tensors), "model.embed_tokens"),
+        example=next(iter(trace.tensors), EMBED),
     )
 
 

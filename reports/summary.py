@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
-from tracer.points import split_point
-from tracer.variants import variant_text
+from tracer.model.knobs import variant_text
+from tracer.model.points import FINAL_LOGITS, LOGITS, split_point
 
 Summary = dict[str, Any]
 
@@ -279,8 +279,8 @@ def regime_lines(summary: Summary) -> list[str]:
     if cost:
         worst = max(cost, key=lambda point: _rank(cost[point]))
         text = f"the regime's own cost over f32: largest rel_l2 {fmt(cost[worst])} at {worst}"
-        logits = next((cost[p] for p in ("lm_head", "lm_head.capped") if p in cost), None)
-        lines.append(text + (f"; logits {fmt(logits)}" if logits is not None and worst != "lm_head" else ""))
+        logits = next((cost[p] for p in (LOGITS, FINAL_LOGITS) if p in cost), None)
+        lines.append(text + (f"; logits {fmt(logits)}" if logits is not None and worst != LOGITS else ""))
     per_op_worst = regime.get("per_op_worst")
     if per_op_worst and number(per_op_worst["rel_l2"]) == 0:
         lines.append("per op on the candidate's own inputs: every op exactly equal")

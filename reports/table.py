@@ -7,7 +7,7 @@ import csv
 import json
 import math
 
-from tracer.points import is_coarse
+from tracer.model.points import INPUT_NORM, is_coarse, split_point
 from tracer.reports.summary import POINT_FIELDS, Summary, fmt, missing_text, number, points
 
 AROUND_FIRST = (2, 3)  # points shown before and after the first divergence
@@ -63,7 +63,7 @@ def display_row(index: int, p: dict, first: str | None) -> dict:
     is_first = p["point"] == first
     if is_first:
         status, css = "first divergence", css + " first"
-    if p["point"].endswith(".input_layernorm"):
+    if split_point(p["point"])[1] == INPUT_NORM:
         css += " block"  # a rule above each block's first point
     shape = p.get("shape")
     return {

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from tracer.layouts import to_interleaved
-from tracer.points import layer_of
+from tracer.model.points import layer_of
 
 # our point (layer part as {i}) -> candle llama.rs field path
 CANDLE_NAMES = {
@@ -112,16 +112,16 @@ def save_dump(dump: dict, path: Path, tokens=None, **metadata) -> Path:
 def faulty_trace(model_dir: Path, tokens, layer: int, scale: float = 0.01):
     """The reimpl engine with one layer's mlp.down_proj weight perturbed by `scale`·N(0, 1) relative
     noise: a fault at that op whose effect propagates downstream like a real one."""
-    from tracer.config import load_config, read_hf
     from tracer.engines.reimpl import ReimplEngine
-    from tracer.llama import Llama
+    from tracer.model.config import load_config, read_hf
+    from tracer.reimpl.forward import Model
     from tracer.weights import read_weights
 
     weights = read_weights(model_dir)
     name = f"model.layers.{layer}.mlp.down_proj.weight"
     noise = torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(0))
     weights[name] = weights[name] * (1 + scale * noise)
-    llama = Llama(read_hf(load_config(model_dir)), weights)
+    llama = Model(read_hf(load_config(model_dir)), weights)
     return ReimplEngine(llama, str(model_dir)).record(list(tokens))
 
 

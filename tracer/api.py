@@ -14,13 +14,14 @@ from pathlib import Path
 
 from tracer.catalogue import default_variants, diagnosis_variants, split_variants
 from tracer.corpus import Quality, measure_quality
-from tracer.engines.base import environment
+from tracer.engines.base import at_positions, environment
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import check_offload, offload_for
 from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
 from tracer.fingerprint import resemblance
 from tracer.greedy import GREEDY_STEPS
+from tracer.model.knobs import format_knob_value, parse_variant, variant_text
 from tracer.pipeline import (
     candidate_loader,
     check_tokens,
@@ -44,19 +45,19 @@ from tracer.request import (
     check_engines,
     check_family_support,
     check_greedy,
+    check_positions,
     check_tolerance,
     regime_knobs,
 )
 from tracer.result import Diagnosis, Result, Sweep, Tolerance, WeightAudit
 from tracer.sources import ModelSource, resolve_source
 from tracer.trace import Trace
-from tracer.variants import format_knob_value, parse_variant, variant_text
 
 
 @with_stages("load", "record")
 def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device: str = "cpu", stream: bool = False,
            chat: bool = False, system: str | None = None, offload: str | Path | None = None, max_memory=None,
-           progress: bool = True) -> Trace:
+           position_offset: int = 0, progress: bool = True) -> Trace:
     """Record every point of one forward pass.
 
     Args:
@@ -73,6 +74,8 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
         offload, max_memory: load the model through accelerate's big-model placement (engines
             that can: hf): device_map="auto" under `max_memory` ("cpu=2GiB,0=20GiB" or a dict),
             what fits nowhere in the `offload` folder; for models larger than memory.
+        position_offset: the first token's absolute position (default 0), on the engines that take
+            positions (hf, reimpl): RoPE at far positions, as a decode step deep in a context sees it.
 
     Returns:
         The `Trace`: point name -> tensor in execution order, with metadata.
@@ -85,7 +88,7 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
     """
     is_prompt = isinstance(tokens_or_prompt, str)
     inputs = Inputs(model, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
-                    chat=chat, system=system)
+                    chat=chat, system=system, position_offset=position_offset)
     return record_values(inputs, Placement(device, stream, offload, max_memory), engine, variant, progress=progress)
 
 
@@ -96,6 +99,7 @@ def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", vari
     variant = parse_variant(variant)
     check_engines(None, engine, variant, {})
     check_engine_name(engine)
+    check_positions(inputs.position_offset, engine)
     if placement.stream and not parse_engine(engine)[0].stream:
         raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); "
                           f"the {engine} engine cannot")
@@ -105,9 +109,9 @@ def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", vari
     runner = load_engine(engine, source, variant, device=placement.device, stream=placement.stream,
                          offload=placement.accelerate)
     ids, chat_info = token_ids(source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
-    check_tokens(ids, runner)
+    check_tokens(ids, runner, inputs.position_offset)
     stage("record")
-    trace = runner.record(ids)
+    trace = runner.record(ids, **at_positions(inputs.position_offset, len(ids)))
     if inputs.text is not None:
         trace.meta = dataclasses.replace(trace.meta, prompt=inputs.text)
     if chat_info:
@@ -140,6 +144,7 @@ def run(
     regime: str | None = None,
     offload: str | Path | None = None,
     max_memory=None,
+    position_offset: int = 0,
 ) -> Result:
     """Trace a reference and a candidate on the same tokens and localize the first divergence.
 
@@ -168,6 +173,7 @@ def run(
             regime's own cost per point and the per-op errors on the candidate's inputs.
         offload, max_memory: as in `record`, for every side whose engine can take them (hf): a
             reference larger than memory.
+        position_offset: the first token's absolute position (default 0), both sides (hf, reimpl).
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
     there (`tracer.spill`), and attention matrices over 128 tokens keep their last 128 query
@@ -182,7 +188,7 @@ def run(
         'model.layers.0.self_attn.q_rope'
     """
     check_tolerance(atol, rtol)
-    return run_values(Inputs(model, prompt, tokens, chat, system, max_tokens),
+    return run_values(Inputs(model, prompt, tokens, chat, system, max_tokens, position_offset),
                       Placement(device, stream, offload, max_memory),
                       Outputs(report=None if out is None else str(out)), reference=reference, candidate=candidate,
                       variant=variant, reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
@@ -198,6 +204,7 @@ def run_values(inputs: Inputs, placement: Placement = Placement(), outputs: Outp
     is checked here, before torch loads anything."""
     variant, reference_variant = parse_variant(variant), parse_variant(reference_variant)
     check_engines(reference, candidate, variant, reference_variant)
+    check_positions(inputs.position_offset, reference, candidate)
     check_greedy(greedy)
     regime = regime_knobs(regime)
     if regime is not None:
@@ -486,7 +493,7 @@ def compare_files(
 ) -> Result:
     """Compare two saved traces: tracer's own, or dumps from candle, llama.cpp, MLX, PyTorch.
 
-    Names are mapped onto points (`tracer.aliases`), layouts brought to ours (`tracer.layouts`),
+    Names are mapped onto points (`tracer.model.names`), layouts brought to ours (`tracer.layouts`),
     and only the points both sides have are compared; the Result's `notes` say what was missing
     on each side, which names were not recognized and which layout was assumed.
 
@@ -509,8 +516,8 @@ def compare_files(
         >>> tracer.compare_files(ref, cand).first_divergence.point
         'model.layers.0.self_attn.q_rope'
     """
-    from tracer.aliases import alias_table
     from tracer.engines.file import FileEngine
+    from tracer.model.names import alias_table
 
     check_tolerance(atol, rtol)
     Outputs(report=None if out is None else str(out))  # the report folder can be written: checked before reading
@@ -566,7 +573,7 @@ def load_trace(trace_or_path, aliases=None) -> Trace:
 
 def model_spec(source: ModelSource):
     """What the hf reader makes of the model's config (for the variants worth trying on it)."""
-    from tracer.config import read_hf
+    from tracer.model.config import read_hf
 
     return read_hf(source.config())
 
@@ -592,6 +599,7 @@ def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, refer
         "prompt": inputs.prompt if inputs.tokens is None and inputs.prompt != DEFAULT_PROMPT else None,
         "chat": inputs.chat, "system": inputs.system,
         "max_tokens": inputs.max_tokens if inputs.tokens is None else None,
+        "position_offset": inputs.position_offset,
         "reference": reference, "candidate": candidate,
         "reference_variant": [",".join(f"{k}={format_knob_value(v)}" for k, v in reference_variant.items())]
         if reference_variant else [],

@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 from tracer.errors import TracerError, did_you_mean
-from tracer.families import FAMILIES
+from tracer.model.families import FAMILIES
 from tracer.request import DEFAULT_CTX, DEFAULT_PROMPT
 
 DEFAULT_OUT = "tracer-report"
@@ -58,6 +58,14 @@ def _inputs() -> argparse.ArgumentParser:
     parent.add_argument("--chat", action="store_true",
                         help="feed the prompt through the model's chat template, as an instruct model is used")
     parent.add_argument("--system", help="a system message before the prompt (with --chat)")
+    return parent
+
+
+def _positions() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--position-offset", type=int, default=0, metavar="P",
+                        help="the first token's absolute position (default 0): RoPE at far positions, on the engines "
+                             "that take positions (hf, reimpl)")
     return parent
 
 
@@ -140,13 +148,14 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
         return subs[name]
 
     command("run", "trace a reference and a candidate, localize the first divergence",
-            _inputs(), _truncation(), _variant(), _reference(), _run_candidate(), _tolerance(), _noise(), _placement(),
-            _report(DEFAULT_OUT), _json(), _verdict_exit())
+            _inputs(), _truncation(), _positions(), _variant(), _reference(), _run_candidate(), _tolerance(), _noise(),
+            _placement(), _report(DEFAULT_OUT), _json(), _verdict_exit())
 
     command("compare", "compare two saved traces (tracer's, or another runtime's dump)",
             _compared(), _tolerance(), _report(DEFAULT_OUT), _json(), _verdict_exit())
 
-    rec = command("record", "save one engine's trace as a safetensors file", _inputs(), _variant(), _placement())
+    rec = command("record", "save one engine's trace as a safetensors file", _inputs(), _positions(), _variant(),
+                  _placement())
     rec.add_argument("--engine", default="hf", help="the engine to record, see `tracer engines` (default hf)")
     rec.add_argument("-o", "--output", required=True, type=Path, help="trace file to write (.safetensors)")
 

@@ -2,7 +2,7 @@
 
 `tracer quality` measures how far a candidate's next-token distributions are from the
 reference's over a text (`tracer.perplexity`). This module says where that KL divergence comes
-from. Both sides are emulated by tracer's reimplementation (`tracer.llama`): the reference on its
+from. Both sides are emulated by tracer's reimplementation (`tracer.reimpl.forward`): the reference on its
 own weights in f32 arithmetic, the candidate in its own regime (a llama.cpp GGUF: llama.cpp's CPU
 arithmetic on that file's tensors, `preset=llamacpp,weights=gguf`; a reimpl or hf variant: its
 knobs). Then, for each component c (the embedding, every block, the final norm, lm_head), the
@@ -14,7 +14,7 @@ the whole vocabulary in f64), not llama-perplexity's 16-bit one, whose storage a
 identical logits a KLD of ~1e-7 to 1e-6: a component the candidate leaves unchanged then has a
 share of exactly 0.
 
-The candidate's components on the reference's inputs come from `tracer.forced_runs`'s
+The candidate's components on the reference's inputs come from `tracer.reimpl.forced_runs`'s
 teacher-forced run; the reference's continuation from block i+1 is the reimplementation's own
 blocks. Cost per chunk: a reference forward, a teacher-forced candidate forward, a whole
 candidate forward (the emulation's own total), and for the replaced runs L(L-1)/2 reference
@@ -41,13 +41,13 @@ import torch
 
 from tracer.engines.registry import ENGINES, parse_engine
 from tracer.errors import TracerError
-from tracer.forced_runs import teacher_forced_points
-from tracer.llama import Llama, decoder_layer, layer_positions
+from tracer.model.knobs import KNOBS, variant_text
+from tracer.model.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_of, layer_point
 from tracer.perplexity import ExactKL, scored_rows, scored_slice
-from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_of, layer_point
+from tracer.reimpl.forced_runs import teacher_forced_points
+from tracer.reimpl.forward import Model
 from tracer.sources import ModelSource
 from tracer.trace import Trace, TraceMeta
-from tracer.variants import KNOBS, variant_text
 
 REIMPL = ENGINES["reimpl"]
 
@@ -104,15 +104,15 @@ def runtime_regime(runtime: str, types: dict[str, str], variant: dict) -> tuple[
     return implied_regime(types)
 
 
-def emulated_model(source: ModelSource, emulated: Emulation, weights, device) -> Llama:
+def emulated_model(source: ModelSource, emulated: Emulation, weights, device) -> Model:
     """The reimplementation running `emulated` (`weights`: the directory's, read once for both sides)."""
     config = dict(source.config())
     if emulated.gguf is not None:  # weights=gguf reads the file named here
         config["tracer_source"] = {"gguf_file": str(emulated.gguf)}
-    return Llama.from_config(config, weights, emulated.knobs, device=device)
+    return Model.from_config(config, weights, emulated.knobs, device=device)
 
 
-def check_alike(reference: Llama, candidate: Llama) -> None:
+def check_alike(reference: Model, candidate: Model) -> None:
     """The component swap needs the same shapes at every component's boundary."""
     for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
         ours, theirs = getattr(reference.spec, name), getattr(candidate.spec, name)
@@ -135,39 +135,27 @@ class Kept:
             self.tensors[name] = tensor.detach()[0]
 
 
-def components(llama: Llama) -> list[str]:
+def components(model: Model) -> list[str]:
     """The points whose producers are swapped one at a time, in execution order."""
-    names = [EMBED, *(layer_point(i, "") for i in range(llama.spec.num_hidden_layers)), FINAL_NORM, LOGITS]
-    return names + ([FINAL_LOGITS] if llama.spec.final_logit_softcapping is not None else [])
+    names = [EMBED, *(layer_point(i, "") for i in range(model.spec.num_hidden_layers)), FINAL_NORM, LOGITS]
+    return names + ([FINAL_LOGITS] if model.spec.final_logit_softcapping is not None else [])
 
 
-def softcapped(llama: Llama, logits: torch.Tensor) -> torch.Tensor:
-    if llama.spec.final_logit_softcapping is None:
-        return logits
-    return llama.strategies.softcap(logits, llama.spec.final_logit_softcapping)
-
-
-def run_on(llama: Llama, point: str, value: torch.Tensor, positions, rows: slice) -> torch.Tensor:
+def run_on(model: Model, point: str, value: torch.Tensor, positions, rows: slice) -> torch.Tensor:
     """The reference's forward continued after `point`, whose output is `value` (T, ...): the
-    logits of the positions `rows` (the blocks run on every position, the head on those only)."""
-    spec, w, strategies = llama.spec, llama.weights, llama.strategies
-    h = value[None].to(strategies.dtype)  # (1, T, C) or (1, T, V)
+    logits of the positions `rows` (the blocks run on every position, the head on those only;
+    `positions`: `Model.positions` of the chunk's tokens)."""
+    h = value[None].to(model.steps.dtype)  # (1, T, C) or (1, T, V)
     if point == FINAL_LOGITS:
         return h[0, rows]
     if point == LOGITS:
-        return softcapped(llama, h[:, rows])[0]
-    if point != FINAL_NORM:
-        start = 0 if point == EMBED else layer_of(point) + 1
-        for i in range(start, spec.num_hidden_layers):
-            h = decoder_layer(h, llama.layers[i], spec, positions[i], strategies, layer_point(i, ""), _ignore)
-        h = strategies.norm(h[:, rows], w["model.norm.weight"], spec.rms_norm_eps)  # (1, R, C)
-    else:
-        h = h[:, rows]
-    return softcapped(llama, strategies.logits(h, w["lm_head.weight"]))[0]  # (R, V)
-
-
-def _ignore(name: str, tensor: torch.Tensor) -> None:
-    pass
+        return model.head_step(FINAL_LOGITS, h[:, rows])[0]  # capped where the config caps (else as is)
+    if point == FINAL_NORM:
+        return model.head_step(FINAL_LOGITS, model.head_step(LOGITS, h[:, rows]))[0]  # (R, V)
+    start = 0 if point == EMBED else layer_of(point) + 1
+    for i in range(start, model.spec.num_hidden_layers):
+        h = model.block(i, h, positions)  # (1, T, C)
+    return model.head(h[:, rows])[0]  # (R, V)
 
 
 class ReplacedRuns:
@@ -176,7 +164,7 @@ class ReplacedRuns:
     candidate's."""
 
     @torch.inference_mode()
-    def __init__(self, reference: Llama, candidate: Llama, tokens: list[int], rows: slice):
+    def __init__(self, reference: Model, candidate: Model, tokens: list[int], rows: slice):
         ids = torch.tensor(tokens)
         self.reference, self.names, self.rows = reference, components(reference), rows
         kept = Kept(self.names)
@@ -184,8 +172,7 @@ class ReplacedRuns:
         self.candidate_logits = candidate.forward(ids)  # (T, V)
         self.forced = Kept(self.names)  # the candidate's components, each on the reference's input
         teacher_forced_points(candidate, Trace(kept.tensors, TraceMeta(tokens=list(tokens))), self.forced)
-        self.positions = layer_positions(reference.spec, reference.strategies, len(tokens),
-                                         reference.strategies.dtype, reference.device)
+        self.positions = reference.positions(count=len(tokens))
         # The reference's own logits of those rows, computed as the replaced runs' are (the head on
         # the rows alone: a matmul of other shapes may round otherwise), so an unchanged component
         # gives exactly the same numbers.

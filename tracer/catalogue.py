@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from tracer.engines.registry import ENGINES
-from tracer.variants import knobs_for, parse_variant
+from tracer.model.knobs import knobs_for, parse_variant
 
 # Values of the numeric knobs tried beyond the sweep's representative one (the model's own is skipped).
 EXTRA_VALUES = {"theta": (10_000.0, 500_000.0, 1_000_000.0), "eps": (1e-6, 1e-5, 1e-4, 1e-3)}

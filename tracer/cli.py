@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
 from tracer.errors import TracerError, did_you_mean
+from tracer.model.knobs import parse_variant
 from tracer.request import (
     DEFAULT_PROMPT,
     RUN_REPORT,
@@ -27,7 +28,6 @@ from tracer.request import (
     regime_knobs,
 )
 from tracer.result import Tolerance
-from tracer.variants import parse_variant
 
 
 def inputs_of(args) -> Inputs:
@@ -41,7 +41,7 @@ def inputs_of(args) -> Inputs:
                 from None
     return Inputs(model=args.model, prompt=DEFAULT_PROMPT if prompt is None and args.tokens is None else prompt,
                   tokens=args.tokens, chat=args.chat, system=args.system,
-                  max_tokens=getattr(args, "max_tokens", None))
+                  max_tokens=getattr(args, "max_tokens", None), position_offset=getattr(args, "position_offset", 0))
 
 
 def placement_of(args) -> Placement:
@@ -114,9 +114,9 @@ def cmd_record(args) -> int:
 
 def cmd_variants(args) -> int:
     from tracer.engines.registry import engines_honouring
-    from tracer.families import FAMILIES
+    from tracer.model.families import FAMILIES
+    from tracer.model.knobs import KNOBS, PRESETS, knobs_for, variant_text
     from tracer.reports.terminal import table, wrapped
-    from tracer.variants import KNOBS, PRESETS, knobs_for, variant_text
 
     if args.family is not None and args.family not in FAMILIES:
         raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}"
@@ -146,7 +146,7 @@ def cmd_variants(args) -> int:
 
 def cmd_engines(args) -> int:
     from tracer.engines.registry import ENGINES
-    from tracer.points import FUSED_AWAY
+    from tracer.model.points import FUSED_AWAY
     from tracer.reports.terminal import table, wrap
 
     lines = table(("engine", "runtime", "devices", "families"),
@@ -270,7 +270,7 @@ def cmd_quality(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from tracer.config import audit, load_config
+    from tracer.model.config import audit, load_config
     from tracer.sources import resolve_model
 
     outputs_of(args)

@@ -5,7 +5,7 @@ in a temporary sibling renamed into place when complete. ``convert_gguf`` is the
 dequantizes a GGUF into f32 safetensors, ``tokenizer.json`` and a ``config.json``. A Llama's
 config is written transformers-4-style with top-level ``rope_theta``, the file candle and our own
 reader expect; another family transformers can load from GGUF (Qwen2, Qwen3, Mistral, Gemma 2,
-Gemma 3, Phi-3: ``tracer.families``) gets the config its loaded transformers config saves.
+Gemma 3, Phi-3: ``tracer.model.families``) gets the config its loaded transformers config saves.
 
 Only the conversion imports transformers; reading weights (``tracer.weights``) and tokenizing
 (``tracer.tokenizer``) use ``safetensors`` and ``tokenizers`` directly, so the reimplementation
@@ -31,6 +31,7 @@ from typing import Any
 
 from tracer import cache
 from tracer.errors import TracerError, one_line
+from tracer.model.points import LOGITS, WEIGHT
 from tracer.tokenizer import TOKENIZER_FILE
 from tracer.weights import WEIGHTS_FILE
 
@@ -189,7 +190,7 @@ def _load_gguf_model(gguf: Path):
         # struct.error to ValueError; the message keeps the reason and the chained exception
         # keeps the full traceback for anyone debugging with the API.
         raise TracerError(f"cannot convert GGUF file {gguf}: {one_line(exc)}") from exc
-    from tracer.families import model_types
+    from tracer.model.families import model_types
 
     if model.config.model_type not in model_types():
         raise TracerError(
@@ -198,7 +199,7 @@ def _load_gguf_model(gguf: Path):
     # A tensor the file lacks would be silently random-initialised by transformers.
     missing = set(info.get("missing_keys", ()))
     if model.config.tie_word_embeddings:
-        missing.discard("lm_head.weight")
+        missing.discard(LOGITS + WEIGHT)
     if missing:
         names = ", ".join(sorted(missing)[:3]) + (" ..." if len(missing) > 3 else "")
         raise TracerError(f"GGUF file {gguf} lacks {len(missing)} tensor(s): {names}")
@@ -261,7 +262,7 @@ def _write_weights(model, out: Path) -> None:
     if model.config.tie_word_embeddings:
         # Tied: lm_head shares storage with embed_tokens, which safetensors refuses to save
         # twice; HF and our reader re-tie it from the config.
-        state.pop("lm_head.weight", None)
+        state.pop(LOGITS + WEIGHT, None)
     tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in state.items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
 
@@ -283,7 +284,7 @@ def _write_tokenizer(gguf: Path, out: Path) -> None:
 
 def _config_dict(config, source: dict[str, Any]) -> dict[str, Any]:
     """The config.json of a converted GGUF: Llama's as transformers 4 wrote it, another family's as
-    its transformers config saves itself (what `tracer.config.read_hf` reads for that family)."""
+    its transformers config saves itself (what `tracer.model.config.read_hf` reads for that family)."""
     if config.model_type == "llama":
         return _llama_config_dict(config, source)
     return _family_config_dict(config, source)
@@ -298,7 +299,7 @@ def _family_config_dict(config, source: dict[str, Any]) -> dict[str, Any]:
     """A non-Llama family's loaded config as transformers 5's save_pretrained writes it (the keys that
     differ from the class defaults), floats that came through GGUF's float32 written back as their
     shortest decimal (1e-06, not 9.99999997e-07)."""
-    from tracer.families import family_of
+    from tracer.model.families import family_of
 
     data = {key: value for key, value in config.to_diff_dict().items() if key not in _NOT_SAVED}
     data["architectures"] = [family_of(config.model_type).architecture]

@@ -21,6 +21,7 @@ from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import check_offload, offload_for
 from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
+from tracer.model.knobs import parse_variant, side_label, variant_text
 from tracer.perplexity import (
     MIN_CTX,
     STATISTICS_MIN_COUNT,
@@ -40,7 +41,6 @@ from tracer.pipeline import check_tokens
 from tracer.progress import detail, stage
 from tracer.request import DEFAULT_CTX, Inputs, Placement, check_engines, check_family_support, whole_number
 from tracer.sources import ModelSource, resolve_source
-from tracer.variants import parse_variant, side_label, variant_text
 
 
 @dataclass(frozen=True)

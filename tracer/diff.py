@@ -15,7 +15,7 @@ import math
 import torch
 
 from tracer.errors import TracerError
-from tracer.points import FINAL_LOGITS, LOGITS, causal_allowed, is_causal, layer_of
+from tracer.model.points import FINAL_LOGITS, LOGITS, Q_ROPE, causal_allowed, is_causal, layer_of, layer_point
 from tracer.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
 from tracer.trace import Trace, kept
 
@@ -189,7 +189,7 @@ class ErrorRecorder:
 
     def _read_again(self, diff: PointDiff) -> bool:
         """Will `compare` read this point's tensor (logits, NaN/Inf scan, the first divergence's breakdown)?"""
-        from tracer.points import rank
+        from tracer.model.points import rank
 
         if diff.point in (LOGITS, FINAL_LOGITS) or not _finite_metrics(diff):
             return True
@@ -207,7 +207,7 @@ class ErrorRecorder:
 def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> list[str]:
     """Unrecorded points take their place in the vocabulary's order (the traced family's), not the
     end of the list."""
-    from tracer.points import rank
+    from tracer.model.points import rank
 
     family = trace_family(reference, candidate)
     return sorted(names, key=lambda name: rank(name, family))
@@ -307,7 +307,7 @@ def first_divergence(points: list[PointDiff]) -> Divergence | None:
 
 def num_heads(trace: Trace, layer: int | None) -> int | None:
     """Query heads, read off the recorded q after RoPE (heads, T, D) of that layer."""
-    q_rope = f"model.layers.{layer}.self_attn.q_rope"
+    q_rope = layer_point(layer, Q_ROPE)
     return int(trace[q_rope].shape[0]) if layer is not None and q_rope in trace else None
 
 
@@ -355,6 +355,9 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     ref_tokens, cand_tokens = reference.tokens, candidate.tokens
     if ref_tokens is not None and cand_tokens is not None and list(ref_tokens) != list(cand_tokens):
         raise TracerError(f"the traces were recorded on different token ids: {ref_tokens} vs {cand_tokens}")
+    starts = [trace.meta.position_offset or 0 for trace in (reference, candidate) if trace.meta.engine != "file"]
+    if len(set(starts)) > 1:  # a dump from another runtime says no position: taken as it is
+        raise TracerError(f"the traces were recorded at different positions: from {starts[0]} vs from {starts[1]}")
     from tracer.layouts import align  # another runtime's names and layouts, brought to ours
 
     reference, candidate, layout_notes = align(reference, candidate)

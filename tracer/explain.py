@@ -1,7 +1,7 @@
 """Why a point diverges: breakdowns of its error and hints read from their signature.
 
 Pure functions over the two tensors of one point (reference, candidate), in the point layouts
-of `tracer.points`: most points are (T, X); q_rope/k_rope are (heads, T, D) and scores/probs
+of `tracer.model.points`: most points are (T, X); q_rope/k_rope are (heads, T, D) and scores/probs
 (H, T, T), whose query position is axis 1.
 """
 
@@ -11,7 +11,16 @@ import math
 
 import torch
 
-from tracer.points import causal_allowed, has_head_axis, is_causal, op_kind, source_point, split_point
+from tracer.model.points import (
+    CONTEXT,
+    Q_PROJ,
+    causal_allowed,
+    has_head_axis,
+    is_causal,
+    op_kind,
+    source_point,
+    split_point,
+)
 
 TOP_CHANNELS = 5
 # A position or head counts as untouched when its error is this small against the largest one.
@@ -39,7 +48,7 @@ def by_head(point: str, ref: torch.Tensor, cand: torch.Tensor, num_heads: int | 
     diff = _error(point, ref, cand)
     if has_head_axis(point):
         return diff.reshape(diff.shape[0], -1).amax(dim=1).tolist()
-    if num_heads and point.endswith(("self_attn.q_proj", "self_attn.context")) and diff.shape[-1] % num_heads == 0:
+    if num_heads and split_point(point)[1] in (Q_PROJ, CONTEXT) and diff.shape[-1] % num_heads == 0:
         heads = diff.reshape(diff.shape[0], num_heads, -1)  # (T, H, D)
         return heads.transpose(0, 1).reshape(num_heads, -1).amax(dim=1).tolist()
     return None
@@ -71,7 +80,7 @@ def _quiet(values: list[float]) -> list[bool]:
 
 def hints(point: str, details: dict, family: str | None = None) -> list[str]:
     """Short sentences an expert would say on seeing this signature (on a model of `family`: its own
-    features first, `tracer.families.Family.hints`)."""
+    features first, `tracer.model.families.Family.hints`)."""
     said = family_hints(point, family)
     positions, heads = details.get("by_position") or [], details.get("by_head")
     quiet = _quiet(positions)
@@ -104,9 +113,9 @@ def hints(point: str, details: dict, family: str | None = None) -> list[str]:
 def family_hints(point: str, family: str | None) -> list[str]:
     """The family's own feature at this point, where it has one (Gemma's (1 + w) norms, Qwen3's q/k
     norms, soft-caps, sliding windows, ...)."""
-    from tracer.families import FAMILIES
+    from tracer.model.component import registered
 
-    entry = FAMILIES.get(family or "llama")
+    entry = registered().get(family or "llama")
     layer, sub = split_point(point)
     text = entry.hints.get(sub if layer is not None else point) if entry else None
     return [text] if text else []
@@ -118,7 +127,7 @@ def _exact_prefix(quiet: list[bool]) -> int:
     return count if count < len(quiet) else 0
 
 
-# What an expert suspects first when the first error is made by an op of this kind (tracer.points).
+# What an expert suspects first when the first error is made by an op of this kind (tracer.model.points).
 OP_HINTS = {
     "norm": ["first error right after a norm: rms_norm_eps, or the norm's precision (f32 upcast)"],
     "embedding": ["error already at the embedding: the load dtype or the weights themselves"],

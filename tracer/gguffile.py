@@ -16,6 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from tracer.errors import TracerError
+from tracer.model.config import DEFAULT_ROPE_THETA, LlamaSpec
+from tracer.model.families import expected_shapes
+from tracer.model.names import gguf_block_of, gguf_family, gguf_tensor_name
+from tracer.model.points import EMBED, WEIGHT
 
 # GGUF metadata value types: id -> struct format (None: string, array handled apart).
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -136,18 +140,6 @@ class GGUFFile:
         return value.item() if isinstance(value, np.generic) else value
 
 
-# Tensor -> its shape (numpy order) from the hyperparameters: E embedding, H·D query width, KV·D key
-# and value widths, F feed-forward width; None: any size (the vocabulary).
-_EXPECTED = {
-    "token_embd.weight": lambda h: (None, h["E"]), "output.weight": lambda h: (None, h["E"]),
-    "output_norm.weight": lambda h: (h["E"],), "attn_norm.weight": lambda h: (h["E"],),
-    "ffn_norm.weight": lambda h: (h["E"],), "attn_q.weight": lambda h: (h["H"] * h["D"], h["E"]),
-    "attn_k.weight": lambda h: (h["KV"] * h["D"], h["E"]), "attn_v.weight": lambda h: (h["KV"] * h["Dv"], h["E"]),
-    "attn_output.weight": lambda h: (h["E"], h["H"] * h["Dv"]), "ffn_gate.weight": lambda h: (h["F"], h["E"]),
-    "ffn_up.weight": lambda h: (h["F"], h["E"]), "ffn_down.weight": lambda h: (h["E"], h["F"]),
-}
-
-
 def check_consistent(path: str | Path) -> None:
     """Refuse, in one line, a GGUF whose metadata and tensors disagree, before a converter spends
     minutes on it: a block count its tensors do not have, a tensor whose shape the hyperparameters
@@ -163,21 +155,25 @@ def check_consistent(path: str | Path) -> None:
     if end > size:
         raise TracerError(f"{path} is truncated: its tensors end at byte {end:,}, the file has {size:,}")
     arch = gguf.fields.get("general.architecture")
-    blocks = {int(name.split(".")[1]) for name in gguf.tensors if name.startswith("blk.")}
+    blocks = {block for name in gguf.tensors if (block := gguf_block_of(name)) is not None}
     count = gguf.number(f"{arch}.block_count")
     if count is not None and blocks and count != max(blocks) + 1:
         raise TracerError(f"{path}: the metadata says {arch}.block_count={count}, the file has tensors for "
                           f"{max(blocks) + 1} blocks")
     hyper = _hyperparameters(gguf, arch)
-    if hyper is None:
-        return
+    family = gguf_family(arch)
+    if hyper is None or family is None or hyper["Dv"] != hyper["D"]:
+        return  # nothing to check against, or not a family tracer traces (the converter says so)
+    embedding = gguf.tensors.get(gguf_tensor_name(EMBED + WEIGHT, family.name))
+    spec = LlamaSpec(vocab_size=embedding.shape[0] if embedding else 1, hidden_size=hyper["E"],
+                     intermediate_size=hyper["F"], num_hidden_layers=max(blocks, default=-1) + 1,
+                     num_attention_heads=hyper["H"], num_key_value_heads=hyper["KV"], head_dim=hyper["D"],
+                     rope_theta=DEFAULT_ROPE_THETA, rms_norm_eps=1e-6, max_position_embeddings=1, family=family.name)
+    implied = {gguf_tensor_name(name, family.name): shape for name, shape in expected_shapes(spec).items()}
     for name, info in gguf.tensors.items():
-        rule = _EXPECTED.get(name.split(".", 2)[2] if name.startswith("blk.") else name)
-        expected = rule(hyper) if rule else None
-        if expected and (len(expected) != len(info.shape)
-                         or any(e is not None and e != f for e, f in zip(expected, info.shape))):
-            shown = tuple("V" if e is None else e for e in expected)
-            raise TracerError(f"{path}: tensor {name} has shape {info.shape}, the metadata implies {shown}")
+        expected = implied.get(name)
+        if expected is not None and expected != info.shape:
+            raise TracerError(f"{path}: tensor {name} has shape {info.shape}, the metadata implies {expected}")
 
 
 def _hyperparameters(gguf: GGUFFile, arch) -> dict | None:

@@ -10,6 +10,7 @@ cache is what its users get).
 
 from __future__ import annotations
 
+from tracer.engines.base import at_positions
 from tracer.progress import detail
 from tracer.result import Greedy
 
@@ -21,30 +22,32 @@ def default_steps(num_tokens: int) -> int:
     return GREEDY_STEPS if num_tokens <= LONG_PROMPT else 0
 
 
-def continuation(engine, tokens: list[int], steps: int, guess: list[int] | None = None) -> list[int] | None:
-    """`steps` greedy tokens after `tokens`; None when the engine cannot run a forward.
+def continuation(engine, tokens: list[int], steps: int, guess: list[int] | None = None,
+                 offset: int = 0) -> list[int] | None:
+    """`steps` greedy tokens after `tokens` (the first at absolute position `offset`); None when the
+    engine cannot run a forward.
 
     `guess` (its own `draft`, or the other side's continuation) saves most of the forwards: one forward
     over the prompt and the guess gives this engine's argmax after every prefix of it, and as long as they agree
     the guess is this engine's continuation too. Two sides that agree cost one forward.
     """
-    steps = _fitting(engine, tokens, steps)
+    steps = _fitting(engine, tokens, steps, offset)
     if not engine.entry.logits:
         return None
     if engine.entry.greedy == "cached" and steps > 0:
-        return engine.draft(tokens, steps)
+        return engine.draft(tokens, steps, **at_positions(offset, len(tokens)))
     out: list[int] = []
     checked = False  # `out` ends where a check against the guess found a disagreement
     while len(out) < steps:
         on_guess = guess is not None and len(guess) >= steps and out == guess[:len(out)]
         if on_guess and not checked and len(out) < steps - 1:
-            agreeing = agreeing_prefix(engine, tokens, out, guess[:steps])
+            agreeing = agreeing_prefix(engine, tokens, out, guess[:steps], offset)
             if agreeing is None:  # it cannot check a guess: decode step by step
                 guess = None
                 continue
             out, checked = out + guess[len(out):len(out) + agreeing], True
         else:
-            logits = engine.logits(tokens + out)
+            logits = engine.logits(tokens + out, **at_positions(offset, len(tokens) + len(out)))
             if logits is None:
                 return None
             out, checked = out + [int(logits[-1].argmax())], False
@@ -52,18 +55,19 @@ def continuation(engine, tokens: list[int], steps: int, guess: list[int] | None 
     return out
 
 
-def draft(engine, tokens: list[int], steps: int) -> list[int] | None:
+def draft(engine, tokens: list[int], steps: int, offset: int = 0) -> list[int] | None:
     """A cached decode to check instead of decoding step by step, where the engine has one."""
-    steps = _fitting(engine, tokens, steps)
+    steps = _fitting(engine, tokens, steps, offset)
     if not engine.entry.draft or steps < 2:
         return None
-    return engine.draft(tokens, steps)
+    return engine.draft(tokens, steps, **at_positions(offset, len(tokens)))
 
 
-def agreeing_prefix(engine, tokens: list[int], done: list[int], guess: list[int]) -> int | None:
+def agreeing_prefix(engine, tokens: list[int], done: list[int], guess: list[int], offset: int = 0) -> int | None:
     """How many of `guess`'s tokens after `done` this engine would itself pick, from one forward
     over the prompt and the guess; None if it cannot say (no logits, or the last position's only)."""
-    logits = engine.logits(tokens + guess[:-1])  # (T + steps - 1, V)
+    ids = tokens + guess[:-1]
+    logits = engine.logits(ids, **at_positions(offset, len(ids)))  # (T + steps - 1, V)
     if logits is None or logits.shape[0] < len(tokens) + len(guess) - 1:
         return None
     picked = logits[len(tokens) - 1 + len(done):].argmax(-1).tolist()  # after each prefix of the guess
@@ -85,8 +89,8 @@ def summary(reference: list[int] | None, candidate: list[int] | None, detokenize
     )
 
 
-def _fitting(engine, tokens: list[int], steps: int) -> int:
+def _fitting(engine, tokens: list[int], steps: int, offset: int = 0) -> int:
     """No more steps than the model has positions left."""
     if engine.max_positions is not None:
-        return min(steps, engine.max_positions - len(tokens))
+        return min(steps, engine.max_positions - offset - len(tokens))
     return steps

@@ -28,13 +28,11 @@ from collections.abc import Mapping
 import torch
 
 from tracer.errors import TracerError
-from tracer.points import layout_of, split_point
+from tracer.model.points import Q_ROPE, gguf_permuted, layout_of, split_point
 from tracer.trace import Trace
 
-# q and k, whose rows GGUF's converter permutes (the RoPE pairs made adjacent)
-QK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.q_rope", "self_attn.k_rope")
 LAYOUT_NAMES = {"THD": "[T, H, D]", "HTD": "[H, T, D]"}
-# The most axes a point of each layout (tracer.points) may have in a dump, batch included.
+# The most axes a point of each layout (tracer.model.points) may have in a dump, batch included.
 MAX_NDIM = {"rows": 2, "merged": 3, "heads": 3, "attention": 3}
 
 
@@ -151,10 +149,11 @@ def reconcile(point: str, canon: torch.Tensor, other: torch.Tensor, source: dict
             fixes.add(f"padded:{side}", point)
     if ambiguous:
         fixes.add(f"ambiguous:{layout}:{side}", point)
-    if sub_point(point) in QK and source.get("qk_order") == "interleaved":
+    # q and k, whose rows GGUF's converter permutes (the RoPE pairs made adjacent)
+    if gguf_permuted(point) and source.get("qk_order") == "interleaved":
         if head_dim is None:
             raise TracerError(f"{point}: cannot un-permute GGUF-ordered q/k without the head size; record "
-                              f"q_rope in the other trace or write head_dim in the dump's metadata")
+                              f"{Q_ROPE} in the other trace or write head_dim in the dump's metadata")
         other = from_interleaved(other, head_dim)
         fixes.add(f"interleaved:{side}", point)
     if kind in ("rows", "merged"):

@@ -12,7 +12,7 @@ The estimate keeps the formats and changes only what an equally valid implementa
 may change, the order of its sums: the regime with `accumulate=f64` (every quantized matmul, RoPE,
 SwiGLU and q·k sum exact and rounded once; ggml's online softmax and f16 flash-attention
 accumulator kept) is run with every op fed the reference's values of its inputs
-(`tracer.forced_runs.op_forced_points`), and a point's noise is its rel_l2 to the reference there:
+(`tracer.reimpl.forced_runs.op_forced_points`), and a point's noise is its rel_l2 to the reference there:
 the error a different summation order makes in that op alone. Forcing per op, not per block, keeps
 one op's flips from spreading to the next ops of its block. Points both variants compute alike
 (embedding, norms, residual adds) get 0 and fall back to the criterion's absolute floor.
@@ -23,6 +23,7 @@ Measured figures (SmolLM2, preset=llamacpp): docs/regimes.md, "The noise floor i
 from __future__ import annotations
 
 from tracer.diff import ErrorRecorder
+from tracer.engines.base import at_positions
 from tracer.engines.load import load_engine
 from tracer.sources import ModelSource
 from tracer.trace import Trace
@@ -38,13 +39,13 @@ def estimate_noise(source: ModelSource, reference: Trace, reference_variant: dic
     memory (twice the f32 model), for one forward. A number-format regime (weights=, act_quant=,
     preset=llamacpp, ...) gets its own estimate instead: `regime_noise`.
     """
-    from tracer.variants import expand_presets, is_regime
+    from tracer.model.knobs import expand_presets, is_regime
 
     if is_regime(expand_presets(reference_variant)):
         return regime_noise(source, reference, reference_variant, device)
     engine = load_engine("reimpl", source, {**reference_variant, "dtype": "f64"}, device=device, stream=True)
     errors = ErrorRecorder(reference)
-    engine.record(reference.tokens, errors)
+    engine.record(reference.tokens, errors, **at_positions(reference.meta.position_offset or 0, len(reference.tokens)))
     return errors.rel_l2
 
 

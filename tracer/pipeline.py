@@ -27,19 +27,19 @@ import torch
 
 from tracer import greedy, reference_cache
 from tracer.diff import ErrorRecorder, compare
-from tracer.engines.base import Engine, check_device, environment
+from tracer.engines.base import Engine, at_positions, check_device, environment
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import Offload, check_offload, offload_for
 from tracer.engines.registry import parse_engine
 from tracer.errors import TracerError
-from tracer.points import is_coarse
+from tracer.model.knobs import parse_variant, setting, variant_text
+from tracer.model.points import is_coarse
 from tracer.progress import stage
 from tracer.request import Inputs, Placement, check_family_support
 from tracer.result import Greedy, Result, SweepRow, Tolerance
 from tracer.sources import ModelSource, resolve_source
 from tracer.spill import SPILL_TOKENS, spill_folder
 from tracer.trace import ATTENTION_ROWS, Trace
-from tracer.variants import parse_variant, setting, variant_text
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class Prepared:
     device: str = "cpu"
     stream: bool = False
     offload: Offload | None = None  # accelerate's placement, for every side whose engine takes it
+    position_offset: int = 0  # the first token's absolute position, on both sides
     notes: tuple[str, ...] = ()
     timings: dict = field(default_factory=dict)
 
@@ -99,14 +100,15 @@ def token_ids(source: ModelSource, prompt: str | None = None, tokens=None, *, ch
     return ids, {"system": system, "text": text, "tokens": len(ids)}
 
 
-def check_tokens(ids: list[int], engine: Engine) -> None:
+def check_tokens(ids: list[int], engine: Engine, position_offset: int = 0) -> None:
     """Ids the model cannot embed, or more positions than it has, are the user's error, said plainly."""
     if engine.vocab_size is not None:
         bad = [t for t in ids if not 0 <= t < engine.vocab_size]
         if bad:
             raise TracerError(f"token id {bad[0]} is outside the vocabulary (0..{engine.vocab_size - 1})")
-    if engine.max_positions is not None and len(ids) > engine.max_positions:
-        raise TracerError(f"the prompt has {len(ids)} tokens; the model has {engine.max_positions} positions")
+    if engine.max_positions is not None and position_offset + len(ids) > engine.max_positions:
+        at = f" from position {position_offset}" if position_offset else ""
+        raise TracerError(f"the prompt has {len(ids)} tokens{at}; the model has {engine.max_positions} positions")
 
 
 @contextmanager
@@ -140,7 +142,8 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
     if max_tokens is not None and len(ids) > max_tokens:
         notes.append(f"prompt truncated from {len(ids)} to its first {max_tokens} tokens")
         ids = ids[:max_tokens]
-    check_tokens(ids, engine)
+    offset = inputs.position_offset
+    check_tokens(ids, engine, offset)
     if stream and not parse_engine(reference)[0].stream:
         notes.append(f"stream: the {reference} engine loads its whole model (only engines that stream read weights "
                      "block by block)")
@@ -150,12 +153,12 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
             notes.append(f"no greedy continuation for a {len(ids)}-token prompt (pass greedy=N to force)")
     key = None if source.loaded else reference_cache.entry_key(
         source.directory, ids, engine=reference, variant=reference_variant, placement=repr(placement),
-        noise_floor=noise_floor, greedy_steps=greedy_steps)
+        noise_floor=noise_floor, greedy_steps=greedy_steps, position_offset=offset)
     kept = reference_cache.load(key) if key is not None else None
     with spill_folder(len(ids)) as sink:
         with timed(timings, "reference_s"):
             stage("reference")
-            trace = engine.record(ids, sink("reference"))
+            trace = engine.record(ids, sink("reference"), **at_positions(offset, len(ids)))
         if kept is not None:
             noise, noise_notes, reference_greedy = kept["noise"], kept["noise_notes"], kept["greedy"]
             notes.append("noise floor and reference greedy continuation read from the cache (an earlier run "
@@ -168,14 +171,15 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
             with timed(timings, "reference_greedy_s"):
                 stage("reference greedy")
                 reference_greedy = greedy.continuation(engine, ids, greedy_steps,
-                                                       guess=greedy.draft(engine, ids, greedy_steps)) \
+                                                       guess=greedy.draft(engine, ids, greedy_steps, offset),
+                                                       offset=offset) \
                     if greedy_steps else None
         yield Prepared(
             source=source, ids=ids, prompt=inputs.text, chat=chat_info,
             reference=reference, engine=engine, variant=reference_variant, trace=trace, noise=noise,
             tolerance=tolerance or Tolerance(), greedy_steps=greedy_steps, reference_greedy=reference_greedy,
             detokenize=detokenizer(source), sink=sink, device=str(device), stream=stream, offload=offload,
-            notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings,
+            position_offset=offset, notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings,
         )
     if key is not None and kept is None:  # kept only once the run has succeeded: a failed run writes nothing
         reference_cache.store(key, {"noise": noise, "noise_notes": noise_notes, "greedy": reference_greedy})
@@ -197,7 +201,7 @@ def compare_candidate(prepared: Prepared, engine: Engine, *, command: str | None
     """Record `engine` on the prepared tokens (or take its `trace` of them, already recorded) and
     compare it with the reference: the `Result`, with local errors (unless `local` is False),
     greedy continuations and the run's context attached."""
-    check_tokens(prepared.ids, engine)
+    check_tokens(prepared.ids, engine, prepared.position_offset)
     timings = dict(prepared.timings)
     with timed(timings, "local_s"):
         errors = local_errors(engine, prepared.trace) if local else None
@@ -211,7 +215,8 @@ def compare_candidate(prepared: Prepared, engine: Engine, *, command: str | None
             if recorder is not None and not engine.entry.isolated:
                 recorder = compared = ErrorRecorder(prepared.trace, prepared.tolerance, prepared.noise, errors,
                                                     store=recorder)
-            trace = engine.record(prepared.ids, recorder)
+            trace = engine.record(prepared.ids, recorder,
+                                  **at_positions(prepared.position_offset, len(prepared.ids)))
     result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=errors,
                      compared=compared.diffs if compared is not None else None)
     with timed(timings, "greedy_s"):
@@ -241,12 +246,15 @@ def greedy_comparison(prepared: Prepared, engine: Engine, tolerance: Tolerance) 
     """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
     if prepared.reference_greedy is None:
         return None
-    candidate = greedy.continuation(engine, prepared.ids, prepared.greedy_steps, guess=prepared.reference_greedy)
+    candidate = greedy.continuation(engine, prepared.ids, prepared.greedy_steps, guess=prepared.reference_greedy,
+                                    offset=prepared.position_offset)
     summary = greedy.summary(prepared.reference_greedy, candidate, prepared.detokenize)
     if summary and summary.first_flip:
         # Where the two sides part at the step whose argmax flips: same tokens on both sides.
         flip_ids = prepared.ids + prepared.reference_greedy[: summary.first_flip - 1]
-        at_flip = compare(prepared.engine.record(flip_ids), engine.record(flip_ids), tolerance).first_divergence
+        at = at_positions(prepared.position_offset, len(flip_ids))
+        at_flip = compare(prepared.engine.record(flip_ids, **at), engine.record(flip_ids, **at),
+                          tolerance).first_divergence
         summary = dataclasses.replace(summary, first_flip_divergence=at_flip)
     return summary
 
@@ -306,7 +314,8 @@ def reference_noise(source: ModelSource, reference: str, variant: dict, engine: 
 
     notes = []
     if len(trace.tokens) > NOISE_TOKENS:
-        trace = engine.record(trace.tokens[:NOISE_TOKENS])
+        trace = engine.record(trace.tokens[:NOISE_TOKENS],
+                              **at_positions(trace.meta.position_offset or 0, NOISE_TOKENS))
         notes.append(f"noise floor measured on the first {NOISE_TOKENS} tokens (an f64 run of all of them "
                      "would double the memory)")
     try:
@@ -351,7 +360,7 @@ def config_audit(source: ModelSource, variant: dict) -> dict | None:
     None for a loaded model, whose config is not a file."""
     if source.loaded:
         return None
-    from tracer.config import audit
+    from tracer.model.config import audit
 
     return audit(source.config(), setting(variant, "resave"))
 

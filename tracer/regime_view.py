@@ -31,12 +31,12 @@ from pathlib import Path
 from tracer.diff import rel_l2_by_point
 from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
+from tracer.model.knobs import expand_presets, parse_variant, setting, variant_label, variant_text
 from tracer.pipeline import compare_candidate, prepared_reference, timed
 from tracer.request import Inputs, Placement
 from tracer.result import RawView, RegimeView, Result, WeightAudit
 from tracer.sources import ModelSource
 from tracer.trace import Trace
-from tracer.variants import expand_presets, parse_variant, setting, variant_label, variant_text
 
 # Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`): verified
 # against llama.cpp on SmolLM2 at 2048 tokens. Past it, memory rather than time: the emulated flash

@@ -1,7 +1,7 @@
 """A run's request as a few frozen values, checked in one place before torch is imported or
 anything is written.
 
-`Inputs` (model, prompt or tokens, chat, system, max tokens), `Placement` (device, stream,
+`Inputs` (model, prompt or tokens, chat, system, max tokens, the first position), `Placement` (device, stream,
 offload, max memory) and `Outputs` (report folder, JSON file, trace file) are built once (by the
 CLI from its flags, by the API from its arguments) and passed whole to `tracer.pipeline`. Each
 checks itself when built: value ranges, duplicates, and that every output location can be
@@ -23,9 +23,9 @@ from tracer.engines.offload import Offload, parse_max_memory
 from tracer.engines.registry import check_engine, parse_engine
 from tracer.errors import TracerError
 from tracer.folders import replaceable_folder
+from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
 from tracer.sources import ModelSource, check_source
 from tracer.tokenizer import check_prompt
-from tracer.variants import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_CTX = 512  # `tracer quality`'s tokens per chunk: llama-perplexity's default -c
@@ -75,7 +75,8 @@ def token_list(tokens) -> tuple[int, ...] | None:
 @dataclass(frozen=True)
 class Inputs:
     """What the model is fed: a model (a directory, a .gguf file, None for the bundled SmolLM2,
-    or a loaded transformers model), a prompt or token ids, the chat template, and a truncation."""
+    or a loaded transformers model), a prompt or token ids, the chat template, a truncation, and the
+    absolute position of the first token (`position_offset`, 0 by default: RoPE at far positions)."""
 
     model: object = None
     prompt: str | None = DEFAULT_PROMPT
@@ -83,10 +84,12 @@ class Inputs:
     chat: bool = False
     system: str | None = None
     max_tokens: int | None = None
+    position_offset: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", token_list(self.tokens))
         whole_number(self.max_tokens, "--max-tokens", minimum=1)
+        whole_number(self.position_offset, "--position-offset", minimum=0)
         if self.tokens is None:
             if self.prompt is None:
                 raise TracerError("give a prompt or token ids")
@@ -209,6 +212,20 @@ def check_engines(reference: str | None, candidate: str | None, variant: dict, r
             check_engine(knobs, entry.name)
 
 
+def check_positions(offset: int, *engines: str | None) -> None:
+    """A first position other than 0 needs engines that take positions (their registry entry says);
+    any other is refused in one line, naming the ones that can."""
+    if not offset:
+        return
+    for name in engines:
+        if name is not None and not parse_engine(name)[0].positions:
+            from tracer.engines.registry import ENGINES
+
+            able = ", ".join(entry.name for entry in ENGINES.values() if entry.positions)
+            raise TracerError(f"--position-offset {offset}: the {parse_engine(name)[0].name} engine runs its tokens "
+                              f"from position 0; engines that take positions: {able}")
+
+
 def regime_knobs(regime) -> dict | str | None:
     """`--regime`: "auto", or knobs of a number-format regime only (ggml's formats and arithmetic,
     a dtype, `preset=llamacpp`); a porting-mistake knob there is refused, naming --variant."""
@@ -241,7 +258,7 @@ def check_family_support(engine: str, source: ModelSource) -> None:
 def family_name(source: ModelSource) -> str | None:
     """The family of a model directory (its config.json) or of a loaded model; None when unknown
     (an unreadable config is said by the engine that reads it)."""
-    from tracer.families import model_types
+    from tracer.model.families import model_types
 
     try:
         model_type = source.config().get("model_type")

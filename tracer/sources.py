@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tracer.config import load_config
 from tracer.convert import CONFIG_FILE, cache_root, cached_build, convert_gguf, is_complete, package_version
 from tracer.errors import TracerError
+from tracer.model.config import load_config
 
 __all__ = [
     "ModelSource",

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tracer.errors import TracerError, one_line
-from tracer.points import is_causal
-from tracer.variants import side_label
+from tracer.model.knobs import side_label
+from tracer.model.points import is_causal
 
 MANIFEST_KEY = "tracer"
 MAX_LAYERS = 10_000  # far above any Llama (405B has 126 blocks)
@@ -46,7 +46,9 @@ class TraceMeta:
 
     Attributes on the model (engines, and a dump's metadata):
         num_layers: decoder blocks.
-        family: the model family (`tracer.families`), which orders and explains the points.
+        family: the model family (`tracer.model.families`), which orders and explains the points.
+        position_offset: the absolute position of the first token (None: 0); the engines that take
+            positions (`--position-offset`) write it.
         num_attention_heads, num_key_value_heads, head_dim: a dump's attention shape.
 
     Attributes one engine writes:
@@ -96,6 +98,7 @@ class TraceMeta:
     unused_config_keys: list[str] | None = None
     unused_tensors: list[str] | None = None
     family: str | None = None
+    position_offset: int | None = None
     placement: str | None = None
     prompt: str | None = None
     chat: dict | None = None
@@ -159,7 +162,7 @@ class Trace:
         """One row per point (execution order): layer, shape, dtype, max |x| — a pandas DataFrame."""
         import pandas as pd
 
-        from tracer.points import layer_of
+        from tracer.model.points import layer_of
 
         rows = [{"point": name, "layer": layer_of(name), "shape": tuple(t.shape),
                  "dtype": str(t.dtype).removeprefix("torch."),
@@ -224,7 +227,7 @@ class Trace:
         """Read a trace written by `save`, or a dump from another runtime (docs/trace-format.md).
 
         A file without tracer's manifest is imported: its names go through the alias table
-        (`tracer.aliases`; `aliases` adds a user mapping: a dict, a JSON file path or an
+        (`tracer.model.names`; `aliases` adds a user mapping: a dict, a JSON file path or an
         AliasTable), its metadata keys (`tokens`, `runtime`, `model`, `qk_order`, head counts)
         become the trace's `TraceMeta` (other keys its `extra`), and names that map to no point are kept in
         `meta.unknown_names`.
@@ -256,7 +259,7 @@ QK_ORDERS = ("half", "interleaved")
 def import_foreign(tensors: dict[str, torch.Tensor], header: dict[str, str], path: Path, aliases=None) -> Trace:
     """A dump from another runtime as a Trace: names mapped onto points, metadata read. Metadata keys
     tracer does not read stay in `meta.extra`, as text."""
-    from tracer.aliases import TOKEN_TENSORS, alias_table, rename
+    from tracer.model.names import TOKEN_TENSORS, alias_table, rename
 
     read = {key: header[key] for key in FOREIGN_TEXT_KEYS if key in header}
     read |= {key: _int_metadata(header[key], key, path) for key in FOREIGN_INT_KEYS if key in header}

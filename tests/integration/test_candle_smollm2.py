@@ -17,7 +17,7 @@ import pytest
 
 import tracer
 from tracer.engines import candle as candle_engine
-from tracer.points import layer_point
+from tracer.model.points import layer_point
 from tracer.sources import ModelSource
 
 from .test_ggml_smollm2 import PROMPT_IDS, _corrupt

@@ -48,7 +48,7 @@ def test_long_text_argmax_agreement(default_model):
 @pytest.mark.parametrize("variant", ["theta=10000", "rope=interleaved", "eps=1e-4"])
 def test_diagnose_names_the_mistake_a_recorded_trace_makes(default_model, tmp_path, variant):
     from tracer import diagnose
-    from tracer.variants import KNOBS, parse_variant
+    from tracer.model.knobs import KNOBS, parse_variant
 
     path = tracer.record(default_model, PROMPT, engine="reimpl", variant=variant).save(tmp_path / "t.safetensors")
     result = diagnose(path, default_model, progress=False)

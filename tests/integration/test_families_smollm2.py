@@ -5,8 +5,8 @@ import torch
 
 import tracer
 from tracer.catalogue import default_variants
-from tracer.config import load_config, read_hf
-from tracer.points import all_points
+from tracer.model.config import load_config, read_hf
+from tracer.model.points import all_points
 
 PROMPT = "The capital of France is"
 SMOLLM2_SWEEP = ["theta=10000", "eps=1e-3", "attn=sdpa", "dtype=bf16", "rope=interleaved", "rope_scaling=drop",

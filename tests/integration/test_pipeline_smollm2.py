@@ -7,7 +7,7 @@ import pytest
 
 import tracer
 from tracer.catalogue import default_variants
-from tracer.config import load_config, read_hf
+from tracer.model.config import load_config, read_hf
 
 
 def test_every_default_sweep_row_names_the_first_divergence_run_names(default_model):

@@ -11,7 +11,7 @@ import pytest
 
 import tracer
 from tests.readme import run_recipe
-from tracer.points import all_points, layer_point
+from tracer.model.points import all_points, layer_point
 
 PROMPT = "The capital of France is"
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tracer
-from tracer.points import all_points, layer_order
+from tracer.model.points import all_points, layer_order
 from tracer.tokenizer import tokenize
 
 PROMPT = "The capital of France is"
@@ -136,3 +136,22 @@ def test_cli_main_job_prints_what_the_readme_shows_and_writes_the_report(default
     html = (out / "report.html").read_text()
     assert "model.layers.0.self_attn.q_rope" in html and "diverged" in html.lower()
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_far_positions_match_at_every_point(default_model, tmp_path):
+    """RoPE at positions 1000..1005: `tracer run --tokens ... --position-offset 1000` matches at every point
+    (hf's position_ids, the reimplementation's positions, the f64 noise floor run there too)."""
+    from tracer.cli import main
+
+    ids = tokenize(default_model, PROMPT)
+    out = tmp_path / "far.json"
+    assert main(["run", "--tokens", ",".join(map(str, ids)), "--position-offset", "1000", "--greedy", "0",
+                 "--no-report", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["verdict"] == "match" and payload["first_divergence"] is None
+    assert [p["point"] for p in payload["points"]] == all_points(30) and all(p["recorded"] for p in payload["points"])
+    near = tracer.record(default_model, ids, engine="reimpl", progress=False)
+    far = tracer.record(default_model, ids, engine="reimpl", position_offset=1000, progress=False)
+    q_rope = "model.layers.0.self_attn.q_rope"
+    assert torch.equal(near["model.layers.0.self_attn.q_proj"], far["model.layers.0.self_attn.q_proj"])
+    assert (near[q_rope] - far[q_rope]).abs().max() > 0.1  # the rotation is another one 1000 positions on

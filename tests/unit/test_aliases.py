@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import save_file
 
 from tests.dumps import CANDLE_NAMES, GGML_NAMES
-from tracer.aliases import AliasTable, alias_table, is_point, load_alias_file, rename
 from tracer.errors import TracerError
-from tracer.points import all_points
+from tracer.model.names import AliasTable, alias_table, is_point, load_alias_file, rename
+from tracer.model.points import all_points
 from tracer.trace import Trace
 
 
@@ -145,16 +145,21 @@ def test_bad_foreign_metadata_is_one_clear_error(tmp_path, metadata, message):
 
 
 def test_the_gguf_names_are_gguf_pys_own():
-    """tracer's one table of GGUF names (aliases.GGUF, which the regime's weight reader also reads) says
-    what gguf-py's TensorNameMap for Llama says, module by module."""
-    gguf = pytest.importorskip("gguf")
-    from tracer.aliases import GGUF
-    from tracer.ggml.strategies import hf_name
+    """GGUF's tensor names are asked of gguf-py's TensorNameMap (tracer writes none down): every
+    tensor a Llama needs has its GGUF name there, the names llama.cpp's files use, and reading a
+    name back gives the tensor (what the regime's and candle's weight readers do)."""
+    from tracer.model.config import LlamaSpec
+    from tracer.model.families import expected_shapes
+    from tracer.model.names import gguf_names, gguf_tensor_name, hf_tensor_name
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 4)
-    rows = [alias for alias in GGUF if alias.pattern != "blk.{i}"]
-    assert len(rows) == 12
-    for alias in rows:
-        module = alias.point.replace("{i}", "3")
-        assert names.get_name(module) == alias.pattern.replace("{i}", "3"), module
-        assert hf_name(alias.pattern.replace("{i}", "3") + ".weight") == module + ".weight"
+    layer = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+    assert sorted(gguf_names("llama").values()) == sorted(["token_embd", "output_norm", "output",
+                                                           *(f"blk.{{i}}.{stem}" for stem in layer)])
+    spec = LlamaSpec(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
+                     max_position_embeddings=128)
+    for name in expected_shapes(spec):
+        gguf_name = gguf_tensor_name(name)
+        assert gguf_name is not None and hf_tensor_name(gguf_name) == name, name
+    assert gguf_tensor_name("model.layers.3.self_attn.q_proj.weight") == "blk.3.attn_q.weight"
+    assert hf_tensor_name("rope_freqs.weight") is None

@@ -13,7 +13,7 @@ from tests.families import write_tiny_family
 from tests.ggml_gguf import sourced_copy, write_quantized_gguf
 from tracer import TracerError
 from tracer.engines import candle as candle_engine
-from tracer.points import all_points, layer_point
+from tracer.model.points import all_points, layer_point
 from tracer.sources import ModelSource
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import TINY
 from tracer import TracerError
-from tracer.config import (
+from tracer.model.config import (
     HF_ACTIVATIONS,
     HF_ROPE_TYPES,
     LlamaSpec,

@@ -18,10 +18,10 @@ from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, WINDOW, family_config, write_tiny_family
 from tracer import TracerError
 from tracer.cli import main
-from tracer.config import load_config, read_hf
 from tracer.engines.load import load_engine
-from tracer.families import FAMILIES
-from tracer.points import all_points, layer_order, rank, sub_points
+from tracer.model.config import load_config, read_hf
+from tracer.model.families import FAMILIES
+from tracer.model.points import all_points, layer_order, rank, sub_points
 
 FAMILY_NAMES = list(TINY_FAMILIES)
 L0, L1 = "model.layers.0.", "model.layers.1."

@@ -1,5 +1,6 @@
-"""A family is one `Family` row: a made-up one, registered in a test, gets its point order, its tensor
-shapes, its knobs, the CLI's help and a reimpl recording from that row alone (no table elsewhere edited).
+"""A family is a composition: a made-up one, declared and registered in a test, gets its point order,
+its tensor shapes, its knobs, the CLI's help and a reimpl recording from that declaration alone (no
+table elsewhere edited).
 
 The made-up family is a Llama that also norms the MLP output before the residual add
 (`post_feedforward_layernorm`, as Gemma and OLMo-2 do), so every derived fact differs from Llama's in
@@ -16,23 +17,24 @@ from safetensors.torch import load_file, save_file
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tracer.cli import build_parser
-from tracer.config import load_config, read_hf
 from tracer.errors import TracerError
-from tracer.families import FAMILIES, PRE_NORM, Family
-from tracer.llama import expected_shapes
-from tracer.points import all_points, layer_order, source_point, sub_points
-from tracer.variants import check_family, knobs_for
+from tracer.model.components.block import PRE_NORM, Block
+from tracer.model.config import load_config, read_hf
+from tracer.model.families import LLAMA, expected_shapes, register, unregister
+from tracer.model.knobs import check_family, knobs_for
+from tracer.model.points import POST_ATTENTION_NORM, POST_FF_NORM, all_points, layer_order, source_point, sub_points
 
-POST_FF = "post_feedforward_layernorm"
-MADE_UP = Family("llama_postff", "Llama with an MLP post-norm", ("llama_postff",), "LlamaForCausalLM",
-                 "a made-up Llama that norms the MLP output before the residual add",
-                 norms=(PRE_NORM[0], ("post_attention_layernorm", POST_FF)), config="llama")
+POST_FF = POST_FF_NORM
+MADE_UP = LLAMA.derive(name="llama_postff", title="Llama with an MLP post-norm", model_types=("llama_postff",),
+                       adds="a made-up Llama that norms the MLP output before the residual add",
+                       block=Block((PRE_NORM[0], (POST_ATTENTION_NORM, POST_FF))))
 
 
 @pytest.fixture
-def made_up(monkeypatch):
-    monkeypatch.setitem(FAMILIES, MADE_UP.name, MADE_UP)
-    return MADE_UP.name
+def made_up():
+    register(MADE_UP)
+    yield MADE_UP.name
+    unregister(MADE_UP.name)
 
 
 @pytest.fixture

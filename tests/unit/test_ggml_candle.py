@@ -139,12 +139,12 @@ def test_the_composed_rms_norm_softmax_and_silu_are_candles(candle):
 
 
 def test_rope_tables_are_candles_cos_and_sin(candle):
-    from tracer.config import LlamaSpec
     from tracer.ggml.candle import candle_inv_freq, rope_angles
+    from tracer.model.config import LlamaSpec
 
     spec = LlamaSpec(10, 64, 96, 1, 4, 2, 16, 1e5, 1e-5, 64)
-    cos, sin = emulated.rotary(spec, 9, torch.float32)
-    angles = candle.Tensor(rope_angles(candle_inv_freq(1e5, 16), 9))
+    cos, sin = emulated.rotary(spec, torch.arange(1000, 1009), torch.float32)  # absolute positions 1000..1008
+    angles = candle.Tensor(rope_angles(candle_inv_freq(1e5, 16), range(1000, 1009)))
     assert torch.equal(cos[0, :, :8], values(angles.cos()))
     assert torch.equal(sin[0, :, 8:], values(angles.sin()))
 

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import torch
 
-from tracer.config import LlamaSpec
 from tracer.ggml import ops
 from tracer.ggml.floats import F32, F64, libm, powf, round_f16
 from tracer.layouts import to_interleaved
+from tracer.model.config import LlamaSpec
 
 
 def _randn(*shape, seed=0, scale=1.0):
@@ -38,7 +38,7 @@ def test_rope_angles_are_repeated_f32_products_of_powf_and_the_c_librarys_cos_si
     spec = LlamaSpec(vocab_size=10, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                      num_key_value_heads=1, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
                      max_position_embeddings=64)
-    cos, sin = ops.rope_cos_sin(spec, 9, F32)  # (1, T, D/2)
+    cos, sin = ops.rope_cos_sin(spec, torch.arange(9), F32)  # (1, T, D/2)
     scale = np.float32(powf(100000.0, -2.0 / 64))
     theta = np.float32(8)
     for _ in range(31):
@@ -46,10 +46,16 @@ def test_rope_angles_are_repeated_f32_products_of_powf_and_the_c_librarys_cos_si
     assert cos[0, 8, 31].item() == libm("cosf", torch.tensor([float(theta)])).item()
     assert cos[0, 0].eq(1).all() and sin[0, 0].eq(0).all()
     # transformers' angles (position times an inverse frequency computed once) differ in the last bits
-    cos64, _ = ops.rope_cos_sin(spec, 64, F32)
+    cos64, _ = ops.rope_cos_sin(spec, torch.arange(64), F32)
     inv_freq = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=F32) / 64))
     hf_cos = (torch.arange(64, dtype=F32)[:, None] * inv_freq).cos()
     assert 0 < int((cos64[0] != hf_cos).sum()) and float((cos64[0] - hf_cos).abs().max()) < 1e-4
+    # absolute positions: the tables at 1000..1008 are the rows 1000..1008 of a table from 0, each
+    # position's angles built from the position itself
+    far_cos, far_sin = ops.rope_cos_sin(spec, torch.arange(1000, 1009), F32)
+    long_cos, long_sin = ops.rope_cos_sin(spec, torch.arange(1009), F32)
+    assert torch.equal(far_cos[0], long_cos[0, 1000:]) and torch.equal(far_sin[0], long_sin[0, 1000:])
+    assert not torch.equal(far_cos[0], cos[0])
 
 
 def test_rope_rotates_hf_pairs_with_fused_forms():

@@ -13,15 +13,15 @@ import tracer
 from tests.conftest import TOKENS
 from tests.ggml_gguf import quantized_models
 from tracer.catalogue import diagnosis_variants
-from tracer.config import load_config, read_hf
 from tracer.engines.registry import engines_honouring
 from tracer.errors import TracerError
 from tracer.ggml import ops
 from tracer.ggml.quants import Blocks
 from tracer.ggml.strategies import GGUFWeights, implied_regime, regime_catalogue
-from tracer.llama import Llama
+from tracer.model.config import load_config, read_hf
+from tracer.model.knobs import PRESETS, expand_presets
+from tracer.reimpl.forward import Model
 from tracer.sources import ModelSource
-from tracer.variants import PRESETS, expand_presets
 
 LLAMACPP = {"preset": "llamacpp", "weights": "gguf"}
 
@@ -98,7 +98,7 @@ def test_gguf_weights_are_the_files_blocks_with_q_and_k_rows_back_in_hf_order(qu
     assert weights.types()["model.embed_tokens.weight"] == "q8_0"
     q = weights["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(q, Blocks) and q.shape == (64, 64)
-    original = Llama.from_dir(model).weights["model.layers.0.self_attn.q_proj.weight"]
+    original = Model.from_dir(model).weights["model.layers.0.self_attn.q_proj.weight"]
     assert _rel(q.values(), original) < 0.1  # 4-bit, same rows: un-permuted
     assert _rel(q.values(), original.flip(0)) > 1.0  # another row order is far off
 

@@ -14,7 +14,7 @@ import tracer
 from tests.conftest import TOKENS
 from tracer.cli import main
 from tracer.errors import TracerError
-from tracer.points import all_points, layer_order
+from tracer.model.points import all_points, layer_order
 from tracer.reports import result_html, trace_html
 
 HOSTILE_PROMPT = 'Paris <script>alert(1)</script> & "q"'

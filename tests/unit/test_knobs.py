@@ -9,8 +9,9 @@ import tracer
 from tests.conftest import TOKENS
 from tracer import TracerError
 from tracer.engines.registry import engines_honouring
-from tracer.llama import mask_additive, mask_where, repeat_kv, repeat_kv_tile, rope_half, rope_interleaved
-from tracer.variants import KNOBS, PRESETS, expand_presets
+from tracer.model.components.attention import mask_additive, mask_where, repeat_kv, repeat_kv_tile
+from tracer.model.components.rope import rope_half, rope_interleaved
+from tracer.model.knobs import KNOBS, PRESETS, expand_presets
 
 LLAMA3 = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 4})

@@ -23,7 +23,7 @@ from tracer.engines import isolated
 from tracer.engines.registry import ENGINES, check_runtime
 from tracer.errors import TracerError
 from tracer.greedy import continuation
-from tracer.points import all_points
+from tracer.model.points import all_points
 from tracer.sources import ModelSource
 
 EXACT = {"flash_attn": "off", "kv_cache": "f32", "threads": 1}
@@ -198,7 +198,7 @@ def test_knobs_llamacpp_cannot_honour_are_refused_before_anything_loads(tiny):
 
 
 def test_the_engines_tables_cover_exactly_the_knobs_values(llamacpp):
-    from tracer.variants import KNOBS
+    from tracer.model.knobs import KNOBS
 
     assert set(llamacpp.KV_TYPES) == set(KNOBS["kv_cache"].values)
     assert set(llamacpp.FLASH_ATTN) == set(KNOBS["flash_attn"].values)

@@ -10,9 +10,9 @@ import tracer
 from tests.conftest import TOKENS
 from tracer.engines.load import load_engine
 from tracer.explain import amplification
+from tracer.model.points import source_point
 from tracer.noise_floor import estimate_noise
 from tracer.pipeline import local_errors
-from tracer.points import source_point
 
 
 def faulty_copy(model_dir, tmp_path, tensor: str, scale: float = 0.05):

@@ -1,5 +1,5 @@
 """Every engine × every family, generated from the two tables (`tracer.engines.registry.ENGINES`,
-`tracer.families.FAMILIES`) on the tiny models of tests/families.py: each cell is `match` at every
+`tracer.model.families.FAMILIES`) on the tiny models of tests/families.py: each cell is `match` at every
 point the engine records, or one line refusing the family ("the mlx engine does not trace gemma2
 yet") said before anything loads. An engine or a family added later joins the matrix by itself."""
 
@@ -12,7 +12,7 @@ from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, write_tiny_family
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
-from tracer.families import FAMILIES
+from tracer.model.families import FAMILIES
 
 # Knobs a cell runs an engine with: llama.cpp's exact f32 path (its default f16 KV cache and fused
 # flash attention are a number-format regime, judged by --regime, not a port to hold to f32).

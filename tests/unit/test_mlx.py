@@ -9,7 +9,7 @@ import tracer
 from tests.conftest import TOKENS
 from tracer import TracerError
 from tracer.engines.load import load_engine
-from tracer.points import all_points, layer_point
+from tracer.model.points import all_points, layer_point
 
 FUSED = ("self_attn.scores", "self_attn.probs")
 
@@ -104,7 +104,7 @@ def test_recording_leaves_every_module_as_it_was_even_when_the_forward_raises(ml
     from tracer.engines.mlx import recording_calls
 
     with pytest.raises(ValueError, match="boom"):
-        with recording_calls(engine.model, lambda name, array: None):
+        with recording_calls(engine.model, engine.family, lambda name, array: None):
             raise ValueError("boom")
     assert {path: type(module) for path, module in engine.model.named_modules()} == classes
     assert not any(cls.__name__.startswith("Recording") for cls in classes.values())

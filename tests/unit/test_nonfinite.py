@@ -131,7 +131,7 @@ def test_a_nan_at_one_position_gets_no_pattern_hint_it_does_not_have():
 def test_a_nan_in_any_chunk_of_the_logits_is_the_all_positions_figure(monkeypatch):
     """max() over per-chunk maxima would keep a later finite chunk over an earlier NaN."""
     import tracer.diff
-    from tracer.points import LOGITS
+    from tracer.model.points import LOGITS
 
     monkeypatch.setattr(tracer.diff, "CHUNK", 4)  # one position per chunk
     ref = torch.zeros(3, 4)

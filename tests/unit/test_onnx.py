@@ -15,7 +15,7 @@ import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tracer import TracerError
 from tracer.engines.load import load_engine
-from tracer.points import all_points
+from tracer.model.points import all_points
 
 LAYERS = 3  # one layer more than the export traces: the third is layer 1's nodes repeated
 

@@ -5,7 +5,7 @@ import torch
 
 import tracer
 from tests.conftest import TOKENS
-from tracer.points import all_points
+from tracer.model.points import all_points
 
 SHAPES = {
     "gqa-tied": dict(),

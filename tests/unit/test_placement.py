@@ -1,6 +1,6 @@
 """Where a model runs and how much of it is in memory: `device` and `stream`.
 
-Streaming (`Llama(..., stream=True)`, `--stream`) reads each block's weights from the files when
+Streaming (`Model(..., stream=True)`, `--stream`) reads each block's weights from the files when
 the forward reaches it and lets them go after; it must compute exactly what the loaded model
 computes, and hold far less. GPU runs are checked where torch sees a CUDA device.
 """
@@ -17,14 +17,14 @@ import torch
 import tracer
 from tests.conftest import OWN_PEAK_KB, TOKENS, write_tiny_llama
 from tracer.cli import main
-from tracer.llama import Llama
 from tracer.noise_floor import estimate_noise
+from tracer.reimpl.forward import Model
 from tracer.trace import TraceRecorder
 
 CUDA = torch.cuda.is_available()
 
 
-def recorded(llama: Llama, tokens=TOKENS) -> dict[str, torch.Tensor]:
+def recorded(llama: Model, tokens=TOKENS) -> dict[str, torch.Tensor]:
     recorder = TraceRecorder()
     llama.forward(torch.tensor(tokens), recorder)
     return recorder.tensors
@@ -34,7 +34,7 @@ def recorded(llama: Llama, tokens=TOKENS) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("tied", [True, False])
 def test_streamed_forward_is_bitwise_the_loaded_one(tmp_path, variant, tied):
     model = write_tiny_llama(tmp_path / "m", tie_word_embeddings=tied, attention_bias=True)
-    loaded, streamed = recorded(Llama.from_dir(model, variant)), recorded(Llama.from_dir(model, variant, stream=True))
+    loaded, streamed = recorded(Model.from_dir(model, variant)), recorded(Model.from_dir(model, variant, stream=True))
     assert list(streamed) == list(loaded)
     for point, tensor in loaded.items():
         assert torch.equal(streamed[point], tensor), point
@@ -45,7 +45,7 @@ def test_the_noise_floor_is_the_same_from_streamed_f64_weights(tiny_llama):
     model = tiny_llama()
     reference = tracer.record(model, TOKENS, engine="hf", progress=False)
     noise = estimate_noise(model, reference, {})
-    exact = tracer.Trace(recorded(Llama.from_dir(model, {"dtype": "f64"})), tracer.TraceMeta(tokens=TOKENS))
+    exact = tracer.Trace(recorded(Model.from_dir(model, {"dtype": "f64"})), tracer.TraceMeta(tokens=TOKENS))
     expected = {p.point: p.rel_l2 for p in tracer.diff.compare_points(reference, exact, tracer.Tolerance())}
     assert noise == {point: value for point, value in expected.items() if point in noise}
     assert len(noise) == len(reference) and max(noise.values()) > 0
@@ -53,9 +53,9 @@ def test_the_noise_floor_is_the_same_from_streamed_f64_weights(tiny_llama):
 
 PEAK_CHILD = f"""
 import sys, torch
-from tracer.llama import Llama
+from tracer.reimpl.forward import Model
 before = {OWN_PEAK_KB}
-llama = Llama.from_dir(sys.argv[1], stream=sys.argv[2] == "stream")
+llama = Model.from_dir(sys.argv[1], stream=sys.argv[2] == "stream")
 llama.forward(torch.arange(64))
 print({OWN_PEAK_KB} - before)
 """

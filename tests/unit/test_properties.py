@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 
 from tracer.diff import compare, compare_point
 from tracer.errors import TracerError
+from tracer.model.knobs import KNOBS, parse_variant
 from tracer.result import Tolerance
 from tracer.trace import MANIFEST_KEY, Trace, TraceMeta
-from tracer.variants import KNOBS, parse_variant
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -135,10 +135,10 @@ def test_every_path_and_dotted_name_in_the_docs_and_the_code_exists():
 def test_a_stale_path_or_name_is_found_and_prose_is_not():
     written = {"page": "`tracer/model.py`, `tracer.sources.resolve_model`, `tracer.model.load`, "
                        "`tracer.trace.TraceMeta.nonsense`, `tracer.diff.compare(a, b)`, `tracer.hooks.HFEngine`, "
-                       "`tracer.variants.KNOBS[name]`, `tests/unit`, "
+                       "`tracer.model.knobs.KNOBS[name]`, `tests/unit`, "
                        "`tracer/engines/<name>.py`, `tracer run --variant theta=10000`, `docs/design.md`"}
     assert stale(written) == [
         "page: `tracer/model.py` is not there",
-        "page: `tracer.model.load`: tracer has no model",
+        "page: `tracer.model.load`: tracer.model has no load",
         "page: `tracer.trace.TraceMeta.nonsense`: tracer.trace.TraceMeta has no nonsense",
     ]

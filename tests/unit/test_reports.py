@@ -13,7 +13,7 @@ import tracer.diff as diff
 import tracer.reports as reports
 import tracer.reports.figures as report_figures
 from tracer.errors import TracerError
-from tracer.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order, split_point
+from tracer.model.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order, split_point
 from tracer.reports.summary import next_steps
 from tracer.result import PointDiff, Result, Tolerance
 
@@ -531,8 +531,8 @@ def test_heatmap_without_local_errors_or_a_rel_l2_bound():
 
 
 def tf5_audit() -> dict:
-    """tracer.config's audit of a transformers-5 re-save: candle's reader loses theta 100000."""
-    from tracer.config import audit
+    """tracer.model.config's audit of a transformers-5 re-save: candle's reader loses theta 100000."""
+    from tracer.model.config import audit
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
               "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,

@@ -99,17 +99,16 @@ def test_no_import_cycle_among_tracer_hooks_and_reports():
 # (function-level imports included). A name ending in "." is a whole package. A new module gets a place here.
 LAYERS = [
     ("foundation", {"tracer", "tracer.allocator", "tracer.errors", "tracer.folders", "tracer.progress",
-                    "tracer.tensorfile", "tracer.torch_types"}),
-    ("vocabulary: families, points, knobs, aliases", {"tracer.families", "tracer.points", "tracer.variants",
-                                                     "tracer.aliases"}),
+                    "tracer.tensorfile", "tracer.torch_types", "tracer.core", "tracer.core."}),
+    ("model: points, components, families, knobs, names, config", {"tracer.model", "tracer.model."}),
     ("reports: render a summary", {"tracer.reports", "tracer.reports."}),
     ("values: traces, results, comparing them", {"tracer.trace", "tracer.result", "tracer.spill",
                                                  "tracer.fingerprint", "tracer.layouts", "tracer.explain",
                                                  "tracer.diff", "tracer.perplexity"}),
     ("model files", {"tracer.cache", "tracer.gguffile", "tracer.weights", "tracer.tokenizer", "tracer.convert",
-                     "tracer.sources", "tracer.config"}),
+                     "tracer.sources"}),
     ("ggml's arithmetic", {"tracer.ggml", "tracer.ggml."}),
-    ("the reimplementation", {"tracer.llama", "tracer.forced_runs"}),
+    ("the reimplementation", {"tracer.reimpl", "tracer.reimpl."}),
     ("engines", {"tracer.engines", "tracer.engines.", "tracer.hooks", "tracer.hooks."}),
     ("pipeline", {"tracer.request", "tracer.noise_floor", "tracer.reference_cache", "tracer.greedy",
                   "tracer.catalogue", "tracer.pipeline", "tracer.regime_view", "tracer.attribution",
@@ -140,8 +139,9 @@ def test_no_import_runs_up_the_layers():
 
 def test_the_layer_check_sees_an_upward_import():
     # what variants.py did before knobs carried their kind: it asked the engine registry
-    assert upward_imports({"tracer.variants": {"tracer.engines.registry", "tracer.families"}}) == [
-        "tracer.variants (vocabulary: families, points, knobs, aliases) imports tracer.engines.registry (engines)"]
+    assert upward_imports({"tracer.model.knobs": {"tracer.engines.registry", "tracer.model.families"}}) == [
+        "tracer.model.knobs (model: points, components, families, knobs, names, config) imports "
+        "tracer.engines.registry (engines)"]
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -157,6 +157,15 @@ def test_listing_variants_and_engines_leaves_torch_out():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
     assert "kv_repeat" in out and "file:PATH" in out
+
+
+def test_importing_the_model_leaves_torch_out():
+    """The model's declarations hold their forward code (torch imported when first used), yet reading
+    them (families, points, knobs, names, config) never loads torch."""
+    code = ("import sys, tracer.model.families, tracer.model.names, tracer.model.config, tracer.model.points as p; "
+            "p.all_points(2, 'gemma3'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_the_documented_functions_are_the_package_attributes():
@@ -175,7 +184,7 @@ def test_every_engine_module_and_knob_in_the_registry_exists():
     import importlib.util
 
     from tracer.engines.registry import ENGINES, engines_honouring
-    from tracer.variants import KINDS, KNOBS
+    from tracer.model.knobs import KINDS, KNOBS
 
     for entry in ENGINES.values():
         assert importlib.util.find_spec(entry.module) is not None, entry.module

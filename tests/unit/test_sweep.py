@@ -7,10 +7,10 @@ import pytest
 from tests.conftest import TOKENS
 from tracer import TracerError, sweep
 from tracer.catalogue import default_variants, split_variants
-from tracer.config import load_config, read_hf
 from tracer.engines.registry import ENGINES
+from tracer.model.config import load_config, read_hf
+from tracer.model.knobs import KNOBS, knobs_for
 from tracer.reports.sweep import render_sweep_html, sweep_frame, sweep_markdown
-from tracer.variants import KNOBS, knobs_for
 
 VARIANTS = ["theta=500", "kv_repeat=tile", "mask=where", "layers=3", "theta=500,rope=interleaved"]
 
@@ -144,12 +144,12 @@ def test_cli_sweep_prints_one_json_object(tiny_llama, capsys, tmp_path):
 
 
 def test_a_variant_costs_one_candidate_forward_unless_greedy_is_asked(tiny_llama, monkeypatch):
-    from tracer.llama import Llama
+    from tracer.reimpl.forward import Model
 
     calls = []
-    forward = Llama.forward
-    monkeypatch.setattr(Llama, "forward", lambda self, tokens, record=None: calls.append(len(tokens)) or
-                        forward(self, tokens, record))
+    forward = Model.forward
+    monkeypatch.setattr(Model, "forward", lambda self, tokens, record=None, **at: calls.append(len(tokens)) or
+                        forward(self, tokens, record, **at))
     model = tiny_llama()
     result = sweep(model, tokens=TOKENS, variants=["theta=500", "eps=1e-3", "kv_repeat=tile"], noise_floor=False,
                    progress=False)

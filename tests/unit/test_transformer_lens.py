@@ -12,7 +12,7 @@ import torch
 import tracer
 from tests.conftest import TOKENS
 from tests.dumps import save_dump, transformer_lens_4_dump, transformer_lens_4_names
-from tracer.aliases import TOKEN_TENSORS, AliasTable
+from tracer.model.names import TOKEN_TENSORS, AliasTable
 
 
 @pytest.mark.parametrize("name, point", [

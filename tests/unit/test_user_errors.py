@@ -25,9 +25,9 @@ import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tests.warm_cli import Started, run_cli
 from tracer.cli import main
-from tracer.config import HF_ACTIVATIONS
 from tracer.errors import TracerError
-from tracer.variants import KNOBS
+from tracer.model.config import HF_ACTIVATIONS
+from tracer.model.knobs import KNOBS
 
 TOKEN_ARG = ",".join(map(str, TOKENS))
 ERROR_PREFIX = "tracer: error: "

@@ -2,7 +2,7 @@ import pytest
 
 from tracer import TracerError
 from tracer.engines.registry import check_engine, engines_honouring
-from tracer.variants import KINDS, KNOBS, parse_variant
+from tracer.model.knobs import KINDS, KNOBS, parse_variant
 
 
 def test_parse_pairs_lists_and_dicts():

@@ -16,7 +16,7 @@ import torch
 
 from tracer.engines.registry import EngineEntry
 from tracer.errors import TracerError
-from tracer.points import layer_point
+from tracer.model.points import layer_point
 from tracer.trace import Trace, TraceMeta
 
 DEVICES = ("cpu", "cuda", "mps")
@@ -39,11 +39,12 @@ class Engine(Protocol):
     vocab_size: int | None  # None: unknown (a saved trace)
     max_positions: int | None
 
-    def record(self, tokens: list[int], recorder=None) -> Trace:
+    def record(self, tokens: list[int], recorder=None, *, positions: torch.Tensor | None = None) -> Trace:
         """Every point it can observe on one forward over `tokens`; `recorder` (a
-        `TraceRecorder` by default) may spill points to disk instead of memory."""
+        `TraceRecorder` by default) may spill points to disk instead of memory; `positions`: the
+        tokens' absolute positions (T,), where `entry.positions` (default 0..T-1)."""
 
-    def logits(self, tokens: list[int]) -> torch.Tensor | None:
+    def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """(T, V) logits of an unrecorded forward, for greedy decoding."""
 
     def draft(self, tokens: list[int], steps: int) -> list[int]:
@@ -91,6 +92,26 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
     return TraceMeta(engine=engine.name, variant=dict(engine.variant), model=model, tokens=list(tokens),
                      dtype=str(dtype).removeprefix("torch."), device=str(engine.device), versions=environment(),
                      not_recorded=not_recorded, **facts)
+
+
+def at_positions(offset: int, count: int) -> dict:
+    """The keyword an engine call takes for tokens starting at absolute position `offset`: none at 0
+    (every engine starts there), else `positions` (T,) for the engines that take them."""
+    return {} if not offset else {"positions": torch.arange(offset, offset + count)}
+
+
+def position_offset(positions: torch.Tensor | None, count: int) -> int | None:
+    """The first position of contiguous `positions` (what a trace's `position_offset` says; None for
+    0..T-1). Positions that skip or repeat are refused: a trace says an offset, not a list."""
+    if positions is None:
+        return None
+    positions = torch.as_tensor(positions)
+    start = int(positions[0]) if positions.numel() else 0
+    if positions.shape != (count,) or not torch.equal(positions.cpu(), torch.arange(start, start + count)):
+        raise TracerError(f"positions must be {count} consecutive absolute positions, one per token")
+    if start < 0:
+        raise TracerError(f"positions start at {start}; the first position is 0 or more")
+    return start or None
 
 
 def per_layer(num_layers: int, reasons: dict[str, str]) -> dict[str, str]:

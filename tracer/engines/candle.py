@@ -7,7 +7,7 @@ Two forwards, one per model source (`docs/engine-candle.md`):
   (`x.matmul(wᵀ)`), RMSNorm, `rope` (half-split) on HF rows, `repeat_kv` by concatenation,
   unfused attention (matmul, /sqrt(D), a u8 causal mask through `where_cond` with −inf, softmax,
   matmul; no mask for one token), SwiGLU, tied or untied `lm_head`. config.json is read as candle
-  0.11's serde `LlamaConfig` reads it (`tracer.config.read_candle`: theta 10000 when it sits only
+  0.11's serde `LlamaConfig` reads it (`tracer.model.config.read_candle`: theta 10000 when it sits only
   under `rope_parameters`), unless the variant says `config=hf`.
 - a GGUF file (`candle:PATH.gguf`): `models/quantized_llama.rs` — `QTensor.matmul_t` on the file's
   own tensors (activations quantized to the weight's vec-dot type, then candle's vec_dot kernels),
@@ -40,13 +40,39 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.aliases import GGUF
 from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.ggml.candle import candle_inv_freq, rope_angles
 from tracer.layouts import from_interleaved
-from tracer.points import EMBED, FINAL_NORM, LOGITS, is_causal, layer_point, split_point
+from tracer.model.names import gguf_tensor_name
+from tracer.model.points import (
+    BLOCK_OUT,
+    CONTEXT,
+    DOWN_PROJ,
+    EMBED,
+    FINAL_NORM,
+    GATE_PROJ,
+    INPUT_NORM,
+    K_PROJ,
+    K_ROPE,
+    LOGITS,
+    MLP_ACT,
+    O_PROJ,
+    POST_ATTENTION_NORM,
+    PROBS,
+    Q_PROJ,
+    Q_ROPE,
+    RESID_MID,
+    SCORES,
+    UP_PROJ,
+    V_PROJ,
+    WEIGHT,
+    gguf_permuted,
+    is_causal,
+    layer_point,
+    split_point,
+)
 from tracer.sources import ModelSource, check_gguf_header
 from tracer.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
@@ -56,9 +82,9 @@ REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # the wheel's target-cpu=native build 
 # (0.4.2's vec_sum, where 0.11's kernel sums sequentially); rope, rope_i and softmax_last_dim
 # compute the very same values.
 COMPOSED = {
-    "rms_norm": ("input_layernorm", "post_attention_layernorm", "model.norm"),
-    "rope / rope_i": ("self_attn.q_rope", "self_attn.k_rope"),
-    "softmax_last_dim": ("self_attn.probs",),
+    "rms_norm": (INPUT_NORM, POST_ATTENTION_NORM, FINAL_NORM),
+    "rope / rope_i": (Q_ROPE, K_ROPE),
+    "softmax_last_dim": (PROBS,),
 }
 SAME_CODE = ("candle 0.11's Q4_0/Q4_1/Q8_0/Q8_1 quantized arithmetic is the same code as 0.4.2's "
              "(k_quants.rs, avx.rs)")
@@ -67,13 +93,10 @@ K_QUANT_CAVEAT = ("this GGUF has K-quant tensors ({types}): candle 0.11 changed 
 # The GGUF tensor types candle 0.4.2 reads (`quantized::GgmlDType`; BF16 and the i-quants came later).
 READABLE_TYPES = {"f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", "q2_k", "q3_k", "q4_k", "q5_k",
                   "q6_k", "q8_k"}
-# A block's weights by the key candle's loaders use (the HF module's last name), named as the HF
-# module and as the GGUF tensor stem (llama.cpp's names, which quantized_llama.rs reads): the block
-# rows of tracer's one alias table, `tracer.aliases.GGUF`.
-_BLOCK_ROWS = [(alias.pattern.rsplit(".", 1)[-1], alias.point.split(".", 3)[3])  # ("attn_q", "self_attn.q_proj")
-               for alias in GGUF if alias.pattern.startswith("blk.{i}.")]
-HF_LAYER = {module.rsplit(".", 1)[-1]: module for _, module in _BLOCK_ROWS}  # "q_proj" -> "self_attn.q_proj"
-GGUF_LAYER = {stem: module.rsplit(".", 1)[-1] for stem, module in _BLOCK_ROWS}  # "attn_q" -> "q_proj"
+# A block's weights, by the point of the module holding them: what llama.rs and quantized_llama.rs load
+# (quantized_llama.rs by their GGUF names, `tracer.model.names.gguf_tensor_name`, gguf's TensorNameMap).
+LAYER_WEIGHTS = (INPUT_NORM, Q_PROJ, K_PROJ, V_PROJ, O_PROJ, POST_ATTENTION_NORM, GATE_PROJ, UP_PROJ, DOWN_PROJ)
+NORMS = (INPUT_NORM, POST_ATTENTION_NORM)
 
 # --- the machine ---------------------------------------------------------------------------------
 
@@ -140,7 +163,7 @@ class Forward:
         ids = c.tensor([int(t) for t in tokens])
         h = self.weights[EMBED].index_select(ids, 0).reshape((1, count, s.hidden))  # (1, T, C)
         record(EMBED, h)
-        angles = c.tensor(rope_angles(s.inv_freq, count).tolist())  # (T, D/2)
+        angles = c.tensor(rope_angles(s.inv_freq, np.arange(count)).tolist())  # (T, D/2)
         cos, sin = angles.cos(), angles.sin()
         mask = self._mask(count)
         for i in range(s.num_layers):
@@ -153,47 +176,47 @@ class Forward:
 
     def layer(self, x, i: int, cos, sin, mask, record):
         w = self.weights[i]
-        h = self.rms_norm(x, w["input_layernorm"])
-        record("input_layernorm", h)
+        h = self.rms_norm(x, w[INPUT_NORM])
+        record(INPUT_NORM, h)
         h = self.attention(h, w, cos, sin, mask, record)
         x = x + h
-        record("resid_mid", x)
-        h = self.rms_norm(x, w["post_attention_layernorm"])
-        record("post_attention_layernorm", h)
-        gate, up = self.linear(h, w["gate_proj"]), self.linear(h, w["up_proj"])
-        record("mlp.gate_proj", gate)
-        record("mlp.up_proj", up)
+        record(RESID_MID, x)
+        h = self.rms_norm(x, w[POST_ATTENTION_NORM])
+        record(POST_ATTENTION_NORM, h)
+        gate, up = self.linear(h, w[GATE_PROJ]), self.linear(h, w[UP_PROJ])
+        record(GATE_PROJ, gate)
+        record(UP_PROJ, up)
         act = self.candle.functional.silu(gate) * up
-        record("mlp.act", act)
-        h = self.linear(act, w["down_proj"])
-        record("mlp.down_proj", h)
+        record(MLP_ACT, act)
+        h = self.linear(act, w[DOWN_PROJ])
+        record(DOWN_PROJ, h)
         x = x + h
-        record("", x)
+        record(BLOCK_OUT, x)
         return x
 
     def attention(self, x, w: dict, cos, sin, mask, record):
         s = self.shape
         count = x.shape[1]
-        q, k, v = self.linear(x, w["q_proj"]), self.linear(x, w["k_proj"]), self.linear(x, w["v_proj"])
-        record("self_attn.q_proj", q)
-        record("self_attn.k_proj", k)
-        record("self_attn.v_proj", v)
+        q, k, v = self.linear(x, w[Q_PROJ]), self.linear(x, w[K_PROJ]), self.linear(x, w[V_PROJ])
+        record(Q_PROJ, q)
+        record(K_PROJ, k)
+        record(V_PROJ, v)
         q = q.reshape((1, count, s.heads, s.head_dim)).transpose(1, 2).contiguous()  # (1, H, T, D)
         k = k.reshape((1, count, s.kv_heads, s.head_dim)).transpose(1, 2).contiguous()  # (1, KV, T, D)
         v = v.reshape((1, count, s.kv_heads, s.head_dim)).transpose(1, 2).contiguous()  # (1, KV, T, D)
         rope = self.rope_i if s.rope == "interleaved" else self.rope
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        record("self_attn.q_rope", q)
-        record("self_attn.k_rope", k)
+        record(Q_ROPE, q)
+        record(K_ROPE, k)
         k, v = self.repeat_kv(k), self.repeat_kv(v)  # (1, H, T, D)
         scores = q.matmul(k.t()) / float(np.sqrt(s.head_dim))  # (1, H, T, T): an affine by 1/sqrt(D), as 0.11
-        record("self_attn.scores", scores)
+        record(SCORES, scores)
         probs = self.softmax_last_dim(self._masked(scores, mask))
-        record("self_attn.probs", probs)
+        record(PROBS, probs)
         context = probs.matmul(v.contiguous()).transpose(1, 2).reshape((1, count, s.heads * s.head_dim))  # (1, T, H·D)
-        record("self_attn.context", context)
-        out = self.linear(context, w["o_proj"])
-        record("self_attn.o_proj", out)
+        record(CONTEXT, context)
+        out = self.linear(context, w[O_PROJ])
+        record(O_PROJ, out)
         return out
 
     # --- 0.11's fused kernels, composed -------------------------------------------------------
@@ -280,9 +303,9 @@ def refuse_family(family: str) -> None:
 
 def hf_model(model_dir: Path, variant: dict, candle) -> tuple[Shape, dict, object, dict]:
     """llama.rs on an HF directory: (shape, weights by point, linear, config facts for the trace)."""
-    from tracer.config import RESAVES, load_config, variant_spec
-    from tracer.families import family_of
-    from tracer.llama import rope_inv_freq
+    from tracer.model.component import family_of
+    from tracer.model.components.rope import rope_inv_freq
+    from tracer.model.config import RESAVES, load_config, variant_spec
 
     config = load_config(model_dir)
     refuse_family(family_of(config.get("model_type")).name)
@@ -300,11 +323,10 @@ def hf_model(model_dir: Path, variant: dict, candle) -> tuple[Shape, dict, objec
             raise TracerError(f"{model_dir}: no tensor {name} (candle's VarBuilder would fail the same way)")
         return tensors[name].to_dtype(candle.f32)
 
-    weights: dict = {EMBED: tensor("model.embed_tokens.weight"), FINAL_NORM: tensor("model.norm.weight")}
-    weights[LOGITS] = weights[EMBED] if spec.tie_word_embeddings else tensor("lm_head.weight")
+    weights: dict = {EMBED: tensor(EMBED + WEIGHT), FINAL_NORM: tensor(FINAL_NORM + WEIGHT)}
+    weights[LOGITS] = weights[EMBED] if spec.tie_word_embeddings else tensor(LOGITS + WEIGHT)
     for i in range(spec.num_hidden_layers):
-        prefix = f"model.layers.{i}"
-        weights[i] = {key: tensor(f"{prefix}.{hf}.weight") for key, hf in HF_LAYER.items()}
+        weights[i] = {point: tensor(layer_point(i, point) + WEIGHT) for point in LAYER_WEIGHTS}
     inv_freq = candle_inv_freq(spec.rope_theta, spec.head_dim) if spec.rope_scaling is None else \
         rope_inv_freq(spec).to(torch.float32).numpy()
     shape = Shape(spec.num_hidden_layers, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
@@ -347,13 +369,14 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     head_dim = int(number("rope.dimension_count", hidden // heads))
     theta = float(variant.get("theta", number("rope.freq_base", 10000.0)))
     eps = float(variant.get("eps", np.float32(number("attention.layer_norm_rms_epsilon"))))
-    embed = tensor("token_embd.weight")
-    weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensor("output_norm.weight").dequantize(),
-                     LOGITS: tensors.get("output.weight", embed)}  # tied: quantized_llama.rs takes token_embd
+    embed = tensor(gguf_tensor_name(EMBED + WEIGHT))
+    weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensor(gguf_tensor_name(FINAL_NORM + WEIGHT)).dequantize(),
+                     # tied: quantized_llama.rs takes token_embd
+                     LOGITS: tensors.get(gguf_tensor_name(LOGITS + WEIGHT), embed)}
     layers = int(number("block_count"))
     for i in range(layers):
-        weights[i] = {key: tensor(f"blk.{i}.{stem}.weight") for stem, key in GGUF_LAYER.items()}
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        weights[i] = {point: tensor(gguf_tensor_name(layer_point(i, point) + WEIGHT)) for point in LAYER_WEIGHTS}
+        for norm in NORMS:
             weights[i][norm] = weights[i][norm].dequantize()
     shape = Shape(layers, heads, int(number("attention.head_count_kv", heads)), head_dim, hidden, embed.shape[0],
                   int(number("context_length", 4096)), eps, candle_inv_freq(theta, head_dim),
@@ -457,7 +480,7 @@ class CandleEngine:
 
     def _layout(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
         """HF layout: GGUF q/k rows back in half-split order, per head."""
-        if self.shape.gguf_rows and point.endswith(("q_proj", "k_proj", "q_rope", "k_rope")):
+        if self.shape.gguf_rows and gguf_permuted(point):
             return from_interleaved(tensor, self.shape.head_dim)  # per head of D along the last axis
         return tensor
 

@@ -8,9 +8,10 @@ want, with ask=False once the node is computed; the scheduler computes everythin
 node first, so asking for few nodes keeps the graph in few large pieces. The data is copied out
 at once (ggml reuses the memory for later nodes) and brought to tracer's layout:
 
-- names map onto points through the alias table (`tracer.aliases.GGML`); a name written more
-  than once in one graph (`Qcur-3`: the matmul, a reshape that is a view of it, the RoPE) is told
-  apart by the op that wrote it (`tracer.aliases.GGML_WRITES`): the matmul is `q_proj`, the RoPE
+- names map onto points through the alias table (`tracer.model.names.AliasTable`: the ggml names the
+  components declare); a name written more than once in one graph (`Qcur-3`: the matmul, a reshape
+  that is a view of it, the RoPE) is told apart by the op that wrote it (`tracer.model.names.ggml_write`,
+  from the same declarations): the matmul is `q_proj`, the RoPE
   `q_rope`, the reshape no point. Nodes are keyed by what they are, never by name alone;
 - `kq-{i}` (q·kᵀ before the scale) becomes `scores` times llama.cpp's kq_scale, the same f32
   product its soft_max_ext takes; `scores` and `probs` keep the T keys of the prompt (the KV
@@ -45,15 +46,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tracer.aliases import AliasTable, ggml_write
 from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError
 from tracer.layouts import from_interleaved, sub_point
-from tracer.points import FUSED_AWAY, all_points, layer_point
+from tracer.model.knobs import setting
+from tracer.model.names import AliasTable, ggml_write
+from tracer.model.points import FUSED_AWAY, K_PROJ, K_ROPE, PROBS, Q_PROJ, Q_ROPE, SCORES, all_points, layer_point
 from tracer.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
 from tracer.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
-from tracer.variants import setting
 
 # ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
@@ -226,9 +227,7 @@ def _leading_ones(array: np.ndarray, count: int) -> None:
 
 # sub-point -> reader; anything else is (T, C) rows
 READERS: dict[str, Callable[[np.ndarray, Shape], torch.Tensor]] = {
-    "self_attn.q_proj": qk_rows, "self_attn.k_proj": qk_rows,
-    "self_attn.q_rope": qk_heads, "self_attn.k_rope": qk_heads,
-    "self_attn.scores": scores, "self_attn.probs": attention,
+    Q_PROJ: qk_rows, K_PROJ: qk_rows, Q_ROPE: qk_heads, K_ROPE: qk_heads, SCORES: scores, PROBS: attention,
 }
 
 # Names the alias table calls not comparable as they are, which this engine brings to a point.
@@ -241,7 +240,7 @@ def node_point(table: AliasTable, name: str, op: str) -> str | None:
     if repeated:
         return point
     if name.startswith(KQ_PREFIX) and name[len(KQ_PREFIX):].isdigit():
-        return layer_point(int(name[len(KQ_PREFIX):]), "self_attn.scores")
+        return layer_point(int(name[len(KQ_PREFIX):]), SCORES)
     resolved = table.resolve(name)
     return resolved.point if resolved else None
 
@@ -550,7 +549,7 @@ class LlamaCppEngine:
         return _meta_text(self.model, f"{arch}.{key}".encode()) if arch else None
 
     def _knobs_text(self) -> str:
-        from tracer.variants import variant_text
+        from tracer.model.knobs import variant_text
 
         return variant_text(self.variant) or "its defaults"
 

@@ -7,9 +7,9 @@ records what goes in and out, and swaps it back on exit (even when the forward r
 tree, its parameter paths and every other instance stay untouched, and nothing is left behind.
 mlx-lm's module paths are HF's (`model.layers.3.self_attn.q_proj`), so they are the point names.
 
-What each observed call gives (`LAYER_CALLS`): module outputs, plus three points that are module
-*inputs*: the context (input of `o_proj`), `resid_mid` (input of `post_attention_layernorm`)
-and `act(gate) * up` (input of `down_proj`). mlx-lm calls one RoPE module twice per layer,
+What each observed call gives (`layer_calls`, read off the family's points): module outputs, plus
+three points that are module *inputs*: the context (input of `o_proj`), `resid_mid` (input of
+`post_attention_layernorm`) and `act(gate) * up` (input of `down_proj`). mlx-lm calls one RoPE module twice per layer,
 queries then keys, in the (B, H, T, D) layout of the q_rope / k_rope points. Attention is one
 fused call (`mx.fast.scaled_dot_product_attention`): scores and probabilities never exist as
 arrays, and are "not recorded". The logits are the model's output (`embed_tokens.as_linear`
@@ -30,37 +30,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.config import NON_FORWARD_KEYS, read_hf
 from tracer.engines.base import per_layer, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
-from tracer.points import EMBED, FINAL_NORM, LOGITS, fused_away, layer_point
+from tracer.model.config import NON_FORWARD_KEYS, read_hf
+from tracer.model.knobs import setting
+from tracer.model.points import LOGITS, fused_away, layer_point, model_point_records, sub_points
 from tracer.sources import ModelSource
 from tracer.torch_types import TORCH_DTYPES
 from tracer.trace import Trace, TraceRecorder
-from tracer.variants import setting
 
-# Observed module (relative to `model.layers.{i}`) -> one (input point, output point) per call,
-# in call order; None where that side of the call is not a point.
-LAYER_CALLS: dict[str, list[tuple[str | None, str | None]]] = {
-    "input_layernorm": [(None, "input_layernorm")],
-    "self_attn.q_proj": [(None, "self_attn.q_proj")],
-    "self_attn.k_proj": [(None, "self_attn.k_proj")],
-    "self_attn.v_proj": [(None, "self_attn.v_proj")],
-    "self_attn.q_norm": [(None, "self_attn.q_norm")],  # Qwen3's per-head norms, where the family has them
-    "self_attn.k_norm": [(None, "self_attn.k_norm")],
-    "self_attn.rope": [(None, "self_attn.q_rope"), (None, "self_attn.k_rope")],  # (B, H, T, D) each
-    "self_attn.o_proj": [("self_attn.context", "self_attn.o_proj")],  # input (B, T, H*D)
-    "post_attention_layernorm": [("resid_mid", "post_attention_layernorm")],
-    "mlp.gate_proj": [(None, "mlp.gate_proj")],
-    "mlp.up_proj": [(None, "mlp.up_proj")],
-    "mlp.down_proj": [("mlp.act", "mlp.down_proj")],  # input: the compiled swiglu's output
-    "": [(None, "")],
-}
-MODEL_CALLS = {EMBED: [(None, EMBED)], FINAL_NORM: [(None, FINAL_NORM)]}
-OPTIONAL = ("self_attn.q_norm", "self_attn.k_norm")  # observed where the family's model has them
-# Points recorded per head, (B, T, H, D), that tracer's points hold as (B, T, H*D) (HF's view before the norm).
-PER_HEAD = ("self_attn.q_norm", "self_attn.k_norm")
+# mlx-lm's module paths are HF's; what each observed call gives is read off the family's points
+# (`layer_calls`): a module's output where hf observes that module's output, the input of the module hf
+# takes an input from, and a point's own `mlx` name where mlx-lm differs (its RoPE module, called
+# twice; the context, the input of o_proj). A point mlx-lm observes per head, (B, T, H, D), is held as
+# (B, T, H*D), as hf merges it.
+PER_HEAD = "output:(T, H, D)"
 
 FUSED = ("mlx-lm runs attention as one fused call (mx.fast.scaled_dot_product_attention): "
          "scores and probabilities never exist as arrays")
@@ -84,6 +69,7 @@ class MLXEngine:
 
         self.model, self.config, self.variant, self.label, self.device = model, config, variant, label, device
         self.spec = read_hf(config)  # what transformers reads: the positions the reference has
+        self.family = self.spec.family
         self.stream = getattr(mx, DEVICES[device.type])
         self.num_layers = len(model.layers)
         self.dtype = setting(variant, "dtype")
@@ -102,7 +88,9 @@ class MLXEngine:
 
         recorder = recorder if recorder is not None else TraceRecorder()
         recorded: deque[tuple[str, object]] = deque()
-        with recording_calls(self.model, lambda name, array: recorded.append((name, flat_heads(name, array)))):
+        per_head = per_head_points(self.family)
+        with recording_calls(self.model, self.family,
+                             lambda name, array: recorded.append((name, flat_heads(name, array, per_head)))):
             logits = self._forward(tokens)
         recorded.append((LOGITS, logits))
         mx.eval([array for _, array in recorded])  # one evaluation of the whole lazy graph
@@ -125,9 +113,14 @@ class MLXEngine:
             return self.model(mx.array([tokens]))  # (1, T, V), lazy
 
 
-def flat_heads(name: str, array):
+def per_head_points(family: str) -> tuple[str, ...]:
+    """The family's points a module returns per head, (B, T, H, D) (Qwen3's q/k norms)."""
+    return tuple("." + sub for sub, point in sub_points(family).items() if point.observed == PER_HEAD)
+
+
+def flat_heads(name: str, array, per_head: tuple[str, ...]):
     """A per-head point (B, T, H, D) as tracer holds it, (B, T, H*D); any other array as it is."""
-    return array.reshape(*array.shape[:-2], -1) if name.endswith(PER_HEAD) else array
+    return array.reshape(*array.shape[:-2], -1) if per_head and name.endswith(per_head) else array
 
 
 def to_torch(array) -> torch.Tensor:
@@ -150,24 +143,44 @@ def unread_config_keys(config: dict, args_class) -> list[str]:
 # ----------------------------------------------------------------------------- recording
 
 
-def observed_calls(model) -> dict[str, list[tuple[str | None, str | None]]]:
+def layer_calls(family: str) -> dict[str, list[tuple[str | None, str | None]]]:
+    """Observed module (relative to `model.layers.{i}`) -> one (input point, output point) per call, in
+    call order, None where that side of the call is not a point: read off `family`'s points."""
+    calls: dict[str, list[list[str | None]]] = {}
+
+    def put(module: str, call: int, side: str, sub: str) -> None:
+        slots = calls.setdefault(module, [])
+        slots += [[None, None] for _ in range(call + 1 - len(slots))]
+        slots[call][0 if side == "input" else 1] = sub
+
+    for sub, point in sub_points(family).items():
+        own = next((name for name in point.names if name.runtime == "mlx"), None)
+        if own is not None:
+            put(own.pattern, own.call, own.side, sub)
+        elif point.observed.startswith("output"):
+            put(sub, 0, "output", sub)
+        elif point.observed.startswith("input:"):
+            put(point.observed.removeprefix("input:"), 0, "input", sub)
+        # the recording attention function's other points (scores, probs): fused away in mlx-lm
+    return {module: [tuple(pair) for pair in pairs] for module, pairs in calls.items()}
+
+
+def observed_calls(model, family: str) -> dict[str, list[tuple[str | None, str | None]]]:
     """Module path -> its (input point, output point) per call, for every observed module of `model`."""
-    calls = dict(MODEL_CALLS)
-    modules = dict(model.named_modules())
+    calls = {point: [(None, point)] for point, record in model_point_records(family, False).items()
+             if record.observed == "output" and point != LOGITS}  # the logits: the model's own output
     for i in range(len(model.layers)):
-        for sub, points in LAYER_CALLS.items():
-            if sub in OPTIONAL and layer_point(i, sub) not in modules:
-                continue
+        for sub, points in layer_calls(family).items():
             calls[layer_point(i, sub)] = [tuple(None if p is None else layer_point(i, p) for p in pair)
                                           for pair in points]
     return calls
 
 
 @contextmanager
-def recording_calls(model, record):
+def recording_calls(model, family: str, record):
     """Swap every observed module's class for a recording subclass; restore all of them on exit."""
     modules = dict(model.named_modules())
-    calls = observed_calls(model)
+    calls = observed_calls(model, family)
     missing = [path for path in calls if path not in modules]
     if missing:
         raise TracerError(f"mlx-lm built a model without {missing[0]}: not the Llama layout the mlx engine records")

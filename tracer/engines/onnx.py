@@ -55,11 +55,11 @@ import torch
 from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.errors import TracerError, one_line
-from tracer.points import LOGITS, is_causal
+from tracer.model.knobs import setting
+from tracer.model.points import LOGITS, is_causal
 from tracer.progress import detail
 from tracer.sources import ModelSource
 from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
-from tracer.variants import setting
 
 EXPORT_FORMAT = 3  # bump when RecordingExport or the export settings change what it writes: older exports are rebuilt
 MODEL_FILE, PLAIN_FILE, DATA_FILE, MANIFEST_FILE = "model.onnx", "plain.onnx", "model.onnx.data", "export.json"
@@ -319,7 +319,7 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
     """ORT on tracer's export of the model directory, exported on first use."""
     if source.loaded:
         raise TracerError("the onnx engine exports the model directory itself; pass a path, not a loaded model")
-    from tracer.config import read_hf
+    from tracer.model.config import read_hf
 
     dtype = setting(variant, "dtype")
     if dtype not in DTYPES:

@@ -12,8 +12,8 @@ import importlib.util
 from dataclasses import dataclass
 
 from tracer.errors import TracerError, did_you_mean
-from tracer.points import FUSED_AWAY
-from tracer.variants import KNOBS
+from tracer.model.knobs import KNOBS
+from tracer.model.points import FUSED_AWAY
 
 
 @dataclass(frozen=True)
@@ -24,11 +24,11 @@ class EngineEntry:
         name: what `--reference` / `--candidate` take (before any `:argument`).
         module: the module whose `load(source, variant, *, argument, device, stream)` builds it.
         summary: one line for `tracer engines`.
-        kinds: the kinds of knob it honours whole (`tracer.variants.KINDS`: config, semantic, regime).
+        kinds: the kinds of knob it honours whole (`tracer.model.knobs.KINDS`: config, semantic, regime).
         knobs: single knobs it honours beyond those kinds (a runtime's own switches). Any other knob is
             refused, naming the engines that can (`honoured` is the whole list).
         fused_attention: when its attention is one fused op, which never forms the scores and
-            probabilities (`tracer.points.FUSED_AWAY`): "always", or the choice that fuses it ("" never);
+            probabilities (`tracer.model.points.FUSED_AWAY`): "always", or the choice that fuses it ("" never);
             each trace's not_recorded says it per run.
         local_errors: it can rerun each block on the reference's inputs (`local_trace`), which
             separates the error a point introduces from the error it inherits.
@@ -56,6 +56,8 @@ class EngineEntry:
             line naming the engine instead of taking tracer down.
         families: the model families it is known to trace point for point (tests/unit/test_matrix.py
             holds each to `match`); None: every family. Any other family is refused before loading.
+        positions: it takes explicit absolute positions (`record(tokens, recorder, positions=...)`,
+            `--position-offset`); the others start at 0 and refuse another start in one line.
     """
 
     name: str
@@ -80,6 +82,7 @@ class EngineEntry:
     offload: bool = False
     isolated: bool = False
     families: tuple[str, ...] | None = None
+    positions: bool = False
 
     def honours(self, knob: str) -> bool:
         return knob in self.knobs or (knob in KNOBS and KNOBS[knob].kind in self.kinds)
@@ -135,14 +138,14 @@ ENGINES: dict[str, EngineEntry] = {
             "hf", "tracer.hooks.engine",
             "transformers' own model, observed through forward hooks and a registered attention function",
             kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
-            noise_floor=True, offload=True,
+            noise_floor=True, offload=True, positions=True,
             requires=(("transformers", "transformers"),),
         ),
         EngineEntry(
             "reimpl", "tracer.engines.reimpl",
-            "tracer's own Llama in plain torch (tracer/llama.py), every knob as a strategy",
+            "tracer's own forward of every family in plain torch (tracer/reimpl/), every knob as a step",
             kinds=("config", "semantic", "regime"), fused_attention="attn=sdpa, or flash_attn with ops=ggml",
-            local_errors=True,
+            local_errors=True, positions=True,
             devices=("cpu", "cuda", "mps"), stream=True, noise_floor=True,
         ),
         EngineEntry(

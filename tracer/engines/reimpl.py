@@ -1,5 +1,5 @@
-"""The `reimpl` engine: tracer's own instrumented forward (`tracer.llama`, every family of
-`tracer.families`), no transformers import."""
+"""The `reimpl` engine: tracer's own instrumented forward (`tracer.reimpl.forward`, every family of
+`tracer.model.families`), no transformers import; it takes explicit positions."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Mapping
 
 import torch
 
-from tracer.engines.base import check_device, per_layer, trace_meta
+from tracer.engines.base import check_device, per_layer, position_offset, trace_meta
 from tracer.engines.registry import ENGINES
-from tracer.llama import Llama
+from tracer.reimpl.forward import Model
 from tracer.sources import ModelSource
 from tracer.trace import Trace, TraceMeta, TraceRecorder
 
@@ -18,48 +18,52 @@ class ReimplEngine:
     entry = ENGINES["reimpl"]
     name = entry.name
 
-    def __init__(self, llama: Llama, model: str):
-        self.llama, self.model, self.variant = llama, model, llama.variant
+    def __init__(self, model: Model, label: str):
+        self.model, self.label, self.variant = model, label, model.variant
 
     @property
     def device(self) -> torch.device:
-        return self.llama.device
+        return self.model.device
 
     @property
     def vocab_size(self) -> int:
-        return self.llama.spec.vocab_size
+        return self.model.spec.vocab_size
 
     @property
     def max_positions(self) -> int:
-        return self.llama.spec.max_position_embeddings
+        return self.model.spec.max_position_embeddings
 
-    def record(self, tokens: list[int], recorder=None) -> Trace:
-        """Every point of one forward; `recorder` (default in memory) may spill to disk instead."""
+    def record(self, tokens: list[int], recorder=None, *, positions: torch.Tensor | None = None) -> Trace:
+        """Every point of one forward at `positions` (default 0..T-1); `recorder` (default in memory)
+        may spill to disk instead."""
+        offset = position_offset(positions, len(tokens))
         recorder = recorder if recorder is not None else TraceRecorder()
-        self.llama.forward(torch.tensor(tokens), recorder)
-        return Trace(recorder.tensors, self._meta(tokens))
+        self.model.forward(torch.tensor(tokens), recorder, positions=positions)
+        return Trace(recorder.tensors, self._meta(tokens, offset))
 
-    def logits(self, tokens: list[int]) -> torch.Tensor:
-        return self.llama.forward(torch.tensor(tokens))
+    def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.forward(torch.tensor(tokens), positions=positions)
 
     def local_trace(self, reference: Trace, recorder=None) -> Trace:
-        """Every block rerun on the reference's input to that block (`tracer.forced_runs`)."""
-        from tracer.forced_runs import teacher_forced_points
+        """Every block rerun on the reference's input to that block (`tracer.reimpl.forced_runs`)."""
+        from tracer.reimpl.forced_runs import teacher_forced_points
 
-        return Trace(teacher_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
+        return Trace(teacher_forced_points(self.model, reference, recorder),
+                     self._meta(reference.tokens, reference.meta.position_offset))
 
     def op_trace(self, reference: Trace, recorder=None) -> Trace:
-        """Every op rerun on the reference's values of its inputs (`tracer.forced_runs.op_forced_points`)."""
-        from tracer.forced_runs import op_forced_points
+        """Every op rerun on the reference's values of its inputs (`tracer.reimpl.forced_runs.op_forced_points`)."""
+        from tracer.reimpl.forced_runs import op_forced_points
 
-        return Trace(op_forced_points(self.llama, reference, recorder), self._meta(reference.tokens))
+        return Trace(op_forced_points(self.model, reference, recorder),
+                     self._meta(reference.tokens, reference.meta.position_offset))
 
-    def _meta(self, tokens: list[int]) -> TraceMeta:
-        spec = self.llama.spec
-        not_recorded = per_layer(spec.num_hidden_layers, self.llama.strategies.not_recorded())
-        return trace_meta(self, self.model, tokens, self.llama.strategies.dtype, not_recorded,
+    def _meta(self, tokens: list[int], offset: int | None = None) -> TraceMeta:
+        spec = self.model.spec
+        not_recorded = per_layer(spec.num_hidden_layers, self.model.not_recorded())
+        return trace_meta(self, self.label, tokens, self.model.steps.dtype, not_recorded,
                           num_layers=spec.num_hidden_layers, unused_config_keys=list(spec.unused_keys),
-                          unused_tensors=self.llama.unused_tensors, family=spec.family)
+                          unused_tensors=self.model.unused_tensors, family=spec.family, position_offset=offset)
 
 
 def load(source: ModelSource, variant: dict, *, argument: str | None = None, device: str | torch.device = "cpu",
@@ -68,12 +72,12 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
     read our own way). `stream`: each block's weights read from the files when it runs."""
     placement = {"device": check_device(device), "stream": stream}
     if source.loaded:
-        llama = Llama.from_config(source.config(), dict(source.module.state_dict()), variant, **placement)
-        return ReimplEngine(llama, source.name)
-    return ReimplEngine(Llama.from_dir(source.directory, variant, **placement), source.name)
+        model = Model.from_config(source.config(), dict(source.module.state_dict()), variant, **placement)
+        return ReimplEngine(model, source.name)
+    return ReimplEngine(Model.from_dir(source.directory, variant, **placement), source.name)
 
 
 def from_parts(config: dict, weights: Mapping[str, torch.Tensor], variant: dict, label: str, *,
                device: str | torch.device = "cpu", stream: bool = False) -> ReimplEngine:
     """A reimpl engine from a config dict and weights already read (a sweep reads them once)."""
-    return ReimplEngine(Llama.from_config(config, weights, variant, device=check_device(device), stream=stream), label)
+    return ReimplEngine(Model.from_config(config, weights, variant, device=check_device(device), stream=stream), label)

@@ -13,7 +13,7 @@
 - `kernels`: the loops whose order is the point (quantized dot products, flash attention's FMA chains,
   ggml's exp, the Q8 quantizers), compiled by numba.
 - `candle`: candle's quantized CPU arithmetic (`preset=candle-q`).
-- `strategies`: the strategies `tracer.llama` runs for the regime knobs (`weights`, `act_quant`,
+- `strategies`: the strategies `tracer.reimpl.forward` runs for the regime knobs (`weights`, `act_quant`,
   `kv_cache`, `accumulate`, `preset=llamacpp`), and GGUF weights read as stored.
 - `quantizer`: llama.cpp's own quantizer and dequantizers (ggml's `ggml_quantize_chunk`, through
   ctypes from the library llama-cpp-python ships).

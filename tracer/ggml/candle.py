@@ -32,7 +32,6 @@ piece bit-exact, including gemm past 512 values of depth and the one-row gemv.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -55,6 +54,7 @@ from tracer.ggml.floats import (
 from tracer.ggml.quants import ACT_BLOCK, ActBlocks, Blocks
 from tracer.ggml.vecdot import matmul_blas, matmul_ggml
 from tracer.layouts import to_interleaved
+from tracer.model.points import PROBS, SCORES
 
 # (weight, activation) pairs whose candle kernel is emulated in its own order.
 SCALAR_KERNELS = {("q4_1", "q8_1"), ("q5_1", "q8_1"), ("q5_0", "q8_0")}  # k_quants.rs' generic loops (no AVX2 kernel)
@@ -256,16 +256,17 @@ def candle_inv_freq(theta: float, head_dim: int) -> np.ndarray:
                      for i in range(0, head_dim, 2)], dtype=np.float32)
 
 
-def rope_angles(inv_freq: np.ndarray, num_tokens: int) -> np.ndarray:
-    """(T, D/2) f32: position × frequency, exact in f32 (candle's (P, 1) @ (1, D/2) matmul has one
-    product per entry)."""
-    return np.arange(num_tokens, dtype=np.float32)[:, None] * inv_freq[None, :]
+def rope_angles(inv_freq: np.ndarray, positions) -> np.ndarray:
+    """(T, D/2) f32: position × frequency for absolute `positions` (T,), exact in f32 (candle's
+    (P, 1) @ (1, D/2) matmul has one product per entry)."""
+    return np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
 
 
-def rotary(spec, num_tokens: int, dtype, device="cpu", layer_type: str = "full_attention"):
-    """cos, sin (1, T, D) in half-split layout from candle's tables: `1f32 / theta.powf(i/D)` per
-    pair, position × frequency, then libm's cosf/sinf (Rust's f32::cos/sin)."""
-    angles = torch.from_numpy(rope_angles(candle_inv_freq(spec.rope_theta, spec.head_dim), num_tokens))  # (T, D/2)
+def rotary(spec, positions: torch.Tensor, dtype, device="cpu", layer_type: str = "full_attention"):
+    """cos, sin (1, T, D) in half-split layout from candle's tables at absolute `positions` (T,):
+    `1f32 / theta.powf(i/D)` per pair, position × frequency, then libm's cosf/sinf (Rust's f32::cos/sin)."""
+    angles = torch.from_numpy(rope_angles(candle_inv_freq(spec.rope_theta, spec.head_dim),
+                                          positions.cpu().numpy()))  # (T, D/2)
     cos, sin = libm("cosf", angles), libm("sinf", angles)
     return torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]  # (1, T, D)
 
@@ -277,17 +278,17 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return e / vec_sum(e)[..., None]
 
 
-def attention(q, k, v, spec, strategies, prefix, record, window=None):
+def attention(q, k, v, spec, steps, record, visible=None):
     """quantized_llama.rs' attention: q (1, H, T, D), k/v (1, KV, T, D) in HF order -> (1, H, T, D).
     The products run in GGUF's dim order, as candle multiplies the GGUF's permuted rows."""
     dim = spec.head_dim
-    k, v = strategies.repeat_kv(k, spec.num_kv_groups), strategies.repeat_kv(v, spec.num_kv_groups)  # (1, H, T, D)
+    k, v = steps.repeat_kv(k, spec.num_kv_groups), steps.repeat_kv(v, spec.num_kv_groups)  # (1, H, T, D)
     q_g, k_g = to_interleaved(q.to(F32), dim), to_interleaved(k.to(F32), dim)  # GGUF order
     scale = torch.tensor(float(np.float32(1.0 / np.sqrt(dim))), dtype=F32)  # affine(1/sqrt(D), 0) in f32
     scores = gemm(q_g, k_g.transpose(-1, -2)) * scale + 0.0  # (1, H, T, T)
-    record(f"{prefix}.scores", scores)
-    probs = softmax(strategies.mask(scores, window))
-    record(f"{prefix}.probs", probs)
+    record(SCORES, scores)
+    probs = softmax(steps.mask(scores, visible))
+    record(PROBS, probs)
     return gemm(probs, v.to(F32))  # (1, H, T, D)
 
 
@@ -298,9 +299,9 @@ def glu(gate: torch.Tensor, up: torch.Tensor, hidden_act: str) -> torch.Tensor:
     return silu_scalar(gate.to(F32)) * up.to(F32)
 
 
-def apply_ops(strategies):
-    """`strategies` with candle's f32 kernels (ops=candle) put in."""
-    return dataclasses.replace(strategies, norm=rms_norm, rotary=rotary, attention=attention, glu=glu)
+def apply_ops(steps):
+    """`steps` with candle's f32 kernels (ops=candle) put in."""
+    return steps.replace(norm=rms_norm, rotary=rotary, attention=attention, glu=glu)
 
 
 # --- the regime a candle run implies -------------------------------------------------------------

@@ -2,7 +2,7 @@
 vec.h, vec.cpp, simd-gemm.h), for x86 with AVX-512F/DQ (the `GGML_NATIVE` build on this machine;
 AVX2-only machines differ in `ggml_v_expf` and in the lane count of the f16 dot products).
 
-Shapes as in `tracer.llama`: x (1, T, C); q (1, H, T, D), k/v (1, KV, T, D) in HF's half-split
+Shapes as in `tracer.reimpl.forward`: x (1, T, C); q (1, H, T, D), k/v (1, KV, T, D) in HF's half-split
 order. ggml holds q/k rows in GGUF's interleaved order; where that order decides a summation
 (the q·k dot products) the functions below permute to it first.
 """
@@ -32,6 +32,7 @@ from tracer.ggml.floats import (
     silu_scalar,
 )
 from tracer.layouts import to_interleaved
+from tracer.model.points import PROBS, SCORES
 
 SIMD_F32 = 16  # f32 lanes of an AVX-512 register (GGML_F32_EPR)
 F16_DOT_STEP = 64  # GGML_F16_STEP: 4 registers of 16 lanes per step of ggml_vec_dot_f16
@@ -63,13 +64,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def _rope_angles(num_tokens: int, n_dims: int, base: float, freq_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_angles(positions: tuple[int, ...], n_dims: int, base: float,
+                 freq_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, D/2) cos, sin as ggml_rope_cache_init computes them: theta starts at the position (f32)
     and is multiplied by theta_scale = powf(base, -2.0f/n_dims) once per pair, in f32; then
     cosf/sinf of the C library (scaled by freq_scale, which is 1 without rope scaling)."""
     theta_scale = np.float32(powf(base, float(np.float32(-2.0) / np.float32(n_dims))))
-    theta = np.arange(num_tokens, dtype=np.float32)  # (T,)
-    angles = np.empty((num_tokens, n_dims // 2), dtype=np.float32)
+    theta = np.array(positions, dtype=np.float32)  # (T,)
+    angles = np.empty((len(positions), n_dims // 2), dtype=np.float32)
     for i in range(n_dims // 2):
         angles[:, i] = np.float32(freq_scale) * theta
         theta = (theta * theta_scale).astype(np.float32)
@@ -77,10 +79,11 @@ def _rope_angles(num_tokens: int, n_dims: int, base: float, freq_scale: float) -
     return libm("cosf", table), libm("sinf", table)
 
 
-def rope_cos_sin(spec, num_tokens: int, dtype: torch.dtype | None, device="cpu",
+def rope_cos_sin(spec, positions: torch.Tensor, dtype: torch.dtype | None, device="cpu",
                  layer_type: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
-    """(1, T, D/2) cos and sin for `rope` below, from the spec's theta (and linear scaling); f32
-    whatever `dtype` (ggml computes RoPE in f32), one table for every layer type (Llama has one).
+    """(1, T, D/2) cos and sin for `rope` below at absolute `positions` (T,), from the spec's theta (and
+    linear scaling); f32 whatever `dtype` (ggml computes RoPE in f32), one table for every layer type
+    (Llama has one).
 
     Raises:
         TracerError: a rope scaling ggml's normal-mode RoPE is not emulated for (llama3: freq factors).
@@ -90,7 +93,7 @@ def rope_cos_sin(spec, num_tokens: int, dtype: torch.dtype | None, device="cpu",
         raise TracerError(f"rope_type {scaling.get('rope_type')!r} is not emulated by the ggml regime "
                           "(default, linear)")
     freq_scale = 1.0 / scaling["factor"] if scaling else 1.0
-    cos, sin = _rope_angles(num_tokens, spec.head_dim, float(np.float32(spec.rope_theta)), freq_scale)
+    cos, sin = _rope_angles(tuple(positions.tolist()), spec.head_dim, float(np.float32(spec.rope_theta)), freq_scale)
     return cos[None].to(device), sin[None].to(device)
 
 
@@ -478,7 +481,7 @@ def soft_max(scores: torch.Tensor) -> torch.Tensor:
     return (p * (1.0 / total).to(F32)[..., None])[..., :tokens]
 
 
-def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix: str = ""):
+def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None):
     """llama.cpp's attention without flash attention (llama-graph.cpp build_attn_mha): kq =
     mul_mat(K cache, Q), soft_max_ext(kq, mask, scale), kqv = mul_mat(Vᵀ cache, probabilities).
 
@@ -486,7 +489,7 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
     both products by tinyBLAS from 2 query rows (one 16-lane FMA chain per output), by
     ggml_vec_dot_f16/bf16 for one row or on a build without LLAMAFILE. f32 cache: q·k by
     ggml_vec_dot_f32 (the first tinyBLAS call needs a contiguous Q), the probabilities by tinyBLAS.
-    Scores and probabilities are recorded.
+    Scores and probabilities are recorded (`record`: names relative to the layer).
     q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D)."""
     from tracer.ggml.floats import round_bf16
 
@@ -504,8 +507,8 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, prefix
     scores = raw * np.float32(attention_scale(head_dim))
     probs = soft_max(scores)
     if record is not None:
-        record(f"{prefix}.scores", scores[None])
-        record(f"{prefix}.probs", probs[None])
+        record(SCORES, scores[None])
+        record(PROBS, probs[None])
     # the cache's cells padded to whole steps of every dot product here (tinyBLAS: 16 or 32; ggml_vec_dot_*: 64),
     # so that sums split where llama.cpp's over the 256 cells do
     p = _pad16(store(probs), F16_DOT_STEP)[:, :, None, :]  # (H, T, 1, N): converted to V's vec-dot type

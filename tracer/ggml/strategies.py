@@ -1,6 +1,6 @@
-"""The regime knobs as strategies of `tracer.llama`, and GGUF weights read as stored.
+"""The regime knobs as strategies of `tracer.reimpl.forward`, and GGUF weights read as stored.
 
-Knobs (defined in `tracer.variants.KNOBS`, honoured by the reimpl engine):
+Knobs (defined in `tracer.model.knobs.KNOBS`, honoured by the reimpl engine):
 
 - `weights`: q4_0 | q4_1 | q5_0 | q5_1 | q8_0 (every projection quantized by the gguf package's
   reference quantizer; embeddings and norms as loaded) or `gguf` (every tensor of a GGUF file, each
@@ -31,7 +31,6 @@ engine runs like any other (`tracer.record(..., engine="reimpl", variant=...)`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tracer.aliases import GGUF
 from tracer.errors import TracerError
 from tracer.ggml import ops, repack, tinyblas
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
@@ -58,29 +56,32 @@ from tracer.ggml.quants import (
 )
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
 from tracer.layouts import to_interleaved
-from tracer.variants import PRESETS, is_regime, setting
+from tracer.model.knobs import PRESETS, is_regime, setting
+from tracer.model.names import gguf_tensor_name, hf_tensor_name
+from tracer.model.points import (
+    DOWN_PROJ,
+    EMBED,
+    GATE_PROJ,
+    K_PROJ,
+    LOGITS,
+    O_PROJ,
+    PROBS,
+    Q_PROJ,
+    SCORES,
+    UP_PROJ,
+    V_PROJ,
+    WEIGHT,
+    gguf_permuted,
+)
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 
 
 # --- weights ----------------------------------------------------------------------------------
 
-# GGUF tensor stems ("blk.{i}.attn_q", "output_norm") -> the HF module holding that weight: the GGUF
-# rows of tracer's one alias table (`tracer.aliases.GGUF`, checked against gguf-py's TensorNameMap).
-GGUF_MODULES = {alias.pattern: alias.point for alias in GGUF if alias.pattern != "blk.{i}"}
-PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")  # rows in GGUF's RoPE-pair order
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; None for others."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit():
-        module = GGUF_MODULES.get(f"blk.{{i}}.{parts[2]}")
-        return None if module is None else f"{module.replace('{i}', parts[1])}.{suffix}"
-    module = GGUF_MODULES.get(stem)
-    return None if module is None else f"{module}.{suffix}"
+def permuted(name: str) -> bool:
+    """A q/k weight, whose rows GGUF holds in RoPE-pair order."""
+    return name.endswith(WEIGHT) and gguf_permuted(name.removesuffix(WEIGHT))
 
 
 def gguf_path(source: dict | None) -> Path:
@@ -117,7 +118,7 @@ class GGUFWeights(Mapping):
         from tracer.gguffile import GGUFFile
 
         self.file = GGUFFile(path)
-        self.names = {name: info for info in self.file.tensors.values() if (name := hf_name(info.name))}
+        self.names = {name: info for info in self.file.tensors.values() if (name := hf_tensor_name(info.name))}
         self.head_dim = _head_dim(self.file)
         self.cache: dict[str, object] = {}
 
@@ -144,7 +145,7 @@ class GGUFWeights(Mapping):
                 blocks = Blocks(info.kind, info.shape, held=blocks)
         else:
             blocks = from_gguf_bytes(info.kind, raw, info.shape)
-        if name.endswith(PERMUTED):
+        if permuted(name):
             order = _unpermute_rows(info.shape[0], self.head_dim)
             blocks = blocks.rows(order) if isinstance(blocks, Blocks) else blocks[order]
         return blocks
@@ -200,27 +201,16 @@ class RequantizedWeights(Mapping):
 
 def reference_tensor(reference: Mapping, name: str) -> torch.Tensor:
     """A model's tensor for an HF name; the output layer of tied embeddings is the embedding."""
-    if name == "lm_head.weight" and name not in reference:
-        name = "model.embed_tokens.weight"
+    if name == LOGITS + WEIGHT and name not in reference:
+        name = EMBED + WEIGHT
     return reference[name]
 
 
 def gguf_rows(weights: GGUFWeights, name: str, rows: int) -> np.ndarray | None:
     """Index of a model's rows in a GGUF's order (q/k rows are permuted there), or None: same order."""
-    if not name.endswith(PERMUTED):
+    if not permuted(name):
         return None
     return to_interleaved(torch.arange(rows)[None], weights.head_dim)[0].numpy()
-
-
-def gguf_name(name: str) -> str | None:
-    """"model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight" (`hf_name` reversed)."""
-    stem, _, suffix = name.rpartition(".")
-    parts = stem.split(".")
-    if stem.startswith("model.layers.") and len(parts) > 3 and parts[2].isdigit():
-        generic = ".".join(["model.layers.{i}", *parts[3:]])
-        return next((f"{pattern.replace('{i}', parts[2])}.{suffix}" for pattern, point in GGUF_MODULES.items()
-                     if point == generic), None)
-    return next((f"{pattern}.{suffix}" for pattern, point in GGUF_MODULES.items() if point == stem), None)
 
 
 def check_same_model(weights: GGUFWeights, reference: Mapping, path: Path) -> None:
@@ -232,16 +222,17 @@ def check_same_model(weights: GGUFWeights, reference: Mapping, path: Path) -> No
     """
     shapes = reference.shapes() if hasattr(reference, "shapes") else {n: tuple(t.shape) for n, t in reference.items()}
     for name, info in weights.names.items():
-        mine = shapes.get(name, shapes.get("model.embed_tokens.weight") if name == "lm_head.weight" else None)
+        mine = shapes.get(name, shapes.get(EMBED + WEIGHT) if name == LOGITS + WEIGHT else None)
         if mine is None:
             raise TracerError(f"{path.name} is not a file of this model: it has {info.name}, the model has no "
                               f"{name}")
         if tuple(mine) != tuple(info.shape):
             raise TracerError(f"{path.name} is not a file of this model: its {info.name} is {tuple(info.shape)}, "
                               f"the model's {name} is {tuple(mine)}")
-    missing = [name for name in shapes if name not in weights.names and name != "lm_head.weight" and gguf_name(name)]
+    missing = [name for name in shapes
+               if name not in weights.names and name != LOGITS + WEIGHT and gguf_tensor_name(name)]
     if missing:
-        raise TracerError(f"{path.name} is not a file of this model: it has no {gguf_name(missing[0])} for the "
+        raise TracerError(f"{path.name} is not a file of this model: it has no {gguf_tensor_name(missing[0])} for the "
                           f"model's {missing[0]}")
 
 
@@ -425,7 +416,7 @@ def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
     rows are stored, V too, the output back). Other accumulations: the same operands, summed in
     f64."""
 
-    def attention(q, k, v, spec, strategies, prefix, record, window=None):
+    def attention(q, k, v, spec, steps, record, visible=None):
         if kv_cache in ("f16", "f32"):
             return ops.flash_attention(q, k, v, spec.head_dim, accumulate)
         heads, dim = q.shape[1], spec.head_dim
@@ -473,8 +464,8 @@ def make_attention_unfused(kv_cache: str):
     if kv_cache == "q8_0":
         raise TracerError("kv_cache=q8_0 needs flash attention (llama.cpp: a quantized V cache requires flash_attn)")
 
-    def attention(q, k, v, spec, strategies, prefix, record, window=None):
-        return ops.attention_unfused(q, k, v, spec.head_dim, kv_cache, record, prefix)
+    def attention(q, k, v, spec, steps, record, visible=None):
+        return ops.attention_unfused(q, k, v, spec.head_dim, kv_cache, record)
 
     return attention
 
@@ -486,16 +477,16 @@ def make_attention_stored(kv_cache: str, rounding: str):
     store = kv_rounding(kv_cache, rounding)
     probs_format = ROUND.get(kv_cache, lambda x: x)
 
-    def attention(q, k, v, spec, strategies, prefix, record, window=None):
+    def attention(q, k, v, spec, steps, record, visible=None):
         groups = spec.num_kv_groups
         qs = _stored_qk(q, store, spec.head_dim)  # (1, H, T, D)
-        ks = strategies.repeat_kv(_stored_qk(k, store, spec.head_dim), groups)  # (1, H, T, D)
-        vs = strategies.repeat_kv(store(v.to(F32)), groups)  # (1, H, T, D)
-        scores = strategies.scale_scores(torch.matmul(qs, ks.transpose(2, 3)), spec.score_scale_dim)  # (1, H, T, T)
-        scores = strategies.softcap(scores, spec.attn_logit_softcapping)
-        record(f"{prefix}.scores", scores)
-        probs = torch.softmax(strategies.mask(scores, window), dim=-1, dtype=F32)
-        record(f"{prefix}.probs", probs)
+        ks = steps.repeat_kv(_stored_qk(k, store, spec.head_dim), groups)  # (1, H, T, D)
+        vs = steps.repeat_kv(store(v.to(F32)), groups)  # (1, H, T, D)
+        scores = steps.scale_scores(torch.matmul(qs, ks.transpose(2, 3)), spec.score_scale_dim)  # (1, H, T, T)
+        scores = steps.softcap(scores, spec.attn_logit_softcapping)
+        record(SCORES, scores)
+        probs = torch.softmax(steps.mask(scores, visible), dim=-1, dtype=F32)
+        record(PROBS, probs)
         return torch.matmul(probs_format(probs), vs)
 
     return attention
@@ -544,7 +535,7 @@ def check_knobs(knobs: dict) -> None:
 
 
 def apply_regime(knobs: dict, strategies, spec=None):
-    """`strategies` (a `tracer.llama.Strategies`) with the regime knobs' steps put in. The number
+    """`strategies` (the forward's `tracer.model.component.Steps`) with the regime knobs' steps put in. The number
     formats (weights, act_quant, kv_cache, accumulate) apply to every family; ggml's own ops
     (ops=ggml, preset=llamacpp) are emulated for llama.cpp's Llama graph only."""
     check_knobs(knobs)
@@ -571,7 +562,7 @@ def apply_regime(knobs: dict, strategies, spec=None):
             changes["attention"] = make_attention_unfused(kv_cache or "f32")
     elif kv_cache is not None:
         changes["attention"] = make_attention_stored(kv_cache, rounding)
-    replaced = dataclasses.replace(strategies, **changes)
+    replaced = strategies.replace(**changes)
     if knobs.get("ops") == "candle":  # candle's f32 kernels (tracer.ggml.candle)
         from tracer.ggml.candle import apply_ops
 

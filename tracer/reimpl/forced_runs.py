@@ -11,39 +11,40 @@ from __future__ import annotations
 
 import torch
 
-from tracer.llama import Llama, decoder_layer, layer_positions
-from tracer.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_point
+from tracer.model.points import EMBED, layer_point
+from tracer.reimpl.forward import Model
 from tracer.trace import Trace, TraceRecorder
 
 
+def trace_positions(trace: Trace) -> torch.Tensor:
+    """The absolute positions a trace's tokens ran at (its `position_offset`, 0 by default)."""
+    start = trace.meta.position_offset or 0
+    return torch.arange(start, start + len(trace.tokens))
+
+
 @torch.inference_mode()
-def teacher_forced_points(llama: Llama, reference: Trace, recorder=None):
+def teacher_forced_points(model: Model, reference: Trace, recorder=None):
     """The candidate's points (point -> tensor, recording order) with every block fed the
-    reference's input to that block."""
+    reference's input to that block, and each point of the head (a chain: final norm, logits,
+    capped logits) the reference's value of the point before it."""
     recorder = recorder if recorder is not None else TraceRecorder()
-    w, spec, strategies = llama.weights, llama.spec, llama.strategies
 
     def reference_input(point: str) -> torch.Tensor:
-        return reference[point][None].to(dtype=strategies.dtype, device=llama.device)  # (1, T, C)
+        return reference[point][None].to(dtype=model.steps.dtype, device=model.device)  # (1, T, C)
 
-    tokens = torch.tensor(reference.tokens, device=llama.device)
-    embedded = strategies.embed(tokens[None], w["model.embed_tokens.weight"], spec)  # (1, T, C)
-    recorder(EMBED, embedded)
-    positions = layer_positions(spec, strategies, tokens.shape[0], embedded.dtype, llama.device)
+    model.embed(torch.tensor(reference.tokens), recorder)
+    positions = model.positions(trace_positions(reference))
     block_input = EMBED
-    for i, layer in enumerate(llama.layers):
+    for i in range(model.spec.num_hidden_layers):
         if block_input not in reference:
             break
-        decoder_layer(reference_input(block_input), layer, spec, positions[i], strategies, layer_point(i, ""),
-                      recorder)
+        model.block(i, reference_input(block_input), positions, None, recorder)
         block_input = layer_point(i, "")
-    last_block = layer_point(spec.num_hidden_layers - 1, "")
-    if last_block in reference:
-        recorder(FINAL_NORM, strategies.norm(reference_input(last_block), w["model.norm.weight"], spec.rms_norm_eps))
-    if FINAL_NORM in reference:
-        recorder(LOGITS, strategies.logits(reference_input(FINAL_NORM), w["lm_head.weight"]))
-    if LOGITS in reference and spec.final_logit_softcapping is not None:  # Gemma 2's capped logits
-        recorder(FINAL_LOGITS, strategies.softcap(reference_input(LOGITS), spec.final_logit_softcapping))
+    previous = layer_point(model.spec.num_hidden_layers - 1, "")
+    for point in model.family.head.points(model.family):
+        if previous in reference:
+            model.head_step(point.name, reference_input(previous), recorder)
+        previous = point.name
     return recorder.tensors
 
 
@@ -73,11 +74,11 @@ class ForcingRecorder:
 
 
 @torch.inference_mode()
-def op_forced_points(llama: Llama, reference: Trace, recorder=None):
+def op_forced_points(model: Model, reference: Trace, recorder=None):
     """The candidate's points with every op fed the reference's values of its inputs (a finer
     teacher forcing than `teacher_forced_points`: inside a block too). A point's error is then its
     op's alone: where the ops round to 8 bits (a quantized regime), a tiny difference upstream in
     the same block can no longer flip a rounding and pass for the op's own error."""
     forcing = ForcingRecorder(reference, recorder)
-    llama.forward(torch.tensor(reference.tokens), forcing)
+    model.forward(torch.tensor(reference.tokens), forcing, positions=trace_positions(reference))
     return forcing.tensors

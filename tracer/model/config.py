@@ -3,7 +3,7 @@
 Two readers of the same file, because a port reads it its own way:
 
 - `read_hf` follows how transformers 5 reads the `config.json` of each family tracer traces
-  (`tracer.families`; `LlamaConfig`, `Qwen2Config`, `Gemma2Config`, ... and
+  (`tracer.model.families`; `LlamaConfig`, `Qwen2Config`, `Gemma2Config`, ... and
   `RotaryEmbeddingConfigMixin.standardize_rope_params`): `rope_theta` from `rope_parameters`
   (transformers 5 files) or top level (transformers 4 files), default 10000; `head_dim` default
   hidden/heads; kv heads default to the query heads. Each family's own defaults and keys (Qwen's
@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tracer import families
 from tracer.errors import TracerError
-from tracer.families import family_of
-from tracer.variants import check_family, setting
+from tracer.model.component import family_named, family_of
+from tracer.model.knobs import check_family, setting
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -67,7 +66,7 @@ class LlamaSpec:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}; None = plain RoPE
-    # What the families beyond Llama add (tracer.families); the defaults are Llama's.
+    # What the families beyond Llama add (tracer.model.families); the defaults are Llama's.
     family: str = "llama"
     qkv_bias: bool = False  # q/k/v biases without an o_proj bias (Qwen2, always)
     sliding_window: int | None = None  # keys a query sees on a sliding layer (itself included)
@@ -77,7 +76,16 @@ class LlamaSpec:
     query_pre_attn_scalar: float | None = None  # scores scaled by its -0.5 power instead of head_dim's (Gemma)
     attn_logit_softcapping: float | None = None  # scores -> cap·tanh(scores/cap) before the mask (Gemma 2)
     final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    # The config fields a family's own components declare (`Component.config_fields`: a mixture of
+    # experts' num_local_experts, ...), key -> value; read as attributes (`spec.num_local_experts`).
+    extra: dict = field(default_factory=dict)
     unused_keys: tuple[str, ...] = field(default=(), compare=False)
+
+    def __getattr__(self, name: str):
+        extra = self.__dict__.get("extra") or {}
+        if name in extra:
+            return extra[name]
+        raise AttributeError(f"{type(self).__name__} has no field {name!r}")
 
     @property
     def num_kv_groups(self) -> int:
@@ -148,9 +156,21 @@ def read_hf(config: dict) -> LlamaSpec:
                            "an activation transformers knows"),
         family=family.name,
         **reads.extras(config),
+        extra=component_fields(config, family),
     )
     used = set(hf_fields(family.name))
     return spec.replace(unused_keys=tuple(sorted(k for k in config if k not in used and k not in NON_FORWARD_KEYS)))
+
+
+def component_fields(config: dict, family) -> dict:
+    """The values of the config fields the family's components declare (`ConfigField`), checked."""
+    values = {}
+    for declared in family.config_fields():
+        if declared.default is REQUIRED and declared.key not in config:
+            raise TracerError(f"config.json lacks the required key {declared.key!r}")
+        value = config.get(declared.key, declared.default)
+        values[declared.key] = FIELD_CHECKS[declared.kind](declared.key, value)
+    return values
 
 
 def _hf_max_positions(config: dict, default: int = 2048) -> int:
@@ -275,6 +295,10 @@ def _object(key: str, value) -> dict:
     return value
 
 
+# A declared config field's kind -> its checker (`ConfigField.kind`).
+FIELD_CHECKS = {"positive_int": _positive_int, "positive_number": _positive_number, "bool": _boolean}
+
+
 def _kv_heads(config: dict, heads: int, default: int | None = None) -> int:
     absent = config.get("num_key_value_heads", default)  # null means the heads in every family
     kv_heads = _positive_int("num_key_value_heads", heads if absent is None else absent)
@@ -360,7 +384,7 @@ class FamilyConfig:
     divisible_heads: bool = False
 
 
-def _rope_fields(config: dict) -> dict:
+def rope_fields(config: dict) -> dict:
     theta, scaling = _hf_rope(config)
     return {"rope_theta": theta, "rope_scaling": scaling}
 
@@ -369,8 +393,8 @@ def _biases(config: dict) -> dict:
     return {"attention_bias": _boolean("attention_bias", config.get("attention_bias", False))}
 
 
-def _llama(config: dict) -> dict:
-    return {**_rope_fields(config), **_biases(config), "mlp_bias": _boolean("mlp_bias", config.get("mlp_bias", False))}
+def llama_extras(config: dict) -> dict:
+    return {**rope_fields(config), **_biases(config), "mlp_bias": _boolean("mlp_bias", config.get("mlp_bias", False))}
 
 
 def _layer_types(config: dict, default: list[str]) -> tuple[str, ...]:
@@ -400,23 +424,23 @@ def _qwen_windows(config: dict) -> dict:
     return {"sliding_window": window, "layer_types": types if "sliding_attention" in types else None}
 
 
-def _every_layer_window(config: dict, default: int | None) -> dict:
+def every_layer_window(config: dict, default: int | None) -> dict:
     """Mistral, Phi-3: one window on every layer, when there is one."""
     window = _window(config, default)
     return {"sliding_window": window,
             "layer_types": None if window is None else ("sliding_attention",) * config["num_hidden_layers"]}
 
 
-def _qwen2(config: dict) -> dict:
-    return {**_rope_fields(config), "qkv_bias": True, **_qwen_windows(config)}  # Qwen2Attention: bias=True always
+def qwen2_extras(config: dict) -> dict:
+    return {**rope_fields(config), "qkv_bias": True, **_qwen_windows(config)}  # Qwen2Attention: bias=True always
 
 
-def _qwen3(config: dict) -> dict:
-    return {**_rope_fields(config), **_biases(config), **_qwen_windows(config)}
+def qwen3_extras(config: dict) -> dict:
+    return {**rope_fields(config), **_biases(config), **_qwen_windows(config)}
 
 
-def _mistral(config: dict) -> dict:
-    return {**_rope_fields(config), **_every_layer_window(config, 4096)}
+def mistral_extras(config: dict) -> dict:
+    return {**rope_fields(config), **every_layer_window(config, 4096)}
 
 
 def _gemma_common(config: dict, caps: tuple[float | None, float | None], pattern: int) -> dict:
@@ -445,12 +469,12 @@ def _causal_only(config: dict) -> None:
                           "causal LM")
 
 
-def _gemma2(config: dict) -> dict:
+def gemma2_extras(config: dict) -> dict:
     _causal_only(config)
-    return {**_rope_fields(config), **_gemma_common(config, (50.0, 30.0), 2)}
+    return {**rope_fields(config), **_gemma_common(config, (50.0, 30.0), 2)}
 
 
-def _gemma3(config: dict) -> dict:
+def gemma3_extras(config: dict) -> dict:
     """Gemma 3: a global RoPE (rope_theta, default 1e6, with any scaling) and a local one for the sliding
     layers (rope_local_base_freq, default 10000); transformers 5 nests both in rope_parameters."""
     _causal_only(config)
@@ -469,7 +493,7 @@ def _gemma3(config: dict) -> dict:
             **_gemma_common(config, (None, None), pattern)}
 
 
-def _phi3(config: dict) -> dict:
+def phi3_extras(config: dict) -> dict:
     """Phi-3: `rope_scaling` replaces `rope_parameters` ("su" and "yarn" are longrope), the pretraining
     length `original_max_position_embeddings` at top level wins, and `partial_rotary_factor` may sit at
     top level or with the rope parameters."""
@@ -487,42 +511,23 @@ def _phi3(config: dict) -> dict:
         raise _refuse("partial_rotary_factor", factor, f"at most 1, rotating an even number of the {head_dim} "
                                                        "dims of a head")
     return {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": factor,
-            **_every_layer_window(config, None)}
+            **every_layer_window(config, None)}
 
 
-def _olmo2(config: dict) -> dict:
-    return {**_rope_fields(config), **_biases(config)}
+def olmo2_extras(config: dict) -> dict:
+    return {**rope_fields(config), **_biases(config)}
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-_ROPE = {"rope_parameters": None, "rope_theta": DEFAULT_ROPE_THETA, "rope_scaling": None}
-_QWEN_WINDOWS = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None}
-_GEMMA = {"attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None}
-FAMILY_CONFIGS: dict[str, FamilyConfig] = {
-    "llama": FamilyConfig(_llama, {**_ROPE, "attention_bias": False, "mlp_bias": False}, divisible_heads=True),
-    "qwen2": FamilyConfig(_qwen2, {**_ROPE, **_QWEN_WINDOWS}, kv_heads=32, max_positions=32768),
-    "qwen3": FamilyConfig(_qwen3, {**_ROPE, "attention_bias": False, **_QWEN_WINDOWS}, kv_heads=32, head_dim=128,
-                          max_positions=32768),
-    "mistral": FamilyConfig(_mistral, {**_ROPE, "sliding_window": 4096}, kv_heads=8, max_positions=131072),
-    "gemma2": FamilyConfig(_gemma2, {**_ROPE, **_GEMMA, "attn_logit_softcapping": 50.0,
-                                     "final_logit_softcapping": 30.0, "use_bidirectional_attention": None},
-                           kv_heads=4, head_dim=256, max_positions=8192, tied=True,
-                           activation=("hidden_activation", "gelu_pytorch_tanh"), divisible_heads=True),
-    "gemma3": FamilyConfig(_gemma3, {"rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": 10_000.0,
-                                     "rope_scaling": None, **_GEMMA, "sliding_window_pattern": 6,
-                                     "attn_logit_softcapping": None, "final_logit_softcapping": None,
-                                     "use_bidirectional_attention": False},
-                           kv_heads=4, head_dim=256, max_positions=131072, tied=True,
-                           activation=("hidden_activation", "gelu_pytorch_tanh"), divisible_heads=True),
-    "phi3": FamilyConfig(_phi3, {**_ROPE, "partial_rotary_factor": 1.0, "original_max_position_embeddings": 4096,
-                                 "sliding_window": None}, rms_norm_eps=1e-5, max_positions=4096),
-    "olmo2": FamilyConfig(_olmo2, {**_ROPE, "attention_bias": False}, rms_norm_eps=1e-5),
-}
+# Keys several families read, key -> transformers' default (each family's declaration lists its own).
+ROPE_KEYS = {"rope_parameters": None, "rope_theta": DEFAULT_ROPE_THETA, "rope_scaling": None}
+QWEN_WINDOW_KEYS = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None}
+GEMMA_KEYS = {"attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None}
 
 
 def config_reading(family: str) -> FamilyConfig:
-    """How one family's config.json is read (the row its `Family` names)."""
-    return FAMILY_CONFIGS[families.get(family).config_reader]
+    """How one family's config.json is read (part of its declaration, `tracer.model.families`)."""
+    return family_named(family).config
 
 
 def hf_fields(family: str) -> dict:
@@ -535,6 +540,7 @@ def hf_fields(family: str) -> dict:
         "num_hidden_layers": REQUIRED, "num_attention_heads": REQUIRED, "num_key_value_heads": kv_heads,
         "head_dim": head_dim, "rms_norm_eps": reads.rms_norm_eps, "max_position_embeddings": reads.max_positions,
         "tie_word_embeddings": reads.tied, reads.activation[0]: reads.activation[1], **reads.extra_fields,
+        **{declared.key: declared.default for declared in family_named(family).config_fields()},
     }
 
 
@@ -635,7 +641,8 @@ def audit(config: dict, resave: str = "none") -> dict:
         }
         try:
             spec = READERS[name](config)
-            specs[name] = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.compare}
+            specs[name] = {**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                              if f.compare and f.name != "extra"}, **spec.extra}  # a component's fields as the rest
             entry["spec"] = specs[name]
         except TracerError as exc:
             entry["error"] = str(exc)

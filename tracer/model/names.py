@@ -1,12 +1,16 @@
-"""Other runtimes' tensor names mapped onto tracer's points, in one table.
+"""Other runtimes' names for tracer's points, read off the components' declarations, and GGUF's
+tensor names from gguf's own `TensorNameMap`.
 
 A port dumps its intermediate tensors under the names its own code uses: candle's llama.rs
 field names (`blocks.3.mlp.c_proj`), the ggml graph names llama.cpp's eval callback prints
-(`ffn_out-3`), TransformerLens hook names (`blocks.3.hook_mlp_out`), or HF module paths (MLX's
-mlx-lm uses the same paths). `ALIASES` maps each, with `{i}` for the layer, onto the point
-vocabulary (`tracer.points`); a user mapping file (JSON `{"their_name_pattern":
-"our_point_pattern"}`) extends and overrides it. A name that maps nowhere is listed, never
-dropped silently; names known to hold something tracer has no point for are listed with why.
+(`ffn_out-3`), TransformerLens hook names (`blocks.3.hook_mlp_out`), GGUF tensor names for the
+modules holding those weights, or HF module paths (MLX's mlx-lm uses the same paths). Each point
+declares its names (`tracer.model.component.Name`, with `{i}` for the layer) in the component that
+computes it; `aliases()` gathers them over the registered families, and a user mapping file (JSON
+`{"their_name_pattern": "our_point_pattern"}`) extends and overrides them. GGUF's names are not
+written here: `gguf_names` asks gguf's `TensorNameMap` (the hub llama.cpp's converter uses) for each
+point's module path. A name that maps nowhere is listed, never dropped silently; names known to hold
+something tracer has no point for are listed with why (`NOT_COMPARABLE`).
 
 Each alias also says how that runtime lays the tensor out, for `tracer.layouts`:
 `layout` is the natural order of a per-head tensor ("THD": [T, H, D], "HTD": [H, T, D]) used
@@ -23,9 +27,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tracer.errors import TracerError, one_line
-from tracer.points import EMBED, FINAL_NORM, LOGITS, MODEL_POINTS, SUB_POINTS, split_point
+from tracer.model.component import Family, family_named, registered, registry_version
+from tracer.model.points import (
+    FINAL_NORM,
+    INPUT_NORM,
+    POST_ATTENTION_NORM,
+    folded,
+    known_model_points,
+    known_sub_points,
+    layer_point,
+    split_point,
+)
 
 L = "model.layers.{i}"
+
+# How each runtime lays a per-head tensor out when its name does not say: candle keeps (B, H, T, D);
+# ggml's ne order reversed from numpy's gives [T, H, D]; TransformerLens' hooks are [batch, pos, head,
+# d_head]; HF's attention works on (B, H, T, D).
+RUNTIME_LAYOUTS = {"candle": "HTD", "ggml": "THD", "gguf": "THD", "transformer_lens": "THD", "hf": "HTD",
+                   "mlx": "HTD"}
 
 
 @dataclass(frozen=True)
@@ -39,157 +59,115 @@ class Alias:
     qk_order: str = "half"  # "interleaved": q/k rows in GGUF order (llama.cpp)
 
 
-def _table(runtime: str, rows, **defaults) -> list[Alias]:
-    return [Alias(pattern, point, runtime, **{**defaults, **extra}) for pattern, point, *rest in rows
-            for extra in [rest[0] if rest else {}]]
+def _declared(family: Family):
+    """(folded point, Name) for every name `family`'s points declare."""
+    for point in family.model_points().values():
+        yield from ((point.name, name) for name in point.names)
+    for sub, point in family.sub_points().items():
+        yield from ((layer_point("{i}", sub), name) for name in point.names)
 
 
-# candle-transformers models/llama.rs: Llama { wte, blocks, ln_f, lm_head }, Block { rms_1, attn, rms_2,
-# mlp }, CausalSelfAttention { q_proj, k_proj, v_proj, o_proj }, Mlp { c_fc1 (gate_proj), c_fc2
-# (up_proj), c_proj (down_proj) }. A module's name stands for its output; candle keeps the batch
-# dimension and its forward returns the last position's logits only.
-CANDLE = _table("candle", [
-    ("wte", EMBED),
-    ("blocks.{i}.rms_1", f"{L}.input_layernorm"),
-    ("blocks.{i}.attn.q_proj", f"{L}.self_attn.q_proj"),
-    ("blocks.{i}.attn.k_proj", f"{L}.self_attn.k_proj"),
-    ("blocks.{i}.attn.v_proj", f"{L}.self_attn.v_proj"),
-    ("blocks.{i}.attn.o_proj", f"{L}.self_attn.o_proj"),
-    ("blocks.{i}.attn", f"{L}.self_attn.o_proj"),
-    ("blocks.{i}.rms_2", f"{L}.post_attention_layernorm"),
-    ("blocks.{i}.mlp.c_fc1", f"{L}.mlp.gate_proj"),
-    ("blocks.{i}.mlp.c_fc2", f"{L}.mlp.up_proj"),
-    ("blocks.{i}.mlp.c_proj", f"{L}.mlp.down_proj"),
-    ("blocks.{i}.mlp", f"{L}.mlp.down_proj"),
-    ("blocks.{i}", L),
-    ("ln_f", FINAL_NORM),
-], layout="HTD")
+def gguf_names(family: str | None = None) -> dict[str, str]:
+    """Folded point -> the GGUF tensor stem of the module whose output it is ("blk.{i}.attn_q"), as
+    gguf's `TensorNameMap` names it for the family's llama.cpp architecture (`Family.gguf_arch`)."""
+    row = family_named(family)
+    key = (row.name, registry_version())
+    if key not in _GGUF_CACHE:
+        import gguf
 
-# llama.cpp's graph names as its eval callback prints them ("name-il"), from the llama model build
-# and llama-graph.cpp's build_attn / build_ffn. ggml's ne order is reversed from numpy's: a dump
-# in row-major order gives Qcur as [T, H, D], kq_soft_max as [H, T, n_kv], the rest as [T, C].
-# Qcur/Kcur are reported three times per layer with the same name: after the matmul ([T, H*D]),
-# reshaped (a view of it, [T, H, D]) and after RoPE ([T, H, D]); Vcur twice (matmul, reshape). A
-# dump that keeps one tensor per name keeps the last, so they map to q_rope / k_rope / v_proj; a
-# live graph tells the writes apart by their op (`GGML_WRITES`). In the last layer llama.cpp keeps
-# only the output rows (usually the last position) from ffn_inp on; tracer compares those rows.
-# The token embeddings are named `embd` in the llama.cpp of llama-cpp-python 0.3.36 (since
-# llama.cpp PR 18550, `inp_embd` is the input for embeddings given directly, a graph leaf the
-# callback never sees); older builds named the token embeddings `inp_embd`.
-GGML = _table("ggml", [
-    ("embd", EMBED),
-    ("inp_embd", EMBED),
-    ("attn_norm-{i}", f"{L}.input_layernorm"),
-    ("Qcur-{i}", f"{L}.self_attn.q_rope", {"qk_order": "interleaved"}),
-    ("Kcur-{i}", f"{L}.self_attn.k_rope", {"qk_order": "interleaved"}),
-    ("Vcur-{i}", f"{L}.self_attn.v_proj"),
-    ("kq_soft_max-{i}", f"{L}.self_attn.probs"),
-    ("kqv_out-{i}", f"{L}.self_attn.context"),
-    ("attn_out-{i}", f"{L}.self_attn.o_proj"),
-    ("ffn_inp-{i}", f"{L}.resid_mid"),
-    ("ffn_norm-{i}", f"{L}.post_attention_layernorm"),
-    ("ffn_gate-{i}", f"{L}.mlp.gate_proj"),
-    ("ffn_up-{i}", f"{L}.mlp.up_proj"),
-    ("ffn_swiglu-{i}", f"{L}.mlp.act"),
-    ("ffn_gate_par-{i}", f"{L}.mlp.act"),  # older llama.cpp: silu(gate), then ·up under this name
-    ("ffn_out-{i}", f"{L}.mlp.down_proj"),
-    ("l_out-{i}", L),
-    ("result_norm", FINAL_NORM),
-    ("result_output", LOGITS),
-], layout="THD")
+        arch = next(a for a, text in gguf.MODEL_ARCH_NAMES.items() if text == row.gguf_arch)
+        tensor_map = gguf.get_tensor_name_map(arch, 1)
+        found = {}
+        for point in [*row.model_points(), *(layer_point(0, sub) for sub in row.sub_points())]:
+            name = tensor_map.get_name(point)
+            if name is not None:
+                found[folded(point)] = re.sub(r"^blk\.0\.", "blk.{i}.", name)
+        _GGUF_CACHE[key] = found
+    return _GGUF_CACHE[key]
 
-# ggml names written more than once in one llama.cpp graph: which write is which point, by the op
-# that wrote it. Writes of other ops (RESHAPE: a view of the projection, same values) are not
-# points. With projection biases the ADD after the matmul is the projection's output (it comes
-# later and replaces the MUL_MAT write).
-GGML_WRITES: dict[str, dict[str, str]] = {
-    "Qcur-{i}": {"MUL_MAT": f"{L}.self_attn.q_proj", "ADD": f"{L}.self_attn.q_proj", "ROPE": f"{L}.self_attn.q_rope"},
-    "Kcur-{i}": {"MUL_MAT": f"{L}.self_attn.k_proj", "ADD": f"{L}.self_attn.k_proj", "ROPE": f"{L}.self_attn.k_rope"},
-    "Vcur-{i}": {"MUL_MAT": f"{L}.self_attn.v_proj", "ADD": f"{L}.self_attn.v_proj"},
-}
 
-# GGUF tensor names used for the outputs of the modules holding those weights (candle's
-# quantized_llama and other GGUF ports): q/k come out in GGUF's interleaved order.
-GGUF = _table("gguf", [
-    ("token_embd", EMBED),
-    ("blk.{i}.attn_norm", f"{L}.input_layernorm"),
-    ("blk.{i}.attn_q", f"{L}.self_attn.q_proj", {"qk_order": "interleaved"}),
-    ("blk.{i}.attn_k", f"{L}.self_attn.k_proj", {"qk_order": "interleaved"}),
-    ("blk.{i}.attn_v", f"{L}.self_attn.v_proj"),
-    ("blk.{i}.attn_output", f"{L}.self_attn.o_proj"),
-    ("blk.{i}.ffn_norm", f"{L}.post_attention_layernorm"),
-    ("blk.{i}.ffn_gate", f"{L}.mlp.gate_proj"),
-    ("blk.{i}.ffn_up", f"{L}.mlp.up_proj"),
-    ("blk.{i}.ffn_down", f"{L}.mlp.down_proj"),
-    ("blk.{i}", L),
-    ("output_norm", FINAL_NORM),
-    ("output", LOGITS),
-], layout="THD")
+_GGUF_CACHE: dict[tuple[str, int], dict[str, str]] = {}
+_WEIGHT_SUFFIXES = (".weight", ".bias")
 
-# TransformerLens hook names on a Llama, the same for HookedTransformer (TransformerLens 3) and
-# TransformerBridge (TransformerLens 4), which keeps them as aliases of its own names below.
-# Per-head hooks are [batch, pos, head, d_head]; hook_k / hook_v carry the kv heads before they are
-# repeated; attention scores and pattern are [batch, head, query, key] with masked scores at -inf
-# (excluded from metrics). Rotary uses the half-split pairing for Llama, as HF does. TransformerLens 3
-# has no norm output nor logits hook (its norms' hook_normalized is before the weight, see
-# NOT_COMPARABLE): `logits` (the HF row) names what run_with_cache returns.
-TRANSFORMER_LENS = _table("transformer_lens", [
-    ("hook_embed", EMBED),
-    ("blocks.{i}.attn.hook_q", f"{L}.self_attn.q_proj"),
-    ("blocks.{i}.attn.hook_k", f"{L}.self_attn.k_proj"),
-    ("blocks.{i}.attn.hook_v", f"{L}.self_attn.v_proj"),
-    ("blocks.{i}.attn.hook_rot_q", f"{L}.self_attn.q_rope"),
-    ("blocks.{i}.attn.hook_rot_k", f"{L}.self_attn.k_rope"),
-    ("blocks.{i}.attn.hook_attn_scores", f"{L}.self_attn.scores"),
-    ("blocks.{i}.attn.hook_pattern", f"{L}.self_attn.probs"),
-    ("blocks.{i}.attn.hook_z", f"{L}.self_attn.context"),
-    ("blocks.{i}.hook_attn_out", f"{L}.self_attn.o_proj"),
-    ("blocks.{i}.hook_resid_mid", f"{L}.resid_mid"),
-    ("blocks.{i}.mlp.hook_pre", f"{L}.mlp.gate_proj"),
-    ("blocks.{i}.mlp.hook_pre_linear", f"{L}.mlp.up_proj"),
-    ("blocks.{i}.mlp.hook_post", f"{L}.mlp.act"),
-    ("blocks.{i}.hook_mlp_out", f"{L}.mlp.down_proj"),
-    ("blocks.{i}.hook_resid_post", L),
-], layout="THD")
 
-# TransformerLens 4 only: TransformerBridge wraps each HF module in a component with `hook_in` and
-# `hook_out`, named after TransformerLens' own module names (4.3 on a Llama: embed, blocks.{i}.ln1,
-# attn.q/k/v/o, ln2, mlp.gate/in/out, ln_final, unembed). Its run_with_cache holds these and the
-# aliases above, which are the same tensors (hook_q is attn.q.hook_out, hook_z attn.o.hook_in,
-# hook_resid_mid ln2.hook_in, hook_post mlp.out.hook_in); the norms' hook_out is the norm's output
-# with its weight (ln1.hook_out is input_layernorm). Other modules' hook_in repeat the point
-# before them and are listed in NOT_COMPARABLE.
-TRANSFORMER_LENS_BRIDGE = _table("transformer_lens", [
-    ("embed.hook_out", EMBED),
-    ("blocks.{i}.ln1.hook_out", f"{L}.input_layernorm"),
-    ("blocks.{i}.attn.q.hook_out", f"{L}.self_attn.q_proj"),
-    ("blocks.{i}.attn.k.hook_out", f"{L}.self_attn.k_proj"),
-    ("blocks.{i}.attn.v.hook_out", f"{L}.self_attn.v_proj"),
-    ("blocks.{i}.attn.o.hook_in", f"{L}.self_attn.context"),
-    ("blocks.{i}.attn.o.hook_out", f"{L}.self_attn.o_proj"),
-    ("blocks.{i}.attn.hook_out", f"{L}.self_attn.o_proj"),
-    ("blocks.{i}.ln2.hook_in", f"{L}.resid_mid"),
-    ("blocks.{i}.ln2.hook_out", f"{L}.post_attention_layernorm"),
-    ("blocks.{i}.mlp.gate.hook_out", f"{L}.mlp.gate_proj"),
-    ("blocks.{i}.mlp.in.hook_out", f"{L}.mlp.up_proj"),
-    ("blocks.{i}.mlp.out.hook_in", f"{L}.mlp.act"),
-    ("blocks.{i}.mlp.out.hook_out", f"{L}.mlp.down_proj"),
-    ("blocks.{i}.mlp.hook_out", f"{L}.mlp.down_proj"),
-    ("blocks.{i}.hook_out", L),
-    ("ln_final.hook_out", FINAL_NORM),
-    ("unembed.hook_out", LOGITS),
-    ("hook_unembed", LOGITS),
-], layout="THD")
+def hf_tensor_name(gguf_name: str, family: str | None = None) -> str | None:
+    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight" (gguf's `TensorNameMap`, read
+    backwards for the family's points); None for a tensor no point's module holds."""
+    stem, dot, suffix = gguf_name.rpartition(".")
+    if not dot or "." + suffix not in _WEIGHT_SUFFIXES:
+        return None
+    for point, pattern in gguf_names(family).items():
+        match = _compile(pattern).match(stem)
+        if match:
+            return (point.replace("{i}", match.group(1)) if match.groups() else point) + "." + suffix
+    return None
 
-# HF module paths are the points themselves; these two modules' outputs are points too.
-HF = _table("hf", [
-    (f"{L}.self_attn", f"{L}.self_attn.o_proj"),
-    (f"{L}.mlp", f"{L}.mlp.down_proj"),
-    ("logits", LOGITS),
-], layout="HTD")
 
-ALIASES: list[Alias] = [*CANDLE, *GGML, *GGUF, *TRANSFORMER_LENS, *TRANSFORMER_LENS_BRIDGE, *HF]
+def gguf_tensor_name(hf_name: str, family: str | None = None) -> str | None:
+    """"model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight"; None where GGUF has no such tensor."""
+    module, dot, suffix = hf_name.rpartition(".")
+    layer, _ = split_point(module)
+    stem = gguf_names(family).get(folded(module))
+    if not dot or stem is None:
+        return None
+    return (stem if layer is None else stem.replace("{i}", str(layer))) + "." + suffix
 
+
+def gguf_block_of(gguf_name: str) -> int | None:
+    """The block a GGUF tensor belongs to, by gguf's own name formats (`gguf.TENSOR_NAMES`:
+    "blk.{bid}.attn_q"); None outside the blocks."""
+    if _BLOCK_RE[0] is None:
+        import gguf
+
+        prefixes = {text.split("{bid}")[0] for text in gguf.TENSOR_NAMES.values() if "{bid}" in text}
+        _BLOCK_RE[0] = re.compile("^(?:" + "|".join(map(re.escape, sorted(prefixes))) + r")(\d+)\.")
+    match = _BLOCK_RE[0].match(gguf_name)
+    return int(match.group(1)) if match else None
+
+
+_BLOCK_RE: list = [None]
+
+
+def gguf_family(arch: str | None) -> Family | None:
+    """The registered family whose llama.cpp architecture `arch` is (the first: Llama for "llama")."""
+    return next((family for family in registered().values() if family.gguf_arch == arch), None)
+
+
+def aliases() -> list[Alias]:
+    """Every registered family's declared names and GGUF names as aliases, the first family's alias
+    for a (runtime, name) winning (Llama's, registered first); a name written more than once per
+    graph (`writes`) is its dump's alias only where it says `dump`."""
+    key = registry_version()
+    if _ALIASES[0] != key:
+        table: dict[tuple[str, str], Alias] = {}
+        for family in registered().values():
+            for point, name in _declared(family):
+                if name.dump and name.runtime != "mlx":
+                    layout = name.layout or RUNTIME_LAYOUTS[name.runtime]
+                    table.setdefault((name.runtime, name.pattern),
+                                     Alias(name.pattern, point, name.runtime, layout, name.qk_order))
+            permuted = {**known_model_points(), **{layer_point("{i}", s): p for s, p in family.sub_points().items()}}
+            for point, stem in gguf_names(family.name).items():
+                order = "interleaved" if permuted[point].gguf_permuted else "half"
+                table.setdefault(("gguf", stem), Alias(stem, point, "gguf", RUNTIME_LAYOUTS["gguf"], order))
+        _ALIASES[:] = [key, list(table.values())]
+    return _ALIASES[1]
+
+
+_ALIASES: list = [-1, []]
+
+
+def ggml_writes() -> dict[str, dict[str, str]]:
+    """ggml names written more than once in one llama.cpp graph: which write is which point, by the op
+    that wrote it (Qcur-{i}: MUL_MAT and ADD (a bias) are q_proj, ROPE is q_rope). Writes of other ops
+    (RESHAPE: a view of the projection, same values) are not points."""
+    writes: dict[str, dict[str, str]] = {}
+    for family in registered().values():
+        for point, name in _declared(family):
+            if name.runtime == "ggml" and name.writes:
+                for op in name.writes:
+                    writes.setdefault(name.pattern, {}).setdefault(op, point)
+    return writes
 
 
 def _tl_normalized(point: str, hook_out: str) -> str:
@@ -211,9 +189,9 @@ NOT_COMPARABLE = {
     "ffn_silu-{i}": "llama.cpp's silu(gate) before the product with up",
     "kqv-{i}": "llama.cpp's per-head attention output before the heads are merged (use kqv_out)",
     # TransformerLens 3 and 4
-    "blocks.{i}.ln1.hook_normalized": _tl_normalized("input_layernorm", "blocks.{i}.ln1.hook_out"),
-    "blocks.{i}.ln2.hook_normalized": _tl_normalized("post_attention_layernorm", "blocks.{i}.ln2.hook_out"),
-    "ln_final.hook_normalized": _tl_normalized("model.norm", "ln_final.hook_out"),
+    "blocks.{i}.ln1.hook_normalized": _tl_normalized(INPUT_NORM, "blocks.{i}.ln1.hook_out"),
+    "blocks.{i}.ln2.hook_normalized": _tl_normalized(POST_ATTENTION_NORM, "blocks.{i}.ln2.hook_out"),
+    "ln_final.hook_normalized": _tl_normalized(FINAL_NORM, "ln_final.hook_out"),
     "blocks.{i}.ln1.hook_scale": "TransformerLens' RMS scale, one number per position",
     "blocks.{i}.ln2.hook_scale": "TransformerLens' RMS scale, one number per position",
     "ln_final.hook_scale": "TransformerLens' RMS scale, one number per position",
@@ -239,18 +217,20 @@ def _compile(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace(re.escape("{i}"), r"(\d+)") + "$")
 
 
-_WRITES = [(_compile(pattern), ops) for pattern, ops in GGML_WRITES.items()]
+_WRITES: list = [-1, []]
 
 
 def ggml_write(name: str, op: str) -> tuple[bool, str | None]:
-    """For a name llama.cpp writes more than once per graph (`GGML_WRITES`): (True, the point that
+    """For a name llama.cpp writes more than once per graph (`ggml_writes`): (True, the point that
     the write of `op` is, or None for a write that is no point). Any other name: (False, None).
 
     Example:
         >>> ggml_write("Qcur-3", "ROPE"), ggml_write("Qcur-3", "RESHAPE"), ggml_write("l_out-3", "ADD")
         ((True, 'model.layers.3.self_attn.q_rope'), (True, None), (False, None))
     """
-    for regex, ops in _WRITES:
+    if _WRITES[0] != registry_version():
+        _WRITES[:] = [registry_version(), [(_compile(pattern), ops) for pattern, ops in ggml_writes().items()]]
+    for regex, ops in _WRITES[1]:
         match = regex.match(name)
         if match:
             point = ops.get(op)
@@ -261,7 +241,7 @@ def ggml_write(name: str, op: str) -> tuple[bool, str | None]:
 def is_point(name: str) -> bool:
     """A name of tracer's vocabulary (for any number of layers)."""
     layer, sub = split_point(name)
-    return name in MODEL_POINTS if layer is None else sub in SUB_POINTS
+    return name in known_model_points() if layer is None else sub in known_sub_points()
 
 
 def _is_point_pattern(pattern: str) -> bool:
@@ -293,23 +273,28 @@ class AliasTable:
         self.ignored = {pattern for pattern, point in user.items() if point is None}
         # A user entry inherits the layout hints of a built-in alias with the same name pattern
         # (Qcur-{i} stays in GGUF order whatever point it is sent to).
-        builtin = {a.pattern: a for a in ALIASES}
+        builtin = {a.pattern: a for a in aliases()}
         users = [Alias(p, point, "user", builtin[p].layout if p in builtin else None,
                        builtin[p].qk_order if p in builtin else "half")
                  for p, point in user.items() if point is not None]
-        self.aliases = [*users, *ALIASES]
+        self.aliases = [*users, *aliases()]
+        self._users = len(users)
         self._compiled = [(_compile(a.pattern), a) for a in self.aliases]
         self._skipped = [(_compile(p), reason) for p, reason in NOT_COMPARABLE.items() if p not in user]
         self._ignored = [_compile(p) for p in self.ignored]
 
     def resolve(self, name: str) -> Resolved | None:
-        """Our point for `name`, or None when no alias matches (see `skip_reason`)."""
-        for regex, alias in self._compiled:
+        """Our point for `name`, or None when no alias matches (see `skip_reason`). A user's entry
+        first; then a point's own name (HF module paths, also MLX's mlx-lm: a family whose MLP output is
+        the `mlp` module's is not renamed by Llama's `mlp` alias); then the built-in aliases."""
+        for index, (regex, alias) in enumerate(self._compiled):
+            if index == self._users and is_point(name):
+                return Resolved(name, name, Alias(name, name, "hf", "HTD"))
             match = regex.match(name)
             if match:
                 point = alias.point.replace("{i}", match.group(1)) if match.groups() else alias.point
                 return Resolved(name, point, alias)
-        if is_point(name):  # HF module paths (also MLX's mlx-lm): the points themselves
+        if is_point(name):
             return Resolved(name, name, Alias(name, name, "hf", "HTD"))
         return None
 

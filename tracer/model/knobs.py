@@ -2,23 +2,29 @@
 
 A variant is an ordered mapping knob -> value, written on the command line as
 `theta=10000,attn=sdpa`. This module only parses and validates; each engine applies the knobs it
-honours, and declares which (by kind) in its registry entry (`tracer.engines.registry`). Config-level knobs
-become a different `LlamaSpec` (`tracer.config.read_config` and `tracer.config.apply_overrides`),
-which the hf engine writes into transformers' config too; semantic knobs become strategy
-functions in `tracer.llama.resolve_strategies`. A knob an engine cannot honour is an error naming
-the engines that can, never silently ignored. No torch here: `tracer variants` starts fast.
+honours, and declares which (by kind) in its registry entry (`tracer.engines.registry`). The
+model-wide knobs are declared here (`MODEL_WIDE`); a knob that undoes one part of a model (Gemma's
+(1 + w) norm, a fused projection's split, a sliding window) is declared by the component that has
+that part (`tracer.model.components`), and applies to exactly the families composed of it. `KNOBS`
+reads both, live (a test may register a family with a component of its own). Config-level knobs
+become a different `LlamaSpec` (`tracer.model.config.apply_overrides`), which the hf engine writes
+into transformers' config too; semantic knobs become steps of the reimplementation (each
+component's `steps`). A knob an engine cannot honour is an error naming the engines that can, never
+silently ignored. No torch here: `tracer variants` starts fast.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from tracer.errors import TracerError, did_you_mean
-from tracer.families import FAMILIES, Family
+from tracer.model.component import Family, family_named, registered, registry_version
+from tracer.model.points import MLP_ACT
 
 DTYPES = ("f32", "bf16", "f16", "f64")
-ACTIVATION_VALUES = ("silu", "gelu", "gelu_tanh", "relu")  # tracer.config.ACT_NAMES maps them to transformers'
+ACTIVATION_VALUES = ("silu", "gelu", "gelu_tanh", "relu")  # tracer.model.config.ACT_NAMES maps them to transformers'
 
 
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -45,7 +51,8 @@ class Knob:
     reproduces: str
     # The variant `tracer sweep` runs for this knob by default, given the model's spec ("": none).
     representative: Callable[[Any], str] = lambda spec: ""
-    # Whether it applies to a family, asked of the family's row (`tracer.families.Family`); None: every family.
+    # A model-wide knob that applies to some families only: asked of the family (None: every family).
+    # A component's knob applies to the families composed of that component; it leaves this None.
     applies: Callable[[Family], bool] | None = None
     # Where its representative value diverges first (f32 unless said), for `tracer variants`.
     expected: str = ""
@@ -53,6 +60,8 @@ class Knob:
     # How reports show its value, where the value itself is too long to read (a file's path: its name);
     # None: as written. The variant itself, in summaries and commands, keeps the whole value.
     display: Callable[[Any], str] | None = None
+    # A component's knob: the knob it follows in the catalogue (`tracer variants`, a sweep's order); "": last.
+    after: str = ""
 
     @property
     def values(self) -> tuple[str, ...] | None:
@@ -69,8 +78,10 @@ class Knob:
 
     @property
     def families(self) -> tuple[str, ...] | None:
-        """The families it applies to, by name (None: every family)."""
-        return None if self.applies is None else tuple(name for name, row in FAMILIES.items() if self.applies(row))
+        """The registered families it applies to, by name (None: every family)."""
+        if self.name in MODEL_WIDE and self.applies is None:
+            return None
+        return tuple(name for name in registered() if applies_to(self, name))
 
 
 def _positive_float(text: str) -> float:
@@ -98,7 +109,7 @@ def _threads(text: str) -> int:
     return value
 
 
-def _choice(*values: str) -> Callable[[str], str]:
+def choice(*values: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in values:
             raise ValueError(text)
@@ -108,38 +119,29 @@ def _choice(*values: str) -> Callable[[str], str]:
     return parse
 
 
-def _fixed(text: str) -> Callable[[Any], str]:
+def fixed(text: str) -> Callable[[Any], str]:
     return lambda spec: text
 
 
-def _if(test: Callable[[Any], bool], text: str) -> Callable[[Any], str]:
+def when(test: Callable[[Any], bool], text: str) -> Callable[[Any], str]:
     """A representative where the model has what the knob changes (a soft-cap, a window, ...); with
     no spec at hand, the value itself."""
     return lambda spec: text if spec is None or test(spec) else ""
 
 
-# Predicates on a family's row: which knobs apply to it (`Knob.applies`).
-def _plain_llama(family: Family) -> bool:
-    """The candle and llama.cpp readers and presets know Llama configs only."""
-    return family.name == "llama"
-
-
-def _rms_norm(family: Family) -> bool:
-    return family.norm == "rms"
-
-
-def _offset_norm(family: Family) -> bool:
-    return family.norm == "gemma"
+def llama_graph(family: Family) -> bool:
+    """The candle and llama.cpp readers, presets and emulations know Llama's graph only: a family
+    composed of exactly Llama's components."""
+    return family.graph() == family_named("llama").graph()
 
 
 def _llama_only(text: str) -> Callable[[Any], str]:
     """A representative for Llama models only (the candle presets read Llama configs only)."""
-    return _if(lambda spec: spec.family == "llama", text)
+    return when(lambda spec: llama_graph(family_named(spec.family)), text)
 
 
 # transformers' Gemma 2 has no sdpa path (it cannot soft-cap), nor has the fused kernel
-_sdpa = _if(lambda spec: spec.attn_logit_softcapping is None, "attn=sdpa")
-_window_mistake = _if(lambda spec: spec.sliding_window is not None, "window=ignore")
+_sdpa = when(lambda spec: spec.attn_logit_softcapping is None, "attn=sdpa")
 
 
 def _file_path(text: str) -> str:
@@ -160,150 +162,157 @@ def _file_name(value: str) -> str:
     return value.replace("\\", "/").rsplit("/", 1)[-1]
 
 
-def _qkv_order(text: str) -> str:
-    if sorted(text) != ["k", "q", "v"]:
-        raise ValueError(text)
-    return text
-
-
 PRESET_NAMES = ("candle", "llamacpp", "candle-q")
 
 
-KNOBS: dict[str, Knob] = {
+MODEL_WIDE: dict[str, Knob] = {
     knob.name: knob
     for knob in (
         Knob("theta", _positive_float, "a positive number, e.g. theta=10000", "from config.json",
              "rope_theta silently 10000 (candle's serde default)",
              lambda spec: "theta=10000" if spec.rope_theta != 10_000 else "theta=500000", kind="config"),
         Knob("eps", _positive_float, "a positive number, e.g. eps=1e-6", "from config.json",
-             "a wrong rms_norm_eps", _fixed("eps=1e-3"), kind="config"),
-        Knob("attn", _choice("eager", "sdpa"), "eager | sdpa", "eager",
+             "a wrong rms_norm_eps", fixed("eps=1e-3"), kind="config"),
+        Knob("attn", choice("eager", "sdpa"), "eager | sdpa", "eager",
              "the attention implementation (sdpa fuses scores and softmax)", _sdpa, kind="config"),
-        Knob("dtype", _choice(*DTYPES), " | ".join(DTYPES), "f32",
-             "the load dtype", _fixed("dtype=bf16"), kind="config"),
-        Knob("rope", _choice("half", "interleaved"), "half | interleaved", "half",
-             "candle rope_i (adjacent pairs, the GGUF convention) on HF-layout weights", _fixed("rope=interleaved"),
+        Knob("dtype", choice(*DTYPES), " | ".join(DTYPES), "f32",
+             "the load dtype", fixed("dtype=bf16"), kind="config"),
+        Knob("rope", choice("half", "interleaved"), "half | interleaved", "half",
+             "candle rope_i (adjacent pairs, the GGUF convention) on HF-layout weights", fixed("rope=interleaved"),
              kind="semantic"),
-        Knob("rope_scaling", _choice("keep", "drop"), "keep | drop", "keep",
-             "Llama-3 rope_scaling lost (candle reading a transformers 5 config)", _fixed("rope_scaling=drop"),
+        Knob("rope_scaling", choice("keep", "drop"), "keep | drop", "keep",
+             "Llama-3 rope_scaling lost (candle reading a transformers 5 config)", fixed("rope_scaling=drop"),
              kind="config"),
-        Knob("kv_repeat", _choice("interleave", "tile"), "interleave | tile", "interleave",
-             "GQA head order: tile (torch.cat / .repeat) instead of HF repeat_kv", _fixed("kv_repeat=tile"),
+        Knob("kv_repeat", choice("interleave", "tile"), "interleave | tile", "interleave",
+             "GQA head order: tile (torch.cat / .repeat) instead of HF repeat_kv", fixed("kv_repeat=tile"),
              kind="semantic"),
-        Knob("mask", _choice("additive", "where", "none"), "additive | where | none", "additive",
-             "HF's min-float add vs candle's masked_fill -inf; none forgets the causal mask", _fixed("mask=none"),
+        Knob("mask", choice("additive", "where", "none"), "additive | where | none", "additive",
+             "HF's min-float add vs candle's masked_fill -inf; none forgets the causal mask", fixed("mask=none"),
              kind="semantic"),
-        Knob("attn_math", _choice("hf", "candle"), "hf | candle", "hf",
+        Knob("attn_math", choice("hf", "candle"), "hf | candle", "hf",
              "candle's attention: q, k, v upcast to f32 throughout, scores divided by sqrt(D)",
-             _fixed("attn_math=candle"), kind="semantic"),
-        Knob("norm", _choice("hf", "candle"), "hf | candle", "hf",
-             "candle's RMSNorm: x / root in the load dtype (HF: x * rsqrt in f32, cast, then weight)",
-             _fixed("norm=candle"), applies=_rms_norm, kind="semantic"),
-        Knob("bias", _choice("keep", "ignore"), "keep | ignore", "keep",
-             "candle's linear_no_bias drops projection biases", _fixed("bias=ignore"), kind="config"),
-        Knob("logits", _choice("all", "last"), "all | last", "all",
-             "candle computes lm_head on the last position only", _fixed("logits=last"), kind="semantic"),
-        Knob("config", _choice("hf", "candle"), "hf | candle", "hf",
+             fixed("attn_math=candle"), kind="semantic"),
+        Knob("bias", choice("keep", "ignore"), "keep | ignore", "keep",
+             "candle's linear_no_bias drops projection biases", fixed("bias=ignore"), kind="config"),
+        Knob("logits", choice("all", "last"), "all | last", "all",
+             "candle computes lm_head on the last position only", fixed("logits=last"), kind="semantic"),
+        Knob("config", choice("hf", "candle"), "hf | candle", "hf",
              "which reader parses config.json (candle 0.11: 13 keys, see `tracer config`)",
-             _llama_only("config=candle"), applies=_plain_llama, kind="config"),
-        Knob("resave", _choice("none", "tf5"), "none | tf5", "none",
+             _llama_only("config=candle"), applies=llama_graph, kind="config"),
+        Knob("resave", choice("none", "tf5"), "none | tf5", "none",
              "config re-saved by transformers 5 (theta and scaling move into rope_parameters)",
-             _llama_only("config=candle,resave=tf5"), applies=_plain_llama, kind="config"),
-        Knob("preset", _choice(*PRESET_NAMES), " | ".join(PRESET_NAMES), "none",
+             _llama_only("config=candle,resave=tf5"), applies=llama_graph, kind="config"),
+        Knob("preset", choice(*PRESET_NAMES), " | ".join(PRESET_NAMES), "none",
              "every candle-0.11 llama.rs choice, or llama.cpp's CPU arithmetic, at once (explicit knobs override it)",
-             _llama_only("preset=candle"), applies=_plain_llama, kind="semantic"),
-        Knob("ort_opt", _choice("disable", "basic", "extended", "layout", "all"),
+             _llama_only("preset=candle"), applies=llama_graph, kind="semantic"),
+        Knob("ort_opt", choice("disable", "basic", "extended", "layout", "all"),
              "disable | basic | extended | layout | all", "all",
              "ONNX Runtime's graph optimization level (its fusions change the rounding)",
              # None in the default sweep, which runs on reimpl: pass --variants ort_opt=disable with --candidate onnx
-             _fixed(""), kind="runtime"),
-        Knob("weights", _choice(*WEIGHT_FORMATS), " | ".join(WEIGHT_FORMATS), "as loaded",
+             fixed(""), kind="runtime"),
+        Knob("weights", choice(*WEIGHT_FORMATS), " | ".join(WEIGHT_FORMATS), "as loaded",
              "weights in a GGUF block format (the gguf package's quantizers), or gguf: a GGUF file's own tensors "
              "(gguf_file=, else the one the model was converted from)",
-             _fixed("weights=q8_0"), kind="regime"),
+             fixed("weights=q8_0"), kind="regime"),
         Knob("gguf_file", _file_path, "a GGUF path, e.g. gguf_file=model.gguf",
              "the GGUF the model directory was converted from",
              "with weights=gguf: the tensors of this GGUF (another quantization of the same model), each in its "
-             "own type", _if(lambda spec: False, "gguf_file=model.gguf,weights=gguf"), kind="regime",
+             "own type", when(lambda spec: False, "gguf_file=model.gguf,weights=gguf"), kind="regime",
              display=_file_name),
         Knob("requantize", _tensor_names, "GGUF names joined by +, e.g. blk.5.attn_k", "none",
              "with weights=gguf: these tensors as llama.cpp's quantizer makes them from the model's own weights, "
              "in the file's type (what the regime view's audit takes in place of a damaged tensor)",
-             _if(lambda spec: False, "requantize=blk.0.attn_k,weights=gguf"), kind="regime"),
-        Knob("act_quant", _choice(*ACT_QUANTS), " | ".join(ACT_QUANTS), "none",
+             when(lambda spec: False, "requantize=blk.0.attn_k,weights=gguf"), kind="regime"),
+        Knob("act_quant", choice(*ACT_QUANTS), " | ".join(ACT_QUANTS), "none",
              "ggml's activation quantization before a quantized matmul (auto: the weight type's vec-dot type)",
-             _fixed("act_quant=q8_0"), kind="regime"),
-        Knob("act_round", _choice("even", "away", "candle"), "even | away | candle", "even",
+             fixed("act_quant=q8_0"), kind="regime"),
+        Knob("act_round", choice("even", "away", "candle"), "even | away | candle", "even",
              "ties of the activation quantization: x86's _mm256_round_ps (even) or ggml's portable C (away); "
              "candle: candle's from_float (x·(1/d), ties away, Q8_1's s = f16(sum)·f16(d) in f16)",
-             _fixed("act_round=away,act_quant=q8_0"), kind="regime"),
-        Knob("ops", _choice("hf", "ggml", "candle"), "hf | ggml | candle", "hf",
+             fixed("act_round=away,act_quant=q8_0"), kind="regime"),
+        Knob("ops", choice("hf", "ggml", "candle"), "hf | ggml | candle", "hf",
              "embedding, RMSNorm, RoPE, SwiGLU and (flash) attention as ggml's CPU backend computes them, or "
              "as candle's f32 kernels do (quantized_llama.rs)",
-             _fixed("ops=ggml"), applies=_plain_llama, kind="regime"),
-        Knob("accumulate", _choice("ggml", "f32", "f64", "candle"), "ggml | f32 | f64 | candle", "ggml",
+             fixed("ops=ggml"), applies=llama_graph, kind="regime"),
+        Knob("accumulate", choice("ggml", "f32", "f64", "candle"), "ggml | f32 | f64 | candle", "ggml",
              "a regime's sums: ggml's own order (bit-exact on x86, slow), or its matmuls by torch's BLAS in f32 "
              "(another order, fast) or f64 (exact), the rest exact and rounded once; candle: candle's vec_dot "
              "(Q4_1 scalar loop, Q8_0 AVX2)",
-             _fixed("accumulate=f64,weights=q8_0,act_quant=q8_0"), kind="regime"),
+             fixed("accumulate=f64,weights=q8_0,act_quant=q8_0"), kind="regime"),
         Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json",
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}",
              kind="config"),
         Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
              "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}", kind="config"),
-        # --- the families' classic porting mistakes (tracer.families) ---
-        Knob("norm_offset", _choice("keep", "drop"), "keep | drop", "keep",
-             "Gemma's RMSNorm scales by (1 + weight); a port that multiplies by the stored weight forgets the 1",
-             _fixed("norm_offset=drop"), applies=_offset_norm, expected="layers.0.input_layernorm", kind="semantic"),
-        Knob("embed_scale", _choice("model", "drop", "f32"), "model | drop | f32", "model",
-             "Gemma multiplies the embeddings by sqrt(hidden_size) rounded to the model's dtype: drop forgets it, "
-             "f32 scales in f32 before the cast (differs in bf16/f16 only)",
-             _fixed("embed_scale=drop"), applies=lambda family: family.embed == "scaled",
-             expected="model.embed_tokens (f32: with dtype=bf16 or f16 only, rel_l2 ~2e-3, as large as bf16's "
-                      "own rounding there: seen against the fixed bound, --no-noise)", kind="semantic"),
-        Knob("softcap", _choice("keep", "drop"), "keep | drop", "keep",
-             "Gemma 2's soft-capping of attention scores and final logits, cap·tanh(x/cap), forgotten",
-             _if(lambda spec: spec.attn_logit_softcapping is not None or spec.final_logit_softcapping is not None,
-                 "softcap=drop"), applies=lambda family: family.softcap, expected="layers.0.self_attn.scores",
-             kind="semantic"),
-        Knob("qk_norm", _choice("keep", "drop"), "keep | drop", "keep",
-             "the RMSNorm of q and k before RoPE (per head in Qwen3 and Gemma 3, over the projection in OLMo-2) "
-             "forgotten", _fixed("qk_norm=drop"), applies=lambda family: family.qk_norm != "none",
-             expected="layers.0.self_attn.q_norm", kind="semantic"),
-        Knob("window", _choice("keep", "ignore"), "keep | ignore", "keep",
-             "the sliding window ignored: every query attends to the whole prefix (visible once the prompt is "
-             "longer than the window)", _window_mistake, applies=lambda family: family.sliding_window,
-             expected="self_attn.probs of the first windowed layer; match on prompts within the window",
-             kind="semantic"),
-        Knob("rope_local", _choice("local", "global"), "local | global", "local",
-             "Gemma 3's local (sliding) layers given the global RoPE base instead of rope_local_base_freq",
-             _fixed("rope_local=global"), applies=lambda family: family.local_rope,
-             expected="self_attn.q_rope of the first local layer (layer 0)", kind="config"),
-        Knob("act", _choice(*ACTIVATION_VALUES), " | ".join(ACTIVATION_VALUES), "from config.json",
+        Knob("act", choice(*ACTIVATION_VALUES), " | ".join(ACTIVATION_VALUES), "from config.json",
              "another MLP activation than the config's: exact (erf) GELU for Gemma's tanh approximation, or the "
-             "reverse", _if(lambda spec: spec.hidden_act == "gelu_pytorch_tanh", "act=gelu"),
-             expected="layers.0.mlp.act", kind="config"),
-        Knob("qkv_split", _qkv_order, "an order of q, k, v, e.g. qkv_split=kqv", "qkv",
-             "the fused qkv_proj output split in another order than q | k | v (sizes H·D, KV·D, KV·D in that order)",
-             _fixed("qkv_split=kqv"), applies=lambda family: family.projections == "fused",
-             expected="layers.0.self_attn.q_rope", kind="semantic"),
-        Knob("gate_up", _choice("gate_up", "up_gate"), "gate_up | up_gate", "gate_up",
-             "the fused gate_up_proj output split up-first (Phi-3 stores the gate first)",
-             _fixed("gate_up=up_gate"), applies=lambda family: family.mlp == "fused", expected="layers.0.mlp.act",
-             kind="semantic"),
-        Knob("kv_cache", _choice(*KV_CACHE_TYPES), " | ".join(KV_CACHE_TYPES), "f16 (llamacpp), f32 (reimpl)",
+             "reverse", when(lambda spec: spec.hidden_act == "gelu_pytorch_tanh", "act=gelu"),
+             expected=f"layers.0.{MLP_ACT}", kind="config"),
+        Knob("kv_cache", choice(*KV_CACHE_TYPES), " | ".join(KV_CACHE_TYPES), "f16 (llamacpp), f32 (reimpl)",
              "the KV cache's storage type (llama.cpp type_k/type_v; f16 by default): keys and values rounded "
-             "before attention, which then computes as ggml does with that type", _fixed("kv_cache=f32"),
+             "before attention, which then computes as ggml does with that type", fixed("kv_cache=f32"),
              kind="regime"),
-        Knob("flash_attn", _choice("on", "off", "auto"), "on | off | auto", "auto",
+        Knob("flash_attn", choice("on", "off", "auto"), "on | off | auto", "auto",
              "llama.cpp's flash attention (auto: on where the backend has it), which fuses scores, softmax and "
-             "context", _fixed("flash_attn=off"), kind="regime"),
+             "context", fixed("flash_attn=off"), kind="regime"),
         Knob("threads", _threads, f"an integer 1..{MAX_THREADS} (ggml's limit), e.g. threads=2",
              "4, at most the CPU count",
-             "the runtime's thread count (llama.cpp n_threads); results should not depend on it", _fixed("threads=1"),
+             "the runtime's thread count (llama.cpp n_threads); results should not depend on it", fixed("threads=1"),
              kind="runtime"),
     )
 }
+
+
+class Catalogue(Mapping):
+    """name -> Knob: the model-wide knobs, then those the registered families' components declare
+    (read live: a test may register a family with a component of its own)."""
+
+    _cached: tuple[int, dict[str, Knob]] = (-1, {})
+
+    def _table(self) -> dict[str, Knob]:
+        version, table = self._cached
+        if version != registry_version():
+            own = {}
+            for family in registered().values():
+                for knob in family.knobs():
+                    own.setdefault(knob.name, knob)
+            table = _placed(MODEL_WIDE, [knob for name, knob in own.items() if name not in MODEL_WIDE])
+            self._cached = (registry_version(), table)
+        return table
+
+    def __getitem__(self, name: str) -> Knob:
+        return self._table()[name]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+def _placed(table: dict[str, Knob], knobs: list[Knob]) -> dict[str, Knob]:
+    """`table` with each of `knobs` right after the knob it names in `after` (once that one is placed;
+    those placed after one anchor keep their order), the rest at the end."""
+    names, waiting = list(table), list(knobs)
+    placed = dict(table)
+    while waiting:
+        ready = [knob for knob in waiting if knob.after in placed]
+        if not ready:
+            break
+        for knob in ready:
+            anchor = names.index(knob.after)
+            while anchor + 1 < len(names) and placed[names[anchor + 1]].after == knob.after:
+                anchor += 1
+            names.insert(anchor + 1, knob.name)
+            placed[knob.name] = knob
+            waiting.remove(knob)
+    names += [knob.name for knob in waiting]
+    placed |= {knob.name: knob for knob in waiting}
+    return {name: placed[name] for name in names}
+
+
+KNOBS = Catalogue()
+
 
 # What `preset=candle` stands for: candle-transformers 0.11 `models/llama.rs` read op by op.
 # rope (half-split pairing) and repeat_kv (interleave order) already agree with transformers.
@@ -387,7 +396,12 @@ def _split_pair(item: str) -> tuple[str, str]:
 
 
 def applies_to(knob: Knob, family: str) -> bool:
-    return knob.applies is None or knob.applies(FAMILIES[family])
+    """A model-wide knob applies where its predicate says (everywhere without one); a component's
+    knob to the families composed of that component."""
+    row = family_named(family)
+    if knob.name in MODEL_WIDE:
+        return knob.applies is None or knob.applies(row)
+    return any(knob.name == own.name for own in row.knobs())
 
 
 def check_family(variant: dict, family: str) -> None:

@@ -1,0 +1,1 @@
+"""The built-in components, one module per part: embedding, norm, rope, attention, mlp, block, head."""

@@ -1,0 +1,78 @@
+"""The model's head: the final norm, lm_head (on every position, or candle's last one) and, where the
+family's configs may ask for it, Gemma's soft-capped logits (a virtual point under lm_head)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tracer.core.lazy import F, torch
+from tracer.model.component import Component, Name, Point
+from tracer.model.components.attention import SOFTCAP, SOFTCAPS
+from tracer.model.knobs import setting
+from tracer.model.points import FINAL_LOGITS, FINAL_NORM, LOGITS, WEIGHT
+
+
+def logits_all(h: torch.Tensor, weight: torch.Tensor, linear: Callable | None = None) -> torch.Tensor:
+    """(1, T, C) -> (1, T, V): every position, as transformers returns them (`linear`: F.linear)."""
+    return (linear or F.linear)(h, weight)
+
+
+def logits_last(h: torch.Tensor, weight: torch.Tensor, linear: Callable | None = None) -> torch.Tensor:
+    """(1, T, C) -> (1, 1, V): candle's forward keeps the last position before lm_head."""
+    return (linear or F.linear)(h[:, -1:], weight)
+
+
+LOGIT_STEPS = {"all": logits_all, "last": logits_last}
+
+_NORM_NAMES = (Name("candle", "ln_f"), Name("ggml", "result_norm"), Name("transformer_lens", "ln_final.hook_out"))
+_LOGITS_NAMES = (Name("ggml", "result_output"), Name("transformer_lens", "unembed.hook_out"),
+                 Name("transformer_lens", "hook_unembed"), Name("hf", "logits"))
+
+
+@dataclass(frozen=True)
+class Head(Component):
+    """Final norm and lm_head; `softcap`: its configs may soft-cap the final logits (Gemma 2)."""
+
+    softcap: bool = False
+
+    @property
+    def knobs(self) -> tuple:
+        return (SOFTCAP,) if self.softcap else ()
+
+    def points(self, family) -> tuple[Point, ...]:
+        points = (Point(FINAL_NORM, "norm", "rows", "norm", "final RMSNorm", "", names=_NORM_NAMES),
+                  Point(LOGITS, "logits", "rows", "logits", "logits: the lm_head projection", "",
+                        names=_LOGITS_NAMES))
+        if self.softcap:  # what the model returns: a field of its output, not a module's
+            points += (Point(FINAL_LOGITS, "capped logits", "rows", "softcap",
+                             "final logits soft-capped, cap·tanh(logits/cap) (Gemma)", LOGITS, "model:logits"),)
+        return points
+
+    def weights(self, spec) -> dict:
+        shapes = {FINAL_NORM + WEIGHT: (spec.hidden_size,)}
+        if not spec.tie_word_embeddings:
+            shapes[LOGITS + WEIGHT] = (spec.vocab_size, spec.hidden_size)
+        return shapes
+
+    def steps(self, knobs: dict, spec) -> dict:
+        return {"logits": LOGIT_STEPS[setting(knobs, "logits")], "softcap": SOFTCAPS[setting(knobs, "softcap")]}
+
+    def forward(self, h: torch.Tensor, run) -> torch.Tensor:
+        """(1, T, C) -> logits (1, T, V) ((1, 1, V) with logits=last), capped where the config says so."""
+        return self.step(FINAL_LOGITS, self.step(LOGITS, self.step(FINAL_NORM, h, run), run), run)
+
+    def step(self, point: str, x: torch.Tensor, run) -> torch.Tensor:
+        """One of the head's points computed from its input (what teacher forcing feeds it), recorded;
+        the capped logits only where the config caps them (else the logits pass through)."""
+        steps, spec = run.steps, run.spec
+        if point == FINAL_NORM:
+            out = steps.norm(x, run.weights[FINAL_NORM + WEIGHT], spec.rms_norm_eps)
+        elif point == LOGITS:
+            out = steps.logits(x, run.weights[LOGITS + WEIGHT])  # (1, T, V), or (1, 1, V) for logits=last
+        elif spec.final_logit_softcapping is not None:  # Gemma 2: the capped logits, a virtual point under lm_head
+            out = steps.softcap(x, spec.final_logit_softcapping)
+        else:
+            return x
+        run.record(point, out)
+        return out
