@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from tracer.errors import one_line
+from tracer.core.errors import one_line
 
 HERE = Path(__file__).resolve().parent
 TEXT = HERE.parent / "tests" / "data" / "porting.txt"
@@ -69,7 +69,7 @@ def best_times(measures: dict[str, Callable[[], object]], repeats: int) -> dict[
 
 
 def bench_tokens(model_dir: Path, count: int) -> list[int]:
-    from tracer.tokenizer import tokenize
+    from tracer.files.tokenizer import tokenize
 
     ids = tokenize(model_dir, TEXT.read_text())
     return (ids * (count // len(ids) + 1))[:count]
@@ -80,8 +80,8 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
     from transformers import LlamaForCausalLM
 
     import tracer
+    from tracer.comparison.trace import TraceRecorder
     from tracer.reimpl.forward import Model
-    from tracer.trace import TraceRecorder
 
     model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     ids = torch.tensor([tokens])
@@ -126,7 +126,7 @@ def llamacpp_rows(model_dir: Path, tokens: list[int], repeats: int,
         return None
     from tracer.engines import llamacpp
     from tracer.engines.load import load_engine
-    from tracer.sources import ModelSource
+    from tracer.files.sources import ModelSource
 
     variant = {"threads": threads} if threads else {}  # --threads: llama.cpp's too
     plain_engine = llamacpp.load(ModelSource(model_dir), variant, observe=False)
@@ -160,7 +160,7 @@ def candle_rows(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, t
         return None
     from tracer.engines import candle
     from tracer.engines.load import load_engine
-    from tracer.sources import ModelSource, bundled_gguf
+    from tracer.files.sources import ModelSource, bundled_gguf
 
     rows = {}
     gguf = str(bundled_gguf())
@@ -322,8 +322,10 @@ EXACT_REGIME = "preset=llamacpp,weights=gguf (ggml's own order, bit-exact)"
 KQUANT_FILE = "Q4_K_M"
 KQUANT_REGIME = f"preset=llamacpp,weights=gguf on SmolLM2 {KQUANT_FILE} (ggml's own order, bit-exact)"
 CANDLE_REGIME = "preset=candle-q,weights=gguf (candle's own order, bit-exact)"
-CANDLE_KQUANT_REGIME = f"preset=candle-q,weights=gguf on SmolLM2 {KQUANT_FILE} (candle's Q5_0 loop and k-quant kernels)"
-EXACT_REGIME_TOKENS = (64, 512, 2048)  # --regime auto judges free-running up to 2048 (tracer.regime_view.EXACT_TOKENS)
+CANDLE_KQUANT_REGIME = (f"preset=candle-q,weights=gguf on SmolLM2 {KQUANT_FILE} "
+                        "(candle's Q5_0 loop and k-quant kernels)")
+# --regime auto judges free-running up to 2048 tokens (tracer.pipeline.regime_view.EXACT_TOKENS)
+EXACT_REGIME_TOKENS = (64, 512, 2048)
 # SmolLM2 files llama.cpp's quantizer makes from the bundled GGUF, and the kernels they bring: the
 # bit-exact regime on each at 512 tokens.
 FILE_REGIMES = {"Q4_0": "repacked q4_0_8x8 gemm/gemv", "F16": "tinyBLAS on f16 weights"}
@@ -355,7 +357,7 @@ def regimes(model_dir: Path, tokens: list[int], repeats: int, exact_counts: tupl
     alone with `candle_only`; both also on SmolLM2 made Q4_K_M (candle's up to the prompt length its
     regime is exact for); llama.cpp's on the files its quantizer makes (`FILE_REGIMES`) at 512 tokens
     (the files where llama-cpp-python is installed)."""
-    from tracer.regime_view import EXACT_TOKENS_CANDLE
+    from tracer.pipeline.regime_view import EXACT_TOKENS_CANDLE
     from tracer.reimpl.forward import Model
 
     plain = Model.from_dir(model_dir)
@@ -400,7 +402,7 @@ def quantized_model(model_dir: Path, ftype: str) -> Path:
     sys.path.insert(0, str(HERE.parent))  # the test helpers: llama.cpp's quantizer in a child process
     from tests.ggml_gguf import sourced_copy
     from tests.quantized_gguf import quantize_gguf
-    from tracer.sources import bundled_gguf
+    from tracer.files.sources import bundled_gguf
 
     folder = HERE / ".bench-gguf"
     folder.mkdir(exist_ok=True)
@@ -417,9 +419,9 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:
     load, one forward): (median seconds, median ratio) of alternating rounds, with the reference's
     noise floor and greedy continuation in the cache (every run after the first of a model and
     prompt) and without them (the first run: this prompt's entry removed before each round)."""
-    from tracer.reference_cache import entry_key, entry_path
-    from tracer.request import Placement
-    from tracer.tokenizer import tokenize
+    from tracer.files.tokenizer import tokenize
+    from tracer.pipeline.reference_cache import entry_key, entry_path
+    from tracer.pipeline.request import Placement
 
     bare = (
         "import torch, transformers; from transformers import LlamaForCausalLM, AutoTokenizer\n"

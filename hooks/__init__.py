@@ -5,7 +5,7 @@ attention function. Every hook and registration is removed on exit, even when th
 import importlib
 
 __all__ = ["HFEngine", "recording_attention", "recording_modules"]
-_HOMES = {"HFEngine": "tracer.hooks.engine", "recording_attention": "tracer.hooks.attention",
+_HOMES = {"HFEngine": "tracer.engines.hf", "recording_attention": "tracer.hooks.attention",
           "recording_modules": "tracer.hooks.modules"}
 
 

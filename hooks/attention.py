@@ -20,8 +20,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from tracer.core.torch_types import Recorder
 from tracer.model.points import CONTEXT, K_ROPE, PROBS, Q_ROPE, SCORES, fused_away, layer_point, split_point
-from tracer.torch_types import Recorder
 
 _session_ids = itertools.count()
 

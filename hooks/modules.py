@@ -17,8 +17,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from tracer.core.torch_types import Recorder
 from tracer.model.points import model_point_records, sub_points
-from tracer.torch_types import Recorder
 
 # How a module's output becomes the point's layout (batch kept): "output:(T, H, D)" -> (1, T, H*D), ...
 TO_POINT_LAYOUT = {

@@ -12,7 +12,7 @@ import base64
 import sys
 from collections.abc import Mapping
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.model.points import EMBED, folded, is_coarse, layer_of, rank
 from tracer.reports.figures import breakdown_figure, curve_figure, figure_png, has_breakdown, layer_heatmap_figure
 from tracer.reports.summary import (

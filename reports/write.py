@@ -12,8 +12,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from tracer.errors import TracerError
-from tracer.folders import replaceable_folder
+from tracer.core.errors import TracerError
+from tracer.core.folders import replaceable_folder
 from tracer.reports.drawers import report_images
 from tracer.reports.html import render_html
 from tracer.reports.markdown import markdown_summary

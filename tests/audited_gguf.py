@@ -1,5 +1,5 @@
 """GGUF files the audit judges (`tracer.ggml.audit`): one with a block of one tensor changed, as
-storage or a faulty tool damages a file (the bytes written at the offset `tracer.gguffile` gives,
+storage or a faulty tool damages a file (the bytes written at the offset `tracer.files.gguffile` gives,
 nothing else touched), and the importance matrix llama-imatrix would compute from the reference's
 own activations, for files quantized as users make them with one."""
 
@@ -19,8 +19,8 @@ def damage_block(source: Path, target: Path, tensor: str, block: int, *, quants:
     """`source` copied to `target` with block `block` (row-major) of `tensor` ("blk.5.attn_k.weight")
     changed: the top bit of both nibbles flipped in `quants` bytes of its last quant field (4-bit
     quants move by 8 levels), and its f16 scale multiplied by `scale`."""
+    from tracer.files.gguffile import GGML_TYPES, GGUFFile
     from tracer.ggml.audit import LEVELS
-    from tracer.gguffile import GGML_TYPES, GGUFFile
 
     info = GGUFFile(source).tensors[tensor]
     field = LEVELS[info.kind].fields[-1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tracer.layouts import to_interleaved
+from tracer.comparison.layouts import to_interleaved
 from tracer.model.points import layer_of
 
 # our point (layer part as {i}) -> candle llama.rs field path
@@ -113,9 +113,9 @@ def faulty_trace(model_dir: Path, tokens, layer: int, scale: float = 0.01):
     """The reimpl engine with one layer's mlp.down_proj weight perturbed by `scale`·N(0, 1) relative
     noise: a fault at that op whose effect propagates downstream like a real one."""
     from tracer.engines.reimpl import ReimplEngine
+    from tracer.files.weights import read_weights
     from tracer.model.config import load_config, read_hf
     from tracer.reimpl.forward import Model
-    from tracer.weights import read_weights
 
     weights = read_weights(model_dir)
     name = f"model.layers.{layer}.mlp.down_proj.weight"

@@ -18,16 +18,15 @@ import importlib
 
 __version__ = "0.1.0"
 
+_API, _RESULT, _TRACE = "tracer.api", "tracer.comparison.result", "tracer.comparison.trace"
 _EXPORTS = {
-    "record": "tracer.api", "run": "tracer.api", "sweep": "tracer.api", "diagnose": "tracer.api",
-    "compare_files": "tracer.api", "audit_gguf": "tracer.api", "quality": "tracer.api", "compare": "tracer.diff",
-    "Quality": "tracer.corpus",
-    "Result": "tracer.result", "PointDiff": "tracer.result", "Tolerance": "tracer.result",
-    "Sweep": "tracer.result", "SweepRow": "tracer.result", "Diagnosis": "tracer.result",
-    "Divergence": "tracer.result", "LogitsSummary": "tracer.result", "Greedy": "tracer.result",
-    "RegimeView": "tracer.result", "WeightAudit": "tracer.result",
-    "Trace": "tracer.trace", "TraceMeta": "tracer.trace", "TracerError": "tracer.errors",
-    "default_model_path": "tracer.sources",
+    "record": _API, "run": _API, "sweep": _API, "diagnose": _API, "compare_files": _API, "audit_gguf": _API,
+    "quality": _API, "compare": "tracer.comparison.diff", "Quality": "tracer.pipeline.corpus",
+    "Result": _RESULT, "PointDiff": _RESULT, "Tolerance": _RESULT, "Sweep": _RESULT, "SweepRow": _RESULT,
+    "Diagnosis": _RESULT, "Divergence": _RESULT, "LogitsSummary": _RESULT, "Greedy": _RESULT,
+    "RegimeView": _RESULT, "WeightAudit": _RESULT,
+    "Trace": _TRACE, "TraceMeta": _TRACE, "TracerError": "tracer.core.errors",
+    "default_model_path": "tracer.files.sources",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,8 +1,8 @@
 """The public API: `record`, `run`, `sweep`, `diagnose`, `compare_files`, `quality`. The CLI maps onto these.
 
 Run first, compare later: `record` turns a model and tokens into a `Trace`; `tracer.compare`
-(`tracer.diff`) turns two traces into a `Result`. The other functions compose the two steps of
-`tracer.pipeline` (prepare the reference once, compare a candidate against it) and add the report
+(`tracer.comparison.diff`) turns two traces into a `Result`. The other functions compose the two steps of
+`tracer.pipeline.run` (prepare the reference once, compare a candidate against it) and add the report
 folder.
 """
 
@@ -12,30 +12,23 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tracer.catalogue import default_variants, diagnosis_variants, split_variants
-from tracer.corpus import Quality, measure_quality
+from tracer.comparison.fingerprint import resemblance
+from tracer.comparison.result import Diagnosis, Result, Sweep, Tolerance, WeightAudit
+from tracer.comparison.trace import Trace
+from tracer.core.errors import TracerError
+from tracer.core.progress import stage, with_stages
 from tracer.engines.base import at_positions, environment
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import check_offload, offload_for
 from tracer.engines.registry import parse_engine
-from tracer.errors import TracerError
-from tracer.fingerprint import resemblance
-from tracer.greedy import GREEDY_STEPS
+from tracer.files.sources import ModelSource, resolve_source
 from tracer.model.knobs import format_knob_value, parse_variant, variant_text
-from tracer.pipeline import (
-    candidate_loader,
-    check_tokens,
-    compare_candidate,
-    config_audit,
-    prepared_from_trace,
-    prepared_reference,
-    sweep_row,
-    token_ids,
-)
-from tracer.progress import stage, with_stages
-from tracer.regime_view import check_regime_run, compare_in_regime
-from tracer.regime_view import resolve as resolve_regime
-from tracer.request import (
+from tracer.pipeline.catalogue import default_variants, diagnosis_variants, split_variants
+from tracer.pipeline.corpus import Quality, measure_quality
+from tracer.pipeline.greedy import GREEDY_STEPS
+from tracer.pipeline.regime_view import check_regime_run, compare_in_regime
+from tracer.pipeline.regime_view import resolve as resolve_regime
+from tracer.pipeline.request import (
     DEFAULT_CTX,
     DEFAULT_PROMPT,
     SWEEP_REPORT,
@@ -49,9 +42,16 @@ from tracer.request import (
     check_tolerance,
     regime_knobs,
 )
-from tracer.result import Diagnosis, Result, Sweep, Tolerance, WeightAudit
-from tracer.sources import ModelSource, resolve_source
-from tracer.trace import Trace
+from tracer.pipeline.run import (
+    candidate_loader,
+    check_tokens,
+    compare_candidate,
+    config_audit,
+    prepared_from_trace,
+    prepared_reference,
+    sweep_row,
+    token_ids,
+)
 
 
 @with_stages("load", "record")
@@ -95,7 +95,7 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
 @with_stages("load", "record")
 def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", variant=None, *,
                   progress: bool = True) -> Trace:
-    """`record` on the request's values (`tracer.request`), as the CLI builds them."""
+    """`record` on the request's values (`tracer.pipeline.request`), as the CLI builds them."""
     variant = parse_variant(variant)
     check_engines(None, engine, variant, {})
     check_engine_name(engine)
@@ -166,7 +166,7 @@ def run(
         device: where both models run ("cpu", "cuda", "cuda:1", "mps"); traces are kept on the CPU.
         stream: a side whose engine can stream reads each block's weights from the files when it
             runs (one block in memory); the others load their whole model, which the notes say.
-        regime: compare in a number-format regime (`tracer.regime_view`): "auto" takes the one the
+        regime: compare in a number-format regime (`tracer.pipeline.regime_view`): "auto" takes the one the
             candidate's runtime and model file imply (llama.cpp's CPU arithmetic on its GGUF's
             tensor types; a 16-bit dtype), or knobs such as "weights=q4_1,act_quant=q8_1". The
             verdict is then the regime view's; `result.regime` holds the raw f32 view, the
@@ -176,7 +176,7 @@ def run(
         position_offset: the first token's absolute position (default 0), both sides (hf, reimpl).
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
-    there (`tracer.spill`), and attention matrices over 128 tokens keep their last 128 query
+    there (`tracer.comparison.spill`), and attention matrices over 128 tokens keep their last 128 query
     rows, so memory stays bounded (SmolLM2 at 2048 tokens: under 4 GB resident).
 
     Returns:
@@ -200,7 +200,7 @@ def run_values(inputs: Inputs, placement: Placement = Placement(), outputs: Outp
                reference: str = "hf", candidate: str = "reimpl", variant=None, reference_variant=None,
                tolerance: Tolerance = Tolerance(), greedy: int | None = None, noise_floor: bool = True,
                regime=None, command: str | None = None, progress: bool = True) -> Result:
-    """`run` on the request's values (`tracer.request`), as the CLI builds them; every argument
+    """`run` on the request's values (`tracer.pipeline.request`), as the CLI builds them; every argument
     is checked here, before torch loads anything."""
     variant, reference_variant = parse_variant(variant), parse_variant(reference_variant)
     check_engines(reference, candidate, variant, reference_variant)
@@ -301,7 +301,7 @@ def sweep_values(inputs: Inputs, placement: Placement = Placement(), outputs: Ou
                  reference: str = "hf", reference_variant=None, candidate: str = "reimpl",
                  tolerance: Tolerance = Tolerance(), greedy: int = 0, noise_floor: bool = True,
                  command: str | None = None, progress: bool = True) -> Sweep:
-    """`sweep` on the request's values (`tracer.request`), as the CLI builds them."""
+    """`sweep` on the request's values (`tracer.pipeline.request`), as the CLI builds them."""
     texts = None if variants is None else split_variants(variants)
     parsed = None if texts is None else [parse_variant(text) for text in texts]  # before anything loads
     reference_variant = parse_variant(reference_variant)
@@ -338,13 +338,13 @@ def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: b
 
     The observed trace (a port's dump, another runtime's) is compared with the reference; then
     every variant of the catalogue runs on the reimplementation against the same reference, and
-    each variant's error fingerprint (`tracer.fingerprint`) is matched with the observed one.
+    each variant's error fingerprint (`tracer.comparison.fingerprint`) is matched with the observed one.
 
     Args:
         trace: the observed candidate: a `Trace` or a trace file (any runtime's, see
             docs/trace-format.md); it must carry its token ids.
         model: the model it ran (None: the bundled SmolLM2).
-        variants: the variants to try (default: `tracer.catalogue.diagnosis_variants`).
+        variants: the variants to try (default: `tracer.pipeline.catalogue.diagnosis_variants`).
         offload, max_memory: as in `tracer.record`, for the hf reference.
 
     Returns:
@@ -416,7 +416,7 @@ def quality(text: str | None = None, model=None, *, text_file: str | Path | None
         ctx: tokens per chunk (llama-perplexity's -c, default 512); the text needs 2·ctx tokens.
         chunks: evaluate at most this many chunks (llama-perplexity's --chunks).
         by_layer: also say where the loss is made: each component (embedding, every block, final
-            norm, lm_head) of the candidate alone inside the reference's forward (`tracer.attribution`).
+            norm, lm_head) of the candidate alone inside the reference's forward (`tracer.pipeline.attribution`).
         device, stream, offload, max_memory: as in `run`.
 
     Returns:
@@ -458,8 +458,8 @@ def quality(text: str | None = None, model=None, *, text_file: str | Path | None
 @with_stages("load", "chunks")
 def quality_values(inputs: Inputs, placement: Placement = Placement(), *, progress: bool = True,
                    **options) -> Quality:
-    """`quality` on the request's values (`tracer.request`), as the CLI builds them (`options`:
-    `tracer.corpus.measure_quality`'s)."""
+    """`quality` on the request's values (`tracer.pipeline.request`), as the CLI builds them (`options`:
+    `tracer.pipeline.corpus.measure_quality`'s)."""
     return measure_quality(inputs, placement, **options)
 
 
@@ -473,7 +473,7 @@ def catalogue_key(prepared, placement: Placement, tried: list[dict]) -> tuple | 
     ctime, inode of each), the tokens, the placement and the variants; None for a loaded model."""
     if prepared.source.loaded:
         return None
-    from tracer.reference_cache import folder_state
+    from tracer.pipeline.reference_cache import folder_state
 
     model_dir = prepared.source.directory
     files = json.dumps(folder_state(model_dir), sort_keys=True)
@@ -493,7 +493,7 @@ def compare_files(
 ) -> Result:
     """Compare two saved traces: tracer's own, or dumps from candle, llama.cpp, MLX, PyTorch.
 
-    Names are mapped onto points (`tracer.model.names`), layouts brought to ours (`tracer.layouts`),
+    Names are mapped onto points (`tracer.model.names`), layouts brought to ours (`tracer.comparison.layouts`),
     and only the points both sides have are compared; the Result's `notes` say what was missing
     on each side, which names were not recognized and which layout was assumed.
 
@@ -549,12 +549,12 @@ def audit_gguf(gguf: str | Path, model=None, *, progress: bool = True) -> Weight
         A `WeightAudit`: `verdict`, `damaged` (the GGUF names of damaged tensors), `tensors`.
 
     Example:
-        >>> from tracer.sources import bundled_gguf
+        >>> from tracer.files.sources import bundled_gguf
         >>> audit = tracer.audit_gguf(bundled_gguf(), progress=False)  # the bundled SmolLM2's own Q4_1 file
         >>> audit.verdict, audit.damaged
         ('identical', ())
     """
-    from tracer.regime_view import audit_weights
+    from tracer.pipeline.regime_view import audit_weights
 
     return audit_weights({"weights": "gguf", "gguf_file": str(gguf)}, resolve_source(model, progress))
 
@@ -565,7 +565,7 @@ def load_trace(trace_or_path, aliases=None) -> Trace:
     if isinstance(trace_or_path, Trace):
         return trace_or_path
     if isinstance(trace_or_path, dict):
-        from tracer.trace import import_foreign
+        from tracer.comparison.trace import import_foreign
 
         return import_foreign(trace_or_path, {}, Path("<dict>"), aliases)
     return Trace.load(trace_or_path, aliases)

@@ -1,7 +1,7 @@
 """Every flag of the `tracer` command, declared once: shared argparse parents for the flags several
 sub-commands take (inputs, placement, tolerance, report, JSON), and `command_line`, which writes the
 command that repeats a run from the same declarations. Pure argparse: no torch, no tracer internals
-above `tracer.request`, so the API can derive its reproduction line from here.
+above `tracer.pipeline.request`, so the API can derive its reproduction line from here.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import re
 import shlex
 from pathlib import Path
 
-from tracer.errors import TracerError, did_you_mean
+from tracer.core.errors import TracerError, did_you_mean
 from tracer.model.families import FAMILIES
-from tracer.request import DEFAULT_CTX, DEFAULT_PROMPT
+from tracer.pipeline.request import DEFAULT_CTX, DEFAULT_PROMPT
 
 DEFAULT_OUT = "tracer-report"
 DEFAULT_SWEEP_OUT = "tracer-sweep"

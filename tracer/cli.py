@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
-from tracer.errors import TracerError, did_you_mean
+from tracer.comparison.result import Tolerance
+from tracer.core.errors import TracerError, did_you_mean
 from tracer.model.knobs import parse_variant
-from tracer.request import (
+from tracer.pipeline.request import (
     DEFAULT_PROMPT,
     RUN_REPORT,
     SWEEP_REPORT,
@@ -27,7 +28,6 @@ from tracer.request import (
     check_tolerance,
     regime_knobs,
 )
-from tracer.result import Tolerance
 
 
 def inputs_of(args) -> Inputs:
@@ -184,7 +184,7 @@ def _runtime_lines(entry) -> list[str]:
 
 
 def cmd_sweep(args) -> int:
-    from tracer.catalogue import split_variants
+    from tracer.pipeline.catalogue import split_variants
 
     inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args, SWEEP_REPORT)
     reference_variant = parse_variant(args.reference_variant)
@@ -209,7 +209,7 @@ def cmd_diagnose(args) -> int:
     placement, _ = placement_of(args), outputs_of(args)
     inputs = Inputs(model=args.model)
     if args.variants:
-        from tracer.catalogue import split_variants
+        from tracer.pipeline.catalogue import split_variants
 
         for text in split_variants(args.variants):
             check_engines(None, "reimpl", parse_variant(text), {})
@@ -238,7 +238,7 @@ def cmd_quality(args) -> int:
     placement = placement_of(args)
     outputs_of(args)
     if args.markdown not in (None, "-"):
-        from tracer.request import writable_file
+        from tracer.pipeline.request import writable_file
 
         writable_file(args.markdown, "--markdown")
     if args.json == "-" and args.markdown == "-":
@@ -270,8 +270,8 @@ def cmd_quality(args) -> int:
 
 
 def cmd_config(args) -> int:
+    from tracer.files.sources import resolve_model
     from tracer.model.config import audit, load_config
-    from tracer.sources import resolve_model
 
     outputs_of(args)
 
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main() -> int:
     """The `tracer` command: `main` in a process of its own, whose allocator it may tune."""
-    from tracer.allocator import reuse_freed_memory
+    from tracer.core.allocator import reuse_freed_memory
 
     reuse_freed_memory()
     return main()

@@ -17,10 +17,10 @@ import pytest
 import tracer
 from tests.audited_gguf import damage_block
 from tests.quantized_gguf import quantize_gguf
+from tracer.files.sources import ModelSource, bundled_gguf
+from tracer.files.weights import WeightFiles
 from tracer.ggml.audit import audit_gguf
-from tracer.regime_view import resolve as resolve_regime
-from tracer.sources import ModelSource, bundled_gguf
-from tracer.weights import WeightFiles
+from tracer.pipeline.regime_view import resolve as resolve_regime
 
 
 @pytest.fixture(scope="module")

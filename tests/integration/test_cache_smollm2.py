@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tracer import sources
-from tracer.convert import COMPLETE_MARKER
-from tracer.errors import TracerError
-from tracer.sources import DEFAULT_DIRNAME
+from tracer.core.errors import TracerError
+from tracer.files import sources
+from tracer.files.convert import COMPLETE_MARKER
+from tracer.files.sources import DEFAULT_DIRNAME
 
 GUARDED_CLI = r"""
 import socket, sys
@@ -87,5 +87,5 @@ def test_killed_conversion_then_two_racing_runs_both_succeed_with_one_conversion
         assert result["model"] == str(cache / DEFAULT_DIRNAME)
     assert [CONVERTING in err for err in (err_a, err_b)].count(True) == 1
     assert (cache / DEFAULT_DIRNAME / COMPLETE_MARKER).is_file()
-    # beside the conversion, the reference's noise floor and greedy continuation (tracer.reference_cache)
+    # beside the conversion, the reference's noise floor and greedy continuation (tracer.pipeline.reference_cache)
     assert sorted(p.name for p in cache.iterdir()) == sorted([f".{DEFAULT_DIRNAME}.lock", DEFAULT_DIRNAME, "reference"])

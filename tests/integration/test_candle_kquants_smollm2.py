@@ -15,7 +15,7 @@ import pytest
 
 import tracer
 from tests.quantized_gguf import quantize_gguf
-from tracer.gguffile import GGUFFile
+from tracer.files.gguffile import GGUFFile
 
 from .test_ggml_smollm2 import PROMPT_IDS
 
@@ -29,7 +29,7 @@ def q4_k_m(default_model, tmp_path_factory):
     the file would leave another 540 MB copy in the user's cache on every run."""
     pytest.importorskip("candle")
     from tracer.engines.candle import check_platform
-    from tracer.sources import bundled_gguf
+    from tracer.files.sources import bundled_gguf
 
     try:
         check_platform()

@@ -17,8 +17,8 @@ import pytest
 
 import tracer
 from tracer.engines import candle as candle_engine
+from tracer.files.sources import ModelSource
 from tracer.model.points import layer_point
-from tracer.sources import ModelSource
 
 from .test_ggml_smollm2 import PROMPT_IDS, _corrupt
 
@@ -39,7 +39,7 @@ def reference(default_model):
 
 @pytest.fixture(scope="module")
 def gguf():
-    from tracer.sources import bundled_gguf
+    from tracer.files.sources import bundled_gguf
 
     return bundled_gguf()
 
@@ -103,7 +103,7 @@ def test_regime_auto_picks_candles_arithmetic_and_reads_candle_as_correct(defaul
 
 def test_a_corrupted_tensor_stands_alone_in_candles_regime(default_model, candle_q, tmp_path):
     corrupted = tmp_path / "corrupted.gguf"
-    from tracer.sources import bundled_gguf
+    from tracer.files.sources import bundled_gguf
 
     _corrupt(bundled_gguf(), corrupted)
     candidate = candle(default_model, gguf=corrupted)

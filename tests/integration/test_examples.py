@@ -22,7 +22,8 @@ def modules_with_examples() -> list[str]:
 
 
 def test_examples_are_found():
-    assert {"tracer", "tracer.api", "tracer.result", "tracer.trace"} <= set(modules_with_examples())
+    expected = {"tracer", "tracer.api", "tracer.comparison.result", "tracer.comparison.trace"}
+    assert expected <= set(modules_with_examples())
 
 
 @pytest.mark.parametrize("name", modules_with_examples())

@@ -4,9 +4,9 @@ engines, and its sweep is the one it always was (no family knob of another famil
 import torch
 
 import tracer
-from tracer.catalogue import default_variants
 from tracer.model.config import load_config, read_hf
 from tracer.model.points import all_points
+from tracer.pipeline.catalogue import default_variants
 
 PROMPT = "The capital of France is"
 SMOLLM2_SWEEP = ["theta=10000", "eps=1e-3", "attn=sdpa", "dtype=bf16", "rope=interleaved", "rope_scaling=drop",

@@ -12,7 +12,7 @@ import pytest
 import tracer
 from tests.dumps import candle_dump, faulty_trace, ggml_dump, save_dump
 from tests.readme import run_recipe
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.testing import assert_traces_close
 
 PROMPT = "The capital of France is"

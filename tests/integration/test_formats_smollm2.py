@@ -13,8 +13,8 @@ import pytest
 import tracer
 from tests.ggml_gguf import sourced_copy
 from tests.quantized_gguf import quantize_gguf
+from tracer.files.sources import ModelSource, bundled_gguf
 from tracer.ggml.strategies import GGUFWeights, implied_regime
-from tracer.sources import ModelSource, bundled_gguf
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 LLAMACPP = {"preset": "llamacpp", "weights": "gguf"}

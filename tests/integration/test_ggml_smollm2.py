@@ -17,8 +17,8 @@ import pytest
 
 import tracer
 from tests.readme import run_recipe
+from tracer.comparison.layouts import sub_point
 from tracer.engines.load import load_engine
-from tracer.layouts import sub_point
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 LLAMACPP = {"preset": "llamacpp", "weights": "gguf"}
@@ -56,8 +56,8 @@ def test_per_op_on_llama_cpps_inputs_is_exact_here_and_within_1e_4_in_another_or
 def _corrupt(source, target, tensor: str = "blk.7.ffn_down.weight", every: int = 20) -> float:
     """A copy of the GGUF with the first two quants of one block in `every` of `tensor` moved by one
     step each (Q4_1 nibbles, 15 -> 14, else +1): the relative change of that weight."""
+    from tracer.files.gguffile import GGUFFile
     from tracer.ggml.quants import from_gguf_bytes
-    from tracer.gguffile import GGUFFile
 
     data = bytearray(source.read_bytes())
     info = GGUFFile(source).tensors[tensor]
@@ -75,7 +75,7 @@ def _corrupt(source, target, tensor: str = "blk.7.ffn_down.weight", every: int =
 
 def test_a_corrupted_tensor_is_the_first_divergence_in_the_regime_and_hidden_in_the_raw_view(default_model, tmp_path):
     pytest.importorskip("llama_cpp")
-    from tracer.sources import bundled_gguf
+    from tracer.files.sources import bundled_gguf
 
     corrupted = tmp_path / "corrupted.gguf"
     change = _corrupt(bundled_gguf(), corrupted)
@@ -105,7 +105,7 @@ def test_block_quantized_weights_diverge_at_the_first_projection(default_model, 
 
 def test_regime_auto_reads_llama_cpp_as_correct_and_keeps_the_raw_view(default_model, tmp_path):
     """The README's GGUF recipe, as written: ./my-model the bundled model's directory, my-model.gguf its GGUF."""
-    from tracer.sources import bundled_gguf
+    from tracer.files.sources import bundled_gguf
 
     run_recipe("A GGUF", tmp_path, {"my-model": default_model, "my-model.gguf": bundled_gguf()})
     result = json.loads((tmp_path / "tracer-report" / "summary.json").read_text())
@@ -125,7 +125,7 @@ def test_regime_auto_reads_llama_cpp_as_correct_and_keeps_the_raw_view(default_m
 
 def test_regime_auto_names_a_corrupted_tensor_alone(default_model, tmp_path):
     pytest.importorskip("llama_cpp")
-    from tracer.sources import bundled_gguf
+    from tracer.files.sources import bundled_gguf
 
     corrupted = tmp_path / "corrupted.gguf"
     _corrupt(bundled_gguf(), corrupted)
@@ -152,10 +152,10 @@ def test_regime_auto_judges_free_running_past_the_old_64_tokens_and_every_point_
 
 
 def test_past_the_bit_exact_length_the_per_op_view_judges_and_reads_llama_cpp_as_correct(default_model, monkeypatch):
-    """The per-op view past tracer.regime_view.EXACT_TOKENS, with that limit lowered to 64 here (at 2048
+    """The per-op view past tracer.pipeline.regime_view.EXACT_TOKENS, with that limit lowered to 64 here (at 2048
     tokens the same check would take minutes)."""
     pytest.importorskip("llama_cpp")
-    monkeypatch.setattr("tracer.regime_view.EXACT_TOKENS", 64)
+    monkeypatch.setattr("tracer.pipeline.regime_view.EXACT_TOKENS", 64)
 
     tokens = (PROMPT_IDS * 40)[:64 + 16]
     result = tracer.run(default_model, tokens=tokens, candidate="llamacpp", regime="auto", greedy=0, progress=False)

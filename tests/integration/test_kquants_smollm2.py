@@ -24,7 +24,7 @@ def q4_k_m(default_model, tmp_path_factory):
     """SmolLM2 quantized to Q4_K_M by llama.cpp (made once for the module)."""
     pytest.importorskip("llama_cpp")
     from tests.quantized_gguf import quantize_gguf
-    from tracer.sources import bundled_gguf
+    from tracer.files.sources import bundled_gguf
 
     return quantize_gguf(bundled_gguf(), tmp_path_factory.mktemp("kquants") / "smollm2-Q4_K_M.gguf", "Q4_K_M")
 
@@ -32,9 +32,9 @@ def q4_k_m(default_model, tmp_path_factory):
 def test_a_q4_k_m_gguf_in_its_implied_regime_is_llama_cpp_to_the_bit(q4_k_m):
     """70 tokens: the repacked Q4_K gemm (68 rows) and gemv (2), the tiled Q6_K matmul, the tiled
     flash attention."""
+    from tracer.files.sources import gguf_model_path
     from tracer.ggml import kmatmul
     from tracer.ggml.strategies import GGUFWeights, implied_regime
-    from tracer.sources import gguf_model_path
 
     types = GGUFWeights(q4_k_m).types()
     assert {"q4_k", "q6_k"} <= set(types.values())

@@ -1,6 +1,6 @@
 """A 2048-token run on the bundled model in bounded memory: under 4 GB resident.
 
-The bound holds with the allocator setting the `tracer` command makes (`tracer.allocator`: freed
+The bound holds with the allocator setting the `tracer` command makes (`tracer.core.allocator`: freed
 attention matrices are kept for reuse); docs/measured.md has the measured peaks.
 """
 

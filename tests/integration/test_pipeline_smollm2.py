@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import tracer
-from tracer.catalogue import default_variants
 from tracer.model.config import load_config, read_hf
+from tracer.pipeline.catalogue import default_variants
 
 
 def test_every_default_sweep_row_names_the_first_divergence_run_names(default_model):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tracer
+from tracer.files.tokenizer import tokenize
 from tracer.model.points import all_points, layer_order
-from tracer.tokenizer import tokenize
 
 PROMPT = "The capital of France is"
 

@@ -8,7 +8,7 @@ import pytest
 CHILD = """
 import sys
 import numpy as np
-from tracer.allocator import reuse_freed_memory
+from tracer.core.allocator import reuse_freed_memory
 
 def resident_mb():
     return int(next(line for line in open('/proc/self/status') if line.startswith('VmRSS')).split()[1]) // 1024

@@ -13,11 +13,11 @@ import torch
 from tests.audited_gguf import activation_imatrix, damage_block
 from tests.conftest import TOKENS
 from tests.quantized_gguf import quantize_gguf, write_kquant_llama
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
+from tracer.files.weights import WeightFiles
 from tracer.ggml.audit import audit_gguf
 from tracer.ggml.quantizer import GgmlQuantizer, ggml_quantizer
 from tracer.reports.summary import audit_lines
-from tracer.weights import WeightFiles
 
 pytest.importorskip("llama_cpp")
 
@@ -152,8 +152,8 @@ def test_regime_auto_on_a_float_file_is_a_regime_the_reimplementation_runs(kquan
     """What once answered "bad value 'f16' for knob 'weights'": the file's own float matrices, whose
     kernels (tinyBLAS, ggml_vec_dot_f16/bf16/f32) are emulated: no caveat names their type."""
     import tracer
-    from tracer.regime_view import resolve as resolve_regime
-    from tracer.sources import ModelSource
+    from tracer.files.sources import ModelSource
+    from tracer.pipeline.regime_view import resolve as resolve_regime
 
     model, files = kquant
     knobs, caveats, audit = resolve_regime("auto", f"llamacpp:{files[ftype]}", {}, ModelSource(model))

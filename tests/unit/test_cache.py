@@ -1,4 +1,4 @@
-"""Cache entries check themselves (`tracer.cache`): a file changed in place (even with its mtime
+"""Cache entries check themselves (`tracer.files.hashes`): a file changed in place (even with its mtime
 put back), a file gone, a garbled record: the entry is rebuilt, saying so, never used. On the
 real entries: a GGUF conversion and an ONNX export whose weights were changed in place."""
 
@@ -12,8 +12,9 @@ import pytest
 
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
-from tracer import cache, convert, sources
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
+from tracer.files import convert, sources
+from tracer.files import hashes as cache
 
 MARKER = convert.COMPLETE_MARKER
 

@@ -1,6 +1,6 @@
 """The model cache under concurrency and interruption, with a stand-in build of a few seconds.
 
-`tracer.convert.cached_build` is what converts the bundled GGUF once; here real processes race on
+`tracer.files.convert.cached_build` is what converts the bundled GGUF once; here real processes race on
 it with a build that records each time it runs, so "exactly once" is counted, not assumed. The
 same on the real conversion is in tests/integration/test_cache_smollm2.py.
 """
@@ -14,14 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from tracer.convert import COMPLETE_MARKER
+from tracer.files.convert import COMPLETE_MARKER
 
 # A child process: build `target` with a build that appends its pid to `runs`, writes half a file,
 # and finishes it once the file `release` exists (the test decides when a build may end).
 CHILD = r"""
 import os, sys, time
 from pathlib import Path
-from tracer.convert import cached_build
+from tracer.files.convert import cached_build
 
 target, runs, release = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 

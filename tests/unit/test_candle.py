@@ -13,8 +13,8 @@ from tests.families import write_tiny_family
 from tests.ggml_gguf import sourced_copy, write_quantized_gguf
 from tracer import TracerError
 from tracer.engines import candle as candle_engine
+from tracer.files.sources import ModelSource
 from tracer.model.points import all_points, layer_point
-from tracer.sources import ModelSource
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_candles_regime_reproduces_quantized_llama_rs_bit_for_bit(quantized):
 
 
 def test_regime_auto_picks_candles_arithmetic_for_a_gguf_and_none_for_f32(quantized):
-    from tracer.regime_view import resolve
+    from tracer.pipeline.regime_view import resolve
 
     _, gguf_file, converted = quantized
     source = ModelSource(converted)

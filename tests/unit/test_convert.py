@@ -1,4 +1,4 @@
-"""Unit tests for tracer.convert: the conversion cache (once across threads and processes, nothing
+"""Unit tests for tracer.files.convert: the conversion cache (once across threads and processes, nothing
 half-written) and the config.json a converted GGUF gets.
 """
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tracer import convert
+from tracer.files import convert
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def test_racing_processes_build_once(tmp_path):
         """
         import os, sys, time
         from pathlib import Path
-        from tracer.convert import cached_build
+        from tracer.files.convert import cached_build
 
         root = Path(sys.argv[1])
         while not (root / "go").exists():

@@ -7,11 +7,11 @@ import pytest
 import tracer
 from tests.conftest import TOKENS
 from tracer import diagnose
-from tracer.catalogue import diagnosis_variants as catalogue
 from tracer.cli import main
-from tracer.fingerprint import resemblance
+from tracer.comparison.fingerprint import resemblance
 from tracer.model.config import load_config, read_hf
 from tracer.model.knobs import parse_variant, variant_text
+from tracer.pipeline.catalogue import diagnosis_variants as catalogue
 
 TRIED = ["theta=500", "eps=1e-3", "kv_repeat=tile", "rope=interleaved", "attn=sdpa"]
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tracer import Trace, TraceMeta, TracerError, compare
-from tracer.diff import compare_point
-from tracer.result import Tolerance
+from tracer.comparison.diff import compare_point
+from tracer.comparison.result import Tolerance
 
 
 def trace(tensors, **meta):
@@ -124,7 +124,7 @@ def test_traces_with_no_point_in_common_are_not_a_match():
 
 def test_an_unknown_engine_is_refused_before_anything_loads(tiny_llama, monkeypatch):
     import tracer
-    from tracer import sources
+    from tracer.files import sources
 
     monkeypatch.setattr(sources, "resolve_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(TracerError, match="unknown engine 'jax'"):

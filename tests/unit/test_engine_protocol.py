@@ -20,11 +20,11 @@ import pytest
 
 from tests.conftest import write_tiny_llama
 from tests.unit.test_matrix import ARGUMENTS
+from tracer.core.errors import TracerError
 from tracer.engines.base import Engine
 from tracer.engines.isolated import IsolatedEngine
 from tracer.engines.registry import ENGINES
-from tracer.errors import TracerError
-from tracer.sources import resolve_source
+from tracer.files.sources import resolve_source
 
 # The protocol's methods only some engines have, and what in an entry declares each.
 DECLARED_BY = {"draft": lambda entry: entry.draft, "local_trace": lambda entry: entry.local_errors,

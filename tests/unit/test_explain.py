@@ -4,7 +4,7 @@ import torch
 
 import tracer
 from tests.conftest import TOKENS
-from tracer.explain import by_head, by_position, hints, top_channels
+from tracer.comparison.explain import by_head, by_position, hints, top_channels
 
 
 def test_by_position_reads_the_query_axis_of_each_layout():
@@ -64,7 +64,7 @@ def test_theta_on_a_tiny_model_explains_itself(tiny_llama):
 
 
 def test_noise_floor_judges_points_on_their_own_rounding(tiny_llama):
-    from tracer.noise_floor import estimate_noise
+    from tracer.pipeline.noise_floor import estimate_noise
 
     model = tiny_llama()
     reference = tracer.record(model, TOKENS, engine="hf")

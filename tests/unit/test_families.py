@@ -316,7 +316,7 @@ def test_config_level_family_knobs_mean_the_same_on_hf(tiny):
 
 
 def test_sweep_and_diagnose_use_the_familys_knobs(tiny):
-    from tracer.catalogue import default_variants
+    from tracer.pipeline.catalogue import default_variants
 
     spec = read_hf(load_config(tiny["gemma3"]))
     chosen = default_variants(spec)
@@ -362,7 +362,7 @@ GGUF_FAMILIES = {"qwen2": dict(use_sliding_window=False), "qwen3": dict(head_dim
 def test_a_gguf_of_another_family_is_converted_and_traced(tmp_path, family):
     pytest.importorskip("gguf")
     from tests.families import write_tiny_gguf
-    from tracer.sources import gguf_model_path
+    from tracer.files.sources import gguf_model_path
 
     source = write_tiny_family(tmp_path / "hf", family, **GGUF_FAMILIES[family])
     gguf = write_tiny_gguf(source, tmp_path / f"{family}.gguf")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tracer.cli import build_parser
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.model.components.block import PRE_NORM, Block
 from tracer.model.config import load_config, read_hf
 from tracer.model.families import LLAMA, expected_shapes, register, unregister

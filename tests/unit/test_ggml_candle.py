@@ -5,16 +5,16 @@ composes its forward from."""
 import pytest
 import torch
 
+from tracer.files.gguffile import GGUFFile
 from tracer.ggml import candle as emulated
 from tracer.ggml.quants import from_gguf_bytes
-from tracer.gguffile import GGUFFile
 
 
 @pytest.fixture(scope="module")
 def candle():
     candle = pytest.importorskip("candle")
+    from tracer.core.errors import TracerError
     from tracer.engines.candle import check_platform
-    from tracer.errors import TracerError
 
     try:
         check_platform()

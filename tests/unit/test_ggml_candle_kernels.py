@@ -16,11 +16,11 @@ from tests.ggml_gguf import sourced_copy
 from tests.quantized_gguf import quantize_gguf, write_kquant_llama
 from tracer import TracerError
 from tracer.engines import candle as candle_engine
+from tracer.files.gguffile import GGUFFile
+from tracer.files.sources import ModelSource
 from tracer.ggml import candle as emulated
 from tracer.ggml.kquants import from_gguf_bytes
 from tracer.ggml.quants import VEC_DOT_TYPE
-from tracer.gguffile import GGUFFile
-from tracer.sources import ModelSource
 
 CANDLE_Q = {"preset": "candle-q", "weights": "gguf"}
 # tracer's type names -> the names candle's `Tensor.quantize` takes
@@ -149,7 +149,7 @@ def test_quantized_llama_rs_on_k_quants_is_candles_regime_at_every_point(q3_k_m,
 
 @pytest.mark.slow
 def test_regime_auto_on_k_quants_has_no_caveat(q3_k_m):
-    from tracer.regime_view import resolve
+    from tracer.pipeline.regime_view import resolve
 
     gguf_file, converted = q3_k_m
     knobs, caveats, audit = resolve("auto", f"candle:{gguf_file}", {}, ModelSource(converted))

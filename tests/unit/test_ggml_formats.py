@@ -11,9 +11,9 @@ from tests.conftest import TOKENS, write_tiny_llama
 from tests.ggml_gguf import sourced_copy
 from tests.quantized_gguf import quantize_gguf
 from tests.tiny_gguf import write_tiny_gguf
+from tracer.files.sources import ModelSource
 from tracer.ggml import ops
 from tracer.ggml.strategies import GGUFWeights, implied_regime
-from tracer.sources import ModelSource
 
 # 96 wide: 3 blocks of 32 (IQ4_NL's one-row vec_dot ends on an odd block). k/v 12 rows (KV 1 x
 # head_dim 12): not repacked (ne[1] % 8), taken by tinyBLAS (rows in 4s). A vocabulary of 98: the

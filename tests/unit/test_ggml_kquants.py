@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import quants as gq
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.ggml import kmatmul as KM
 from tracer.ggml import kquants as K
 from tracer.ggml import quants as Q
@@ -266,7 +266,7 @@ def test_llama_cpp_on_k_quant_ggufs_is_the_regime_to_the_bit(kquant_ggufs, ftype
     import tracer
     from tests.conftest import TOKENS
     from tracer.engines import llamacpp
-    from tracer.sources import ModelSource
+    from tracer.files.sources import ModelSource
 
     gguf_file, converted = kquant_ggufs[ftype]
     engine = llamacpp.load(ModelSource(converted), {"threads": 2}, argument=str(gguf_file))

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import torch
 
+from tracer.comparison.layouts import to_interleaved
 from tracer.ggml import ops
 from tracer.ggml.floats import F32, F64, libm, powf, round_f16
-from tracer.layouts import to_interleaved
 from tracer.model.config import LlamaSpec
 
 

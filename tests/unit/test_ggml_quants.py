@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import quants as gq
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.ggml import quants as Q
 from tracer.ggml import vecdot as V
 from tracer.ggml.floats import F32, _fma_via_f64, round_f16

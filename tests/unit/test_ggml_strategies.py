@@ -12,16 +12,16 @@ import torch
 import tracer
 from tests.conftest import TOKENS
 from tests.ggml_gguf import quantized_models
-from tracer.catalogue import diagnosis_variants
+from tracer.core.errors import TracerError
 from tracer.engines.registry import engines_honouring
-from tracer.errors import TracerError
+from tracer.files.sources import ModelSource
 from tracer.ggml import ops
 from tracer.ggml.quants import Blocks
 from tracer.ggml.strategies import GGUFWeights, implied_regime, regime_catalogue
 from tracer.model.config import load_config, read_hf
 from tracer.model.knobs import PRESETS, expand_presets
+from tracer.pipeline.catalogue import diagnosis_variants
 from tracer.reimpl.forward import Model
-from tracer.sources import ModelSource
 
 LLAMACPP = {"preset": "llamacpp", "weights": "gguf"}
 
@@ -151,7 +151,7 @@ def test_the_quantized_caches_go_through_flash_attention_only(tiny_llama):
 
 
 def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized):
-    from tracer.noise_floor import estimate_noise, regime_noise
+    from tracer.pipeline.noise_floor import estimate_noise, regime_noise
 
     _, _, converted = quantized
     reference = tracer.record(converted, TOKENS, engine="reimpl", variant=LLAMACPP, progress=False)
@@ -160,7 +160,7 @@ def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized)
     assert noise["model.layers.0.resid_mid"] == 0  # an f32 add of forced inputs: no order to change
     assert 1e-9 < noise["model.layers.0.self_attn.q_proj"] < 1e-5
     assert 1e-9 < noise["model.layers.1.mlp.down_proj"] < 1e-5
-    assert estimate_noise(converted, reference, LLAMACPP) == noise  # tracer.noise_floor hands regimes over
+    assert estimate_noise(converted, reference, LLAMACPP) == noise  # tracer.pipeline.noise_floor hands regimes over
 
 
 def test_op_forcing_feeds_every_op_the_references_inputs(tiny_llama):

@@ -9,8 +9,8 @@ import torch
 from tests.conftest import TOKENS
 from tracer.engines.load import load_engine
 from tracer.engines.registry import ENGINES
-from tracer.greedy import continuation as greedy_continuation
-from tracer.greedy import draft, summary
+from tracer.pipeline.greedy import continuation as greedy_continuation
+from tracer.pipeline.greedy import draft, summary
 
 STEPS = 8
 

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 import tracer
 from tests.conftest import TOKENS
 from tracer.cli import main
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.model.points import all_points, layer_order
 from tracer.reports import result_html, trace_html
 

@@ -19,12 +19,12 @@ import torch
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tests.tiny_gguf import write_tiny_gguf
+from tracer.core.errors import TracerError
 from tracer.engines import isolated
 from tracer.engines.registry import ENGINES, check_runtime
-from tracer.errors import TracerError
-from tracer.greedy import continuation
+from tracer.files.sources import ModelSource
 from tracer.model.points import all_points
-from tracer.sources import ModelSource
+from tracer.pipeline.greedy import continuation
 
 EXACT = {"flash_attn": "off", "kv_cache": "f32", "threads": 1}
 ROUNDING = 2e-6  # rel_l2 bound at every point of the f32 run (measured max 8.4e-7)
@@ -282,7 +282,7 @@ def test_a_child_whose_call_was_interrupted_is_not_reused():
 
 
 def test_the_child_writes_a_spilled_trace_where_the_caller_spills(tmp_path):
-    from tracer.spill import DiskRecorder
+    from tracer.comparison.spill import DiskRecorder
 
     recorder = DiskRecorder(tmp_path / "side")
     trace = crash_engine({}).record([1, 2, 3], recorder)

@@ -8,11 +8,11 @@ from safetensors.torch import load_file, save_file
 
 import tracer
 from tests.conftest import TOKENS
+from tracer.comparison.explain import amplification
 from tracer.engines.load import load_engine
-from tracer.explain import amplification
 from tracer.model.points import source_point
-from tracer.noise_floor import estimate_noise
-from tracer.pipeline import local_errors
+from tracer.pipeline.noise_floor import estimate_noise
+from tracer.pipeline.run import local_errors
 
 
 def faulty_copy(model_dir, tmp_path, tensor: str, scale: float = 0.05):

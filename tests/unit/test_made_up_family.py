@@ -13,7 +13,7 @@ import tracer
 from tests.conftest import TOKENS
 from tests.toy_moe import EXPERTS, MIXTRAL, MOE, ROUTER, expert_weight
 from tracer.cli import main
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.model.config import load_config, read_hf
 from tracer.model.families import expected_shapes, register, unregister
 from tracer.model.knobs import check_family, knobs_for

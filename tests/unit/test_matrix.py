@@ -10,8 +10,8 @@ import pytest
 import tracer
 from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, write_tiny_family
+from tracer.core.errors import TracerError
 from tracer.engines.registry import ENGINES
-from tracer.errors import TracerError
 from tracer.model.families import FAMILIES
 
 # Knobs a cell runs an engine with: llama.cpp's exact f32 path (its default f16 KV cache and fused
@@ -67,7 +67,7 @@ def test_cell(engine, family, tiny, monkeypatch):
         def must_not_load(*args, **kwargs):
             raise AssertionError("an engine loaded before the refusal")
 
-        monkeypatch.setattr("tracer.pipeline.load_engine", must_not_load)
+        monkeypatch.setattr("tracer.pipeline.run.load_engine", must_not_load)
         with pytest.raises(TracerError) as refused:
             tracer.run(models[family], tokens=TOKENS, candidate=engine, greedy=0, progress=False)
         assert str(refused.value).startswith(f"the {engine} engine does not trace {family} yet")

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tracer.cli import main
-from tracer.diff import compare, first_nonfinite
-from tracer.trace import Trace, TraceMeta
+from tracer.comparison.diff import compare, first_nonfinite
+from tracer.comparison.trace import Trace, TraceMeta
 
 F16_MAX = torch.finfo(torch.float16).max  # 65504
 OVERFLOW_POINT = "model.layers.1.mlp.act"
@@ -121,7 +121,7 @@ def test_masked_scores_are_not_a_finding():
 
 def test_a_nan_at_one_position_gets_no_pattern_hint_it_does_not_have():
     """NaN at position 1 of 3, positions 0 and 2 exact: not "the causal mask" (exact at the last only)."""
-    from tracer.explain import hints
+    from tracer.comparison.explain import hints
 
     said = hints("model.layers.0.mlp.down_proj", {"by_position": [0.0, float("nan"), 0.0], "by_head": None})
     assert not any("causal mask" in line for line in said)
@@ -130,14 +130,14 @@ def test_a_nan_at_one_position_gets_no_pattern_hint_it_does_not_have():
 
 def test_a_nan_in_any_chunk_of_the_logits_is_the_all_positions_figure(monkeypatch):
     """max() over per-chunk maxima would keep a later finite chunk over an earlier NaN."""
-    import tracer.diff
+    import tracer.comparison.diff
     from tracer.model.points import LOGITS
 
-    monkeypatch.setattr(tracer.diff, "CHUNK", 4)  # one position per chunk
+    monkeypatch.setattr(tracer.comparison.diff, "CHUNK", 4)  # one position per chunk
     ref = torch.zeros(3, 4)
     cand = ref.clone()
     cand[0, 3] = float("nan")
-    summary = tracer.diff.logits_summary(Trace({LOGITS: ref}), Trace({LOGITS: cand}))
+    summary = tracer.comparison.diff.logits_summary(Trace({LOGITS: ref}), Trace({LOGITS: cand}))
     assert math.isnan(summary.max_abs_all) and summary.max_abs == 0.0
 
 

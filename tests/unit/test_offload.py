@@ -11,8 +11,8 @@ import torch
 import tracer
 from tests.conftest import TOKENS
 from tracer.cli import main
+from tracer.core.errors import TracerError
 from tracer.engines.offload import parse_max_memory
-from tracer.errors import TracerError
 
 TOKEN_ARG = ",".join(map(str, TOKENS))
 # The tiny model's tensors take 274 kB: a 200 kB cap on the CPU leaves some blocks on disk.

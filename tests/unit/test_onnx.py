@@ -168,9 +168,9 @@ def test_layers_the_config_hides_apart_are_found_out_and_exported_whole(onnx_cac
 
 def test_only_layers_that_are_one_computation_are_repeated(tmp_path):
     from tests.families import write_tiny_family
+    from tracer.engines.hf import load
     from tracer.engines.onnx_layers import repeatable
-    from tracer.hooks.engine import load
-    from tracer.sources import ModelSource
+    from tracer.files.sources import ModelSource
 
     def model(family, **overrides):
         return load(ModelSource(write_tiny_family(tmp_path / family, family, **overrides)), {}).model

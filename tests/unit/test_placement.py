@@ -17,9 +17,9 @@ import torch
 import tracer
 from tests.conftest import OWN_PEAK_KB, TOKENS, write_tiny_llama
 from tracer.cli import main
-from tracer.noise_floor import estimate_noise
+from tracer.comparison.trace import TraceRecorder
+from tracer.pipeline.noise_floor import estimate_noise
 from tracer.reimpl.forward import Model
-from tracer.trace import TraceRecorder
 
 CUDA = torch.cuda.is_available()
 
@@ -46,7 +46,7 @@ def test_the_noise_floor_is_the_same_from_streamed_f64_weights(tiny_llama):
     reference = tracer.record(model, TOKENS, engine="hf", progress=False)
     noise = estimate_noise(model, reference, {})
     exact = tracer.Trace(recorded(Model.from_dir(model, {"dtype": "f64"})), tracer.TraceMeta(tokens=TOKENS))
-    expected = {p.point: p.rel_l2 for p in tracer.diff.compare_points(reference, exact, tracer.Tolerance())}
+    expected = {p.point: p.rel_l2 for p in tracer.comparison.diff.compare_points(reference, exact, tracer.Tolerance())}
     assert noise == {point: value for point, value in expected.items() if point in noise}
     assert len(noise) == len(reference) and max(noise.values()) > 0
 

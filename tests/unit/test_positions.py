@@ -12,7 +12,8 @@ import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tests.families import write_tiny_family
 from tracer.cli import main
-from tracer.errors import TracerError
+from tracer.comparison.trace import Trace, TraceRecorder
+from tracer.core.errors import TracerError
 from tracer.model.points import (
     EMBED,
     INPUT_NORM,
@@ -29,7 +30,6 @@ from tracer.model.points import (
 )
 from tracer.reimpl.forward import Model
 from tracer.reimpl.kv_cache import KVCache
-from tracer.trace import Trace, TraceRecorder
 
 
 @pytest.fixture(scope="module")

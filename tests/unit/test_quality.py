@@ -1,6 +1,6 @@
-"""`tracer quality`: llama-perplexity's figures (tracer/perplexity.py) checked against direct
+"""`tracer quality`: llama-perplexity's figures (tracer/comparison/perplexity.py) checked against direct
 computations on known logits, its chunking on token counts, the run on tiny models (hf against
-reimpl), where the loss is made (tracer/attribution.py), and the user's mistakes."""
+reimpl), where the loss is made (tracer/pipeline/attribution.py), and the user's mistakes."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from safetensors.torch import load_file, save_file
 import tracer
 from tests.conftest import write_tiny_llama
 from tracer.cli import main
-from tracer.errors import TracerError
-from tracer.perplexity import (
+from tracer.comparison.perplexity import (
     Statistics,
     chunk_tokens,
     exact_kld,
@@ -28,6 +27,7 @@ from tracer.perplexity import (
     stored_log_probs,
     token_figures,
 )
+from tracer.core.errors import TracerError
 
 CTX = 32
 SCORED = CTX - 1 - CTX // 2  # per chunk

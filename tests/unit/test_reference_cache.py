@@ -1,5 +1,5 @@
 """What a run measures on the reference side besides its trace, kept between runs
-(`tracer.reference_cache`), and the reuse of work across a diagnosis's variants."""
+(`tracer.pipeline.reference_cache`), and the reuse of work across a diagnosis's variants."""
 
 import json
 import os
@@ -10,9 +10,9 @@ import pytest
 
 import tracer
 from tests.conftest import TOKENS
-from tracer import reference_cache
+from tracer.files.weights import read_weights
 from tracer.ggml.strategies import QuantizedWeights
-from tracer.weights import read_weights
+from tracer.pipeline import reference_cache
 
 FROM_CACHE = "read from the cache"
 

@@ -1,5 +1,5 @@
 """`tracer run --regime`: the candidate against tracer's model in the candidate's number formats,
-with the raw f32 view, the regime's cost per point and the per-op view beside it (tracer.regime_view),
+with the raw f32 view, the regime's cost per point and the per-op view beside it (tracer.pipeline.regime_view),
 on tiny random Llamas and a tiny Q4_1/Q8_0 GGUF."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import tracer
 from tests.conftest import TOKENS
 from tests.ggml_gguf import quantized_models
 from tracer.cli import main
-from tracer.errors import TracerError
-from tracer.regime_view import resolve as resolve_regime
+from tracer.core.errors import TracerError
+from tracer.files.sources import ModelSource
+from tracer.pipeline.regime_view import resolve as resolve_regime
 from tracer.reports.markdown import markdown_summary
 from tracer.reports.terminal import terminal_summary
-from tracer.sources import ModelSource
 
 TOKEN_ARG = ",".join(map(str, TOKENS))
 
@@ -133,7 +133,7 @@ def test_regime_errors_are_one_line_and_exit_2(tiny_llama, args, message, capsys
 
 
 def test_the_per_op_view_judges_where_the_emulation_cannot_be_bit_exact():
-    from tracer.regime_view import EXACT_TOKENS, EXACT_TOKENS_UNFUSED, verdict_view
+    from tracer.pipeline.regime_view import EXACT_TOKENS, EXACT_TOKENS_UNFUSED, verdict_view
 
     llamacpp = {"preset": "llamacpp", "weights": "gguf"}
     assert verdict_view(llamacpp, [], 5) == "free"  # bit-exact here: free-running is a verdict

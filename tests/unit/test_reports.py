@@ -9,13 +9,13 @@ import re
 import pandas as pd
 import pytest
 
-import tracer.diff as diff
+import tracer.comparison.diff as diff
 import tracer.reports as reports
 import tracer.reports.figures as report_figures
-from tracer.errors import TracerError
+from tracer.comparison.result import PointDiff, Result, Tolerance
+from tracer.core.errors import TracerError
 from tracer.model.points import EMBED, FINAL_NORM, LOGITS, all_points, is_coarse, layer_of, layer_order, split_point
 from tracer.reports.summary import next_steps
-from tracer.result import PointDiff, Result, Tolerance
 
 TOL = 1e-4
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -389,7 +389,7 @@ def test_coarse_points_are_the_curve():
 
 
 def real_result() -> Result:
-    """A Result as tracer.diff builds it: inf/NaN metrics become the strings "inf"/"nan"."""
+    """A Result as tracer.comparison.diff builds it: inf/NaN metrics become the strings "inf"/"nan"."""
     rows = make_points(2, 5, "model.layers.1.self_attn.q_rope", missing=("self_attn.scores",))
     diffs = [
         PointDiff(r["point"], r["layer"], tuple(r["shape"]) if r["shape"] else None,

@@ -1,4 +1,4 @@
-"""A run's request is checked in one place (`tracer.request`) before torch is imported or anything
+"""A run's request is checked in one place (`tracer.pipeline.request`) before torch is imported or anything
 is written: every bad value is one line on stderr, exit code 2, no traceback, no file; and the
 reproduction command is derived from the parser. The argument surface is also searched by
 hypothesis: any value of any flag either passes the checks or is refused that way."""
@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracer.arguments import build_parser, command_line
-from tracer.errors import TracerError
-from tracer.request import Inputs, Outputs, Placement, regime_knobs
+from tracer.core.errors import TracerError
+from tracer.pipeline.request import Inputs, Outputs, Placement, regime_knobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,7 +131,8 @@ def test_the_values_check_themselves_for_the_api_too(tmp_path):
         Outputs(json=str(tmp_path / "a" / "b.json"))
     Outputs(report=str(tmp_path / "new" / "deeper"), json="-")  # a folder that can be made is fine
     assert not (tmp_path / "new").exists()  # and checking made nothing
-    with mock.patch("tracer.request.os.access", return_value=False):  # what a non-root user meets (tests run as root)
+    # what a non-root user meets (tests run as root)
+    with mock.patch("tracer.pipeline.request.os.access", return_value=False):
         with pytest.raises(TracerError, match=f"--out {tmp_path}/r: {tmp_path} cannot be written"):
             Outputs(report=f"{tmp_path}/r")
     assert regime_knobs("preset=llamacpp,weights=q8_0") == {"preset": "llamacpp", "weights": "q8_0"}

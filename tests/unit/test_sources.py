@@ -1,4 +1,5 @@
-"""Unit tests for tracer.sources: what a model argument resolves to, the bundled default, a .gguf file's cache entry.
+"""Unit tests for tracer.files.sources: what a model argument resolves to, the bundled default, a .gguf
+file's cache entry.
 
 No network and no real GGUF conversion: the converter is replaced by a fake writer (the real
 conversion is covered by the integration tests).
@@ -12,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tracer import sources
-from tracer.convert import COMPLETE_MARKER
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
+from tracer.files import sources
+from tracer.files.convert import COMPLETE_MARKER
 
 
 def make_model_dir(folder: Path) -> Path:

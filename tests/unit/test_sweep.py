@@ -6,10 +6,10 @@ import pytest
 
 from tests.conftest import TOKENS
 from tracer import TracerError, sweep
-from tracer.catalogue import default_variants, split_variants
 from tracer.engines.registry import ENGINES
 from tracer.model.config import load_config, read_hf
 from tracer.model.knobs import KNOBS, knobs_for
+from tracer.pipeline.catalogue import default_variants, split_variants
 from tracer.reports.sweep import render_sweep_html, sweep_frame, sweep_markdown
 
 VARIANTS = ["theta=500", "kv_repeat=tile", "mask=where", "layers=3", "theta=500,rope=interleaved"]

@@ -5,7 +5,7 @@ import pytest
 import tracer
 from tests.conftest import TOKENS
 from tests.dumps import candle_dump, faulty_trace, save_dump
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.testing import assert_traces_close
 
 

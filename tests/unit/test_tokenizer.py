@@ -1,4 +1,4 @@
-"""Unit tests for tracer.tokenizer: tokenizing without transformers, empty prompts, damaged files.
+"""Unit tests for tracer.files.tokenizer: tokenizing without transformers, empty prompts, damaged files.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tracer import tokenizer
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
+from tracer.files import tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_tokenize_path_never_imports_transformers(tmp_path):
     write_tiny_tokenizer(tmp_path)
     script = (
         "import sys\n"
-        "from tracer.tokenizer import tokenize, detokenize\n"
+        "from tracer.files.tokenizer import tokenize, detokenize\n"
         f"assert tokenize({str(tmp_path)!r}, 'hello world') == [1, 2]\n"
         f"detokenize({str(tmp_path)!r}, [1])\n"
         "assert 'transformers' not in sys.modules\n"

@@ -25,7 +25,7 @@ import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tests.warm_cli import Started, run_cli
 from tracer.cli import main
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.model.config import HF_ACTIVATIONS
 from tracer.model.knobs import KNOBS
 

@@ -1,5 +1,5 @@
-"""Unit tests for tracer.weights: reading one file, an indexed set of shards, or all files, and naming damaged ones.
-"""
+"""Unit tests for tracer.files.weights: reading one file, an indexed set of shards, or all files, and
+naming damaged ones."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tracer import weights
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
+from tracer.files import weights
 
 
 def random_tensors(*names: str) -> dict[str, torch.Tensor]:

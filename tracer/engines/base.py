@@ -1,7 +1,7 @@
 """What every engine is and shares: the `Engine` protocol, trace metadata, device checks.
 
 An engine is built by its module's `load(source, variant, *, argument, device, stream)` (see
-`tracer.engines.load`; `source` is a `tracer.sources.ModelSource`) and answers to the protocol
+`tracer.engines.load`; `source` is a `tracer.files.sources.ModelSource`) and answers to the protocol
 below. What it *can* do is declared once in its registry entry (`tracer.engines.registry.EngineEntry`),
 which it carries as `entry`; the pipeline reads capabilities there, never by probing attributes.
 """
@@ -14,10 +14,10 @@ from typing import Protocol
 
 import torch
 
+from tracer.comparison.trace import Trace, TraceMeta
+from tracer.core.errors import TracerError
 from tracer.engines.registry import EngineEntry
-from tracer.errors import TracerError
 from tracer.model.points import layer_point
-from tracer.trace import Trace, TraceMeta
 
 DEVICES = ("cpu", "cuda", "mps")
 
@@ -28,8 +28,8 @@ class Engine(Protocol):
     `draft` exists where `entry.draft`, `local_trace` where `entry.local_errors`, `op_trace` on
     the reimplementation (the engine a number-format regime runs on); `logits` returns None where
     `entry.logits` is False. A `recorder` is any `record(name, tensor)` callable with `tensors`:
-    in memory (`TraceRecorder`), spilled (`tracer.spill.DiskRecorder`) or compared as it comes
-    (`tracer.diff.ErrorRecorder`).
+    in memory (`TraceRecorder`), spilled (`tracer.comparison.spill.DiskRecorder`) or compared as it comes
+    (`tracer.comparison.diff.ErrorRecorder`).
     """
 
     entry: EngineEntry

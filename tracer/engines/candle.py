@@ -40,11 +40,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tracer.comparison.layouts import from_interleaved
+from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
+from tracer.core.errors import TracerError
 from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
-from tracer.errors import TracerError
+from tracer.files.sources import ModelSource, check_gguf_header
 from tracer.ggml.candle import candle_inv_freq, rope_angles
-from tracer.layouts import from_interleaved
 from tracer.model.names import gguf_tensor_name
 from tracer.model.points import (
     BLOCK_OUT,
@@ -73,8 +75,6 @@ from tracer.model.points import (
     layer_point,
     split_point,
 )
-from tracer.sources import ModelSource, check_gguf_header
-from tracer.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # the wheel's target-cpu=native build executes them
 # Ops candle-transformers 0.11 calls as one fused CPU kernel that 0.4.2 lacks: composed here from
@@ -344,7 +344,7 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     if refused:
         raise TracerError(f"{refused[0]}= changes how config.json is read; candle:{path.name} reads the GGUF's "
                           "metadata (quantized_llama.rs)")
-    from tracer.gguffile import GGUFFile
+    from tracer.files.gguffile import GGUFFile
 
     file = GGUFFile(path)  # the metadata first: a family candle's Llama cannot run loads nothing
     refuse_family(str(file.fields.get("general.architecture", "llama")))  # llama.cpp's architecture names

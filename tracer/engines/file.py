@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tracer.comparison.trace import Trace
+from tracer.core.errors import TracerError
 from tracer.engines.registry import ENGINES
-from tracer.errors import TracerError
-from tracer.sources import ModelSource
-from tracer.trace import Trace
+from tracer.files.sources import ModelSource
 
 
 class FileEngine:

@@ -43,9 +43,9 @@ import traceback
 import weakref
 from pathlib import Path
 
+from tracer.core.errors import TracerError
 from tracer.engines.registry import EngineEntry
-from tracer.errors import TracerError
-from tracer.sources import ModelSource
+from tracer.files.sources import ModelSource
 
 STDERR_LINES = 6  # how much of a dead child's stderr its error message quotes
 MESSAGE_LIMIT = 400  # characters of it, so the error stays one readable line
@@ -134,8 +134,8 @@ class IsolatedEngine:
     # --- the Engine protocol ------------------------------------------------------------------
 
     def record(self, tokens: list[int], recorder=None):
-        from tracer.spill import DiskRecorder
-        from tracer.trace import Trace, TraceMeta, TraceRecorder
+        from tracer.comparison.spill import DiskRecorder
+        from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
 
         tokens = [int(t) for t in tokens]
         if isinstance(recorder, DiskRecorder):  # the child writes the points where the caller spills
@@ -279,8 +279,8 @@ class Server:
     def record(self, request: dict) -> dict:
         from safetensors.torch import save_file
 
-        from tracer.spill import DiskRecorder
-        from tracer.trace import TraceRecorder
+        from tracer.comparison.spill import DiskRecorder
+        from tracer.comparison.trace import TraceRecorder
 
         if "folder" in request:
             recorder = DiskRecorder(request["folder"])
@@ -316,7 +316,7 @@ def serve() -> None:
         try:
             reply = server.handle(request)
         except Exception as exc:  # noqa: BLE001 - every error goes back to the parent, which raises it
-            from tracer.errors import one_line
+            from tracer.core.errors import one_line
 
             ours = isinstance(exc, TracerError)
             reply = {"error": str(exc) if ours else one_line(exc),

@@ -17,7 +17,7 @@ at once (ggml reuses the memory for later nodes) and brought to tracer's layout:
   product its soft_max_ext takes; `scores` and `probs` keep the T keys of the prompt (the KV
   cache is padded to 256 cells) and, past `ATTENTION_ROWS` tokens, their last query rows;
 - q/k come out in GGUF's order where llama.cpp rotates adjacent pairs (rope type NORM: the
-  converter permuted the q/k weight rows): `tracer.layouts.from_interleaved` puts them back;
+  converter permuted the q/k weight rows): `tracer.comparison.layouts.from_interleaved` puts them back;
 - in the last layer llama.cpp keeps only the output rows (`inp_out_ids`) from `ffn_inp` on. The
   engine asks for the logits of every position, so those are all rows; a run asked for fewer
   (`outputs="last"`) records the rows it has and says so (`meta.sources`), and the comparison
@@ -46,15 +46,15 @@ from typing import Callable
 import numpy as np
 import torch
 
+from tracer.comparison.layouts import from_interleaved, sub_point
+from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
+from tracer.core.errors import TracerError
 from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
-from tracer.errors import TracerError
-from tracer.layouts import from_interleaved, sub_point
+from tracer.files.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
 from tracer.model.knobs import setting
 from tracer.model.names import AliasTable, ggml_write
 from tracer.model.points import FUSED_AWAY, K_PROJ, K_ROPE, PROBS, Q_PROJ, Q_ROPE, SCORES, all_points, layer_point
-from tracer.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
-from tracer.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
 # ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
@@ -198,7 +198,7 @@ def _unpermuted(view: np.ndarray, shape: Shape) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=8)
 def hf_order(width: int, head_dim: int) -> np.ndarray:
-    """Which GGUF-ordered column each HF-ordered column is: `tracer.layouts.from_interleaved`
+    """Which GGUF-ordered column each HF-ordered column is: `tracer.comparison.layouts.from_interleaved`
     applied to the column numbers themselves."""
     return from_interleaved(torch.arange(width)[None], head_dim)[0].numpy()
 

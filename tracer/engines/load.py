@@ -6,11 +6,11 @@ import importlib
 
 import torch
 
+from tracer.core.errors import TracerError
 from tracer.engines.base import Engine, check_device
 from tracer.engines.offload import check_offload
 from tracer.engines.registry import check_engine, check_runtime, parse_engine
-from tracer.errors import TracerError
-from tracer.sources import resolve_source
+from tracer.files.sources import resolve_source
 
 
 def check_engine_name(name: str) -> None:
@@ -22,7 +22,7 @@ def load_engine(name: str, source, variant: dict, *, device: str | torch.device 
                 offload=None) -> Engine:
     """`hf`, `reimpl`, `file:PATH`, ... -> an engine ready to record, its model on `device`.
 
-    `source`: a `tracer.sources.ModelSource`, or a model argument as `tracer.run` takes it (a path,
+    `source`: a `tracer.files.sources.ModelSource`, or a model argument as `tracer.run` takes it (a path,
     a .gguf file, None, a loaded model), resolved here.
 
     `stream` is passed on to engines that can read weights block by block and dropped for the

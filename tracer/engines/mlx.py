@@ -30,15 +30,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tracer.comparison.trace import Trace, TraceRecorder
+from tracer.core.errors import TracerError, one_line
+from tracer.core.torch_types import TORCH_DTYPES
 from tracer.engines.base import per_layer, trace_meta
 from tracer.engines.registry import ENGINES
-from tracer.errors import TracerError, one_line
+from tracer.files.sources import ModelSource
 from tracer.model.config import NON_FORWARD_KEYS, read_hf
 from tracer.model.knobs import setting
 from tracer.model.points import LOGITS, fused_away, layer_point, model_point_records, sub_points
-from tracer.sources import ModelSource
-from tracer.torch_types import TORCH_DTYPES
-from tracer.trace import Trace, TraceRecorder
 
 # mlx-lm's module paths are HF's; what each observed call gives is read off the family's points
 # (`layer_calls`): a module's output where hf observes that module's output, the input of the module hf
@@ -228,7 +228,7 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
     """mlx-lm's model from a model directory, in the `dtype` knob's dtype."""
     if source.loaded:
         raise TracerError("the mlx engine loads the model directory itself; pass a path, not a loaded model")
-    from tracer.weights import check_weight_files
+    from tracer.files.weights import check_weight_files
 
     device = torch.device(device)
     dtype = setting(variant, "dtype")

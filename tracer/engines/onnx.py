@@ -20,8 +20,8 @@ its eager form (transformers' `eager_attention_forward`, op for op), which is wh
 probabilities exist as values.
 
 The export is made once per model directory (its path, file sizes and times), dtype and exporter
-versions (torch, transformers, onnx, onnxscript) and kept under `tracer.convert.cache_root()/onnx`,
-built in a temporary folder renamed into place when complete (`tracer.convert.cached_build`, as the
+versions (torch, transformers, onnx, onnxscript) and kept under `tracer.files.convert.cache_root()/onnx`,
+built in a temporary folder renamed into place when complete (`tracer.files.convert.cached_build`, as the
 GGUF conversion). A model whose layers are one computation is exported at two layers and layer 1's
 nodes are repeated for the rest (`tracer.engines.onnx_layers`: SmolLM2 36.7 s -> 8.6 s, the same
 outputs to the bit). The sequence length is a dynamic dimension, so one export serves every prompt
@@ -52,14 +52,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceRecorder
+from tracer.core.errors import TracerError, one_line
+from tracer.core.progress import detail
 from tracer.engines.base import trace_meta
 from tracer.engines.registry import ENGINES
-from tracer.errors import TracerError, one_line
+from tracer.files.sources import ModelSource
 from tracer.model.knobs import setting
 from tracer.model.points import LOGITS, is_causal
-from tracer.progress import detail
-from tracer.sources import ModelSource
-from tracer.trace import ATTENTION_ROWS, Trace, TraceRecorder
 
 EXPORT_FORMAT = 3  # bump when RecordingExport or the export settings change what it writes: older exports are rebuilt
 MODEL_FILE, PLAIN_FILE, DATA_FILE, MANIFEST_FILE = "model.onnx", "plain.onnx", "model.onnx.data", "export.json"
@@ -185,7 +185,7 @@ class RecordingExport(torch.nn.Module):
 
 def export_path(model_dir: Path, dtype: str) -> Path:
     """Where the export of this model directory (as its files are now) in `dtype` is cached."""
-    from tracer.convert import cache_root
+    from tracer.files.convert import cache_root
 
     files = sorted(p for p in model_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
     identity = [str(model_dir.resolve()), dtype, EXPORT_FORMAT,
@@ -198,7 +198,7 @@ def export_path(model_dir: Path, dtype: str) -> Path:
 
 def exported(model_dir: Path, dtype: str) -> Path:
     """The cached export (made now if missing): model.onnx, plain.onnx, their weights, export.json."""
-    from tracer.convert import cached_build
+    from tracer.files.convert import cached_build
 
     target = export_path(model_dir, dtype)
     return cached_build(target, lambda folder: _export(model_dir, dtype, folder), progress=False)
@@ -228,7 +228,7 @@ def _export(model_dir: Path, dtype: str, folder: Path, *, repeat: bool = True) -
 def _exported_program(model_dir: Path, dtype: str, repeat: bool):
     """(the torch.onnx program, the points in execution order, the number of layers, how they were made)."""
     from tracer.engines import onnx_layers
-    from tracer.hooks.engine import load as load_hf
+    from tracer.engines.hf import load as load_hf
 
     hf = load_hf(ModelSource(model_dir), {"dtype": dtype})
     wrapper = RecordingExport(hf).eval()

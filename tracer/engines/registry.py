@@ -11,7 +11,7 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
-from tracer.errors import TracerError, did_you_mean
+from tracer.core.errors import TracerError, did_you_mean
 from tracer.model.knobs import KNOBS
 from tracer.model.points import FUSED_AWAY
 
@@ -135,7 +135,7 @@ ENGINES: dict[str, EngineEntry] = {
     entry.name: entry
     for entry in (
         EngineEntry(
-            "hf", "tracer.hooks.engine",
+            "hf", "tracer.engines.hf",
             "transformers' own model, observed through forward hooks and a registered attention function",
             kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
             noise_floor=True, offload=True, positions=True,

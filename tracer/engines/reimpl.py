@@ -7,11 +7,11 @@ from collections.abc import Mapping
 
 import torch
 
+from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
 from tracer.engines.base import check_device, per_layer, position_offset, trace_meta
 from tracer.engines.registry import ENGINES
+from tracer.files.sources import ModelSource
 from tracer.reimpl.forward import Model
-from tracer.sources import ModelSource
-from tracer.trace import Trace, TraceMeta, TraceRecorder
 
 
 class ReimplEngine:

@@ -20,7 +20,7 @@
 - `audit`: a GGUF's tensors against llama.cpp's requantization of the model's own weights
   (identical, another legitimate quantization, or damaged), before a regime takes them.
 
-GGUF files themselves are read by `tracer.gguffile` (a model-file job, below this package).
+GGUF files themselves are read by `tracer.files.gguffile` (a model-file job, below this package).
 
 Every function is pure, takes and returns torch tensors, and names the ggml source it follows.
 """

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.result import TensorAudit, WeightAudit
+from tracer.comparison.result import TensorAudit, WeightAudit
 
 CHUNK_VALUES = 1 << 22  # reference values judged at a time: bounded f64 temporaries, whatever the tensor
 FLOAT_BLOCK = 32  # float types have no blocks: their errors are told per 32 values
@@ -156,7 +156,7 @@ def _worse(worst, first_block: int, steps: np.ndarray, chosen: np.ndarray, ratio
 
 def audit_gguf(path: str | Path, reference: Mapping[str, torch.Tensor], quantizer=None) -> WeightAudit:
     """Every tensor of the GGUF at `path` requantized from `reference` (HF name -> tensor, e.g. a
-    model directory's `tracer.weights.WeightFiles`) by llama.cpp's quantizer and judged.
+    model directory's `tracer.files.weights.WeightFiles`) by llama.cpp's quantizer and judged.
 
     Args:
         path: the GGUF file (another quantization of the reference's model).
@@ -170,8 +170,8 @@ def audit_gguf(path: str | Path, reference: Mapping[str, torch.Tensor], quantize
         TracerError: the file is not one of this model (a tensor the reference lacks, another shape).
 
     Example:
-        >>> from tracer.sources import bundled_gguf
-        >>> from tracer.weights import WeightFiles
+        >>> from tracer.files.sources import bundled_gguf
+        >>> from tracer.files.weights import WeightFiles
         >>> audit = audit_gguf(bundled_gguf(), WeightFiles(tracer.default_model_path()))  # its own conversion
         >>> audit.verdict, audit.count("identical")
         ('identical', 272)
@@ -226,8 +226,8 @@ def _audit_tensor(weights, name: str, tensor: torch.Tensor, quantizer) -> _Tally
 
 
 def _block_layout(kind: str) -> tuple[int, int]:
-    """(values, bytes) of one block of a ggml type (`tracer.gguffile.GGML_TYPES`)."""
-    from tracer.gguffile import GGML_TYPES
+    """(values, bytes) of one block of a ggml type (`tracer.files.gguffile.GGML_TYPES`)."""
+    from tracer.files.gguffile import GGML_TYPES
 
     return next((size, nbytes) for name, size, nbytes in GGML_TYPES.values() if name == kind)
 

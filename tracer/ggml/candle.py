@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.errors import TracerError
+from tracer.comparison.layouts import to_interleaved
+from tracer.core.errors import TracerError
 from tracer.ggml import candle_kernels
 from tracer.ggml.candle_kernels import KQUANT_KINDS
 from tracer.ggml.floats import (
@@ -53,7 +54,6 @@ from tracer.ggml.floats import (
 )
 from tracer.ggml.quants import ACT_BLOCK, ActBlocks, Blocks
 from tracer.ggml.vecdot import matmul_blas, matmul_ggml
-from tracer.layouts import to_interleaved
 from tracer.model.points import PROBS, SCORES
 
 # (weight, activation) pairs whose candle kernel is emulated in its own order.

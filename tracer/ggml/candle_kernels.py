@@ -38,7 +38,7 @@ import torch
 from numba import njit, prange
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.ggml.floats import F32, round_f16
 from tracer.ggml.kernels import ROW_TILE, TOKEN_TILE, fma32, pad_rows, set_threads
 from tracer.ggml.kquants import QK_K, QUANT_ZERO, KBlocks

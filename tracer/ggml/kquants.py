@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.ggml.floats import F32
 from tracer.ggml.quants import Blocks
 from tracer.ggml.quants import from_gguf_bytes as unpack_simple
@@ -211,7 +211,7 @@ UNPACK = {"q2_k": _q2_k, "q3_k": _q3_k, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q
 
 
 def from_gguf_bytes(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks:
-    """A GGUF tensor's bytes ((R, bytes per row) uint8, as `tracer.gguffile.GGUFFile.raw` gives
+    """A GGUF tensor's bytes ((R, bytes per row) uint8, as `tracer.files.gguffile.GGUFFile.raw` gives
     them) -> `KBlocks` for the k-quants, else `tracer.ggml.quants.from_gguf_bytes`' `Blocks`.
 
     Raises:

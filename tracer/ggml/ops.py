@@ -15,7 +15,8 @@ import math
 import numpy as np
 import torch
 
-from tracer.errors import TracerError
+from tracer.comparison.layouts import to_interleaved
+from tracer.core.errors import TracerError
 from tracer.ggml.floats import (
     EXP_CONSTANTS,
     F32,
@@ -31,7 +32,6 @@ from tracer.ggml.floats import (
     round_f16,
     silu_scalar,
 )
-from tracer.layouts import to_interleaved
 from tracer.model.points import PROBS, SCORES
 
 SIMD_F32 = 16  # f32 lanes of an AVX-512 register (GGML_F32_EPR)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tracer.gguffile import GGML_TYPES
+from tracer.files.gguffile import GGML_TYPES
 
 TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
 CHUNK_VALUES = 1 << 20  # values per ggml_quantize_chunk call: ~4 MB of f32 rows per thread

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.ggml.floats import F32, fma, round_f16
 
 # The block types ggml's CPU kernels are emulated for, with their block size and bytes per block.

@@ -18,7 +18,7 @@ Knobs (defined in `tracer.model.knobs.KNOBS`, honoured by the reimpl engine):
 - `accumulate`: ggml | f32 | f64: the quantized matmuls, RoPE, SwiGLU and attention in ggml's own
   order (bit-exact on x86, compiled: `tracer.ggml.kernels`), or with the matmuls through torch's BLAS in
   f32 (another valid order, fast) or f64 (exact) and the rest exact in f64, rounded once (see
-  `tracer.noise_floor.regime_noise`).
+  `tracer.pipeline.noise_floor.regime_noise`).
 - `flash_attn`: on | auto | off: with ops=ggml, llama.cpp's flash attention (auto is on for its
   CPU backend) or its unfused attention, which records scores and probabilities; with ops=hf the
   attention is unfused anyway (off, auto) and `on` is refused.
@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tracer.errors import TracerError
+from tracer.comparison.layouts import to_interleaved
+from tracer.core.errors import TracerError
 from tracer.ggml import ops, repack, tinyblas
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
 from tracer.ggml.kmatmul import emulated as kquants_emulated
@@ -55,7 +56,6 @@ from tracer.ggml.quants import (
     quantize_q8_0,
 )
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
-from tracer.layouts import to_interleaved
 from tracer.model.knobs import PRESETS, is_regime, setting
 from tracer.model.names import gguf_tensor_name, hf_tensor_name
 from tracer.model.points import (
@@ -90,7 +90,7 @@ def gguf_path(source: dict | None) -> Path:
     Raises:
         TracerError: the directory was not converted from a GGUF, or the file is gone.
     """
-    from tracer.sources import DEFAULT_GGUF, bundled_gguf
+    from tracer.files.sources import DEFAULT_GGUF, bundled_gguf
 
     name = (source or {}).get("gguf_file")
     if not name:
@@ -103,8 +103,8 @@ def gguf_path(source: dict | None) -> Path:
 
 
 def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
-    """Index taking GGUF-ordered q/k weight rows to HF order (`tracer.layouts.from_interleaved`)."""
-    from tracer.layouts import from_interleaved
+    """Index taking GGUF-ordered q/k weight rows to HF order (`tracer.comparison.layouts.from_interleaved`)."""
+    from tracer.comparison.layouts import from_interleaved
 
     return from_interleaved(torch.arange(rows)[None], head_dim)[0]
 
@@ -115,7 +115,7 @@ class GGUFWeights(Mapping):
     llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
 
     def __init__(self, path: Path):
-        from tracer.gguffile import GGUFFile
+        from tracer.files.gguffile import GGUFFile
 
         self.file = GGUFFile(path)
         self.names = {name: info for info in self.file.tensors.values() if (name := hf_tensor_name(info.name))}
@@ -494,7 +494,7 @@ def make_attention_stored(kv_cache: str, rounding: str):
 
 def _stored_qk(x: torch.Tensor, store, head_dim: int) -> torch.Tensor:
     """Q or K (1, heads, T, D) in the cache format, blocks taken in GGUF's dim order."""
-    from tracer.layouts import from_interleaved, to_interleaved
+    from tracer.comparison.layouts import from_interleaved, to_interleaved
 
     return from_interleaved(store(to_interleaved(x.to(F32), head_dim)), head_dim)
 
@@ -524,7 +524,7 @@ def check_knobs(knobs: dict) -> None:
             raise TracerError(f"{knob}= says which GGUF tensors weights=gguf takes: it needs weights=gguf")
     if setting(knobs, "dtype") != "f32":
         raise TracerError(f"dtype={knobs['dtype']} cannot combine with regime knobs: they emulate f32 arithmetic "
-                          "(the regime's noise floor is tracer.noise_floor.regime_noise)")
+                          "(the regime's noise floor is tracer.pipeline.noise_floor.regime_noise)")
     if knobs.get("ops") in ("ggml", "candle") and setting(knobs, "attn") != "eager":
         raise TracerError(f"ops={knobs['ops']} brings its runtime's own attention; it does not combine with attn=sdpa")
     if knobs.get("ops") == "candle" and knobs.get("kv_cache", "f32") != "f32":
@@ -616,11 +616,11 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         free-running comparison is expected to be exactly 0 at every point (with kv_cache=q8_0 but
         for llama.cpp's `kqv_out`, which it records Hadamard-rotated); with caveats compare per op
         (`ReimplEngine.op_trace` fed the llama.cpp trace), against the per-op floor
-        (`tracer.regime_view.per_op_noise`). Norms and biases, which no matmul takes, are not weights
+        (`tracer.pipeline.regime_view.per_op_noise`). Norms and biases, which no matmul takes, are not weights
         here: an f32 matrix is (llamafile's sgemm).
 
     Example:
-        >>> from tracer.sources import bundled_gguf
+        >>> from tracer.files.sources import bundled_gguf
         >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "f16"}, flags=set(CPU_FLAGS))
         ({'preset': 'llamacpp', 'weights': 'gguf'}, [])
         >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "q8_0"},

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.model.component import family_named, family_of
 from tracer.model.knobs import check_family, setting
 

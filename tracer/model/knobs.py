@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tracer.errors import TracerError, did_you_mean
+from tracer.core.errors import TracerError, did_you_mean
 from tracer.model.component import Family, family_named, registered, registry_version
 from tracer.model.points import MLP_ACT
 

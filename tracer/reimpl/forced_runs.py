@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.model.points import EMBED, layer_point
 from tracer.reimpl.forward import Model
-from tracer.trace import Trace, TraceRecorder
 
 
 def trace_positions(trace: Trace) -> torch.Tensor:

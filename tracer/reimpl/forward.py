@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
+from tracer.core.torch_types import TORCH_DTYPES, Recorder
 from tracer.model.component import Run, Steps, family_named
 from tracer.model.components.attention import ATTENTION_KERNELS, not_recorded
 from tracer.model.components.mlp import ACTIVATION_NAMES
@@ -42,7 +43,6 @@ from tracer.model.config import LlamaSpec, apply_overrides, load_config, read_co
 from tracer.model.families import expected_shapes
 from tracer.model.knobs import expand_presets, is_regime, setting
 from tracer.model.points import EMBED, LOGITS, WEIGHT, layer_point
-from tracer.torch_types import TORCH_DTYPES, Recorder
 
 
 def _no_record(name: str, tensor: torch.Tensor) -> None:
@@ -130,7 +130,7 @@ class Model:
     @classmethod
     def from_dir(cls, model_dir: str | Path, variant: dict | None = None, **placement) -> Model:
         """`placement`: `device`, and `stream=True` to read each block's weights from the files when it runs."""
-        from tracer.weights import WeightFiles, read_weights
+        from tracer.files.weights import WeightFiles, read_weights
 
         weights = WeightFiles(model_dir) if placement.get("stream") else read_weights(model_dir)
         return cls.from_config(load_config(model_dir), weights, variant, **placement)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tracer.core.errors import TracerError
 from tracer.core.lazy import F, torch
-from tracer.errors import TracerError
 from tracer.model.component import Component, Name, Point
 from tracer.model.components.rope import Rope
 from tracer.model.knobs import KNOBS, Knob, choice, fixed, setting, when

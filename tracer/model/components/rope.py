@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from tracer.core.errors import TracerError
 from tracer.core.lazy import torch
-from tracer.errors import TracerError
 from tracer.model.component import Component
 from tracer.model.knobs import Knob, choice, fixed, setting
 from tracer.model.points import Q_ROPE

@@ -3,7 +3,7 @@ anything is written.
 
 `Inputs` (model, prompt or tokens, chat, system, max tokens, the first position), `Placement` (device, stream,
 offload, max memory) and `Outputs` (report folder, JSON file, trace file) are built once (by the
-CLI from its flags, by the API from its arguments) and passed whole to `tracer.pipeline`. Each
+CLI from its flags, by the API from its arguments) and passed whole to `tracer.pipeline.run`. Each
 checks itself when built: value ranges, duplicates, and that every output location can be
 written, so a mistake is one line (`TracerError`) before any work starts, never a traceback
 after it. `check_engines` and `check_regime` do the same for the engine names and the knobs each
@@ -19,13 +19,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tracer.core.errors import TracerError
+from tracer.core.folders import replaceable_folder
 from tracer.engines.offload import Offload, parse_max_memory
 from tracer.engines.registry import check_engine, parse_engine
-from tracer.errors import TracerError
-from tracer.folders import replaceable_folder
+from tracer.files.sources import ModelSource, check_source
+from tracer.files.tokenizer import check_prompt
 from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
-from tracer.sources import ModelSource, check_source
-from tracer.tokenizer import check_prompt
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_CTX = 512  # `tracer quality`'s tokens per chunk: llama-perplexity's default -c

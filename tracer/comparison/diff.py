@@ -1,4 +1,4 @@
-"""The diff engine: pure functions from two traces to a `Result` (the values: `tracer.result`).
+"""The diff engine: pure functions from two traces to a `Result` (the values: `tracer.comparison.result`).
 
 Metrics are computed in f64 on the candidate minus the reference. The default criterion is scale
 aware: a point diverges when its relative L2 error leaves its noise floor (`Tolerance`). Absolute tolerances
@@ -14,10 +14,10 @@ import math
 
 import torch
 
-from tracer.errors import TracerError
+from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
+from tracer.comparison.trace import Trace, kept
+from tracer.core.errors import TracerError
 from tracer.model.points import FINAL_LOGITS, LOGITS, Q_ROPE, causal_allowed, is_causal, layer_of, layer_point
-from tracer.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
-from tracer.trace import Trace, kept
 
 CHUNK = 1 << 16  # values per f64 chunk when reducing a point's metrics: 512 kB, in cache
 
@@ -140,7 +140,7 @@ class ErrorRecorder:
     f64 noise run, the teacher-forced local run, a forced run in f64; `rel_l2`), nothing is held
     in memory or written to disk, however long the prompt.
 
-    With `store` (a `tracer.spill.DiskRecorder`) it records a long run's candidate: each point is
+    With `store` (a `tracer.comparison.spill.DiskRecorder`) it records a long run's candidate: each point is
     judged with `tolerance` and `noise` as `compare` judges it (`diffs`, which `compare` then takes
     as they are), and only the tensors `compare` reads again are written: the logits, points
     holding NaN or Inf, the earliest point that can be the first divergence (`local` errors are
@@ -165,7 +165,7 @@ class ErrorRecorder:
         """Empty without a store (the engines return a Trace of it); else the points, the kept ones readable."""
         if self.store is None:
             return {}
-        from tracer.spill import SpilledTensors
+        from tracer.comparison.spill import SpilledTensors
 
         return SpilledTensors(self.store.files, self.names)
 
@@ -313,7 +313,7 @@ def num_heads(trace: Trace, layer: int | None) -> int | None:
 
 def explain_divergence(first: Divergence, reference: Trace, candidate: Trace) -> Divergence:
     """The first divergence with its breakdowns (per position, head, channel) and the hints they suggest."""
-    from tracer.explain import breakdown, hints
+    from tracer.comparison.explain import breakdown, hints
 
     point = first.point
     ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
@@ -343,10 +343,10 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     """Diff two traces point by point; name the first divergence and explain it.
 
     Args:
-        noise: per point, the rel_l2 pure f32 rounding makes (`tracer.noise_floor.estimate_noise`);
+        noise: per point, the rel_l2 pure f32 rounding makes (`tracer.pipeline.noise_floor.estimate_noise`);
             points are judged against it. Without it the fixed `tolerance.rel_l2` applies.
         local: per point, the rel_l2 the candidate introduces on the reference's inputs
-            (`tracer.pipeline.local_errors`); localization then names the first point whose
+            (`tracer.pipeline.run.local_errors`); localization then names the first point whose
             local error leaves the floor, and `amplification` ranks ops by error gain.
         compared: per point, the `PointDiff` a long run's candidate recorder judged as it came
             (`ErrorRecorder` with a store, given the same tolerance and noise); not judged again.
@@ -358,7 +358,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     starts = [trace.meta.position_offset or 0 for trace in (reference, candidate) if trace.meta.engine != "file"]
     if len(set(starts)) > 1:  # a dump from another runtime says no position: taken as it is
         raise TracerError(f"the traces were recorded at different positions: from {starts[0]} vs from {starts[1]}")
-    from tracer.layouts import align  # another runtime's names and layouts, brought to ours
+    from tracer.comparison.layouts import align  # another runtime's names and layouts, brought to ours
 
     reference, candidate, layout_notes = align(reference, candidate)
     points = compare_points(reference, candidate, tolerance, noise, compared)
@@ -394,6 +394,6 @@ def _finite_metrics(p: PointDiff) -> bool:
 
 
 def _amplification(points: list[PointDiff], family: str | None = None) -> list[dict]:
-    from tracer.explain import amplification
+    from tracer.comparison.explain import amplification
 
     return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None}, family=family)

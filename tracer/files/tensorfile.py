@@ -3,7 +3,8 @@
 A memory-mapped tensor stays resident, and counted in the process's resident size, for as long
 as its mapping lives; a tensor read here is ordinary memory, freed with its last reference. That
 is what lets the reimplementation stream one block's weights at a time in bounded resident
-memory (spilled trace points have their own reader, `tracer.spill.read_point`). `safetensors` itself validates each file
+memory (spilled trace points have their own reader, `tracer.comparison.spill.read_point`).
+`safetensors` itself validates each file
 when it is opened (its messages say what is wrong with a damaged one); this module reads bytes.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tracer.errors import TracerError, one_line
+from tracer.core.errors import TracerError, one_line
 
 # safetensors dtype names -> torch dtypes (the float8 ones where this torch has them).
 DTYPES = {

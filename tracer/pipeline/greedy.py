@@ -10,9 +10,9 @@ cache is what its users get).
 
 from __future__ import annotations
 
+from tracer.comparison.result import Greedy
+from tracer.core.progress import detail
 from tracer.engines.base import at_positions
-from tracer.progress import detail
-from tracer.result import Greedy
 
 GREEDY_STEPS = 20
 LONG_PROMPT = 128  # past this, greedy decoding (a whole forward per step and side) is off by default

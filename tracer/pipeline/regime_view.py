@@ -28,15 +28,15 @@ import dataclasses
 import os
 from pathlib import Path
 
-from tracer.diff import rel_l2_by_point
+from tracer.comparison.diff import rel_l2_by_point
+from tracer.comparison.result import RawView, RegimeView, Result, WeightAudit
+from tracer.comparison.trace import Trace
+from tracer.core.errors import TracerError
 from tracer.engines.registry import check_engine, parse_engine
-from tracer.errors import TracerError
+from tracer.files.sources import ModelSource
 from tracer.model.knobs import expand_presets, parse_variant, setting, variant_label, variant_text
-from tracer.pipeline import compare_candidate, prepared_reference, timed
-from tracer.request import Inputs, Placement
-from tracer.result import RawView, RegimeView, Result, WeightAudit
-from tracer.sources import ModelSource
-from tracer.trace import Trace
+from tracer.pipeline.request import Inputs, Placement
+from tracer.pipeline.run import compare_candidate, prepared_reference, timed
 
 # Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`): verified
 # against llama.cpp on SmolLM2 at 2048 tokens. Past it, memory rather than time: the emulated flash
@@ -80,10 +80,10 @@ def resolve(regime, candidate: str, variant: dict, source: ModelSource) -> tuple
 def audit_weights(knobs: dict, source: ModelSource) -> WeightAudit:
     """The GGUF a weights=gguf regime takes (gguf_file=, else the one the directory was converted
     from) audited against the model's own weights (`tracer.ggml.audit`)."""
+    from tracer.files.sources import check_gguf_header
+    from tracer.files.weights import WeightFiles
     from tracer.ggml.audit import audit_gguf
     from tracer.ggml.strategies import gguf_path
-    from tracer.sources import check_gguf_header
-    from tracer.weights import WeightFiles
 
     path = Path(knobs["gguf_file"]) if knobs.get("gguf_file") else gguf_path(source.config().get("tracer_source"))
     check_gguf_header(path)
@@ -216,7 +216,7 @@ def order_spread(prepared, knobs: dict) -> dict[str, float]:
     by torch's BLAS in f32 (accumulate=f32), every op fed the regime reference's values of its
     inputs, against that reference. The per-op floor of an op whose kernel is not emulated: the
     reference sums it exactly (f64), the runtime in its own f32 order."""
-    from tracer.diff import ErrorRecorder
+    from tracer.comparison.diff import ErrorRecorder
     from tracer.engines.load import load_engine
 
     engine = load_engine("reimpl", prepared.source, {**knobs, "accumulate": "f32"}, device=prepared.device)
@@ -227,7 +227,7 @@ def order_spread(prepared, knobs: dict) -> dict[str, float]:
 
 def per_op_noise(prepared, knobs: dict) -> dict[str, float] | None:
     """The per-op view's noise floor: per point, the larger of the regime's own (its f64 sums
-    against its order, `tracer.noise_floor.regime_noise`) and `order_spread`. Measured on SmolLM2's
+    against its order, `tracer.pipeline.noise_floor.regime_noise`) and `order_spread`. Measured on SmolLM2's
     Q4_K_M at 5 tokens: without the second, 4 of 30 flash-attention outputs of a correct file read
     over their floor (llama.cpp's f16 accumulator rounds differently once its q·k sums take another
     order, rel_l2 up to 5.7e-5 against floors of 4e-6)."""

@@ -1,7 +1,7 @@
 """Where the loss is made: each component of the candidate alone inside the reference's forward.
 
 `tracer quality` measures how far a candidate's next-token distributions are from the
-reference's over a text (`tracer.perplexity`). This module says where that KL divergence comes
+reference's over a text (`tracer.comparison.perplexity`). This module says where that KL divergence comes
 from. Both sides are emulated by tracer's reimplementation (`tracer.reimpl.forward`): the reference on its
 own weights in f32 arithmetic, the candidate in its own regime (a llama.cpp GGUF: llama.cpp's CPU
 arithmetic on that file's tensors, `preset=llamacpp,weights=gguf`; a reimpl or hf variant: its
@@ -9,7 +9,7 @@ knobs). Then, for each component c (the embedding, every block, the final norm, 
 reference runs with c alone replaced by the candidate's: c is fed the reference's own input, its
 output goes on through the reference's other components, and the final distributions are
 compared with the reference's. Component c's share is that mean KL divergence over the
-candidate's whole (measured) one. Both are the exact divergence (`tracer.perplexity.exact_kld`:
+candidate's whole (measured) one. Both are the exact divergence (`tracer.comparison.perplexity.exact_kld`:
 the whole vocabulary in f64), not llama-perplexity's 16-bit one, whose storage alone gives
 identical logits a KLD of ~1e-7 to 1e-6: a component the candidate leaves unchanged then has a
 share of exactly 0.
@@ -39,15 +39,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tracer.comparison.perplexity import ExactKL, scored_rows, scored_slice
+from tracer.comparison.trace import Trace, TraceMeta
+from tracer.core.errors import TracerError
 from tracer.engines.registry import ENGINES, parse_engine
-from tracer.errors import TracerError
+from tracer.files.sources import ModelSource
 from tracer.model.knobs import KNOBS, variant_text
 from tracer.model.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_of, layer_point
-from tracer.perplexity import ExactKL, scored_rows, scored_slice
 from tracer.reimpl.forced_runs import teacher_forced_points
 from tracer.reimpl.forward import Model
-from tracer.sources import ModelSource
-from tracer.trace import Trace, TraceMeta
 
 REIMPL = ENGINES["reimpl"]
 
@@ -240,7 +240,7 @@ class Attributor:
 
     def __init__(self, source: ModelSource, reference: Emulation, candidate: Emulation, device="cpu"):
         started = time.perf_counter()
-        from tracer.weights import read_weights
+        from tracer.files.weights import read_weights
 
         weights = dict(source.module.state_dict()) if source.loaded else read_weights(source.directory)
         self.emulations = (reference, candidate)

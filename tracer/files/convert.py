@@ -7,8 +7,8 @@ config is written transformers-4-style with top-level ``rope_theta``, the file c
 reader expect; another family transformers can load from GGUF (Qwen2, Qwen3, Mistral, Gemma 2,
 Gemma 3, Phi-3: ``tracer.model.families``) gets the config its loaded transformers config saves.
 
-Only the conversion imports transformers; reading weights (``tracer.weights``) and tokenizing
-(``tracer.tokenizer``) use ``safetensors`` and ``tokenizers`` directly, so the reimplementation
+Only the conversion imports transformers; reading weights (``tracer.files.weights``) and tokenizing
+(``tracer.files.tokenizer``) use ``safetensors`` and ``tokenizers`` directly, so the reimplementation
 engine never pays for (or depends on) transformers.
 """
 
@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tracer import cache
-from tracer.errors import TracerError, one_line
+from tracer.core.errors import TracerError, one_line
+from tracer.files import hashes as cache
+from tracer.files.tokenizer import TOKENIZER_FILE
+from tracer.files.weights import WEIGHTS_FILE
 from tracer.model.points import LOGITS, WEIGHT
-from tracer.tokenizer import TOKENIZER_FILE
-from tracer.weights import WEIGHTS_FILE
 
 __all__ = ["cache_root", "cached_build", "convert_gguf", "is_complete", "package_version"]
 
@@ -64,7 +64,7 @@ def package_version(name: str) -> str | None:
 
 
 def is_complete(target: Path) -> bool:
-    """Completed and intact: every file as it was when the entry was sealed (`tracer.cache`)."""
+    """Completed and intact: every file as it was when the entry was sealed (`tracer.files.hashes`)."""
     return (target / COMPLETE_MARKER).is_file() and cache.damage(target, COMPLETE_MARKER) is None
 
 

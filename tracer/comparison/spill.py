@@ -1,11 +1,11 @@
 """Traces too large for memory: each point written to disk as it is recorded, read back on demand.
 
 A 2048-token SmolLM2 trace holds ~2.8 GB even with attention matrices cut to their last rows
-(`tracer.trace.ATTENTION_ROWS`). `DiskRecorder` writes the reference's points, each to its own
+(`tracer.comparison.trace.ATTENTION_ROWS`). `DiskRecorder` writes the reference's points, each to its own
 safetensors file the moment the forward produces it, and `SpilledTensors` is a read-only mapping
 that loads one point when asked, so a `Trace` built on it makes the diff engine stream: peak
 memory is the model and one forward's activations, not the traces. The other runs are compared
-with it point by point as they come (`tracer.diff.ErrorRecorder`): the f64 noise run and the
+with it point by point as they come (`tracer.comparison.diff.ErrorRecorder`): the f64 noise run and the
 teacher-forced local run keep nothing, the candidate only the few points the comparison reads again.
 
 Each point file is a safetensors file whose data starts on a 4096-byte boundary, written and read
@@ -31,9 +31,9 @@ from typing import TypeVar
 
 import torch
 
-from tracer.errors import TracerError
-from tracer.tensorfile import DTYPES
-from tracer.trace import kept
+from tracer.comparison.trace import kept
+from tracer.core.errors import TracerError
+from tracer.files.tensorfile import DTYPES
 
 # Past this many tokens a run spills its traces: SmolLM2's trace is ~1.5 MB per token in f32.
 SPILL_TOKENS = 256
@@ -77,7 +77,7 @@ class SpilledTensors(Mapping):
     """point -> tensor, read from disk on each access; iteration keeps recording order.
 
     `names`: every point the run recorded, in order, where some were compared as they came and
-    not written (`tracer.diff.ErrorRecorder` with a store); those are listed but not readable.
+    not written (`tracer.comparison.diff.ErrorRecorder` with a store); those are listed but not readable.
 
     Runs read a spilled trace in recording order (the local run, the candidate's comparison), so
     each access starts reading the next point in a background thread while the caller computes:

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tracer.errors import TracerError, one_line
+from tracer.core.errors import TracerError, one_line
 from tracer.model.knobs import side_label
 from tracer.model.points import is_causal
 

@@ -25,21 +25,21 @@ from typing import Callable
 
 import torch
 
-from tracer import greedy, reference_cache
-from tracer.diff import ErrorRecorder, compare
+from tracer.comparison.diff import ErrorRecorder, compare
+from tracer.comparison.result import Greedy, Result, SweepRow, Tolerance
+from tracer.comparison.spill import SPILL_TOKENS, spill_folder
+from tracer.comparison.trace import ATTENTION_ROWS, Trace
+from tracer.core.errors import TracerError
+from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions, check_device, environment
 from tracer.engines.load import check_engine_name, load_engine
 from tracer.engines.offload import Offload, check_offload, offload_for
 from tracer.engines.registry import parse_engine
-from tracer.errors import TracerError
+from tracer.files.sources import ModelSource, resolve_source
 from tracer.model.knobs import parse_variant, setting, variant_text
 from tracer.model.points import is_coarse
-from tracer.progress import stage
-from tracer.request import Inputs, Placement, check_family_support
-from tracer.result import Greedy, Result, SweepRow, Tolerance
-from tracer.sources import ModelSource, resolve_source
-from tracer.spill import SPILL_TOKENS, spill_folder
-from tracer.trace import ATTENTION_ROWS, Trace
+from tracer.pipeline import greedy, reference_cache
+from tracer.pipeline.request import Inputs, Placement, check_family_support
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def token_ids(source: ModelSource, prompt: str | None = None, tokens=None, *, ch
         raise TracerError("give a prompt or token ids")
     if system is not None and not chat:
         raise TracerError("a system message needs the chat template: pass chat=True (--chat)")
-    from tracer.tokenizer import chat_text, chat_tokens, tokenize
+    from tracer.files.tokenizer import chat_text, chat_tokens, tokenize
 
     model_dir = source.directory
     if model_dir is None:
@@ -118,7 +118,7 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
     """Load the model and the reference engine, tokenize, record the reference, measure its noise
     floor and decode its greedy continuation; yield a `Prepared`.
 
-    `inputs` and `placement` are the request's values (`tracer.request`), already checked.
+    `inputs` and `placement` are the request's values (`tracer.pipeline.request`), already checked.
     `candidates`: the engine names that will be compared, checked here before anything loads.
     `greedy_steps`: None for the default (20, or none past 128 tokens).
     """
@@ -268,7 +268,7 @@ def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], Eng
     if candidate == "reimpl" and not source.loaded:
         from tracer.engines.registry import check_engine
         from tracer.engines.reimpl import from_parts
-        from tracer.weights import WeightFiles, read_weights
+        from tracer.files.weights import WeightFiles, read_weights
 
         config = source.config()
         weights = WeightFiles(source.directory) if prepared.stream else read_weights(source.directory)
@@ -310,7 +310,7 @@ def reference_noise(source: ModelSource, reference: str, variant: dict, engine: 
     if not entry.noise_floor:
         return None, [f"no noise floor for a {entry.name} reference (an f64 run of tracer's model does not measure "
                       "its rounding): points judged by the fixed rel_l2 bound"]
-    from tracer.noise_floor import NOISE_TOKENS, estimate_noise
+    from tracer.pipeline.noise_floor import NOISE_TOKENS, estimate_noise
 
     notes = []
     if len(trace.tokens) > NOISE_TOKENS:
@@ -368,7 +368,7 @@ def config_audit(source: ModelSource, variant: dict) -> dict | None:
 def detokenizer(source: ModelSource) -> Callable:
     if source.loaded:
         return lambda ids: None
-    from tracer.tokenizer import detokenize
+    from tracer.files.tokenizer import detokenize
 
     return lambda ids: detokenize(source.directory, ids)
 

@@ -1,12 +1,12 @@
 """`tracer quality`: how much a candidate loses over a corpus, with llama-perplexity's figures.
 
-The text is tokenized as llama-perplexity tokenizes it (`tracer.tokenizer.tokenize_plain`), cut
-into its chunks (`tracer.perplexity.chunk_tokens`), and each chunk runs through the reference
+The text is tokenized as llama-perplexity tokenizes it (`tracer.files.tokenizer.tokenize_plain`), cut
+into its chunks (`tracer.comparison.perplexity.chunk_tokens`), and each chunk runs through the reference
 engine and the candidate engine, both loaded once, as unrecorded forwards (`Engine.logits`: no
 point is recorded, every position's logits come back). The reference's scored rows are stored
 as llama-perplexity stores its base (16 bits per vocabulary entry) and the candidate's are
 scored against them; only each chunk's small per-token figures are kept, so memory does not grow
-with the text. `by_layer` adds where the loss is made (`tracer.attribution`).
+with the text. `by_layer` adds where the loss is made (`tracer.pipeline.attribution`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracer.engines.base import environment
-from tracer.engines.load import check_engine_name, load_engine
-from tracer.engines.offload import check_offload, offload_for
-from tracer.engines.registry import parse_engine
-from tracer.errors import TracerError
-from tracer.model.knobs import parse_variant, side_label, variant_text
-from tracer.perplexity import (
+from tracer.comparison.perplexity import (
     MIN_CTX,
     STATISTICS_MIN_COUNT,
     ChunkLine,
@@ -37,10 +31,16 @@ from tracer.perplexity import (
     stored_log_probs,
     token_figures,
 )
-from tracer.pipeline import check_tokens
-from tracer.progress import detail, stage
-from tracer.request import DEFAULT_CTX, Inputs, Placement, check_engines, check_family_support, whole_number
-from tracer.sources import ModelSource, resolve_source
+from tracer.core.errors import TracerError
+from tracer.core.progress import detail, stage
+from tracer.engines.base import environment
+from tracer.engines.load import check_engine_name, load_engine
+from tracer.engines.offload import check_offload, offload_for
+from tracer.engines.registry import parse_engine
+from tracer.files.sources import ModelSource, resolve_source
+from tracer.model.knobs import parse_variant, side_label, variant_text
+from tracer.pipeline.request import DEFAULT_CTX, Inputs, Placement, check_engines, check_family_support, whole_number
+from tracer.pipeline.run import check_tokens
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,11 @@ class Quality:
         text: where the text came from (a file name, "<text>", or "<tokens>").
         tokens: how many tokens the text has; `bos` the id put at each chunk's start (None: none).
         ctx: the chunk size (-c); `chunks` how many chunks were evaluated.
-        statistics: llama-perplexity's final statistics (`tracer.perplexity.Statistics`).
+        statistics: llama-perplexity's final statistics (`tracer.comparison.perplexity.Statistics`).
         exact_kld: the mean KLD over the whole vocabulary in f64 from both sides' f32 logits, without
             llama-perplexity's 16-bit storage of the base and its -16 cutoff (`perplexity.exact_kld`).
         lines: its running line after each chunk (`ChunkLine`).
-        layers: where the loss is made (`tracer.attribution.Attribution`), when asked for.
+        layers: where the loss is made (`tracer.pipeline.attribution.Attribution`), when asked for.
         timings: seconds per stage; `notes`: what the figures rest on.
 
     Example:
@@ -78,7 +78,7 @@ class Quality:
     statistics: Statistics
     exact_kld: Estimate
     lines: tuple[ChunkLine, ...]
-    layers: object | None = None  # tracer.attribution.Attribution
+    layers: object | None = None  # tracer.pipeline.attribution.Attribution
     timings: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     command: str | None = None
@@ -115,7 +115,7 @@ class Quality:
 def text_tokens(source: ModelSource, inputs: Inputs) -> tuple[list[int], int | None]:
     """(token ids, the BOS each chunk starts with): the text tokenized as llama-perplexity does; ids
     given as they are, with the BOS the model's tokenizer adds (none without a tokenizer)."""
-    from tracer.tokenizer import TOKENIZER_FILE, tokenize_plain
+    from tracer.files.tokenizer import TOKENIZER_FILE, tokenize_plain
 
     folder = source.directory
     has_tokenizer = folder is not None and (folder / TOKENIZER_FILE).is_file()
@@ -154,7 +154,7 @@ def measure_quality(inputs: Inputs, placement: Placement = Placement(), *, refer
                     candidate: str = "reimpl", variant=None, reference_variant=None, ctx: int = DEFAULT_CTX,
                     chunks: int | None = None, by_layer: bool = False, text_name: str | None = None,
                     command: str | None = None) -> Quality:
-    """`tracer.quality` on the request's values (`tracer.request`), as the CLI builds them; every
+    """`tracer.quality` on the request's values (`tracer.pipeline.request`), as the CLI builds them; every
     argument a user gives is checked before an engine loads."""
     started = time.perf_counter()
     variant, reference_variant = parse_variant(variant), parse_variant(reference_variant)
@@ -177,7 +177,7 @@ def measure_quality(inputs: Inputs, placement: Placement = Placement(), *, refer
                                          ("candidate", candidate, variant))}
     attributor = None
     if by_layer:
-        from tracer.attribution import Attributor, emulation
+        from tracer.pipeline.attribution import Attributor, emulation
 
         attributor = Attributor(source, emulation(reference, reference_variant, source, role="reference"),
                                 emulation(candidate, variant, source, role="candidate"), placement.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 
 
 def replaceable_folder(out: Path, marker: str, what: str = "report") -> None:

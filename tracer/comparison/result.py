@@ -1,6 +1,6 @@
 """What comparisons produce, as values: `Tolerance`, `PointDiff`, `Result` with its parts (`Divergence`,
 `LogitsSummary`, `Greedy`, `RegimeView` and its `WeightAudit`), `SweepRow`, `Sweep`, `Diagnosis`. The
-functions that compute them live apart (`tracer.diff` compares two traces, `tracer.pipeline` runs
+functions that compute them live apart (`tracer.comparison.diff` compares two traces, `tracer.pipeline.run` runs
 engines), as Polygraphy keeps `struct.py` apart from `compare.py`.
 
 A value is built once and never assigned to afterwards (frozen dataclasses; sequences are tuples).
@@ -125,8 +125,8 @@ def dict_or_none(value) -> dict | None:
 
 @dataclass(frozen=True)
 class Divergence:
-    """The first point that introduces error (`tracer.diff.first_divergence`): its figures, how well
-    everything upstream agrees, and the breakdowns and hints `tracer.diff.explain_divergence` adds."""
+    """The first point that introduces error (`tracer.comparison.diff.first_divergence`): its figures, how well
+    everything upstream agrees, and the breakdowns and hints `tracer.comparison.diff.explain_divergence` adds."""
 
     point: str
     layer: int | None
@@ -170,7 +170,7 @@ class Divergence:
 
 @dataclass(frozen=True)
 class LogitsSummary:
-    """The model's output compared (`tracer.diff.logits_summary`): at the last position, over all
+    """The model's output compared (`tracer.comparison.diff.logits_summary`): at the last position, over all
     positions, and as next-token predictions."""
 
     max_abs: float  # at the last position
@@ -187,7 +187,7 @@ class LogitsSummary:
 
 @dataclass(frozen=True)
 class Greedy:
-    """Both sides' greedy continuations and how long they agree (`tracer.greedy.summary`)."""
+    """Both sides' greedy continuations and how long they agree (`tracer.pipeline.greedy.summary`)."""
 
     reference: list[int]
     candidate: list[int]
@@ -197,7 +197,7 @@ class Greedy:
     same_positions: int
     reference_text: str
     candidate_text: str
-    # Where the sides part on the tokens of the first flip's step (`tracer.pipeline.greedy_comparison`).
+    # Where the sides part on the tokens of the first flip's step (`tracer.pipeline.run.greedy_comparison`).
     first_flip_divergence: Divergence | None = None
 
     def to_dict(self) -> dict:
@@ -288,7 +288,7 @@ class WeightAudit:
 
 @dataclass(frozen=True)
 class RegimeView:
-    """`Result.regime` (`tracer.regime_view`): the regime the reference ran in, the raw f32 view, the
+    """`Result.regime` (`tracer.pipeline.regime_view`): the regime the reference ran in, the raw f32 view, the
     regime's own cost per point and the per-op errors on the candidate's own inputs."""
 
     variant: dict  # the regime's knobs
@@ -300,7 +300,7 @@ class RegimeView:
     per_op_worst: dict | None  # {"point", "rel_l2"} of the largest per-op error
     per_op_bound: float | None  # the per-op error a correct op stays under (None: no bound)
     per_op_over: tuple[str, ...]  # the points whose per-op error exceeds it
-    verdict_view: str  # "free" or "per_op": how the verdict was judged (`tracer.regime_view.verdict_view`)
+    verdict_view: str  # "free" or "per_op": how the verdict was judged (`tracer.pipeline.regime_view.verdict_view`)
     # the GGUF file whose tensors the regime takes (weights=gguf), audited against the reference's weights
     audit: WeightAudit | None = None
 
@@ -317,7 +317,7 @@ class RegimeView:
 class Result:
     """The comparison of a candidate trace with a reference. `bool(result)`: no divergence.
 
-    `tracer.diff.compare` builds the comparison; `tracer.pipeline` adds the run's context (prompt,
+    `tracer.comparison.diff.compare` builds the comparison; `tracer.pipeline.run` adds the run's context (prompt,
     greedy continuations, environment, command, timings, notes, config audit) in one
     `with_context` call. Neither changes it afterwards.
 
@@ -350,7 +350,7 @@ class Result:
     first_nonfinite: dict | None = None  # {"point", "layer", "side", "count", "nan", "inf"}
     amplification: tuple[dict, ...] = ()  # ops ranked by error gain over their input
     config_audit: dict | None = None  # what each config reader makes of the model's config.json
-    # The regime view (`tracer.regime_view`): the reference ran in the candidate's number formats; the raw
+    # The regime view (`tracer.pipeline.regime_view`): the reference ran in the candidate's number formats; the raw
     # f32 view, the regime's own cost per point and the per-op errors ride along.
     regime: RegimeView | None = None
 

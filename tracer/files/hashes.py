@@ -2,7 +2,7 @@
 on every use, so a damaged entry (a weights file changed in place, a file gone, a garbled
 manifest) is rebuilt or refused, never used.
 
-An entry is a folder that `tracer.convert.cached_build` filled and renamed into place (a GGUF
+An entry is a folder that `tracer.files.convert.cached_build` filled and renamed into place (a GGUF
 conversion, an ONNX export). `seal` writes its completion record: for every file, its size and
 SHA-256, and the file's stat (size, mtime, ctime, inode). `damage` compares: where the stat is
 unchanged the file was not written since (a write moves ctime, which no user call can set back),

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tracer.errors import TracerError, one_line
+from tracer.core.errors import TracerError, one_line
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tracer.errors import TracerError, one_line
+from tracer.core.errors import TracerError, one_line
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +30,7 @@ class WeightFiles(Mapping):
     """
 
     def __init__(self, model_dir: str | os.PathLike):
-        from tracer.tensorfile import TensorFile
+        from tracer.files.tensorfile import TensorFile
 
         folder = Path(model_dir)
         self.files = _weight_files(folder)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 from tracer.model.config import DEFAULT_ROPE_THETA, LlamaSpec
 from tracer.model.families import expected_shapes
 from tracer.model.names import gguf_block_of, gguf_family, gguf_tensor_name

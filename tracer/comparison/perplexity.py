@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from tracer.errors import TracerError
+from tracer.core.errors import TracerError
 
 F32, F64 = np.float32, np.float64
 LOG_PROB_RANGE = 16  # nats of base log-probability kept; KLD terms below -16 are left out

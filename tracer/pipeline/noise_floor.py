@@ -22,11 +22,11 @@ Measured figures (SmolLM2, preset=llamacpp): docs/regimes.md, "The noise floor i
 
 from __future__ import annotations
 
-from tracer.diff import ErrorRecorder
+from tracer.comparison.diff import ErrorRecorder
+from tracer.comparison.trace import Trace
 from tracer.engines.base import at_positions
 from tracer.engines.load import load_engine
-from tracer.sources import ModelSource
-from tracer.trace import Trace
+from tracer.files.sources import ModelSource
 
 NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many first tokens
 
@@ -34,7 +34,7 @@ NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many firs
 def estimate_noise(source: ModelSource, reference: Trace, reference_variant: dict, device="cpu") -> dict[str, float]:
     """Per point, rel_l2 between `reference` and an f64 run of the same model and variant.
 
-    The f64 run's points are compared as they come and never kept (`tracer.diff.ErrorRecorder`).
+    The f64 run's points are compared as they come and never kept (`tracer.comparison.diff.ErrorRecorder`).
     The f64 weights are streamed block by block: a whole f64 copy would be the largest thing in
     memory (twice the f32 model), for one forward. A number-format regime (weights=, act_quant=,
     preset=llamacpp, ...) gets its own estimate instead: `regime_noise`.

@@ -20,17 +20,17 @@ from contextlib import ExitStack
 
 import torch
 
+from tracer.comparison.trace import Trace, TraceRecorder
+from tracer.core.errors import TracerError, one_line
+from tracer.core.torch_types import TORCH_DTYPES
 from tracer.engines.base import per_layer, position_offset, trace_meta
 from tracer.engines.registry import ENGINES
-from tracer.errors import TracerError, one_line
+from tracer.files.sources import ModelSource
 from tracer.hooks.modules import recording_modules
 from tracer.model.component import family_named, family_of
 from tracer.model.config import LlamaSpec, config_reading, load_config, read_hf, variant_spec
 from tracer.model.knobs import setting
 from tracer.model.points import model_points
-from tracer.sources import ModelSource
-from tracer.torch_types import TORCH_DTYPES
-from tracer.trace import Trace, TraceRecorder
 
 # A local directory never needs the hub; make sure nothing tries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -137,7 +137,7 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
 def _load(model_dir, variant: dict, offload=None):
     """from_pretrained with the variant's config-level knobs applied before the weights load (and,
     with `offload`, accelerate's device_map="auto" placement)."""
-    from tracer.weights import check_weight_files
+    from tracer.files.weights import check_weight_files
 
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
     # default (hidden_size 4096); our readers name the file or the key in one line first, before

@@ -1,0 +1,1 @@
+"""Traces as data and comparing them: the trace, the per-point diff and its result, explanations."""
