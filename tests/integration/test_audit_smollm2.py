@@ -6,8 +6,8 @@ not the file's own source, so the regime takes the candidate file's tensors in t
 Measured here: the audit finds all 272 tensors identical to llama.cpp's requantization of the
 directory's weights (2.6 s); with one block of blk.5.attn_k (Q5_0) changed, that tensor alone is
 damaged (one block of 3456 at 9.5x the error Q5_0 gives there), and the regime's first divergence
-is model.layers.5.self_attn.k_proj (rel_l2 4.0e-3, 1950x its floor), every earlier op exactly 0
-but for the Q4_K/Q6_K ffn_down of layers 0-4 (per op, within 0.3 of their floors).
+is model.layers.5.self_attn.k_proj (rel_l2 4.0e-3, 1950x its floor), every earlier point exactly 0
+(llama.cpp's Q4_K/Q6_K kernels are emulated: the regime runs free).
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ def test_one_damaged_block_of_blk_5_attn_k_shows_at_layer_5_k_proj(default_model
     first = result.first_divergence
     assert first.point == "model.layers.5.self_attn.k_proj"
     upstream = [p for p in result.points[:first.index] if p.recorded]
-    assert all(p.rel_l2 <= p.threshold for p in upstream)
-    assert all(p.rel_l2 == 0 for p in upstream if not p.point.endswith("mlp.down_proj"))  # Q4_K/Q6_K: per op
+    assert upstream and all(p.rel_l2 == 0 for p in upstream)
     # the raw view, against f32, has it at the first projection of layer 0: the file's formats
     assert regime.raw.first_divergence.point.startswith("model.layers.0.self_attn.")
 
