@@ -9,18 +9,14 @@ import torch
 from tracer.core.errors import TracerError
 from tracer.engines.base import Engine, check_device
 from tracer.engines.offload import check_offload
-from tracer.engines.registry import check_engine, check_runtime, parse_engine
+from tracer.engines.registry import EngineRef, check_engine, check_runtime, parse_engine
 from tracer.files.sources import resolve_source
 
 
-def check_engine_name(name: str) -> None:
-    """Refuse an unknown engine, a missing argument or a missing runtime before any model loads."""
-    check_runtime(parse_engine(name)[0])
-
-
-def load_engine(name: str, source, variant: dict, *, device: str | torch.device = "cpu", stream: bool = False,
-                offload=None) -> Engine:
-    """`hf`, `reimpl`, `file:PATH`, ... -> an engine ready to record, its model on `device`.
+def load_engine(engine: EngineRef | str, source, variant: dict, *, device: str | torch.device = "cpu",
+                stream: bool = False, offload=None) -> Engine:
+    """An engine (parsed at the run's edge, or the name of one tracer runs itself: "reimpl") -> an
+    engine ready to record, its model on `device`.
 
     `source`: a `tracer.files.sources.ModelSource`, or a model argument as `tracer.run` takes it (a path,
     a .gguf file, None, a loaded model), resolved here.
@@ -30,10 +26,11 @@ def load_engine(name: str, source, variant: dict, *, device: str | torch.device 
     `tracer.engines.offload.Offload`: accelerate places the model) is refused by engines that
     cannot take it.
     """
-    entry, argument = parse_engine(name)
+    engine = parse_engine(engine)
+    entry, argument = engine.entry, engine.argument
     check_runtime(entry)
-    check_engine(variant, entry.name)
-    check_offload(offload, name)
+    check_engine(variant, entry)
+    check_offload(offload, engine)
     parsed = check_device(device)
     if parsed.type not in entry.devices:
         raise TracerError(f"the {entry.name} engine runs on {', '.join(entry.devices)}, not {device}")
