@@ -157,6 +157,11 @@ def register(entry: EngineEntry) -> EngineEntry:
     return entry
 
 
+def unregister(name: str) -> None:
+    """Remove an engine a test or a notebook registered (a later look-up may find it again by its entry point)."""
+    ENGINES.pop(name, None)
+
+
 def registered() -> dict[str, EngineEntry]:
     """Every engine: the built-ins, then those installed packages declare (`ENTRY_POINTS`)."""
     for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
