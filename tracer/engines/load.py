@@ -15,8 +15,11 @@ from tracer.files.sources import resolve_source
 
 def load_engine(engine: EngineRef | str, source, variant: dict, *, device: str | torch.device = "cpu",
                 stream: bool = False, offload=None) -> Engine:
-    """An engine (parsed at the run's edge, or the name of one tracer runs itself: "reimpl") -> an
-    engine ready to record, its model on `device`.
+    """An engine -> an engine ready to record, its model on `device`.
+
+    `engine`: an `EngineRef` whose `variant` is checked already (a `tracer.pipeline.request.Side`'s,
+    parsed at the run's edge, or knobs tracer runs its own model with); or an engine argument as a
+    user writes it ("hf", "llamacpp:F16.gguf"), parsed here, its runtime and knobs checked.
 
     `source`: a `tracer.files.sources.ModelSource`, or a model argument as `tracer.run` takes it (a path,
     a .gguf file, None, a loaded model), resolved here.
@@ -26,10 +29,11 @@ def load_engine(engine: EngineRef | str, source, variant: dict, *, device: str |
     `tracer.engines.offload.Offload`: accelerate places the model) is refused by engines that
     cannot take it.
     """
-    engine = parse_engine(engine)
+    if isinstance(engine, str):
+        engine = parse_engine(engine)
+        check_runtime(engine.entry)
+        check_engine(variant, engine.entry)
     entry, argument = engine.entry, engine.argument
-    check_runtime(entry)
-    check_engine(variant, entry)
     check_offload(offload, engine)
     parsed = check_device(device)
     if parsed.type not in entry.devices:

@@ -259,8 +259,9 @@ def greedy_comparison(prepared: Prepared, engine: Engine, tolerance: Tolerance) 
 
 
 def candidate_loader(candidate: EngineRef, prepared: Prepared) -> Callable[[dict], Engine]:
-    """knobs -> a candidate engine on the prepared model; a reimpl candidate on a model directory
-    reuses the config and weights read once (a sweep builds one per variant)."""
+    """knobs -> a candidate engine on the prepared model, the knobs checked against it first; a reimpl
+    candidate on a model directory reuses the config and weights read once (a sweep builds one per
+    variant)."""
     if candidate.entry.argument_required:
         raise TracerError(f"{candidate} is a saved trace; variants need an engine that runs the model")
     source = prepared.source
@@ -271,13 +272,18 @@ def candidate_loader(candidate: EngineRef, prepared: Prepared) -> Callable[[dict
         config = source.config()
         weights = WeightFiles(source.directory) if prepared.stream else read_weights(source.directory)
 
-        def load_reimpl(knobs: dict):
-            check_engine(knobs, candidate.entry)
+        def load(knobs: dict):
             return from_parts(config, weights, knobs, source.name, device=prepared.device, stream=prepared.stream)
+    else:
+        def load(knobs: dict):
+            return load_engine(candidate, source, knobs, device=prepared.device, stream=prepared.stream,
+                               offload=offload_for(candidate, prepared.offload))
 
-        return load_reimpl
-    return lambda knobs: load_engine(candidate, source, knobs, device=prepared.device, stream=prepared.stream,
-                                     offload=offload_for(candidate, prepared.offload))
+    def load_candidate(knobs: dict) -> Engine:
+        check_engine(knobs, candidate.entry)
+        return load(knobs)
+
+    return load_candidate
 
 
 def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], Engine], knobs: dict, *,
