@@ -41,6 +41,7 @@ from tracer.pipeline.request import (
     check_positions,
     check_tolerance,
     regime_knobs,
+    request_of,
 )
 from tracer.pipeline.run import (
     candidate_loader,
@@ -122,7 +123,6 @@ def run(
     model=None,
     prompt: str | None = DEFAULT_PROMPT,
     *,
-    tokens=None,
     reference: str = "hf",
     candidate: str = "reimpl",
     variant=None,
@@ -130,21 +130,18 @@ def run(
     atol: float | None = None,
     rtol: float | None = None,
     greedy: int | None = None,
+    regime: str | None = None,
+    noise_floor: bool = True,
     out: str | Path | None = None,
     command: str | None = None,
     progress: bool = True,
-    noise_floor: bool = True,
-    max_tokens: int | None = None,
-    chat: bool = False,
-    system: str | None = None,
-    device: str = "cpu",
-    stream: bool = False,
-    regime: str | None = None,
-    offload: str | Path | None = None,
-    max_memory=None,
-    position_offset: int = 0,
+    **request,
 ) -> Result:
     """Trace a reference and a candidate on the same tokens and localize the first divergence.
+
+    The keywords naming the request's input and placement (tokens, max_tokens, chat, system,
+    position_offset; device, stream, offload, max_memory) build its `Inputs` and `Placement` once
+    (`tracer.pipeline.request.request_of`).
 
     Args:
         model: as in `record` (None: the bundled SmolLM2-135M-Instruct).
@@ -186,9 +183,8 @@ def run(
         'model.layers.0.self_attn.q_rope'
     """
     check_tolerance(atol, rtol)
-    return run_values(Inputs(model, prompt, tokens, chat, system, max_tokens, position_offset),
-                      Placement(device, stream, offload, max_memory),
-                      Outputs(report=None if out is None else str(out)),
+    inputs, placement = request_of("run", model, prompt, request)
+    return run_values(inputs, placement, Outputs(report=None if out is None else str(out)),
                       reference=Side.of(reference, reference_variant), candidate=Side.of(candidate, variant),
                       tolerance=Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor, regime=regime,
                       command=command, progress=progress)
@@ -234,7 +230,6 @@ def sweep(
     model=None,
     prompt: str | None = None,
     *,
-    tokens=None,
     variants=None,
     reference: str = "hf",
     reference_variant=None,
@@ -242,17 +237,11 @@ def sweep(
     atol: float | None = None,
     rtol: float | None = None,
     greedy: int = 0,
+    noise_floor: bool = True,
     out: str | Path | None = None,
     command: str | None = None,
     progress: bool = True,
-    noise_floor: bool = True,
-    max_tokens: int | None = None,
-    chat: bool = False,
-    system: str | None = None,
-    device: str = "cpu",
-    stream: bool = False,
-    offload: str | Path | None = None,
-    max_memory=None,
+    **request,
 ) -> Sweep:
     """Record the reference once and compare every variant of the candidate with it.
 
@@ -261,12 +250,13 @@ def sweep(
     its diff. A variant that fails to load (`layers=31`) is a row holding its error.
 
     Args:
-        model, prompt, tokens, max_tokens, chat, system: the input, as in `tracer.run`.
+        model, prompt, and the keywords of the input and placement (tokens, max_tokens, chat, system,
+            position_offset; device, stream, offload, max_memory): as in `tracer.run`.
         variants: variant strings ("theta=10000,rope=interleaved"), a list of them, or one string
             with `;` between variants; None: one representative value of every knob.
         reference, reference_variant: the reference engine and its knobs (default hf, none).
         candidate: the engine every variant runs on ("reimpl", "hf", or another engine taking knobs).
-        atol, rtol, noise_floor, device, stream, offload, max_memory: as in `tracer.run`.
+        atol, rtol, noise_floor: as in `tracer.run`.
         greedy: greedy tokens per variant (default 0: none; each token is a forward per variant).
         out: write the sweep report folder there (sweep.json, sweep.csv, sweep.png, sweep.html).
 
@@ -283,10 +273,10 @@ def sweep(
         ['model.layers.0.self_attn.q_rope', 'model.layers.0.input_layernorm']
     """
     check_tolerance(atol, rtol)
-    inputs = Inputs(model, DEFAULT_PROMPT if prompt is None and tokens is None else prompt, tokens, chat, system,
-                    max_tokens)
-    return sweep_values(inputs, Placement(device, stream, offload, max_memory),
-                        Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT), variants=variants,
+    given = DEFAULT_PROMPT if prompt is None and request.get("tokens") is None else prompt
+    inputs, placement = request_of("sweep", model, given, request)
+    return sweep_values(inputs, placement, Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT),
+                        variants=variants,
                         reference=Side.of(reference, reference_variant), candidate=Side.of(candidate),
                         tolerance=Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor,
                         command=command, progress=progress)
@@ -298,6 +288,7 @@ def sweep_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, vari
                  command: str | None = None, progress: bool = True) -> Sweep:
     """`sweep` on the request's values (`tracer.pipeline.request`), as the CLI builds them; a knob the
     candidate cannot honour is that variant's row's error."""
+    check_positions(inputs.position_offset, reference, candidate)
     texts = None if variants is None else split_variants(variants)
     parsed = None if texts is None else [parse_variant(text) for text in texts]  # before anything loads
     check_greedy(greedy)

@@ -17,7 +17,7 @@ import math
 import numbers
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from tracer.core.errors import TracerError
@@ -136,6 +136,23 @@ class Placement:
         if self.offload is None and self.max_memory is None:
             return None
         return Offload(self.offload, self.max_memory)
+
+
+# The keywords of an API call that name the request's fields (`tracer.run(..., tokens=..., device=...)`):
+# every field of `Inputs` but the model and the prompt (given first), every field of `Placement`.
+REQUEST_KEYWORDS = (*(f.name for f in fields(Inputs) if f.name not in ("model", "prompt")),
+                    *(f.name for f in fields(Placement)))
+
+
+def request_of(function: str, model, prompt, keywords: dict) -> tuple[Inputs, Placement]:
+    """The `Inputs` and `Placement` of an API call, each built once: `model`, `prompt` and `keywords`
+    naming their other fields (`REQUEST_KEYWORDS`); any other keyword is refused as Python refuses one."""
+    unknown = [name for name in keywords if name not in REQUEST_KEYWORDS]
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+    placement = {f.name for f in fields(Placement)}
+    return (Inputs(model, prompt, **{k: v for k, v in keywords.items() if k not in placement}),
+            Placement(**{k: v for k, v in keywords.items() if k in placement}))
 
 
 @dataclass(frozen=True)
