@@ -23,7 +23,7 @@ from pathlib import Path
 from tracer.core.errors import TracerError
 from tracer.core.folders import replaceable_folder
 from tracer.engines.offload import Offload, parse_max_memory
-from tracer.engines.registry import EngineRef, check_engine, check_runtime, parse_engine, registered
+from tracer.engines.registry import EngineEntry, EngineRef, check_engine, check_runtime, parse_engine, registered
 from tracer.files.sources import ModelSource, check_source
 from tracer.files.tokenizer import check_prompt
 from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
@@ -226,10 +226,8 @@ class Side:
     variant: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, engine: str | EngineRef | Side, variant=None) -> Side:
+    def of(cls, engine: str | EngineRef, variant=None) -> Side:
         """`engine` ("hf", "file:PATH", ...) and `variant` ("theta=10000", a dict) parsed and checked."""
-        if isinstance(engine, Side):
-            return engine if variant is None else cls.of(engine.engine, variant)
         ref, knobs = parse_engine(engine), parse_variant(variant)
         if knobs and ref.entry.argument_required:
             raise TracerError(f"{ref} is a saved trace; knobs ({variant_text(knobs)}) need an engine that "
@@ -239,7 +237,7 @@ class Side:
         return cls(ref, knobs)
 
     @property
-    def entry(self):
+    def entry(self) -> EngineEntry:
         return self.engine.entry
 
 
