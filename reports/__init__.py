@@ -14,6 +14,8 @@ the same dict that is saved as summary.json, so a report can be rebuilt from tha
 
 from importlib import import_module
 
+from tracer.comparison.renderers import register_renderers
+
 # Attribute -> submodule. Loaded on first use: matplotlib and pandas cost most of a second, and
 # `tracer run` only needs them when it writes a report (the terminal summary needs neither).
 _EXPORTS = {
@@ -40,6 +42,9 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+# What a value's methods render through (`tracer.comparison.renderers`): Result.plot / _repr_html_,
+# Trace._repr_html_, Sweep.table / plot / _repr_html_. Each loads its submodule when first called.
+RENDERED = ("plot", "result_html", "trace_html", "sweep_frame", "sweep_figure", "sweep_html")
 
 
 def __getattr__(name: str):
@@ -52,3 +57,13 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted([*globals(), *_EXPORTS])
+
+
+def _lazy(name: str):
+    def render(*args, **kwargs):
+        return __getattr__(name)(*args, **kwargs)
+
+    return render
+
+
+register_renderers({name: _lazy(name) for name in RENDERED})

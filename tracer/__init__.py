@@ -16,7 +16,8 @@ variants`) does not pay for torch.
 
 import importlib
 
-__version__ = "0.1.0"
+import tracer.reports  # noqa: F401  (registers the renderers Result, Trace and Sweep look up)
+from tracer.core import __version__  # noqa: F401  (tracer.__version__)
 
 _API, _RESULT, _TRACE = "tracer.api", "tracer.comparison.result", "tracer.comparison.trace"
 _EXPORTS = {

@@ -18,9 +18,9 @@ from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage, with_stages
 from tracer.engines.base import at_positions, environment
-from tracer.engines.load import check_engine_name, load_engine
+from tracer.engines.load import load_engine
 from tracer.engines.offload import check_offload, offload_for
-from tracer.engines.registry import parse_engine
+from tracer.engines.registry import EngineRef
 from tracer.files.sources import ModelSource, resolve_source
 from tracer.model.knobs import format_knob_value, parse_variant, variant_text
 from tracer.pipeline.catalogue import default_variants, diagnosis_variants, split_variants
@@ -35,12 +35,13 @@ from tracer.pipeline.request import (
     Inputs,
     Outputs,
     Placement,
-    check_engines,
+    Side,
     check_family_support,
     check_greedy,
     check_positions,
     check_tolerance,
     regime_knobs,
+    request_of,
 )
 from tracer.pipeline.run import (
     candidate_loader,
@@ -89,24 +90,22 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
     is_prompt = isinstance(tokens_or_prompt, str)
     inputs = Inputs(model, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
                     chat=chat, system=system, position_offset=position_offset)
-    return record_values(inputs, Placement(device, stream, offload, max_memory), engine, variant, progress=progress)
+    return record_values(inputs, Placement(device, stream, offload, max_memory), Side.of(engine, variant),
+                         progress=progress)
 
 
 @with_stages("load", "record")
-def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", variant=None, *,
-                  progress: bool = True) -> Trace:
+def record_values(inputs: Inputs, placement: Placement, side: Side, *, progress: bool = True) -> Trace:
     """`record` on the request's values (`tracer.pipeline.request`), as the CLI builds them."""
-    variant = parse_variant(variant)
-    check_engines(None, engine, variant, {})
-    check_engine_name(engine)
-    check_positions(inputs.position_offset, engine)
-    if placement.stream and not parse_engine(engine)[0].stream:
+    engine = side.engine
+    check_positions(inputs.position_offset, side)
+    if placement.stream and not side.entry.stream:
         raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); "
                           f"the {engine} engine cannot")
     check_offload(placement.accelerate, engine)
     source = resolve_source(inputs.model, progress)
     check_family_support(engine, source)
-    runner = load_engine(engine, source, variant, device=placement.device, stream=placement.stream,
+    runner = load_engine(engine, source, side.variant, device=placement.device, stream=placement.stream,
                          offload=placement.accelerate)
     ids, chat_info = token_ids(source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
     check_tokens(ids, runner, inputs.position_offset)
@@ -124,7 +123,6 @@ def run(
     model=None,
     prompt: str | None = DEFAULT_PROMPT,
     *,
-    tokens=None,
     reference: str = "hf",
     candidate: str = "reimpl",
     variant=None,
@@ -132,21 +130,18 @@ def run(
     atol: float | None = None,
     rtol: float | None = None,
     greedy: int | None = None,
+    regime: str | None = None,
+    noise_floor: bool = True,
     out: str | Path | None = None,
     command: str | None = None,
     progress: bool = True,
-    noise_floor: bool = True,
-    max_tokens: int | None = None,
-    chat: bool = False,
-    system: str | None = None,
-    device: str = "cpu",
-    stream: bool = False,
-    regime: str | None = None,
-    offload: str | Path | None = None,
-    max_memory=None,
-    position_offset: int = 0,
+    **request,
 ) -> Result:
     """Trace a reference and a candidate on the same tokens and localize the first divergence.
+
+    The keywords naming the request's input and placement (tokens, max_tokens, chat, system,
+    position_offset; device, stream, offload, max_memory) build its `Inputs` and `Placement` once
+    (`tracer.pipeline.request.request_of`).
 
     Args:
         model: as in `record` (None: the bundled SmolLM2-135M-Instruct).
@@ -188,38 +183,36 @@ def run(
         'model.layers.0.self_attn.q_rope'
     """
     check_tolerance(atol, rtol)
-    return run_values(Inputs(model, prompt, tokens, chat, system, max_tokens, position_offset),
-                      Placement(device, stream, offload, max_memory),
-                      Outputs(report=None if out is None else str(out)), reference=reference, candidate=candidate,
-                      variant=variant, reference_variant=reference_variant, tolerance=Tolerance(atol=atol, rtol=rtol),
-                      greedy=greedy, noise_floor=noise_floor, regime=regime, command=command, progress=progress)
+    inputs, placement = request_of("run", model, prompt, request)
+    return run_values(inputs, placement, Outputs(report=None if out is None else str(out)),
+                      reference=Side.of(reference, reference_variant), candidate=Side.of(candidate, variant),
+                      tolerance=Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor, regime=regime,
+                      command=command, progress=progress)
 
 
 @with_stages("load", "reference", "noise floor", "candidate", "greedy", "regime", "report")
-def run_values(inputs: Inputs, placement: Placement = Placement(), outputs: Outputs = Outputs(), *,
-               reference: str = "hf", candidate: str = "reimpl", variant=None, reference_variant=None,
+def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, reference: Side, candidate: Side,
                tolerance: Tolerance = Tolerance(), greedy: int | None = None, noise_floor: bool = True,
                regime=None, command: str | None = None, progress: bool = True) -> Result:
-    """`run` on the request's values (`tracer.pipeline.request`), as the CLI builds them; every argument
-    is checked here, before torch loads anything."""
-    variant, reference_variant = parse_variant(variant), parse_variant(reference_variant)
-    check_engines(reference, candidate, variant, reference_variant)
+    """`run` on the request's values (`tracer.pipeline.request`: each side's engine and knobs parsed and
+    checked), as the CLI builds them; the rest is checked here, before torch loads anything."""
     check_positions(inputs.position_offset, reference, candidate)
     check_greedy(greedy)
     regime = regime_knobs(regime)
     if regime is not None:
-        check_regime_run(reference, candidate)
-    with prepared_reference(inputs, placement, reference=reference, reference_variant=reference_variant,
-                            tolerance=tolerance, noise_floor=noise_floor, greedy_steps=greedy, progress=progress,
-                            candidates=(candidate,)) as prepared:
-        in_regime = resolve_regime(regime, candidate, variant, prepared.source) if regime is not None else None
-        engine = load_engine(candidate, prepared.source, variant, device=placement.device, stream=placement.stream,
-                             offload=offload_for(candidate, prepared.offload))
+        check_regime_run(reference.engine, candidate.engine)
+    variant = candidate.variant
+    with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
+                            greedy_steps=greedy, progress=progress, candidates=(candidate.engine,)) as prepared:
+        in_regime = resolve_regime(regime, candidate.engine, variant, prepared.source) if regime is not None else None
+        engine = load_engine(candidate.engine, prepared.source, variant, device=placement.device,
+                             stream=placement.stream, offload=offload_for(candidate.engine, prepared.offload))
         if command is None and not prepared.source.loaded:  # no command line can name a model object
-            command = run_command(inputs, placement, outputs, reference=reference, candidate=candidate,
-                                  variant=variant, reference_variant=prepared.variant, tolerance=tolerance,
-                                  greedy=greedy, noise_floor=noise_floor, regime=regime)
-        result = compare_candidate(prepared, engine, command=command, notes=stream_notes(placement.stream, candidate),
+            command = run_command(inputs, placement, outputs, reference=str(reference.engine),
+                                  candidate=str(candidate.engine), variant=variant, reference_variant=prepared.variant,
+                                  tolerance=tolerance, greedy=greedy, noise_floor=noise_floor, regime=regime)
+        result = compare_candidate(prepared, engine, command=command,
+                                   notes=stream_notes(placement.stream, candidate.engine),
                                    config_audit=config_audit(prepared.source, variant))
         if in_regime is not None:
             stage("regime")
@@ -237,7 +230,6 @@ def sweep(
     model=None,
     prompt: str | None = None,
     *,
-    tokens=None,
     variants=None,
     reference: str = "hf",
     reference_variant=None,
@@ -245,17 +237,11 @@ def sweep(
     atol: float | None = None,
     rtol: float | None = None,
     greedy: int = 0,
+    noise_floor: bool = True,
     out: str | Path | None = None,
     command: str | None = None,
     progress: bool = True,
-    noise_floor: bool = True,
-    max_tokens: int | None = None,
-    chat: bool = False,
-    system: str | None = None,
-    device: str = "cpu",
-    stream: bool = False,
-    offload: str | Path | None = None,
-    max_memory=None,
+    **request,
 ) -> Sweep:
     """Record the reference once and compare every variant of the candidate with it.
 
@@ -264,12 +250,13 @@ def sweep(
     its diff. A variant that fails to load (`layers=31`) is a row holding its error.
 
     Args:
-        model, prompt, tokens, max_tokens, chat, system: the input, as in `tracer.run`.
+        model, prompt, and the keywords of the input and placement (tokens, max_tokens, chat, system,
+            position_offset; device, stream, offload, max_memory): as in `tracer.run`.
         variants: variant strings ("theta=10000,rope=interleaved"), a list of them, or one string
             with `;` between variants; None: one representative value of every knob.
         reference, reference_variant: the reference engine and its knobs (default hf, none).
         candidate: the engine every variant runs on ("reimpl", "hf", or another engine taking knobs).
-        atol, rtol, noise_floor, device, stream, offload, max_memory: as in `tracer.run`.
+        atol, rtol, noise_floor: as in `tracer.run`.
         greedy: greedy tokens per variant (default 0: none; each token is a forward per variant).
         out: write the sweep report folder there (sweep.json, sweep.csv, sweep.png, sweep.html).
 
@@ -286,39 +273,37 @@ def sweep(
         ['model.layers.0.self_attn.q_rope', 'model.layers.0.input_layernorm']
     """
     check_tolerance(atol, rtol)
-    inputs = Inputs(model, DEFAULT_PROMPT if prompt is None and tokens is None else prompt, tokens, chat, system,
-                    max_tokens)
-    return sweep_values(inputs, Placement(device, stream, offload, max_memory),
-                        Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT), variants=variants,
-                        reference=reference,
-                        reference_variant=reference_variant, candidate=candidate,
+    given = DEFAULT_PROMPT if prompt is None and request.get("tokens") is None else prompt
+    inputs, placement = request_of("sweep", model, given, request)
+    return sweep_values(inputs, placement, Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT),
+                        variants=variants,
+                        reference=Side.of(reference, reference_variant), candidate=Side.of(candidate),
                         tolerance=Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor,
                         command=command, progress=progress)
 
 
 @with_stages("load", "reference", "noise floor", "candidate", "report")
-def sweep_values(inputs: Inputs, placement: Placement = Placement(), outputs: Outputs = Outputs(), *, variants=None,
-                 reference: str = "hf", reference_variant=None, candidate: str = "reimpl",
-                 tolerance: Tolerance = Tolerance(), greedy: int = 0, noise_floor: bool = True,
+def sweep_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, variants=None, reference: Side,
+                 candidate: Side, tolerance: Tolerance = Tolerance(), greedy: int = 0, noise_floor: bool = True,
                  command: str | None = None, progress: bool = True) -> Sweep:
-    """`sweep` on the request's values (`tracer.pipeline.request`), as the CLI builds them."""
+    """`sweep` on the request's values (`tracer.pipeline.request`), as the CLI builds them; a knob the
+    candidate cannot honour is that variant's row's error."""
+    check_positions(inputs.position_offset, reference, candidate)
     texts = None if variants is None else split_variants(variants)
     parsed = None if texts is None else [parse_variant(text) for text in texts]  # before anything loads
-    reference_variant = parse_variant(reference_variant)
-    check_engines(reference, candidate, {}, reference_variant)  # a knob the candidate cannot honour is a row's error
     check_greedy(greedy)
-    with prepared_reference(inputs, placement, reference=reference, reference_variant=reference_variant,
-                            tolerance=tolerance, noise_floor=noise_floor, greedy_steps=greedy, progress=progress,
-                            candidates=(candidate,)) as prepared:
-        load_candidate = candidate_loader(candidate, prepared)
+    with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
+                            greedy_steps=greedy, progress=progress, candidates=(candidate.engine,)) as prepared:
+        load_candidate = candidate_loader(candidate.engine, prepared)
         if parsed is None:
             spec = model_spec(prepared.source)
-            parsed = [parse_variant(text) for text in default_variants(spec, parse_engine(candidate)[0].name)]
+            parsed = [parse_variant(text) for text in default_variants(spec, candidate.entry.name)]
         stage("candidate")
         rows = tuple(sweep_row(prepared, load_candidate, knobs) for knobs in parsed)
     result = Sweep(
-        rows=rows, reference={"engine": reference, "variant": prepared.variant, "label": prepared.trace.label},
-        candidate={"engine": candidate}, tolerance=prepared.tolerance, model=prepared.trace.meta.model,
+        rows=rows, reference={"engine": str(reference.engine), "variant": prepared.variant,
+                              "label": prepared.trace.label},
+        candidate={"engine": str(candidate.engine)}, tolerance=prepared.tolerance, model=prepared.trace.meta.model,
         prompt=prepared.prompt, tokens=prepared.ids, chat=prepared.chat, greedy_steps=prepared.greedy_steps,
         reference_greedy=prepared.reference_greedy, environment=environment(), command=command,
         timings={**prepared.timings, "variants_s": sum(row.seconds or 0.0 for row in rows)}, notes=prepared.notes,
@@ -371,7 +356,7 @@ def diagnose_values(trace, inputs: Inputs, placement: Placement = Placement(), *
         raise TracerError("the trace carries no token ids; diagnose needs them to rerun the same input")
     tried = None if variants is None else [parse_variant(text) for text in split_variants(variants)]
     replay = Inputs(inputs.model, tokens=observed_trace.tokens)
-    with prepared_reference(replay, placement, greedy_steps=0, progress=progress) as prepared:
+    with prepared_reference(replay, placement, reference=Side.of("hf"), greedy_steps=0, progress=progress) as prepared:
         observed = compare_candidate(prepared, FileEngine(observed_trace))
         if tried is None:
             tried = [parse_variant(text) for text in diagnosis_variants(model_spec(prepared.source))]
@@ -379,7 +364,7 @@ def diagnose_values(trace, inputs: Inputs, placement: Placement = Placement(), *
         key = catalogue_key(prepared, placement, tried)
         rows = _CATALOGUE_ROWS.get(key) if key is not None else None
         if rows is None:
-            load_candidate = candidate_loader("reimpl", prepared)
+            load_candidate = candidate_loader(EngineRef.named("reimpl"), prepared)
             # Without local errors: the observed trace has none (a file cannot rerun a block), so
             # both sides' first divergences are where the total error leaves the floor.
             rows = [sweep_row(prepared, load_candidate, knobs, local=False) for knobs in tried]
@@ -448,9 +433,9 @@ def quality(text: str | None = None, model=None, *, text_file: str | Path | None
     if text is None and tokens is None:
         raise TracerError("give a text (text=, text_file=) or token ids (tokens=)")
     inputs = Inputs(model, prompt=text, tokens=tokens)
-    return quality_values(inputs, Placement(device, stream, offload, max_memory), reference=reference,
-                          candidate=candidate, variant=variant, reference_variant=reference_variant, ctx=ctx,
-                          chunks=chunks, by_layer=by_layer, text_name=text_name or ("<tokens>" if text is None
+    return quality_values(inputs, Placement(device, stream, offload, max_memory),
+                          reference=Side.of(reference, reference_variant), candidate=Side.of(candidate, variant),
+                          ctx=ctx, chunks=chunks, by_layer=by_layer, text_name=text_name or ("<tokens>" if text is None
                                                                                     else "<text>"),
                           command=command)
 
@@ -578,9 +563,9 @@ def model_spec(source: ModelSource):
     return read_hf(source.config())
 
 
-def stream_notes(stream: bool, candidate: str) -> tuple[str, ...]:
+def stream_notes(stream: bool, candidate: EngineRef) -> tuple[str, ...]:
     """A candidate engine that cannot stream loads its whole model: said."""
-    if stream and not parse_engine(candidate)[0].stream:
+    if stream and not candidate.entry.stream:
         return (f"stream: the {candidate} engine loads its whole model (only engines that stream read weights "
                 "block by block)",)
     return ()

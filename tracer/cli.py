@@ -23,7 +23,7 @@ from tracer.pipeline.request import (
     Inputs,
     Outputs,
     Placement,
-    check_engines,
+    Side,
     check_greedy,
     check_tolerance,
     regime_knobs,
@@ -57,8 +57,7 @@ def outputs_of(args, kind: tuple[str, str] = RUN_REPORT) -> Outputs:
 def cmd_run(args) -> int:
     inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args)
     check_tolerance(args.atol, args.rtol)
-    variant, reference_variant = parse_variant(args.variant), parse_variant(args.reference_variant)
-    check_engines(args.reference, args.candidate, variant, reference_variant)
+    reference, candidate = Side.of(args.reference, args.reference_variant), Side.of(args.candidate, args.variant)
     check_greedy(args.greedy)
     regime = regime_knobs(args.regime)
     if outputs.report is not None:
@@ -68,8 +67,7 @@ def cmd_run(args) -> int:
     from tracer.api import run_values  # every argument checked: only now does torch load
     from tracer.reports.terminal import terminal_summary
 
-    result = run_values(inputs, placement, outputs, reference=args.reference, candidate=args.candidate,
-                        variant=variant, reference_variant=reference_variant,
+    result = run_values(inputs, placement, outputs, reference=reference, candidate=candidate,
                         tolerance=Tolerance(atol=args.atol, rtol=args.rtol), greedy=args.greedy,
                         noise_floor=not args.no_noise, regime=regime, command=_command_line(),
                         progress=args.json != "-")
@@ -102,11 +100,10 @@ def _exit_code(result, args) -> int:
 
 def cmd_record(args) -> int:
     inputs, placement, _ = inputs_of(args), placement_of(args), outputs_of(args)
-    variant = parse_variant(args.variant)
-    check_engines(None, args.engine, variant, {})
+    side = Side.of(args.engine, args.variant)
     from tracer.api import record_values
 
-    trace = record_values(inputs, placement, args.engine, variant)
+    trace = record_values(inputs, placement, side)
     trace.save(args.output)
     print(f"{trace.label}: {len(trace)} points on {len(trace.tokens)} tokens -> {args.output}")
     return 0
@@ -145,14 +142,14 @@ def cmd_variants(args) -> int:
 
 
 def cmd_engines(args) -> int:
-    from tracer.engines.registry import ENGINES
+    from tracer.engines.registry import registered
     from tracer.model.points import FUSED_AWAY
     from tracer.reports.terminal import table, wrap
 
     lines = table(("engine", "runtime", "devices", "families"),
                   [(e.usage, _runtime(e), ", ".join(e.devices), "all" if e.families is None else ", ".join(e.families))
-                   for e in ENGINES.values()])
-    for entry in ENGINES.values():
+                   for e in registered().values()])
+    for entry in registered().values():
         fused = f" but {', '.join(FUSED_AWAY)} under fused attention ({entry.fused_attention})"
         abilities = [("local (teacher-forced) errors", entry.local_errors), ("greedy decoding", entry.logits),
                      ("a cached draft", entry.draft), ("streamed weights", entry.stream)]
@@ -187,16 +184,15 @@ def cmd_sweep(args) -> int:
     from tracer.pipeline.catalogue import split_variants
 
     inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args, SWEEP_REPORT)
-    reference_variant = parse_variant(args.reference_variant)
-    check_engines(args.reference, args.candidate, {}, reference_variant)
+    reference, candidate = Side.of(args.reference, args.reference_variant), Side.of(args.candidate)
     for text in split_variants(args.variants) if args.variants else []:
         parse_variant(text)  # a knob the candidate cannot honour is that row's error, said in the table
     check_greedy(args.greedy)
     from tracer.api import sweep_values
     from tracer.reports.terminal import sweep_summary
 
-    result = sweep_values(inputs, placement, outputs, variants=args.variants, reference=args.reference,
-                          reference_variant=reference_variant, candidate=args.candidate, greedy=args.greedy,
+    result = sweep_values(inputs, placement, outputs, variants=args.variants, reference=reference,
+                          candidate=candidate, greedy=args.greedy,
                           noise_floor=not args.no_noise, command=_command_line(), progress=args.json != "-")
     if args.json:
         _write_json(result.to_dict(), args.json)
@@ -212,7 +208,7 @@ def cmd_diagnose(args) -> int:
         from tracer.pipeline.catalogue import split_variants
 
         for text in split_variants(args.variants):
-            check_engines(None, "reimpl", parse_variant(text), {})
+            Side.of("reimpl", text)
     from tracer.api import diagnose_values
 
     result = diagnose_values(args.trace, inputs, placement, variants=args.variants or None,
@@ -250,14 +246,13 @@ def cmd_quality(args) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise TracerError(f"cannot read text file {args.text}: {getattr(exc, 'strerror', None) or exc}") from None
     inputs = Inputs(model=args.model, prompt=text, tokens=args.tokens)
-    variant, reference_variant = parse_variant(args.variant), parse_variant(args.reference_variant)
-    check_engines(args.reference, args.candidate, variant, reference_variant)
+    reference, candidate = Side.of(args.reference, args.reference_variant), Side.of(args.candidate, args.variant)
     from tracer.api import quality_values
     from tracer.reports.quality import quality_markdown, quality_text
 
-    result = quality_values(inputs, placement, reference=args.reference, candidate=args.candidate, variant=variant,
-                            reference_variant=reference_variant, ctx=args.ctx, chunks=args.chunks,
-                            by_layer=args.by_layer, text_name=args.text.name if args.text else "<tokens>",
+    result = quality_values(inputs, placement, reference=reference, candidate=candidate, ctx=args.ctx,
+                            chunks=args.chunks, by_layer=args.by_layer,
+                            text_name=args.text.name if args.text else "<tokens>",
                             command=_command_line(), progress=args.json != "-" and args.markdown != "-")
     summary = result.to_dict()
     if args.json:

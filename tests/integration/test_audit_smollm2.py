@@ -17,6 +17,7 @@ import pytest
 import tracer
 from tests.audited_gguf import damage_block
 from tests.quantized_gguf import quantize_gguf
+from tracer.engines.registry import parse_engine
 from tracer.files.sources import ModelSource, bundled_gguf
 from tracer.files.weights import WeightFiles
 from tracer.ggml.audit import audit_gguf
@@ -54,6 +55,6 @@ def test_regime_auto_on_an_f16_file_takes_its_f16_tensors(default_model, tmp_pat
     """What `--regime auto` once answered with "bad value 'f16' for knob 'weights'"."""
     pytest.importorskip("llama_cpp")
     f16 = quantize_gguf(bundled_gguf(), tmp_path / "smollm2-F16.gguf", "F16")
-    knobs, caveats, audit = resolve_regime("auto", f"llamacpp:{f16}", {}, ModelSource(default_model))
+    knobs, caveats, audit = resolve_regime("auto", parse_engine(f"llamacpp:{f16}"), {}, ModelSource(default_model))
     assert knobs == {"preset": "llamacpp", "weights": "gguf", "gguf_file": str(f16.resolve())}
     assert audit.verdict == "identical"

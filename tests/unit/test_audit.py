@@ -152,11 +152,12 @@ def test_regime_auto_on_a_float_file_is_a_regime_the_reimplementation_runs(kquan
     """What once answered "bad value 'f16' for knob 'weights'": the file's own float matrices, whose
     kernels (tinyBLAS, ggml_vec_dot_f16/bf16/f32) are emulated: no caveat names their type."""
     import tracer
+    from tracer.engines.registry import parse_engine
     from tracer.files.sources import ModelSource
     from tracer.pipeline.regime_view import resolve as resolve_regime
 
     model, files = kquant
-    knobs, caveats, audit = resolve_regime("auto", f"llamacpp:{files[ftype]}", {}, ModelSource(model))
+    knobs, caveats, audit = resolve_regime("auto", parse_engine(f"llamacpp:{files[ftype]}"), {}, ModelSource(model))
     assert knobs == {"preset": "llamacpp", "weights": "gguf", "gguf_file": str(files[ftype].resolve())}
     assert audit.verdict == "identical"
     assert not any(caveat.startswith(f"{ftype} weights") for caveat in caveats)

@@ -123,14 +123,15 @@ def test_candles_regime_reproduces_quantized_llama_rs_bit_for_bit(quantized):
 
 
 def test_regime_auto_picks_candles_arithmetic_for_a_gguf_and_none_for_f32(quantized):
+    from tracer.engines.registry import parse_engine
     from tracer.pipeline.regime_view import resolve
 
     _, gguf_file, converted = quantized
     source = ModelSource(converted)
-    knobs, caveats, audit = resolve("auto", f"candle:{gguf_file}", {}, source)
+    knobs, caveats, audit = resolve("auto", parse_engine(f"candle:{gguf_file}"), {}, source)
     assert (knobs, caveats, audit.verdict) == ({"preset": "candle-q", "weights": "gguf"}, [], "identical")
     with pytest.raises(TracerError, match="runs f32 and implies no number-format regime"):
-        resolve("auto", "candle", {}, source)
+        resolve("auto", parse_engine("candle"), {}, source)
 
 
 def test_other_families_are_refused_in_one_line_before_loading(candle, tmp_path):

@@ -149,10 +149,11 @@ def test_quantized_llama_rs_on_k_quants_is_candles_regime_at_every_point(q3_k_m,
 
 @pytest.mark.slow
 def test_regime_auto_on_k_quants_has_no_caveat(q3_k_m):
+    from tracer.engines.registry import parse_engine
     from tracer.pipeline.regime_view import resolve
 
     gguf_file, converted = q3_k_m
-    knobs, caveats, audit = resolve("auto", f"candle:{gguf_file}", {}, ModelSource(converted))
+    knobs, caveats, audit = resolve("auto", parse_engine(f"candle:{gguf_file}"), {}, ModelSource(converted))
     assert (knobs, caveats, audit.verdict) == (CANDLE_Q, [], "identical")
 
 

@@ -13,6 +13,7 @@ from tests.conftest import TOKENS
 from tests.ggml_gguf import quantized_models
 from tracer.cli import main
 from tracer.core.errors import TracerError
+from tracer.engines.registry import parse_engine
 from tracer.files.sources import ModelSource
 from tracer.pipeline.regime_view import resolve as resolve_regime
 from tracer.reports.markdown import markdown_summary
@@ -61,7 +62,7 @@ def test_a_bug_still_stands_out_in_the_regime(tiny_llama):
 
 
 def test_a_reimpl_candidate_in_a_regime_implies_that_regime_without_its_mistakes(tiny_llama):
-    knobs, caveats, audit = resolve_regime("auto", "reimpl", {"weights": "q8_0", "act_quant": "q8_0",
+    knobs, caveats, audit = resolve_regime("auto", parse_engine("reimpl"), {"weights": "q8_0", "act_quant": "q8_0",
                                                                "theta": 500000.0}, tiny_llama())
     assert knobs == {"weights": "q8_0", "act_quant": "q8_0"} and caveats == [] and audit is None
 
@@ -99,7 +100,7 @@ def test_a_gguf_the_directory_was_not_converted_from_lends_the_regime_its_own_te
     model came from; the file is named, and audited against the directory's weights first."""
     pytest.importorskip("llama_cpp")
     model, gguf, _ = quantized
-    knobs, caveats, audit = resolve_regime("auto", f"llamacpp:{gguf}", {}, ModelSource(model))
+    knobs, caveats, audit = resolve_regime("auto", parse_engine(f"llamacpp:{gguf}"), {}, ModelSource(model))
     assert knobs == {"preset": "llamacpp", "weights": "gguf", "gguf_file": str(gguf.resolve())}
     assert audit.file == str(gguf.resolve()) and audit.verdict in ("identical", "legitimate")
     assert audit.damaged == ()

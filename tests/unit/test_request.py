@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from tracer.arguments import build_parser, command_line
 from tracer.core.errors import TracerError
-from tracer.pipeline.request import Inputs, Outputs, Placement, regime_knobs
+from tracer.engines.registry import parse_engine
+from tracer.pipeline.request import Inputs, Outputs, Placement, Side, regime_knobs, request_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -243,3 +244,29 @@ def test_a_gpu_cap_for_a_gpu_that_is_not_here_is_one_line_before_accelerate(tiny
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"tracer: error: --max-memory {gpu}=...: there is no GPU {gpu} here "
                                  f"(torch sees {gpu} CUDA GPUs)"]
+
+
+def test_an_engine_argument_is_parsed_once_into_a_value_that_says_its_regime():
+    llamacpp = parse_engine("llamacpp")
+    assert (llamacpp.name, llamacpp.argument, llamacpp.regime) == ("llamacpp", None, "ggml")
+    assert parse_engine(llamacpp) is llamacpp  # a parsed value passes through, never parsed again
+    assert parse_engine("candle").regime is None  # llama.rs on the model directory: f32
+    assert parse_engine("candle:model.gguf").regime == "candle"  # quantized_llama.rs on the file
+    assert [parse_engine(name).regime for name in ("hf", "reimpl", "mlx", "onnx")] == [None] * 4
+    assert str(parse_engine("file:trace.safetensors")) == "file:trace.safetensors"
+
+
+def test_a_side_is_its_engine_and_its_knobs_checked_once():
+    side = Side.of("reimpl", "theta=10000")
+    assert (side.engine.name, side.variant) == ("reimpl", {"theta": 10000.0})
+    with pytest.raises(TracerError, match="knob 'rope' is not honoured by the hf engine"):
+        Side.of("hf", "rope=interleaved")
+    with pytest.raises(TracerError, match="is a saved trace; knobs"):
+        Side.of("file:trace.safetensors", "theta=10000")
+
+
+def test_the_api_keywords_of_the_input_and_placement_build_them_once():
+    inputs, placement = request_of("run", None, "hello", {"tokens": [1, 2], "device": "cpu", "position_offset": 3})
+    assert (inputs.tokens, inputs.position_offset, placement.device) == ((1, 2), 3, "cpu")
+    with pytest.raises(TypeError, match=r"run\(\) got an unexpected keyword argument 'devices'"):
+        request_of("run", None, "hello", {"devices": "cpu"})

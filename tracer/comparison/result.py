@@ -15,6 +15,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from tracer.comparison.renderers import render
+from tracer.core import __version__
+
 DEFAULT_REL_L2 = 1e-4
 # On SmolLM2 the f32-vs-f64 noise bounds eager-vs-sdpa at every point (ratio at most 0.98).
 NOISE_FACTOR = 10.0
@@ -366,8 +369,6 @@ class Result:
         return [p for p in self.points if not p.recorded]
 
     def to_dict(self) -> dict:
-        from tracer import __version__
-
         return json_safe({
             "tracer_version": __version__,
             "verdict": self.verdict, "model": self.model, "prompt": self.prompt, "tokens": self.tokens,
@@ -395,15 +396,11 @@ class Result:
     def plot(self, kind: str = "curve"):
         """A matplotlib Figure: "curve" (per-layer error), "heatmap" (layer × sub-point) or
         "breakdown" (the first divergence per position and head). Shown inline in Jupyter."""
-        from tracer.reports import plot
-
-        return plot(self, kind)
+        return render("plot", self, kind)
 
     def _repr_html_(self) -> str:
         """Jupyter's view: verdict, first divergence, curve, the diverging block (scoped CSS)."""
-        from tracer.reports import result_html
-
-        return result_html(self)
+        return render("result_html", self)
 
 
 @dataclass(frozen=True)
@@ -468,8 +465,6 @@ class Sweep:
         raise KeyError(variant)
 
     def to_dict(self) -> dict:
-        from tracer import __version__
-
         return json_safe({
             "tracer_version": __version__, "kind": "sweep", "model": self.model, "prompt": self.prompt,
             "tokens": self.tokens, "chat": self.chat, "reference": self.reference, "candidate": self.candidate,
@@ -486,20 +481,14 @@ class Sweep:
 
     def table(self):
         """One row per variant: verdict, first divergence, logits max|diff|, greedy agreement."""
-        from tracer.reports import sweep_frame
-
-        return sweep_frame(self.to_dict())
+        return render("sweep_frame", self.to_dict())
 
     def plot(self):
         """Every variant's per-layer error curve overlaid, as a matplotlib figure."""
-        from tracer.reports import sweep_figure
-
-        return sweep_figure(self)
+        return render("sweep_figure", self)
 
     def _repr_html_(self) -> str:
-        from tracer.reports import sweep_html
-
-        return sweep_html(self)
+        return render("sweep_html", self)
 
 
 @dataclass(frozen=True)

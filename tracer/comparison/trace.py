@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tracer.comparison.renderers import render
 from tracer.core.errors import TracerError, one_line
 from tracer.model.knobs import side_label
 from tracer.model.points import is_causal
@@ -173,9 +174,7 @@ class Trace:
 
     def _repr_html_(self) -> str:
         """Jupyter's view: engine, variant, tokens, and the points folded over layers."""
-        from tracer.reports import trace_html
-
-        return trace_html(self)
+        return render("trace_html", self)
 
     @property
     def points(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""What every engine is and shares: the `Engine` protocol, trace metadata, device checks.
+"""What every engine is and shares: the `Engine` protocol, `EngineBase` (what every engine class
+inherits), trace metadata, device checks.
 
 An engine is built by its module's `load(source, variant, *, argument, device, stream)` (see
 `tracer.engines.load`; `source` is a `tracer.files.sources.ModelSource`) and answers to the protocol
@@ -10,14 +11,15 @@ from __future__ import annotations
 
 import platform
 from importlib import metadata
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from tracer.comparison.trace import Trace, TraceMeta
 from tracer.core.errors import TracerError
+from tracer.core.lazy import torch  # the isolated engines' handle imports this module; its child starts torch-free
 from tracer.engines.registry import EngineEntry
 from tracer.model.points import layer_point
+
+if TYPE_CHECKING:
+    from tracer.comparison.trace import Trace, TraceMeta
 
 DEVICES = ("cpu", "cuda", "mps")
 
@@ -57,6 +59,40 @@ class Engine(Protocol):
         """Its points with every op fed the reference's values of its inputs."""
 
 
+class EngineBase:
+    """What every engine class shares. A subclass names its registry entry (`entry = ENGINES[...]`; an
+    instance may carry its own) and states only what differs: `record`, its model's sizes where it
+    knows them (`vocab_size`, `max_positions`, set when it loads), its `device` where not the CPU,
+    `logits` where its entry says it can, and the methods its entry declares (`draft`, `local_trace`)."""
+
+    entry: EngineEntry
+    variant: dict  # the knobs it runs with
+    label: str = ""  # the model it runs, as its traces name it (a directory, a GGUF file)
+    device: torch.device | str = "cpu"
+    vocab_size: int | None = None  # None: unknown
+    max_positions: int | None = None
+
+    @property
+    def name(self) -> str:
+        """The registry name ("hf", "reimpl", ...)."""
+        return self.entry.name
+
+    def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """None: no unrecorded forward (`entry.logits` is False)."""
+        return None
+
+    def first_position(self, tokens: list[int], positions: torch.Tensor | None) -> int | None:
+        """The first of `positions` (None for 0..T-1), what its trace's `position_offset` says; an
+        engine whose entry takes no positions refuses any in one line."""
+        if positions is not None and not self.entry.positions:
+            raise TracerError(f"the {self.name} engine runs its tokens from position 0; it takes no positions")
+        return position_offset(positions, len(tokens))
+
+    def meta(self, tokens: list[int], dtype: torch.dtype | str, not_recorded: dict, **facts) -> TraceMeta:
+        """Its trace's metadata (`trace_meta`) for a forward over `tokens`."""
+        return trace_meta(self, self.label, tokens, dtype, not_recorded, **facts)
+
+
 def environment() -> dict:
     versions = {"python": platform.python_version(), "platform": platform.platform()}
     for package in ("torch", "transformers", "safetensors"):
@@ -89,6 +125,8 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
                **facts) -> TraceMeta:
     """The metadata every engine writes into its traces, plus its own `facts` (`TraceMeta`'s fields:
     `num_layers`, `family`, `runtime` for a non-PyTorch runtime, ...)."""
+    from tracer.comparison.trace import TraceMeta
+
     return TraceMeta(engine=engine.name, variant=dict(engine.variant), model=model, tokens=list(tokens),
                      dtype=str(dtype).removeprefix("torch."), device=str(engine.device), versions=environment(),
                      not_recorded=not_recorded, **facts)

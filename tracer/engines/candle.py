@@ -43,7 +43,7 @@ import torch
 from tracer.comparison.layouts import from_interleaved
 from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 from tracer.core.errors import TracerError
-from tracer.engines.base import trace_meta
+from tracer.engines.base import EngineBase
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource, check_gguf_header
 from tracer.ggml.candle import candle_inv_freq, rope_angles
@@ -421,21 +421,20 @@ def candle_errors():
         raise TracerError(f"candle refused: {said.group(1) if said else text.split(', backtrace')[0]}") from None
 
 
-class CandleEngine:
+class CandleEngine(EngineBase):
     entry = ENGINES["candle"]
-    name = entry.name
-    device = "cpu"
 
     def __init__(self, label: str, variant: dict, shape: Shape, forward: Forward, facts: dict, gguf: bool):
         self.label, self.variant, self.shape, self.forward, self.facts = label, dict(variant), shape, forward, facts
         self.gguf = gguf
         self.vocab_size, self.max_positions, self.num_layers = shape.vocab_size, shape.max_positions, shape.num_layers
 
-    def record(self, tokens: list[int], recorder=None) -> Trace:
+    def record(self, tokens: list[int], recorder=None, *, positions=None) -> Trace:
         """Every point of one forward. candle's tensors leave candle through its own safetensors
         writer, one file per block as soon as the block is done (a point-by-point copy through
         Python lists costs more than the forward; holding every point until the end keeps candle
         from reusing its memory), and are read back into the recorder in order."""
+        self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
         recorder = recorder if recorder is not None else TraceRecorder()
         with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
             files: list[tuple[str, list[str]]] = []
@@ -499,8 +498,8 @@ class CandleEngine:
             k_quants = [t for t in facts["gguf_types"] if t.lower().endswith("k")]
             if k_quants:
                 notes.append(K_QUANT_CAVEAT.format(types=", ".join(k_quants)))
-        return trace_meta(
-            self, self.label, tokens, "float32", {}, num_layers=self.num_layers, runtime=runtime(),
+        return self.meta(
+            tokens, "float32", {}, num_layers=self.num_layers, runtime=runtime(),
             candle={"forward": "quantized_llama.rs" if self.gguf else "llama.rs", "composed": COMPOSED,
                     "rope_theta": facts["rope_theta"], "rms_norm_eps": facts["rms_norm_eps"],
                     "threads": self.forward.candle.utils.get_num_threads(),

@@ -7,31 +7,27 @@ from pathlib import Path
 
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
+from tracer.engines.base import EngineBase
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 
 
-class FileEngine:
+class FileEngine(EngineBase):
     entry = ENGINES["file"]
-    name = entry.name
-    device = "cpu"
-    vocab_size = max_positions = None
 
     def __init__(self, trace: Trace, path: str | Path | None = None):
         self.trace, self.path = trace, path
         self.variant = self.trace.variant
 
-    def record(self, tokens: list[int], recorder=None) -> Trace:
+    def record(self, tokens: list[int], recorder=None, *, positions=None) -> Trace:
         """The saved trace itself (it is already on disk or in memory; `recorder` has nothing to do)."""
+        self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
         recorded = self.trace.tokens
         if recorded is not None and tokens and list(recorded) != list(tokens):
             if self.path is None:  # two traces compared as they are
                 raise TracerError(f"the traces were recorded on different token ids: {list(tokens)} vs {recorded}")
             raise TracerError(f"trace {self.path} was recorded on tokens {recorded}, not {list(tokens)}")
         return self.trace
-
-    def logits(self, tokens: list[int]) -> None:
-        return None
 
 
 def load(source: ModelSource, variant: dict, *, argument: str | None = None, device="cpu",

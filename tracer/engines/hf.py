@@ -23,7 +23,7 @@ import torch
 from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
-from tracer.engines.base import per_layer, position_offset, trace_meta
+from tracer.engines.base import EngineBase, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.hooks.modules import recording_modules
@@ -38,12 +38,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _LAYER_NAME = re.compile(r"model\.layers\.\d+")
 
 
-class HFEngine:
+class HFEngine(EngineBase):
     entry = ENGINES["hf"]
-    name = entry.name
 
     def __init__(self, model, variant: dict, label: str):
         self.model, self.variant, self.label = model, variant, label
+        self.vocab_size, self.max_positions = model.config.vocab_size, model.config.max_position_embeddings
         self.layer_prefixes = [n for n, _ in model.named_modules() if _LAYER_NAME.fullmatch(n)]
         self.family = family_of(model.config.model_type).name
         self.model_points = model_points(getattr(model.config, "final_logit_softcapping", None) is not None,
@@ -55,20 +55,12 @@ class HFEngine:
         # move the inputs to each module's execution device, so they start on the CPU.
         return torch.device("cpu") if getattr(self.model, "hf_device_map", None) else self.model.device
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.model.config.max_position_embeddings
-
     def record(self, tokens: list[int], recorder=None, *, positions: torch.Tensor | None = None) -> Trace:
         """Every point of one forward at `positions` (transformers' `position_ids`; default 0..T-1);
         `recorder` (default in memory) may spill to disk instead."""
         from tracer.hooks.attention import recording_attention, unobservable_points
 
-        offset = position_offset(positions, len(tokens))
+        offset = self.first_position(tokens, positions)
         recorder = recorder if recorder is not None else TraceRecorder()
         names = {module: name for name, module in self.model.named_modules()}
         implementation = self.model.config._attn_implementation
@@ -78,10 +70,10 @@ class HFEngine:
             stack.enter_context(recording_attention(self.model, recorder, names))
             self.model(input_ids=self._ids(tokens), use_cache=False, **self._positions(positions))
         not_recorded = per_layer(len(self.layer_prefixes), unobservable_points(implementation))
-        meta = trace_meta(self, self.label, tokens, self.model.dtype, not_recorded,
-                          num_layers=len(self.layer_prefixes), attn_implementation=implementation,
-                          unused_tensors=getattr(self.model, "tracer_unused_tensors", []), family=self.family,
-                          position_offset=offset, placement=placement_text(self.model))
+        meta = self.meta(tokens, self.model.dtype, not_recorded, num_layers=len(self.layer_prefixes),
+                         attn_implementation=implementation,
+                         unused_tensors=getattr(self.model, "tracer_unused_tensors", []), family=self.family,
+                         position_offset=offset, placement=placement_text(self.model))
         return Trace(recorder.tensors, meta)
 
     @torch.inference_mode()

@@ -44,6 +44,7 @@ import weakref
 from pathlib import Path
 
 from tracer.core.errors import TracerError
+from tracer.engines.base import EngineBase
 from tracer.engines.registry import EngineEntry
 from tracer.files.sources import ModelSource
 
@@ -119,21 +120,20 @@ def _stop_idle() -> None:
         _stop(child.process)
 
 
-class IsolatedEngine:
-    """The parent's handle on an engine running in a child process; answers to the `Engine` protocol."""
+class IsolatedEngine(EngineBase):
+    """The parent's handle on an engine running in a child process (its `entry` the engine's own)."""
 
     def __init__(self, entry: EngineEntry, child: Child):
-        self.entry, self.name, self.child = entry, entry.name, child
+        self.entry, self.child = entry, child
         self.process, self.stderr = child.process, child.stderr
         self._finalizer = weakref.finalize(self, _release, child)
         self.death: str | None = None
         self.variant: dict = {}
-        self.device = "cpu"
-        self.vocab_size = self.max_positions = None
 
     # --- the Engine protocol ------------------------------------------------------------------
 
-    def record(self, tokens: list[int], recorder=None):
+    def record(self, tokens: list[int], recorder=None, *, positions=None):
+        self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
         from tracer.comparison.spill import DiskRecorder
         from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
 

@@ -49,7 +49,7 @@ import torch
 from tracer.comparison.layouts import from_interleaved, sub_point
 from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 from tracer.core.errors import TracerError
-from tracer.engines.base import trace_meta
+from tracer.engines.base import EngineBase
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
 from tracer.model.knobs import setting
@@ -377,10 +377,8 @@ def gguf_of(source: ModelSource, argument: str | None) -> Path:
                       f"pass llamacpp:PATH.gguf")
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(EngineBase):
     entry = ENGINES["llamacpp"]
-    name = entry.name
-    device = "cpu"
 
     def __init__(self, gguf: Path, variant: dict, outputs: str = "all", observe: bool = True):
         """`outputs`: "all" asks llama.cpp for the logits of every position (every point has all
@@ -391,6 +389,7 @@ class LlamaCppEngine:
 
         self.ggml, self.logs = runtime()
         self.gguf, self.variant, self.outputs, self.observe = Path(gguf), dict(variant), outputs, observe
+        self.label = str(self.gguf)
         params = llama_cpp.llama_model_default_params()
         self.logs.clear()
         model = llama_cpp.llama_model_load_from_file(str(self.gguf).encode(), params)
@@ -414,8 +413,9 @@ class LlamaCppEngine:
 
     # --- the protocol -----------------------------------------------------------------------
 
-    def record(self, tokens: list[int], recorder=None) -> Trace:
+    def record(self, tokens: list[int], recorder=None, *, positions=None) -> Trace:
         """Every point llama.cpp's graph shows on one forward over `tokens` (one micro-batch)."""
+        self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
         if not self.observe:
             raise TracerError("this llamacpp engine was made without an eval callback (observe=False): "
                               "it cannot record")
@@ -519,8 +519,8 @@ class LlamaCppEngine:
         not_recorded = self._not_recorded(recorded)
         sources = {point: {"name": name, "runtime": "ggml", "layout": None, "qk_order": "half"}
                    for point, name in self.graph.partial.items()}
-        return trace_meta(
-            self, str(self.gguf), tokens, "float32", not_recorded, num_layers=self.num_layers,
+        return self.meta(
+            tokens, "float32", not_recorded, num_layers=self.num_layers,
             runtime={"name": "llama.cpp", "version": f"{self.ggml.commit} (ggml {self.ggml.version})",
                      "package": f"llama-cpp-python {_distribution_version()}"},
             weights=self.description, flash_attn="on" if self.flash else "off", outputs=self.outputs,

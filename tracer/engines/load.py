@@ -9,18 +9,17 @@ import torch
 from tracer.core.errors import TracerError
 from tracer.engines.base import Engine, check_device
 from tracer.engines.offload import check_offload
-from tracer.engines.registry import check_engine, check_runtime, parse_engine
+from tracer.engines.registry import EngineRef, check_engine, check_runtime, parse_engine
 from tracer.files.sources import resolve_source
 
 
-def check_engine_name(name: str) -> None:
-    """Refuse an unknown engine, a missing argument or a missing runtime before any model loads."""
-    check_runtime(parse_engine(name)[0])
+def load_engine(engine: EngineRef | str, source, variant: dict, *, device: str | torch.device = "cpu",
+                stream: bool = False, offload=None) -> Engine:
+    """An engine -> an engine ready to record, its model on `device`.
 
-
-def load_engine(name: str, source, variant: dict, *, device: str | torch.device = "cpu", stream: bool = False,
-                offload=None) -> Engine:
-    """`hf`, `reimpl`, `file:PATH`, ... -> an engine ready to record, its model on `device`.
+    `engine`: an `EngineRef` whose `variant` is checked already (a `tracer.pipeline.request.Side`'s,
+    parsed at the run's edge, or knobs tracer runs its own model with); or an engine argument as a
+    user writes it ("hf", "llamacpp:F16.gguf"), parsed here, its runtime and knobs checked.
 
     `source`: a `tracer.files.sources.ModelSource`, or a model argument as `tracer.run` takes it (a path,
     a .gguf file, None, a loaded model), resolved here.
@@ -30,10 +29,12 @@ def load_engine(name: str, source, variant: dict, *, device: str | torch.device 
     `tracer.engines.offload.Offload`: accelerate places the model) is refused by engines that
     cannot take it.
     """
-    entry, argument = parse_engine(name)
-    check_runtime(entry)
-    check_engine(variant, entry.name)
-    check_offload(offload, name)
+    if isinstance(engine, str):
+        engine = parse_engine(engine)
+        check_runtime(engine.entry)
+        check_engine(variant, engine.entry)
+    entry, argument = engine.entry, engine.argument
+    check_offload(offload, engine)
     parsed = check_device(device)
     if parsed.type not in entry.devices:
         raise TracerError(f"the {entry.name} engine runs on {', '.join(entry.devices)}, not {device}")

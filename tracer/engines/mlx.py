@@ -33,7 +33,7 @@ import torch
 from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
-from tracer.engines.base import per_layer, trace_meta
+from tracer.engines.base import EngineBase, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.config import NON_FORWARD_KEYS, read_hf
@@ -60,9 +60,8 @@ def runtime() -> dict:
             "mlx_lm": importlib.metadata.version("mlx-lm")}
 
 
-class MLXEngine:
+class MLXEngine(EngineBase):
     entry = ENGINES["mlx"]
-    name = entry.name
 
     def __init__(self, model, config: dict, variant: dict, label: str, device: torch.device):
         import mlx.core as mx
@@ -73,17 +72,11 @@ class MLXEngine:
         self.stream = getattr(mx, DEVICES[device.type])
         self.num_layers = len(model.layers)
         self.dtype = setting(variant, "dtype")
+        self.vocab_size, self.max_positions = model.args.vocab_size, self.spec.max_position_embeddings
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.args.vocab_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.spec.max_position_embeddings
-
-    def record(self, tokens: list[int], recorder=None) -> Trace:
+    def record(self, tokens: list[int], recorder=None, *, positions=None) -> Trace:
         """Every point mlx-lm's forward exposes; `recorder` (default in memory) may spill to disk."""
+        self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
         import mlx.core as mx
 
         recorder = recorder if recorder is not None else TraceRecorder()
@@ -98,9 +91,8 @@ class MLXEngine:
             name, array = recorded.popleft()
             recorder(name, to_torch(array))
         not_recorded = per_layer(self.num_layers, UNOBSERVABLE)
-        meta = trace_meta(self, self.label, tokens, TORCH_DTYPES[self.dtype], not_recorded,
-                          num_layers=self.num_layers, runtime=runtime(),
-                          unused_config_keys=unread_config_keys(self.config, type(self.model.args)))
+        meta = self.meta(tokens, TORCH_DTYPES[self.dtype], not_recorded, num_layers=self.num_layers,
+                         runtime=runtime(), unused_config_keys=unread_config_keys(self.config, type(self.model.args)))
         return Trace(recorder.tensors, meta)
 
     def logits(self, tokens: list[int]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from tracer.core.errors import TracerError
-from tracer.engines.registry import ENGINES, parse_engine
+from tracer.engines.registry import EngineRef, registered
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
 
@@ -48,16 +48,16 @@ def parse_max_memory(text: str | dict | None) -> dict | None:
     return caps
 
 
-def offload_for(engine: str, offload: Offload | None) -> Offload | None:
+def offload_for(engine: EngineRef, offload: Offload | None) -> Offload | None:
     """The placement a side gets: `offload` where its engine can take it, else None."""
-    return offload if offload is not None and parse_engine(engine)[0].offload else None
+    return offload if offload is not None and engine.entry.offload else None
 
 
-def check_offload(offload: Offload | None, *engines: str) -> None:
+def check_offload(offload: Offload | None, *engines: EngineRef) -> None:
     """Offloading asked for sides none of which can take it is said, not ignored."""
-    if offload is not None and not any(parse_engine(name)[0].offload for name in engines):
-        able = ", ".join(entry.name for entry in ENGINES.values() if entry.offload)
-        names = list(dict.fromkeys(parse_engine(name)[0].name for name in engines))  # each engine named once
+    if offload is not None and not any(engine.entry.offload for engine in engines):
+        able = ", ".join(entry.name for entry in registered().values() if entry.offload)
+        names = list(dict.fromkeys(engine.name for engine in engines))  # each engine named once
         raise TracerError(f"--offload/--max-memory: the {' and '.join(names)} engine"
                           f"{'s load their' if len(names) > 1 else ' loads its'} model whole; engines that "
                           f"offload (accelerate): {able}")

@@ -55,7 +55,7 @@ import torch
 from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.progress import detail
-from tracer.engines.base import trace_meta
+from tracer.engines.base import EngineBase
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.knobs import setting
@@ -77,9 +77,8 @@ def runtime() -> dict:
             **{dist: importlib.metadata.version(dist) for dist in ("onnx", "onnxscript")}}
 
 
-class ONNXEngine:
+class ONNXEngine(EngineBase):
     entry = ENGINES["onnx"]
-    name = entry.name
     device = torch.device("cpu")
 
     def __init__(self, export_dir: Path, variant: dict, label: str, spec):
@@ -89,23 +88,17 @@ class ONNXEngine:
         self.session = self._session(MODEL_FILE)
         self.points = [output.name for output in self.session.get_outputs()]
         self._plain = None  # made on first use: a second session holds a second copy of the weights
+        self.vocab_size, self.max_positions = spec.vocab_size, spec.max_position_embeddings
 
-    @property
-    def vocab_size(self) -> int:
-        return self.spec.vocab_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.spec.max_position_embeddings
-
-    def record(self, tokens: list[int], recorder=None) -> Trace:
+    def record(self, tokens: list[int], recorder=None, *, positions=None) -> Trace:
         """Every point, from one ORT run of the export whose outputs are the points."""
+        self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
         recorder = recorder if recorder is not None else TraceRecorder()
         outputs = self.session.run(self.points, self._feed(tokens))
         for name, array in zip(self.points, outputs):
             recorder(name, torch.from_numpy(array))  # numpy arrays on ORT's own buffers: no copy
-        meta = trace_meta(self, self.label, tokens, self.manifest["dtype"], {}, num_layers=self.manifest["num_layers"],
-                          runtime=runtime(), ort_opt=self.level, export=str(self.export_dir))
+        meta = self.meta(tokens, self.manifest["dtype"], {}, num_layers=self.manifest["num_layers"], runtime=runtime(),
+                         ort_opt=self.level, export=str(self.export_dir))
         return Trace(recorder.tensors, meta)
 
     def logits(self, tokens: list[int]) -> torch.Tensor:

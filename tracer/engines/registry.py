@@ -1,8 +1,13 @@
 """Every engine as data: its capabilities, declared once, read by the pipeline, `tracer engines`
 and `tracer variants`. No torch here (both commands start in well under a second).
 
-An engine name may carry an argument after a colon: `file:PATH` (a saved trace),
-`llamacpp:PATH.gguf` (another GGUF file than the model's own).
+An engine is registered (`register(entry)`): the built-ins below, and any other package's
+through the entry-point group `tracer.engines` (the entry point's name is the engine's name; loading
+it registers its entry: the object it names is an `EngineEntry`, or a module that registers one).
+
+An engine argument may carry an argument after a colon: `file:PATH` (a saved trace),
+`llamacpp:PATH.gguf` (another GGUF file than the model's own). It is parsed once, at the edge of a
+run (`parse_engine`), into an `EngineRef` that everything downstream takes.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
+from types import ModuleType
 
 from tracer.core.errors import TracerError, did_you_mean
 from tracer.model.knobs import KNOBS
@@ -58,6 +64,11 @@ class EngineEntry:
             holds each to `match`); None: every family. Any other family is refused before loading.
         positions: it takes explicit absolute positions (`record(tokens, recorder, positions=...)`,
             `--position-offset`); the others start at 0 and refuse another start in one line.
+        regime: the number-format regime it computes in on a GGUF (`--regime auto`, `--by-layer`): "ggml"
+            (llama.cpp's CPU arithmetic for the file's tensor types), "candle" (candle's); None: it
+            implies none beyond its knobs (a dtype).
+        regime_with_argument: it computes in `regime` only on the file named after the colon (candle:
+            quantized_llama.rs on candle:PATH.gguf; on the model directory llama.rs runs f32).
     """
 
     name: str
@@ -83,6 +94,8 @@ class EngineEntry:
     isolated: bool = False
     families: tuple[str, ...] | None = None
     positions: bool = False
+    regime: str | None = None
+    regime_with_argument: bool = False
 
     def honours(self, knob: str) -> bool:
         return knob in self.knobs or (knob in KNOBS and KNOBS[knob].kind in self.kinds)
@@ -131,92 +144,171 @@ class EngineEntry:
         return versions
 
 
-ENGINES: dict[str, EngineEntry] = {
-    entry.name: entry
-    for entry in (
-        EngineEntry(
-            "hf", "tracer.engines.hf",
-            "transformers' own model, observed through forward hooks and a registered attention function",
-            kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
-            noise_floor=True, offload=True, positions=True,
-            requires=(("transformers", "transformers"),),
-        ),
-        EngineEntry(
-            "reimpl", "tracer.engines.reimpl",
-            "tracer's own forward of every family in plain torch (tracer/reimpl/), every knob as a step",
-            kinds=("config", "semantic", "regime"), fused_attention="attn=sdpa, or flash_attn with ops=ggml",
-            local_errors=True, positions=True,
-            devices=("cpu", "cuda", "mps"), stream=True, noise_floor=True,
-        ),
-        EngineEntry(
-            "file", "tracer.engines.file",
-            "a trace saved earlier: tracer's own, or a dump from another runtime (docs/trace-format.md)",
-            logits=False, argument="PATH", argument_required=True,
-        ),
-        EngineEntry(
-            "mlx", "tracer.engines.mlx",
-            "Apple MLX through mlx-lm on the model directory, its modules' calls recorded (CPU; Metal as mps)",
-            knobs=("dtype",), fused_attention="always", devices=("cpu", "mps"),
-            extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
-            # mlx-lm's other families differ from transformers' on their own configs (Gemma's embedding
-            # scale taken after its call, windows, fused Phi-3 projections): not traced point for point yet.
-            families=("llama", "qwen3"),
-        ),
-        EngineEntry(
-            "onnx", "tracer.engines.onnx",
-            "ONNX Runtime on tracer's cached dynamo export of the model, every point a named graph output",
-            knobs=("dtype", "ort_opt"),
-            extra="onnx", requires=(("onnxruntime", "onnxruntime"), ("onnx", "onnx"), ("onnxscript", "onnxscript")),
-        ),
-        EngineEntry(
-            "llamacpp", "tracer.engines.llamacpp",
-            "llama.cpp (llama-cpp-python) running the model's GGUF, its graph observed through the eval callback",
-            # Its own switches: rope_freq_base, the KV cache type, flash attention, threads.
-            knobs=("theta", "kv_cache", "flash_attn", "threads"),
-            fused_attention="flash_attn=on, or auto where the backend has it",
-            draft=True, greedy="cached", argument="PATH", extra="llamacpp",
-            # no wheel on the index: pip compiles llama.cpp, without AMX (docs/engine-llamacpp.md: in a VM that
-            # does not hand AMX's tile state over, an AMX build dies with a general-protection fault); no pip
-            # cache, which may hold a wheel built with AMX
-            install_env='CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" ',
-            install_note="compiles llama.cpp without AMX, about 5 minutes on 2 cores",
-            requires=(("llama_cpp", "llama-cpp-python"),), isolated=True,
-            # Qwen2's sliding window (llama.cpp ignores it) and Qwen3's q/k norms (nodes not mapped onto
-            # points yet) keep the other families out until their cells match (tests/unit/test_matrix.py).
-            families=("llama",),
-        ),
-        EngineEntry(
-            "candle", "tracer.engines.candle",
-            "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's Llama: llama.rs on the "
-            "model directory, quantized_llama.rs on candle:PATH.gguf; rms_norm (norms), rope/rope_i (q_rope, "
-            "k_rope) and softmax_last_dim (probs) composed from 0.4.2's ops",
-            # candle's config reader and the notes' porting mistakes, in its own forward
-            knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask", "threads"),
-            argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True,
-            families=("llama",),
-        ),
-    )
-}
+ENGINES: dict[str, EngineEntry] = {}  # name -> entry, in the order registered
+ENTRY_POINTS = "tracer.engines"  # the entry-point group another package declares its engines in
 
 
-def parse_engine(name: str) -> tuple[EngineEntry, str | None]:
-    """`"file:trace.safetensors"` -> (the file entry, "trace.safetensors"); an unknown name or a
-    missing or unexpected argument is the user's error, said before anything loads."""
-    if not isinstance(name, str):
-        raise TracerError(f"an engine is named by a string, got {name!r}")
-    base, colon, argument = name.partition(":")
-    entry = ENGINES.get(base)
+def register(entry: EngineEntry) -> EngineEntry:
+    """Add an engine (built-ins and other packages' alike); registering the same entry again is a no-op."""
+    known = ENGINES.get(entry.name)
+    if known is not None and known != entry:
+        raise TracerError(f"two engines are named {entry.name!r}: {known.module} and {entry.module}")
+    ENGINES[entry.name] = entry
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Remove an engine a test or a notebook registered (a later look-up may find it again by its entry point)."""
+    ENGINES.pop(name, None)
+
+
+def registered() -> dict[str, EngineEntry]:
+    """Every engine: the built-ins, then those installed packages declare (`ENTRY_POINTS`)."""
+    for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        if point.name not in ENGINES:
+            load_entry_point(point)
+    return ENGINES
+
+
+def load_entry_point(point: importlib.metadata.EntryPoint) -> None:
+    """Import what an entry point names: an `EngineEntry` is registered, a module registers its own."""
+    try:
+        loaded = point.load()
+    except Exception as exc:  # another package's import: its failure is said, naming the entry point
+        raise TracerError(f"the engine {point.name!r} ({point.value}, entry point of {ENTRY_POINTS}) "
+                          f"failed to load: {type(exc).__name__}: {exc}") from exc
+    if isinstance(loaded, EngineEntry):
+        register(loaded)
+    elif not isinstance(loaded, ModuleType) or point.name not in ENGINES:
+        raise TracerError(f"the entry point {point.name} = {point.value} ({ENTRY_POINTS}) names neither an "
+                          f"EngineEntry nor a module that registers an engine named {point.name!r}")
+
+
+def find_entry(name: str) -> EngineEntry | None:
+    """The engine named `name`: a registered one, else one an installed package declares."""
+    if name not in ENGINES:
+        for point in importlib.metadata.entry_points(group=ENTRY_POINTS, name=name):
+            load_entry_point(point)
+    return ENGINES.get(name)
+
+
+BUILTINS = (
+    EngineEntry(
+        "hf", "tracer.engines.hf",
+        "transformers' own model, observed through forward hooks and a registered attention function",
+        kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
+        noise_floor=True, offload=True, positions=True,
+        requires=(("transformers", "transformers"),),
+    ),
+    EngineEntry(
+        "reimpl", "tracer.engines.reimpl",
+        "tracer's own forward of every family in plain torch (tracer/reimpl/), every knob as a step",
+        kinds=("config", "semantic", "regime"), fused_attention="attn=sdpa, or flash_attn with ops=ggml",
+        local_errors=True, positions=True,
+        devices=("cpu", "cuda", "mps"), stream=True, noise_floor=True,
+    ),
+    EngineEntry(
+        "file", "tracer.engines.file",
+        "a trace saved earlier: tracer's own, or a dump from another runtime (docs/trace-format.md)",
+        logits=False, argument="PATH", argument_required=True,
+    ),
+    EngineEntry(
+        "mlx", "tracer.engines.mlx",
+        "Apple MLX through mlx-lm on the model directory, its modules' calls recorded (CPU; Metal as mps)",
+        knobs=("dtype",), fused_attention="always", devices=("cpu", "mps"),
+        extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
+        # mlx-lm's other families differ from transformers' on their own configs (Gemma's embedding
+        # scale taken after its call, windows, fused Phi-3 projections): not traced point for point yet.
+        families=("llama", "qwen3"),
+    ),
+    EngineEntry(
+        "onnx", "tracer.engines.onnx",
+        "ONNX Runtime on tracer's cached dynamo export of the model, every point a named graph output",
+        knobs=("dtype", "ort_opt"),
+        extra="onnx", requires=(("onnxruntime", "onnxruntime"), ("onnx", "onnx"), ("onnxscript", "onnxscript")),
+    ),
+    EngineEntry(
+        "llamacpp", "tracer.engines.llamacpp",
+        "llama.cpp (llama-cpp-python) running the model's GGUF, its graph observed through the eval callback",
+        # Its own switches: rope_freq_base, the KV cache type, flash attention, threads.
+        knobs=("theta", "kv_cache", "flash_attn", "threads"),
+        fused_attention="flash_attn=on, or auto where the backend has it",
+        draft=True, greedy="cached", argument="PATH", extra="llamacpp",
+        # no wheel on the index: pip compiles llama.cpp, without AMX (docs/engine-llamacpp.md: in a VM that
+        # does not hand AMX's tile state over, an AMX build dies with a general-protection fault); no pip
+        # cache, which may hold a wheel built with AMX
+        install_env='CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" ',
+        install_note="compiles llama.cpp without AMX, about 5 minutes on 2 cores",
+        requires=(("llama_cpp", "llama-cpp-python"),), isolated=True, regime="ggml",
+        # Qwen2's sliding window (llama.cpp ignores it) and Qwen3's q/k norms (nodes not mapped onto
+        # points yet) keep the other families out until their cells match (tests/unit/test_matrix.py).
+        families=("llama",),
+    ),
+    EngineEntry(
+        "candle", "tracer.engines.candle",
+        "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's Llama: llama.rs on the "
+        "model directory, quantized_llama.rs on candle:PATH.gguf; rms_norm (norms), rope/rope_i (q_rope, "
+        "k_rope) and softmax_last_dim (probs) composed from 0.4.2's ops",
+        # candle's config reader and the notes' porting mistakes, in its own forward
+        knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask", "threads"),
+        argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True,
+        families=("llama",), regime="candle", regime_with_argument=True,
+    ),
+)
+for builtin in BUILTINS:
+    register(builtin)
+
+
+@dataclass(frozen=True)
+class EngineRef:
+    """An engine argument parsed once, at the edge of a run: its registry entry, what followed the
+    colon (`file:PATH`, `llamacpp:PATH.gguf`), and the text as the user gave it (`str()` gives it back)."""
+
+    entry: EngineEntry
+    argument: str | None = None
+    text: str = ""
+
+    @classmethod
+    def named(cls, name: str) -> EngineRef:
+        """A registered engine without an argument, as tracer itself runs one ("reimpl" for a noise floor)."""
+        return cls(ENGINES[name], None, name)
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def regime(self) -> str | None:
+        """The number-format regime this engine computes in on this argument (`EngineEntry.regime`)."""
+        if self.entry.regime_with_argument and not self.argument:
+            return None
+        return self.entry.regime
+
+    def __str__(self) -> str:
+        return self.text or self.name
+
+
+def parse_engine(engine: str | EngineRef) -> EngineRef:
+    """`"file:trace.safetensors"` -> the file entry with argument "trace.safetensors" (an `EngineRef`,
+    passed through as it is); an unknown name or a missing or unexpected argument is the user's error,
+    said before anything loads."""
+    if isinstance(engine, EngineRef):
+        return engine
+    if not isinstance(engine, str):
+        raise TracerError(f"an engine is named by a string, got {engine!r}")
+    base, colon, argument = engine.partition(":")
+    entry = find_entry(base)
     if entry is None:
-        raise TracerError(f"unknown engine {name!r}; engines: {', '.join(e.usage for e in ENGINES.values())}"
+        raise TracerError(f"unknown engine {engine!r}; engines: {', '.join(e.usage for e in registered().values())}"
                           + did_you_mean(base, ENGINES))
     if colon and entry.argument is None:
-        raise TracerError(f"the {base} engine takes no argument after ':' (got {name!r})")
+        raise TracerError(f"the {base} engine takes no argument after ':' (got {engine!r})")
     if colon and not argument:
-        raise TracerError(f"{name!r}: nothing after the colon; give the {base} engine a {entry.argument} "
+        raise TracerError(f"{engine!r}: nothing after the colon; give the {base} engine a {entry.argument} "
                           f"({base}:{entry.argument})" + ("" if entry.argument_required else " or drop the colon"))
     if entry.argument_required and not argument:
         raise TracerError(f"the {base} engine needs a {entry.argument}: {base}:{entry.argument}")
-    return entry, (argument or None)
+    return EngineRef(entry, argument or None, engine)
 
 
 def check_runtime(entry: EngineEntry) -> None:
@@ -229,14 +321,15 @@ def check_runtime(entry: EngineEntry) -> None:
 
 
 def engines_honouring(knob: str) -> tuple[str, ...]:
-    return tuple(name for name, entry in ENGINES.items() if entry.honours(knob))
+    return tuple(name for name, entry in registered().items() if entry.honours(knob))
 
 
-def check_engine(variant: dict, engine: str) -> None:
-    """Refuse knobs `engine` cannot honour, naming the engines that can."""
+def check_engine(variant: dict, engine: str | EngineEntry) -> None:
+    """Refuse knobs `engine` (a registered name, or its entry) cannot honour, naming the engines that can."""
+    entry = engine if isinstance(engine, EngineEntry) else ENGINES[engine]
     for name in variant:
-        if not ENGINES[engine].honours(name):
+        if not entry.honours(name):
             engines = ", ".join(engines_honouring(name))
             raise TracerError(
-                f"knob {name!r} is not honoured by the {engine} engine; engines that honour it: {engines}"
+                f"knob {name!r} is not honoured by the {entry.name} engine; engines that honour it: {engines}"
             )

@@ -8,35 +8,23 @@ from collections.abc import Mapping
 import torch
 
 from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
-from tracer.engines.base import check_device, per_layer, position_offset, trace_meta
+from tracer.engines.base import EngineBase, check_device, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.reimpl.forward import Model
 
 
-class ReimplEngine:
+class ReimplEngine(EngineBase):
     entry = ENGINES["reimpl"]
-    name = entry.name
 
     def __init__(self, model: Model, label: str):
-        self.model, self.label, self.variant = model, label, model.variant
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.spec.vocab_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.model.spec.max_position_embeddings
+        self.model, self.label, self.variant, self.device = model, label, model.variant, model.device
+        self.vocab_size, self.max_positions = model.spec.vocab_size, model.spec.max_position_embeddings
 
     def record(self, tokens: list[int], recorder=None, *, positions: torch.Tensor | None = None) -> Trace:
         """Every point of one forward at `positions` (default 0..T-1); `recorder` (default in memory)
         may spill to disk instead."""
-        offset = position_offset(positions, len(tokens))
+        offset = self.first_position(tokens, positions)
         recorder = recorder if recorder is not None else TraceRecorder()
         self.model.forward(torch.tensor(tokens), recorder, positions=positions)
         return Trace(recorder.tensors, self._meta(tokens, offset))
@@ -61,16 +49,17 @@ class ReimplEngine:
     def _meta(self, tokens: list[int], offset: int | None = None) -> TraceMeta:
         spec = self.model.spec
         not_recorded = per_layer(spec.num_hidden_layers, self.model.not_recorded())
-        return trace_meta(self, self.label, tokens, self.model.steps.dtype, not_recorded,
-                          num_layers=spec.num_hidden_layers, unused_config_keys=list(spec.unused_keys),
-                          unused_tensors=self.model.unused_tensors, family=spec.family, position_offset=offset)
+        return self.meta(tokens, self.model.steps.dtype, not_recorded, num_layers=spec.num_hidden_layers,
+                         unused_config_keys=list(spec.unused_keys), unused_tensors=self.model.unused_tensors,
+                         family=spec.family, position_offset=offset)
 
 
 def load(source: ModelSource, variant: dict, *, argument: str | None = None, device: str | torch.device = "cpu",
          stream: bool = False) -> ReimplEngine:
     """From a model directory, or an already loaded transformers model (its config and state dict
-    read our own way). `stream`: each block's weights read from the files when it runs."""
-    placement = {"device": check_device(device), "stream": stream}
+    read our own way). `stream`: each block's weights read from the files when it runs. `device` is
+    `load_engine`'s, already checked."""
+    placement = {"device": torch.device(device), "stream": stream}
     if source.loaded:
         model = Model.from_config(source.config(), dict(source.module.state_dict()), variant, **placement)
         return ReimplEngine(model, source.name)

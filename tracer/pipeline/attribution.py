@@ -42,10 +42,11 @@ import torch
 from tracer.comparison.perplexity import ExactKL, scored_rows, scored_slice
 from tracer.comparison.trace import Trace, TraceMeta
 from tracer.core.errors import TracerError
-from tracer.engines.registry import ENGINES, parse_engine
+from tracer.engines.registry import ENGINES, EngineRef, registered
 from tracer.files.sources import ModelSource
 from tracer.model.knobs import KNOBS, variant_text
 from tracer.model.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_of, layer_point
+from tracer.pipeline.regime_view import runtime_regime
 from tracer.reimpl.forced_runs import teacher_forced_points
 from tracer.reimpl.forward import Model
 
@@ -70,18 +71,19 @@ class Emulation:
         return (variant_text(self.knobs) or "no knobs") + weights
 
 
-def emulation(engine: str, variant: dict, source: ModelSource, *, role: str) -> Emulation:
+def emulation(engine: EngineRef, variant: dict, source: ModelSource, *, role: str) -> Emulation:
     """The reimplementation's stand-in for `engine` with `variant`. A candidate on a GGUF runtime
     (llamacpp, candle) runs in that runtime's regime on the file's own tensors; a reference on its
     file's tensors with transformers' ops (it is the yardstick; the floor says how close). Knobs the
     reimplementation does not honour (threads) are left out; an engine with no emulation is refused."""
-    entry, argument = parse_engine(engine)
+    entry, argument = engine.entry, engine.argument
     knobs = {k: v for k, v in variant.items() if REIMPL.honours(k)}
-    if entry.name in ("hf", "reimpl"):
+    if entry.noise_floor:  # tracer's own model measures it: the reimplementation is it
         return Emulation(knobs)
-    if entry.name not in ("llamacpp", "candle"):
+    if entry.regime is None:
+        able = ", ".join(e.name for e in registered().values() if e.noise_floor or e.regime)
         raise TracerError(f"--by-layer emulates each side with tracer's reimplementation; the {entry.name} engine "
-                          "has no emulation (use hf, reimpl, llamacpp or candle)")
+                          f"has no emulation (use {able})")
     from tracer.engines.llamacpp import gguf_of
     from tracer.ggml.strategies import GGUFWeights
 
@@ -89,19 +91,8 @@ def emulation(engine: str, variant: dict, source: ModelSource, *, role: str) -> 
     plain = {k: v for k, v in knobs.items() if KNOBS[k].kind != "regime"}  # theta, eps, ...
     if role == "reference":
         return Emulation({**plain, "weights": "gguf"}, path)
-    implied, caveats = runtime_regime(entry.name, GGUFWeights(path).types(), variant)
+    implied, caveats = runtime_regime(entry.regime, GGUFWeights(path).types(), variant)
     return Emulation({**implied, **plain}, path, tuple(caveats))
-
-
-def runtime_regime(runtime: str, types: dict[str, str], variant: dict) -> tuple[dict, list[str]]:
-    """The regime llama.cpp or candle computes in on a GGUF of these tensor types, and its caveats."""
-    if runtime == "llamacpp":
-        from tracer.ggml.strategies import implied_regime
-
-        return implied_regime(types, variant)
-    from tracer.ggml.candle import implied_regime
-
-    return implied_regime(types)
 
 
 def emulated_model(source: ModelSource, emulated: Emulation, weights, device) -> Model:

@@ -34,12 +34,12 @@ from tracer.comparison.perplexity import (
 from tracer.core.errors import TracerError
 from tracer.core.progress import detail, stage
 from tracer.engines.base import environment
-from tracer.engines.load import check_engine_name, load_engine
+from tracer.engines.load import load_engine
 from tracer.engines.offload import check_offload, offload_for
-from tracer.engines.registry import parse_engine
+from tracer.engines.registry import EngineRef
 from tracer.files.sources import ModelSource, resolve_source
-from tracer.model.knobs import parse_variant, side_label, variant_text
-from tracer.pipeline.request import DEFAULT_CTX, Inputs, Placement, check_engines, check_family_support, whole_number
+from tracer.model.knobs import side_label, variant_text
+from tracer.pipeline.request import DEFAULT_CTX, Inputs, Placement, Side, check_family_support, whole_number
 from tracer.pipeline.run import check_tokens
 
 
@@ -126,9 +126,9 @@ def text_tokens(source: ModelSource, inputs: Inputs) -> tuple[list[int], int | N
     return tokenize_plain(folder, inputs.prompt)
 
 
-def check_logits(engine: str) -> None:
+def check_logits(engine: EngineRef) -> None:
     """An engine that cannot run an unrecorded forward (a saved trace) is refused before loading."""
-    entry, _ = parse_engine(engine)
+    entry = engine.entry
     if not entry.logits:
         raise TracerError(f"the {entry.name} engine cannot give logits (a saved trace holds one forward); "
                           "quality needs an engine that runs the model")
@@ -150,37 +150,33 @@ def check_context(engine, ctx: int, role: str) -> None:
                           f"{engine.name})")
 
 
-def measure_quality(inputs: Inputs, placement: Placement = Placement(), *, reference: str = "hf",
-                    candidate: str = "reimpl", variant=None, reference_variant=None, ctx: int = DEFAULT_CTX,
-                    chunks: int | None = None, by_layer: bool = False, text_name: str | None = None,
-                    command: str | None = None) -> Quality:
-    """`tracer.quality` on the request's values (`tracer.pipeline.request`), as the CLI builds them; every
-    argument a user gives is checked before an engine loads."""
+def measure_quality(inputs: Inputs, placement: Placement, *, reference: Side, candidate: Side,
+                    ctx: int = DEFAULT_CTX, chunks: int | None = None, by_layer: bool = False,
+                    text_name: str | None = None, command: str | None = None) -> Quality:
+    """`tracer.quality` on the request's values (`tracer.pipeline.request`: each side's engine and knobs
+    parsed and checked), as the CLI and the API build them; the rest is checked before an engine loads."""
     started = time.perf_counter()
-    variant, reference_variant = parse_variant(variant), parse_variant(reference_variant)
-    check_engines(reference, candidate, variant, reference_variant)
-    for engine in (reference, candidate):
-        check_logits(engine)
-        check_engine_name(engine)
-    check_offload(placement.accelerate, reference, candidate)
+    for side in (reference, candidate):
+        check_logits(side.engine)
+    check_offload(placement.accelerate, reference.engine, candidate.engine)
     whole_number(ctx, "-c/--ctx", minimum=MIN_CTX)
     whole_number(chunks, "--chunks", minimum=1)
     if inputs.chat or inputs.max_tokens is not None:
         raise TracerError("quality reads a plain text: no chat template, no truncation")
     source = resolve_source(inputs.model, progress=False)
-    for engine in (reference, candidate):
-        check_family_support(engine, source)
+    for side in (reference, candidate):
+        check_family_support(side.engine, source)
     ids, bos = text_tokens(source, inputs)
     windows = chunk_tokens(ids, ctx, bos, chunks)
-    engines = {role: load_side(name, knobs, role, source, placement, windows, ctx)
-               for role, name, knobs in (("reference", reference, reference_variant),
-                                         ("candidate", candidate, variant))}
+    engines = {role: load_side(side, role, source, placement, windows, ctx)
+               for role, side in (("reference", reference), ("candidate", candidate))}
     attributor = None
     if by_layer:
         from tracer.pipeline.attribution import Attributor, emulation
 
-        attributor = Attributor(source, emulation(reference, reference_variant, source, role="reference"),
-                                emulation(candidate, variant, source, role="candidate"), placement.device)
+        attributor = Attributor(source, emulation(reference.engine, reference.variant, source, role="reference"),
+                                emulation(candidate.engine, candidate.variant, source, role="candidate"),
+                                placement.device)
     layers_s = attributor.seconds if attributor else 0.0
     timings = {"load_s": time.perf_counter() - started - layers_s}
     stage("chunks")
@@ -194,18 +190,18 @@ def measure_quality(inputs: Inputs, placement: Placement = Placement(), *, refer
         timings["layers_s"] = attributor.seconds
     timings["chunks_s"] = time.perf_counter() - started - (attributor.seconds - layers_s if attributor else 0.0)
     return Quality(
-        reference=_side(reference, reference_variant), candidate=_side(candidate, variant),
+        reference=_side(reference), candidate=_side(candidate),
         model=source.name, text=text_name, tokens=len(ids), bos=bos, ctx=ctx, chunks=len(windows),
         statistics=statistics, exact_kld=exact_mean, lines=tuple(lines), layers=layers, timings=timings,
         notes=tuple(_notes(len(ids), ctx, len(windows), statistics.count, bos, inputs)), command=command,
         environment=environment())
 
 
-def load_side(name: str, knobs: dict, role: str, source: ModelSource, placement: Placement,
-              windows: list[list[int]], ctx: int):
+def load_side(side: Side, role: str, source: ModelSource, placement: Placement, windows: list[list[int]],
+              ctx: int):
     """One side's engine, loaded and checked against the chunks (positions, vocabulary)."""
-    engine = load_engine(name, source, knobs, device=placement.device, stream=placement.stream,
-                         offload=offload_for(name, placement.accelerate))
+    engine = load_engine(side.engine, source, side.variant, device=placement.device, stream=placement.stream,
+                         offload=offload_for(side.engine, placement.accelerate))
     check_context(engine, ctx, role)
     for window in windows:
         check_tokens(window, engine)
@@ -229,8 +225,9 @@ def score_chunks(engines: dict, ids: list[int], windows: list[list[int]], ctx: i
     return TokenFigures.concatenate(figures), np.concatenate(exact), lines
 
 
-def _side(engine: str, knobs: dict) -> dict:
-    return {"engine": engine, "variant": variant_text(knobs), "label": side_label(engine, knobs)}
+def _side(side: Side) -> dict:
+    engine = str(side.engine)
+    return {"engine": engine, "variant": variant_text(side.variant), "label": side_label(engine, side.variant)}
 
 
 def _notes(tokens: int, ctx: int, chunks: int, scored: int, bos: int | None, inputs: Inputs) -> list[str]:

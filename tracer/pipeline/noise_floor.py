@@ -26,6 +26,7 @@ from tracer.comparison.diff import ErrorRecorder
 from tracer.comparison.trace import Trace
 from tracer.engines.base import at_positions
 from tracer.engines.load import load_engine
+from tracer.engines.registry import EngineRef
 from tracer.files.sources import ModelSource
 
 NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many first tokens
@@ -43,7 +44,8 @@ def estimate_noise(source: ModelSource, reference: Trace, reference_variant: dic
 
     if is_regime(expand_presets(reference_variant)):
         return regime_noise(source, reference, reference_variant, device)
-    engine = load_engine("reimpl", source, {**reference_variant, "dtype": "f64"}, device=device, stream=True)
+    engine = load_engine(EngineRef.named("reimpl"), source, {**reference_variant, "dtype": "f64"}, device=device,
+                         stream=True)
     errors = ErrorRecorder(reference)
     engine.record(reference.tokens, errors, **at_positions(reference.meta.position_offset or 0, len(reference.tokens)))
     return errors.rel_l2
@@ -67,7 +69,7 @@ def regime_noise(source: ModelSource, reference: Trace, variant: dict, device="c
         >>> regime_noise(model, ref, regime)["model.layers.0.mlp.down_proj"] < 1e-5  # measured 1e-7..6e-7
         True
     """
-    engine = load_engine("reimpl", source, {**variant, "accumulate": "f64"}, device=device)
+    engine = load_engine(EngineRef.named("reimpl"), source, {**variant, "accumulate": "f64"}, device=device)
     errors = ErrorRecorder(reference)
     engine.op_trace(reference, errors)
     return errors.rel_l2

@@ -32,10 +32,10 @@ from tracer.comparison.diff import rel_l2_by_point
 from tracer.comparison.result import RawView, RegimeView, Result, WeightAudit
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
-from tracer.engines.registry import check_engine, parse_engine
+from tracer.engines.registry import EngineRef, check_engine
 from tracer.files.sources import ModelSource
 from tracer.model.knobs import expand_presets, parse_variant, setting, variant_label, variant_text
-from tracer.pipeline.request import Inputs, Placement
+from tracer.pipeline.request import Inputs, Placement, Side
 from tracer.pipeline.run import compare_candidate, prepared_reference, timed
 
 # Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`): verified
@@ -56,7 +56,8 @@ EXACT_TOKENS_CANDLE = 512
 PER_OP_BOUNDS = {"f32": 1e-4, "bf16": 10 * 2.0**-9, "f16": 10 * 2.0**-12}
 
 
-def resolve(regime, candidate: str, variant: dict, source: ModelSource) -> tuple[dict, list[str], WeightAudit | None]:
+def resolve(regime, candidate: EngineRef, variant: dict,
+            source: ModelSource) -> tuple[dict, list[str], WeightAudit | None]:
     """The reimpl variant of the regime, its caveats and the audit of the GGUF it takes tensors from:
     `"auto"` asks the candidate's runtime and model file (`implied`); anything else is read as knobs,
     e.g. "weights=q4_1,act_quant=q8_1".
@@ -91,18 +92,21 @@ def audit_weights(knobs: dict, source: ModelSource) -> WeightAudit:
     return audit_gguf(path, reference)
 
 
-def implied(candidate: str, variant: dict, source: ModelSource) -> tuple[dict, list[str]]:
-    """The regime a candidate implies: llama.cpp's CPU arithmetic on its GGUF's tensor types; for
-    any engine run in a 16-bit dtype or with regime knobs of its own, those.
+def implied(candidate: EngineRef, variant: dict, source: ModelSource) -> tuple[dict, list[str]]:
+    """The regime a candidate implies: its runtime's arithmetic on its GGUF's tensor types (the
+    entry's `regime`: llama.cpp's, candle's on candle:PATH.gguf); for any engine run in a 16-bit dtype
+    or with regime knobs of its own, those.
 
     Raises:
         TracerError: the candidate runs f32 with no number format of its own (nothing to imply).
     """
-    entry, argument = parse_engine(candidate)
-    if entry.name == "llamacpp":
-        return llamacpp_regime(source, argument, variant)
-    if entry.name == "candle" and argument:  # quantized_llama.rs on a GGUF: candle's arithmetic
-        return candle_regime(source, argument)
+    entry = candidate.entry
+    if candidate.regime is not None:
+        from tracer.engines.llamacpp import gguf_of
+        from tracer.ggml.strategies import GGUFWeights
+
+        path = gguf_of(source, candidate.argument)
+        return file_weights(source, path, *runtime_regime(candidate.regime, GGUFWeights(path).types(), variant))
     formats = {knob: value for knob, value in variant.items() if knob in entry.emulated}
     dtype = setting(variant, "dtype")
     if dtype != "f32":
@@ -114,24 +118,19 @@ def implied(candidate: str, variant: dict, source: ModelSource) -> tuple[dict, l
                       "weights=q4_1,act_quant=q8_1")
 
 
-def llamacpp_regime(source: ModelSource, argument: str | None, variant: dict) -> tuple[dict, list[str]]:
-    """llama.cpp's CPU regime for the GGUF the candidate runs (`tracer.ggml.strategies.implied_regime`),
-    on that file's own tensors (`file_weights`)."""
-    from tracer.engines.llamacpp import gguf_of
-    from tracer.ggml.strategies import GGUFWeights, implied_regime
+def runtime_regime(regime: str, types: dict[str, str], variant: dict) -> tuple[dict, list[str]]:
+    """The knobs and caveats of a runtime's regime (`EngineEntry.regime`) on a GGUF of these tensor
+    types: "ggml", llama.cpp's CPU arithmetic (`tracer.ggml.strategies.implied_regime`); "candle",
+    candle's (`preset=candle-q`, `tracer.ggml.candle.implied_regime`)."""
+    if regime == "ggml":
+        from tracer.ggml.strategies import implied_regime
 
-    path = gguf_of(source, argument)
-    return file_weights(source, path, *implied_regime(GGUFWeights(path).types(), variant))
+        return implied_regime(types, variant)
+    if regime == "candle":
+        from tracer.ggml.candle import implied_regime
 
-
-def candle_regime(source: ModelSource, argument: str) -> tuple[dict, list[str]]:
-    """candle's CPU arithmetic (`preset=candle-q`, `tracer.ggml.candle`) for the GGUF it runs."""
-    from tracer.engines.llamacpp import gguf_of
-    from tracer.ggml.candle import implied_regime
-    from tracer.ggml.strategies import GGUFWeights
-
-    path = gguf_of(source, argument)
-    return file_weights(source, path, *implied_regime(GGUFWeights(path).types()))
+        return implied_regime(types)
+    raise ValueError(f"no regime {regime!r} (an engine entry's regime is ggml, candle or None)")
 
 
 def file_weights(source: ModelSource, path: Path, knobs: dict, caveats: list[str]) -> tuple[dict, list[str]]:
@@ -173,13 +172,13 @@ def regime_context(knobs: dict, caveats: list[str], raw: Result, cost: dict[str,
     )
 
 
-def check_regime_run(reference: str, candidate: str) -> None:
+def check_regime_run(reference: EngineRef, candidate: EngineRef) -> None:
     """The regime view replaces the reference by tracer's model in the regime: it needs a model the
     candidate runs, compared against the f32 reference of a runnable engine."""
-    if parse_engine(candidate)[0].argument_required:
+    if candidate.entry.argument_required:
         raise TracerError(f"--regime needs a candidate that runs the model; {candidate} is a saved trace "
                           "(compare it with --reference reimpl --reference-variant KNOBS)")
-    if parse_engine(reference)[0].argument_required:
+    if reference.entry.argument_required:
         raise TracerError(f"--regime compares against f32 {reference} as the raw view: it needs an engine that runs "
                           "the model, not a saved trace")
 
@@ -219,7 +218,8 @@ def order_spread(prepared, knobs: dict) -> dict[str, float]:
     from tracer.comparison.diff import ErrorRecorder
     from tracer.engines.load import load_engine
 
-    engine = load_engine("reimpl", prepared.source, {**knobs, "accumulate": "f32"}, device=prepared.device)
+    engine = load_engine(EngineRef.named("reimpl"), prepared.source, {**knobs, "accumulate": "f32"},
+                         device=prepared.device)
     errors = ErrorRecorder(prepared.trace)
     engine.op_trace(prepared.trace, errors)
     return errors.rel_l2
@@ -253,7 +253,7 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
     if view_kind == "per_op" and "accumulate" not in knobs and not exact_order(knobs, len(prepared.ids)):
         knobs = {**knobs, "accumulate": "f32"}
     inputs, placement = Inputs(prepared.source, tokens=prepared.ids), Placement(prepared.device, prepared.stream)
-    with prepared_reference(inputs, placement, reference="reimpl", reference_variant=knobs,
+    with prepared_reference(inputs, placement, reference=Side(EngineRef.named("reimpl"), knobs),
                             tolerance=prepared.tolerance, noise_floor=noise_floor, greedy_steps=0,
                             progress=False) as in_regime:
         timings: dict[str, float] = {}

@@ -2,12 +2,13 @@
 anything is written.
 
 `Inputs` (model, prompt or tokens, chat, system, max tokens, the first position), `Placement` (device, stream,
-offload, max memory) and `Outputs` (report folder, JSON file, trace file) are built once (by the
-CLI from its flags, by the API from its arguments) and passed whole to `tracer.pipeline.run`. Each
-checks itself when built: value ranges, duplicates, and that every output location can be
-written, so a mistake is one line (`TracerError`) before any work starts, never a traceback
-after it. `check_engines` and `check_regime` do the same for the engine names and the knobs each
-option takes. No torch here (tests/unit/test_request.py checks it).
+offload, max memory), `Outputs` (report folder, JSON file, trace file) and a `Side` per engine (the
+engine argument parsed into an `EngineRef`, its knobs parsed and checked against it) are built once
+(by the CLI from its flags, by the API from its arguments) and passed whole to `tracer.pipeline.run`.
+Each checks itself when built: value ranges, duplicates, knobs an engine cannot honour, and that every
+output location can be written, so a mistake is one line (`TracerError`) before any work starts, never
+a traceback after it. `regime_knobs` does the same for --regime. No torch here
+(tests/unit/test_request.py checks it).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import math
 import numbers
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from tracer.core.errors import TracerError
 from tracer.core.folders import replaceable_folder
 from tracer.engines.offload import Offload, parse_max_memory
-from tracer.engines.registry import check_engine, parse_engine
+from tracer.engines.registry import EngineEntry, EngineRef, check_engine, check_runtime, parse_engine, registered
 from tracer.files.sources import ModelSource, check_source
 from tracer.files.tokenizer import check_prompt
 from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
@@ -137,6 +138,23 @@ class Placement:
         return Offload(self.offload, self.max_memory)
 
 
+# The keywords of an API call that name the request's fields (`tracer.run(..., tokens=..., device=...)`):
+# every field of `Inputs` but the model and the prompt (given first), every field of `Placement`.
+REQUEST_KEYWORDS = (*(f.name for f in fields(Inputs) if f.name not in ("model", "prompt")),
+                    *(f.name for f in fields(Placement)))
+
+
+def request_of(function: str, model, prompt, keywords: dict) -> tuple[Inputs, Placement]:
+    """The `Inputs` and `Placement` of an API call, each built once: `model`, `prompt` and `keywords`
+    naming their other fields (`REQUEST_KEYWORDS`); any other keyword is refused as Python refuses one."""
+    unknown = [name for name in keywords if name not in REQUEST_KEYWORDS]
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+    placement = {f.name for f in fields(Placement)}
+    return (Inputs(model, prompt, **{k: v for k, v in keywords.items() if k not in placement}),
+            Placement(**{k: v for k, v in keywords.items() if k in placement}))
+
+
 @dataclass(frozen=True)
 class Outputs:
     """Where a command writes: the report folder (None: no report), the JSON file ("-": stdout),
@@ -199,30 +217,37 @@ def check_greedy(greedy, name: str = "--greedy") -> None:
     whole_number(greedy, name, minimum=0)
 
 
-def check_engines(reference: str | None, candidate: str | None, variant: dict, reference_variant: dict) -> None:
-    """Both engine names resolve, and each side's knobs are ones its engine honours (before torch)."""
-    for engine, knobs in ((reference, reference_variant), (candidate, variant)):
-        if engine is None:
-            continue
-        entry, _ = parse_engine(engine)
-        if knobs:
-            if entry.argument_required:
-                raise TracerError(f"{engine} is a saved trace; knobs ({variant_text(knobs)}) need an engine that "
-                                  "runs the model")
-            check_engine(knobs, entry.name)
+@dataclass(frozen=True)
+class Side:
+    """One side of a run, parsed and checked once: its engine (`EngineRef`, its runtime installed) and
+    the knobs it runs with, each one that engine honours (a saved trace takes none)."""
+
+    engine: EngineRef
+    variant: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engine: str | EngineRef, variant=None) -> Side:
+        """`engine` ("hf", "file:PATH", ...) and `variant` ("theta=10000", a dict) parsed and checked."""
+        ref, knobs = parse_engine(engine), parse_variant(variant)
+        if knobs and ref.entry.argument_required:
+            raise TracerError(f"{ref} is a saved trace; knobs ({variant_text(knobs)}) need an engine that "
+                              "runs the model")
+        check_engine(knobs, ref.entry)
+        check_runtime(ref.entry)
+        return cls(ref, knobs)
+
+    @property
+    def entry(self) -> EngineEntry:
+        return self.engine.entry
 
 
-def check_positions(offset: int, *engines: str | None) -> None:
+def check_positions(offset: int, *sides: Side) -> None:
     """A first position other than 0 needs engines that take positions (their registry entry says);
     any other is refused in one line, naming the ones that can."""
-    if not offset:
-        return
-    for name in engines:
-        if name is not None and not parse_engine(name)[0].positions:
-            from tracer.engines.registry import ENGINES
-
-            able = ", ".join(entry.name for entry in ENGINES.values() if entry.positions)
-            raise TracerError(f"--position-offset {offset}: the {parse_engine(name)[0].name} engine runs its tokens "
+    for side in sides if offset else ():
+        if not side.entry.positions:
+            able = ", ".join(entry.name for entry in registered().values() if entry.positions)
+            raise TracerError(f"--position-offset {offset}: the {side.entry.name} engine runs its tokens "
                               f"from position 0; engines that take positions: {able}")
 
 
@@ -243,10 +268,10 @@ def regime_knobs(regime) -> dict | str | None:
     return knobs
 
 
-def check_family_support(engine: str, source: ModelSource) -> None:
+def check_family_support(engine: EngineRef, source: ModelSource) -> None:
     """An engine asked to trace a family it does not trace point for point (the registry's
     `families`) is refused in one line, before anything loads."""
-    entry, _ = parse_engine(engine)
+    entry = engine.entry
     if entry.families is None:
         return
     family = family_name(source)

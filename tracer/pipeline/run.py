@@ -32,14 +32,14 @@ from tracer.comparison.trace import ATTENTION_ROWS, Trace
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions, check_device, environment
-from tracer.engines.load import check_engine_name, load_engine
+from tracer.engines.load import load_engine
 from tracer.engines.offload import Offload, check_offload, offload_for
-from tracer.engines.registry import parse_engine
+from tracer.engines.registry import EngineRef, check_engine
 from tracer.files.sources import ModelSource, resolve_source
-from tracer.model.knobs import parse_variant, setting, variant_text
+from tracer.model.knobs import setting, variant_text
 from tracer.model.points import is_coarse
 from tracer.pipeline import greedy, reference_cache
-from tracer.pipeline.request import Inputs, Placement, check_family_support
+from tracer.pipeline.request import Inputs, Placement, Side, check_family_support
 
 
 @dataclass(frozen=True)
@@ -112,31 +112,30 @@ def check_tokens(ids: list[int], engine: Engine, position_offset: int = 0) -> No
 
 
 @contextmanager
-def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, reference: str = "hf",
-                       reference_variant=None, tolerance: Tolerance | None = None, noise_floor: bool = True,
-                       greedy_steps: int | None = None, progress: bool = True, candidates: tuple[str, ...] = ()):
+def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, reference: Side,
+                       tolerance: Tolerance | None = None, noise_floor: bool = True, greedy_steps: int | None = None,
+                       progress: bool = True, candidates: tuple[EngineRef, ...] = ()):
     """Load the model and the reference engine, tokenize, record the reference, measure its noise
     floor and decode its greedy continuation; yield a `Prepared`.
 
-    `inputs` and `placement` are the request's values (`tracer.pipeline.request`), already checked.
-    `candidates`: the engine names that will be compared, checked here before anything loads.
-    `greedy_steps`: None for the default (20, or none past 128 tokens).
+    `inputs`, `placement` and `reference` (its engine and knobs) are the request's values
+    (`tracer.pipeline.request`), already checked. `candidates`: the engines that will be compared,
+    checked here against the model before anything loads. `greedy_steps`: None for the default
+    (20, or none past 128 tokens).
     """
     model, tokens, max_tokens = inputs.model, inputs.tokens, inputs.max_tokens
     device, stream, offload = placement.device, placement.stream, placement.accelerate
-    reference_variant = parse_variant(reference_variant)
-    for name in (reference, *candidates):
-        check_engine_name(name)
+    reference_variant = reference.variant
     check_device(device)
-    check_offload(offload, reference, *candidates)
+    check_offload(offload, reference.engine, *candidates)
     timings: dict[str, float] = {}
     with timed(timings, "load_s"):
         stage("load")
         source = resolve_source(model, progress)
-        for name in (reference, *candidates):
-            check_family_support(name, source)  # a family an engine does not trace: said before it loads
-        engine = load_engine(reference, source, reference_variant, device=device, stream=stream,
-                             offload=offload_for(reference, offload))
+        for engine in (reference.engine, *candidates):
+            check_family_support(engine, source)  # a family an engine does not trace: said before it loads
+        engine = load_engine(reference.engine, source, reference_variant, device=device, stream=stream,
+                             offload=offload_for(reference.engine, offload))
     ids, chat_info = token_ids(source, inputs.text, tokens, chat=inputs.chat, system=inputs.system)
     notes = []
     if max_tokens is not None and len(ids) > max_tokens:
@@ -144,15 +143,15 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         ids = ids[:max_tokens]
     offset = inputs.position_offset
     check_tokens(ids, engine, offset)
-    if stream and not parse_engine(reference)[0].stream:
-        notes.append(f"stream: the {reference} engine loads its whole model (only engines that stream read weights "
-                     "block by block)")
+    if stream and not reference.entry.stream:
+        notes.append(f"stream: the {reference.engine} engine loads its whole model (only engines that stream read "
+                     "weights block by block)")
     if greedy_steps is None:
         greedy_steps = greedy.default_steps(len(ids))
         if not greedy_steps:
             notes.append(f"no greedy continuation for a {len(ids)}-token prompt (pass greedy=N to force)")
     key = None if source.loaded else reference_cache.entry_key(
-        source.directory, ids, engine=reference, variant=reference_variant, placement=repr(placement),
+        source.directory, ids, engine=str(reference.engine), variant=reference_variant, placement=repr(placement),
         noise_floor=noise_floor, greedy_steps=greedy_steps, position_offset=offset)
     kept = reference_cache.load(key) if key is not None else None
     with spill_folder(len(ids)) as sink:
@@ -166,7 +165,7 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         else:
             with timed(timings, "noise_s"):
                 stage("noise floor")
-                noise, noise_notes = reference_noise(source, reference, reference_variant, engine, trace) \
+                noise, noise_notes = reference_noise(source, reference, engine, trace) \
                     if noise_floor else (None, [])
             with timed(timings, "reference_greedy_s"):
                 stage("reference greedy")
@@ -176,7 +175,7 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
                     if greedy_steps else None
         yield Prepared(
             source=source, ids=ids, prompt=inputs.text, chat=chat_info,
-            reference=reference, engine=engine, variant=reference_variant, trace=trace, noise=noise,
+            reference=str(reference.engine), engine=engine, variant=reference_variant, trace=trace, noise=noise,
             tolerance=tolerance or Tolerance(), greedy_steps=greedy_steps, reference_greedy=reference_greedy,
             detokenize=detokenizer(source), sink=sink, device=str(device), stream=stream, offload=offload,
             position_offset=offset, notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings,
@@ -259,27 +258,32 @@ def greedy_comparison(prepared: Prepared, engine: Engine, tolerance: Tolerance) 
     return summary
 
 
-def candidate_loader(candidate: str, prepared: Prepared) -> Callable[[dict], Engine]:
-    """knobs -> a candidate engine on the prepared model; a reimpl candidate on a model directory
-    reuses the config and weights read once (a sweep builds one per variant)."""
-    if parse_engine(candidate)[0].argument_required:
+def candidate_loader(candidate: EngineRef, prepared: Prepared) -> Callable[[dict], Engine]:
+    """knobs -> a candidate engine on the prepared model, the knobs checked against it first; a reimpl
+    candidate on a model directory reuses the config and weights read once (a sweep builds one per
+    variant)."""
+    if candidate.entry.argument_required:
         raise TracerError(f"{candidate} is a saved trace; variants need an engine that runs the model")
     source = prepared.source
-    if candidate == "reimpl" and not source.loaded:
-        from tracer.engines.registry import check_engine
+    if candidate.name == "reimpl" and not source.loaded:
         from tracer.engines.reimpl import from_parts
         from tracer.files.weights import WeightFiles, read_weights
 
         config = source.config()
         weights = WeightFiles(source.directory) if prepared.stream else read_weights(source.directory)
 
-        def load_reimpl(knobs: dict):
-            check_engine(knobs, "reimpl")
+        def load(knobs: dict):
             return from_parts(config, weights, knobs, source.name, device=prepared.device, stream=prepared.stream)
+    else:
+        def load(knobs: dict):
+            return load_engine(candidate, source, knobs, device=prepared.device, stream=prepared.stream,
+                               offload=offload_for(candidate, prepared.offload))
 
-        return load_reimpl
-    return lambda knobs: load_engine(candidate, source, knobs, device=prepared.device, stream=prepared.stream,
-                                     offload=offload_for(candidate, prepared.offload))
+    def load_candidate(knobs: dict) -> Engine:
+        check_engine(knobs, candidate.entry)
+        return load(knobs)
+
+    return load_candidate
 
 
 def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], Engine], knobs: dict, *,
@@ -298,13 +302,13 @@ def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], Engine], knob
                     curve=curve, notes=result.notes, seconds=time.perf_counter() - started, result=result)
 
 
-def reference_noise(source: ModelSource, reference: str, variant: dict, engine: Engine, trace: Trace):
+def reference_noise(source: ModelSource, reference: Side, engine: Engine, trace: Trace):
     """(noise per point, notes): what f32 rounding alone makes at each point of the reference.
 
     Past NOISE_TOKENS tokens the noise is measured on the prompt's first NOISE_TOKENS: an f64
     forward costs twice the memory of the f32 one, and rounding noise is a per-op property.
     """
-    entry = parse_engine(reference)[0]
+    entry, variant = reference.entry, reference.variant
     if entry.argument_required:
         return None, ["no noise floor for a saved reference trace: points judged by the fixed rel_l2 bound"]
     if not entry.noise_floor:
