@@ -69,6 +69,14 @@ def _positions() -> argparse.ArgumentParser:
     return parent
 
 
+def _decode() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--decode", type=int, default=0, metavar="N",
+                        help="after the prompt, decode N tokens one at a time, each engine with its own KV cache, "
+                             "every point of every step recorded (engines that decode: hf, reimpl; docs/decode.md)")
+    return parent
+
+
 def _truncation() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--max-tokens", type=int, help="keep only the first N tokens of the prompt (N >= 1)")
@@ -148,14 +156,15 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
         return subs[name]
 
     command("run", "trace a reference and a candidate, localize the first divergence",
-            _inputs(), _truncation(), _positions(), _variant(), _reference(), _run_candidate(), _tolerance(), _noise(),
+            _inputs(), _truncation(), _positions(), _decode(), _variant(), _reference(), _run_candidate(), _tolerance(),
+            _noise(),
             _placement(), _report(DEFAULT_OUT), _json(), _verdict_exit())
 
     command("compare", "compare two saved traces (tracer's, or another runtime's dump)",
             _compared(), _tolerance(), _report(DEFAULT_OUT), _json(), _verdict_exit())
 
-    rec = command("record", "save one engine's trace as a safetensors file", _inputs(), _positions(), _variant(),
-                  _placement())
+    rec = command("record", "save one engine's trace as a safetensors file", _inputs(), _positions(), _decode(),
+                  _variant(), _placement())
     rec.add_argument("--engine", default="hf", help="the engine to record, see `tracer engines` (default hf)")
     rec.add_argument("-o", "--output", required=True, type=Path, help="trace file to write (.safetensors)")
 

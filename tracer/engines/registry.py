@@ -58,6 +58,8 @@ class EngineEntry:
             holds each to `match`); None: every family. Any other family is refused before loading.
         positions: it takes explicit absolute positions (`record(tokens, recorder, positions=...)`,
             `--position-offset`); the others start at 0 and refuse another start in one line.
+        decode: it decodes with its own KV cache, every step recorded (`decode(tokens, count, forced=...)`,
+            `--decode N`); the others refuse `--decode` in one line naming those that take it.
     """
 
     name: str
@@ -83,6 +85,7 @@ class EngineEntry:
     isolated: bool = False
     families: tuple[str, ...] | None = None
     positions: bool = False
+    decode: bool = False
 
     def honours(self, knob: str) -> bool:
         return knob in self.knobs or (knob in KNOBS and KNOBS[knob].kind in self.kinds)
@@ -138,14 +141,14 @@ ENGINES: dict[str, EngineEntry] = {
             "hf", "tracer.engines.hf",
             "transformers' own model, observed through forward hooks and a registered attention function",
             kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
-            noise_floor=True, offload=True, positions=True,
+            noise_floor=True, offload=True, positions=True, decode=True,
             requires=(("transformers", "transformers"),),
         ),
         EngineEntry(
             "reimpl", "tracer.engines.reimpl",
             "tracer's own forward of every family in plain torch (tracer/reimpl/), every knob as a step",
             kinds=("config", "semantic", "regime"), fused_attention="attn=sdpa, or flash_attn with ops=ggml",
-            local_errors=True, positions=True,
+            local_errors=True, positions=True, decode=True,
             devices=("cpu", "cuda", "mps"), stream=True, noise_floor=True,
         ),
         EngineEntry(
