@@ -544,6 +544,10 @@ def compare_files(
     ref_trace, cand_trace = load_trace(reference, table), load_trace(candidate, table)
     prepared = prepared_from_trace(ref_trace, Tolerance(atol=atol, rtol=rtol), cand_trace.tokens)
     result = compare_candidate(prepared, FileEngine(cand_trace), command=command)
+    if ref_trace.steps or cand_trace.steps:  # decoded traces (`record --decode N`): every step, by the fixed bound
+        from tracer.comparison.steps import compare_steps, with_steps
+
+        result = with_steps(result, compare_steps(ref_trace, cand_trace, prepared.tolerance))
     if result.prompt is None and cand_trace.meta.prompt:
         result = result.with_context(prompt=cand_trace.meta.prompt)
     if out is not None:

@@ -109,7 +109,8 @@ def cmd_record(args) -> int:
 
     trace = record_values(inputs, placement, args.engine, variant)
     trace.save(args.output)
-    print(f"{trace.label}: {len(trace)} points on {len(trace.tokens)} tokens -> {args.output}")
+    steps = f" and {len(trace.steps)} decode steps" if trace.steps else ""
+    print(f"{trace.label}: {len(trace)} points on {len(trace.tokens)} tokens{steps} -> {args.output}")
     return 0
 
 

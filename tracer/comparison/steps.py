@@ -57,6 +57,10 @@ def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | Non
                           f"{len(candidate.steps)}")
     compared = []
     for number, (ref, cand) in enumerate(zip(decoded_steps(reference), decoded_steps(candidate))):
+        if number and ref.tokens is not None and cand.tokens is not None and list(ref.tokens) != list(cand.tokens):
+            raise TracerError(f"decode step {number} was fed different tokens: {ref.tokens} vs {cand.tokens} (each "
+                              "side decoded its own greedy tokens; `tracer run --decode N` feeds the candidate the "
+                              "reference's)")
         result = compare(ref, cand, tolerance, noise=floors[number] if floors else None)
         first = result.first_divergence
         if first is not None:

@@ -10,6 +10,8 @@ without a cache, and the two differ by f32 rounding only (`tracer.comparison.ste
 
 from __future__ import annotations
 
+import time
+
 from tracer.comparison.result import Result
 from tracer.comparison.steps import compare_steps, step_floors, with_steps
 from tracer.comparison.trace import Trace
@@ -37,11 +39,13 @@ def compare_decoded(result: Result, prepared, engine: Engine, steps: int) -> Res
     """`result` (the prefill's comparison) with every decode step of both sides compared and attached
     (`tracer.comparison.steps.with_steps`)."""
     stage("decode")
+    started = time.perf_counter()
     reference, floors = reference_decode(prepared, steps)
     candidate = engine.decode(prepared.ids, steps, forced=decoded_tokens(reference), offset=prepared.position_offset)
     compared = compare_steps(reference, candidate, prepared.tolerance, floors)
+    timings = {**result.timings, "decode_s": time.perf_counter() - started}
     floor = ("each step's floor: the reference's cached step against its uncached forward at the same positions, "
              "or the prefill's f64 noise where larger") if floors else "the steps judged by the fixed rel_l2 bound"
     note = (f"decode: {steps} steps after the prefill, each side with its own KV cache, the candidate fed the "
             f"reference's greedy tokens; {floor}")
-    return with_steps(result.with_context(notes=(note,)), compared)
+    return with_steps(result.with_context(notes=(note,), timings=timings), compared)
