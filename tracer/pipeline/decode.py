@@ -15,6 +15,7 @@ import time
 from tracer.comparison.result import Result
 from tracer.comparison.steps import compare_steps, step_floors, with_steps
 from tracer.comparison.trace import Trace
+from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions
 
@@ -22,6 +23,11 @@ from tracer.engines.base import Engine, at_positions
 def reference_decode(prepared, steps: int) -> tuple[Trace, list[dict[str, float]] | None]:
     """The reference's greedy decode of `steps` tokens with its cache, and each step's floor (None
     without a noise floor: the fixed bound applies, as to the prefill)."""
+    end = prepared.position_offset + len(prepared.ids) + steps
+    limit = prepared.engine.max_positions
+    if limit is not None and end > limit:
+        raise TracerError(f"--decode {steps} after {len(prepared.ids)} tokens from position {prepared.position_offset} "
+                          f"runs to position {end - 1}; the model has {limit} positions")
     reference = prepared.engine.decode(prepared.ids, steps, offset=prepared.position_offset)
     if prepared.noise is None:
         return reference, None
