@@ -41,10 +41,12 @@ def record_qk(record: Recorder, layer: int, query, key, value, cached: bool) -> 
     """q and k after RoPE: this forward's own keys, the last of what a cache hands over (1, KV, T, D);
     with a cache (`cached`), all it holds as the points `cache_k`/`cache_v` (1, KV, S, D)."""
     record(layer_point(layer, Q_ROPE), query)  # (1, H, T, D)
+    if not cached:  # the keys are this forward's own (an ONNX export reads the very node attention reads)
+        record(layer_point(layer, K_ROPE), key)  # (1, KV, T, D)
+        return
     record(layer_point(layer, K_ROPE), key[:, :, -query.shape[2]:].clone())  # (1, KV, T, D)
-    if cached:
-        record(layer_point(layer, CACHE_K), key)
-        record(layer_point(layer, CACHE_V), value)
+    record(layer_point(layer, CACHE_K), key)  # (1, KV, S, D)
+    record(layer_point(layer, CACHE_V), value)  # (1, KV, S, D)
 
 
 def eager_recording(record: Recorder, names: dict[nn.Module, str], cached: bool = False) -> Callable:

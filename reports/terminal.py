@@ -20,6 +20,7 @@ from tracer.reports.summary import (
     percent,
     regime_lines,
     runtime_text,
+    steps_line,
     tolerance_text,
     worst_point,
 )
@@ -147,25 +148,6 @@ def summary_lines(s: dict, out_dir=None) -> list[str]:
     if out_dir is not None:
         lines.append(f"report: {out_dir}/report.html")
     return lines
-
-
-def steps_line(s: dict) -> str | None:
-    """A decoded run's steps in one line (`--decode N`): "prefill: match; first divergence: decode step 3
-    (position 8), model.layers.0.self_attn.k_rope"; None for a run without steps."""
-    steps = s.get("steps") or []
-    if not steps:
-        return None
-    prefill = "diverged" if s["verdict"] != "match" and s.get("step") is None else "match"
-    first = next((step for step in steps if step["verdict"] != "match"), None)
-    if first is None:
-        return f"prefill: {prefill}; {len(steps) - 1} decode steps: match at every step and point"
-    if prefill == "diverged":
-        diverged = sum(step["verdict"] != "match" for step in steps[1:])
-        return f"prefill: diverged; {diverged} of {len(steps) - 1} decode steps diverge (after the prefill's error)"
-    where = ("the cached prefill (what the KV cache keeps)" if first["step"] == 0
-             else f"decode step {first['step']} (position {first['position']})")
-    point = first["first_divergence"]["point"] if first.get("first_divergence") else "?"
-    return f"prefill: {prefill}; first divergence: {where}, {point}"
 
 
 def divergence_lines(first: dict) -> list[str]:

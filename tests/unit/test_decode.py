@@ -16,6 +16,7 @@ from tracer.core.errors import TracerError
 from tracer.engines.load import load_engine
 from tracer.files.sources import resolve_source
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, Q_ROPE, layer_point
+from tracer.reports import write_report
 from tracer.reports.terminal import steps_line
 
 STEPS = 5
@@ -51,7 +52,7 @@ def test_the_correct_cache_matches_at_every_step_and_point(llama_dir):
     ("decode_positions=shifted", 1, layer_point(0, Q_ROPE)),
     ("cache_keys=unrotated", 0, layer_point(0, CACHE_K)),
 ])
-def test_each_cache_knob_is_found_at_its_step_and_point(llama_dir, variant, step, point):
+def test_each_cache_knob_is_found_at_its_step_and_point(llama_dir, variant, step, point, tmp_path):
     result = tracer.run(llama_dir, tokens=TOKENS, decode=STEPS, greedy=0, variant=variant, noise_floor=False,
                         progress=False)
     assert result.verdict == "diverged" and result.step == step
@@ -59,6 +60,9 @@ def test_each_cache_knob_is_found_at_its_step_and_point(llama_dir, variant, step
     assert all(s.verdict == "match" for s in result.steps[:step])
     where = "the cached prefill (what the KV cache keeps)" if step == 0 else f"decode step {step} (position 7)"
     assert steps_line(result.to_dict()) == f"prefill: match; first divergence: {where}, {point}"
+    if step == 0:  # the HTML report says it too
+        html = (write_report(result, tmp_path / "report") / "report.html").read_text()
+        assert f"first divergence: {where}, {point}" in html
     hint = result.first_divergence.hints[0]
     assert ("another position" in hint) if step else ("keys before RoPE" in hint)
 

@@ -92,5 +92,5 @@ def test_the_check_sees_a_method_an_entry_declares_and_an_engine_lacks():
     members = class_members(FileEngine)
     assert "variant" in members  # assigned in __init__, not on the class
     assert declared(ENGINES["file"]) <= members
-    assert declared(ENGINES["hf"]) - members == {"draft"}  # a file engine claiming a draft would fail
+    assert declared(ENGINES["hf"]) - members == {"draft", "decode"}  # a file engine claiming them would fail
     assert {"local_trace", "op_trace"} <= declared(ENGINES["reimpl"])
