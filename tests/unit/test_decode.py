@@ -8,6 +8,7 @@ import pytest
 
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
+from tests.families import write_tiny_family
 from tracer.cli import main
 from tracer.comparison.diff import rel_l2_by_point
 from tracer.comparison.steps import decoded_steps, step_floors
@@ -114,3 +115,12 @@ def test_decode_mistakes_are_one_line(llama_dir, capsys):
         tracer.run(llama_dir, tokens=TOKENS, decode=200, greedy=0, progress=False)
     with pytest.raises(TracerError, match="--decode with --regime"):
         tracer.run(llama_dir, tokens=TOKENS, decode=2, regime="weights=q8_0", progress=False)
+
+
+def test_a_sliding_window_decodes_within_it_and_refuses_past_it(tmp_path):
+    model = write_tiny_family(tmp_path / "mistral", "mistral")  # a window of 4 keys on every layer
+    result = tracer.run(model, tokens=[1, 17], decode=2, greedy=0, noise_floor=False, progress=False)
+    assert result.verdict == "match" and len(result.steps) == 3
+    with pytest.raises(TracerError, match="--decode on the hf engine: this model's layer 0 attends to a sliding "
+                                          "window of 4 keys and the decode runs to position 4; sliding-window caches"):
+        tracer.run(model, tokens=[1, 17], decode=3, greedy=0, noise_floor=False, progress=False)

@@ -24,7 +24,7 @@ import torch
 from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
-from tracer.engines.base import decode_steps, per_layer, position_offset, trace_meta
+from tracer.engines.base import decode_steps, per_layer, position_offset, refuse_windowed_decode, trace_meta
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.hooks.modules import recording_modules
@@ -77,6 +77,12 @@ class HFEngine:
         step one token at its `position_ids`; the hooks record every step's points and the cache."""
         from transformers import DynamicCache
 
+        config = self.model.config
+        types = getattr(config, "layer_types", None)
+        windowed = (types.index("sliding_attention") if "sliding_attention" in types else None) if types \
+            else (0 if getattr(config, "sliding_window", None) is not None else None)
+        refuse_windowed_decode(self.name, None if windowed is None else config.sliding_window, windowed,
+                               offset + len(tokens) + count)
         cache = DynamicCache(config=self.model.config)
 
         def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:

@@ -8,7 +8,14 @@ from collections.abc import Mapping
 import torch
 
 from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
-from tracer.engines.base import check_device, decode_steps, per_layer, position_offset, trace_meta
+from tracer.engines.base import (
+    check_device,
+    decode_steps,
+    per_layer,
+    position_offset,
+    refuse_windowed_decode,
+    trace_meta,
+)
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.reimpl.forward import Model
@@ -46,6 +53,10 @@ class ReimplEngine:
         model picks each step's position from the cache (where the decode knobs get it wrong)."""
         from tracer.reimpl.kv_cache import KVCache
 
+        spec = self.model.spec
+        windowed = next((i for i in range(spec.num_hidden_layers) if self.model.steps.window(spec, i)), None)
+        refuse_windowed_decode(self.name, None if windowed is None else spec.window(windowed), windowed,
+                               offset + len(tokens) + count)
         cache = KVCache(self.model.spec.num_hidden_layers)
 
         def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
