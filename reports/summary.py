@@ -484,4 +484,15 @@ def steps_line(s: dict) -> str | None:
     where = ("the cached prefill (what the KV cache keeps)" if first["step"] == 0
              else f"decode step {first['step']} (position {first['position']})")
     point = first["first_divergence"]["point"] if first.get("first_divergence") else "?"
-    return f"prefill: {prefill}; first divergence: {where}, {point}"
+    return f"prefill: {prefill}; first divergence: {where}, {point}{cached_greedy_text(steps)}"
+
+
+def cached_greedy_text(steps: list[dict]) -> str:
+    """Where the candidate's own cached greedy pick first leaves the reference's (teacher forcing keeps
+    both on the reference's tokens, so that is where its cached continuation would part)."""
+    flip = next((step for step in steps if step.get("candidate_pick") is not None
+                 and step["candidate_pick"] != step.get("reference_pick")), None)
+    if flip is None:
+        return ""
+    after = "the prefill" if flip["step"] == 0 else f"decode step {flip['step']}"
+    return f"; the candidate's own cached greedy pick first differs after {after}"

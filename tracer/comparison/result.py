@@ -327,11 +327,16 @@ class StepResult:
     first_divergence: Divergence | None
     points: int  # points compared
     layer_max_rel_l2: tuple[float | None, ...] = ()  # per layer, the largest rel_l2 (the step × layer map)
+    # Each side's greedy pick after this step, from its own cached logits (None: no logits recorded): the
+    # candidate's cached greedy continuation follows the reference's until the first step where they differ.
+    reference_pick: int | None = None
+    candidate_pick: int | None = None
 
     def to_dict(self) -> dict:
         return {"step": self.step, "position": self.position, "tokens": list(self.tokens), "verdict": self.verdict,
                 "first_divergence": dict_or_none(self.first_divergence), "points": self.points,
-                "layer_max_rel_l2": list(self.layer_max_rel_l2)}
+                "layer_max_rel_l2": list(self.layer_max_rel_l2), "reference_pick": self.reference_pick,
+                "candidate_pick": self.candidate_pick}
 
 
 @dataclass(frozen=True)

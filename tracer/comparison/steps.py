@@ -25,6 +25,7 @@ from tracer.model.points import (
     CACHE_POINTS,
     CACHE_V,
     K_ROPE,
+    LOGITS,
     Q_ROPE,
     V_PROJ,
     layer_of,
@@ -66,11 +67,16 @@ def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | Non
         if first is not None:
             first = dataclasses.replace(first, hints=(*step_hints(number, first), *first.hints))
             result = dataclasses.replace(result, first_divergence=first)
-        compared.append((step_summary(number, ref, result), result))
+        compared.append((step_summary(number, ref, result, cand), result))
     return compared
 
 
-def step_summary(number: int, reference: Trace, result: Result) -> StepResult:
+def greedy_pick(trace: Trace) -> int | None:
+    """The token a step's own logits pick next (their last row's argmax); None without logits."""
+    return int(trace[LOGITS][-1].argmax()) if LOGITS in trace else None
+
+
+def step_summary(number: int, reference: Trace, result: Result, candidate: Trace | None = None) -> StepResult:
     """What the JSON and the step × layer map keep of one step's comparison."""
     worst: dict[int | None, float] = {}
     for p in result.points:
@@ -81,6 +87,7 @@ def step_summary(number: int, reference: Trace, result: Result) -> StepResult:
         step=number, position=step_position(reference), tokens=tuple(reference.tokens or ()), verdict=result.verdict,
         first_divergence=result.first_divergence, points=sum(p.recorded for p in result.points),
         layer_max_rel_l2=tuple(worst.get(layer) for layer in range(layers)),
+        reference_pick=greedy_pick(reference), candidate_pick=None if candidate is None else greedy_pick(candidate),
     )
 
 
