@@ -128,3 +128,9 @@ def test_a_sliding_window_decodes_within_it_and_refuses_past_it(tmp_path):
     with pytest.raises(TracerError, match="--decode on the hf engine: this model's layer 0 attends to a sliding "
                                           "window of 4 keys and the decode runs to position 4; sliding-window caches"):
         tracer.run(model, tokens=[1, 17], decode=3, greedy=0, noise_floor=False, progress=False)
+
+
+def test_decode_after_a_position_offset_and_with_streamed_weights(llama_dir):
+    result = tracer.run(llama_dir, tokens=TOKENS, decode=2, greedy=0, position_offset=20, stream=True,
+                        noise_floor=False, progress=False)
+    assert result.verdict == "match" and [step.position for step in result.steps] == [20, 27, 28]
