@@ -21,12 +21,35 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from tracer.core.torch_types import Recorder
-from tracer.model.points import CONTEXT, K_ROPE, PROBS, Q_ROPE, SCORES, fused_away, layer_point, split_point
+from tracer.model.points import (
+    CACHE_K,
+    CACHE_V,
+    CONTEXT,
+    K_ROPE,
+    PROBS,
+    Q_ROPE,
+    SCORES,
+    fused_away,
+    layer_point,
+    split_point,
+)
 
 _session_ids = itertools.count()
 
 
-def eager_recording(record: Recorder, names: dict[nn.Module, str]) -> Callable:
+def record_qk(record: Recorder, layer: int, query, key, value, cached: bool) -> None:
+    """q and k after RoPE: this forward's own keys, the last of what a cache hands over (1, KV, T, D);
+    with a cache (`cached`), all it holds as the points `cache_k`/`cache_v` (1, KV, S, D)."""
+    record(layer_point(layer, Q_ROPE), query)  # (1, H, T, D)
+    if not cached:  # the keys are this forward's own (an ONNX export reads the very node attention reads)
+        record(layer_point(layer, K_ROPE), key)  # (1, KV, T, D)
+        return
+    record(layer_point(layer, K_ROPE), key[:, :, -query.shape[2]:].clone())  # (1, KV, T, D)
+    record(layer_point(layer, CACHE_K), key)  # (1, KV, S, D)
+    record(layer_point(layer, CACHE_V), value)  # (1, KV, S, D)
+
+
+def eager_recording(record: Recorder, names: dict[nn.Module, str], cached: bool = False) -> Callable:
     """transformers' `eager_attention_forward`, op for op, recording scores, probs and context.
 
     One function for every family tracer traces: theirs differ only in Gemma's soft-cap (the
@@ -37,13 +60,12 @@ def eager_recording(record: Recorder, names: dict[nn.Module, str]) -> Callable:
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
         layer = split_point(names[module])[0]  # the attention module model.layers.{i}.self_attn
-        record(layer_point(layer, Q_ROPE), query)  # (1, H, T, D)
-        record(layer_point(layer, K_ROPE), key)  # (1, KV, T, D)
+        record_qk(record, layer, query, key, value, cached)
         if scaling is None:  # Gemma's eager function defaults it so
             scaling = module.head_dim**-0.5
         key_states = repeat_kv(key, module.num_key_value_groups)  # (1, H, T, D)
         value_states = repeat_kv(value, module.num_key_value_groups)  # (1, H, T, D)
-        attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling  # (1, H, T, T)
+        attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling  # (1, H, T, S)
         if softcap is not None:  # Gemma 2
             attn_weights = attn_weights / softcap
             attn_weights = torch.tanh(attn_weights)
@@ -64,13 +86,12 @@ def eager_recording(record: Recorder, names: dict[nn.Module, str]) -> Callable:
     return attention
 
 
-def fused_recording(inner: Callable, record: Recorder, names: dict[nn.Module, str]) -> Callable:
+def fused_recording(inner: Callable, record: Recorder, names: dict[nn.Module, str], cached: bool = False) -> Callable:
     """Wraps a fused implementation (sdpa, ...): only its inputs and output can be recorded."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         layer = split_point(names[module])[0]  # the attention module model.layers.{i}.self_attn
-        record(layer_point(layer, Q_ROPE), query)  # (1, H, T, D)
-        record(layer_point(layer, K_ROPE), key)  # (1, KV, T, D)
+        record_qk(record, layer, query, key, value, cached)
         attn_output, attn_weights = inner(module, query, key, value, attention_mask, **kwargs)
         record(layer_point(layer, CONTEXT), attn_output.flatten(2))  # (1, T, H, D) -> (1, T, H*D)
         return attn_output, attn_weights
@@ -90,14 +111,15 @@ def unobservable_points(implementation: str) -> dict[str, str]:
 
 
 @contextmanager
-def recording_attention(model, record: Recorder, names: dict[nn.Module, str]):
-    """Route `model`'s attention through a recording function for the duration of the block."""
+def recording_attention(model, record: Recorder, names: dict[nn.Module, str], cached: bool = False):
+    """Route `model`'s attention through a recording function for the duration of the block;
+    `cached`: the forward runs with a KV cache, whose contents are recorded too."""
     implementation = model.config._attn_implementation
     if implementation == "eager":
-        function = eager_recording(record, names)
+        function = eager_recording(record, names, cached)
     else:
         inner = ALL_ATTENTION_FUNCTIONS.get(implementation, sdpa_attention_forward)
-        function = fused_recording(inner, record, names)
+        function = fused_recording(inner, record, names, cached)
     name = f"tracer_{implementation}_{next(_session_ids)}"
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])

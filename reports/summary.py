@@ -450,8 +450,9 @@ def divergence_facts(summary: Summary) -> list[tuple[str, str]]:
 
 
 def outcome_facts(summary: Summary) -> list[tuple[str, str]]:
-    """What the divergence does to the model's output: the logits and the greedy continuation."""
-    facts = []
+    """What the divergence does to the model's output: the decode steps, the logits and the greedy continuation."""
+    decoded = steps_line(summary)
+    facts = [("decode steps", decoded)] if decoded else []
     logits = summary.get("logits")
     if logits:
         facts.append(("logits, last position", f"max|diff| {fmt(logits.get('max_abs'))} · max|ref| "
@@ -465,3 +466,33 @@ def outcome_facts(summary: Summary) -> list[tuple[str, str]]:
         steps = greedy.get("steps") or len(greedy.get("reference") or [])
         facts.append((f"greedy, {steps} tokens", greedy_text(greedy)))
     return facts
+
+
+def steps_line(s: dict) -> str | None:
+    """A decoded run's steps in one line (`--decode N`): "prefill: match; first divergence: decode step 3
+    (position 8), model.layers.0.self_attn.k_rope"; None for a run without steps."""
+    steps = s.get("steps") or []
+    if not steps:
+        return None
+    prefill = "diverged" if s["verdict"] != "match" and s.get("step") is None else "match"
+    first = next((step for step in steps if step["verdict"] != "match"), None)
+    if first is None:
+        return f"prefill: {prefill}; {len(steps) - 1} decode steps: match at every step and point"
+    if prefill == "diverged":
+        diverged = sum(step["verdict"] != "match" for step in steps[1:])
+        return f"prefill: diverged; {diverged} of {len(steps) - 1} decode steps diverge (after the prefill's error)"
+    where = ("the cached prefill (what the KV cache keeps)" if first["step"] == 0
+             else f"decode step {first['step']} (position {first['position']})")
+    point = first["first_divergence"]["point"] if first.get("first_divergence") else "?"
+    return f"prefill: {prefill}; first divergence: {where}, {point}{cached_greedy_text(steps)}"
+
+
+def cached_greedy_text(steps: list[dict]) -> str:
+    """Where the candidate's own cached greedy pick first leaves the reference's (teacher forcing keeps
+    both on the reference's tokens, so that is where its cached continuation would part)."""
+    flip = next((step for step in steps if step.get("candidate_pick") is not None
+                 and step["candidate_pick"] != step.get("reference_pick")), None)
+    if flip is None:
+        return ""
+    after = "the prefill" if flip["step"] == 0 else f"decode step {flip['step']}"
+    return f"; the candidate's own cached greedy pick first differs after {after}"

@@ -20,6 +20,7 @@ from tracer.reports.summary import (
     percent,
     regime_lines,
     runtime_text,
+    steps_line,
     tolerance_text,
     worst_point,
 )
@@ -119,6 +120,9 @@ def summary_lines(s: dict, out_dir=None) -> list[str]:
     recorded = [p for p in s["points"] if p["recorded"]]
     lines.append(f"verdict: {s['verdict'].upper()}  ({len(recorded)} points compared, "
                  f"criterion {tolerance_text(s)})")
+    decoded = steps_line(s)
+    if decoded:
+        lines.append(f"  {decoded}")
     first = s["first_divergence"]
     if first:
         lines += divergence_lines(first)

@@ -36,6 +36,7 @@ from tracer.pipeline.request import (
     Outputs,
     Placement,
     Side,
+    check_decode,
     check_family_support,
     check_greedy,
     check_positions,
@@ -58,8 +59,8 @@ from tracer.pipeline.run import (
 @with_stages("load", "record")
 def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device: str = "cpu", stream: bool = False,
            chat: bool = False, system: str | None = None, offload: str | Path | None = None, max_memory=None,
-           position_offset: int = 0, progress: bool = True) -> Trace:
-    """Record every point of one forward pass.
+           position_offset: int = 0, decode: int = 0, progress: bool = True) -> Trace:
+    """Record every point of one forward pass (and, with `decode`, of every cached decode step after it).
 
     Args:
         model: a model directory, a `.gguf` file, None for the bundled SmolLM2, or an already
@@ -77,6 +78,8 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
             what fits nowhere in the `offload` folder; for models larger than memory.
         position_offset: the first token's absolute position (default 0), on the engines that take
             positions (hf, reimpl): RoPE at far positions, as a decode step deep in a context sees it.
+        decode: after the prompt's prefill, decode this many greedy tokens one at a time with the engine's
+            own KV cache (engines that decode: hf, reimpl); the steps are `trace.steps` (docs/decode.md).
 
     Returns:
         The `Trace`: point name -> tensor in execution order, with metadata.
@@ -89,7 +92,7 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
     """
     is_prompt = isinstance(tokens_or_prompt, str)
     inputs = Inputs(model, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
-                    chat=chat, system=system, position_offset=position_offset)
+                    chat=chat, system=system, position_offset=position_offset, decode=decode)
     return record_values(inputs, Placement(device, stream, offload, max_memory), Side.of(engine, variant),
                          progress=progress)
 
@@ -99,6 +102,7 @@ def record_values(inputs: Inputs, placement: Placement, side: Side, *, progress:
     """`record` on the request's values (`tracer.pipeline.request`), as the CLI builds them."""
     engine = side.engine
     check_positions(inputs.position_offset, side)
+    check_decode(inputs.decode, side)
     if placement.stream and not side.entry.stream:
         raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); "
                           f"the {engine} engine cannot")
@@ -110,7 +114,10 @@ def record_values(inputs: Inputs, placement: Placement, side: Side, *, progress:
     ids, chat_info = token_ids(source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
     check_tokens(ids, runner, inputs.position_offset)
     stage("record")
-    trace = runner.record(ids, **at_positions(inputs.position_offset, len(ids)))
+    if inputs.decode:
+        trace = runner.decode(ids, inputs.decode, offset=inputs.position_offset)
+    else:
+        trace = runner.record(ids, **at_positions(inputs.position_offset, len(ids)))
     if inputs.text is not None:
         trace.meta = dataclasses.replace(trace.meta, prompt=inputs.text)
     if chat_info:
@@ -118,7 +125,7 @@ def record_values(inputs: Inputs, placement: Placement, side: Side, *, progress:
     return trace
 
 
-@with_stages("load", "reference", "noise floor", "candidate", "greedy", "regime", "report")
+@with_stages("load", "reference", "noise floor", "candidate", "greedy", "decode", "regime", "report")
 def run(
     model=None,
     prompt: str | None = DEFAULT_PROMPT,
@@ -169,6 +176,9 @@ def run(
         offload, max_memory: as in `record`, for every side whose engine can take them (hf): a
             reference larger than memory.
         position_offset: the first token's absolute position (default 0), both sides (hf, reimpl).
+        decode: after the prompt, each side decodes this many tokens one at a time with its own KV cache,
+            the candidate fed the reference's greedy tokens, and every step is compared (hf, reimpl;
+            docs/decode.md): `result.steps`, and the first step that diverges is the one `points` show.
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
     there (`tracer.comparison.spill`), and attention matrices over 128 tokens keep their last 128 query
@@ -190,17 +200,21 @@ def run(
                       command=command, progress=progress)
 
 
-@with_stages("load", "reference", "noise floor", "candidate", "greedy", "regime", "report")
+@with_stages("load", "reference", "noise floor", "candidate", "greedy", "decode", "regime", "report")
 def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, reference: Side, candidate: Side,
                tolerance: Tolerance = Tolerance(), greedy: int | None = None, noise_floor: bool = True,
                regime=None, command: str | None = None, progress: bool = True) -> Result:
     """`run` on the request's values (`tracer.pipeline.request`: each side's engine and knobs parsed and
     checked), as the CLI builds them; the rest is checked here, before torch loads anything."""
     check_positions(inputs.position_offset, reference, candidate)
+    check_decode(inputs.decode, reference, candidate)
     check_greedy(greedy)
     regime = regime_knobs(regime)
     if regime is not None:
         check_regime_run(reference.engine, candidate.engine)
+        if inputs.decode:
+            raise TracerError("--decode with --regime: a regime's attention has no KV cache emulated yet; "
+                              "run them apart")
     variant = candidate.variant
     with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
                             greedy_steps=greedy, progress=progress, candidates=(candidate.engine,)) as prepared:
@@ -214,6 +228,10 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
         result = compare_candidate(prepared, engine, command=command,
                                    notes=stream_notes(placement.stream, candidate.engine),
                                    config_audit=config_audit(prepared.source, variant))
+        if inputs.decode:
+            from tracer.pipeline.decode import compare_decoded
+
+            result = compare_decoded(result, prepared, engine, inputs.decode)
         if in_regime is not None:
             stage("regime")
             result = compare_in_regime(result, prepared, engine, *in_regime, noise_floor=noise_floor)
@@ -510,6 +528,10 @@ def compare_files(
     ref_trace, cand_trace = load_trace(reference, table), load_trace(candidate, table)
     prepared = prepared_from_trace(ref_trace, Tolerance(atol=atol, rtol=rtol), cand_trace.tokens)
     result = compare_candidate(prepared, FileEngine(cand_trace), command=command)
+    if ref_trace.steps or cand_trace.steps:  # decoded traces (`record --decode N`): every step, by the fixed bound
+        from tracer.comparison.steps import compare_steps, with_steps
+
+        result = with_steps(result, compare_steps(ref_trace, cand_trace, prepared.tolerance))
     if result.prompt is None and cand_trace.meta.prompt:
         result = result.with_context(prompt=cand_trace.meta.prompt)
     if out is not None:
@@ -584,7 +606,7 @@ def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, refer
         "prompt": inputs.prompt if inputs.tokens is None and inputs.prompt != DEFAULT_PROMPT else None,
         "chat": inputs.chat, "system": inputs.system,
         "max_tokens": inputs.max_tokens if inputs.tokens is None else None,
-        "position_offset": inputs.position_offset,
+        "position_offset": inputs.position_offset, "decode": inputs.decode,
         "reference": reference, "candidate": candidate,
         "reference_variant": [",".join(f"{k}={format_knob_value(v)}" for k, v in reference_variant.items())]
         if reference_variant else [],

@@ -42,6 +42,17 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
+class _Once(argparse.Action):
+    """A flag given at most once: a second one is the user's error, not a silent replacement of the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            first = getattr(namespace, self.dest)
+            raise TracerError(f"{option_string} given twice ({first!s:.40} and {values!s:.40}): a run takes one "
+                              "input; give the flag once")
+        setattr(namespace, self.dest, values)
+
+
 def _parent() -> argparse.ArgumentParser:
     return argparse.ArgumentParser(add_help=False)
 
@@ -52,9 +63,9 @@ def _inputs() -> argparse.ArgumentParser:
     parent.add_argument("--model", help="HF model directory (any family tracer traces) or .gguf file "
                                         "(default: bundled SmolLM2-135M-Instruct)")
     source = parent.add_mutually_exclusive_group()
-    source.add_argument("--prompt", help=f'text to run (default: "{DEFAULT_PROMPT}")')
-    source.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
-    source.add_argument("--tokens", help=TOKENS_HELP)
+    source.add_argument("--prompt", action=_Once, help=f'text to run (default: "{DEFAULT_PROMPT}")')
+    source.add_argument("--prompt-file", action=_Once, type=Path, help="read the prompt from a UTF-8 file")
+    source.add_argument("--tokens", action=_Once, help=TOKENS_HELP)
     parent.add_argument("--chat", action="store_true",
                         help="feed the prompt through the model's chat template, as an instruct model is used")
     parent.add_argument("--system", help="a system message before the prompt (with --chat)")
@@ -66,6 +77,14 @@ def _positions() -> argparse.ArgumentParser:
     parent.add_argument("--position-offset", type=int, default=0, metavar="P",
                         help="the first token's absolute position (default 0): RoPE at far positions, on the engines "
                              "that take positions (hf, reimpl)")
+    return parent
+
+
+def _decode() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--decode", type=int, default=0, metavar="N",
+                        help="after the prompt, decode N tokens one at a time, each engine with its own KV cache, "
+                             "every point of every step recorded (engines that decode: hf, reimpl; docs/decode.md)")
     return parent
 
 
@@ -148,14 +167,15 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
         return subs[name]
 
     command("run", "trace a reference and a candidate, localize the first divergence",
-            _inputs(), _truncation(), _positions(), _variant(), _reference(), _run_candidate(), _tolerance(), _noise(),
+            _inputs(), _truncation(), _positions(), _decode(), _variant(), _reference(), _run_candidate(), _tolerance(),
+            _noise(),
             _placement(), _report(DEFAULT_OUT), _json(), _verdict_exit())
 
     command("compare", "compare two saved traces (tracer's, or another runtime's dump)",
             _compared(), _tolerance(), _report(DEFAULT_OUT), _json(), _verdict_exit())
 
-    rec = command("record", "save one engine's trace as a safetensors file", _inputs(), _positions(), _variant(),
-                  _placement())
+    rec = command("record", "save one engine's trace as a safetensors file", _inputs(), _positions(), _decode(),
+                  _variant(), _placement())
     rec.add_argument("--engine", default="hf", help="the engine to record, see `tracer engines` (default hf)")
     rec.add_argument("-o", "--output", required=True, type=Path, help="trace file to write (.safetensors)")
 
@@ -187,7 +207,7 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
                                       "(default: bundled SmolLM2-135M-Instruct)")
     corpus = qual.add_mutually_exclusive_group(required=True)
     corpus.add_argument("--text", type=Path, metavar="FILE", help="the text, a UTF-8 file (llama-perplexity's -f)")
-    corpus.add_argument("--tokens", help=TOKENS_HELP)
+    corpus.add_argument("--tokens", action=_Once, help=TOKENS_HELP)
     qual.add_argument("--candidate", default="reimpl",
                       help="candidate engine: reimpl | hf | llamacpp:PATH.gguf | ..., see `tracer engines` "
                            "(default reimpl)")

@@ -41,7 +41,8 @@ def inputs_of(args) -> Inputs:
                 from None
     return Inputs(model=args.model, prompt=DEFAULT_PROMPT if prompt is None and args.tokens is None else prompt,
                   tokens=args.tokens, chat=args.chat, system=args.system,
-                  max_tokens=getattr(args, "max_tokens", None), position_offset=getattr(args, "position_offset", 0))
+                  max_tokens=getattr(args, "max_tokens", None), position_offset=getattr(args, "position_offset", 0),
+                  decode=getattr(args, "decode", 0))
 
 
 def placement_of(args) -> Placement:
@@ -105,7 +106,8 @@ def cmd_record(args) -> int:
 
     trace = record_values(inputs, placement, side)
     trace.save(args.output)
-    print(f"{trace.label}: {len(trace)} points on {len(trace.tokens)} tokens -> {args.output}")
+    steps = f" and {len(trace.steps)} decode steps" if trace.steps else ""
+    print(f"{trace.label}: {len(trace)} points on {len(trace.tokens)} tokens{steps} -> {args.output}")
     return 0
 
 

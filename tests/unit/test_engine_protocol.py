@@ -28,7 +28,8 @@ from tracer.files.sources import resolve_source
 
 # The protocol's methods only some engines have, and what in an entry declares each.
 DECLARED_BY = {"draft": lambda entry: entry.draft, "local_trace": lambda entry: entry.local_errors,
-               "op_trace": lambda entry: "regime" in entry.kinds}  # the regime view's per-op run
+               "op_trace": lambda entry: "regime" in entry.kinds,  # the regime view's per-op run
+               "decode": lambda entry: entry.decode}
 READ_FROM_CLASS = {"onnx"}  # built in seconds (an export of the model)
 
 
@@ -91,5 +92,5 @@ def test_the_check_sees_a_method_an_entry_declares_and_an_engine_lacks():
     members = class_members(FileEngine)
     assert "variant" in members  # assigned in __init__, not on the class
     assert declared(ENGINES["file"]) <= members
-    assert declared(ENGINES["hf"]) - members == {"draft"}  # a file engine claiming a draft would fail
+    assert declared(ENGINES["hf"]) - members == {"draft", "decode"}  # a file engine claiming them would fail
     assert {"local_trace", "op_trace"} <= declared(ENGINES["reimpl"])

@@ -21,6 +21,8 @@ from tracer.core import __version__
 DEFAULT_REL_L2 = 1e-4
 # On SmolLM2 the f32-vs-f64 noise bounds eager-vs-sdpa at every point (ratio at most 0.98).
 NOISE_FACTOR = 10.0
+# The version of summary.json's contract (docs/design.md): 2 added the decode steps (`step`, `steps`).
+CONTRACT_VERSION = 2
 NOISE_FLOOR = 1e-6
 
 
@@ -317,6 +319,30 @@ class RegimeView:
 
 
 @dataclass(frozen=True)
+class StepResult:
+    """One step of a decoded run compared (`tracer.comparison.steps`): 0 is the prompt's prefill with
+    the engines' KV caches, 1..N the decode steps, each one token at its position."""
+
+    step: int
+    position: int  # the absolute position of its first token
+    tokens: tuple[int, ...]  # what it was fed (the reference's greedy token, on both sides)
+    verdict: str
+    first_divergence: Divergence | None
+    points: int  # points compared
+    layer_max_rel_l2: tuple[float | None, ...] = ()  # per layer, the largest rel_l2 (the step × layer map)
+    # Each side's greedy pick after this step, from its own cached logits (None: no logits recorded): the
+    # candidate's cached greedy continuation follows the reference's until the first step where they differ.
+    reference_pick: int | None = None
+    candidate_pick: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "position": self.position, "tokens": list(self.tokens), "verdict": self.verdict,
+                "first_divergence": dict_or_none(self.first_divergence), "points": self.points,
+                "layer_max_rel_l2": list(self.layer_max_rel_l2), "reference_pick": self.reference_pick,
+                "candidate_pick": self.candidate_pick}
+
+
+@dataclass(frozen=True)
 class Result:
     """The comparison of a candidate trace with a reference. `bool(result)`: no divergence.
 
@@ -356,6 +382,11 @@ class Result:
     # The regime view (`tracer.pipeline.regime_view`): the reference ran in the candidate's number formats; the raw
     # f32 view, the regime's own cost per point and the per-op errors ride along.
     regime: RegimeView | None = None
+    # A decoded run (`--decode N`, `tracer.comparison.steps`): every step compared, 0 the cached prefill; `step`:
+    # which of them `points` and `first_divergence` show (None: the uncached prefill, where everything matched
+    # or the prefill itself diverged).
+    steps: tuple[StepResult, ...] = ()
+    step: int | None = None
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -370,7 +401,7 @@ class Result:
 
     def to_dict(self) -> dict:
         return json_safe({
-            "tracer_version": __version__,
+            "tracer_version": __version__, "contract": CONTRACT_VERSION,
             "verdict": self.verdict, "model": self.model, "prompt": self.prompt, "tokens": self.tokens,
             "token_texts": self.token_texts, "chat": self.chat, "reference": self.reference,
             "candidate": self.candidate, "tolerance": self.tolerance.to_dict(),
@@ -380,6 +411,7 @@ class Result:
             "first_nonfinite": self.first_nonfinite, "amplification": list(self.amplification),
             "config_audit": self.config_audit,
             "view": "raw" if self.regime is None else "regime", "regime": dict_or_none(self.regime),
+            "step": self.step, "steps": [step.to_dict() for step in self.steps],
         })
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -23,7 +23,8 @@ from tracer.model.points import is_causal
 
 MANIFEST_KEY = "tracer"
 MAX_LAYERS = 10_000  # far above any Llama (405B has 126 blocks)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: decode steps (`Trace.steps`); a version 1 file reads as a trace without steps
+STEP_PREFIX = "step{}/"  # a decode step's tensors in the file: "step3/model.layers.0.self_attn.k_rope"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +136,9 @@ class Trace:
         tensors: point name -> tensor in execution order, batch dimension dropped.
         meta: what the trace says about its run (`TraceMeta`): engine, variant, model, token ids,
             dtype, device, versions, points this engine cannot observe, ...
+        steps: with `--decode N`, the N decode steps after this trace's prefill, each a trace of one
+            token at its position (`meta.tokens`, `meta.position_offset`) recorded with the engine's
+            own KV cache; empty for a single forward.
 
     Example:
         >>> trace = tracer.record(None, "The capital of France is", engine="reimpl", progress=False)
@@ -146,6 +150,7 @@ class Trace:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: TraceMeta = field(default_factory=TraceMeta)
+    steps: list[Trace] = field(default_factory=list)
 
     def __getitem__(self, point: str) -> torch.Tensor:
         return self.tensors[point]
@@ -206,6 +211,11 @@ class Trace:
         path = Path(path)
         manifest = {"format": FORMAT_VERSION, "points": self.points, "meta": self.meta.to_dict()}
         tensors = {name: t.detach().contiguous() for name, t in self.tensors.items()}
+        if self.steps:
+            manifest["steps"] = [{"points": step.points, "meta": step.meta.to_dict()} for step in self.steps]
+            for number, step in enumerate(self.steps, start=1):
+                prefix = STEP_PREFIX.format(number)
+                tensors |= {prefix + name: t.detach().contiguous() for name, t in step.tensors.items()}
         if not path.parent.is_dir():
             raise TracerError(f"cannot write trace {path}: no folder {path.parent}")
         tmp = path.with_name(path.name + ".partial")
@@ -243,10 +253,22 @@ class Trace:
         if MANIFEST_KEY not in header:
             return import_foreign(tensors, header, path, aliases)
         manifest = _manifest(path, header[MANIFEST_KEY])
-        order = [p for p in manifest.get("points", []) if p in tensors]
-        order += [p for p in tensors if p not in order]
-        meta = manifest.get("meta", {"engine": "file"})
-        return cls({p: tensors[p] for p in order}, TraceMeta.from_dict(meta))
+        steps = []
+        for number, step in enumerate(manifest.get("steps", []), start=1):
+            prefix = STEP_PREFIX.format(number)
+            names = [name for name in tensors if name.startswith(prefix)]
+            steps.append(_ordered({name.removeprefix(prefix): tensors.pop(name) for name in names},
+                                  step["points"], step["meta"]))
+        trace = _ordered(tensors, manifest.get("points", []), manifest.get("meta", {"engine": "file"}))
+        trace.steps = steps
+        return trace
+
+
+def _ordered(tensors: dict[str, torch.Tensor], points: list[str], meta: dict) -> Trace:
+    """A trace of `tensors` in its manifest's point order (any others after them)."""
+    order = [p for p in points if p in tensors]
+    order += [p for p in tensors if p not in order]
+    return Trace({p: tensors[p] for p in order}, TraceMeta.from_dict(meta))
 
 
 # Metadata keys a foreign file may carry (all safetensors metadata values are strings).
@@ -317,6 +339,11 @@ def _manifest(path: Path, text: str) -> dict:
     if not (isinstance(points, list) and all(isinstance(p, str) for p in points) and isinstance(meta, dict)
             and all(isinstance(meta.get(key, {}), dict) for key in ("variant", "not_recorded"))):
         raise TracerError(f"cannot read trace {path}: its manifest is malformed")
+    steps = manifest.get("steps", [])
+    if not (isinstance(steps, list) and all(
+            isinstance(step, dict) and isinstance(step.get("points"), list) and isinstance(step.get("meta"), dict)
+            and all(isinstance(p, str) for p in step["points"]) for step in steps)):
+        raise TracerError(f"cannot read trace {path}: its decode steps are malformed")
     tokens = meta.get("tokens")
     if tokens is not None and not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
         raise TracerError(f"cannot read trace {path}: its token ids are malformed")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import platform
 from importlib import metadata
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from tracer.core.errors import TracerError
 from tracer.core.lazy import torch  # the isolated engines' handle imports this module; its child starts torch-free
@@ -51,6 +51,10 @@ class Engine(Protocol):
 
     def draft(self, tokens: list[int], steps: int) -> list[int]:
         """A cheap guess at `steps` greedy tokens (a cached decode), checked by the caller."""
+
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+        """Where `entry.decode`: the prompt's prefill, then `count` steps of one token each, all with
+        its own KV cache; `Trace.steps` holds the steps (`decode_steps`)."""
 
     def local_trace(self, reference: Trace, recorder=None) -> Trace:
         """Its points with every block fed the reference's input to that block."""
@@ -130,6 +134,37 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
     return TraceMeta(engine=engine.name, variant=dict(engine.variant), model=model, tokens=list(tokens),
                      dtype=str(dtype).removeprefix("torch."), device=str(engine.device), versions=environment(),
                      not_recorded=not_recorded, **facts)
+
+
+def refuse_windowed_decode(engine: str, window: int | None, layer: int | None, end: int) -> None:
+    """`--decode` past a sliding window (the sequence runs to position `end - 1`) is refused in one line:
+    transformers' cache then keeps the window's slots only, tracer's every slot; ring buffers are not
+    traced yet (docs/decode.md). Within the window every cache holds every slot."""
+    if window is not None and end > window:
+        raise TracerError(f"--decode on the {engine} engine: this model's layer {layer} attends to a sliding window "
+                          f"of {window} keys and the decode runs to position {end - 1}; sliding-window caches (ring "
+                          "buffers) are not traced yet: decode within the window")
+
+
+def decode_steps(forward: Callable[[list[int], int], tuple[Trace, torch.Tensor]], tokens: list[int], count: int,
+                 forced: list[int] | None = None, offset: int = 0) -> Trace:
+    """The prefill and `count` decode steps, as every engine with a KV cache decodes: `forward(ids, start)`
+    runs `ids` (the prompt, then one token) after what its cache holds and returns their trace and
+    logits (T, V); the cache lives in `forward`. Each step's token is `forced` (teacher-forced on the
+    reference's tokens, so both sides see the same inputs) or, without it, the previous step's greedy
+    pick. Each step's trace says its token and its position in the sequence (`position_offset`), which
+    is what the step is compared at whatever position the engine gave it."""
+    if forced is not None and len(forced) < count:
+        raise TracerError(f"{count} decode steps need {count} forced tokens, got {len(forced)}")
+    trace, logits = forward(list(tokens), offset)
+    position, steps = offset + len(tokens), []
+    for index in range(count):
+        token = forced[index] if forced is not None else int(logits[-1].argmax())
+        step, logits = forward([token], position)
+        steps.append(step)
+        position += 1
+    trace.steps = steps
+    return trace
 
 
 def at_positions(offset: int, count: int) -> dict:

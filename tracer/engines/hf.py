@@ -12,6 +12,7 @@ a change a family's config cannot express (Qwen2's q/k/v biases are not configur
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import re
@@ -23,7 +24,7 @@ import torch
 from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
-from tracer.engines.base import EngineBase, per_layer
+from tracer.engines.base import EngineBase, decode_steps, per_layer, refuse_windowed_decode
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.hooks.modules import recording_modules
@@ -58,23 +59,58 @@ class HFEngine(EngineBase):
     def record(self, tokens: list[int], recorder=None, *, positions: torch.Tensor | None = None) -> Trace:
         """Every point of one forward at `positions` (transformers' `position_ids`; default 0..T-1);
         `recorder` (default in memory) may spill to disk instead."""
-        from tracer.hooks.attention import recording_attention, unobservable_points
-
         offset = self.first_position(tokens, positions)
         recorder = recorder if recorder is not None else TraceRecorder()
+        self._recorded(recorder, input_ids=self._ids(tokens), use_cache=False, **self._positions(positions))
+        return Trace(recorder.tensors, self._meta(tokens, offset))
+
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+        """The prefill and `count` decode steps with transformers' own KV cache (`DynamicCache`), each
+        step one token at its `position_ids`; the hooks record every step's points and the cache."""
+        from transformers import DynamicCache
+
+        config = self.model.config
+        types = getattr(config, "layer_types", None)
+        windowed = (types.index("sliding_attention") if "sliding_attention" in types else None) if types \
+            else (0 if getattr(config, "sliding_window", None) is not None else None)
+        refuse_windowed_decode(self.name, None if windowed is None else config.sliding_window, windowed,
+                               offset + len(tokens) + count)
+        cache = DynamicCache(config=self.model.config)
+
+        def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+            recorder = TraceRecorder()
+            at = torch.arange(start, start + len(ids))
+            out = self._recorded(recorder, cached=True, input_ids=self._ids(ids), use_cache=True,
+                                 **self._cache(cache), **self._positions(at))
+            return Trace(recorder.tensors, self._meta(ids, start or None)), out.logits[0]  # (T, V)
+
+        return decode_steps(forward, tokens, count, forced, offset)
+
+    def _recorded(self, recorder, cached: bool = False, **call):
+        """The model called on `call` with every point going to `recorder`."""
+        from tracer.hooks.attention import recording_attention
+
         names = {module: name for name, module in self.model.named_modules()}
-        implementation = self.model.config._attn_implementation
         with ExitStack() as stack, torch.inference_mode():
             stack.enter_context(recording_modules(self.model, recorder, self.layer_prefixes, self.family,
                                                   self.model_points))
-            stack.enter_context(recording_attention(self.model, recorder, names))
-            self.model(input_ids=self._ids(tokens), use_cache=False, **self._positions(positions))
+            stack.enter_context(recording_attention(self.model, recorder, names, cached))
+            return self.model(**call)
+
+    def _cache(self, cache) -> dict:
+        """The cache keyword: transformers 5.24 names it `cache`, earlier 5.x releases `past_key_values`."""
+        forward = inspect.signature(self.model.forward).parameters
+        return {"cache": cache} if "cache" in forward else {"past_key_values": cache}
+
+    def _meta(self, tokens: list[int], offset: int | None):
+        from tracer.hooks.attention import unobservable_points
+
+        implementation = self.model.config._attn_implementation
         not_recorded = per_layer(len(self.layer_prefixes), unobservable_points(implementation))
-        meta = self.meta(tokens, self.model.dtype, not_recorded, num_layers=len(self.layer_prefixes),
+        return self.meta(tokens, self.model.dtype, not_recorded, num_layers=len(self.layer_prefixes),
                          attn_implementation=implementation,
                          unused_tensors=getattr(self.model, "tracer_unused_tensors", []), family=self.family,
                          position_offset=offset, placement=placement_text(self.model))
-        return Trace(recorder.tensors, meta)
 
     @torch.inference_mode()
     def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -69,6 +69,8 @@ class EngineEntry:
             implies none beyond its knobs (a dtype).
         regime_with_argument: it computes in `regime` only on the file named after the colon (candle:
             quantized_llama.rs on candle:PATH.gguf; on the model directory llama.rs runs f32).
+        decode: it decodes with its own KV cache, every step recorded (`decode(tokens, count, forced=...)`,
+            `--decode N`); the others refuse `--decode` in one line naming those that take it.
     """
 
     name: str
@@ -96,6 +98,7 @@ class EngineEntry:
     positions: bool = False
     regime: str | None = None
     regime_with_argument: bool = False
+    decode: bool = False
 
     def honours(self, knob: str) -> bool:
         return knob in self.knobs or (knob in KNOBS and KNOBS[knob].kind in self.kinds)
@@ -197,14 +200,14 @@ BUILTINS = (
         "hf", "tracer.engines.hf",
         "transformers' own model, observed through forward hooks and a registered attention function",
         kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
-        noise_floor=True, offload=True, positions=True,
+        noise_floor=True, offload=True, positions=True, decode=True,
         requires=(("transformers", "transformers"),),
     ),
     EngineEntry(
         "reimpl", "tracer.engines.reimpl",
         "tracer's own forward of every family in plain torch (tracer/reimpl/), every knob as a step",
         kinds=("config", "semantic", "regime"), fused_attention="attn=sdpa, or flash_attn with ops=ggml",
-        local_errors=True, positions=True,
+        local_errors=True, positions=True, decode=True,
         devices=("cpu", "cuda", "mps"), stream=True, noise_floor=True,
     ),
     EngineEntry(

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
-from tracer.engines.base import EngineBase, check_device, per_layer
+from tracer.engines.base import EngineBase, check_device, decode_steps, per_layer, refuse_windowed_decode
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.reimpl.forward import Model
@@ -28,6 +28,25 @@ class ReimplEngine(EngineBase):
         recorder = recorder if recorder is not None else TraceRecorder()
         self.model.forward(torch.tensor(tokens), recorder, positions=positions)
         return Trace(recorder.tensors, self._meta(tokens, offset))
+
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+        """The prefill and `count` decode steps with its own KV cache (`tracer.reimpl.kv_cache`); the
+        model picks each step's position from the cache (where the decode knobs get it wrong)."""
+        from tracer.reimpl.kv_cache import KVCache
+
+        spec = self.model.spec
+        windowed = next((i for i in range(spec.num_hidden_layers) if self.model.steps.window(spec, i)), None)
+        refuse_windowed_decode(self.name, None if windowed is None else spec.window(windowed), windowed,
+                               offset + len(tokens) + count)
+        cache = KVCache(self.model.spec.num_hidden_layers)
+
+        def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+            recorder = TraceRecorder()
+            at = torch.arange(start, start + len(ids)) if cache.length == 0 else None  # the prompt's, as given
+            logits = self.model.forward(torch.tensor(ids), recorder, positions=at, cache=cache)  # (T, V)
+            return Trace(recorder.tensors, self._meta(ids, start or None)), logits
+
+        return decode_steps(forward, tokens, count, forced, offset)
 
     def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.forward(torch.tensor(tokens), positions=positions)

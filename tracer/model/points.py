@@ -58,6 +58,12 @@ UP_PROJ = "mlp.up_proj"
 MLP_ACT = "mlp.act"
 DOWN_PROJ = "mlp.down_proj"
 
+# What a layer's KV cache holds after a forward with a cache (`--decode`): every slot's keys (after RoPE)
+# and values, (KV, S, D). Recorded only by a cached run, ranked right after the keys they hold.
+CACHE_K = "self_attn.cache_k"
+CACHE_V = "self_attn.cache_v"
+CACHE_POINTS = (CACHE_K, CACHE_V)
+
 # What a fused attention kernel (sdpa, flash attention, MLX's fast sdpa) never forms as tensors.
 FUSED_AWAY = (SCORES, PROBS)
 
@@ -201,6 +207,8 @@ def rank(point: str, family: str | None = None) -> tuple:
     layer = -1 if match.group(1) == "{i}" else int(match.group(1))
     order = layer_order(family)
     sub = match.group(2) or ""
+    if sub in CACHE_POINTS and K_ROPE in order:  # after the keys they hold, before the scores that read them
+        return (1, layer, order.index(K_ROPE) + (1 + CACHE_POINTS.index(sub)) / 4)
     if sub in order:
         return (1, layer, order.index(sub))
     known = list(known_sub_points())
@@ -219,6 +227,8 @@ def op_kind(point: str) -> str | None:
 
 
 def layout_of(point: str) -> str:
+    if split_point(point)[1] in CACHE_POINTS:
+        return "heads"  # (KV, S, D): slots along the second axis
     record = point_record(point)
     return record.layout if record is not None else "rows"
 

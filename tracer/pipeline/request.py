@@ -76,8 +76,9 @@ def token_list(tokens) -> tuple[int, ...] | None:
 @dataclass(frozen=True)
 class Inputs:
     """What the model is fed: a model (a directory, a .gguf file, None for the bundled SmolLM2,
-    or a loaded transformers model), a prompt or token ids, the chat template, a truncation, and the
-    absolute position of the first token (`position_offset`, 0 by default: RoPE at far positions)."""
+    or a loaded transformers model), a prompt or token ids, the chat template, a truncation, the
+    absolute position of the first token (`position_offset`, 0 by default: RoPE at far positions),
+    and the decode steps after the prompt (`decode`, 0 by default: the prefill alone)."""
 
     model: object = None
     prompt: str | None = DEFAULT_PROMPT
@@ -86,11 +87,13 @@ class Inputs:
     system: str | None = None
     max_tokens: int | None = None
     position_offset: int = 0
+    decode: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", token_list(self.tokens))
         whole_number(self.max_tokens, "--max-tokens", minimum=1)
         whole_number(self.position_offset, "--position-offset", minimum=0)
+        whole_number(self.decode, "--decode", minimum=0)
         if self.tokens is None:
             if self.prompt is None:
                 raise TracerError("give a prompt or token ids")
@@ -249,6 +252,18 @@ def check_positions(offset: int, *sides: Side) -> None:
             able = ", ".join(entry.name for entry in registered().values() if entry.positions)
             raise TracerError(f"--position-offset {offset}: the {side.entry.name} engine runs its tokens "
                               f"from position 0; engines that take positions: {able}")
+
+
+def check_decode(steps, *sides: Side) -> int:
+    """`--decode N`: a whole number of steps, on engines that decode with their own KV cache (their registry
+    entry says); any other is refused in one line, naming the ones that can. Returns N (0: no decode)."""
+    steps = whole_number(steps, "--decode", minimum=0) or 0
+    for side in sides if steps else ():
+        if not side.entry.decode:
+            able = ", ".join(entry.name for entry in registered().values() if entry.decode)
+            raise TracerError(f"--decode {steps}: the {side.entry.name} engine does not decode with a KV "
+                              f"cache here; engines that do: {able}")
+    return steps
 
 
 def regime_knobs(regime) -> dict | str | None:

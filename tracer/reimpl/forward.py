@@ -145,8 +145,8 @@ class Model:
                   cache=None) -> Positions:
         """The absolute positions of a forward's tokens (int64 (T,)), with the RoPE tables for them:
         `positions` as given, else `count` positions after what `cache` holds (0 without one)."""
-        if positions is None:
-            start = 0 if cache is None else cache.length
+        if positions is None:  # after the cache's last position (a knob may get this wrong: `decode_start`)
+            start = 0 if cache is None else self.steps.decode_start(cache)
             positions = torch.arange(start, start + count)
         positions = torch.as_tensor(positions, dtype=torch.int64)
         if positions.dim() != 1:
@@ -187,6 +187,7 @@ class Model:
         """tokens (T,) int64 -> logits (T, V) ((1, V) with logits=last); every point goes to `record`.
 
         `positions`: the tokens' absolute positions (T,) (default: 0..T-1, or after what `cache` holds);
+            with a cache, every layer also records what its cache holds (`cache_k`, `cache_v`);
         `cache`: a `tracer.reimpl.kv_cache.KVCache` the keys and values are appended to.
         """
         if cache is not None and self.steps.attention not in ATTENTION_KERNELS.values():
@@ -199,6 +200,8 @@ class Model:
         h = self.embed(tokens, record)  # (1, T, C)
         for i in range(self.spec.num_hidden_layers):
             h = self.block(i, h, at, cache, record)
+        if cache is not None:
+            cache.forward_done()
         return self.head(h, record)[0]
 
 

@@ -19,10 +19,13 @@ from dataclasses import dataclass, field
 from tracer.core.errors import TracerError
 from tracer.core.lazy import F, torch
 from tracer.model.component import Component, Name, Point
+from tracer.model.components import decode
 from tracer.model.components.rope import Rope
 from tracer.model.knobs import KNOBS, Knob, choice, fixed, setting, when
 from tracer.model.points import (
     BIAS,
+    CACHE_K,
+    CACHE_V,
     CONTEXT,
     K_NORM,
     K_PROJ,
@@ -455,7 +458,7 @@ class Attention(Component):
 
     @property
     def knobs(self) -> tuple:
-        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap
+        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + decode.KNOBS
 
     @property
     def output(self) -> str:
@@ -516,6 +519,7 @@ class Attention(Component):
             **({"qk_heads": qk_plain} if self.qk_norm is None else {}),
             # the q/k norms compute with the family's norm (`qk_norm` None) unless the variant drops them
             "qk_norm": qk_norm_skipped if knobs.get("qk_norm") == "drop" else None,
+            **decode.steps(knobs),
         }
 
     def forward(self, x: torch.Tensor, run) -> torch.Tensor:
@@ -526,12 +530,16 @@ class Attention(Component):
         q, k = steps.qk_heads(q, k, run)  # (1, H, T, D), (1, KV, T, D)
         v = heads_first(v, spec.head_dim)  # (1, KV, T, D)
         cos, sin = run.positions.tables(spec.layer_type(run.index))  # (1, T, R) each
+        unrotated = k
         q, k = steps.rope(q, cos, sin), steps.rope(k, cos, sin)
         run.record(Q_ROPE, q)
         run.record(K_ROPE, k)
         queries = keys = run.positions.positions  # (T,)
         if run.cache is not None:  # the layer's keys and values so far, these appended
-            k, v, keys = run.cache.update(run.index, k, v, queries)  # (1, KV, S, D) x2, (S,)
+            stored = unrotated if steps.cache_unrotated else None
+            k, v, keys = run.cache.update(run.index, k, v, queries, stored)  # (1, KV, S, D) x2, (S,)
+            run.record(CACHE_K, run.cache.keys[run.index])  # what the cache holds now, (1, KV, S, D)
+            run.record(CACHE_V, run.cache.values[run.index])
         visible = Visible(queries, keys, steps.window(spec, run.index))
         context = steps.attention(q, k, v, spec, steps, run.record, visible)  # (1, H, T, D)
         context = context.transpose(1, 2).contiguous().reshape(batch, tokens, -1)  # (1, T, H*D)

@@ -1,0 +1,181 @@
+"""Two decoded traces compared step by step (`--decode N`, docs/decode.md).
+
+A decoded trace is the prompt's prefill with the engine's KV cache (step 0) and `Trace.steps`, one
+trace per decode step (1..N), each one token at its position. Each step is compared like any trace
+(`tracer.comparison.diff.compare`), against its own noise floor; the walk names the first step whose
+comparison diverges, and that step's comparison becomes the one a result shows (`with_steps`).
+
+Where each step's floor comes from (`step_floors`): the reference's cached step against the same
+position of its own uncached forward over the whole sequence, which differ by f32 rounding only (other
+matmul shapes); a point's floor is the larger of that and the prefill's f64 noise of the point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tracer.comparison.diff import compare, rel_l2_by_point
+from tracer.comparison.result import Divergence, Result, StepResult, Tolerance
+from tracer.comparison.trace import Trace
+from tracer.core.errors import TracerError
+from tracer.model.points import (
+    CACHE_K,
+    CACHE_POINTS,
+    CACHE_V,
+    K_ROPE,
+    LOGITS,
+    Q_ROPE,
+    V_PROJ,
+    layer_of,
+    layer_point,
+    layout_of,
+    split_point,
+)
+
+PREFILL = 0  # the step number of the prompt's (cached) prefill
+
+# The cache's points take the prefill floor of what they hold.
+_HELD = {CACHE_K: K_ROPE, CACHE_V: V_PROJ}
+
+
+def decoded_steps(trace: Trace) -> list[Trace]:
+    """Step 0 (the cached prefill) then every decode step."""
+    return [trace, *trace.steps]
+
+
+def step_position(trace: Trace) -> int:
+    return trace.meta.position_offset or 0
+
+
+def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,
+                  floors: list[dict[str, float]] | None = None) -> list[tuple[StepResult, Result]]:
+    """Every step of two decoded traces compared (0: the cached prefill); `floors[step]`: per point
+    noise (`step_floors`). The two traces must hold the same number of steps, on the same tokens."""
+    if len(reference.steps) != len(candidate.steps):
+        raise TracerError(f"the traces hold different numbers of decode steps: {len(reference.steps)} vs "
+                          f"{len(candidate.steps)}")
+    compared = []
+    for number, (ref, cand) in enumerate(zip(decoded_steps(reference), decoded_steps(candidate))):
+        if number and ref.tokens is not None and cand.tokens is not None and list(ref.tokens) != list(cand.tokens):
+            raise TracerError(f"decode step {number} was fed different tokens: {ref.tokens} vs {cand.tokens} (each "
+                              "side decoded its own greedy tokens; `tracer run --decode N` feeds the candidate the "
+                              "reference's)")
+        result = compare(ref, cand, tolerance, noise=floors[number] if floors else None)
+        first = result.first_divergence
+        if first is not None:
+            first = dataclasses.replace(first, hints=(*step_hints(number, first), *first.hints))
+            result = dataclasses.replace(result, first_divergence=first)
+        compared.append((step_summary(number, ref, result, cand), result))
+    return compared
+
+
+def greedy_pick(trace: Trace) -> int | None:
+    """The token a step's own logits pick next (their last row's argmax); None without logits."""
+    return int(trace[LOGITS][-1].argmax()) if LOGITS in trace else None
+
+
+def step_summary(number: int, reference: Trace, result: Result, candidate: Trace | None = None) -> StepResult:
+    """What the JSON and the step × layer map keep of one step's comparison."""
+    worst: dict[int | None, float] = {}
+    for p in result.points:
+        if p.recorded and p.rel_l2 is not None:
+            worst[p.layer] = max(worst.get(p.layer, 0.0), p.rel_l2)
+    layers = max((layer for layer in worst if layer is not None), default=-1) + 1
+    return StepResult(
+        step=number, position=step_position(reference), tokens=tuple(reference.tokens or ()), verdict=result.verdict,
+        first_divergence=result.first_divergence, points=sum(p.recorded for p in result.points),
+        layer_max_rel_l2=tuple(worst.get(layer) for layer in range(layers)),
+        reference_pick=greedy_pick(reference), candidate_pick=None if candidate is None else greedy_pick(candidate),
+    )
+
+
+def step_hints(number: int, first: Divergence) -> list[str]:
+    """What a divergence that appears only at a decode step suggests, by the point it starts at."""
+    sub = split_point(first.point)[1]
+    if number == PREFILL:
+        if sub in CACHE_POINTS:
+            return ["the prompt's own attention agrees but what the cache keeps differs: the cache stores another "
+                    "tensor than the reference's (keys before RoPE, another dtype or layout)"]
+        return []
+    if sub in (Q_ROPE, K_ROPE) and first.layer == 0:
+        return [f"the prefill agrees and decode step {number} leaves it at RoPE of layer 0: the step's token was "
+                "given another position (restarting at 0 after the prompt, off by one: check the position "
+                "taken from the cache's length)"]
+    if sub in CACHE_POINTS:
+        return [f"decode step {number} agrees up to the cache: a slot holds other keys or values than the "
+                "reference's (written at the wrong slot, or kept from another prompt)"]
+    if layer_of(first.point) == 0 and sub not in (Q_ROPE, K_ROPE):
+        return [f"the prefill agrees and decode step {number} diverges at layer 0 after RoPE: what the step "
+                "attends to differs (the cached keys or values, or the mask over them)"]
+    return []
+
+
+def with_steps(result: Result, compared: list[tuple[StepResult, Result]]) -> Result:
+    """`result` (the uncached prefill's comparison, with its context) with the decode steps attached; when
+    the prefill matches and a step diverges, that step's comparison is the one shown (points, first
+    divergence, logits), so that reports and the verdict line name it."""
+    steps = tuple(summary for summary, _ in compared)
+    first = next(((summary, shown) for summary, shown in compared if shown.verdict != "match"), None)
+    if result.verdict != "match" or first is None:
+        return dataclasses.replace(result, steps=steps)
+    summary, shown = first
+    return dataclasses.replace(result, verdict=shown.verdict, points=shown.points,
+                               first_divergence=shown.first_divergence, logits=shown.logits,
+                               first_nonfinite=shown.first_nonfinite, amplification=shown.amplification,
+                               steps=steps, step=summary.step)
+
+
+# --- the floor of each step ------------------------------------------------------------------------
+
+
+def step_floors(decoded: Trace, uncached: Trace, prefill_noise: dict[str, float] | None) -> list[dict[str, float]]:
+    """Per step (0: the cached prefill), per point: the larger of the prefill's f64 noise of the point
+    (for the cache, of what it holds) and the rel_l2 between the reference's cached step and the same
+    position of `uncached` (its forward over the prompt and every decoded token, without a cache)."""
+    prefill_noise = prefill_noise or {}
+    start = step_position(decoded)
+    floors = []
+    for step in decoded_steps(decoded):
+        first = step_position(step) - start  # the step's first row in the uncached forward
+        rows = len(step.tokens or ())
+        same = Trace({point: tensor for point in step.points
+                      if (tensor := _rows(point, uncached, first, rows, step)) is not None}, step.meta)
+        gaps = rel_l2_by_point(step, same) if len(same) else {}
+        floors.append({point: max(gaps.get(point, 0.0), prefill_noise.get(_held(point)) or 0.0)
+                       for point in step.points})
+    return floors
+
+
+def _held(point: str) -> str:
+    layer, sub = split_point(point)
+    return layer_point(layer, _HELD[sub]) if sub in _HELD else point
+
+
+def _rows(point: str, full: Trace, first: int, rows: int, step: Trace) -> torch.Tensor | None:
+    """The rows of the uncached forward that a step with `rows` tokens from `first` computed (its cache:
+    every slot up to its last token); None where the uncached forward did not keep them."""
+    last = first + rows  # one past the step's last row
+    layer, sub = split_point(point)
+    if sub == CACHE_K:
+        keys = full.tensors.get(layer_point(layer, K_ROPE))  # (KV, T, D)
+        return None if keys is None else keys[:, :last]
+    if sub == CACHE_V:
+        values = full.tensors.get(layer_point(layer, V_PROJ))  # (T, KV*D)
+        if values is None:
+            return None
+        heads, _, dim = step[point].shape
+        return values.reshape(values.shape[0], heads, dim).transpose(0, 1)[:, :last]  # (KV, T, D)
+    tensor = full.tensors.get(point)
+    if tensor is None:
+        return None
+    layout = layout_of(point)
+    if layout == "attention":  # (H, kept rows, T): the last rows only, past ATTENTION_ROWS tokens
+        skipped = tensor.shape[-1] - tensor.shape[-2]
+        return None if first < skipped else tensor[:, first - skipped:last - skipped, :last]
+    if layout == "heads":
+        return tensor[:, first:last]  # (H, rows, D)
+    if tensor.shape[0] < last:  # a runtime that keeps only the last position's logits
+        return None
+    return tensor[first:last]  # (rows, X)
