@@ -138,7 +138,7 @@ ENGINES: dict[str, EngineEntry] = {
             "hf", "tracer.engines.hf",
             "transformers' own model, observed through forward hooks and a registered attention function",
             kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
-            noise_floor=True, offload=True, positions=True,
+            noise_floor=True, offload=True, positions=True, stream=True,
             requires=(("transformers", "transformers"),),
         ),
         EngineEntry(
