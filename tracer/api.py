@@ -140,7 +140,7 @@ def run(
     chat: bool = False,
     system: str | None = None,
     device: str = "cpu",
-    stream: bool = False,
+    stream: bool | None = None,
     regime: str | None = None,
     offload: str | Path | None = None,
     max_memory=None,
@@ -164,8 +164,9 @@ def run(
         chat, system: feed the prompt through the model's chat template, as an instruct model
             is used (with a system message); the report shows the templated text.
         device: where both models run ("cpu", "cuda", "cuda:1", "mps"); traces are kept on the CPU.
-        stream: a side whose engine can stream reads each block's weights from the files when it
-            runs (one block in memory); the others load their whole model, which the notes say.
+        stream: a side whose engine can stream (hf, reimpl) reads each block's weights from the
+            files when it runs (one block in memory); the others load their whole model, which the
+            notes say. None (default): streamed past 2 GiB of f32 weights (`tracer.pipeline.streamed`).
         regime: compare in a number-format regime (`tracer.pipeline.regime_view`): "auto" takes the one the
             candidate's runtime and model file imply (llama.cpp's CPU arithmetic on its GGUF's
             tensor types; a 16-bit dtype), or knobs such as "weights=q4_1,act_quant=q8_1". The
@@ -213,13 +214,13 @@ def run_values(inputs: Inputs, placement: Placement = Placement(), outputs: Outp
                             tolerance=tolerance, noise_floor=noise_floor, greedy_steps=greedy, progress=progress,
                             candidates=(candidate,)) as prepared:
         in_regime = resolve_regime(regime, candidate, variant, prepared.source) if regime is not None else None
-        engine = load_engine(candidate, prepared.source, variant, device=placement.device, stream=placement.stream,
+        engine = load_engine(candidate, prepared.source, variant, device=placement.device, stream=prepared.stream,
                              offload=offload_for(candidate, prepared.offload))
         if command is None and not prepared.source.loaded:  # no command line can name a model object
             command = run_command(inputs, placement, outputs, reference=reference, candidate=candidate,
                                   variant=variant, reference_variant=prepared.variant, tolerance=tolerance,
                                   greedy=greedy, noise_floor=noise_floor, regime=regime)
-        result = compare_candidate(prepared, engine, command=command, notes=stream_notes(placement.stream, candidate),
+        result = compare_candidate(prepared, engine, command=command, notes=stream_notes(prepared.stream, candidate),
                                    config_audit=config_audit(prepared.source, variant))
         if in_regime is not None:
             stage("regime")
@@ -606,7 +607,7 @@ def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, refer
         "variant": [",".join(knobs.values())] if knobs else [],
         "atol": tolerance.atol, "rtol": tolerance.rtol,
         "greedy": greedy if greedy != GREEDY_STEPS else None, "no_noise": not noise_floor,
-        "device": placement.device, "stream": placement.stream,
+        "device": placement.device, "stream": placement.stream, "no_stream": placement.stream is False,
         "regime": None if regime is None else regime if isinstance(regime, str) else variant_text(regime),
         "offload": placement.offload,
         "max_memory": ",".join(f"{d}={size}" for d, size in placement.max_memory.items())

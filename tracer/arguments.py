@@ -93,8 +93,11 @@ def _reference() -> argparse.ArgumentParser:
 def _placement() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--device", default="cpu", help="where the models run: cpu | cuda | cuda:N | mps (default cpu)")
-    parent.add_argument("--stream", action="store_true",
-                        help="reimpl reads each block's weights from the files when it runs: one block in memory")
+    streaming = parent.add_mutually_exclusive_group()
+    streaming.add_argument("--stream", action="store_true",
+                           help="hf and reimpl read each block's weights from the files when it runs: one block in "
+                                "memory (run: the default past 2 GiB of f32 weights)")
+    streaming.add_argument("--no-stream", action="store_true", help="load each side's model whole, whatever its size")
     parent.add_argument("--offload", metavar="DIR", help="hf loads its model through accelerate (device_map=auto): "
                         "what fits in no device's memory is kept in DIR and read when its module runs")
     parent.add_argument("--max-memory", metavar="DEV=SIZE[,...]",

@@ -45,7 +45,8 @@ def inputs_of(args) -> Inputs:
 
 
 def placement_of(args) -> Placement:
-    return Placement(device=args.device, stream=args.stream, offload=args.offload, max_memory=args.max_memory)
+    stream = True if args.stream else False if args.no_stream else None  # None: tracer chooses by size
+    return Placement(device=args.device, stream=stream, offload=args.offload, max_memory=args.max_memory)
 
 
 def outputs_of(args, kind: tuple[str, str] = RUN_REPORT) -> Outputs:
