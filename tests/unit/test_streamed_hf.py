@@ -22,7 +22,10 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
-def test_streamed_points_are_the_whole_models_bit_for_bit(tiny, family):
+def test_streamed_points_are_the_whole_models_bit_for_bit(tiny, family, monkeypatch):
+    from tracer.engines import hf_streamed
+
+    monkeypatch.setattr(hf_streamed, "VOCAB_ROWS", 10)  # lm_head in several chunks of the tiny vocabulary
     whole = load_engine("hf", tiny[family], {})
     streamed = load_engine("hf", tiny[family], {}, stream=True)
     expected, got = whole.record(TOKENS), streamed.record(TOKENS)
@@ -55,3 +58,22 @@ def test_a_missing_or_misshapen_tensor_is_one_line(tiny, tmp_path):
     save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, str(folder / "model.safetensors"))
     with pytest.raises(TracerError, match=f"shape mismatch for {name}"):
         load_engine("hf", folder, {}, stream=True)
+
+
+@pytest.mark.parametrize("variant", [{}, {"dtype": "f64"}, {"theta": 1000.0}])
+def test_the_reimpl_streamed_with_its_vocabulary_in_chunks_is_bit_for_bit(tiny, variant, monkeypatch):
+    """The embedding read as the rows the tokens use, lm_head as chunks of rows (a chunk smaller
+    than the tiny vocabulary, so that there are several)."""
+    from tracer.reimpl import forward
+    from tracer.reimpl.forward import Model
+
+    monkeypatch.setattr(forward, "VOCAB_ROWS", 10)
+    ids = torch.tensor(TOKENS)
+    for family in ("llama", "gemma2"):  # tied, and Gemma's scaled embedding and capped logits
+        whole, streamed = {}, {}
+        expected = Model.from_dir(tiny[family], variant).forward(ids, lambda n, t: whole.__setitem__(n, t.clone()))
+        got = Model.from_dir(tiny[family], variant, stream=True).forward(
+            ids, lambda n, t: streamed.__setitem__(n, t.clone()))
+        assert list(whole) == list(streamed)
+        assert [n for n in whole if not torch.equal(whole[n], streamed[n])] == []
+        assert torch.equal(expected, got)

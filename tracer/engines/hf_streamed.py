@@ -14,6 +14,7 @@ forward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tracer.core.errors import TracerError
@@ -38,11 +39,20 @@ def stream_weights(model: nn.Module, model_dir, dtype: torch.dtype, device: torc
     sources = _sources(model, shapes)
     unused = sorted(set(shapes) - set(sources.values()))
     model.tracer_unused_tensors = [name for name in unused if not name.endswith("rotary_emb.inv_freq")]
+    device = torch.device(device)
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
     for prefix, unit in _units(model):
         names = {name: sources[_join(prefix, name)] for name, _ in unit.named_parameters()}
-        loader = _UnitWeights(unit, names, files, dtype, torch.device(device))
-        unit.register_forward_pre_hook(loader.bring_in)
-        unit.register_forward_hook(loader.give_back)
+        if unit is embedding and isinstance(unit, nn.Embedding) and list(names) == ["weight"]:
+            rows = _EmbeddingRows(unit, files, names["weight"], dtype, device)
+            unit.register_forward_pre_hook(rows.bring_in)
+            unit.register_forward_hook(rows.give_back)
+        elif unit is output and type(unit) is nn.Linear and list(names) == ["weight"]:
+            unit.forward = _VocabChunks(files, names["weight"], dtype, device)
+        else:
+            loader = _UnitWeights(unit, names, files, dtype, device)
+            unit.register_forward_pre_hook(loader.bring_in)
+            unit.register_forward_hook(loader.give_back)
 
 
 def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -115,3 +125,42 @@ def _set(unit: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner, leaf = _owner(unit, name)
     owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
+
+
+VOCAB_ROWS = 16384  # lm_head rows converted at a time: 256 MB of f32 at a hidden size of 4096
+
+
+class _EmbeddingRows:
+    """The embedding's pre-hook: a table of only the rows the tokens use, the ids renumbered into it,
+    so that the module's own forward (Gemma's scale included) gathers the same values from it; the
+    table is dropped after (one row per distinct token, not the vocabulary, in the run's dtype)."""
+
+    def __init__(self, unit: nn.Embedding, files: WeightFiles, source: str, dtype: torch.dtype, device: torch.device):
+        self.unit, self.files, self.source, self.dtype, self.device = unit, files, source, dtype, device
+
+    def bring_in(self, module, args):
+        ids, *rest = args
+        rows, renumbered = torch.unique(ids, return_inverse=True)  # (R,), ids' shape
+        table = self.files[self.source][rows.cpu()]  # (R, C), in the stored dtype
+        self.shape, self.padding_idx = self.unit.weight.shape, self.unit.padding_idx
+        _set(self.unit, "weight", table.to(dtype=self.dtype, device=self.device))
+        self.unit.padding_idx = None  # it only masks gradients; its row index means nothing in the table
+        return (renumbered, *rest)
+
+    def give_back(self, module, args, output):
+        _set(self.unit, "weight", torch.empty(self.shape, dtype=self.dtype, device="meta"))
+        self.unit.padding_idx = self.padding_idx
+
+
+class _VocabChunks:
+    """lm_head's forward, its rows converted `VOCAB_ROWS` at a time: x (…, C) -> (…, V). The same
+    matmul per output column as the whole weight's (bitwise on this CPU's BLAS, f32 and f64:
+    tests/unit/test_streamed_hf.py compares the logits)."""
+
+    def __init__(self, files: WeightFiles, source: str, dtype: torch.dtype, device: torch.device):
+        self.files, self.source, self.dtype, self.device = files, source, dtype, device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.files[self.source]  # (V, C), in the stored dtype
+        return torch.cat([F.linear(x, weight[start:start + VOCAB_ROWS].to(dtype=self.dtype, device=self.device))
+                          for start in range(0, weight.shape[0], VOCAB_ROWS)], dim=-1)  # (…, V)

@@ -29,6 +29,7 @@ from tracer.comparison.diff import ErrorRecorder, compare
 from tracer.comparison.result import Greedy, Result, SweepRow, Tolerance
 from tracer.comparison.spill import SPILL_TOKENS, spill_folder
 from tracer.comparison.trace import ATTENTION_ROWS, Trace
+from tracer.core.allocator import map_streamed_weights
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions, check_device, environment
@@ -136,6 +137,8 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         for name in (reference, *candidates):
             check_family_support(name, source)  # a family an engine does not trace: said before it loads
         stream, stream_notes = streamed.resolve(placement.stream, source)
+        if stream:
+            map_streamed_weights()  # weights pass through memory on every forward: not kept in the heap
         engine = load_engine(reference, source, reference_variant, device=device, stream=stream,
                              offload=offload_for(reference, offload))
     ids, chat_info = token_ids(source, inputs.text, tokens, chat=inputs.chat, system=inputs.system)
@@ -151,7 +154,8 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
     if greedy_steps is None:
         greedy_steps = greedy.default_steps(len(ids)) if not stream else 0
         if not greedy_steps:
-            why = "in a streamed run (each step reads every weight again)" if stream else f"for a {len(ids)}-token prompt"
+            why = "in a streamed run (each step reads every weight again)" if stream \
+                else f"for a {len(ids)}-token prompt"
             notes.append(f"no greedy continuation {why} (pass greedy=N to force)")
     key = None if source.loaded else reference_cache.entry_key(
         source.directory, ids, engine=reference, variant=reference_variant, placement=repr(placement),
