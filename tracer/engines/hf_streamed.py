@@ -103,7 +103,8 @@ class _UnitWeights:
 
     def bring_in(self, module, args) -> None:
         for name, source in self.names.items():
-            _set(self.unit, name, self.files[source].to(dtype=self.dtype, device=self.device))
+            with self.files.mapped(source) as stored:
+                _set(self.unit, name, stored.to(dtype=self.dtype, device=self.device, copy=True))
 
     def give_back(self, module, args, output) -> None:
         for name in self.names:
@@ -141,9 +142,10 @@ class _EmbeddingRows:
     def bring_in(self, module, args):
         ids, *rest = args
         rows, renumbered = torch.unique(ids, return_inverse=True)  # (R,), ids' shape
-        table = self.files[self.source][rows.cpu()]  # (R, C), in the stored dtype
+        with self.files.mapped(self.source) as stored:
+            table = stored[rows.cpu()].to(dtype=self.dtype, device=self.device)  # (R, C)
         self.shape, self.padding_idx = self.unit.weight.shape, self.unit.padding_idx
-        _set(self.unit, "weight", table.to(dtype=self.dtype, device=self.device))
+        _set(self.unit, "weight", table)
         self.unit.padding_idx = None  # it only masks gradients; its row index means nothing in the table
         return (renumbered, *rest)
 
@@ -161,6 +163,7 @@ class _VocabChunks:
         self.files, self.source, self.dtype, self.device = files, source, dtype, device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.files[self.source]  # (V, C), in the stored dtype
-        return torch.cat([F.linear(x, weight[start:start + VOCAB_ROWS].to(dtype=self.dtype, device=self.device))
-                          for start in range(0, weight.shape[0], VOCAB_ROWS)], dim=-1)  # (…, V)
+        with self.files.mapped(self.source) as weight:  # (V, C), in the stored dtype
+            return torch.cat([F.linear(x, weight[start:start + VOCAB_ROWS].to(dtype=self.dtype, device=self.device,
+                                                                               copy=True))
+                              for start in range(0, weight.shape[0], VOCAB_ROWS)], dim=-1)  # (…, V)

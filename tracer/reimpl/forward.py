@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -253,15 +254,22 @@ class StreamedWeights:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.chunked:
-            return RowChunks(self.tensors[self.names[name]], self.dtype, self.device)
-        return self.tensors[self.names[name]].to(dtype=self.dtype, device=self.device)
+            return RowChunks(self.stored(self.names[name]), self.dtype, self.device)
+        with self.stored(self.names[name]) as stored:
+            return stored.to(dtype=self.dtype, device=self.device, copy=True)
+
+    def stored(self, name: str):
+        """A context: the tensor in its stored dtype, a view of the file's pages where the weights
+        are files (`WeightFiles.mapped`), else the mapping's own tensor."""
+        return self.tensors.mapped(name) if hasattr(self.tensors, "mapped") else nullcontext(self.tensors[name])
 
     def get(self, name: str, default=None):
         return self[name] if name in self.names else default
 
     def rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """Some rows of a tensor (an embedding's), read and converted: (len(rows), ...)."""
-        return self.tensors[self.names[name]][rows.cpu()].to(dtype=self.dtype, device=self.device)
+        with self.stored(self.names[name]) as stored:
+            return stored[rows.cpu()].to(dtype=self.dtype, device=self.device)
 
 
 VOCAB_ROWS = 16384  # rows of a streamed lm_head converted at a time: 256 MB of f32 at a hidden size of 4096
@@ -272,12 +280,13 @@ class RowChunks:
     time (the model's head multiplies by each: `tracer.model.components.head`); an f64 lm_head of a
     128k vocabulary is 4.2 GB at a hidden size of 4096, a chunk 0.5 GB."""
 
-    def __init__(self, stored: torch.Tensor, dtype: torch.dtype, device: torch.device):
-        self.stored, self.dtype, self.device = stored, dtype, device
+    def __init__(self, stored, dtype: torch.dtype, device: torch.device):
+        self.stored, self.dtype, self.device = stored, dtype, device  # stored: a context (`StreamedWeights.stored`)
 
     def __iter__(self):
-        for start in range(0, self.stored.shape[0], VOCAB_ROWS):
-            yield self.stored[start:start + VOCAB_ROWS].to(dtype=self.dtype, device=self.device)
+        with self.stored as stored:
+            for start in range(0, stored.shape[0], VOCAB_ROWS):
+                yield stored[start:start + VOCAB_ROWS].to(dtype=self.dtype, device=self.device, copy=True)
 
 
 class Overlay:
