@@ -20,6 +20,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,10 +38,11 @@ with torch.inference_mode():
 """
 
 
-def watched(cmd: list[str]) -> dict[str, float]:
+def watched(cmd: list[str], env: dict | None = None) -> dict[str, float]:
     """Wall seconds and peak resident memory (GB: anonymous, file-backed, the kernel's VmHWM) of a process."""
     started = time.perf_counter()
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})})
     peak = {"anon": 0, "file": 0, "hwm": 0}
     while process.poll() is None:
         try:
@@ -61,8 +63,9 @@ def watched(cmd: list[str]) -> dict[str, float]:
 def row(model: Path, tokens: int, flags: str) -> dict:
     ids = ",".join(str(1000 + (7 * i) % 120000) for i in range(tokens))
     floor = watched([sys.executable, "-c", FLOOR, str(model), ids])
-    run = watched([sys.executable, "-m", "tracer", "run", "--model", str(model), "--tokens", ids, "--json", os.devnull,
-                   *flags.split()])
+    with tempfile.TemporaryDirectory() as cache:  # an empty cache: the noise floor is measured, not read back
+        run = watched([sys.executable, "-m", "tracer", "run", "--model", str(model), "--tokens", ids,
+                       "--json", os.devnull, *flags.split()], env={"TRACER_CACHE": cache})
     return {"floor": floor, "run": run}
 
 
