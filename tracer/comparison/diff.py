@@ -2,14 +2,16 @@
 
 Metrics are computed on the candidate minus the reference, in f32 (f64 where either side is f64),
 each sum over a chunk reduced by torch's cascade summation and the chunks added in f64: measured
-relative error of a sum of squares 4e-8 on heavy-tailed values (a BLAS f32 dot: 8e-5). Chunks stay
-under torch's parallel grain, so the metrics never wait on a thread pool: on this 2-core machine,
-shared, a (64, 8192) point took 0.5 s instead of 1 ms whenever the second core was busy. Where that could change a verdict (rel_l2 within
-`BORDERLINE` of its threshold, and the elementwise atol/rtol test) the point is redone in f64.
-The default criterion is scale
-aware: a point diverges when its relative L2 error leaves its noise floor (`Tolerance`). Absolute tolerances
-mean nothing on SmolLM2's hidden states, which reach |x| ~ 22,500 from layer 12 on, while the
-noise of reordered f32 sums stays below 1e-5 relative everywhere (eager vs sdpa: at most 2e-6).
+relative error of a sum of squares 4e-8 on heavy-tailed values (a BLAS f32 dot: 8e-5). Where that
+could change a verdict (rel_l2 within `BORDERLINE` of its threshold, and the elementwise atol/rtol
+test) the point is redone in f64. Chunks stay under torch's parallel grain, so the metrics never
+wait on a thread pool: on this shared 2-core machine a (64, 8192) point took 0.5 s instead of 1 ms
+whenever the second core was busy.
+
+The default criterion is scale aware: a point diverges when its relative L2 error leaves its noise
+floor (`Tolerance`). Absolute tolerances mean nothing on SmolLM2's hidden states, which reach
+|x| ~ 22,500 from layer 12 on, while the noise of reordered f32 sums stays below 1e-5 relative
+everywhere (eager vs sdpa: at most 2e-6).
 `--atol/--rtol` replace it with `|c - r| <= atol + rtol * |r|` elementwise (torch.allclose).
 """
 
