@@ -68,8 +68,8 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
             of `tracer engines`.
         variant: knobs such as "theta=10000" or {"theta": 10000}; see `tracer variants`.
         device: where the model runs ("cpu", "cuda", "cuda:1", "mps"); the trace is kept on the CPU.
-        stream: read each block's weights from the files when it runs (engines that can), so
-            memory holds one block (for checkpoints larger than memory).
+        stream: read each block's weights from the files when it runs (engines that can: hf,
+            reimpl), so memory holds one block (for checkpoints larger than memory).
         chat, system: feed the prompt through the model's chat template (with a system message).
         offload, max_memory: load the model through accelerate's big-model placement (engines
             that can: hf): device_map="auto" under `max_memory` ("cpu=2GiB,0=20GiB" or a dict),
@@ -101,7 +101,7 @@ def record_values(inputs: Inputs, placement: Placement, engine: str = "hf", vari
     check_engine_name(engine)
     check_positions(inputs.position_offset, engine)
     if placement.stream and not parse_engine(engine)[0].stream:
-        raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); "
+        raise TracerError(f"stream is for the engines that read weights block by block (hf, reimpl); "
                           f"the {engine} engine cannot")
     check_offload(placement.accelerate, engine)
     source = resolve_source(inputs.model, progress)
