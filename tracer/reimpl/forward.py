@@ -280,6 +280,8 @@ class RowChunks:
     time (the model's head multiplies by each: `tracer.model.components.head`); an f64 lm_head of a
     128k vocabulary is 4.2 GB at a hidden size of 4096, a chunk 0.5 GB."""
 
+    in_row_chunks = True  # what `tracer.model.components.head` looks for
+
     def __init__(self, stored, dtype: torch.dtype, device: torch.device):
         self.stored, self.dtype, self.device = stored, dtype, device  # stored: a context (`StreamedWeights.stored`)
 

@@ -26,7 +26,7 @@ def logits_last(h: torch.Tensor, weight: torch.Tensor, linear: Callable | None =
 def _by_rows(linear: Callable, h: torch.Tensor, weight) -> torch.Tensor:
     """`linear(h, weight)`; a streamed weight that comes as chunks of rows (each converted as it is
     used, `tracer.reimpl.forward.RowChunks`) gives the same columns chunk by chunk."""
-    if isinstance(weight, torch.Tensor):
+    if not getattr(weight, "in_row_chunks", False):  # a tensor, or a regime's own weight (quantized blocks)
         return linear(h, weight)
     return torch.cat([linear(h, rows) for rows in weight], dim=-1)  # (1, T, V)
 
