@@ -40,6 +40,10 @@ def stream_weights(model: nn.Module, model_dir, dtype: torch.dtype, device: torc
     unused = sorted(set(shapes) - set(sources.values()))
     model.tracer_unused_tensors = [name for name in unused if not name.endswith("rotary_emb.inv_freq")]
     device = torch.device(device)
+    for module in model.modules():  # the buffers (RoPE tables) live where the weights come in
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
     embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
     for prefix, unit in _units(model):
         names = {name: sources[_join(prefix, name)] for name, _ in unit.named_parameters()}
