@@ -254,7 +254,7 @@ def sweep(
     chat: bool = False,
     system: str | None = None,
     device: str = "cpu",
-    stream: bool = False,
+    stream: bool | None = None,
     offload: str | Path | None = None,
     max_memory=None,
 ) -> Sweep:
@@ -333,7 +333,7 @@ def sweep_values(inputs: Inputs, placement: Placement = Placement(), outputs: Ou
 
 
 @with_stages("load", "reference", "noise floor", "candidate")
-def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: bool = False,
+def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: bool | None = None,
              offload: str | Path | None = None, max_memory=None, progress: bool = True) -> Diagnosis:
     """Rank the variant catalogue by how well each reproduces an observed trace's error.
 
