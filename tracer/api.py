@@ -70,8 +70,8 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
             of `tracer engines`.
         variant: knobs such as "theta=10000" or {"theta": 10000}; see `tracer variants`.
         device: where the model runs ("cpu", "cuda", "cuda:1", "mps"); the trace is kept on the CPU.
-        stream: read each block's weights from the files when it runs (engines that can), so
-            memory holds one block (for checkpoints larger than memory).
+        stream: read each block's weights from the files when it runs (engines that can: hf,
+            reimpl), so memory holds one block (for checkpoints larger than memory).
         chat, system: feed the prompt through the model's chat template (with a system message).
         offload, max_memory: load the model through accelerate's big-model placement (engines
             that can: hf): device_map="auto" under `max_memory` ("cpu=2GiB,0=20GiB" or a dict),
@@ -104,7 +104,7 @@ def record_values(inputs: Inputs, placement: Placement, side: Side, *, progress:
     check_positions(inputs.position_offset, side)
     check_decode(inputs.decode, side)
     if placement.stream and not side.entry.stream:
-        raise TracerError(f"stream is the reimpl engine's (it reads weights block by block); "
+        raise TracerError(f"stream is for the engines that read weights block by block (hf, reimpl); "
                           f"the {engine} engine cannot")
     check_offload(placement.accelerate, engine)
     source = resolve_source(inputs.model, progress)
@@ -166,8 +166,9 @@ def run(
         chat, system: feed the prompt through the model's chat template, as an instruct model
             is used (with a system message); the report shows the templated text.
         device: where both models run ("cpu", "cuda", "cuda:1", "mps"); traces are kept on the CPU.
-        stream: a side whose engine can stream reads each block's weights from the files when it
-            runs (one block in memory); the others load their whole model, which the notes say.
+        stream: a side whose engine can stream (hf, reimpl) reads each block's weights from the
+            files when it runs (one block in memory); the others load their whole model, which the
+            notes say. None (default): streamed past 2 GiB of f32 weights (`tracer.pipeline.streamed`).
         regime: compare in a number-format regime (`tracer.pipeline.regime_view`): "auto" takes the one the
             candidate's runtime and model file imply (llama.cpp's CPU arithmetic on its GGUF's
             tensor types; a 16-bit dtype), or knobs such as "weights=q4_1,act_quant=q8_1". The
@@ -220,13 +221,13 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
                             greedy_steps=greedy, progress=progress, candidates=(candidate.engine,)) as prepared:
         in_regime = resolve_regime(regime, candidate.engine, variant, prepared.source) if regime is not None else None
         engine = load_engine(candidate.engine, prepared.source, variant, device=placement.device,
-                             stream=placement.stream, offload=offload_for(candidate.engine, prepared.offload))
+                             stream=prepared.stream, offload=offload_for(candidate.engine, prepared.offload))
         if command is None and not prepared.source.loaded:  # no command line can name a model object
             command = run_command(inputs, placement, outputs, reference=str(reference.engine),
                                   candidate=str(candidate.engine), variant=variant, reference_variant=prepared.variant,
                                   tolerance=tolerance, greedy=greedy, noise_floor=noise_floor, regime=regime)
         result = compare_candidate(prepared, engine, command=command,
-                                   notes=stream_notes(placement.stream, candidate.engine),
+                                   notes=stream_notes(prepared.stream, candidate.engine),
                                    config_audit=config_audit(prepared.source, variant))
         if inputs.decode:
             from tracer.pipeline.decode import compare_decoded
@@ -335,7 +336,7 @@ def sweep_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, vari
 
 
 @with_stages("load", "reference", "noise floor", "candidate")
-def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: bool = False,
+def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: bool | None = None,
              offload: str | Path | None = None, max_memory=None, progress: bool = True) -> Diagnosis:
     """Rank the variant catalogue by how well each reproduces an observed trace's error.
 
@@ -613,7 +614,7 @@ def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, refer
         "variant": [",".join(knobs.values())] if knobs else [],
         "atol": tolerance.atol, "rtol": tolerance.rtol,
         "greedy": greedy if greedy != GREEDY_STEPS else None, "no_noise": not noise_floor,
-        "device": placement.device, "stream": placement.stream,
+        "device": placement.device, "stream": placement.stream, "no_stream": placement.stream is False,
         "regime": None if regime is None else regime if isinstance(regime, str) else variant_text(regime),
         "offload": placement.offload,
         "max_memory": ",".join(f"{d}={size}" for d, size in placement.max_memory.items())

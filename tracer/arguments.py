@@ -113,7 +113,8 @@ def _placement() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--device", default="cpu", help="where the models run: cpu | cuda | cuda:N | mps (default cpu)")
     parent.add_argument("--stream", action="store_true",
-                        help="reimpl reads each block's weights from the files when it runs: one block in memory")
+                        help="hf and reimpl read each block's weights from the files when it runs: one block in "
+                             "memory (run: the default past 2 GiB of f32 weights)")
     parent.add_argument("--offload", metavar="DIR", help="hf loads its model through accelerate (device_map=auto): "
                         "what fits in no device's memory is kept in DIR and read when its module runs")
     parent.add_argument("--max-memory", metavar="DEV=SIZE[,...]",
@@ -166,10 +167,11 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
         subs[name] = commands.add_parser(name, help=help, parents=list(parents))
         return subs[name]
 
-    command("run", "trace a reference and a candidate, localize the first divergence",
-            _inputs(), _truncation(), _positions(), _decode(), _variant(), _reference(), _run_candidate(), _tolerance(),
-            _noise(),
-            _placement(), _report(DEFAULT_OUT), _json(), _verdict_exit())
+    run = command("run", "trace a reference and a candidate, localize the first divergence",
+                  _inputs(), _truncation(), _positions(), _decode(), _variant(), _reference(), _run_candidate(),
+                  _tolerance(), _noise(), _placement(), _report(DEFAULT_OUT), _json(), _verdict_exit())
+    run.add_argument("--no-stream", action="store_true",
+                     help="load each side's model whole, whatever its size (not with --stream)")
 
     command("compare", "compare two saved traces (tracer's, or another runtime's dump)",
             _compared(), _tolerance(), _report(DEFAULT_OUT), _json(), _verdict_exit())

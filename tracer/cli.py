@@ -46,7 +46,10 @@ def inputs_of(args) -> Inputs:
 
 
 def placement_of(args) -> Placement:
-    return Placement(device=args.device, stream=args.stream, offload=args.offload, max_memory=args.max_memory)
+    if args.stream and getattr(args, "no_stream", False):
+        raise TracerError("--stream and --no-stream contradict each other; give one")
+    stream = True if args.stream else False if getattr(args, "no_stream", False) else None  # None: chosen by size
+    return Placement(device=args.device, stream=stream, offload=args.offload, max_memory=args.max_memory)
 
 
 def outputs_of(args, kind: tuple[str, str] = RUN_REPORT) -> Outputs:

@@ -129,3 +129,41 @@ def test_an_unknown_engine_is_refused_before_anything_loads(tiny_llama, monkeypa
     monkeypatch.setattr(sources, "resolve_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(TracerError, match="unknown engine 'jax'"):
         tracer.run(tiny_llama(), candidate="jax")
+
+
+def test_metrics_in_f32_chunks_are_the_f64_definitions():
+    """f32 chunks with f64 sums: rel_l2 and max|d| to 1e-6 relative of their f64 values on
+    heavy-tailed values spanning several chunks, and 1 - cosine with its digits however close to 1."""
+    from tracer.comparison.diff import CHUNK
+
+    generator = torch.Generator().manual_seed(0)
+    n = 3 * CHUNK + 123
+    ref = torch.randn(n, generator=generator) * torch.exp(2 * torch.randn(n, generator=generator))
+    for scale in (1e-7, 1e-3, 1.0):
+        cand = ref + scale * ref.abs().mean() * torch.randn(n, generator=generator)
+        r, c = ref.double(), cand.double()
+        got = compare_point("model.layers.0", ref, cand, Tolerance())
+        assert got.rel_l2 == pytest.approx(float((c - r).norm() / r.norm()), rel=1e-6)
+        assert got.max_abs == pytest.approx(float((c - r).abs().max()), rel=1e-6)
+        one_minus_cos = 1 - float(c.dot(r) / (c.norm() * r.norm()))
+        assert 1 - got.cosine == pytest.approx(one_minus_cos, rel=1e-3, abs=1e-15)
+    assert compare_point("x", ref, -0.5 * ref, Tolerance()).cosine == pytest.approx(-1.0)
+    assert compare_point("x", ref, ref.clone(), Tolerance()).rel_l2 == 0.0
+
+
+def test_a_rel_l2_at_its_threshold_is_decided_in_f64(monkeypatch):
+    """Within BORDERLINE of the threshold the sums are redone in f64 (the f32 ones could round across it)."""
+    from tracer.comparison import diff
+
+    ref = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    cand = ref + 1e-5 * torch.randn(5000, generator=torch.Generator().manual_seed(2))
+    exact = float((cand.double() - ref.double()).norm() / ref.double().norm())
+    dtypes = []
+    real_sums = diff._sums
+    monkeypatch.setattr(diff, "_sums", lambda r, c, dtype, tol: dtypes.append(dtype) or real_sums(r, c, dtype, tol))
+    on_threshold = Tolerance(noise_floor=exact, noise_factor=1.0)
+    judged = compare_point("x", ref, cand, on_threshold, noise=exact / 2)
+    assert dtypes == [torch.float32, torch.float64] and judged.rel_l2 == pytest.approx(exact, rel=1e-12)
+    dtypes.clear()
+    compare_point("x", ref, cand, Tolerance(noise_floor=2 * exact, noise_factor=1.0), noise=exact / 2)
+    assert dtypes == [torch.float32]

@@ -18,6 +18,7 @@ import tracer
 from tests.conftest import OWN_PEAK_KB, TOKENS, write_tiny_llama
 from tracer.cli import main
 from tracer.comparison.trace import TraceRecorder
+from tracer.files.sources import resolve_source
 from tracer.pipeline.noise_floor import estimate_noise
 from tracer.reimpl.forward import Model
 
@@ -87,15 +88,32 @@ def test_record_stream_from_the_cli_writes_the_same_trace(tiny_llama, tmp_path):
     assert all(torch.equal(loaded[p], streamed[p]) for p in loaded.points)
 
 
-def test_run_with_stream_says_the_hf_side_loads_whole(tiny_llama, capsys):
+def test_run_with_stream_streams_both_sides_and_judges_the_same(tiny_llama):
     model = tiny_llama()
     plain = tracer.run(model, tokens=TOKENS, variant="theta=500", greedy=2, progress=False)
     streamed = tracer.run(model, tokens=TOKENS, variant="theta=500", greedy=2, progress=False, stream=True)
     assert streamed.first_divergence.point == plain.first_divergence.point == "model.layers.0.self_attn.q_rope"
     assert [p.rel_l2 for p in streamed.points] == [p.rel_l2 for p in plain.points]
-    assert "stream: the hf engine loads its whole model" in " ".join(streamed.notes)
-    assert not any("stream" in note for note in plain.notes)
+    assert streamed.greedy.reference == plain.greedy.reference
+    assert not any("stream" in note for note in (*plain.notes, *streamed.notes))
     assert "--stream" in streamed.command and "--stream" not in plain.command
+
+
+def test_a_model_past_the_threshold_streams_by_default(tiny_llama, monkeypatch):
+    from tracer.pipeline import streamed
+
+    model = tiny_llama()
+    size = streamed.f32_bytes(resolve_source(model, False))
+    monkeypatch.setattr(streamed, "STREAM_BYTES", size - 1)
+    chosen = tracer.run(model, tokens=TOKENS, variant="theta=500", progress=False)
+    assert any(note.startswith("weights streamed block by block") for note in chosen.notes)
+    assert any("no greedy continuation in a streamed run" in note for note in chosen.notes)
+    assert chosen.greedy is None and "--stream" not in chosen.command
+    whole = tracer.run(model, tokens=TOKENS, variant="theta=500", greedy=0, progress=False, stream=False)
+    assert not any("stream" in note for note in whole.notes) and "--no-stream" in whole.command
+    assert [p.rel_l2 for p in whole.points] == [p.rel_l2 for p in chosen.points]
+    monkeypatch.setattr(streamed, "STREAM_BYTES", size)
+    assert streamed.resolve(None, resolve_source(model, False)) == (False, [])
 
 
 def test_traces_say_where_they_ran(tiny_llama):

@@ -446,13 +446,13 @@ def _(tmp):
     return run_args(tmp, m, "--device", "cuda:0"), api_run(m, tmp, device="cuda:0")
 
 
-@row("record --stream on the hf engine",
-     r"stream is the reimpl engine's \(it reads weights block by block\); the hf engine cannot")
+@row("record --stream on the onnx engine",
+     r"stream is for the engines that read weights block by block \(hf, reimpl\); the onnx engine cannot")
 def _(tmp):
     m = model(tmp)
-    args = ["record", "--engine", "hf", "--stream", "--model", str(m), "--tokens", TOKEN_ARG,
+    args = ["record", "--engine", "onnx", "--stream", "--model", str(m), "--tokens", TOKEN_ARG,
             "-o", str(tmp / "t.safetensors")]
-    return args, lambda: tracer.record(m, TOKENS, engine="hf", stream=True)
+    return args, lambda: tracer.record(m, TOKENS, engine="onnx", stream=True)
 
 
 @row("a config value only transformers checks",

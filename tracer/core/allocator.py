@@ -23,14 +23,41 @@ MMAP_BYTES = 1 << 30  # allocations above this still get their own mapping
 TRIM_BYTES = 1 << 30
 
 
+STREAMED_MMAP_BYTES = 4 << 20  # a streamed run: weight tensors (4 MB and up) mapped and unmapped
+
+_raised = False  # reuse_freed_memory() was called in this process
+
+
 def reuse_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process; False where there is no glibc."""
-    if not sys.platform.startswith("linux"):
+    global _raised
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
+    _raised = bool(mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_BYTES))
+    return _raised
+
+
+def map_streamed_weights() -> bool:
+    """For a run that streams its weights: blocks from `STREAMED_MMAP_BYTES` up get their own
+    mapping again, where `reuse_freed_memory` had raised the threshold (else nothing changes).
+
+    Each forward allocates and frees every weight of the model once (read, converted); in the heap
+    those blocks, interleaved with the trace's points that stay, fragment it: measured on the
+    Llama-3.2-1B shape, 64 tokens, 6.94 GB peak anonymous memory against 2.52 GB with glibc's
+    defaults. Mapped, each weight goes back to the kernel when freed.
+    """
+    mallopt = _mallopt() if _raised else None
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, STREAMED_MMAP_BYTES))
+
+
+def _mallopt():
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl and other C libraries without mallopt
-        return False
+        return None
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_BYTES))
+    return mallopt

@@ -54,6 +54,9 @@ class HFEngine(EngineBase):
     def device(self) -> torch.device:
         # A model accelerate placed (device_map) may have its first weights on disk ("meta"): its hooks
         # move the inputs to each module's execution device, so they start on the CPU.
+        # A streamed model's parameters are on "meta" between forwards.
+        if getattr(self.model, "tracer_device", None) is not None:
+            return self.model.tracer_device
         return torch.device("cpu") if getattr(self.model, "hf_device_map", None) else self.model.device
 
     def record(self, tokens: list[int], recorder=None, *, positions: torch.Tensor | None = None) -> Trace:
@@ -159,12 +162,15 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
             raise TracerError(f"--device {device} with --offload/--max-memory: accelerate places the model over the "
                               "devices max_memory names (device_map=auto); leave --device out")
         return HFEngine(_load(model_dir, variant, offload), variant, str(model_dir))
+    if stream:
+        return HFEngine(_load(model_dir, variant, stream_to=torch.device(device)), variant, str(model_dir))
     return HFEngine(_load(model_dir, variant).to(device), variant, str(model_dir))
 
 
-def _load(model_dir, variant: dict, offload=None):
+def _load(model_dir, variant: dict, offload=None, stream_to: torch.device | None = None):
     """from_pretrained with the variant's config-level knobs applied before the weights load (and,
-    with `offload`, accelerate's device_map="auto" placement)."""
+    with `offload`, accelerate's device_map="auto" placement); with `stream_to`, the model empty
+    and its weights read block by block on that device as the forward runs (`hf_streamed`)."""
     from tracer.files.weights import check_weight_files
 
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
@@ -186,6 +192,14 @@ def _load(model_dir, variant: dict, offload=None):
     # errors; what they say (missing, misshapen, unused tensors) is checked and said below.
     # accelerate's "Some parameters are on the meta device" line, too: the trace's notes say where
     # the model was placed.
+    if stream_to is not None:
+        from tracer.engines.hf_streamed import empty_model, stream_weights
+
+        dtype = TORCH_DTYPES[setting(variant, "dtype")]
+        model = empty_model(getattr(transformers, family.architecture), config, dtype, setting(variant, "attn"))
+        stream_weights(model, model_dir, dtype, stream_to)
+        model.tracer_device = stream_to
+        return model
     bar_was_on, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     dispatch_logger = logging.getLogger("accelerate.big_modeling")
     dispatch_level = dispatch_logger.level

@@ -200,7 +200,7 @@ BUILTINS = (
         "hf", "tracer.engines.hf",
         "transformers' own model, observed through forward hooks and a registered attention function",
         kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
-        noise_floor=True, offload=True, positions=True, decode=True,
+        noise_floor=True, offload=True, positions=True, decode=True, stream=True,
         requires=(("transformers", "transformers"),),
     ),
     EngineEntry(

@@ -52,6 +52,10 @@ class WeightFiles(Mapping):
     def __len__(self) -> int:
         return len(self._origin)
 
+    def mapped(self, name: str):
+        """A context: the tensor as a view of its file's pages, to convert from (`TensorFile.mapped`)."""
+        return self._origin[name].mapped(name)
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """name -> shape, from the headers alone."""
         return {name: opened.shape(name) for name, opened in self._origin.items()}

@@ -119,7 +119,7 @@ class Placement:
     accelerate's big-model placement (`offload` folder, `max_memory` per device)."""
 
     device: str = "cpu"
-    stream: bool = False
+    stream: bool | None = None  # None: `run` streams models past tracer.pipeline.streamed.STREAM_BYTES
     offload: str | None = None
     max_memory: dict | None = None
 

@@ -29,6 +29,7 @@ from tracer.comparison.diff import ErrorRecorder, compare
 from tracer.comparison.result import Greedy, Result, SweepRow, Tolerance
 from tracer.comparison.spill import SPILL_TOKENS, spill_folder
 from tracer.comparison.trace import ATTENTION_ROWS, Trace
+from tracer.core.allocator import map_streamed_weights
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions, check_device, environment
@@ -38,7 +39,7 @@ from tracer.engines.registry import EngineRef, check_engine
 from tracer.files.sources import ModelSource, resolve_source
 from tracer.model.knobs import setting, variant_text
 from tracer.model.points import is_coarse
-from tracer.pipeline import greedy, reference_cache
+from tracer.pipeline import greedy, reference_cache, streamed
 from tracer.pipeline.request import Inputs, Placement, Side, check_family_support
 
 
@@ -124,7 +125,7 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
     (20, or none past 128 tokens).
     """
     model, tokens, max_tokens = inputs.model, inputs.tokens, inputs.max_tokens
-    device, stream, offload = placement.device, placement.stream, placement.accelerate
+    device, offload = placement.device, placement.accelerate
     reference_variant = reference.variant
     check_device(device)
     check_offload(offload, reference.engine, *candidates)
@@ -134,10 +135,13 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         source = resolve_source(model, progress)
         for engine in (reference.engine, *candidates):
             check_family_support(engine, source)  # a family an engine does not trace: said before it loads
+        stream, stream_notes = streamed.resolve(placement.stream, source)
+        if stream:
+            map_streamed_weights()  # weights pass through memory on every forward: not kept in the heap
         engine = load_engine(reference.engine, source, reference_variant, device=device, stream=stream,
                              offload=offload_for(reference.engine, offload))
     ids, chat_info = token_ids(source, inputs.text, tokens, chat=inputs.chat, system=inputs.system)
-    notes = []
+    notes = list(stream_notes)
     if max_tokens is not None and len(ids) > max_tokens:
         notes.append(f"prompt truncated from {len(ids)} to its first {max_tokens} tokens")
         ids = ids[:max_tokens]
@@ -147,9 +151,11 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         notes.append(f"stream: the {reference.engine} engine loads its whole model (only engines that stream read "
                      "weights block by block)")
     if greedy_steps is None:
-        greedy_steps = greedy.default_steps(len(ids))
+        greedy_steps = greedy.default_steps(len(ids)) if not stream else 0
         if not greedy_steps:
-            notes.append(f"no greedy continuation for a {len(ids)}-token prompt (pass greedy=N to force)")
+            why = "in a streamed run (each step reads every weight again)" if stream \
+                else f"for a {len(ids)}-token prompt"
+            notes.append(f"no greedy continuation {why} (pass greedy=N to force)")
     key = None if source.loaded else reference_cache.entry_key(
         source.directory, ids, engine=str(reference.engine), variant=reference_variant, placement=repr(placement),
         noise_floor=noise_floor, greedy_steps=greedy_steps, position_offset=offset)

@@ -27,7 +27,9 @@ Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, V voc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -116,7 +118,9 @@ class Model:
         self.steps = resolve_steps(self.knobs, self.spec)
         self.device = torch.device(device)
         weights = self.steps.weights(weights, source)  # source: config.json's tracer_source (the GGUF)
-        self.weights = prepare_weights(self.spec, weights, self.steps.dtype, self.device, stream)
+        # streamed outside a regime (whose steps read whole tensors): lm_head converted by chunks of rows
+        chunked = (LOGITS + WEIGHT,) if stream and not is_regime(self.knobs) else ()
+        self.weights = prepare_weights(self.spec, weights, self.steps.dtype, self.device, stream, chunked)
         self.unused_tensors = unused_tensors(self.spec, weights)
         self.layers = [Prefixed(self.weights, layer_point(i, "") + ".") for i in range(self.spec.num_hidden_layers)]
 
@@ -162,7 +166,13 @@ class Model:
     def embed(self, tokens: torch.Tensor, record: Recorder | None = None) -> torch.Tensor:
         """tokens (T,) int64 -> embeddings (1, T, C)."""
         ids = tokens.to(self.device)[None]  # (1, T)
-        return self.family.embedding.forward(ids, self._run(record or _no_record))
+        run = self._run(record or _no_record)
+        if isinstance(self.weights, StreamedWeights) and not is_regime(self.knobs):
+            # only the rows the tokens use are read into the run's dtype, the ids renumbered into them
+            rows, ids = torch.unique(ids, return_inverse=True)  # (R,), (1, T)
+            table = self.weights.rows(EMBED + WEIGHT, rows)  # (R, C)
+            run = dataclasses.replace(run, weights=Overlay(self.weights, {EMBED + WEIGHT: table}))
+        return self.family.embedding.forward(ids, run)
 
     @torch.inference_mode()
     def block(self, layer: int, h: torch.Tensor, positions: Positions, cache=None,
@@ -222,16 +232,16 @@ def check_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def prepare_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                    device: torch.device, stream: bool) -> Mapping[str, torch.Tensor]:
+                    device: torch.device, stream: bool, chunked: tuple[str, ...] = ()) -> Mapping[str, torch.Tensor]:
     """The spec's tensors in `dtype` on `device`, the logits' weight tied to the embedding where the
-    config says so: converted now, or (`stream`) on every access."""
+    config says so: converted now, or (`stream`) on every access, the `chunked` ones as `RowChunks`."""
     check_weights(spec, tensors)
     shapes = expected_shapes(spec)
     names = {name: name for name in shapes}
     if spec.tie_word_embeddings:
         names[LOGITS + WEIGHT] = EMBED + WEIGHT
     if stream:
-        return StreamedWeights(tensors, names, dtype, device)
+        return StreamedWeights(tensors, names, dtype, device, chunked)
     converted = {name: tensors[name].to(dtype=dtype, device=device) for name in shapes}
     return {name: converted[source] for name, source in names.items()}
 
@@ -241,14 +251,60 @@ class StreamedWeights:
     holds the weights of the op it runs, at the price of reading them once per forward."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, chunked: tuple[str, ...] = ()):
         self.tensors, self.names, self.dtype, self.device = tensors, names, dtype, device
+        self.chunked = frozenset(chunked)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.tensors[self.names[name]].to(dtype=self.dtype, device=self.device)
+        if name in self.chunked:
+            return RowChunks(self.stored(self.names[name]), self.dtype, self.device)
+        with self.stored(self.names[name]) as stored:
+            return stored.to(dtype=self.dtype, device=self.device, copy=True)
+
+    def stored(self, name: str):
+        """A context: the tensor in its stored dtype, a view of the file's pages where the weights
+        are files (`WeightFiles.mapped`), else the mapping's own tensor."""
+        return self.tensors.mapped(name) if hasattr(self.tensors, "mapped") else nullcontext(self.tensors[name])
 
     def get(self, name: str, default=None):
         return self[name] if name in self.names else default
+
+    def rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Some rows of a tensor (an embedding's), read and converted: (len(rows), ...)."""
+        with self.stored(self.names[name]) as stored:
+            return stored[rows.cpu()].to(dtype=self.dtype, device=self.device)
+
+
+VOCAB_ROWS = 16384  # rows of a streamed lm_head converted at a time: 256 MB of f32 at a hidden size of 4096
+
+
+class RowChunks:
+    """A (V, C) weight in its stored dtype, given as chunks of `VOCAB_ROWS` rows converted one at a
+    time (the model's head multiplies by each: `tracer.model.components.head`); an f64 lm_head of a
+    128k vocabulary is 4.2 GB at a hidden size of 4096, a chunk 0.5 GB."""
+
+    in_row_chunks = True  # what `tracer.model.components.head` looks for
+
+    def __init__(self, stored, dtype: torch.dtype, device: torch.device):
+        self.stored, self.dtype, self.device = stored, dtype, device  # stored: a context (`StreamedWeights.stored`)
+
+    def __iter__(self):
+        with self.stored as stored:
+            for start in range(0, stored.shape[0], VOCAB_ROWS):
+                yield stored[start:start + VOCAB_ROWS].to(dtype=self.dtype, device=self.device, copy=True)
+
+
+class Overlay:
+    """A weights mapping with some names replaced (a streamed embedding's rows)."""
+
+    def __init__(self, weights, replaced: dict[str, torch.Tensor]):
+        self.weights, self.replaced = weights, replaced
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.replaced[name] if name in self.replaced else self.weights[name]
+
+    def get(self, name: str, default=None):
+        return self.replaced[name] if name in self.replaced else self.weights.get(name, default)
 
 
 def unused_tensors(spec: LlamaSpec, tensors: dict) -> list[str]:

@@ -15,12 +15,20 @@ from tracer.model.points import FINAL_LOGITS, FINAL_NORM, LOGITS, WEIGHT
 
 def logits_all(h: torch.Tensor, weight: torch.Tensor, linear: Callable | None = None) -> torch.Tensor:
     """(1, T, C) -> (1, T, V): every position, as transformers returns them (`linear`: F.linear)."""
-    return (linear or F.linear)(h, weight)
+    return _by_rows(linear or F.linear, h, weight)
 
 
 def logits_last(h: torch.Tensor, weight: torch.Tensor, linear: Callable | None = None) -> torch.Tensor:
     """(1, T, C) -> (1, 1, V): candle's forward keeps the last position before lm_head."""
-    return (linear or F.linear)(h[:, -1:], weight)
+    return _by_rows(linear or F.linear, h[:, -1:], weight)
+
+
+def _by_rows(linear: Callable, h: torch.Tensor, weight) -> torch.Tensor:
+    """`linear(h, weight)`; a streamed weight that comes as chunks of rows (each converted as it is
+    used, `tracer.reimpl.forward.RowChunks`) gives the same columns chunk by chunk."""
+    if not getattr(weight, "in_row_chunks", False):  # a tensor, or a regime's own weight (quantized blocks)
+        return linear(h, weight)
+    return torch.cat([linear(h, rows) for rows in weight], dim=-1)  # (1, T, V)
 
 
 LOGIT_STEPS = {"all": logits_all, "last": logits_last}

@@ -1,0 +1,107 @@
+"""The benchmark's size axis: `tracer run` on random-weight bf16 checkpoints of real shapes, each
+row as ratios against the floor measured in the same run: a plain transformers bf16 forward of the
+same checkpoint loaded with `low_cpu_mem_usage`, as a process (load + one forward), the way a user
+would check that the model runs at all.
+
+    python bench/sizes.py                          # 1B shape and the 8B width at 2 and 8 layers, 64 tokens
+    python bench/sizes.py --sizes llama-1b:16 --tokens 64 512
+    python bench/sizes.py --sizes llama-8b:32 --flags= --flags=--no-noise
+
+Each process is watched from outside: wall time, and the peak of its resident memory split into
+anonymous (what it allocated) and file-backed (pages of the memory-mapped checkpoint, which the
+kernel may drop under pressure), sampled from /proc every 20 ms, with the kernel's own VmHWM. The
+checkpoints are written by bench/checkpoints.py under bench/.bench-models/ (never committed).
+Appends its table to bench/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from checkpoints import write_checkpoint  # noqa: E402
+
+FLOOR = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, low_cpu_mem_usage=True)
+with torch.inference_mode():
+    model(input_ids=torch.tensor([[int(t) for t in sys.argv[2].split(",")]]), use_cache=False)
+"""
+
+
+def watched(cmd: list[str], env: dict | None = None) -> dict[str, float]:
+    """Wall seconds and peak resident memory (GB: anonymous, file-backed, the kernel's VmHWM) of a process."""
+    started = time.perf_counter()
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})})
+    peak = {"anon": 0, "file": 0, "hwm": 0}
+    while process.poll() is None:
+        try:
+            status = Path(f"/proc/{process.pid}/status").read_text()
+        except OSError:
+            break
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        for key, field in (("anon", "RssAnon"), ("file", "RssFile"), ("hwm", "VmHWM")):
+            if field in fields:
+                peak[key] = max(peak[key], int(fields[field].split()[0]) * 1024)
+        time.sleep(0.02)
+    _, errors = process.communicate()
+    if process.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({process.returncode}): {errors[-2000:]}")
+    return {"wall": time.perf_counter() - started, **{key: value / 1e9 for key, value in peak.items()}}
+
+
+def row(model: Path, tokens: int, flags: str) -> dict:
+    ids = ",".join(str(1000 + (7 * i) % 120000) for i in range(tokens))
+    floor = watched([sys.executable, "-c", FLOOR, str(model), ids])
+    with tempfile.TemporaryDirectory() as cache:  # an empty cache: the noise floor is measured, not read back
+        run = watched([sys.executable, "-m", "tracer", "run", "--model", str(model), "--tokens", ids,
+                       "--json", os.devnull, *flags.split()], env={"TRACER_CACHE": cache})
+    return {"floor": floor, "run": run}
+
+
+def line(name: str, tokens: int, flags: str, measured: dict) -> str:
+    floor, run = measured["floor"], measured["run"]
+    return (f"| {name} | {tokens} | `tracer run {flags}`".rstrip() + " | "
+            f"{run['wall']:.1f} s, anon {run['anon']:.2f} GB + file {run['file']:.2f} GB (HWM {run['hwm']:.2f}) | "
+            f"{floor['wall']:.1f} s, anon {floor['anon']:.2f} + file {floor['file']:.2f} GB | "
+            f"{run['wall'] / floor['wall']:.2f}× | {run['anon'] / floor['anon']:.2f}× anon, "
+            f"{run['hwm'] / floor['hwm']:.2f}× HWM |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["llama-1b:16", "llama-8b:2", "llama-8b:8"],
+                        help="shape:layers, shapes as bench/checkpoints.py names them")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64])
+    parser.add_argument("--flags", action="append", help="tracer run flags, one row each time it is given "
+                        "(--flags=--no-noise; default: one row of default flags)")
+    args = parser.parse_args()
+    lines = ["| model | tokens | command | run: wall, peak RSS | floor: bf16 load + forward | time | memory |",
+             "|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for size in args.sizes:
+        shape, layers = size.split(":")
+        model = write_checkpoint(shape, int(layers))
+        for tokens in args.tokens:
+            for flags in args.flags or [""]:
+                lines.append(line(f"{shape}, {layers} layers", tokens, flags, row(model, tokens, flags)))
+                print(lines[-1], flush=True)
+    load = os.getloadavg()
+    lines.append(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load average {load[0]:.1f} "
+                 f"(the machine is shared)")
+    with (HERE / "results.md").open("a") as out:
+        out.write("\n## Sizes\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""transformers' model with its weights read block by block (`hf --stream`, tracer/engines/hf_streamed.py):
+every point is the whole-model run's bit for bit (all eight families were checked when it was written;
+five that cover what differs between them are kept here), and parameters hold no memory between forwards."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import TOKENS
+from tests.families import TINY_FAMILIES, write_tiny_family
+from tracer import TracerError
+from tracer.engines.load import load_engine
+
+# tied and untied embeddings, sliding windows, Gemma's scaled embedding and soft-caps, a partial
+# rotary, per-layer attention types: what the units and their weights can differ in
+FAMILIES = ["llama", "qwen2", "gemma2", "gemma3", "phi3"]
+assert set(FAMILIES) <= set(TINY_FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streamed")
+    return {family: write_tiny_family(root / family, family) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_points_are_the_whole_models_bit_for_bit(tiny, family, monkeypatch):
+    from tracer.engines import hf_streamed
+
+    monkeypatch.setattr(hf_streamed, "VOCAB_ROWS", 10)  # lm_head in several chunks of the tiny vocabulary
+    whole = load_engine("hf", tiny[family], {})
+    streamed = load_engine("hf", tiny[family], {}, stream=True)
+    expected, got = whole.record(TOKENS), streamed.record(TOKENS)
+    assert got.points == expected.points
+    assert [p for p in expected.points if not torch.equal(expected[p], got[p])] == []
+    assert torch.equal(streamed.logits(TOKENS), whole.logits(TOKENS))
+    assert streamed.draft(TOKENS, 3) == whole.draft(TOKENS, 3)  # transformers' KV cache, blocks streamed
+    # between forwards the parameters hold no memory
+    assert {p.device.type for p in streamed.model.parameters()} == {"meta"}
+
+
+def test_a_variant_and_a_dtype_stream_too(tiny):
+    variant = {"theta": 10000.0, "dtype": "bf16"}
+    whole = load_engine("hf", tiny["llama"], variant).record(TOKENS)
+    streamed = load_engine("hf", tiny["llama"], variant, stream=True).record(TOKENS)
+    assert all(torch.equal(whole[p], streamed[p]) for p in whole.points)
+    assert streamed[next(iter(streamed.points))].dtype == torch.bfloat16
+
+
+def test_a_missing_or_misshapen_tensor_is_one_line(tiny, tmp_path):
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny["llama"] / "config.json").read_text())
+    tensors = load_file(str(tiny["llama"] / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    shape = tuple(tensors[name].shape)
+    save_file({k: v for k, v in tensors.items() if k != name}, str(folder / "model.safetensors"))
+    with pytest.raises(TracerError, match=re.escape(f"missing tensor {name} (expected shape {shape})")):
+        load_engine("hf", folder, {}, stream=True)
+    save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, str(folder / "model.safetensors"))
+    with pytest.raises(TracerError, match=f"shape mismatch for {name}"):
+        load_engine("hf", folder, {}, stream=True)
+
+
+@pytest.mark.parametrize("variant", [{}, {"dtype": "f64"}, {"theta": 1000.0}])
+def test_the_reimpl_streamed_with_its_vocabulary_in_chunks_is_bit_for_bit(tiny, variant, monkeypatch):
+    """The embedding read as the rows the tokens use, lm_head as chunks of rows (a chunk smaller
+    than the tiny vocabulary, so that there are several)."""
+    from tracer.reimpl import forward
+    from tracer.reimpl.forward import Model
+
+    monkeypatch.setattr(forward, "VOCAB_ROWS", 10)
+    ids = torch.tensor(TOKENS)
+    for family in ("llama", "gemma2"):  # tied, and Gemma's scaled embedding and capped logits
+        whole, streamed = {}, {}
+        expected = Model.from_dir(tiny[family], variant).forward(ids, lambda n, t: whole.__setitem__(n, t.clone()))
+        got = Model.from_dir(tiny[family], variant, stream=True).forward(
+            ids, lambda n, t: streamed.__setitem__(n, t.clone()))
+        assert list(whole) == list(streamed)
+        assert [n for n in whole if not torch.equal(whole[n], streamed[n])] == []
+        assert torch.equal(expected, got)
