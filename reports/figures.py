@@ -285,7 +285,7 @@ def divergence_x(first: dict, coarse: list[dict], x: np.ndarray) -> float | None
     """x of the coarse point that contains the first divergence (its block's output)."""
     names = [p["point"] for p in coarse]
     layer = first.get("layer")
-    target = f"model.layers.{layer}" if layer is not None else first.get("point")
+    target = layer_point(layer, "") if layer is not None else first.get("point")
     return float(x[names.index(target)]) if target in names else None
 
 
