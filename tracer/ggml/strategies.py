@@ -592,8 +592,7 @@ NOT_MULTIPLIED = ("norm.weight", ".bias")
 # The k-quants are, on a build that runs the x86 AVX2 code (every path: `tracer.ggml.kmatmul`).
 KQUANT_WEIGHT_TYPES = set(KQUANT_TYPES)
 KQUANT_NOT_EXACT = ("this llama.cpp build lacks AVX2 or FMA: its k-quant kernels (the AVX, ARM or scalar ones) "
-                    "are not the x86 AVX2 ones emulated")
-NOT_EXACT_WHY = {kind: KQUANT_NOT_EXACT for kind in KQUANT_WEIGHT_TYPES}
+                    "are not the x86 AVX2 ones emulated; summed in the x86 order instead")
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
 # A native build on a CPU with AMX multiplies these weight types in its AMX buffer (ggml-cpu/amx; f16
 # too: amx.cpp's supports_op): not emulated.
@@ -641,10 +640,8 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
     matrices = {name: kind for name, kind in weight_types.items() if not name.endswith(NOT_MULTIPLIED)}
     for kind in sorted(set(matrices.values()) - exact):
         names = [name for name, t in matrices.items() if t == kind]
-        summed = ("summed in the x86 order instead" if kind in KQUANT_WEIGHT_TYPES
-                  else "summed by torch in f32" if kind == "f32" else "accumulated in f64")
-        caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): "
-                       f"{NOT_EXACT_WHY.get(kind, 'no emulated kernel')}; {summed}")
+        why = KQUANT_NOT_EXACT if kind in KQUANT_WEIGHT_TYPES else "no emulated kernel; accumulated in f64"
+        caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): {why}")
     missing = [flag for flag in CPU_FLAGS if flag not in (ops.cpu_flags() if flags is None else flags)]
     if missing:
         caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
