@@ -494,18 +494,25 @@ def compare_files(
     aliases=None,
     out: str | Path | None = None,
     command: str | None = None,
+    shard_layout=None,
 ) -> Result:
-    """Compare two saved traces: tracer's own, or dumps from candle, llama.cpp, MLX, PyTorch.
+    """Compare two saved traces: tracer's own, or dumps from candle, llama.cpp, MLX, PyTorch, or a
+    tensor-parallel run's dumps (one file per rank, or SGLang's dumper directory) merged into one.
 
     Names are mapped onto points (`tracer.model.names`), layouts brought to ours (`tracer.comparison.layouts`),
     and only the points both sides have are compared; the Result's `notes` say what was missing
     on each side, which names were not recognized and which layout was assumed.
 
     Args:
-        reference, candidate: paths to safetensors files (docs/trace-format.md) or `Trace`s.
+        reference, candidate: paths to safetensors files (docs/trace-format.md) or `Trace`s; a list of
+            paths (one per tensor-parallel rank) or an SGLang dumper directory is merged first
+            (`tracer.comparison.shards`).
         atol, rtol: elementwise tolerance replacing the default relative-L2 criterion.
         aliases: a user name mapping: a dict, a JSON file path, or an `AliasTable`.
         out: write the report folder there.
+        shard_layout: how the ranks split each point, replacing the defaults and the dumps' own
+            declarations: {point, sub-point or pattern with {i}: "column" | "column:AXIS" | "row" |
+            "replicated"}, or a JSON file of it.
 
     Returns:
         A `Result`; `bool(result)` is True when every compared point is within tolerance.
@@ -526,7 +533,10 @@ def compare_files(
     check_tolerance(atol, rtol)
     Outputs(report=None if out is None else str(out))  # the report folder can be written: checked before reading
     table = alias_table(aliases)  # a bad mapping file is an error even when both traces are tracer's own
-    ref_trace, cand_trace = load_trace(reference, table), load_trace(candidate, table)
+    ref_trace, cand_trace = (load_trace(side, table, shard_layout if is_sharded(side) else None)
+                             for side in (reference, candidate))
+    if shard_layout is not None and not (is_sharded(reference) or is_sharded(candidate)):
+        raise TracerError("a shard layout was given, but neither side is a set of tensor-parallel shards")
     prepared = prepared_from_trace(ref_trace, Tolerance(atol=atol, rtol=rtol), cand_trace.tokens)
     result = compare_candidate(prepared, FileEngine(cand_trace), command=command)
     if ref_trace.steps or cand_trace.steps:  # decoded traces (`record --decode N`): every step, by the fixed bound
@@ -567,16 +577,33 @@ def audit_gguf(gguf: str | Path, model=None, *, progress: bool = True) -> Weight
     return audit_weights({"weights": "gguf", "gguf_file": str(gguf)}, resolve_source(model, progress))
 
 
-def load_trace(trace_or_path, aliases=None) -> Trace:
+def is_sharded(trace_or_path) -> bool:
+    """Several files, one per rank, or a directory (SGLang's dumper): a tensor-parallel run's shards."""
+    if isinstance(trace_or_path, (list, tuple)):
+        return len(trace_or_path) > 1 or (len(trace_or_path) == 1 and Path(trace_or_path[0]).is_dir())
+    return isinstance(trace_or_path, (str, Path)) and Path(trace_or_path).is_dir()
+
+
+def load_trace(trace_or_path, aliases=None, shard_layout=None) -> Trace:
     """A Trace as it is; a file read with `Trace.load`, or a dict name -> tensor, with foreign
-    names mapped through the aliases."""
+    names mapped through the aliases; a list of files (one per rank) or an SGLang dumper directory
+    merged by `shard_layout` and the dumps' declarations (`tracer.comparison.shards`)."""
     if isinstance(trace_or_path, Trace):
         return trace_or_path
     if isinstance(trace_or_path, dict):
         from tracer.comparison.trace import import_foreign
 
         return import_foreign(trace_or_path, {}, Path("<dict>"), aliases)
-    return Trace.load(trace_or_path, aliases)
+    paths = list(trace_or_path) if isinstance(trace_or_path, (list, tuple)) else [trace_or_path]
+    if not paths:
+        raise TracerError("no trace file given")
+    if len(paths) > 1 or Path(paths[0]).is_dir():
+        from tracer.comparison.shards import load_shards
+
+        return load_shards(paths, aliases, shard_layout)
+    if shard_layout is not None:
+        raise TracerError(f"a shard layout was given, but {paths[0]} is one trace, not shards of one")
+    return Trace.load(paths[0], aliases)
 
 
 def model_spec(source: ModelSource):

@@ -248,7 +248,12 @@ def _run_candidate() -> argparse.ArgumentParser:
 def _compared() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("reference", help="reference trace file (.safetensors)")
-    parent.add_argument("candidate", help="candidate trace file (.safetensors; candle, llama.cpp, ... names accepted)")
+    parent.add_argument("candidate", nargs="+",
+                        help="candidate trace file (.safetensors; candle, llama.cpp, ... names accepted); several "
+                             "files, one per tensor-parallel rank, or an SGLang dumper directory are merged first")
+    parent.add_argument("--shard-layout", type=Path, metavar="FILE",
+                        help='JSON {"point or sub-point": "column | column:AXIS | row | replicated"}: how the ranks '
+                             "split each point (default: vLLM's and SGLang's modules)")
     parent.add_argument("--aliases", type=Path, metavar="FILE",
                         help='JSON name mapping {"their_name_pattern": "our_point_pattern"}, {i} for the layer')
     return parent

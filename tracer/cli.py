@@ -88,8 +88,9 @@ def cmd_compare(args) -> int:
 
     outputs = outputs_of(args)
     check_tolerance(args.atol, args.rtol)
-    result = tracer.compare_files(args.reference, args.candidate, atol=args.atol, rtol=args.rtol,
-                                  aliases=args.aliases, out=outputs.report, command=_command_line())
+    candidate = args.candidate[0] if len(args.candidate) == 1 else args.candidate
+    result = tracer.compare_files(args.reference, candidate, atol=args.atol, rtol=args.rtol, aliases=args.aliases,
+                                  out=outputs.report, command=_command_line(), shard_layout=args.shard_layout)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
