@@ -186,3 +186,14 @@ def test_an_sglang_dumper_directory(sharded, tmp_path):
     assert len(result.points) == len(reference.tensors)
     assert any("SGLang dump: step 0 compared, steps 1 left out" in note for note in result.notes)
     assert any("row 4 points" in note for note in result.notes)
+
+
+def test_a_directory_that_is_no_dump_is_one_line_and_exit_2(sharded, tmp_path, capsys):
+    reference, ranks, _, _ = sharded
+    ref_path = reference.save(tmp_path / "hf.safetensors")
+    folder = tmp_path / "ranks"
+    folder.mkdir()
+    write_ranks(ranks, folder)
+    assert main(["compare", str(ref_path), str(folder), "--no-report"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a directory: shards are one trace file per rank, or one SGLang dumper" in err[0]
