@@ -6,6 +6,12 @@ would check that the model runs at all.
     python bench/sizes.py                          # 1B shape and the 8B width at 2 and 8 layers, 64 tokens
     python bench/sizes.py --sizes llama-1b:16 --tokens 64 512
     python bench/sizes.py --sizes llama-8b:32 --flags= --flags=--no-noise
+    python bench/sizes.py --device cuda --sizes llama-1b:16 llama-8b:32   # on a CUDA machine
+
+With `--device cuda` both the floor (transformers' bf16 model moved to the GPU) and `tracer run
+--device cuda` (weights streamed block by block into device memory) run on the GPU, and each
+process's peak GPU memory is read from `nvidia-smi` every 0.2 s (what the driver reports for the
+process: torch's caching allocator's reservations, the CUDA context included).
 
 Each process is watched from outside: wall time, and the peak of its resident memory split into
 anonymous (what it allocated) and file-backed (pages of the memory-mapped checkpoint, which the
@@ -32,19 +38,39 @@ from checkpoints import write_checkpoint  # noqa: E402
 FLOOR = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, low_cpu_mem_usage=True)
+device = sys.argv[3]
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, low_cpu_mem_usage=True).to(device)
 with torch.inference_mode():
-    model(input_ids=torch.tensor([[int(t) for t in sys.argv[2].split(",")]]), use_cache=False)
+    model(input_ids=torch.tensor([[int(t) for t in sys.argv[2].split(",")]], device=device), use_cache=False)
+if device != "cpu":
+    torch.cuda.synchronize()
 """
 
 
-def watched(cmd: list[str], env: dict | None = None) -> dict[str, float]:
-    """Wall seconds and peak resident memory (GB: anonymous, file-backed, the kernel's VmHWM) of a process."""
+def gpu_memory(pid: int) -> float:
+    """Bytes of GPU memory the driver reports for process `pid` (0 where none, or no nvidia-smi)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0.0
+    used = [float(mib) for owner, mib in (line.split(",") for line in listed.splitlines() if "," in line)
+            if int(owner) == pid]
+    return sum(used) * 2**20
+
+
+def watched(cmd: list[str], env: dict | None = None, gpu: bool = False) -> dict[str, float]:
+    """Wall seconds and peak resident memory (GB: anonymous, file-backed, the kernel's VmHWM) of a
+    process; with `gpu`, its peak GPU memory too (`gpu`, from nvidia-smi every 0.2 s)."""
     started = time.perf_counter()
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, **(env or {})})
-    peak = {"anon": 0, "file": 0, "hwm": 0}
+    peak = {"anon": 0, "file": 0, "hwm": 0, "gpu": 0}
+    asked = 0.0
     while process.poll() is None:
+        if gpu and time.perf_counter() - asked > 0.2:
+            asked = time.perf_counter()
+            peak["gpu"] = max(peak["gpu"], gpu_memory(process.pid))
         try:
             status = Path(f"/proc/{process.pid}/status").read_text()
         except OSError:
@@ -60,12 +86,14 @@ def watched(cmd: list[str], env: dict | None = None) -> dict[str, float]:
     return {"wall": time.perf_counter() - started, **{key: value / 1e9 for key, value in peak.items()}}
 
 
-def row(model: Path, tokens: int, flags: str) -> dict:
+def row(model: Path, tokens: int, flags: str, device: str = "cpu") -> dict:
     ids = ",".join(str(1000 + (7 * i) % 120000) for i in range(tokens))
-    floor = watched([sys.executable, "-c", FLOOR, str(model), ids])
+    gpu = device != "cpu"
+    floor = watched([sys.executable, "-c", FLOOR, str(model), ids, device], gpu=gpu)
+    placement = ["--device", device] if gpu else []
     with tempfile.TemporaryDirectory() as cache:  # an empty cache: the noise floor is measured, not read back
         run = watched([sys.executable, "-m", "tracer", "run", "--model", str(model), "--tokens", ids,
-                       "--json", os.devnull, *flags.split()], env={"TRACER_CACHE": cache})
+                       "--json", os.devnull, *placement, *flags.split()], env={"TRACER_CACHE": cache}, gpu=gpu)
     return {"floor": floor, "run": run}
 
 
@@ -75,7 +103,13 @@ def line(name: str, tokens: int, flags: str, measured: dict) -> str:
             f"{run['wall']:.1f} s, anon {run['anon']:.2f} GB + file {run['file']:.2f} GB (HWM {run['hwm']:.2f}) | "
             f"{floor['wall']:.1f} s, anon {floor['anon']:.2f} + file {floor['file']:.2f} GB | "
             f"{run['wall'] / floor['wall']:.2f}× | {run['anon'] / floor['anon']:.2f}× anon, "
-            f"{run['hwm'] / floor['hwm']:.2f}× HWM |")
+            f"{run['hwm'] / floor['hwm']:.2f}× HWM" + _gpu_cells(floor, run) + " |")
+
+
+def _gpu_cells(floor: dict, run: dict) -> str:
+    if not floor["gpu"]:
+        return ""
+    return f"; GPU {run['gpu']:.2f} GB against {floor['gpu']:.2f} GB ({run['gpu'] / floor['gpu']:.2f}×)"
 
 
 def main() -> None:
@@ -83,6 +117,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["llama-1b:16", "llama-8b:2", "llama-8b:8"],
                         help="shape:layers, shapes as bench/checkpoints.py names them")
     parser.add_argument("--tokens", type=int, nargs="+", default=[64])
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N on a CUDA machine")
     parser.add_argument("--flags", action="append", help="tracer run flags, one row each time it is given "
                         "(--flags=--no-noise; default: one row of default flags)")
     args = parser.parse_args()
@@ -94,7 +129,8 @@ def main() -> None:
         model = write_checkpoint(shape, int(layers))
         for tokens in args.tokens:
             for flags in args.flags or [""]:
-                lines.append(line(f"{shape}, {layers} layers", tokens, flags, row(model, tokens, flags)))
+                measured = row(model, tokens, flags, args.device)
+                lines.append(line(f"{shape}, {layers} layers, {args.device}", tokens, flags, measured))
                 print(lines[-1], flush=True)
     load = os.getloadavg()
     lines.append(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load average {load[0]:.1f} "
