@@ -199,3 +199,15 @@ def test_variants_lists_the_scaling_knobs(capsys):
     out = capsys.readouterr().out
     for knob in ("llama3_factors", "longrope_ctx", "yarn_mscale"):
         assert f"\n{knob} " in out, knob
+
+
+def test_longrope_crossing_its_pretraining_length_during_decode_names_the_step(scaled):
+    """Positions 4086..4092 then 4 steps: the sequence passes original_max_position_embeddings (4096) at
+    step 4, where transformers switches to the long factors (the cached keys keep the short ones); a port
+    that picks them by a context of 4096 keeps the short ones there."""
+    result = tracer.run(scaled["longrope"], tokens=TOKENS, variant="longrope_ctx=4096", position_offset=4086,
+                        greedy=0, decode=4, progress=False)
+    assert [step.verdict for step in result.steps] == ["match"] * 4 + ["diverged"]
+    assert result.first_divergence.point == layer_point(0, Q_ROPE)
+    assert any("LongRoPE's long factors past original_max_position_embeddings" in hint
+               for hint in result.first_divergence.hints)

@@ -257,9 +257,9 @@ def _of_type(kind: str, text: str) -> Callable:
 LLAMA3_FACTORS = Knob(
     "llama3_factors", choice("keep", "ignore"), "keep | ignore", "keep",
     "Llama 3.1's frequency factors ignored: plain RoPE at rope_theta (llama.cpp #8650, rope_freqs missing); "
-    "long wavelengths only, so it shows at far positions (--position-offset 100000)",
+    "the long wavelengths only, so it shows fully at far positions (--position-offset 100000)",
     _of_type("llama3", "llama3_factors=ignore"),
-    expected=f"layers.0.{Q_ROPE}: 0.71 rel_l2 at position 100000, 6e-6 at 0..6 (tiny Llama, theta 500000)",
+    expected=f"layers.0.{Q_ROPE}: rel_l2 0.72 from position 100000, 8.7e-4 from 0 (tiny Llama, 7 tokens)",
     kind="semantic", after="rope_scaling")
 LONGROPE_CTX = Knob(
     "longrope_ctx", _sequence_or_context, "sequence | an allocated context, e.g. longrope_ctx=131072", "sequence",
@@ -272,7 +272,7 @@ YARN_MSCALE = Knob(
     "yarn_mscale", choice("keep", "drop"), "keep | drop", "keep",
     "YaRN's attention factor (mscale, 0.1·ln(factor) + 1) dropped: cos and sin unscaled (llama.cpp #7118)",
     _of_type("yarn", "yarn_mscale=drop"),
-    expected=f"layers.0.{Q_ROPE} at every position, 0 included (q and k scaled by 1/mscale)",
+    expected=f"layers.0.{Q_ROPE} at every position, 0 included: rel_l2 1 - 1/mscale (0.12 for factor 4)",
     kind="semantic", after="longrope_ctx")
 SCALING_KNOBS = (LLAMA3_FACTORS, LONGROPE_CTX, YARN_MSCALE)
 
