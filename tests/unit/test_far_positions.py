@@ -211,3 +211,12 @@ def test_longrope_crossing_its_pretraining_length_during_decode_names_the_step(s
     assert result.first_divergence.point == layer_point(0, Q_ROPE)
     assert any("LongRoPE's long factors past original_max_position_embeddings" in hint
                for hint in result.first_divergence.hints)
+
+
+def test_a_sweep_tries_the_scaling_mistake_of_the_models_own_rope_type(scaled):
+    from tracer.pipeline.catalogue import default_variants
+
+    knobs = {name: {v for v in default_variants(read_hf(_config(scaled[name])))
+                    if v.split("=")[0] in ("llama3_factors", "longrope_ctx", "yarn_mscale")} for name in SCALED}
+    assert knobs == {"llama3": {"llama3_factors=ignore"}, "yarn": {"yarn_mscale=drop"}, "linear": set(),
+                     "dynamic": set(), "longrope": {f"longrope_ctx={LONG_CONTEXT}"}}
