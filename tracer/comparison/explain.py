@@ -115,8 +115,9 @@ def hints(point: str, details: dict, family: str | None = None) -> list[str]:
     elif op_kind(point) == "rope" and positions and not any(quiet):
         said.append("every position differs at RoPE, the first included: the rotation's angles at these positions "
                     "(rope_theta, or the rope scaling: Llama 3's frequency factors, LongRoPE's short/long factors "
-                    "picked by the sequence length, YaRN's or dynamic NTK's frequencies); at far positions "
-                    "(--position-offset) no position of the prompt has angle 0 to be exact at")
+                    "picked by the sequence length, YaRN's or dynamic NTK's frequencies) or the rotary pairing "
+                    "(half-split vs interleaved); at far positions (--position-offset) no position of the prompt "
+                    "has angle 0 to be exact at")
     elif len(positions) > 1 and quiet[-1] and not any(quiet[:-1]):
         said.append("exact at the last position only: the causal mask (the last query attends to every key anyway)")
     nonfinite = [i for i, v in enumerate(positions) if not math.isfinite(v)]
