@@ -63,12 +63,25 @@ def top_channels(point: str, ref: torch.Tensor, cand: torch.Tensor, k: int = TOP
     return [{"channel": int(i), "max_abs": float(v)} for v, i in zip(values, indices)]
 
 
+def uniform_scale(ref: torch.Tensor, cand: torch.Tensor) -> float | None:
+    """c where the candidate is c × the reference throughout (the difference explained to 0.1% by that
+    one factor), else None: a scale applied on one side only, such as RoPE's attention factor."""
+    ref, cand = ref.double().flatten(), cand.double().flatten()
+    reference_norm = float(ref @ ref)
+    if reference_norm == 0 or not torch.isfinite(cand).all():
+        return None
+    factor = float(ref @ cand) / reference_norm
+    error = float((cand - ref).norm())
+    return factor if error > 0 and float((cand - factor * ref).norm()) <= 1e-3 * error else None
+
+
 def breakdown(point: str, ref: torch.Tensor, cand: torch.Tensor, num_heads: int | None = None) -> dict:
     """Everything a reader wants to see about one diverged point."""
     return {
         "by_position": by_position(point, ref, cand),
         "by_head": by_head(point, ref, cand, num_heads),
         "top_channels": top_channels(point, ref, cand),
+        "scale": uniform_scale(ref, cand) if op_kind(point) == "rope" else None,
     }
 
 
@@ -92,8 +105,19 @@ def hints(point: str, details: dict, family: str | None = None) -> list[str]:
         growing = positions[-1] >= positions[1]
         said.append(
             "exact at position 0 and " + ("growing with position" if growing else "non-zero after it")
-            + ": positional encoding (rope_theta, rope scaling, or the rotary pairing: half-split vs interleaved)"
+            + ": positional encoding (rope_theta, rope scaling: its factors or LongRoPE's short/long pick, or the "
+              "rotary pairing: half-split vs interleaved)"
         )
+    elif op_kind(point) == "rope" and details.get("scale") is not None:
+        said.append(f"the candidate is the reference × {details['scale']:.6g} at every position and head: cos and "
+                    "sin scaled by another factor (RoPE's attention factor on one side only: YaRN's mscale, "
+                    "LongRoPE's attention factor)")
+    elif op_kind(point) == "rope" and positions and not any(quiet):
+        said.append("every position differs at RoPE, the first included: the rotation's angles at these positions "
+                    "(rope_theta, or the rope scaling: Llama 3's frequency factors, LongRoPE's short/long factors "
+                    "picked by the sequence length, YaRN's or dynamic NTK's frequencies) or the rotary pairing "
+                    "(half-split vs interleaved); at far positions (--position-offset) no position of the prompt "
+                    "has angle 0 to be exact at")
     elif len(positions) > 1 and quiet[-1] and not any(quiet[:-1]):
         said.append("exact at the last position only: the causal mask (the last query attends to every key anyway)")
     nonfinite = [i for i, v in enumerate(positions) if not math.isfinite(v)]

@@ -102,7 +102,9 @@ def step_hints(number: int, first: Divergence) -> list[str]:
     if sub in (Q_ROPE, K_ROPE) and first.layer == 0:
         return [f"the prefill agrees and decode step {number} leaves it at RoPE of layer 0: the step's token was "
                 "given another position (restarting at 0 after the prompt, off by one: check the position "
-                "taken from the cache's length)"]
+                "taken from the cache's length), or a rope scaling that depends on the sequence length read "
+                "otherwise at this step (LongRoPE's long factors past original_max_position_embeddings, dynamic "
+                "NTK's base)"]
     if sub in CACHE_POINTS:
         return [f"decode step {number} agrees up to the cache: a slot holds other keys or values than the "
                 "reference's (written at the wrong slot, or kept from another prompt)"]

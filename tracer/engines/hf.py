@@ -45,6 +45,8 @@ class HFEngine(EngineBase):
     def __init__(self, model, variant: dict, label: str):
         self.model, self.variant, self.label = model, variant, label
         self.vocab_size, self.max_positions = model.config.vocab_size, model.config.max_position_embeddings
+        if _dynamic_ropes(model):  # dynamic NTK grows its base past max_position_embeddings: that is its use
+            self.max_positions = None
         self.layer_prefixes = [n for n, _ in model.named_modules() if _LAYER_NAME.fullmatch(n)]
         self.family = family_of(model.config.model_type).name
         self.model_points = model_points(getattr(model.config, "final_logit_softcapping", None) is not None,
@@ -64,6 +66,7 @@ class HFEngine(EngineBase):
         `recorder` (default in memory) may spill to disk instead."""
         offset = self.first_position(tokens, positions)
         recorder = recorder if recorder is not None else TraceRecorder()
+        restart_dynamic_ropes(self.model)
         self._recorded(recorder, input_ids=self._ids(tokens), use_cache=False, **self._positions(positions))
         return Trace(recorder.tensors, self._meta(tokens, offset))
 
@@ -79,6 +82,7 @@ class HFEngine(EngineBase):
         refuse_windowed_decode(self.name, None if windowed is None else config.sliding_window, windowed,
                                offset + len(tokens) + count)
         cache = DynamicCache(config=self.model.config)
+        restart_dynamic_ropes(self.model)  # then it grows step by step, as in `generate`
 
         def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
             recorder = TraceRecorder()
@@ -117,6 +121,7 @@ class HFEngine(EngineBase):
 
     @torch.inference_mode()
     def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor:
+        restart_dynamic_ropes(self.model)
         return self.model(input_ids=self._ids(tokens), use_cache=False, **self._positions(positions)).logits[0]
 
     @torch.inference_mode()
@@ -125,6 +130,7 @@ class HFEngine(EngineBase):
         token per step, each at the position after the last); `greedy_continuation` checks it with
         uncached forwards."""
         start = 0 if positions is None else int(positions[0])
+        restart_dynamic_ropes(self.model)
         out = self.model(input_ids=self._ids(tokens), use_cache=True, **self._positions(positions))
         picks = [int(out.logits[0, -1].argmax())]
         while len(picks) < steps:
@@ -142,6 +148,24 @@ class HFEngine(EngineBase):
         """transformers' `position_ids` (1, T) for absolute positions; the mask stays the prompt's own
         (causal over its T tokens: without a cache, transformers builds it from 0..T-1)."""
         return {} if positions is None else {"position_ids": torch.as_tensor(positions, device=self.device)[None]}
+
+
+def _dynamic_ropes(model) -> list:
+    """The rotary embeddings of dynamic NTK type (transformers' `dynamic_rope_update` keeps state in them)."""
+    return [module for module in model.modules()
+            if isinstance(getattr(module, "rope_type", None), str) and "dynamic" in module.rope_type
+            and hasattr(module, "original_inv_freq")]
+
+
+def restart_dynamic_ropes(model) -> None:
+    """Dynamic NTK's frequencies as a freshly loaded model has them. transformers keeps the frequencies
+    of the longest sequence seen (recomputed on growth only, reset only by a sequence within
+    max_position_embeddings), so a forward at 100007 after one to 100027 would rotate with the latter's:
+    a trace would depend on what ran before it. Each forward or decode starts afresh, as tracer's own
+    (stateless) tables do."""
+    for module in _dynamic_ropes(model):
+        module.register_buffer("inv_freq", module.original_inv_freq.clone(), persistent=False)
+        module.max_seq_len_cached = module.original_max_seq_len
 
 
 def load(source: ModelSource, variant: dict, *, argument: str | None = None, device: torch.device | str = "cpu",

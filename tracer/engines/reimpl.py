@@ -11,6 +11,7 @@ from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
 from tracer.engines.base import EngineBase, check_device, decode_steps, per_layer, refuse_windowed_decode
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
+from tracer.model.components.rope import rope_type
 from tracer.reimpl.forward import Model
 
 
@@ -20,6 +21,8 @@ class ReimplEngine(EngineBase):
     def __init__(self, model: Model, label: str):
         self.model, self.label, self.variant, self.device = model, label, model.variant, model.device
         self.vocab_size, self.max_positions = model.spec.vocab_size, model.spec.max_position_embeddings
+        if rope_type(model.spec) == "dynamic":  # dynamic NTK grows its base past max_position_embeddings
+            self.max_positions = None
 
     def record(self, tokens: list[int], recorder=None, *, positions: torch.Tensor | None = None) -> Trace:
         """Every point of one forward at `positions` (default 0..T-1); `recorder` (default in memory)

@@ -264,7 +264,11 @@ def rope_angles(inv_freq: np.ndarray, positions) -> np.ndarray:
 
 def rotary(spec, positions: torch.Tensor, dtype, device="cpu", layer_type: str = "full_attention"):
     """cos, sin (1, T, D) in half-split layout from candle's tables at absolute `positions` (T,):
-    `1f32 / theta.powf(i/D)` per pair, position × frequency, then libm's cosf/sinf (Rust's f32::cos/sin)."""
+    `1f32 / theta.powf(i/D)` per pair, position × frequency, then libm's cosf/sinf (Rust's f32::cos/sin).
+    quantized_llama.rs reads no rope scaling: a scaled model is refused, not rotated as if unscaled."""
+    if spec.rope_scaling is not None:
+        raise TracerError(f"rope_type {spec.rope_scaling['rope_type']!r} is not emulated by the candle regime "
+                          "(quantized_llama.rs reads rope_freq_base only)")
     angles = torch.from_numpy(rope_angles(candle_inv_freq(spec.rope_theta, spec.head_dim),
                                           positions.cpu().numpy()))  # (T, D/2)
     cos, sin = libm("cosf", angles), libm("sinf", angles)

@@ -385,8 +385,16 @@ class FamilyConfig:
 
 
 def rope_fields(config: dict) -> dict:
-    theta, scaling = _hf_rope(config)
+    theta, scaling = _hf_rope(config, original_max=top_level_original_max(config))
     return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def top_level_original_max(config: dict) -> int | None:
+    """A top-level `original_max_position_embeddings` wins over the rope parameters' own (llama3, yarn,
+    longrope), in every family whose rope parameters are one dict: each `_compute_<type>_parameters`
+    calls `standardize_rope_params` again once the config holds it as an attribute."""
+    value = config.get("original_max_position_embeddings")
+    return None if value is None else _positive_int("original_max_position_embeddings", value)
 
 
 def _biases(config: dict) -> dict:
@@ -520,7 +528,8 @@ def olmo2_extras(config: dict) -> dict:
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keys several families read, key -> transformers' default (each family's declaration lists its own).
-ROPE_KEYS = {"rope_parameters": None, "rope_theta": DEFAULT_ROPE_THETA, "rope_scaling": None}
+ROPE_KEYS = {"rope_parameters": None, "rope_theta": DEFAULT_ROPE_THETA, "rope_scaling": None,
+             "original_max_position_embeddings": None}
 QWEN_WINDOW_KEYS = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None}
 GEMMA_KEYS = {"attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None}
 

@@ -4,12 +4,22 @@ part of attention (its precision, a local base for sliding layers, partial rotar
 Positions are an input: a forward is given the absolute position of each token (int64 (T,)), and
 the RoPE tables are computed from them (`Positions`), as transformers' `position_ids` and mlx-lm's
 `offset` do; a decode step at position P is a call like any other. Every rope type tracer reads
-(default, linear, llama3, longrope) takes positions; the regimes' emulations of ggml's and candle's
-tables take them too (`tracer.ggml.ops.rope_cos_sin`, `tracer.ggml.candle.rotary`).
+(default, linear, llama3, yarn, dynamic, longrope) takes positions; the regimes' emulations of ggml's
+and candle's tables take them too (`tracer.ggml.ops.rope_cos_sin`, `tracer.ggml.candle.rotary`).
+
+The scalings mirror transformers 5's `modeling_rope_utils` op by op (its `_compute_<type>_parameters`
+and `dynamic_rope_update`), so that hf and reimpl agree bitwise at position 100000 as at 0. Two of them
+depend on the sequence, that is on the last position of the forward + 1: longrope picks its short or
+long factors by it, dynamic NTK grows its base with it. A decode step of one token at position P
+computes its tables for P + 1, as transformers' rotary embedding does on a cached step.
+
+The classic scaling mistakes of ports are knobs of `Rope` (`llama3_factors`, `longrope_ctx`,
+`yarn_mscale`): each reads the config's scaling as the mistaken port does, before the tables are made.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -23,25 +33,69 @@ from tracer.model.points import Q_ROPE
 SLIDING = "sliding_attention"
 
 
-def rope_inv_freq(spec, layer_type: str = "full_attention", num_tokens: int = 1) -> torch.Tensor:
-    """(R/2,) inverse frequencies, f32, with the config's rope scaling applied. Gemma 3's sliding
-    layers use their own base (`rope_local_theta`) without scaling; longrope picks its factors by
-    the sequence length (the last position + 1), as transformers' `longrope_frequency_update` does."""
+def rope_inv_freq(spec, layer_type: str = "full_attention", num_tokens: int = 1,
+                  scaling: dict | None | str = "config") -> torch.Tensor:
+    """(R/2,) inverse frequencies, f32, with the config's rope scaling applied (`scaling`: another
+    reading of it, a knob's). Gemma 3's sliding layers use their own base (`rope_local_theta`) without
+    scaling; longrope picks its factors and dynamic NTK its base by the sequence length `num_tokens`
+    (the last position + 1), as transformers' `dynamic_rope_update` does."""
     dim, local = spec.rotary_dim, layer_type == SLIDING and spec.rope_local_theta is not None
     base = spec.rope_local_theta if local else spec.rope_theta
-    scaling = None if local else spec.rope_scaling
-    if scaling is not None and scaling["rope_type"] == "longrope":
+    scaling = None if local else spec.rope_scaling if scaling == "config" else scaling
+    kind = "default" if scaling is None else scaling["rope_type"]
+    if kind == "longrope":
         return _longrope_inv_freq(base, dim, scaling, num_tokens)
+    if kind == "yarn":
+        return _yarn_inv_freq(base, dim, scaling)
+    if kind == "dynamic" and num_tokens > spec.max_position_embeddings:
+        return _dynamic_inv_freq(base, dim, scaling["factor"], num_tokens, spec.max_position_embeddings)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    if scaling is None:
+    if kind in ("default", "dynamic"):  # dynamic NTK within max_position_embeddings: the plain base
         return inv_freq
-    kind = scaling["rope_type"]
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     raise TracerError(f"rope_type {kind!r} is not supported by the reimpl engine "
-                      "(supported: default, linear, llama3, longrope)")
+                      f"(supported: {', '.join(ROPE_TYPES)})")
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+
+
+def _dynamic_inv_freq(base: float, dim: int, factor: float, num_tokens: int, max_positions: int) -> torch.Tensor:
+    """Dynamic NTK past max_position_embeddings: the base grows with the sequence length. transformers
+    computes it from the int64 tensor max(position_ids) + 1, so in f32 (`_compute_dynamic_ntk_parameters`)."""
+    length = torch.tensor(num_tokens)  # int64 0-d, as transformers' seq_len
+    grown = base * ((factor * length / max_positions) - (factor - 1)) ** (dim / (dim - 2))  # f32 0-d
+    return 1.0 / (grown ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _yarn_inv_freq(base: float, dim: int, scaling: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the pretraining length interpolated
+    (divided by `factor`), those turning more than beta_fast times kept, a linear ramp between
+    (transformers' `_compute_yarn_parameters`, `truncate` rounding the ramp's ends outwards)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dim whose frequency turns `rotations` times
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)  # (R/2,)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)  # (R/2,)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1·mscale·ln(factor) + 1 (1 for factor <= 1), transformers' `yarn_get_mscale`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _longrope_inv_freq(base: float, dim: int, scaling: dict, num_tokens: int) -> torch.Tensor:
@@ -52,16 +106,24 @@ def _longrope_inv_freq(base: float, dim: int, scaling: dict, num_tokens: int) ->
     return 1.0 / (factors * base**shape)
 
 
-def rope_attention_scaling(spec, layer_type: str = "full_attention") -> float:
-    """The factor cos and sin are multiplied by: 1 but for longrope (sqrt(1 + ln(s)/ln(original)))."""
-    scaling = spec.rope_scaling
+def rope_attention_scaling(spec, layer_type: str = "full_attention", scaling: dict | None | str = "config") -> float:
+    """The factor cos and sin are multiplied by (transformers' `attention_scaling`): 1 but for longrope
+    (sqrt(1 + ln(s)/ln(original))) and yarn (0.1·ln(s) + 1, or mscale over mscale_all_dim), unless
+    the config gives `attention_factor`. (MLA models also fold mscale_all_dim into the softmax scale,
+    transformers' `yarn_apply_mscale`; no family tracer reads is one.)"""
     local = layer_type == SLIDING and spec.rope_local_theta is not None
-    if local or scaling is None or scaling["rope_type"] != "longrope":
+    scaling = None if local else spec.rope_scaling if scaling == "config" else scaling
+    if scaling is None or scaling["rope_type"] not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return scaling["attention_factor"]
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or spec.max_position_embeddings / original
+    if scaling["rope_type"] == "yarn":
+        mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and all_dims:
+            return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dims))
+        return yarn_mscale(factor)
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
@@ -80,15 +142,20 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def rotary_cos_sin(spec, positions: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str = "cpu",
-                   layer_type: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
+                   layer_type: str = "full_attention",
+                   misread: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (1, T, R) for absolute `positions` (T,), in the half-split layout (frequencies
-    repeated, not interleaved); cast to `dtype` (None: kept in f32, as OLMo-2 keeps them)."""
+    repeated, not interleaved); cast to `dtype` (None: kept in f32, as OLMo-2 keeps them). `misread`:
+    (scaling, sequence length) -> the pair as a mistaken port reads them (the scaling knobs)."""
     positions = positions.to(device)[None]  # (1, T)
+    scaling, length = spec.rope_scaling, int(positions.max()) + 1
+    if misread is not None and scaling is not None:
+        scaling, length = misread(scaling, length)
     # On the run's device, as transformers computes them: a GPU's cos/sin differ from the CPU's in the last bit.
-    inv_freq = rope_inv_freq(spec, layer_type, int(positions.max()) + 1).to(device)  # (R/2,)
+    inv_freq = rope_inv_freq(spec, layer_type, length, scaling).to(device)  # (R/2,)
     freqs = positions[..., None].float() * inv_freq  # (1, T, R/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (1, T, R)
-    scale = rope_attention_scaling(spec, layer_type)
+    scale = rope_attention_scaling(spec, layer_type, scaling)
     cos, sin = (emb.cos(), emb.sin()) if scale == 1.0 else (emb.cos() * scale, emb.sin() * scale)
     return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
@@ -160,6 +227,97 @@ ROPE_LOCAL = Knob("rope_local", choice("local", "global"), "local | global", "lo
                   expected=f"{Q_ROPE} of the first local layer (layer 0)", kind="config", after="window")
 
 
+def rope_type(spec) -> str:
+    """The global RoPE's scaling type ("default" without one)."""
+    return "default" if spec.rope_scaling is None else spec.rope_scaling["rope_type"]
+
+
+def _sequence_or_context(text: str) -> str | int:
+    return text if text == "sequence" else int(text) if text.isdigit() and int(text) > 0 else _bad(text)
+
+
+def _bad(text: str):
+    raise ValueError(text)
+
+
+def _allocated_context(spec) -> str:
+    """llama.cpp's default context, the training one: past the pretraining length, every sequence gets the
+    long factors."""
+    if spec is None:
+        return "longrope_ctx=131072"
+    scaling = spec.rope_scaling or {}
+    long = rope_type(spec) == "longrope" and spec.max_position_embeddings > scaling["original_max_position_embeddings"]
+    return f"longrope_ctx={spec.max_position_embeddings}" if long else ""
+
+
+def _of_type(kind: str, text: str) -> Callable:
+    return lambda spec: text if spec is None or rope_type(spec) == kind else ""
+
+
+LLAMA3_FACTORS = Knob(
+    "llama3_factors", choice("keep", "ignore"), "keep | ignore", "keep",
+    "Llama 3.1's frequency factors ignored: plain RoPE at rope_theta (llama.cpp #8650, rope_freqs missing); "
+    "the long wavelengths only, so it shows fully at far positions (--position-offset 100000)",
+    _of_type("llama3", "llama3_factors=ignore"),
+    expected=f"layers.0.{Q_ROPE}: rel_l2 0.72 from position 100000, 8.7e-4 from 0 (tiny Llama, 7 tokens)",
+    kind="semantic", after="rope_scaling")
+LONGROPE_CTX = Knob(
+    "longrope_ctx", _sequence_or_context, "sequence | an allocated context, e.g. longrope_ctx=131072", "sequence",
+    "LongRoPE's short/long factors chosen from the allocated context instead of the sequence length "
+    "(llama.cpp #24823): long factors on a short prompt when the context exceeds the pretraining length, short "
+    "ones at far positions when it does not", _allocated_context,
+    expected=f"layers.0.{Q_ROPE} (positions 0..T with a long context; --position-offset 100000 with a short one)",
+    kind="semantic", after="llama3_factors")
+YARN_MSCALE = Knob(
+    "yarn_mscale", choice("keep", "drop"), "keep | drop", "keep",
+    "YaRN's attention factor (mscale, 0.1·ln(factor) + 1) dropped: cos and sin unscaled (llama.cpp #7118)",
+    _of_type("yarn", "yarn_mscale=drop"),
+    expected=f"layers.0.{Q_ROPE} at every position, 0 included: rel_l2 1 - 1/mscale (0.12 for factor 4)",
+    kind="semantic", after="longrope_ctx")
+SCALING_KNOBS = (LLAMA3_FACTORS, LONGROPE_CTX, YARN_MSCALE)
+
+
+def _no_llama3_factors(scaling: dict, length: int) -> tuple[dict | None, int]:
+    return None, length
+
+
+def _picked_by_context(context: int) -> Callable:
+    return lambda scaling, length: (scaling, context)
+
+
+def _no_mscale(scaling: dict, length: int) -> tuple[dict, int]:
+    return {**scaling, "attention_factor": 1.0}, length
+
+
+def _misreading(knobs: dict, spec) -> Callable | None:
+    """The scaling knobs' reading of the config (None: as transformers reads it); a knob whose rope type
+    the model does not have would change nothing: refused, naming the model's type."""
+    readings = []
+    if setting(knobs, "llama3_factors") == "ignore":
+        readings.append(("llama3_factors=ignore", "llama3", _no_llama3_factors))
+    context = setting(knobs, "longrope_ctx")
+    if context != "sequence":
+        readings.append((f"longrope_ctx={context}", "longrope", _picked_by_context(context)))
+    if setting(knobs, "yarn_mscale") == "drop":
+        readings.append(("yarn_mscale=drop", "yarn", _no_mscale))
+    for text, kind, _ in readings:
+        if spec is not None and rope_type(spec) != kind:
+            raise TracerError(f"{text} changes nothing here: this model's rope_type is {rope_type(spec)!r} "
+                              f"(the knob concerns {kind})")
+        if spec is not None and kind == "yarn" and rope_attention_scaling(spec) == 1.0:
+            raise TracerError(f"{text} changes nothing here: this model's YaRN attention factor is 1 "
+                              "(attention_factor, or mscale equal to mscale_all_dim)")
+    if not readings:
+        return None
+
+    def misread(scaling: dict, length: int) -> tuple[dict | None, int]:
+        for _, _, reading in readings:
+            scaling, length = reading(scaling, length)
+        return scaling, length
+
+    return misread
+
+
 @dataclass(frozen=True)
 class Rope(Component):
     """RoPE as attention applies it.
@@ -174,12 +332,14 @@ class Rope(Component):
 
     @property
     def knobs(self) -> tuple:
-        return (ROPE_LOCAL,) if self.local else ()
+        return ((ROPE_LOCAL,) if self.local else ()) + SCALING_KNOBS
 
     def steps(self, knobs: dict, spec) -> dict:
+        misread = _misreading(knobs, spec)
+        rotary = rotary_cos_sin if misread is None else functools.partial(rotary_cos_sin, misread=misread)
         rope = ROPES[setting(knobs, "rope")]
         if self.precision == "f32":
             rope = rotated_in_f32(rope)
         if spec is not None and spec.rotary_dim < spec.head_dim:
             rope = partial_rotary(rope)
-        return {"rope": rope, "rotary": rotary_cos_sin, "rope_cast": self.precision == "model"}
+        return {"rope": rope, "rotary": rotary, "rope_cast": self.precision == "model"}
