@@ -327,7 +327,11 @@ def hf_model(model_dir: Path, variant: dict, candle) -> tuple[Shape, dict, objec
     weights[LOGITS] = weights[EMBED] if spec.tie_word_embeddings else tensor(LOGITS + WEIGHT)
     for i in range(spec.num_hidden_layers):
         weights[i] = {point: tensor(layer_point(i, point) + WEIGHT) for point in LAYER_WEIGHTS}
-    inv_freq = candle_inv_freq(spec.rope_theta, spec.head_dim) if spec.rope_scaling is None else \
+    kind = None if spec.rope_scaling is None else spec.rope_scaling["rope_type"]
+    if kind not in (None, "llama3", "linear"):  # an attention factor or a length-dependent table llama.rs lacks
+        raise TracerError(f"the candle engine rotates with llama3 or linear rope scaling only; this model's rope_type "
+                          f"is {kind!r}")
+    inv_freq = candle_inv_freq(spec.rope_theta, spec.head_dim) if kind is None else \
         rope_inv_freq(spec).to(torch.float32).numpy()
     shape = Shape(spec.num_hidden_layers, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
                   spec.hidden_size, spec.vocab_size, spec.max_position_embeddings, spec.rms_norm_eps, inv_freq,

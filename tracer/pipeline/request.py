@@ -92,8 +92,10 @@ class Inputs:
     def __post_init__(self):
         object.__setattr__(self, "tokens", token_list(self.tokens))
         whole_number(self.max_tokens, "--max-tokens", minimum=1)
-        whole_number(self.position_offset, "--position-offset", minimum=0)
-        whole_number(self.decode, "--decode", minimum=0)
+        # None is the default in Python as on the command line: from position 0, no decode
+        offset = whole_number(self.position_offset, "--position-offset", minimum=0)
+        object.__setattr__(self, "position_offset", offset or 0)
+        object.__setattr__(self, "decode", whole_number(self.decode, "--decode", minimum=0) or 0)
         if self.tokens is None:
             if self.prompt is None:
                 raise TracerError("give a prompt or token ids")
