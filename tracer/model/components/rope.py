@@ -81,9 +81,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 def rotary_cos_sin(spec, positions: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str = "cpu",
                    layer_type: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (1, T, R) for absolute `positions` (T,), in the half-split layout (frequencies
-    repeated, not interleaved); cast to `dtype` (None: kept in f32, as OLMo-2 keeps them)."""
-    positions = positions.to(device)[None]  # (1, T)
+    """cos, sin of shape (1, T, R) for absolute `positions` (T,) ((B, T, R) for a batch's (B, T)), in the
+    half-split layout (frequencies repeated, not interleaved); cast to `dtype` (None: kept in f32, as OLMo-2
+    keeps them)."""
+    positions = positions.to(device)
+    positions = positions[None] if positions.dim() == 1 else positions  # (1, T) or (B, T)
     # On the run's device, as transformers computes them: a GPU's cos/sin differ from the CPU's in the last bit.
     inv_freq = rope_inv_freq(spec, layer_type, int(positions.max()) + 1).to(device)  # (R/2,)
     freqs = positions[..., None].float() * inv_freq  # (1, T, R/2)
@@ -137,14 +139,19 @@ def rotated_in_f32(rope: Callable) -> Callable:
 class Positions:
     """The absolute positions of one forward's tokens (int64 (T,)) and their RoPE tables, computed
     once per layer type by the forward's `rotary` step (so a forward builds each table once, and a
-    streamed run driving one block at a time reuses them)."""
+    streamed run driving one block at a time reuses them).
 
-    def __init__(self, positions: torch.Tensor, spec, steps, dtype: torch.dtype, device):
+    A left-padded batch (`Model.forward_batch`) has positions (B, T) and `real` (B, T) bool, True at
+    each row's real tokens (what attention's padding mask is built from)."""
+
+    def __init__(self, positions: torch.Tensor, spec, steps, dtype: torch.dtype, device,
+                 real: torch.Tensor | None = None):
         self.positions, self.spec, self.steps, self.dtype, self.device = positions, spec, steps, dtype, device
+        self.real = real
         self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __len__(self) -> int:
-        return int(self.positions.shape[0])
+        return int(self.positions.shape[-1])
 
     def tables(self, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), (1, T, R) each, for one layer type (Gemma 3's local layers have their own base)."""
