@@ -18,7 +18,6 @@ from tracer.pipeline.request import DEFAULT_CTX, DEFAULT_PROMPT
 DEFAULT_OUT = "tracer-report"
 DEFAULT_SWEEP_OUT = "tracer-sweep"
 TOKENS_HELP = "comma-separated token ids, for models without a tokenizer"
-BATCH_TOKENS_HELP = TOKENS_HELP + "; with --batch B, B rows separated by ';' (1,2,3;4,5)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,7 +75,7 @@ def _inputs() -> argparse.ArgumentParser:
     source.add_argument("--prompt", action=_Prompts, help=f'text to run (default: "{DEFAULT_PROMPT}"); given B times '
                         "with --batch B, the batch's rows")
     source.add_argument("--prompt-file", action=_Once, type=Path, help="read the prompt from a UTF-8 file")
-    source.add_argument("--tokens", action=_Once, help=BATCH_TOKENS_HELP)
+    source.add_argument("--tokens", action=_Once, help=TOKENS_HELP)
     parent.add_argument("--chat", action="store_true",
                         help="feed the prompt through the model's chat template, as an instruct model is used")
     parent.add_argument("--system", help="a system message before the prompt (with --chat)")
