@@ -633,8 +633,11 @@ def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, refer
 
     knobs = {k: f"{k}={format_knob_value(v)}" for k, v in {**variant}.items()}
     several = len(set(inputs.rows)) > 1  # a batch of different rows: every row on the line
-    tokens = ";".join(",".join(map(str, row)) for row in inputs.rows) if several else inputs.tokens
-    prompt = list(inputs.rows) if several else inputs.prompt if inputs.prompt != DEFAULT_PROMPT else None
+    tokens, prompt = inputs.tokens, inputs.prompt if inputs.prompt != DEFAULT_PROMPT else None
+    if several and inputs.tokens is not None:
+        tokens = ";".join(",".join(map(str, row)) for row in inputs.rows)
+    elif several:
+        prompt = list(inputs.rows)
     values = {
         "model": inputs.model,
         "tokens": None if tokens is None else tokens if isinstance(tokens, str) else ",".join(map(str, tokens)),

@@ -20,6 +20,7 @@ from tracer.files.sources import resolve_source
 from tracer.model.points import PROBS, Q_ROPE, layer_point
 from tracer.pipeline.request import Inputs
 from tracer.reimpl.forward import Model
+from tracer.reports import write_report
 
 ROWS = [TOKENS, TOKENS[:3], TOKENS[1:], TOKENS[2:4]]  # 7, 3, 6, 2 tokens: padding 0, 4, 1, 5
 
@@ -85,12 +86,15 @@ def test_a_padded_batch_matches_row_by_row(llama_dir):
     ("padding_mask=drop", layer_point(0, PROBS), "attend to its padding"),
     ("batch_positions=arange", layer_point(0, Q_ROPE), "do not start at 0 at its first real token"),
 ])
-def test_each_padding_knob_is_found_on_the_first_padded_row(llama_dir, variant, point, hint):
+def test_each_padding_knob_is_found_on_the_first_padded_row(llama_dir, variant, point, hint, tmp_path):
     result = tracer.run(llama_dir, tokens=ROWS, batch=4, variant=variant, noise_floor=False, progress=False)
     assert result.verdict == "diverged" and result.row == 1  # row 0 has no padding: nothing to get wrong
     assert [row.verdict for row in result.batch] == ["match", "diverged", "diverged", "diverged"]
     assert result.first_divergence.point == point and hint in result.first_divergence.hints[0]
     assert f"row 1 (4 padded positions) diverged first at {point}" in result.notes[0]
+    assert result.tokens == ROWS[1]  # the shown comparison is row 1's: its tokens head the result
+    html = (write_report(result, tmp_path / "report") / "report.html").read_text()  # the report renders it as is
+    assert "row 1 (4 padded positions) diverged first at" in html
 
 
 def test_one_prompt_repeated_and_record_by_rows(llama_dir, tmp_path, capsys):

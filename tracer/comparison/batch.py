@@ -97,11 +97,13 @@ def with_rows(result: Result, compared: list[tuple[BatchRow, Result]]) -> Result
 
 def batch_line(result: Result) -> str | None:
     """One line on the rows, for the notes: "batch of 4: rows 0, 2 match; row 1 (3 padded positions) diverged
-    first at model.layers.0.self_attn.probs"."""
+    first at model.layers.0.self_attn.probs" (that row's prompt and tokens then head the result)."""
     if not result.batch:
         return None
     matched = [str(row.row) for row in result.batch if row.verdict == "match"]
-    line = f"batch of {len(result.batch)}: " + (f"rows {', '.join(matched)} match" if matched else "no row matches")
+    line = f"batch of {len(result.batch)}: " + (
+        "no row matches" if not matched else f"row {matched[0]} matches" if len(matched) == 1
+        else f"rows {', '.join(matched)} match")
     if result.row is not None:
         shown = result.batch[result.row]
         where = shown.first_divergence.point if shown.first_divergence else "the logits"

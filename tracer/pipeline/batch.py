@@ -9,7 +9,7 @@ positions are computed by both sides but compared nowhere: they are no prompt's.
 
 from __future__ import annotations
 
-import time
+import dataclasses
 
 from tracer.comparison.batch import batch_gaps, batch_line, compare_rows, row_floors, with_rows
 from tracer.comparison.result import Result
@@ -59,21 +59,25 @@ def reference_alone(prepared, reference: Side, rows: list[list[int]]) -> tuple[l
 def compare_batched(result: Result, prepared, engine: Engine, inputs: Inputs, reference: Side) -> Result:
     """`result` (the first row's prompt run alone) with every row of both sides' batched forwards compared
     and attached (`tracer.comparison.batch.with_rows`)."""
-    from tracer.pipeline.run import check_tokens
+    from tracer.pipeline.run import check_tokens, timed
 
     stage("batch")
-    started = time.perf_counter()
+    timings = dict(result.timings)
     rows = batch_rows(prepared, inputs)
     for ids in rows:
         check_tokens(ids, prepared.engine)
         check_tokens(ids, engine)
-    alone, noise = reference_alone(prepared, reference, rows)
-    gaps = batch_gaps(alone, prepared.engine.record_batch(rows))
+    with timed(timings, "batch_alone_s"):  # the other prompts' batch-1 runs and f64 noise
+        alone, noise = reference_alone(prepared, reference, rows)
+    with timed(timings, "batch_reference_s"):
+        gaps = batch_gaps(alone, prepared.engine.record_batch(rows))
     floors = row_floors(gaps, noise) if prepared.noise is not None else None
-    candidate = engine.record_batch(rows)
+    with timed(timings, "batch_candidate_s"):
+        candidate = engine.record_batch(rows)
     width = max(len(ids) for ids in rows)
     padding = tuple(width - len(ids) for ids in rows)
-    compared = compare_rows(alone, candidate, padding, prepared.tolerance, floors, gaps)
+    with timed(timings, "batch_compare_s"):
+        compared = compare_rows(alone, candidate, padding, prepared.tolerance, floors, gaps)
     worst = max(((gap, point, row) for row, by_point in enumerate(gaps) for point, gap in by_point.items()),
                 default=None)
     floor = (f"each row's floor: the reference's batched row against its batch-1 run (at most {worst[0]:.2g} rel_l2, "
@@ -82,6 +86,10 @@ def compare_batched(result: Result, prepared, engine: Engine, inputs: Inputs, re
     note = (f"batch: {len(rows)} rows left-padded to {width} tokens (padding {', '.join(map(str, padding))}), one "
             "forward per side with an attention mask; each row compared at its real positions with the reference's "
             f"batch-1 run of its prompt (padded positions are not compared); {floor}")
-    timings = {**result.timings, "batch_s": time.perf_counter() - started}
     batched = with_rows(result.with_context(notes=(note,), timings=timings), compared)
+    if batched.row is not None:  # the shown comparison is that row's: its prompt and tokens head the report
+        ids, given = rows[batched.row], inputs.rows[batched.row]
+        batched = dataclasses.replace(batched, prompt=given if isinstance(given, str) else None, tokens=list(ids),
+                                      token_texts=[prepared.detokenize([t]) for t in ids] if result.token_texts
+                                      else None)
     return batched.with_context(notes=(batch_line(batched),))
