@@ -17,7 +17,7 @@ from tracer.core.errors import TracerError
 from tracer.engines.batch import left_padded
 from tracer.engines.load import load_engine
 from tracer.files.sources import resolve_source
-from tracer.model.points import PROBS, Q_ROPE, layer_point
+from tracer.model.points import CONTEXT, PROBS, Q_ROPE, layer_point
 from tracer.pipeline.request import Inputs
 from tracer.reimpl.forward import Model
 from tracer.reports import write_report
@@ -85,6 +85,8 @@ def test_a_padded_batch_matches_row_by_row(llama_dir):
 @pytest.mark.parametrize("variant, point, hint", [
     ("padding_mask=drop", layer_point(0, PROBS), "attend to its padding"),
     ("batch_positions=arange", layer_point(0, Q_ROPE), "do not start at 0 at its first real token"),
+    # candle's -inf mask: a padded query masked from every key is NaN, which reaches the real tokens a layer later
+    ("mask=where", layer_point(1, CONTEXT), "turns NaN at model.layers.1.self_attn.context from its padding"),
 ])
 def test_each_padding_knob_is_found_on_the_first_padded_row(llama_dir, variant, point, hint, tmp_path):
     result = tracer.run(llama_dir, tokens=ROWS, batch=4, variant=variant, noise_floor=False, progress=False)
@@ -113,7 +115,7 @@ def test_how_a_batch_is_given_and_what_is_refused(llama_dir):
     assert Inputs(tokens=[1, 2], batch=3).rows == ((1, 2),) * 3
     assert Inputs(prompt="x", batch=2).rows == ("x", "x")
     refused = [
-        (dict(prompt=["a", "b"]), "2 prompts: several prompts run as one batch (--batch 2)"),
+        (dict(prompt=["a", "b"]), "2 prompts: a run takes one, or several as one batch (--batch 2"),
         (dict(tokens="1,2;3"), "2 prompts"),
         (dict(prompt=["a", "b", "c"], batch=2), "--batch 2 with 3 prompts: give 2 prompts, or one to repeat"),
         (dict(prompt="a", batch=2, decode=2), "--batch with --decode"),
@@ -133,6 +135,6 @@ def test_repeated_prompts_on_the_command_line_and_a_second_tokens(llama_dir, cap
     args = build_parser().parse_args(["run", "--prompt", "a b", "--prompt", "c", "--batch", "2"])
     assert inputs_of(args).rows == ("a b", "c")
     assert main(["run", "--model", str(llama_dir), "--prompt", "a", "--prompt", "b"]) == 2
-    assert "several prompts run as one batch (--batch 2)" in capsys.readouterr().err
+    assert "2 prompts: a run takes one, or several as one batch (--batch 2" in capsys.readouterr().err
     assert main(["run", "--model", str(llama_dir), "--tokens", "1,2;3", "--tokens", "4", "--batch", "2"]) == 2
     assert "--tokens given twice" in capsys.readouterr().err

@@ -37,13 +37,13 @@ def compare_rows(alone: list[Trace], candidate: list[Trace], padding: tuple[int,
     """Every row of the candidate's batch against the reference's batch-1 run of its prompt, against its
     floor (`row_floors`; None: the fixed bound); `gaps`: the reference's own batched-vs-batch-1 rel_l2
     per row and point (`batch_gaps`), summarized as each row's `batch_floor`."""
-    padded = [row for row, pad in enumerate(padding) if pad]
     compared = []
     for row, (one, cand) in enumerate(zip(alone, candidate)):
         result = compare(one, cand, tolerance, noise=floors[row] if floors else None)
         first = result.first_divergence
         if first is not None:
-            first = dataclasses.replace(first, hints=(*row_hints(row, padding, padded, first), *first.hints))
+            hints = row_hints(row, padding, first, result.first_nonfinite)
+            first = dataclasses.replace(first, hints=(*hints, *first.hints))
             result = dataclasses.replace(result, first_divergence=first)
         gap = max(gaps[row].values(), default=0.0) if gaps else None
         compared.append((row_summary(row, one, padding[row], result, gap), result))
@@ -62,9 +62,16 @@ def row_summary(row: int, reference: Trace, padding: int, result: Result, batch_
                     batch_floor=batch_floor, layer_max_rel_l2=tuple(worst.get(layer) for layer in range(layers)))
 
 
-def row_hints(row: int, padding: tuple[int, ...], padded: list[int], first: Divergence) -> list[str]:
-    """What a divergence that appears only in a batch suggests, by the row's padding and the point it starts at."""
+def row_hints(row: int, padding: tuple[int, ...], first: Divergence, nonfinite: dict | None = None) -> list[str]:
+    """What a divergence that appears only in a batch suggests, by the row's padding, the point it starts at
+    and where NaN first shows (`nonfinite`: the result's `first_nonfinite`)."""
     sub, pad = split_point(first.point)[1], padding[row]
+    if pad and nonfinite and nonfinite["side"] == "candidate" and nonfinite["point"] == first.point \
+            and split_point(first.point)[1] == CONTEXT:
+        return [f"row {row} ({pad} padded positions) turns NaN at {first.point} from its padding: a padded query "
+                "masked from every key with -inf (a where/masked_fill mask) gets NaN probabilities, its output "
+                "carries NaN into the next layer's keys and values, and probs 0 × NaN reach the real tokens; "
+                "mask with the dtype's minimum, as transformers does, or keep padded queries finite"]
     if not pad:
         return [f"row {row} has no padding and still leaves the floor: its output depends on the batch shape "
                 "itself (another kernel or reduction order for a batch of rows), beyond the reference's own "

@@ -116,8 +116,8 @@ class Inputs:
                 raise TracerError("an empty list of prompts")
         if given is not None:
             if self.batch == 1 and len(given) > 1:
-                raise TracerError(f"{len(given)} prompts: several prompts run as one batch (--batch {len(given)}); "
-                                  "without --batch a run takes one")
+                raise TracerError(f"{len(given)} prompts: a run takes one, or several as one batch (--batch "
+                                  f"{len(given)}, on run and record)")
             if len(given) not in (1, self.batch):
                 raise TracerError(f"--batch {self.batch} with {len(given)} prompts: give {self.batch} prompts, or one "
                                   f"to repeat {self.batch} times")
