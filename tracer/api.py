@@ -240,11 +240,11 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
                               "run them apart")
         if inputs.batch > 1:
             raise TracerError("--batch with --regime: a regime's own steps run one prompt; run them apart")
-    if inputs.batch > 1 and greedy is None:
-        greedy = 0  # the rows are compared point by point; a greedy continuation would be the first row's only
+    # the rows are compared point by point; a greedy continuation would be the first row's only
+    greedy_steps = 0 if inputs.batch > 1 and greedy is None else greedy
     variant = candidate.variant
     with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
-                            greedy_steps=greedy, progress=progress, candidates=(candidate.engine,)) as prepared:
+                            greedy_steps=greedy_steps, progress=progress, candidates=(candidate.engine,)) as prepared:
         in_regime = resolve_regime(regime, candidate.engine, variant, prepared.source) if regime is not None else None
         engine = load_engine(candidate.engine, prepared.source, variant, device=placement.device,
                              stream=prepared.stream, offload=offload_for(candidate.engine, prepared.offload))
