@@ -36,6 +36,7 @@ from tracer.pipeline.request import (
     Outputs,
     Placement,
     Side,
+    check_batch,
     check_decode,
     check_family_support,
     check_greedy,
@@ -59,7 +60,7 @@ from tracer.pipeline.run import (
 @with_stages("load", "record")
 def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device: str = "cpu", stream: bool = False,
            chat: bool = False, system: str | None = None, offload: str | Path | None = None, max_memory=None,
-           position_offset: int = 0, decode: int = 0, progress: bool = True) -> Trace:
+           position_offset: int = 0, decode: int = 0, batch: int = 1, progress: bool = True) -> Trace | list[Trace]:
     """Record every point of one forward pass (and, with `decode`, of every cached decode step after it).
 
     Args:
@@ -80,9 +81,12 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
             positions (hf, reimpl): RoPE at far positions, as a decode step deep in a context sees it.
         decode: after the prompt's prefill, decode this many greedy tokens one at a time with the engine's
             own KV cache (engines that decode: hf, reimpl); the steps are `trace.steps` (docs/decode.md).
+        batch: run B rows as one left-padded batch with an attention mask (engines: hf, reimpl;
+            docs/batch.md): `tokens_or_prompt` a list of B prompts or of B token lists, or one repeated.
 
     Returns:
-        The `Trace`: point name -> tensor in execution order, with metadata.
+        The `Trace`: point name -> tensor in execution order, with metadata; with `batch`, one trace per
+        row, each at the row's real positions (its padding cut off).
 
     Example:
         >>> trace = tracer.record(None, "The capital of France is", engine="reimpl", variant="theta=10000",
@@ -90,19 +94,23 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
         >>> trace["model.layers.0.self_attn.q_rope"].shape
         torch.Size([9, 5, 64])
     """
-    is_prompt = isinstance(tokens_or_prompt, str)
+    is_prompt = isinstance(tokens_or_prompt, str) or (
+        isinstance(tokens_or_prompt, (list, tuple)) and bool(tokens_or_prompt)
+        and all(isinstance(row, str) for row in tokens_or_prompt))
     inputs = Inputs(model, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
-                    chat=chat, system=system, position_offset=position_offset, decode=decode)
+                    chat=chat, system=system, position_offset=position_offset, decode=decode, batch=batch)
     return record_values(inputs, Placement(device, stream, offload, max_memory), Side.of(engine, variant),
                          progress=progress)
 
 
 @with_stages("load", "record")
-def record_values(inputs: Inputs, placement: Placement, side: Side, *, progress: bool = True) -> Trace:
+def record_values(inputs: Inputs, placement: Placement, side: Side, *,
+                  progress: bool = True) -> Trace | list[Trace]:
     """`record` on the request's values (`tracer.pipeline.request`), as the CLI builds them."""
     engine = side.engine
     check_positions(inputs.position_offset, side)
     check_decode(inputs.decode, side)
+    check_batch(inputs.batch, side)
     if placement.stream and not side.entry.stream:
         raise TracerError(f"stream is for the engines that read weights block by block (hf, reimpl); "
                           f"the {engine} engine cannot")
@@ -114,6 +122,14 @@ def record_values(inputs: Inputs, placement: Placement, side: Side, *, progress:
     ids, chat_info = token_ids(source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
     check_tokens(ids, runner, inputs.position_offset)
     stage("record")
+    if inputs.batch > 1:
+        rows = [list(token_ids(source, *((row, None) if isinstance(row, str) else (None, row)), chat=inputs.chat,
+                               system=inputs.system)[0]) for row in inputs.rows]
+        for row in rows:
+            check_tokens(row, runner)
+        traces = runner.record_batch(rows)
+        return [dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, prompt=text, chat=None))
+                if isinstance(text, str) else trace for trace, text in zip(traces, inputs.rows)]
     if inputs.decode:
         trace = runner.decode(ids, inputs.decode, offset=inputs.position_offset)
     else:
@@ -125,7 +141,7 @@ def record_values(inputs: Inputs, placement: Placement, side: Side, *, progress:
     return trace
 
 
-@with_stages("load", "reference", "noise floor", "candidate", "greedy", "decode", "regime", "report")
+@with_stages("load", "reference", "noise floor", "candidate", "greedy", "decode", "batch", "regime", "report")
 def run(
     model=None,
     prompt: str | None = DEFAULT_PROMPT,
@@ -180,6 +196,11 @@ def run(
         decode: after the prompt, each side decodes this many tokens one at a time with its own KV cache,
             the candidate fed the reference's greedy tokens, and every step is compared (hf, reimpl;
             docs/decode.md): `result.steps`, and the first step that diverges is the one `points` show.
+        batch: run B rows as one left-padded batch with an attention mask on each side (hf, reimpl;
+            docs/batch.md): `prompt` a list of B prompts (or `tokens` a list of B lists), or one repeated
+            B times. Each candidate row is compared with the reference's batch-1 run of its prompt at its
+            real positions: `result.batch`, and the first row that diverges is the one `points` show.
+            No greedy continuation unless `greedy` is given.
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
     there (`tracer.comparison.spill`), and attention matrices over 128 tokens keep their last 128 query
@@ -201,7 +222,7 @@ def run(
                       command=command, progress=progress)
 
 
-@with_stages("load", "reference", "noise floor", "candidate", "greedy", "decode", "regime", "report")
+@with_stages("load", "reference", "noise floor", "candidate", "greedy", "decode", "batch", "regime", "report")
 def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, reference: Side, candidate: Side,
                tolerance: Tolerance = Tolerance(), greedy: int | None = None, noise_floor: bool = True,
                regime=None, command: str | None = None, progress: bool = True) -> Result:
@@ -209,6 +230,7 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
     checked), as the CLI builds them; the rest is checked here, before torch loads anything."""
     check_positions(inputs.position_offset, reference, candidate)
     check_decode(inputs.decode, reference, candidate)
+    check_batch(inputs.batch, reference, candidate)
     check_greedy(greedy)
     regime = regime_knobs(regime)
     if regime is not None:
@@ -216,9 +238,13 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
         if inputs.decode:
             raise TracerError("--decode with --regime: a regime's attention has no KV cache emulated yet; "
                               "run them apart")
+        if inputs.batch > 1:
+            raise TracerError("--batch with --regime: a regime's own steps run one prompt; run them apart")
+    # the rows are compared point by point; a greedy continuation would be the first row's only
+    greedy_steps = 0 if inputs.batch > 1 and greedy is None else greedy
     variant = candidate.variant
     with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
-                            greedy_steps=greedy, progress=progress, candidates=(candidate.engine,)) as prepared:
+                            greedy_steps=greedy_steps, progress=progress, candidates=(candidate.engine,)) as prepared:
         in_regime = resolve_regime(regime, candidate.engine, variant, prepared.source) if regime is not None else None
         engine = load_engine(candidate.engine, prepared.source, variant, device=placement.device,
                              stream=prepared.stream, offload=offload_for(candidate.engine, prepared.offload))
@@ -233,6 +259,10 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
             from tracer.pipeline.decode import compare_decoded
 
             result = compare_decoded(result, prepared, engine, inputs.decode)
+        if inputs.batch > 1:
+            from tracer.pipeline.batch import compare_batched
+
+            result = compare_batched(result, prepared, engine, inputs, reference)
         if in_regime is not None:
             stage("regime")
             result = compare_in_regime(result, prepared, engine, *in_regime, noise_floor=noise_floor)
@@ -629,12 +659,19 @@ def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, refer
     from tracer.arguments import command_line
 
     knobs = {k: f"{k}={format_knob_value(v)}" for k, v in {**variant}.items()}
+    several = len(set(inputs.rows)) > 1  # a batch of different rows: every row on the line
+    tokens, prompt = inputs.tokens, inputs.prompt if inputs.prompt != DEFAULT_PROMPT else None
+    if several and inputs.tokens is not None:
+        tokens = ";".join(",".join(map(str, row)) for row in inputs.rows)
+    elif several:
+        prompt = list(inputs.rows)
     values = {
-        "model": inputs.model, "tokens": None if inputs.tokens is None else ",".join(map(str, inputs.tokens)),
-        "prompt": inputs.prompt if inputs.tokens is None and inputs.prompt != DEFAULT_PROMPT else None,
+        "model": inputs.model,
+        "tokens": None if tokens is None else tokens if isinstance(tokens, str) else ",".join(map(str, tokens)),
+        "prompt": prompt if inputs.tokens is None else None,
         "chat": inputs.chat, "system": inputs.system,
         "max_tokens": inputs.max_tokens if inputs.tokens is None else None,
-        "position_offset": inputs.position_offset, "decode": inputs.decode,
+        "position_offset": inputs.position_offset, "decode": inputs.decode, "batch": inputs.batch,
         "reference": reference, "candidate": candidate,
         "reference_variant": [",".join(f"{k}={format_knob_value(v)}" for k, v in reference_variant.items())]
         if reference_variant else [],

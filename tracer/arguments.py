@@ -53,6 +53,15 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _Prompts(argparse.Action):
+    """--prompt, repeatable: several are a batch's rows (`--batch B`); `Inputs` refuses several without it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if given is None else [*([given] if isinstance(given, str) else given),
+                                                                    values])
+
+
 def _parent() -> argparse.ArgumentParser:
     return argparse.ArgumentParser(add_help=False)
 
@@ -63,7 +72,8 @@ def _inputs() -> argparse.ArgumentParser:
     parent.add_argument("--model", help="HF model directory (any family tracer traces) or .gguf file "
                                         "(default: bundled SmolLM2-135M-Instruct)")
     source = parent.add_mutually_exclusive_group()
-    source.add_argument("--prompt", action=_Once, help=f'text to run (default: "{DEFAULT_PROMPT}")')
+    source.add_argument("--prompt", action=_Prompts, help=f'text to run (default: "{DEFAULT_PROMPT}"); given B times '
+                        "with --batch B, the batch's rows")
     source.add_argument("--prompt-file", action=_Once, type=Path, help="read the prompt from a UTF-8 file")
     source.add_argument("--tokens", action=_Once, help=TOKENS_HELP)
     parent.add_argument("--chat", action="store_true",
@@ -85,6 +95,15 @@ def _decode() -> argparse.ArgumentParser:
     parent.add_argument("--decode", type=int, default=0, metavar="N",
                         help="after the prompt, decode N tokens one at a time, each engine with its own KV cache, "
                              "every point of every step recorded (engines that decode: hf, reimpl; docs/decode.md)")
+    return parent
+
+
+def _batch() -> argparse.ArgumentParser:
+    parent = _parent()
+    parent.add_argument("--batch", type=int, default=1, metavar="B",
+                        help="run B rows as one left-padded batch with an attention mask: --prompt given B times, "
+                             "--tokens '1,2;3,4,5', or one prompt repeated; each row compared with the reference's "
+                             "batch-1 run of its prompt (engines: hf, reimpl; docs/batch.md)")
     return parent
 
 
@@ -168,16 +187,17 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
         return subs[name]
 
     run = command("run", "trace a reference and a candidate, localize the first divergence",
-                  _inputs(), _truncation(), _positions(), _decode(), _variant(), _reference(), _run_candidate(),
-                  _tolerance(), _noise(), _placement(), _report(DEFAULT_OUT), _json(), _verdict_exit())
+                  _inputs(), _truncation(), _positions(), _decode(), _batch(), _variant(), _reference(),
+                  _run_candidate(), _tolerance(), _noise(), _placement(), _report(DEFAULT_OUT), _json(),
+                  _verdict_exit())
     run.add_argument("--no-stream", action="store_true",
                      help="load each side's model whole, whatever its size (not with --stream)")
 
     command("compare", "compare two saved traces (tracer's, or another runtime's dump)",
             _compared(), _tolerance(), _report(DEFAULT_OUT), _json(), _verdict_exit())
 
-    rec = command("record", "save one engine's trace as a safetensors file", _inputs(), _positions(), _decode(),
-                  _variant(), _placement())
+    rec = command("record", "save one engine's trace as a safetensors file (with --batch B, one file per row: "
+                  "OUT.row0.safetensors, ...)", _inputs(), _positions(), _decode(), _batch(), _variant(), _placement())
     rec.add_argument("--engine", default="hf", help="the engine to record, see `tracer engines` (default hf)")
     rec.add_argument("-o", "--output", required=True, type=Path, help="trace file to write (.safetensors)")
 

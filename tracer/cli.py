@@ -42,7 +42,7 @@ def inputs_of(args) -> Inputs:
     return Inputs(model=args.model, prompt=DEFAULT_PROMPT if prompt is None and args.tokens is None else prompt,
                   tokens=args.tokens, chat=args.chat, system=args.system,
                   max_tokens=getattr(args, "max_tokens", None), position_offset=getattr(args, "position_offset", 0),
-                  decode=getattr(args, "decode", 0))
+                  decode=getattr(args, "decode", 0), batch=getattr(args, "batch", 1))
 
 
 def placement_of(args) -> Placement:
@@ -109,6 +109,12 @@ def cmd_record(args) -> int:
     from tracer.api import record_values
 
     trace = record_values(inputs, placement, side)
+    if inputs.batch > 1:  # one file per row: OUT.row0.safetensors, ...
+        output = Path(args.output)
+        for row, one in enumerate(trace):
+            path = one.save(output.with_name(f"{output.stem}.row{row}{output.suffix}"))
+            print(f"{one.label}: row {row}, {len(one)} points on {len(one.tokens)} tokens -> {path}")
+        return 0
     trace.save(args.output)
     steps = f" and {len(trace.steps)} decode steps" if trace.steps else ""
     print(f"{trace.label}: {len(trace)} points on {len(trace.tokens)} tokens{steps} -> {args.output}")

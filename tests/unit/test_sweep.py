@@ -87,12 +87,13 @@ def test_default_sweep_has_one_variant_per_knob(tiny_llama):
     # every knob of a Llama that reimpl (the default candidate) honours, but `act` (a Llama's silu has no
     # tanh-GELU mistake to show by default) and the number-format regimes it only emulates (diagnose tries
     # those); runtime-only knobs (ort_opt, threads) are not swept, nor the decode-only ones (a sweep runs no
-    # decode step: docs/decode.md), nor the rope scaling mistakes on a model without scaling (docs/positions.md)
+    # decode step: docs/decode.md), nor the rope scaling mistakes on a model without scaling (docs/positions.md),
+    # nor the batch-only ones (a sweep pads nothing: docs/batch.md)
     emulated = set(ENGINES["reimpl"].emulated)
     assert {"weights", "act_quant", "kv_cache"} <= emulated
     honoured = {knob.name for knob in knobs_for("llama") if ENGINES["reimpl"].honours(knob.name)}
     assert named == honoured - {"act", "decode_positions", "cache_keys", "llama3_factors", "longrope_ctx",
-                                "yarn_mscale"} - emulated
+                                "yarn_mscale", "padding_mask", "batch_positions"} - emulated
     assert not {"ort_opt", "threads"} & named
     assert not {knob.name for knob in KNOBS.values() if knob.families and "llama" not in knob.families} & named
     assert "theta=500000" in chosen  # the tiny model's theta already is 10000

@@ -343,6 +343,26 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class BatchRow:
+    """One row of a batched run compared (`tracer.comparison.batch`): the candidate's row of its left-padded
+    batch against the reference's batch-1 run of the same prompt, at the row's real positions."""
+
+    row: int
+    tokens: tuple[int, ...]  # the row's real tokens
+    padding: int  # padded positions before them (not compared)
+    verdict: str
+    first_divergence: Divergence | None
+    points: int  # points compared
+    batch_floor: float | None = None  # the reference's batched row against its batch-1 run: the largest rel_l2
+    layer_max_rel_l2: tuple[float | None, ...] = ()  # per layer, the largest rel_l2
+
+    def to_dict(self) -> dict:
+        return {"row": self.row, "tokens": list(self.tokens), "padding": self.padding, "verdict": self.verdict,
+                "first_divergence": dict_or_none(self.first_divergence), "points": self.points,
+                "batch_floor": self.batch_floor, "layer_max_rel_l2": list(self.layer_max_rel_l2)}
+
+
+@dataclass(frozen=True)
 class Result:
     """The comparison of a candidate trace with a reference. `bool(result)`: no divergence.
 
@@ -387,6 +407,10 @@ class Result:
     # or the prefill itself diverged).
     steps: tuple[StepResult, ...] = ()
     step: int | None = None
+    # A batched run (`--batch B`, `tracer.comparison.batch`): every row compared; `row`: which of them `points` and
+    # `first_divergence` show (None: the first row's prompt run alone, where everything matched or it diverged).
+    batch: tuple[BatchRow, ...] = ()
+    row: int | None = None
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -412,6 +436,7 @@ class Result:
             "config_audit": self.config_audit,
             "view": "raw" if self.regime is None else "regime", "regime": dict_or_none(self.regime),
             "step": self.step, "steps": [step.to_dict() for step in self.steps],
+            "row": self.row, "batch": [row.to_dict() for row in self.batch],
         })
 
     def to_json(self, indent: int | None = 2) -> str:

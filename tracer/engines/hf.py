@@ -93,6 +93,20 @@ class HFEngine(EngineBase):
 
         return decode_steps(forward, tokens, count, forced, offset)
 
+    def record_batch(self, rows: list[list[int]]) -> list[Trace]:
+        """The rows left-padded into one batched forward, as `generate` runs a padded batch: `attention_mask`,
+        and `position_ids` from it (each row from 0 at its first real token; without them transformers
+        counts from the padded sequence's start); one trace per row, at its real positions."""
+        from tracer.engines.batch import RowRecorders, left_padded
+        from tracer.model.components.padding import positions_from_mask
+
+        padded = left_padded(rows)
+        recorders = RowRecorders(padded)
+        positions = positions_from_mask(padded.mask.bool())  # (B, T)
+        self._recorded(recorders, input_ids=padded.ids.to(self.device), attention_mask=padded.mask.to(self.device),
+                       position_ids=positions.to(self.device), use_cache=False)
+        return [Trace(recorder.tensors, self._meta(row, None)) for recorder, row in zip(recorders.rows, rows)]
+
     def _recorded(self, recorder, cached: bool = False, **call):
         """The model called on `call` with every point going to `recorder`."""
         from tracer.hooks.attention import recording_attention

@@ -71,6 +71,8 @@ class EngineEntry:
             quantized_llama.rs on candle:PATH.gguf; on the model directory llama.rs runs f32).
         decode: it decodes with its own KV cache, every step recorded (`decode(tokens, count, forced=...)`,
             `--decode N`); the others refuse `--decode` in one line naming those that take it.
+        batch: it runs a left-padded batch with an attention mask in one forward, every row recorded at its real
+            positions (`record_batch(rows)`, `--batch B`); the others refuse `--batch` in one line.
     """
 
     name: str
@@ -99,6 +101,7 @@ class EngineEntry:
     regime: str | None = None
     regime_with_argument: bool = False
     decode: bool = False
+    batch: bool = False
 
     def honours(self, knob: str) -> bool:
         return knob in self.knobs or (knob in KNOBS and KNOBS[knob].kind in self.kinds)
@@ -200,14 +203,14 @@ BUILTINS = (
         "hf", "tracer.engines.hf",
         "transformers' own model, observed through forward hooks and a registered attention function",
         kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
-        noise_floor=True, offload=True, positions=True, decode=True, stream=True,
+        noise_floor=True, offload=True, positions=True, decode=True, batch=True, stream=True,
         requires=(("transformers", "transformers"),),
     ),
     EngineEntry(
         "reimpl", "tracer.engines.reimpl",
         "tracer's own forward of every family in plain torch (tracer/reimpl/), every knob as a step",
         kinds=("config", "semantic", "regime"), fused_attention="attn=sdpa, or flash_attn with ops=ggml",
-        local_errors=True, positions=True, decode=True,
+        local_errors=True, positions=True, decode=True, batch=True,
         devices=("cpu", "cuda", "mps"), stream=True, noise_floor=True,
     ),
     EngineEntry(

@@ -51,6 +51,16 @@ class ReimplEngine(EngineBase):
 
         return decode_steps(forward, tokens, count, forced, offset)
 
+    def record_batch(self, rows: list[list[int]]) -> list[Trace]:
+        """The rows left-padded into one batched forward with an attention mask (`Model.forward_batch`); one
+        trace per row, at its real positions (`tracer.engines.batch`)."""
+        from tracer.engines.batch import RowRecorders, left_padded
+
+        padded = left_padded(rows)
+        recorders = RowRecorders(padded)
+        self.model.forward_batch(padded.ids, padded.mask, recorders)
+        return [Trace(recorder.tensors, self._meta(row)) for recorder, row in zip(recorders.rows, rows)]
+
     def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.forward(torch.tensor(tokens), positions=positions)
 

@@ -73,12 +73,28 @@ def token_list(tokens) -> tuple[int, ...] | None:
     return tuple(tokens)
 
 
+def token_rows(tokens) -> tuple[tuple[int, ...], ...] | None:
+    """A batch's token ids, one row each: "1,2,3;4,5" or a list of lists; None when `tokens` is one row."""
+    if isinstance(tokens, str) and ";" in tokens:
+        return tuple(token_list(row) for row in tokens.split(";"))
+    if isinstance(tokens, (list, tuple)) and tokens and all(isinstance(row, (list, tuple)) or hasattr(row, "tolist")
+                                                            for row in tokens):
+        return tuple(token_list(row) for row in tokens)
+    return None
+
+
 @dataclass(frozen=True)
 class Inputs:
     """What the model is fed: a model (a directory, a .gguf file, None for the bundled SmolLM2,
     or a loaded transformers model), a prompt or token ids, the chat template, a truncation, the
     absolute position of the first token (`position_offset`, 0 by default: RoPE at far positions),
-    and the decode steps after the prompt (`decode`, 0 by default: the prefill alone)."""
+    the decode steps after the prompt (`decode`, 0 by default: the prefill alone), and the batch
+    (`batch`, 1 by default; docs/batch.md).
+
+    A batch of B rows is B prompts (a list of prompts; `--prompt` given B times) or B rows of token ids
+    (a list of lists; `--tokens "1,2,3;4,5"`), or one of either repeated B times; `rows` holds them, and
+    `prompt`/`tokens` the first. Several prompts without `batch`, or a count other than `batch`, are
+    refused in one line: which prompts make the batch is never guessed."""
 
     model: object = None
     prompt: str | None = DEFAULT_PROMPT
@@ -88,9 +104,34 @@ class Inputs:
     max_tokens: int | None = None
     position_offset: int = 0
     decode: int = 0
+    batch: int = 1
+    rows: tuple = field(default=(), init=False)  # a batch's prompts (str) or token rows (tuple[int, ...])
 
     def __post_init__(self):
+        whole_number(self.batch, "--batch", minimum=1)
+        given = token_rows(self.tokens)
+        if given is None and isinstance(self.prompt, (list, tuple)) and self.tokens is None:
+            given = tuple(self.prompt)
+            if not given:
+                raise TracerError("an empty list of prompts")
+        if given is not None:
+            if self.batch == 1 and len(given) > 1:
+                raise TracerError(f"{len(given)} prompts: a run takes one, or several as one batch (--batch "
+                                  f"{len(given)}, on run and record)")
+            if len(given) not in (1, self.batch):
+                raise TracerError(f"--batch {self.batch} with {len(given)} prompts: give {self.batch} prompts, or one "
+                                  f"to repeat {self.batch} times")
+            field_name = "prompt" if isinstance(given[0], str) else "tokens"
+            object.__setattr__(self, field_name, given[0])
         object.__setattr__(self, "tokens", token_list(self.tokens))
+        if self.batch > 1:
+            if self.decode:
+                raise TracerError("--batch with --decode: a batched cached decode is not traced yet; run them apart")
+            if self.position_offset:
+                raise TracerError("--batch with --position-offset: a left-padded row's positions start at 0 at its "
+                                  "first real token; run them apart")
+            rows = given if given is not None and len(given) == self.batch else None
+            object.__setattr__(self, "rows", rows or (self.tokens or self.prompt,) * self.batch)
         whole_number(self.max_tokens, "--max-tokens", minimum=1)
         # None is the default in Python as on the command line: from position 0, no decode
         offset = whole_number(self.position_offset, "--position-offset", minimum=0)
@@ -145,7 +186,7 @@ class Placement:
 
 # The keywords of an API call that name the request's fields (`tracer.run(..., tokens=..., device=...)`):
 # every field of `Inputs` but the model and the prompt (given first), every field of `Placement`.
-REQUEST_KEYWORDS = (*(f.name for f in fields(Inputs) if f.name not in ("model", "prompt")),
+REQUEST_KEYWORDS = (*(f.name for f in fields(Inputs) if f.init and f.name not in ("model", "prompt")),
                     *(f.name for f in fields(Placement)))
 
 
@@ -266,6 +307,16 @@ def check_decode(steps, *sides: Side) -> int:
             raise TracerError(f"--decode {steps}: the {side.entry.name} engine does not decode with a KV "
                               f"cache here; engines that do: {able}")
     return steps
+
+
+def check_batch(batch: int, *sides: Side) -> None:
+    """`--batch B` (B > 1) needs engines that run a left-padded batch (their registry entry says); any other is
+    refused in one line, naming the ones that can."""
+    for side in sides if batch > 1 else ():
+        if not side.entry.batch:
+            able = ", ".join(entry.name for entry in registered().values() if entry.batch)
+            raise TracerError(f"--batch {batch}: the {side.entry.name} engine does not run a padded batch here; "
+                              f"engines that do: {able}")
 
 
 def regime_knobs(regime) -> dict | str | None:

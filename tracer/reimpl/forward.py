@@ -164,8 +164,9 @@ class Model:
 
     @torch.inference_mode()
     def embed(self, tokens: torch.Tensor, record: Recorder | None = None) -> torch.Tensor:
-        """tokens (T,) int64 -> embeddings (1, T, C)."""
-        ids = tokens.to(self.device)[None]  # (1, T)
+        """tokens (T,) int64 -> embeddings (1, T, C); a batch's (B, T) -> (B, T, C)."""
+        ids = tokens.to(self.device)
+        ids = ids[None] if ids.dim() == 1 else ids  # (1, T) or (B, T)
         run = self._run(record or _no_record)
         if isinstance(self.weights, StreamedWeights) and not is_regime(self.knobs):
             # only the rows the tokens use are read into the run's dtype, the ids renumbered into them
@@ -213,6 +214,30 @@ class Model:
         if cache is not None:
             cache.forward_done()
         return self.head(h, record)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                      record: Recorder | None = None) -> torch.Tensor:
+        """A left-padded batch: tokens (B, T) int64, attention_mask (B, T) (1 at each row's real tokens, 0 at
+        its padding on the left) -> logits (B, T, V); every point goes to `record` with its batch axis.
+
+        As transformers runs a padded batch: each row's positions from 0 at its first real token
+        (`generate`'s `attention_mask.cumsum(-1) - 1`; the `batch_positions` knob gets it wrong), and
+        attention causal over the padded sequence with the padded keys blocked (`padding_mask` drops that)."""
+        if is_regime(self.knobs):
+            raise TracerError("a batch with a regime's own steps (weights=, ops=, kv_cache=, ...) is not emulated: "
+                              "run the regime on one prompt")
+        if tokens.dim() != 2 or tokens.shape != attention_mask.shape:
+            raise TracerError(f"a batch is tokens (B, T) with an attention mask of the same shape; got "
+                              f"{tuple(tokens.shape)} and {tuple(attention_mask.shape)}")
+        record = record or _no_record
+        real = attention_mask.to(self.device).bool()  # (B, T)
+        positions = self.steps.batch_positions(real)  # (B, T)
+        at = Positions(positions, self.spec, self.steps, self.steps.dtype, self.device, real)
+        h = self.embed(tokens, record)  # (B, T, C)
+        for i in range(self.spec.num_hidden_layers):
+            h = self.block(i, h, at, None, record)
+        return self.head(h, record)
 
 
 # --- weights ---------------------------------------------------------------------------------

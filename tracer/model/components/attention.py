@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from tracer.core.errors import TracerError
 from tracer.core.lazy import F, torch
 from tracer.model.component import Component, Name, Point
-from tracer.model.components import decode
+from tracer.model.components import decode, padding
 from tracer.model.components.rope import Rope
 from tracer.model.knobs import KNOBS, Knob, choice, fixed, setting, when
 from tracer.model.points import (
@@ -78,6 +78,9 @@ class Visible:
     queries: torch.Tensor  # (T,) int64
     keys: torch.Tensor  # (S,) int64
     window: int | None = None  # keys a query sees, itself included; None: the whole prefix
+    # A left-padded batch (`Model.forward_batch`): (B, S) bool, True at each row's real tokens; None: no padding.
+    # queries/keys are then the indices in the padded sequence, as transformers' masks count them.
+    real: torch.Tensor | None = None
 
     @classmethod
     def square(cls, count: int, window: int | None = None) -> Visible:
@@ -85,11 +88,14 @@ class Visible:
         return cls(positions, positions, window)
 
     def blocked(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """(T, S) bool, True where a query may not attend."""
+        """(T, S) bool, True where a query may not attend; (B, 1, T, S) with padding, whose keys no query sees
+        (transformers' `padding_mask_function`: a padded query then sees no key at all)."""
         queries, keys = self.queries.to(device)[:, None], self.keys.to(device)[None, :]  # (T, 1), (1, S)
         blocked = keys > queries
         if self.window is not None:
             blocked |= keys <= queries - self.window
+        if self.real is not None:
+            blocked = blocked[None, None] | ~self.real.to(device)[:, None, None, :]  # (B, 1, T, S)
         return blocked
 
 
@@ -98,11 +104,12 @@ def _visible(scores: torch.Tensor, visible: Visible | None) -> Visible:
 
 
 def causal_mask(visible: Visible, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(1, 1, T, S): 0 where attention is allowed, the dtype's most negative value where it is not."""
+    """(1, 1, T, S) ((B, 1, T, S) with padding): 0 where attention is allowed, the dtype's most negative value
+    where it is not."""
     blocked = visible.blocked(device)
     # Built in the target dtype: f64's most negative value does not fit the default f32.
-    return (torch.zeros(blocked.shape, dtype=dtype, device=device)
-            .masked_fill(blocked, torch.finfo(dtype).min)[None, None])
+    mask = torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)
+    return mask if blocked.dim() == 4 else mask[None, None]  # (B, 1, T, S) with padding, else (1, 1, T, S)
 
 
 def mask_additive(scores: torch.Tensor, visible: Visible | None = None) -> torch.Tensor:
@@ -168,10 +175,11 @@ def attention_sdpa(q, k, v, spec, steps, record, visible: Visible | None = None)
     scores and probs never exist as tensors."""
     k, v = steps.repeat_kv(k, spec.num_kv_groups), steps.repeat_kv(v, spec.num_kv_groups)  # (1, H, S, D)
     scale = spec.score_scale_dim ** -0.5
-    square = visible is None or (visible.window is None and visible.keys.shape[0] == visible.queries.shape[0])
+    square = visible is None or (visible.window is None and visible.real is None
+                                 and visible.keys.shape[0] == visible.queries.shape[0])
     if square:
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
-    allowed = ~visible.blocked(q.device)  # (T, S)
+    allowed = ~visible.blocked(q.device)  # (T, S), (B, 1, T, S) with padding
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
 
 
@@ -458,7 +466,7 @@ class Attention(Component):
 
     @property
     def knobs(self) -> tuple:
-        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + decode.KNOBS
+        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + decode.KNOBS + padding.KNOBS
 
     @property
     def output(self) -> str:
@@ -520,6 +528,7 @@ class Attention(Component):
             # the q/k norms compute with the family's norm (`qk_norm` None) unless the variant drops them
             "qk_norm": qk_norm_skipped if knobs.get("qk_norm") == "drop" else None,
             **decode.steps(knobs),
+            **padding.steps(knobs),
         }
 
     def forward(self, x: torch.Tensor, run) -> torch.Tensor:
@@ -540,7 +549,12 @@ class Attention(Component):
             k, v, keys = run.cache.update(run.index, k, v, queries, stored)  # (1, KV, S, D) x2, (S,)
             run.record(CACHE_K, run.cache.keys[run.index])  # what the cache holds now, (1, KV, S, D)
             run.record(CACHE_V, run.cache.values[run.index])
-        visible = Visible(queries, keys, steps.window(spec, run.index))
+        window = steps.window(spec, run.index)
+        if run.positions.real is None:
+            visible = Visible(queries, keys, window)
+        else:  # a left-padded batch (no cache): causal over the padded sequence's indices, padded keys blocked
+            indices = torch.arange(tokens)  # (T,)
+            visible = Visible(indices, indices, window, steps.padding_mask(run.positions.real))
         context = steps.attention(q, k, v, spec, steps, run.record, visible)  # (1, H, T, D)
         context = context.transpose(1, 2).contiguous().reshape(batch, tokens, -1)  # (1, T, H*D)
         run.record(CONTEXT, context)

@@ -144,10 +144,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 def rotary_cos_sin(spec, positions: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str = "cpu",
                    layer_type: str = "full_attention",
                    misread: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (1, T, R) for absolute `positions` (T,), in the half-split layout (frequencies
-    repeated, not interleaved); cast to `dtype` (None: kept in f32, as OLMo-2 keeps them). `misread`:
-    (scaling, sequence length) -> the pair as a mistaken port reads them (the scaling knobs)."""
-    positions = positions.to(device)[None]  # (1, T)
+    """cos, sin of shape (1, T, R) for absolute `positions` (T,) ((B, T, R) for a batch's (B, T)), in the
+    half-split layout (frequencies repeated, not interleaved); cast to `dtype` (None: kept in f32, as OLMo-2
+    keeps them). `misread`: (scaling, sequence length) -> the pair as a mistaken port reads them (the
+    scaling knobs)."""
+    positions = positions.to(device)
+    positions = positions[None] if positions.dim() == 1 else positions  # (1, T) or (B, T)
     scaling, length = spec.rope_scaling, int(positions.max()) + 1
     if misread is not None and scaling is not None:
         scaling, length = misread(scaling, length)
@@ -204,14 +206,19 @@ def rotated_in_f32(rope: Callable) -> Callable:
 class Positions:
     """The absolute positions of one forward's tokens (int64 (T,)) and their RoPE tables, computed
     once per layer type by the forward's `rotary` step (so a forward builds each table once, and a
-    streamed run driving one block at a time reuses them)."""
+    streamed run driving one block at a time reuses them).
 
-    def __init__(self, positions: torch.Tensor, spec, steps, dtype: torch.dtype, device):
+    A left-padded batch (`Model.forward_batch`) has positions (B, T) and `real` (B, T) bool, True at
+    each row's real tokens (what attention's padding mask is built from)."""
+
+    def __init__(self, positions: torch.Tensor, spec, steps, dtype: torch.dtype, device,
+                 real: torch.Tensor | None = None):
         self.positions, self.spec, self.steps, self.dtype, self.device = positions, spec, steps, dtype, device
+        self.real = real
         self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __len__(self) -> int:
-        return int(self.positions.shape[0])
+        return int(self.positions.shape[-1])
 
     def tables(self, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), (1, T, R) each, for one layer type (Gemma 3's local layers have their own base)."""
