@@ -519,7 +519,7 @@ class Attention(Component):
             **({"qk_heads": qk_plain} if self.qk_norm is None else {}),
             # the q/k norms compute with the family's norm (`qk_norm` None) unless the variant drops them
             "qk_norm": qk_norm_skipped if knobs.get("qk_norm") == "drop" else None,
-            **decode.steps(knobs),
+            **decode.steps(knobs, spec),
         }
 
     def forward(self, x: torch.Tensor, run) -> torch.Tensor:
@@ -540,7 +540,8 @@ class Attention(Component):
             k, v, keys = run.cache.update(run.index, k, v, queries, stored)  # (1, KV, S, D) x2, (S,)
             run.record(CACHE_K, run.cache.keys[run.index])  # what the cache holds now, (1, KV, S, D)
             run.record(CACHE_V, run.cache.values[run.index])
-        visible = Visible(queries, keys, steps.window(spec, run.index))
+        window = steps.window(spec, run.index)
+        visible = Visible(queries, keys, window if run.cache is None else steps.cached_window(window))
         context = steps.attention(q, k, v, spec, steps, run.record, visible)  # (1, H, T, D)
         context = context.transpose(1, 2).contiguous().reshape(batch, tokens, -1)  # (1, T, H*D)
         run.record(CONTEXT, context)
