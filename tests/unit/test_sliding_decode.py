@@ -11,10 +11,12 @@ import torch
 
 import tracer
 from tests.families import write_tiny_family
+from tracer.comparison.diff import rel_l2_by_point
+from tracer.comparison.steps import decoded_steps, ring_slots, step_floors
+from tracer.comparison.trace import Trace
 from tracer.engines.load import load_engine
 from tracer.files.sources import resolve_source
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, PROBS, layer_point
-from tracer.reimpl.kv_cache import ring_slots
 from tracer.reports.terminal import steps_line
 
 WINDOW, PROMPT, STEPS = 8, [3, 4, 5, 6, 7, 8], 12
@@ -52,6 +54,21 @@ def test_each_cache_is_laid_out_as_the_ring(gemma2, engine):
     assert last[sliding].shape == (heads, WINDOW, before[sliding].shape[2])
     assert last[full].shape[1] == len(PROMPT) + STEPS
     assert last[layer_point(0, PROBS)].shape[-1] == WINDOW  # the window's keys, itself included
+
+
+def test_the_floor_of_a_ring_is_its_uncached_forward_within_f32_rounding(gemma2):
+    """Each step's ring against the same slots of the uncached forward (the window's last keys of the
+    scores and probs): f32 rounding only; a ring read one slot off is not."""
+    engine = load_engine("hf", resolve_source(str(gemma2), False), {})
+    decoded = engine.decode(PROMPT, STEPS)
+    uncached = engine.record(PROMPT + [step.tokens[0] for step in decoded.steps])
+    gaps = step_floors(decoded, uncached, None)
+    for step, gap in zip(decoded_steps(decoded), gaps):
+        assert {layer_point(0, CACHE_K), layer_point(0, PROBS)} <= set(gap)
+        assert max(gap.values()) < 1e-5, step.meta.position_offset
+    wrap = decoded.steps[WRAP - 1]
+    rolled = Trace({layer_point(0, CACHE_K): wrap[layer_point(0, CACHE_K)].roll(1, dims=1)}, wrap.meta)
+    assert rel_l2_by_point(wrap, rolled)[layer_point(0, CACHE_K)] > 0.1
 
 
 def test_ring_slots_is_the_rule_on_a_cache_kept_in_position_order():

@@ -41,6 +41,25 @@ PREFILL = 0  # the step number of the prompt's (cached) prefill
 _HELD = {CACHE_K: K_ROPE, CACHE_V: V_PROJ}
 
 
+def ring_slot(written: int, window: int) -> int:
+    """The ring's slot of the `written`-th token (0-based) a sliding layer's cache takes: how every cache
+    of a sliding layer is compared (the reimplementation's ring writes there; a cache kept otherwise is
+    laid out so by `ring_slots`)."""
+    return written % window
+
+
+def ring_slots(held: torch.Tensor, written: int, window: int) -> torch.Tensor:
+    """A sliding layer's keys or values (KV, S, D) in position order, the last of them the `written`-th
+    token its cache took (1-based count), laid out as the ring of `window` slots keeps them
+    (`ring_slot`): (KV, min(written, window), D), slot order. How a cache kept in position order
+    (transformers' last W - 1 keys and the step's own) is compared with a ring."""
+    count = min(written, window)
+    slots = torch.tensor([ring_slot(n, window) for n in range(written - count, written)])  # (count,) distinct
+    ring = torch.empty_like(held[:, -count:])  # (KV, count, D)
+    ring[:, slots] = held[:, -count:]
+    return ring
+
+
 def decoded_steps(trace: Trace) -> list[Trace]:
     """Step 0 (the cached prefill) then every decode step."""
     return [trace, *trace.steps]
@@ -171,27 +190,34 @@ def _held(point: str) -> str:
     return layer_point(layer, _HELD[sub]) if sub in _HELD else point
 
 
+def _held_rows(sub: str, full: Trace, layer: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """What a cache point holds, (KV, T, D) in position order, from the uncached forward's keys or values."""
+    if sub == CACHE_K:
+        return full.tensors.get(layer_point(layer, K_ROPE))  # (KV, T, D)
+    values = full.tensors.get(layer_point(layer, V_PROJ))  # (T, KV*D)
+    if values is None:
+        return None
+    heads, _, dim = shape
+    return values.reshape(values.shape[0], heads, dim).transpose(0, 1)  # (KV, T, D)
+
+
 def _rows(point: str, full: Trace, first: int, rows: int, step: Trace) -> torch.Tensor | None:
     """The rows of the uncached forward that a step with `rows` tokens from `first` computed (its cache:
     every slot up to its last token); None where the uncached forward did not keep them."""
     last = first + rows  # one past the step's last row
     layer, sub = split_point(point)
-    if sub == CACHE_K:
-        keys = full.tensors.get(layer_point(layer, K_ROPE))  # (KV, T, D)
-        return None if keys is None else keys[:, :last]
-    if sub == CACHE_V:
-        values = full.tensors.get(layer_point(layer, V_PROJ))  # (T, KV*D)
-        if values is None:
-            return None
-        heads, _, dim = step[point].shape
-        return values.reshape(values.shape[0], heads, dim).transpose(0, 1)[:, :last]  # (KV, T, D)
+    if sub in CACHE_POINTS:
+        held = _held_rows(sub, full, layer, step[point].shape)
+        slots = step[point].shape[1]  # fewer than `last`: a sliding layer's ring of that many slots
+        return None if held is None else held[:, :last] if slots >= last else ring_slots(held[:, :last], last, slots)
     tensor = full.tensors.get(point)
     if tensor is None:
         return None
     layout = layout_of(point)
     if layout == "attention":  # (H, kept rows, T): the last rows only, past ATTENTION_ROWS tokens
         skipped = tensor.shape[-1] - tensor.shape[-2]
-        return None if first < skipped else tensor[:, first - skipped:last - skipped, :last]
+        keys = step[point].shape[-1]  # fewer than `last` on a sliding layer: the window's last keys
+        return None if first < skipped else tensor[:, first - skipped:last - skipped, last - keys:last]
     if layout == "heads":
         return tensor[:, first:last]  # (H, rows, D)
     if tensor.shape[0] < last:  # a runtime that keeps only the last position's logits

@@ -73,7 +73,7 @@ class HFEngine(EngineBase):
         record every step's points and the cache."""
         from transformers import DynamicCache
 
-        from tracer.reimpl.kv_cache import ring_slots
+        from tracer.comparison.steps import ring_slots
 
         cache = DynamicCache(config=self.model.config)
         # a sliding layer's cache (`DynamicSlidingWindowLayer`) keeps its last W - 1 keys in position order:

@@ -11,11 +11,11 @@ projection does); the attention records what is stored as the points `cache_k`/`
 
 A sliding layer of window W (mlx-lm's `RotatingKVCache(max_size=W)`, llama.cpp's SWA cache) keeps a ring
 of W slots: the n-th token the layer's cache takes (n counted from 0, whatever its position) goes to
-slot `n % W` (`ring_slot`), overwriting the token W before it, the one no later query sees. A step
-attends, as transformers' `DynamicSlidingWindowLayer` hands over, to the last W - 1 held keys in
-position order and its own: for one decoded token exactly the window's W keys. The points
-`cache_k`/`cache_v` of a sliding layer are the ring in slot order (`ring_slots` lays out any cache
-read in position order by the same rule: transformers' keeps W - 1 keys in position order).
+slot `n % W` (`tracer.comparison.steps.ring_slot`), overwriting the token W before it, the one no later
+query sees. A step attends, as transformers' `DynamicSlidingWindowLayer` hands over, to the last W - 1
+held keys in position order and its own: for one decoded token exactly the window's W keys. The points
+`cache_k`/`cache_v` of a sliding layer are the ring in slot order (`tracer.comparison.steps.ring_slots`
+lays out any cache kept in position order by the same rule: transformers' keeps W - 1 keys so).
 
 Notation: KV kv heads, S cached positions, T new ones, D head dim, W a sliding layer's window.
 """
@@ -26,22 +26,7 @@ from typing import Callable
 
 import torch
 
-
-def ring_slot(written: int, window: int) -> int:
-    """The ring's slot of the `written`-th token a sliding layer's cache takes (0-based)."""
-    return written % window
-
-
-def ring_slots(held: torch.Tensor, written: int, window: int) -> torch.Tensor:
-    """A sliding layer's keys or values (KV, S, D) in position order, the last of them the `written`-th
-    token its cache took (1-based count), laid out as the ring of `window` slots keeps them
-    (`ring_slot`): (KV, min(written, window), D), slot order. How a cache kept in position order
-    (transformers' last W - 1 keys and the step's own) is compared with a ring."""
-    count = min(written, window)
-    slots = torch.tensor([ring_slot(n, window) for n in range(written - count, written)])  # (count,) distinct
-    ring = torch.empty_like(held[:, -count:])  # (KV, count, D)
-    ring[:, slots] = held[:, -count:]
-    return ring
+from tracer.comparison.steps import ring_slot
 
 
 class KVCache:
