@@ -16,7 +16,9 @@ from tracer.comparison.steps import decoded_steps, ring_slots, step_floors
 from tracer.comparison.trace import Trace
 from tracer.engines.load import load_engine
 from tracer.files.sources import resolve_source
+from tracer.model.components.decode import fill_slot
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, PROBS, layer_point
+from tracer.reimpl.kv_cache import KVCache
 from tracer.reports.terminal import steps_line
 
 WINDOW, PROMPT, STEPS = 8, [3, 4, 5, 6, 7, 8], 12
@@ -76,6 +78,23 @@ def test_ring_slots_is_the_rule_on_a_cache_kept_in_position_order():
     assert ring_slots(held, 12, 4)[0, :, 0].tolist() == [8.0, 9.0, 10.0, 11.0]  # tokens 8..11: slots 0..3
     assert ring_slots(held, 11, 4)[0, :, 0].tolist() == [9.0, 10.0, 11.0, 8.0]  # tokens 7..10: slots 3, 0, 1, 2
     assert ring_slots(held[:, :3], 3, 4)[0, :, 0].tolist() == [5.0, 6.0, 7.0]  # within the window: as held
+
+
+def test_a_ring_keeps_a_long_prefill_s_last_window_and_the_fill_rule_never_wraps():
+    cache = KVCache(1, [4])
+    keys = torch.arange(6.0).reshape(1, 1, 6, 1)  # (1, KV, T, D): positions 0..5, each key its position
+    attended, _, at = cache.update(0, keys, keys, torch.arange(6))
+    assert attended.flatten().tolist() == [0, 1, 2, 3, 4, 5]  # a prefill attends to every key (its mask: the window)
+    assert cache.keys[0].flatten().tolist() == [4, 5, 2, 3]  # tokens 2..5 in slots 2, 3, 0, 1
+    step = torch.full((1, 1, 1, 1), 6.0)
+    attended, _, at = cache.update(0, step, step, torch.tensor([6]))
+    assert at.tolist() == [3, 4, 5, 6] and attended.flatten().tolist() == [3, 4, 5, 6]  # the window, in order
+    assert cache.keys[0].flatten().tolist() == [4, 5, 6, 3] and cache.positions[0].tolist() == [4, 5, 6, 3]
+    wrong = KVCache(1, [4], fill_slot)
+    for position in range(6):
+        one = torch.full((1, 1, 1, 1), float(position))
+        wrong.update(0, one, one, torch.tensor([position]))
+    assert wrong.keys[0].flatten().tolist() == [0, 1, 2, 5]  # its last slot written by 3, 4 and 5
 
 
 @pytest.mark.parametrize("variant, prompt, step, point, hint", [

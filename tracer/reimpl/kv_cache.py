@@ -88,19 +88,24 @@ class KVCache:
             attended = (torch.cat([held[:, :, order], keys], dim=2),  # (1, KV, ≤ W - 1 + T, D) in position order
                         torch.cat([self.values[layer][:, :, order], values], dim=2),
                         torch.cat([self.positions[layer][order], positions]))  # (≤ W - 1 + T,)
-        ring = [self.keys[layer], self.values[layer], self.positions[layer]]
-        if held is not None:  # written anew: the points recorded at earlier steps keep what they held
-            ring = [tensor.clone() for tensor in ring]
-        for t in range(positions.shape[0]):
-            slot = self.slot(self.written[layer], window)
-            new = (stored[:, :, t:t + 1], values[:, :, t:t + 1], positions[t:t + 1])  # (1, KV, 1, D) x2, (1,)
-            if ring[2] is None:
-                ring = [part.clone() for part in new]  # a ring of its own: later writes leave the step's keys
-            elif slot >= ring[2].shape[0]:  # the ring still grows
-                ring = [torch.cat([part, one], dim=part.dim() - 2 if part.dim() > 1 else 0)
-                        for part, one in zip(ring, new)]
-            else:  # the slot's token is overwritten
-                ring[0][:, :, slot], ring[1][:, :, slot], ring[2][slot] = new[0][:, :, 0], new[1][:, :, 0], new[2][0]
-            self.written[layer] += 1
-        self.keys[layer], self.values[layer], self.positions[layer] = ring
+        # each new token's slot; where a prefill longer than the ring writes a slot twice, the later one stays
+        count = positions.shape[0]
+        slots = [self.slot(self.written[layer] + t, window) for t in range(count)]
+        last = {slot: t for t, slot in enumerate(slots)}  # slot -> the new token left in it
+        filled = 0 if held is None else held.shape[2]
+        size = max(filled, max(slots) + 1)  # a ring grows one slot per token until it is full
+        into, taken = torch.tensor(list(last)), torch.tensor(list(last.values()))  # (U,) each
+        ring = []
+        for old, new in ((held, stored), (self.values[layer], values)):
+            part = new.new_empty((*new.shape[:2], size, new.shape[3]))  # (1, KV, size, D), a tensor of its own:
+            if filled:  # the points recorded at earlier steps keep what they held
+                part[:, :, :filled] = old
+            part[:, :, into] = new[:, :, taken]
+            ring.append(part)
+        ring_positions = positions.new_empty(size)  # (size,)
+        if filled:
+            ring_positions[:filled] = self.positions[layer]
+        ring_positions[into] = positions[taken]
+        self.keys[layer], self.values[layer], self.positions[layer] = *ring, ring_positions
+        self.written[layer] += count
         return attended
