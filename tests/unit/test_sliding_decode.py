@@ -116,8 +116,8 @@ def test_each_ring_knob_is_found_at_its_step_and_point(gemma2, variant, prompt, 
 
 def test_the_wide_mask_changes_nothing_on_one_token_steps_and_ring_knobs_need_a_window(gemma2, tiny_llama):
     assert run(gemma2, "window_mask=wide", steps=4).verdict == "match"
-    with pytest.raises(tracer.TracerError, match="ring_index=fill changes nothing here: this model's config has no "
-                                                 "sliding window"):
+    with pytest.raises(tracer.TracerError, match="knob 'ring_index' does not apply to llama models; it applies to "
+                                                 "qwen2, qwen3, mistral, gemma2"):
         run(tiny_llama(), "ring_index=fill", steps=1)
 
 

@@ -458,7 +458,8 @@ class Attention(Component):
 
     @property
     def knobs(self) -> tuple:
-        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + decode.KNOBS
+        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + decode.CACHE_KNOBS + \
+            decode.WINDOW_KNOBS * self.window
 
     @property
     def output(self) -> str:

@@ -40,7 +40,7 @@ RING_INDEX = Knob(
     "window back and evicting one still in the window (mlx-lm #1437's offset and fill conflated)",
     _decode_only("ring_index=fill"),
     expected="the decode step whose token wraps the ring (position = window), the first sliding layer's "
-             f"{CACHE_K} (with --decode N past the window)", kind="semantic", after="cache_keys")
+             f"{CACHE_K} (with --decode N past the window)", kind="semantic", after="cache_reset")
 WINDOW_MASK = Knob(
     "window_mask", choice("exact", "wide"), "exact | wide", "exact",
     "the sliding-window mask of a cached forward one key too wide: a query sees the window's keys and one more "
@@ -55,9 +55,11 @@ CACHE_RESET = Knob(
     "the prompt with every token id one higher) left, not cleared, while the prefill filled a new one (a cache "
     "held on the model object and set once)",
     _decode_only("cache_reset=kept"),
-    expected=f"decode step 1, layers.0.{CACHE_K} (with --decode N)", kind="semantic", after="window_mask")
-KNOBS = (DECODE_POSITIONS, CACHE_KEYS, RING_INDEX, WINDOW_MASK, CACHE_RESET)
-_WINDOWED = ("ring_index", "window_mask")  # knobs of a sliding layer's cache
+    expected=f"decode step 1, layers.0.{CACHE_K} (with --decode N)", kind="semantic", after="cache_keys")
+CACHE_KNOBS = (DECODE_POSITIONS, CACHE_KEYS, CACHE_RESET)  # every attention's
+WINDOW_KNOBS = (RING_INDEX, WINDOW_MASK)  # an attention whose configs may slide a window: its ring buffer
+KNOBS = CACHE_KNOBS + WINDOW_KNOBS
+_WINDOWED = tuple(knob.name for knob in WINDOW_KNOBS)
 
 
 def true_start(cache) -> int:
