@@ -117,20 +117,23 @@ def step_hints(number: int, first: Divergence, written: int | None = None) -> li
     the tokens the cache took up to this step (a cache point holding fewer slots is a sliding layer's ring)."""
     sub = split_point(first.point)[1]
     slots = first.shape[1] if sub in CACHE_POINTS and first.shape and len(first.shape) == 3 else None
-    if slots is not None and written is not None and slots < written:
+    ring = []
+    if slots is not None and written is not None and slots < written and number != PREFILL:
         wraps = "wraps at this step" if slots == written - 1 else f"has wrapped ({written} tokens in {slots} slots)"
-        return [f"decode step {number} agrees up to the cache of a sliding layer whose ring buffer {wraps}: a slot "
+        ring = [f"decode step {number} agrees up to the cache of a sliding layer whose ring buffer {wraps}: a slot "
                 "holds other keys or values than the reference's: the ring written at another slot than the "
                 f"token's place in the sequence modulo the window ({slots}), e.g. at its fill, which stops at the "
                 "window (mlx-lm #1437: the ring's offset and fill conflated)"]
+    if sub in CACHE_POINTS and number == 1:
+        return ["the prefill agrees and decode step 1 differs from its cache on: the step reads a cache that holds "
+                "other keys or values than the prefill left (a cache left over from another prompt, not cleared "
+                "between requests; or written at the wrong slot)", *ring]
+    if ring:
+        return ring
     if sub == PROBS:
         return [f"{'the cached prefill' if number == PREFILL else f'decode step {number}'} agrees up to the scores and "
                 "the softmax differs: the mask over the cached keys differs (a sliding-window mask one key too wide "
                 "or narrow: mlx-lm #390 let a window of 128 see 129 keys)"]
-    if sub in CACHE_POINTS and number == 1:
-        return ["the prefill agrees and decode step 1 differs from its cache on: the step reads a cache that holds "
-                "other keys or values than the prefill left (a cache left over from another prompt, not cleared "
-                "between requests; or written at the wrong slot)"]
     if number == PREFILL:
         if sub in CACHE_POINTS:
             return ["the prompt's own attention agrees but what the cache keeps differs: the cache stores another "

@@ -10,7 +10,6 @@ own cache. Hence no sweep runs them by default (`representative` gives no varian
 from __future__ import annotations
 
 from tracer.core.errors import TracerError
-from tracer.model.knobs import KNOBS as ALL_KNOBS
 from tracer.model.knobs import Knob, choice, setting, when
 from tracer.model.points import CACHE_K, K_ROPE, PROBS, Q_ROPE
 
@@ -59,7 +58,6 @@ CACHE_RESET = Knob(
 CACHE_KNOBS = (DECODE_POSITIONS, CACHE_KEYS, CACHE_RESET)  # every attention's
 WINDOW_KNOBS = (RING_INDEX, WINDOW_MASK)  # an attention whose configs may slide a window: its ring buffer
 KNOBS = CACHE_KNOBS + WINDOW_KNOBS
-_WINDOWED = tuple(knob.name for knob in WINDOW_KNOBS)
 
 
 def true_start(cache) -> int:
@@ -82,7 +80,7 @@ DECODE_STARTS = {"true": true_start, "restart": restarted_start, "shifted": shif
 
 def fill_slot(written: int, window: int) -> int:
     """ring_index=fill: the slot is the ring's fill, which stops growing at the window: a full ring keeps
-    writing its last slot (the correct slot is `tracer.reimpl.kv_cache.ring_slot`, written % window)."""
+    writing its last slot (the correct slot is `tracer.comparison.steps.ring_slot`, written % window)."""
     return min(written, window - 1)
 
 
@@ -99,9 +97,10 @@ CACHED_WINDOWS = {"exact": exact_window, "wide": wide_window}
 
 
 def steps(knobs: dict, spec=None) -> dict:
-    for knob in _WINDOWED:
-        if spec is not None and spec.sliding_window is None and setting(knobs, knob) != ALL_KNOBS[knob].default_value:
-            raise TracerError(f"{knob}={knobs[knob]} changes nothing here: this model's config has no sliding window")
+    for knob in WINDOW_KNOBS:
+        if spec is not None and spec.sliding_window is None and setting(knobs, knob.name) != knob.default_value:
+            raise TracerError(f"{knob.name}={knobs[knob.name]} changes nothing here: this model's config has no "
+                              "sliding window")
     return {"decode_start": DECODE_STARTS[setting(knobs, "decode_positions")],
             "cache_unrotated": setting(knobs, "cache_keys") == "unrotated",
             "ring_slot": fill_slot if setting(knobs, "ring_index") == "fill" else None,  # None: the ring's own rule
