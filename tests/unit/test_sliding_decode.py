@@ -40,6 +40,8 @@ def test_a_decode_past_the_window_matches_at_every_step_and_point(gemma2):
     assert result.verdict == "match" and len(result.steps) == STEPS + 1
     assert all(step.verdict == "match" and step.points > 0 for step in result.steps)
     assert [step.position for step in result.steps] == [0, *range(len(PROMPT), len(PROMPT) + STEPS)]
+    # the same ops on the same keys in the same order: bitwise, the ring's points included
+    assert all(error == 0.0 for step in result.steps for error in step.layer_max_rel_l2 if error is not None)
 
 
 @pytest.mark.parametrize("engine", ["hf", "reimpl"])
