@@ -104,6 +104,9 @@ def test_a_ring_keeps_a_long_prefill_s_last_window_and_the_fill_rule_never_wraps
     ("cache_reset=kept", PROMPT, 1, layer_point(0, CACHE_K), "left over from another prompt"),
     # one-token steps attend to the window's keys only: the wide mask shows on a cached prefill longer than it
     ("window_mask=wide", list(range(3, 13)), 0, layer_point(0, PROBS), "one key too wide"),
+    # a port without the window keeps and attends to every key: compared on the window's slots and keys
+    # (`on_the_references_slots`), it parts where it attends past the window
+    ("window=ignore", PROMPT, WRAP, layer_point(0, PROBS), "the mask over the cached keys differs"),
 ])
 def test_each_ring_knob_is_found_at_its_step_and_point(gemma2, variant, prompt, step, point, hint):
     result = run(gemma2, variant, prompt, step + 1)

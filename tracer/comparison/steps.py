@@ -82,14 +82,37 @@ def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | Non
             raise TracerError(f"decode step {number} was fed different tokens: {ref.tokens} vs {cand.tokens} (each "
                               "side decoded its own greedy tokens; `tracer run --decode N` feeds the candidate the "
                               "reference's)")
-        result = compare(ref, cand, tolerance, noise=floors[number] if floors else None)
+        written = step_position(ref) - step_position(reference) + len(ref.tokens or ())  # tokens cached so far
+        result = compare(ref, on_the_references_slots(ref, cand, written), tolerance,
+                         noise=floors[number] if floors else None)
         first = result.first_divergence
         if first is not None:
-            written = step_position(ref) - step_position(reference) + len(ref.tokens or ())  # tokens cached so far
             first = dataclasses.replace(first, hints=(*step_hints(number, first, written), *first.hints))
             result = dataclasses.replace(result, first_divergence=first)
         compared.append((step_summary(number, ref, result, cand), result))
     return compared
+
+
+def on_the_references_slots(reference: Trace, candidate: Trace, written: int) -> Trace:
+    """`candidate` with each cache point that keeps every token in position order, where the reference's
+    keeps a sliding layer's ring, laid out as that ring (`ring_slots`), and each attention point over more
+    keys than the reference's read at the reference's keys (the last ones, in position order). So a cache
+    that keeps more than the window is compared on what the window holds, and a candidate that attends
+    past the window (the window ignored) diverges where it does: at the probabilities."""
+    aligned = {}
+    for point in candidate.points:
+        if point not in reference.points or reference[point].shape == candidate[point].shape:
+            continue
+        ours, theirs = candidate[point], reference[point]
+        if split_point(point)[1] in CACHE_POINTS and ours.shape[1] == written > theirs.shape[1] and \
+                ours.shape[::2] == theirs.shape[::2]:
+            aligned[point] = ring_slots(ours, written, theirs.shape[1])  # (KV, W, D)
+        elif layout_of(point) == "attention" and ours.shape[:-1] == theirs.shape[:-1] and \
+                ours.shape[-1] > theirs.shape[-1]:
+            aligned[point] = ours[..., -theirs.shape[-1]:]  # (H, T, W)
+    if not aligned:
+        return candidate
+    return Trace({**candidate.tensors, **aligned}, candidate.meta)
 
 
 def greedy_pick(trace: Trace) -> int | None:
