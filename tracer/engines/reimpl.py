@@ -55,7 +55,8 @@ class ReimplEngine(EngineBase):
 
         spec, steps = self.model.spec, self.model.steps
         windows = [steps.window(spec, i) for i in range(spec.num_hidden_layers)]
-        return KVCache(spec.num_hidden_layers, windows, steps.ring_slot or ring_slot)
+        return KVCache(spec.num_hidden_layers, windows, steps.ring_slot or ring_slot,
+                       [steps.cached_window(window) for window in windows])
 
     def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.forward(torch.tensor(tokens), positions=positions)

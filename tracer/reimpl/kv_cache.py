@@ -34,13 +34,15 @@ class KVCache:
     sliding layer (`windows[i]`) holds S <= W slots in slot order."""
 
     def __init__(self, num_layers: int, windows: list[int | None] | None = None,
-                 slot: Callable[[int, int], int] = ring_slot):
+                 slot: Callable[[int, int], int] = ring_slot, seen: list[int | None] | None = None):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.positions: list[torch.Tensor | None] = [None] * num_layers
         self.written = [0] * num_layers  # tokens each layer's cache took
         self.windows = list(windows or [None] * num_layers)
         self.slot = slot  # a ring's slot of its n-th token (`ring_index=fill` gets it wrong)
+        # keys a query sees on a sliding layer, itself included: its window (`window_mask=wide`: one more)
+        self.seen = list(seen or self.windows)
         self.prefilled = 0  # positions the first forward (the prompt's prefill) left in it
 
     def next_position(self) -> int:
@@ -77,14 +79,15 @@ class KVCache:
 
     def _ring(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A sliding layer: attend to the last W - 1 held keys in position order and the new ones, then
-        write each new token into its slot of the ring."""
+        """A sliding layer: attend to the last W - 1 held keys in position order and the new ones (the last
+        `seen - 1`: a wider mask reads the whole ring before writing), then write each new token into its
+        slot of the ring."""
         window, held = self.windows[layer], self.keys[layer]
         if held is None:
             attended = keys, values, positions
         else:
             order = torch.argsort(self.positions[layer])  # (S,) the held slots in position order
-            order = order[max(0, len(order) - (window - 1)):]  # (≤ W - 1,) the last W - 1 of them
+            order = order[max(0, len(order) - (self.seen[layer] - 1)):]  # (≤ W - 1,) the last W - 1 of them
             attended = (torch.cat([held[:, :, order], keys], dim=2),  # (1, KV, ≤ W - 1 + T, D) in position order
                         torch.cat([self.values[layer][:, :, order], values], dim=2),
                         torch.cat([self.positions[layer][order], positions]))  # (≤ W - 1 + T,)

@@ -42,12 +42,11 @@ RING_INDEX = Knob(
              f"{CACHE_K} (with --decode N past the window)", kind="semantic", after="cache_reset")
 WINDOW_MASK = Knob(
     "window_mask", choice("exact", "wide"), "exact | wide", "exact",
-    "the sliding-window mask of a cached forward one key too wide: a query sees the window's keys and one more "
-    "(129 for a window of 128, mlx-lm #390); shows where a cached forward holds more than the window's keys (a "
-    "cached prefill longer than the window; a one-token step attends to the window's keys only)",
+    "the sliding-window mask of a cached forward one key too wide (129 keys for a window of 128, mlx-lm #390): "
+    "a decoded token attends to the whole ring before its own key overwrites the oldest, a window back",
     _decode_only("window_mask=wide"),
-    expected=f"the cached prefill of a prompt longer than the window, the first sliding layer's {PROBS}",
-    kind="semantic", after="ring_index")
+    expected=f"the first decode step with a key a window back (position = window), the first sliding layer's "
+             f"{PROBS}", kind="semantic", after="ring_index")
 CACHE_RESET = Knob(
     "cache_reset", choice("cleared", "kept"), "cleared | kept", "cleared",
     "a cache left over from the previous prompt: the decode steps run on the cache the previous request (here "
@@ -89,7 +88,8 @@ def exact_window(window: int | None) -> int | None:
 
 
 def wide_window(window: int | None) -> int | None:
-    """window_mask=wide: a cached forward's window one key wider (kv >= q - window)."""
+    """window_mask=wide: a cached forward's window one key wider (kv >= q - window); the ring hands its
+    whole window over (`KVCache.seen`)."""
     return None if window is None else window + 1
 
 
