@@ -136,6 +136,16 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
                      not_recorded=not_recorded, **facts)
 
 
+def refuse_windowed_decode(engine: str, window: int | None, layer: int | None, end: int) -> None:
+    """`--decode` past a sliding window (the sequence runs to position `end - 1`) on an engine whose
+    sliding-window cache is not traced is refused in one line (hf and reimpl trace theirs as a ring:
+    docs/decode.md). Within the window every cache holds every slot."""
+    if window is not None and end > window:
+        raise TracerError(f"--decode on the {engine} engine: this model's layer {layer} attends to a sliding window "
+                          f"of {window} keys and the decode runs to position {end - 1}; sliding-window caches (ring "
+                          "buffers) are not traced yet: decode within the window")
+
+
 def decode_steps(forward: Callable[[list[int], int], tuple[Trace, torch.Tensor]], tokens: list[int], count: int,
                  forced: list[int] | None = None, offset: int = 0) -> Trace:
     """The prefill and `count` decode steps, as every engine with a KV cache decodes: `forward(ids, start)`
