@@ -26,6 +26,7 @@ from tracer.model.points import (
     CACHE_V,
     K_ROPE,
     LOGITS,
+    PROBS,
     Q_ROPE,
     V_PROJ,
     layer_of,
@@ -38,6 +39,25 @@ PREFILL = 0  # the step number of the prompt's (cached) prefill
 
 # The cache's points take the prefill floor of what they hold.
 _HELD = {CACHE_K: K_ROPE, CACHE_V: V_PROJ}
+
+
+def ring_slot(written: int, window: int) -> int:
+    """The ring's slot of the `written`-th token (0-based) a sliding layer's cache takes: how every cache
+    of a sliding layer is compared (the reimplementation's ring writes there; a cache kept otherwise is
+    laid out so by `ring_slots`)."""
+    return written % window
+
+
+def ring_slots(held: torch.Tensor, written: int, window: int) -> torch.Tensor:
+    """A sliding layer's keys or values (KV, S, D) in position order, the last of them the `written`-th
+    token its cache took (1-based count), laid out as the ring of `window` slots keeps them
+    (`ring_slot`): (KV, min(written, window), D), slot order. How a cache kept in position order
+    (transformers' last W - 1 keys and the step's own) is compared with a ring."""
+    count = min(written, window)
+    slots = torch.tensor([ring_slot(n, window) for n in range(written - count, written)])  # (count,) distinct
+    ring = torch.empty_like(held[:, -count:])  # (KV, count, D)
+    ring[:, slots] = held[:, -count:]
+    return ring
 
 
 def decoded_steps(trace: Trace) -> list[Trace]:
@@ -62,13 +82,37 @@ def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | Non
             raise TracerError(f"decode step {number} was fed different tokens: {ref.tokens} vs {cand.tokens} (each "
                               "side decoded its own greedy tokens; `tracer run --decode N` feeds the candidate the "
                               "reference's)")
-        result = compare(ref, cand, tolerance, noise=floors[number] if floors else None)
+        written = step_position(ref) - step_position(reference) + len(ref.tokens or ())  # tokens cached so far
+        result = compare(ref, on_the_references_slots(ref, cand, written), tolerance,
+                         noise=floors[number] if floors else None)
         first = result.first_divergence
         if first is not None:
-            first = dataclasses.replace(first, hints=(*step_hints(number, first), *first.hints))
+            first = dataclasses.replace(first, hints=(*step_hints(number, first, written), *first.hints))
             result = dataclasses.replace(result, first_divergence=first)
         compared.append((step_summary(number, ref, result, cand), result))
     return compared
+
+
+def on_the_references_slots(reference: Trace, candidate: Trace, written: int) -> Trace:
+    """`candidate` with each cache point that keeps every token in position order, where the reference's
+    keeps a sliding layer's ring, laid out as that ring (`ring_slots`), and each attention point over more
+    keys than the reference's read at the reference's keys (the last ones, in position order). So a cache
+    that keeps more than the window is compared on what the window holds, and a candidate that attends
+    past the window (the window ignored) diverges where it does: at the probabilities."""
+    aligned = {}
+    for point in candidate.points:
+        if point not in reference.points or reference[point].shape == candidate[point].shape:
+            continue
+        ours, theirs = candidate[point], reference[point]
+        if split_point(point)[1] in CACHE_POINTS and ours.shape[1] == written > theirs.shape[1] and \
+                ours.shape[::2] == theirs.shape[::2]:
+            aligned[point] = ring_slots(ours, written, theirs.shape[1])  # (KV, W, D)
+        elif layout_of(point) == "attention" and ours.shape[:-1] == theirs.shape[:-1] and \
+                ours.shape[-1] > theirs.shape[-1]:
+            aligned[point] = ours[..., -theirs.shape[-1]:]  # (H, T, W)
+    if not aligned:
+        return candidate
+    return Trace({**candidate.tensors, **aligned}, candidate.meta)
 
 
 def greedy_pick(trace: Trace) -> int | None:
@@ -91,9 +135,28 @@ def step_summary(number: int, reference: Trace, result: Result, candidate: Trace
     )
 
 
-def step_hints(number: int, first: Divergence) -> list[str]:
-    """What a divergence that appears only at a decode step suggests, by the point it starts at."""
+def step_hints(number: int, first: Divergence, written: int | None = None) -> list[str]:
+    """What a divergence that appears only at a decode step suggests, by the point it starts at; `written`:
+    the tokens the cache took up to this step (a cache point holding fewer slots is a sliding layer's ring)."""
     sub = split_point(first.point)[1]
+    slots = first.shape[1] if sub in CACHE_POINTS and first.shape and len(first.shape) == 3 else None
+    ring = []
+    if slots is not None and written is not None and slots < written and number != PREFILL:
+        wraps = "wraps at this step" if slots == written - 1 else f"has wrapped ({written} tokens in {slots} slots)"
+        ring = [f"decode step {number} agrees up to the cache of a sliding layer whose ring buffer {wraps}: a slot "
+                "holds other keys or values than the reference's: the ring written at another slot than the "
+                f"token's place in the sequence modulo the window ({slots}), e.g. at its fill, which stops at the "
+                "window (mlx-lm #1437: the ring's offset and fill conflated)"]
+    if sub in CACHE_POINTS and number == 1:
+        return ["the prefill agrees and decode step 1 differs from its cache on: the step reads a cache that holds "
+                "other keys or values than the prefill left (a cache left over from another prompt, not cleared "
+                "between requests; or written at the wrong slot)", *ring]
+    if ring:
+        return ring
+    if sub == PROBS:
+        return [f"{'the cached prefill' if number == PREFILL else f'decode step {number}'} agrees up to the scores and "
+                "the softmax differs: the mask over the cached keys differs (a sliding-window mask one key too wide "
+                "or narrow: mlx-lm #390 let a window of 128 see 129 keys)"]
     if number == PREFILL:
         if sub in CACHE_POINTS:
             return ["the prompt's own attention agrees but what the cache keeps differs: the cache stores another "
@@ -155,27 +218,34 @@ def _held(point: str) -> str:
     return layer_point(layer, _HELD[sub]) if sub in _HELD else point
 
 
+def _held_rows(sub: str, full: Trace, layer: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """What a cache point holds, (KV, T, D) in position order, from the uncached forward's keys or values."""
+    if sub == CACHE_K:
+        return full.tensors.get(layer_point(layer, K_ROPE))  # (KV, T, D)
+    values = full.tensors.get(layer_point(layer, V_PROJ))  # (T, KV*D)
+    if values is None:
+        return None
+    heads, _, dim = shape
+    return values.reshape(values.shape[0], heads, dim).transpose(0, 1)  # (KV, T, D)
+
+
 def _rows(point: str, full: Trace, first: int, rows: int, step: Trace) -> torch.Tensor | None:
     """The rows of the uncached forward that a step with `rows` tokens from `first` computed (its cache:
     every slot up to its last token); None where the uncached forward did not keep them."""
     last = first + rows  # one past the step's last row
     layer, sub = split_point(point)
-    if sub == CACHE_K:
-        keys = full.tensors.get(layer_point(layer, K_ROPE))  # (KV, T, D)
-        return None if keys is None else keys[:, :last]
-    if sub == CACHE_V:
-        values = full.tensors.get(layer_point(layer, V_PROJ))  # (T, KV*D)
-        if values is None:
-            return None
-        heads, _, dim = step[point].shape
-        return values.reshape(values.shape[0], heads, dim).transpose(0, 1)[:, :last]  # (KV, T, D)
+    if sub in CACHE_POINTS:
+        held = _held_rows(sub, full, layer, step[point].shape)
+        slots = step[point].shape[1]  # fewer than `last`: a sliding layer's ring of that many slots
+        return None if held is None else held[:, :last] if slots >= last else ring_slots(held[:, :last], last, slots)
     tensor = full.tensors.get(point)
     if tensor is None:
         return None
     layout = layout_of(point)
     if layout == "attention":  # (H, kept rows, T): the last rows only, past ATTENTION_ROWS tokens
         skipped = tensor.shape[-1] - tensor.shape[-2]
-        return None if first < skipped else tensor[:, first - skipped:last - skipped, :last]
+        keys = step[point].shape[-1]  # fewer than `last` on a sliding layer: the window's last keys
+        return None if first < skipped else tensor[:, first - skipped:last - skipped, last - keys:last]
     if layout == "heads":
         return tensor[:, first:last]  # (H, rows, D)
     if tensor.shape[0] < last:  # a runtime that keeps only the last position's logits

@@ -137,9 +137,9 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
 
 
 def refuse_windowed_decode(engine: str, window: int | None, layer: int | None, end: int) -> None:
-    """`--decode` past a sliding window (the sequence runs to position `end - 1`) is refused in one line:
-    transformers' cache then keeps the window's slots only, tracer's every slot; ring buffers are not
-    traced yet (docs/decode.md). Within the window every cache holds every slot."""
+    """`--decode` past a sliding window (the sequence runs to position `end - 1`) on an engine whose
+    sliding-window cache is not traced is refused in one line (hf and reimpl trace theirs as a ring:
+    docs/decode.md). Within the window every cache holds every slot."""
     if window is not None and end > window:
         raise TracerError(f"--decode on the {engine} engine: this model's layer {layer} attends to a sliding window "
                           f"of {window} keys and the decode runs to position {end - 1}; sliding-window caches (ring "

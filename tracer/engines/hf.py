@@ -24,14 +24,14 @@ import torch
 from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
-from tracer.engines.base import EngineBase, decode_steps, per_layer, refuse_windowed_decode
+from tracer.engines.base import EngineBase, decode_steps, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.hooks.modules import recording_modules
 from tracer.model.component import family_named, family_of
 from tracer.model.config import LlamaSpec, config_reading, load_config, read_hf, variant_spec
 from tracer.model.knobs import setting
-from tracer.model.points import model_points
+from tracer.model.points import CACHE_POINTS, layer_point, model_points
 
 # A local directory never needs the hub; make sure nothing tries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,23 +72,32 @@ class HFEngine(EngineBase):
 
     def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
         """The prefill and `count` decode steps with transformers' own KV cache (`DynamicCache`), each
-        step one token at its `position_ids`; the hooks record every step's points and the cache."""
+        step one token at its `position_ids` (a `DynamicSlidingWindowLayer` on each sliding layer); the hooks
+        record every step's points and the cache."""
         from transformers import DynamicCache
 
-        config = self.model.config
-        types = getattr(config, "layer_types", None)
-        windowed = (types.index("sliding_attention") if "sliding_attention" in types else None) if types \
-            else (0 if getattr(config, "sliding_window", None) is not None else None)
-        refuse_windowed_decode(self.name, None if windowed is None else config.sliding_window, windowed,
-                               offset + len(tokens) + count)
+        from tracer.comparison.steps import ring_slots
+
         cache = DynamicCache(config=self.model.config)
         restart_dynamic_ropes(self.model)  # then it grows step by step, as in `generate`
+        # a sliding layer's cache (`DynamicSlidingWindowLayer`) keeps its last W - 1 keys in position order:
+        # its points are laid out as the ring of W slots every cache is compared as (`ring_slots`)
+        windows = {i: layer.sliding_window for i, layer in enumerate(cache.layers)
+                   if getattr(layer, "is_sliding", False)}
+        written = 0
 
         def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+            nonlocal written
             recorder = TraceRecorder()
             at = torch.arange(start, start + len(ids))
             out = self._recorded(recorder, cached=True, input_ids=self._ids(ids), use_cache=True,
                                  **self._cache(cache), **self._positions(at))
+            written += len(ids)
+            for layer, window in windows.items():
+                for sub in CACHE_POINTS:
+                    name = layer_point(layer, sub)
+                    if name in recorder.tensors:
+                        recorder.tensors[name] = ring_slots(recorder.tensors[name], written, window)  # (KV, ≤ W, D)
             return Trace(recorder.tensors, self._meta(ids, start or None)), out.logits[0]  # (T, V)
 
         return decode_steps(forward, tokens, count, forced, offset)

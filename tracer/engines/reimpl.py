@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
-from tracer.engines.base import EngineBase, check_device, decode_steps, per_layer, refuse_windowed_decode
+from tracer.engines.base import EngineBase, check_device, decode_steps, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.components.rope import rope_type
@@ -33,20 +33,21 @@ class ReimplEngine(EngineBase):
         return Trace(recorder.tensors, self._meta(tokens, offset))
 
     def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
-        """The prefill and `count` decode steps with its own KV cache (`tracer.reimpl.kv_cache`); the
-        model picks each step's position from the cache (where the decode knobs get it wrong)."""
-        from tracer.reimpl.kv_cache import KVCache
-
-        spec = self.model.spec
-        windowed = next((i for i in range(spec.num_hidden_layers) if self.model.steps.window(spec, i)), None)
-        refuse_windowed_decode(self.name, None if windowed is None else spec.window(windowed), windowed,
-                               offset + len(tokens) + count)
-        cache = KVCache(self.model.spec.num_hidden_layers)
+        """The prefill and `count` decode steps with its own KV cache (`tracer.reimpl.kv_cache`: a ring
+        buffer on sliding layers); the model picks each step's position from the cache (where the decode
+        knobs get it wrong). With `cache_reset=kept` the steps run on the cache another prompt left."""
+        cache = self.new_cache()
+        steps_cache = cache
+        if self.model.steps.cache_left_over:  # the previous request: the prompt, every token id one higher
+            steps_cache = self.new_cache()
+            previous = torch.tensor([(token + 1) % self.model.spec.vocab_size for token in tokens])
+            self.model.forward(previous, positions=torch.arange(offset, offset + len(tokens)), cache=steps_cache)
 
         def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
             recorder = TraceRecorder()
+            held = cache if cache.length == 0 else steps_cache
             at = torch.arange(start, start + len(ids)) if cache.length == 0 else None  # the prompt's, as given
-            logits = self.model.forward(torch.tensor(ids), recorder, positions=at, cache=cache)  # (T, V)
+            logits = self.model.forward(torch.tensor(ids), recorder, positions=at, cache=held)  # (T, V)
             return Trace(recorder.tensors, self._meta(ids, start or None)), logits
 
         return decode_steps(forward, tokens, count, forced, offset)
@@ -60,6 +61,15 @@ class ReimplEngine(EngineBase):
         recorders = RowRecorders(padded)
         self.model.forward_batch(padded.ids, padded.mask, recorders)
         return [Trace(recorder.tensors, self._meta(row)) for recorder, row in zip(recorders.rows, rows)]
+
+    def new_cache(self):
+        """An empty KV cache for this model: a ring of the window's slots on each sliding layer."""
+        from tracer.reimpl.kv_cache import KVCache, ring_slot
+
+        spec, steps = self.model.spec, self.model.steps
+        windows = [steps.window(spec, i) for i in range(spec.num_hidden_layers)]
+        return KVCache(spec.num_hidden_layers, windows, steps.ring_slot or ring_slot,
+                       [steps.cached_window(window) for window in windows])
 
     def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.forward(torch.tensor(tokens), positions=positions)

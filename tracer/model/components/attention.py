@@ -466,7 +466,8 @@ class Attention(Component):
 
     @property
     def knobs(self) -> tuple:
-        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + decode.KNOBS + padding.KNOBS
+        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + decode.CACHE_KNOBS + \
+            decode.WINDOW_KNOBS * self.window + padding.KNOBS
 
     @property
     def output(self) -> str:
@@ -527,7 +528,7 @@ class Attention(Component):
             **({"qk_heads": qk_plain} if self.qk_norm is None else {}),
             # the q/k norms compute with the family's norm (`qk_norm` None) unless the variant drops them
             "qk_norm": qk_norm_skipped if knobs.get("qk_norm") == "drop" else None,
-            **decode.steps(knobs),
+            **decode.steps(knobs, spec),
             **padding.steps(knobs),
         }
 
@@ -551,7 +552,7 @@ class Attention(Component):
             run.record(CACHE_V, run.cache.values[run.index])
         window = steps.window(spec, run.index)
         if run.positions.real is None:
-            visible = Visible(queries, keys, window)
+            visible = Visible(queries, keys, window if run.cache is None else steps.cached_window(window))
         else:  # a left-padded batch (no cache): causal over the padded sequence's indices, padded keys blocked
             indices = torch.arange(tokens)  # (T,)
             visible = Visible(indices, indices, window, steps.padding_mask(run.positions.real))
