@@ -218,7 +218,7 @@ BUILTINS = (
     EngineEntry(
         "mlx", "tracer.engines.mlx",
         "Apple MLX through mlx-lm on the model directory, its modules' calls recorded (CPU; Metal as mps)",
-        knobs=("dtype",), fused_attention="always", devices=("cpu", "mps"),
+        knobs=("dtype",), fused_attention="always", devices=("cpu", "mps"), decode=True,
         extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
         # mlx-lm's other families differ from transformers' on their own configs (Gemma's embedding
         # scale taken after its call, windows, fused Phi-3 projections): not traced point for point yet.
@@ -254,7 +254,7 @@ BUILTINS = (
         "k_rope) and softmax_last_dim (probs) composed from 0.4.2's ops",
         # candle's config reader and the notes' porting mistakes, in its own forward
         knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask", "threads"),
-        argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True,
+        argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True, decode=True,
         families=("llama",), regime="candle", regime_with_argument=True,
     ),
 )
