@@ -71,6 +71,7 @@ class EngineEntry:
             quantized_llama.rs on candle:PATH.gguf; on the model directory llama.rs runs f32).
         decode: it decodes with its own KV cache, every step recorded (`decode(tokens, count, forced=...)`,
             `--decode N`); the others refuse `--decode` in one line naming those that take it.
+        no_decode: why an engine that runs a live model does not decode (said in that line).
     """
 
     name: str
@@ -99,6 +100,7 @@ class EngineEntry:
     regime: str | None = None
     regime_with_argument: bool = False
     decode: bool = False
+    no_decode: str = ""
 
     def honours(self, knob: str) -> bool:
         return knob in self.knobs or (knob in KNOBS and KNOBS[knob].kind in self.kinds)
@@ -228,6 +230,8 @@ BUILTINS = (
         "onnx", "tracer.engines.onnx",
         "ONNX Runtime on tracer's cached dynamo export of the model, every point a named graph output",
         knobs=("dtype", "ort_opt"),
+        no_decode="tracer's ONNX export is one forward without a cache, with no past-key/value inputs; an "
+                  "export with them is not done yet",
         extra="onnx", requires=(("onnxruntime", "onnxruntime"), ("onnx", "onnx"), ("onnxscript", "onnxscript")),
     ),
     EngineEntry(
