@@ -12,7 +12,7 @@ import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tests.ggml_gguf import write_quantized_gguf
 from tracer.comparison.diff import rel_l2_by_point
-from tracer.comparison.steps import compare_steps, decoded_steps
+from tracer.comparison.steps import StepNoise, compare_steps, decoded_steps, step_floors
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.engines.isolated import IsolatedEngine
@@ -107,3 +107,31 @@ def test_candle_decodes_a_gguf_with_its_cache_as_its_own_uncached_forward(llama_
     before = uncached[layer_point(0, K_ROPE)][:, len(TOKENS) - 1:len(TOKENS)]  # (KV, 1, D): the position before
     wrong = Trace({layer_point(0, K_ROPE): before}, first.meta)
     assert rel_l2_by_point(first, wrong)[layer_point(0, K_ROPE)] > 0.1
+
+
+def test_each_step_is_floored_by_the_f64_rounding_of_its_own_rows(llama_dir, references):
+    """`StepNoise`: an f64 run over the whole sequence, compared as it comes at each step's rows with the
+    reference's f32 uncached forward; each step's floor is at least that."""
+    truth, _ = references
+    source = resolve_source(str(llama_dir), False)
+    sequence = TOKENS + decoded_tokens(truth)
+    uncached = load_engine("hf", source, {}).record(sequence)
+    noise = StepNoise(truth, uncached)
+    f64 = load_engine("reimpl", source, {"dtype": "f64"})
+    f64.record(sequence, noise)
+    exact = f64.record(sequence)  # kept whole, to check the rows the recorder compared
+    assert len(noise.noise) == STEPS + 1
+    for number, (step, own) in enumerate(zip(decoded_steps(truth), noise.noise)):
+        assert set(own) == set(step.points) - set(step.not_recorded)
+        row = step.meta.position_offset or 0
+        last = row + len(step.tokens)
+        for point, rows in ((LOGITS, slice(row, last)), (layer_point(1, K_ROPE), (slice(None), slice(row, last)))):
+            expected = rel_l2_by_point(Trace({point: exact[point][rows]}, step.meta),
+                                       Trace({point: uncached[point][rows]}, step.meta))[point]
+            assert own[point] == pytest.approx(expected, rel=1e-9) and 0 < own[point] < 1e-5
+        cache = layer_point(1, CACHE_K)  # the cache: every slot up to the step's last token
+        expected = rel_l2_by_point(Trace({cache: exact[layer_point(1, K_ROPE)][:, :last]}, step.meta),
+                                   Trace({cache: uncached[layer_point(1, K_ROPE)][:, :last]}, step.meta))[cache]
+        assert own[cache] == pytest.approx(expected, rel=1e-9)
+    floors = step_floors(truth, uncached, None, noise.noise)
+    assert all(floor[point] >= own[point] for floor, own in zip(floors, noise.noise) for point in own)
