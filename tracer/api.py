@@ -79,7 +79,8 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
         position_offset: the first token's absolute position (default 0), on the engines that take
             positions (hf, reimpl): RoPE at far positions, as a decode step deep in a context sees it.
         decode: after the prompt's prefill, decode this many greedy tokens one at a time with the engine's
-            own KV cache (engines that decode: hf, reimpl); the steps are `trace.steps` (docs/decode.md).
+            own KV cache (engines that decode: hf, reimpl, mlx, candle); the steps are `trace.steps`
+            (docs/decode.md).
 
     Returns:
         The `Trace`: point name -> tensor in execution order, with metadata.
