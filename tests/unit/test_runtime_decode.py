@@ -135,3 +135,21 @@ def test_each_step_is_floored_by_the_f64_rounding_of_its_own_rows(llama_dir, ref
         assert own[cache] == pytest.approx(expected, rel=1e-9)
     floors = step_floors(truth, uncached, None, noise.noise)
     assert all(floor[point] >= own[point] for floor, own in zip(floors, noise.noise) for point in own)
+
+
+def test_mlx_decodes_a_sliding_layer_with_its_rotating_cache_within_the_window(tmp_path):
+    """mlx-lm's Llama makes a RotatingKVCache for a layer its config marks sliding: within the window it
+    holds every slot in order and matches; a decode past it is refused in one line (the ring is not traced)."""
+    runtime("mlx")
+    model = write_tiny_llama(tmp_path / "m", rope_theta=500.0, layer_types=["sliding_attention", "full_attention"],
+                             sliding_window=16)
+    source = resolve_source(str(model), False)
+    engine = load_engine("mlx", source, {})
+    assert type(engine.model.make_cache()[0]).__name__ == "RotatingKVCache"
+    truth = load_engine("hf", source, {}).decode(TOKENS, STEPS)
+    candidate = engine.decode(TOKENS, STEPS, forced=decoded_tokens(truth))
+    assert [summary.verdict for summary, _ in compare_steps(truth, candidate)] == ["match"] * (STEPS + 1)
+    assert candidate.steps[-1][layer_point(0, CACHE_K)].shape == (KV_HEADS, len(TOKENS) + STEPS, HEAD_DIM)
+    with pytest.raises(TracerError, match="^--decode on the mlx engine: this model's layer 0 attends to a sliding "
+                                          "window of 16 keys and the decode runs to position 18;"):
+        engine.decode(TOKENS, 12)

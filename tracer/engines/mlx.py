@@ -88,10 +88,11 @@ class MLXEngine(EngineBase):
         from mlx_lm.models.cache import make_prompt_cache
 
         self.first_position(tokens, at_positions(offset, len(tokens)).get("positions"))  # from 0 only
-        windowed = next((i for i in range(self.num_layers) if self.spec.window(i)), None)
-        refuse_windowed_decode(self.name, None if windowed is None else self.spec.window(windowed), windowed,
-                               len(tokens) + count)
         cache = make_prompt_cache(self.model)
+        # mlx-lm's own window (a RotatingKVCache's max_size), which it may read where transformers does not
+        windowed = next((i for i, layer in enumerate(cache) if getattr(layer, "max_size", None)), None)
+        refuse_windowed_decode(self.name, None if windowed is None else cache[windowed].max_size, windowed,
+                               len(tokens) + count)
 
         def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
             recorder = TraceRecorder()
