@@ -94,7 +94,8 @@ def _decode() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--decode", type=int, default=0, metavar="N",
                         help="after the prompt, decode N tokens one at a time, each engine with its own KV cache, "
-                             "every point of every step recorded (engines that decode: hf, reimpl; docs/decode.md)")
+                             "every point of every step recorded (engines that decode: hf, reimpl, mlx, candle; "
+                             "docs/decode.md)")
     return parent
 
 

@@ -104,11 +104,13 @@ def test_a_decoded_trace_is_saved_loaded_and_compared_step_by_step(llama_dir, hf
 
 
 def test_decode_mistakes_are_one_line(llama_dir, capsys):
-    code = main(["run", "--model", str(llama_dir), "--tokens", "1,2,3", "--candidate", "mlx", "--decode", "4",
+    code = main(["run", "--model", str(llama_dir), "--tokens", "1,2,3", "--candidate", "onnx", "--decode", "4",
                  "--no-report"])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "--decode 4: the mlx engine does not decode with a KV cache here; engines that do: hf, reimpl")
+        "--decode 4: the onnx engine does not decode with a KV cache here (tracer's ONNX export is one forward "
+        "without a cache, with no past-key/value inputs; an export with them is not done yet); engines that do: "
+        "hf, reimpl, mlx, candle")
     assert main(["run", "--model", str(llama_dir), "--tokens", "1,2,3", "--tokens", "4,5,6", "--no-report"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "--tokens given twice (1,2,3 and 4,5,6): a run takes one input; give the flag once")

@@ -7,7 +7,8 @@ comparison diverges, and that step's comparison becomes the one a result shows (
 
 Where each step's floor comes from (`step_floors`): the reference's cached step against the same
 position of its own uncached forward over the whole sequence, which differ by f32 rounding only (other
-matmul shapes); a point's floor is the larger of that and the prefill's f64 noise of the point.
+matmul shapes); a point's floor is the larger of that, the prefill's f64 noise of the point, and the
+f64 noise of the step's own rows (`StepNoise`).
 """
 
 from __future__ import annotations
@@ -195,10 +196,12 @@ def with_steps(result: Result, compared: list[tuple[StepResult, Result]]) -> Res
 # --- the floor of each step ------------------------------------------------------------------------
 
 
-def step_floors(decoded: Trace, uncached: Trace, prefill_noise: dict[str, float] | None) -> list[dict[str, float]]:
+def step_floors(decoded: Trace, uncached: Trace, prefill_noise: dict[str, float] | None,
+                step_noise: list[dict[str, float]] | None = None) -> list[dict[str, float]]:
     """Per step (0: the cached prefill), per point: the larger of the prefill's f64 noise of the point
-    (for the cache, of what it holds) and the rel_l2 between the reference's cached step and the same
-    position of `uncached` (its forward over the prompt and every decoded token, without a cache)."""
+    (for the cache, of what it holds), the rel_l2 between the reference's cached step and the same
+    position of `uncached` (its forward over the prompt and every decoded token, without a cache), and
+    `step_noise[step]` (`StepNoise`: the f64 noise of the step's own rows)."""
     prefill_noise = prefill_noise or {}
     start = step_position(decoded)
     floors = []
@@ -208,9 +211,45 @@ def step_floors(decoded: Trace, uncached: Trace, prefill_noise: dict[str, float]
         same = Trace({point: tensor for point in step.points
                       if (tensor := _rows(point, uncached, first, rows, step)) is not None}, step.meta)
         gaps = rel_l2_by_point(step, same) if len(same) else {}
-        floors.append({point: max(gaps.get(point, 0.0), prefill_noise.get(_held(point)) or 0.0)
-                       for point in step.points})
+        own = step_noise[len(floors)] if step_noise else {}
+        floors.append({point: max(gaps.get(point, 0.0), prefill_noise.get(_held(point)) or 0.0,
+                                  own.get(point, 0.0)) for point in step.points})
     return floors
+
+
+class StepNoise:
+    """A recorder for an f64 run over the prompt and every decoded token (the uncached sequence): each
+    point, as it comes, compared at every step's rows with the same rows of `uncached` (the reference's
+    f32 forward over the same tokens); nothing is kept. `noise[step][point]`: the f32 rounding of that
+    point at that step's own rows. The prefill's noise is an average over the prompt's rows; a decoded
+    token whose residual holds a massive activation that the next layer cancels rounds up to ten times
+    more than that average there (docs/decode.md), and a correct runtime's step is judged against the
+    rounding of that very row."""
+
+    @property
+    def tensors(self) -> dict:
+        """Nothing kept (the engines return a Trace of their recorder's tensors)."""
+        return {}
+
+    def __init__(self, decoded: Trace, uncached: Trace):
+        self.steps, self.start, self.uncached = decoded_steps(decoded), step_position(decoded), uncached
+        self.noise: list[dict[str, float]] = [{} for _ in self.steps]
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        from tracer.comparison.trace import kept
+
+        exact = Trace({name: kept(name, tensor)}, self.uncached.meta)
+        layer, sub = split_point(name)
+        points = [name, *(layer_point(layer, cache) for cache, held in _HELD.items() if held == sub)]
+        for noise, step in zip(self.noise, self.steps):
+            first, rows = step_position(step) - self.start, len(step.tokens or ())
+            for point in points:
+                if point not in step.tensors:
+                    continue
+                ours, truth = _rows(point, self.uncached, first, rows, step), _rows(point, exact, first, rows, step)
+                if ours is not None and truth is not None:
+                    noise[point] = rel_l2_by_point(Trace({point: truth}, step.meta),
+                                                   Trace({point: ours}, step.meta)).get(point, 0.0)
 
 
 def _held(point: str) -> str:

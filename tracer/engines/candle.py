@@ -43,13 +43,15 @@ import torch
 from tracer.comparison.layouts import from_interleaved
 from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 from tracer.core.errors import TracerError
-from tracer.engines.base import EngineBase
+from tracer.engines.base import EngineBase, at_positions, decode_steps
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource, check_gguf_header
 from tracer.ggml.candle import candle_inv_freq, rope_angles
 from tracer.model.names import gguf_tensor_name
 from tracer.model.points import (
     BLOCK_OUT,
+    CACHE_K,
+    CACHE_V,
     CONTEXT,
     DOWN_PROJ,
     EMBED,
@@ -150,35 +152,50 @@ class Shape:
 # --- the forward, from candle's ops -------------------------------------------------------------
 
 
+class Cache:
+    """candle-transformers' KV cache, as both forwards keep it (llama.rs' `Cache.kvs`, quantized_llama.rs'
+    `LayerWeights.kv_cache`): per layer the keys after RoPE and the values, (1, KV, S, D), each step's
+    own concatenated after them along S (`Tensor::cat(&[cache_k, &k], 2)`); `position` is the
+    `index_pos` the next forward is called with (the length of what the cache holds)."""
+
+    def __init__(self, num_layers: int):
+        self.kvs: list[tuple[object, object] | None] = [None] * num_layers
+        self.position = 0
+
+
 class Forward:
-    """One forward over a prompt, composed from candle's ops, each point handed to `record` as a
-    candle tensor with a batch dimension."""
+    """One forward over a prompt (or, with a `Cache`, over the tokens after what it holds), composed
+    from candle's ops, each point handed to `record` as a candle tensor with a batch dimension."""
 
     def __init__(self, shape: Shape, weights: dict, linear, candle):
         self.shape, self.weights, self.linear, self.candle = shape, weights, linear, candle
 
-    def __call__(self, tokens: list[int], record) -> object:
+    def __call__(self, tokens: list[int], record, cache: Cache | None = None) -> object:
         c, s = self.candle, self.shape
         count = len(tokens)
+        start = 0 if cache is None else cache.position  # index_pos
         ids = c.tensor([int(t) for t in tokens])
         h = self.weights[EMBED].index_select(ids, 0).reshape((1, count, s.hidden))  # (1, T, C)
         record(EMBED, h)
-        angles = c.tensor(rope_angles(s.inv_freq, np.arange(count)).tolist())  # (T, D/2)
+        # candle's Cache narrows its table of every position at index_pos: the same products, row by row
+        angles = c.tensor(rope_angles(s.inv_freq, np.arange(start, start + count)).tolist())  # (T, D/2)
         cos, sin = angles.cos(), angles.sin()
-        mask = self._mask(count)
+        mask = self._mask(count, start)
         for i in range(s.num_layers):
-            h = self.layer(h, i, cos, sin, mask, lambda sub, t, i=i: record(layer_point(i, sub), t))
+            h = self.layer(h, i, cos, sin, mask, lambda sub, t, i=i: record(layer_point(i, sub), t), cache)
         h = self.rms_norm(h, self.weights[FINAL_NORM])
         record(FINAL_NORM, h)
         logits = self.linear(h, self.weights[LOGITS])  # (1, T, V)
         record(LOGITS, logits)
+        if cache is not None:
+            cache.position = start + count
         return logits
 
-    def layer(self, x, i: int, cos, sin, mask, record):
+    def layer(self, x, i: int, cos, sin, mask, record, cache: Cache | None = None):
         w = self.weights[i]
         h = self.rms_norm(x, w[INPUT_NORM])
         record(INPUT_NORM, h)
-        h = self.attention(h, w, cos, sin, mask, record)
+        h = self.attention(h, w, cos, sin, mask, record, None if cache is None else (cache, i))
         x = x + h
         record(RESID_MID, x)
         h = self.rms_norm(x, w[POST_ATTENTION_NORM])
@@ -194,7 +211,7 @@ class Forward:
         record(BLOCK_OUT, x)
         return x
 
-    def attention(self, x, w: dict, cos, sin, mask, record):
+    def attention(self, x, w: dict, cos, sin, mask, record, slot: tuple[Cache, int] | None = None):
         s = self.shape
         count = x.shape[1]
         q, k, v = self.linear(x, w[Q_PROJ]), self.linear(x, w[K_PROJ]), self.linear(x, w[V_PROJ])
@@ -208,8 +225,16 @@ class Forward:
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         record(Q_ROPE, q)
         record(K_ROPE, k)
-        k, v = self.repeat_kv(k), self.repeat_kv(v)  # (1, H, T, D)
-        scores = q.matmul(k.t()) / float(np.sqrt(s.head_dim))  # (1, H, T, T): an affine by 1/sqrt(D), as 0.11
+        if slot is not None:  # the cache: what it held, then this forward's keys and values along S
+            cache, i = slot
+            if cache.kvs[i] is not None:
+                held_k, held_v = cache.kvs[i]
+                k, v = self.candle.cat([held_k, k], 2), self.candle.cat([held_v, v], 2)  # (1, KV, S, D)
+            cache.kvs[i] = (k, v)
+            record(CACHE_K, k)
+            record(CACHE_V, v)
+        k, v = self.repeat_kv(k), self.repeat_kv(v)  # (1, H, S, D)
+        scores = q.matmul(k.t()) / float(np.sqrt(s.head_dim))  # (1, H, T, S): an affine by 1/sqrt(D), as 0.11
         record(SCORES, scores)
         probs = self.softmax_last_dim(self._masked(scores, mask))
         record(PROBS, probs)
@@ -263,12 +288,14 @@ class Forward:
             return self.candle.cat([x] * groups, 1)  # (1, KV·n, T, D), head h reads kv h % KV
         return self.candle.cat([x] * groups, 2).reshape((b, kv * groups, count, dim))  # (1, KV·n, T, D)
 
-    def _mask(self, count: int):
-        """llama.rs' cache mask: u8 (T, T), 1 where j > i. None for one token (no mask, as candle)."""
+    def _mask(self, count: int, start: int = 0):
+        """utils::build_causal_mask(seq_len, index_pos): u8 (T, start + T), 1 where key j > start + i.
+        None for one token (no mask, as candle)."""
         if count == 1 or self.shape.mask == "none":
             return None
-        blocked = [int(j > i) for i in range(count) for j in range(count)]
-        return self.candle.tensor(blocked).reshape((count, count)).to_dtype(self.candle.u8)
+        keys = start + count
+        blocked = [int(j > start + i) for i in range(count) for j in range(keys)]
+        return self.candle.tensor(blocked).reshape((count, keys)).to_dtype(self.candle.u8)
 
     def _masked(self, scores, mask):
         if mask is None:
@@ -440,6 +467,25 @@ class CandleEngine(EngineBase):
         from reusing its memory), and are read back into the recorder in order."""
         self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
         recorder = recorder if recorder is not None else TraceRecorder()
+        self._recorded(tokens, recorder)
+        return Trace(recorder.tensors, self._meta(tokens))
+
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+        """The prefill and `count` decode steps with candle-transformers' KV cache (`Cache`: the keys
+        after RoPE and the values concatenated step by step, each step's RoPE at `index_pos`), every
+        step's points and what the cache holds."""
+        self.first_position(tokens, at_positions(offset, len(tokens)).get("positions"))  # from 0 only
+        cache = Cache(self.num_layers)
+
+        def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+            recorder = TraceRecorder()
+            self._recorded(ids, recorder, cache)
+            return Trace(recorder.tensors, self._meta(ids, start or None)), recorder.tensors[LOGITS]  # (T, V)
+
+        return decode_steps(forward, tokens, count, forced, offset)
+
+    def _recorded(self, tokens: list[int], recorder, cache: Cache | None = None) -> None:
+        """One forward (after what `cache` holds, if any) with every point handed to `recorder`."""
         with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
             files: list[tuple[str, list[str]]] = []
             kept: dict[str, object] = {}
@@ -458,12 +504,11 @@ class CandleEngine(EngineBase):
                     held[0] = 0
 
             with candle_errors():
-                self.forward(tokens, keep)
+                self.forward(tokens, keep, cache)
             for file, points in files:
                 tensors = read_f32_file(file)
                 for point in points:
                     recorder(point, self._layout(point, tensors.pop(point)))
-        return Trace(recorder.tensors, self._meta(tokens))
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """(T, V) logits of an unrecorded forward."""
@@ -483,11 +528,11 @@ class CandleEngine(EngineBase):
 
     def _layout(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
         """HF layout: GGUF q/k rows back in half-split order, per head."""
-        if self.shape.gguf_rows and gguf_permuted(point):
+        if self.shape.gguf_rows and (gguf_permuted(point) or split_point(point)[1] == CACHE_K):  # keys after RoPE
             return from_interleaved(tensor, self.shape.head_dim)  # per head of D along the last axis
         return tensor
 
-    def _meta(self, tokens: list[int]) -> TraceMeta:
+    def _meta(self, tokens: list[int], offset: int | None = None) -> TraceMeta:
         facts = self.facts
         notes = []
         if not self.gguf and facts["reader"] == "candle" and "rope_theta" not in facts["config"] and \
@@ -509,6 +554,7 @@ class CandleEngine(EngineBase):
                     "threads": self.forward.candle.utils.get_num_threads(),
                     **({"gguf_types": facts["gguf_types"]} if self.gguf else {"config_reader": facts["reader"]})},
             notes=notes, unused_config_keys=None if self.gguf else facts.get("unused_config_keys", []),
+            position_offset=offset,
         )
 
 

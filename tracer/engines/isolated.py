@@ -5,7 +5,7 @@ no `try` catches: in tracer's own process that would end the run with no verdict
 ours and maybe half a report. An engine whose registry entry says `isolated=True` is therefore
 loaded by `load` below: a child process (`python -m tracer.engines.isolated`) imports the
 engine's module and builds the real engine there, and the parent gets an `IsolatedEngine` that
-forwards `record`, `logits` and `draft` to it. If the child dies, the call raises one
+forwards `record`, `logits`, `draft` and `decode` to it. If the child dies, the call raises one
 `TracerError`: "the llamacpp engine died (SIGSEGV): <the last lines it wrote to stderr>".
 
 Protocol: one JSON object per line on the child's stdin (requests) and on a copy of its
@@ -160,6 +160,16 @@ class IsolatedEngine(EngineBase):
     def draft(self, tokens: list[int], steps: int) -> list[int]:
         return self._call({"op": "draft", "tokens": [int(t) for t in tokens], "steps": int(steps)})["tokens"]
 
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0):
+        """The child's engine decodes (its cache lives there); the trace and its steps come back in one file."""
+        from tracer.comparison.trace import Trace
+
+        with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
+            file = str(Path(folder) / "decoded.safetensors")
+            self._call({"op": "decode", "tokens": [int(t) for t in tokens], "count": int(count), "offset": int(offset),
+                        "forced": None if forced is None else [int(t) for t in forced], "file": file})
+            return Trace.load(file)  # read into memory: the folder goes
+
     def close(self) -> None:
         """End the engine now (it also ends with this object): its child waits for the next load."""
         self._finalizer()
@@ -301,6 +311,12 @@ class Server:
 
     def draft(self, request: dict) -> dict:
         return {"tokens": [int(t) for t in self.engine.draft(request["tokens"], request["steps"])]}
+
+    def decode(self, request: dict) -> dict:
+        trace = self.engine.decode(request["tokens"], request["count"], forced=request["forced"],
+                                   offset=request["offset"])
+        trace.save(request["file"])
+        return {"file": request["file"]}
 
 
 def serve() -> None:

@@ -33,12 +33,12 @@ import torch
 from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
-from tracer.engines.base import EngineBase, per_layer
+from tracer.engines.base import EngineBase, at_positions, decode_steps, per_layer, refuse_windowed_decode
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.config import NON_FORWARD_KEYS, read_hf
 from tracer.model.knobs import setting
-from tracer.model.points import LOGITS, fused_away, layer_point, model_point_records, sub_points
+from tracer.model.points import CACHE_K, CACHE_V, LOGITS, fused_away, layer_point, model_point_records, sub_points
 
 # mlx-lm's module paths are HF's; what each observed call gives is read off the family's points
 # (`layer_calls`): a module's output where hf observes that module's output, the input of the module hf
@@ -77,32 +77,72 @@ class MLXEngine(EngineBase):
     def record(self, tokens: list[int], recorder=None, *, positions=None) -> Trace:
         """Every point mlx-lm's forward exposes; `recorder` (default in memory) may spill to disk."""
         self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
+        recorder = recorder if recorder is not None else TraceRecorder()
+        self._recorded(tokens, recorder)
+        return Trace(recorder.tensors, self._meta(tokens))
+
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+        """The prefill and `count` decode steps with mlx-lm's own cache (`make_prompt_cache`: a `KVCache`
+        per layer, a `RotatingKVCache` where the model makes one), each step's position the cache's
+        `offset`, as mlx-lm's generate runs it; every step's points and what each cache holds."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.first_position(tokens, at_positions(offset, len(tokens)).get("positions"))  # from 0 only
+        cache = make_prompt_cache(self.model)
+        # mlx-lm's own window (a RotatingKVCache's max_size), which it may read where transformers does not
+        windowed = next((i for i, layer in enumerate(cache) if getattr(layer, "max_size", None)), None)
+        refuse_windowed_decode(self.name, None if windowed is None else cache[windowed].max_size, windowed,
+                               len(tokens) + count)
+
+        def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+            recorder = TraceRecorder()
+            logits = self._recorded(ids, recorder, cache)  # (1, T, V)
+            return Trace(recorder.tensors, self._meta(ids, start or None)), logits[0]
+
+        return decode_steps(forward, tokens, count, forced, offset)
+
+    def _recorded(self, tokens: list[int], recorder, cache: list | None = None) -> torch.Tensor:
+        """One forward (after what `cache` holds, if any) with every point handed to `recorder`, and
+        each layer's cache contents after it; returns the logits (1, T, V)."""
         import mlx.core as mx
 
-        recorder = recorder if recorder is not None else TraceRecorder()
         recorded: deque[tuple[str, object]] = deque()
         per_head = per_head_points(self.family)
         with recording_calls(self.model, self.family,
                              lambda name, array: recorded.append((name, flat_heads(name, array, per_head)))):
-            logits = self._forward(tokens)
+            logits = self._forward(tokens, cache)
         recorded.append((LOGITS, logits))
+        for i, layer in enumerate(cache or ()):
+            keys, values = cache_contents(layer)  # (1, KV, S, D) each: slices taken now, this step's contents
+            recorded.extend(((layer_point(i, CACHE_K), keys), (layer_point(i, CACHE_V), values)))
         mx.eval([array for _, array in recorded])  # one evaluation of the whole lazy graph
+        out = to_torch(logits)
         while recorded:  # each MLX array let go once the recorder holds its copy
             name, array = recorded.popleft()
-            recorder(name, to_torch(array))
+            recorder(name, out if name == LOGITS else to_torch(array))
+        return out
+
+    def _meta(self, tokens: list[int], offset: int | None = None):
         not_recorded = per_layer(self.num_layers, UNOBSERVABLE)
-        meta = self.meta(tokens, TORCH_DTYPES[self.dtype], not_recorded, num_layers=self.num_layers,
-                         runtime=runtime(), unused_config_keys=unread_config_keys(self.config, type(self.model.args)))
-        return Trace(recorder.tensors, meta)
+        return self.meta(tokens, TORCH_DTYPES[self.dtype], not_recorded, num_layers=self.num_layers,
+                         runtime=runtime(), unused_config_keys=unread_config_keys(self.config, type(self.model.args)),
+                         position_offset=offset)
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         return to_torch(self._forward(tokens))[0]  # (T, V)
 
-    def _forward(self, tokens: list[int]):
+    def _forward(self, tokens: list[int], cache: list | None = None):
         import mlx.core as mx
 
         with mx.stream(self.stream):
-            return self.model(mx.array([tokens]))  # (1, T, V), lazy
+            return self.model(mx.array([tokens]), cache=cache)  # (1, T, V), lazy
+
+
+def cache_contents(cache) -> tuple:
+    """What one layer's mlx-lm cache holds, (1, KV, S, D) keys (after RoPE) and values in slot order
+    (`keys_and_values`: the filled slots). A `RotatingKVCache` holds them in temporal order until its
+    ring wraps, which no traced decode reaches (`refuse_windowed_decode`)."""
+    return cache.keys_and_values()
 
 
 def per_head_points(family: str) -> tuple[str, ...]:

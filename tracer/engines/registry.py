@@ -73,6 +73,7 @@ class EngineEntry:
             `--decode N`); the others refuse `--decode` in one line naming those that take it.
         batch: it runs a left-padded batch with an attention mask in one forward, every row recorded at its real
             positions (`record_batch(rows)`, `--batch B`); the others refuse `--batch` in one line.
+        no_decode: why an engine that runs a live model does not decode (said in that line).
     """
 
     name: str
@@ -102,6 +103,7 @@ class EngineEntry:
     regime_with_argument: bool = False
     decode: bool = False
     batch: bool = False
+    no_decode: str = ""
 
     def honours(self, knob: str) -> bool:
         return knob in self.knobs or (knob in KNOBS and KNOBS[knob].kind in self.kinds)
@@ -221,7 +223,7 @@ BUILTINS = (
     EngineEntry(
         "mlx", "tracer.engines.mlx",
         "Apple MLX through mlx-lm on the model directory, its modules' calls recorded (CPU; Metal as mps)",
-        knobs=("dtype",), fused_attention="always", devices=("cpu", "mps"),
+        knobs=("dtype",), fused_attention="always", devices=("cpu", "mps"), decode=True,
         extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
         # mlx-lm's other families differ from transformers' on their own configs (Gemma's embedding
         # scale taken after its call, windows, fused Phi-3 projections): not traced point for point yet.
@@ -231,6 +233,8 @@ BUILTINS = (
         "onnx", "tracer.engines.onnx",
         "ONNX Runtime on tracer's cached dynamo export of the model, every point a named graph output",
         knobs=("dtype", "ort_opt"),
+        no_decode="tracer's ONNX export is one forward without a cache, with no past-key/value inputs; an "
+                  "export with them is not done yet",
         extra="onnx", requires=(("onnxruntime", "onnxruntime"), ("onnx", "onnx"), ("onnxscript", "onnxscript")),
     ),
     EngineEntry(
@@ -257,7 +261,7 @@ BUILTINS = (
         "k_rope) and softmax_last_dim (probs) composed from 0.4.2's ops",
         # candle's config reader and the notes' porting mistakes, in its own forward
         knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask", "threads"),
-        argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True,
+        argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True, decode=True,
         families=("llama",), regime="candle", regime_with_argument=True,
     ),
 )

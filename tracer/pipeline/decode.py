@@ -13,11 +13,13 @@ from __future__ import annotations
 import time
 
 from tracer.comparison.result import Result
-from tracer.comparison.steps import compare_steps, step_floors, with_steps
+from tracer.comparison.steps import StepNoise, compare_steps, step_floors, with_steps
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions
+from tracer.engines.load import load_engine
+from tracer.engines.registry import EngineRef
 
 
 def reference_decode(prepared, steps: int) -> tuple[Trace, list[dict[str, float]] | None]:
@@ -32,8 +34,13 @@ def reference_decode(prepared, steps: int) -> tuple[Trace, list[dict[str, float]
     if prepared.noise is None:
         return reference, None
     sequence = prepared.ids + decoded_tokens(reference)
-    uncached = prepared.engine.record(sequence, **at_positions(prepared.position_offset, len(sequence)))
-    return reference, step_floors(reference, uncached, prepared.noise)
+    at = at_positions(prepared.position_offset, len(sequence))
+    uncached = prepared.engine.record(sequence, **at)
+    # each step's own rows in f64 (a streamed reimpl run, as the prefill's noise): their f32 rounding
+    noise = StepNoise(reference, uncached)
+    load_engine(EngineRef.named("reimpl"), prepared.source, {**prepared.variant, "dtype": "f64"},
+                device=prepared.device, stream=True).record(sequence, noise, **at)
+    return reference, step_floors(reference, uncached, prepared.noise, noise.noise)
 
 
 def decoded_tokens(trace: Trace) -> list[int]:

@@ -304,8 +304,9 @@ def check_decode(steps, *sides: Side) -> int:
     for side in sides if steps else ():
         if not side.entry.decode:
             able = ", ".join(entry.name for entry in registered().values() if entry.decode)
+            why = f" ({side.entry.no_decode})" if side.entry.no_decode else ""
             raise TracerError(f"--decode {steps}: the {side.entry.name} engine does not decode with a KV "
-                              f"cache here; engines that do: {able}")
+                              f"cache here{why}; engines that do: {able}")
     return steps
 
 
