@@ -27,7 +27,8 @@ DEVICES = ("cpu", "cuda", "mps")
 class Engine(Protocol):
     """What the pipeline asks of an engine.
 
-    `draft` exists where `entry.draft`, `local_trace` where `entry.local_errors`, `op_trace` on
+    `draft` exists where `entry.draft`, `local_trace` where `entry.local_errors` (and
+    `local_step_trace` where it also has `entry.decode`), `op_trace` on
     the reimplementation (the engine a number-format regime runs on); `logits` returns None where
     `entry.logits` is False. A `recorder` is any `record(name, tensor)` callable with `tensors`:
     in memory (`TraceRecorder`), spilled (`tracer.comparison.spill.DiskRecorder`) or compared as it comes
@@ -61,6 +62,11 @@ class Engine(Protocol):
 
     def op_trace(self, reference: Trace, recorder=None) -> Trace:
         """Its points with every op fed the reference's values of its inputs."""
+
+    def local_step_trace(self, step: Trace, before: Trace | None, prefilled: int, recorder=None) -> Trace:
+        """Where `entry.local_errors` and `entry.decode`: a decode step's points with every block fed the
+        reference's input to it and the reference's cache before the step (`before`: the reference's
+        trace of the step before, None for the prefill; `prefilled`: the prompt's length)."""
 
 
 class EngineBase:
