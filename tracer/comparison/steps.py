@@ -62,8 +62,8 @@ def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | Non
     reference's inputs and cache (`tracer.reimpl.forced_runs.cached_step_points`), which localizes
     each step's first divergence and tells a step's own error from what it inherits;
     `measured_hints(step, reference step, candidate step, first divergence)`: hints that need a run of
-    their own (the position a step's token was given). The two traces must hold the same number of
-    steps, on the same tokens."""
+    their own (the position a step's token was given), asked at the first step that diverges. The two
+    traces must hold the same number of steps, on the same tokens."""
     if len(reference.steps) != len(candidate.steps):
         raise TracerError(f"the traces hold different numbers of decode steps: {len(reference.steps)} vs "
                           f"{len(candidate.steps)}")
@@ -78,8 +78,10 @@ def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | Non
                          local=local[number] if local else None)
         first = result.first_divergence
         if first is not None:
-            measured = [*measured_cache_hints(reference, ref, cand, first),
-                        *(measured_hints(number, ref, cand, first) if measured_hints else [])]
+            # hints that need a run of their own: at the first step that diverges (the one a result shows)
+            ran = measured_hints(number, ref, cand, first) if measured_hints and not any(
+                summary.verdict != "match" for summary, _ in compared) else []
+            measured = [*measured_cache_hints(reference, ref, cand, first), *ran]
             said = measured or step_hints(number, first)
             first = dataclasses.replace(first, hints=(*said, *first.hints))
             result = dataclasses.replace(result, first_divergence=first)

@@ -9,6 +9,7 @@ which it carries as `entry`; the pipeline reads capabilities there, never by pro
 
 from __future__ import annotations
 
+import functools
 import platform
 from importlib import metadata
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -104,6 +105,13 @@ class EngineBase:
 
 
 def environment() -> dict:
+    return dict(_environment())
+
+
+@functools.cache
+def _environment() -> dict:
+    """Read once per process: every trace's metadata carries it, a decode's every step too, and reading
+    the installed packages' metadata takes tens of milliseconds."""
     versions = {"python": platform.python_version(), "platform": platform.platform()}
     for package in ("torch", "transformers", "safetensors"):
         try:
