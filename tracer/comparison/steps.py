@@ -162,10 +162,8 @@ def _keys_before_rope(trace: Trace, layer: int, heads: int) -> torch.Tensor | No
     for sub in (K_NORM, K_PROJ):
         point = layer_point(layer, sub)
         if point in trace:
-            keys = trace[point]
-            if keys.dim() == 3:  # already (KV, T, D)
-                return keys
-            return keys.reshape(keys.shape[0], heads, -1).transpose(0, 1)  # (T, KV*D) -> (KV, T, D)
+            keys = trace[point]  # (T, KV*D): both points keep the heads merged
+            return keys.reshape(keys.shape[0], heads, -1).transpose(0, 1)  # (KV, T, D)
     return None
 
 
