@@ -142,6 +142,17 @@ def test_a_step_reading_a_wrong_cache_and_making_no_error_reads_as_inherited(lla
                                                    "itself makes none)"
 
 
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])  # keys before RoPE: after k_norm; in the fused q | k | v
+def test_keys_cached_before_rope_are_named_where_the_keys_come_from_a_norm_or_a_fused_projection(family, tmp_path):
+    model = write_tiny_family(tmp_path / family, family)
+    result = tracer.run(model, tokens=[1, 17], decode=1, greedy=0, variant="cache_keys=unrotated", noise_floor=False,
+                        progress=False)
+    assert result.step == 0 and result.first_divergence.point == layer_point(0, CACHE_K)
+    assert result.first_divergence.hints[0].startswith(
+        "the cache holds the keys before RoPE: slot 0 (position 0) to slot 1 (position 1) equal the reference's keys "
+        "before RoPE (rel_l2 at most ")
+
+
 def test_cache_hints_name_the_slot_a_position_is_held_at():
     torch.manual_seed(0)
     reference = torch.randn(2, 6, 4)  # (KV, S, D)

@@ -31,6 +31,7 @@ from tracer.model.points import (
     K_ROPE,
     LOGITS,
     Q_ROPE,
+    QKV_PROJ,
     V_PROJ,
     layer_of,
     layer_point,
@@ -151,19 +152,23 @@ def measured_cache_hints(decoded: Trace, reference: Trace, candidate: Trace, fir
     end = step_position(reference) + len(reference.tokens or ())  # one past the step's last position
     start = step_position(decoded)
     linear = ref.shape[1] == end - start  # every position since the prompt's first, in order (not a ring)
-    before_rope = _keys_before_rope(reference, layer, ref.shape[0]) if sub == CACHE_K else None
+    before_rope = _keys_before_rope(reference, layer, ref.shape[0], ref.shape[2]) if sub == CACHE_K else None
     threshold = first.threshold if first.threshold is not None else DEFAULT_REL_L2
     return cache_hints(first.point, ref, cand, threshold, start if linear else None, before_rope)
 
 
-def _keys_before_rope(trace: Trace, layer: int, heads: int) -> torch.Tensor | None:
-    """The reference's keys of the step before RoPE (KV, T, D): its k_norm where the family has one, else
-    its k_proj; None where neither is recorded."""
-    for sub in (K_NORM, K_PROJ):
+def _keys_before_rope(trace: Trace, layer: int, heads: int, dim: int) -> torch.Tensor | None:
+    """The reference's keys of the step before RoPE (KV, T, D), `heads` KV heads of `dim`: its k_norm
+    where the family has one, else its k_proj, else the k part of its fused q | k | v projection
+    (Phi-3); None where none is recorded. Each keeps the heads merged, (T, ...)."""
+    for sub in (K_NORM, K_PROJ, QKV_PROJ):
         point = layer_point(layer, sub)
         if point in trace:
-            keys = trace[point]  # (T, KV*D): both points keep the heads merged
-            return keys.reshape(keys.shape[0], heads, -1).transpose(0, 1)  # (KV, T, D)
+            keys = trace[point]  # (T, KV*D), or (T, (H + 2·KV)·D) for the fused projection
+            if sub == QKV_PROJ:
+                width = keys.shape[1]
+                keys = keys[:, width - 2 * heads * dim:width - heads * dim]  # (T, KV*D)
+            return keys.reshape(keys.shape[0], heads, dim).transpose(0, 1)  # (KV, T, D)
     return None
 
 
