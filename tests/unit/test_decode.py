@@ -22,7 +22,7 @@ from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.engines.load import load_engine
 from tracer.files.sources import resolve_source
-from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, Q_ROPE, layer_point
+from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, Q_ROPE, layer_point, split_point
 from tracer.pipeline.decode import decoded_tokens, step_local_errors
 from tracer.reports import markdown_summary, render_html, result_html, write_report
 from tracer.reports.summary import fmt, step_origin_text
@@ -151,6 +151,21 @@ def test_keys_cached_before_rope_are_named_where_the_keys_come_from_a_norm_or_a_
     assert result.first_divergence.hints[0].startswith(
         "the cache holds the keys before RoPE: slot 0 (position 0) to slot 1 (position 1) equal the reference's keys "
         "before RoPE (rel_l2 at most ")
+
+
+def test_a_step_whose_reference_cache_is_not_every_position_in_order_is_not_rerun(llama_dir, hf_decoded):
+    """A ring (a sliding window's cache) holds fewer slots than positions: the rerun could not place them, so
+    the step's local errors are not measured rather than measured wrong."""
+    reference, _ = hf_decoded
+    ring = Trace({point: tensor[:, 1:] if split_point(point)[1] in (CACHE_K, CACHE_V) else tensor
+                  for point, tensor in reference.steps[1].tensors.items()}, reference.steps[1].meta)
+    clipped = Trace(reference.tensors, reference.meta)
+    clipped.steps = [reference.steps[0], ring, *reference.steps[2:]]
+    engine = load_engine("reimpl", resolve_source(str(llama_dir), False), {})
+    local = step_local_errors(engine, clipped)
+    # decode step 2 (reference.steps[1]) writes the ring, step 3 reads it
+    assert local[2] is None and local[3] is None
+    assert all(errors is not None for errors in local[:2] + local[4:])
 
 
 def test_cache_hints_name_the_slot_a_position_is_held_at():

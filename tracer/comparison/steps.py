@@ -55,12 +55,13 @@ def step_position(trace: Trace) -> int:
 
 
 def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,
-                  floors: list[dict[str, float]] | None = None, local: list[dict[str, float]] | None = None,
+                  floors: list[dict[str, float]] | None = None, local: list[dict[str, float] | None] | None = None,
                   measured_hints: Callable[[int, Trace, Trace, Divergence], list[str]] | None = None,
                   ) -> list[tuple[StepResult, Result]]:
     """Every step of two decoded traces compared (0: the cached prefill); `floors[step]`: per point
     noise (`step_floors`); `local[step]`: per point, the error the candidate's step makes on the
-    reference's inputs and cache (`tracer.reimpl.forced_runs.cached_step_points`), which localizes
+    reference's inputs and cache (`tracer.reimpl.forced_runs.cached_step_points`; None: not measured
+    at that step), which localizes
     each step's first divergence and tells a step's own error from what it inherits;
     `measured_hints(step, reference step, candidate step, first divergence)`: hints that need a run of
     their own (the position a step's token was given), asked at the first step that diverges. The two

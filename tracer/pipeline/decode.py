@@ -22,7 +22,7 @@ from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions
-from tracer.model.points import K_ROPE, Q_ROPE, split_point
+from tracer.model.points import CACHE_POINTS, K_ROPE, Q_ROPE, split_point
 
 
 def reference_decode(prepared, steps: int) -> tuple[Trace, list[dict[str, float]] | None]:
@@ -61,23 +61,40 @@ def compare_decoded(result: Result, prepared, engine: Engine, steps: int) -> Res
              "or the prefill's f64 noise where larger") if floors else "the steps judged by the fixed rel_l2 bound"
     rerun = ("; each step of the candidate also rerun on the reference's inputs and cache (local errors: what the "
              "step makes, not what it inherits)") if local else ""
+    skipped = [number for number, errors in enumerate(local or []) if errors is None]
+    if skipped:
+        rerun += (f", except at {len(skipped)} step{'s' if len(skipped) > 1 else ''} from step {skipped[0]} on, whose "
+                  "reference cache holds fewer slots than positions (a sliding window's ring: not rerun)")
     note = (f"decode: {steps} steps after the prefill, each side with its own KV cache, the candidate fed the "
             f"reference's greedy tokens; {floor}{rerun}")
     return with_steps(result.with_context(notes=(note,), timings=timings), compared)
 
 
-def step_local_errors(engine: Engine, reference: Trace) -> list[dict[str, float]] | None:
+def step_local_errors(engine: Engine, reference: Trace) -> list[dict[str, float] | None] | None:
     """Per step (0: the prefill), per point: the error the candidate's step makes on the reference's
     inputs and on the reference's cache as it was before the step (`Engine.local_step_trace`); None
-    where the engine cannot rerun a block on foreign inputs. The reruns are compared as they come."""
+    where the engine cannot rerun a block on foreign inputs, and for a step whose reference cache, before
+    or after it, does not hold every position in order (a sliding window's ring: its slots are not
+    positions the rerun could place). The reruns are compared as they come."""
     if not (engine.entry.local_errors and engine.entry.decode):
         return None
     steps, errors = decoded_steps(reference), []
     for number, step in enumerate(steps):
+        before = steps[number - 1] if number else None
+        held = step_position(step) - step_position(reference)  # the positions before the step
+        if not holds_every_position(step, held + len(step.tokens)) or (
+                before is not None and not holds_every_position(before, held)):
+            errors.append(None)
+            continue
         recorder = ErrorRecorder(step)
-        engine.local_step_trace(step, steps[number - 1] if number else None, len(reference.tokens), recorder)
+        engine.local_step_trace(step, before, len(reference.tokens), recorder)
         errors.append(recorder.rel_l2)
     return errors
+
+
+def holds_every_position(step: Trace, count: int) -> bool:
+    """Whether every layer's cache after `step` holds `count` slots, one per position since the prompt's first."""
+    return all(step[point].shape[1] == count for point in step.points if split_point(point)[1] in CACHE_POINTS)
 
 
 SCANNED_POSITIONS = 64  # positions tried at each end for a step's token: 0.. and ..its own + 1
