@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from tracer.model.knobs import format_knob_value
 from tracer.reports.drawers import report_images
+from tracer.reports.step_map import step_map_html
 from tracer.reports.summary import (
     Summary,
     as_summary,
@@ -75,7 +76,9 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
     audit = audit_context(summary.get("config_audit"))
     regime = regime_lines(summary)
     greedy = greedy_context(summary)
-    sections = [("verdict", "verdict"), *([("regime", "regime view")] if regime else []),
+    step_map = step_map_html(summary)  # rendered (and escaped) by its own template
+    sections = [("verdict", "verdict"), *([("decode-steps", "decode steps")] if step_map else []),
+                *([("regime", "regime view")] if regime else []),
                 *([("figures", "figures")] if len(figures) > 1 else []), *([("points", "points")] if rows else []),
                 *([("audit", "config audit")] if audit else []), *([("greedy", "greedy")] if greedy else []),
                 ("reproduce", "reproduce"), ("environment", "environment")]
@@ -96,6 +99,7 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
         "curve": next((fig for fig in figures if fig["name"] == "curve.png"), None),
         "figures": [fig for fig in figures if fig["name"] != "curve.png"],
         "audit": audit,
+        "step_map": step_map,
         "regime": regime,
         "regime_cost": [(where, fmt(cost)) for where, cost in regime_cost_by_layer(summary)],
         "tolerance": tolerance_text(summary),

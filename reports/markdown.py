@@ -10,6 +10,7 @@ import html
 import re
 
 from tracer.model.points import is_coarse
+from tracer.reports.step_map import step_map_markdown
 from tracer.reports.summary import (
     Summary,
     as_summary,
@@ -72,6 +73,9 @@ def markdown_summary(result) -> str:
     if summary.get("points"):
         parts.append(FIGURE_LINE)
         parts.append(coarse_table(summary))
+    step_map = step_map_markdown(summary)
+    if step_map:
+        parts.append(step_map)
     if summary.get("command"):
         parts.append("Reproduce:\n\n" + fenced(str(summary["command"]), "sh"))
     then = [(what, command) for what, command in next_steps(summary) if command != summary.get("command")]

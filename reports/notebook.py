@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from tracer.core.errors import TracerError
 from tracer.model.points import EMBED, folded, is_coarse, layer_of, rank
 from tracer.reports.figures import breakdown_figure, curve_figure, figure_png, has_breakdown, layer_heatmap_figure
+from tracer.reports.step_map import step_map_html
 from tracer.reports.summary import (
     Summary,
     as_summary,
@@ -66,6 +67,7 @@ RESULT = ENV.from_string("""<div class="tracer-nb">
 <table class="tn">{% for key, value in outputs %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>{% endfor %}</table>
 {% endif %}
 {% if curve %}<img src="{{ curve }}" alt="per-layer error curve">{% endif %}
+{% if step_map %}<details open><summary>decode steps × layers</summary>{{ step_map | safe }}</details>{% endif %}
 {% if rows %}
 <details{% if open_rows %} open{% endif %}><summary>{{ rows_title }}</summary>
 <table class="tn">
@@ -130,6 +132,7 @@ def result_html(result, *, figure: bool = True) -> str:
         notes=[str(n) for n in summary.get("notes") or []], outputs=outputs, curve=curve,
         rows=rows, rows_title=title, open_rows=open_rows, points_count=len(summary.get("points") or []),
         has_breakdown=has_breakdown(summary), has_local=has_local(summary),
+        step_map=step_map_html(summary, "notebook"),
     )
 
 

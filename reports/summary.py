@@ -433,8 +433,9 @@ def divergence_facts(summary: Summary) -> list[tuple[str, str]]:
     local, bound = number(first.get("local_rel_l2")), number(first.get("threshold"))
     over = f", {fmt(local / bound)}× its tolerance {fmt(bound)}" if local is not None and bound else ""
     if local is not None:
+        cache = " and cache" if summary.get("step") is not None else ""  # a decode step: the cache is an input
         facts.append(("error made there", f"rel_l2 {fmt(local)}{over} (local: its block rerun on the "
-                                          "reference's inputs)"))
+                                          f"reference's inputs{cache})"))
     n = first.get("upstream_points")
     if first.get("last_agreeing"):
         upstream = number(first.get("upstream_max_rel_l2"))
@@ -484,7 +485,20 @@ def steps_line(s: dict) -> str | None:
     where = ("the cached prefill (what the KV cache keeps)" if first["step"] == 0
              else f"decode step {first['step']} (position {first['position']})")
     point = first["first_divergence"]["point"] if first.get("first_divergence") else "?"
-    return f"prefill: {prefill}; first divergence: {where}, {point}{cached_greedy_text(steps)}"
+    return f"prefill: {prefill}; first divergence: {where}, {point}{step_origin_text(first)}{cached_greedy_text(steps)}"
+
+
+def step_origin_text(step: dict) -> str:
+    """Whether a diverged step makes its error or inherits it (the step rerun on the reference's inputs
+    and cache: `local`, `inherited_from`); empty where not measured."""
+    first = step.get("first_divergence") or {}
+    if step.get("local") and first.get("localized_by") == "local":
+        return (f", made by the step itself (local rel_l2 {fmt(first.get('local_rel_l2'))} on the reference's "
+                "inputs and cache)")
+    if step.get("local") is False and step.get("inherited_from") is not None:
+        written = "the prefill" if step["inherited_from"] == 0 else f"decode step {step['inherited_from']}"
+        return f", inherited from the cache written at {written} (the step itself makes none)"
+    return ""
 
 
 def cached_greedy_text(steps: list[dict]) -> str:

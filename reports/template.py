@@ -174,6 +174,11 @@ content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-sr
 </ul>
 {% endif %}
 
+{% if step_map %}
+<h2 id="decode-steps">Decode steps × layers</h2>
+{{ step_map | safe }}
+{% endif %}
+
 {% if regime %}
 <h2 id="regime">Regime view</h2>
 <ul class="regime">{% for line in regime %}<li>{{ line }}</li>{% endfor %}</ul>

@@ -4,20 +4,28 @@ step and point; decoded traces are saved and compared; a second `--tokens` is re
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
+import torch
 
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tests.families import write_tiny_family
 from tracer.cli import main
 from tracer.comparison.diff import rel_l2_by_point
-from tracer.comparison.steps import decoded_steps, step_floors
+from tracer.comparison.explain import cache_hints, position_hint
+from tracer.comparison.result import CONTRACT_VERSION, StepResult
+from tracer.comparison.steps import compare_steps, decoded_steps, step_floors
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.engines.load import load_engine
 from tracer.files.sources import resolve_source
-from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, Q_ROPE, layer_point
-from tracer.reports import write_report
+from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, Q_ROPE, layer_point, split_point
+from tracer.pipeline.decode import decoded_tokens, step_local_errors
+from tracer.reports import markdown_summary, render_html, result_html, write_report
+from tracer.reports.summary import fmt, step_origin_text
 from tracer.reports.terminal import steps_line
 
 STEPS = 5
@@ -48,28 +56,142 @@ def test_the_correct_cache_matches_at_every_step_and_point(llama_dir):
     assert [step.reference_pick for step in result.steps[:-1]] == [step.tokens[0] for step in result.steps[1:]]
     assert all(step.candidate_pick == step.reference_pick for step in result.steps)
     summary = result.to_dict()
-    assert summary["contract"] == 2 and len(summary["steps"]) == STEPS + 1
+    assert summary["contract"] == CONTRACT_VERSION == 3 and len(summary["steps"]) == STEPS + 1
+    # the candidate (reimpl) reran every step on the reference's inputs and cache: it makes no error of its own
+    assert all(step.local is False and set(step.layer_status) == {"match"} for step in result.steps)
+    assert max(v for step in result.steps for v in step.layer_max_local_rel_l2) < 1e-6
     assert summary["steps"][1]["tokens"] == list(result.steps[1].tokens)
 
 
-@pytest.mark.parametrize("variant, step, point", [
-    ("decode_positions=restart", 1, layer_point(0, Q_ROPE)),
-    ("decode_positions=shifted", 1, layer_point(0, Q_ROPE)),
-    ("cache_keys=unrotated", 0, layer_point(0, CACHE_K)),
+@pytest.mark.parametrize("variant, step, point, hint", [
+    ("decode_positions=restart", 1, layer_point(0, Q_ROPE),
+     "decode step 1's token (position 7) was given position 0: its layer-0 q_rope is the reference's for the same "
+     "token at position 0 (rel_l2 "),
+    ("decode_positions=shifted", 1, layer_point(0, Q_ROPE),
+     "decode step 1's token (position 7) was given position 8: its layer-0 q_rope is the reference's for the same "
+     "token at position 8 (rel_l2 "),
+    ("cache_keys=unrotated", 0, layer_point(0, CACHE_K),
+     "the cache holds the keys before RoPE: slot 0 (position 0) to slot 6 (position 6) equal the reference's keys "
+     "before RoPE (rel_l2 at most "),
 ])
-def test_each_cache_knob_is_found_at_its_step_and_point(llama_dir, variant, step, point, tmp_path):
+def test_each_cache_knob_is_found_at_its_step_and_point(llama_dir, variant, step, point, hint, tmp_path):
     result = tracer.run(llama_dir, tokens=TOKENS, decode=STEPS, greedy=0, variant=variant, noise_floor=False,
                         progress=False)
     assert result.verdict == "diverged" and result.step == step
-    assert result.first_divergence.point == point
+    first = result.first_divergence
+    assert first.point == point
     assert all(s.verdict == "match" for s in result.steps[:step])
+    # local, not inherited: the step rerun on the reference's inputs and cache makes the error itself
+    assert first.localized_by == "local" and first.local_rel_l2 > first.threshold
+    shown = result.steps[step]
+    assert shown.local is True and shown.layer_status[0] == "local" and shown.inherited_from is None
+    assert shown.layer_max_local_rel_l2[0] >= first.local_rel_l2
     where = "the cached prefill (what the KV cache keeps)" if step == 0 else f"decode step {step} (position 7)"
-    assert steps_line(result.to_dict()).startswith(f"prefill: match; first divergence: {where}, {point}")
+    line = steps_line(result.to_dict())
+    assert line.startswith(f"prefill: match; first divergence: {where}, {point}, made by the step itself")
     if step == 0:  # the HTML report says it too
         html = (write_report(result, tmp_path / "report") / "report.html").read_text()
         assert f"first divergence: {where}, {point}" in html
-    hint = result.first_divergence.hints[0]
-    assert ("another position" in hint) if step else ("keys before RoPE" in hint)
+    assert first.hints[0].startswith(hint)  # read off the numbers (below), not guessed
+    assert float(first.hints[0][len(hint):].split(",")[0].split(")")[0]) <= first.threshold
+    # every later step reads the cache these steps wrote: it inherits from the first step whose cache diverged
+    wrote = next(s.step for s in result.steps if s.verdict != "match")
+    assert [s.inherited_from for s in result.steps[wrote + 1:]] == [wrote] * (STEPS - wrote)
+
+
+def test_the_step_map_is_in_the_report_the_notebook_and_markdown(llama_dir):
+    result = tracer.run(llama_dir, tokens=TOKENS, decode=3, greedy=0, variant="decode_positions=restart",
+                        noise_floor=False, progress=False)
+    html = render_html(result, images={})  # the report page, without drawing its figures
+    notebook = result_html(result, figure=False)  # what `result._repr_html_()` shows, less the curve's PNG
+    markdown = markdown_summary(result)
+    for page in (html, notebook):
+        body = page[page.index('<table class="step-map"'):]
+        body = body[:body.index("</table>")]
+        rows = re.findall(r'<tr data-step="(\d+)">(.*?)</tr>', body, re.S)
+        assert [int(n) for n, _ in rows] == [s.step for s in result.steps]
+        for (_, row), step in zip(rows, result.steps):
+            cells = re.findall(r'<td class="(\w+)( first)?" title="[^"]*" style="[^"]*">([^<]*)</td>', row)
+            # each cell: the layer's status at that step and its largest rel_l2, as the JSON has them
+            assert [c[0] for c in cells] == list(step.layer_status)
+            assert [c[2] for c in cells] == [fmt(v) for v in step.layer_max_rel_l2]
+            assert [bool(c[1]) for c in cells] == [step.step == 1 and layer == 0 for layer in range(len(cells))]
+        assert "<td>prefill</td><td style=\"text-align: right\">0</td><td>7 tokens</td><td>match</td>" in body
+        assert "<td>1</td><td style=\"text-align: right\">7</td>" in body and "<td>made here</td>" in body
+        assert "made here, reads the wrong cache of step 1" in body  # steps 2, 3
+    assert "| prefill | 0 | match | `··` | 0 |" in markdown
+    assert f"| 1 | 7 | made here | `LL` | {fmt(max(result.steps[1].layer_max_rel_l2))} |" in markdown
+
+
+def test_a_step_reading_a_wrong_cache_and_making_no_error_reads_as_inherited(llama_dir, hf_decoded):
+    """A candidate whose cache keeps unrotated keys, against local errors measured by a correct engine: the
+    prefill's cache is wrong, no step makes error itself, so every later step inherits it from the prefill's."""
+    reference, _ = hf_decoded
+    correct = load_engine("reimpl", resolve_source(str(llama_dir), False), {})
+    wrong = load_engine("reimpl", resolve_source(str(llama_dir), False), {"cache_keys": "unrotated"})
+    candidate = wrong.decode(TOKENS, STEPS, forced=decoded_tokens(reference))
+    local = step_local_errors(correct, reference)
+    assert len(local) == STEPS + 1 and max(max(errors.values()) for errors in local) < 1e-6
+    summaries = [summary for summary, _ in compare_steps(reference, candidate, None, None, local)]
+    assert summaries[0].verdict == "diverged" and summaries[0].local is False
+    assert summaries[0].first_divergence.localized_by == "total"
+    later = [s for s in summaries[1:] if s.verdict != "match"]
+    assert later and all(s.local is False and s.inherited_from == 0 and "local" not in s.layer_status for s in later)
+    assert "inherited" in later[0].layer_status
+    assert step_origin_text(later[0].to_dict()) == ", inherited from the cache written at the prefill (the step " \
+                                                   "itself makes none)"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])  # keys before RoPE: after k_norm; in the fused q | k | v
+def test_keys_cached_before_rope_are_named_where_the_keys_come_from_a_norm_or_a_fused_projection(family, tmp_path):
+    model = write_tiny_family(tmp_path / family, family)
+    result = tracer.run(model, tokens=[1, 17], decode=1, greedy=0, variant="cache_keys=unrotated", noise_floor=False,
+                        progress=False)
+    assert result.step == 0 and result.first_divergence.point == layer_point(0, CACHE_K)
+    assert result.first_divergence.hints[0].startswith(
+        "the cache holds the keys before RoPE: slot 0 (position 0) to slot 1 (position 1) equal the reference's keys "
+        "before RoPE (rel_l2 at most ")
+
+
+def test_a_step_whose_reference_cache_is_not_every_position_in_order_is_not_rerun(llama_dir, hf_decoded):
+    """A ring (a sliding window's cache) holds fewer slots than positions: the rerun could not place them, so
+    the step's local errors are not measured rather than measured wrong."""
+    reference, _ = hf_decoded
+    ring = Trace({point: tensor[:, 1:] if split_point(point)[1] in (CACHE_K, CACHE_V) else tensor
+                  for point, tensor in reference.steps[1].tensors.items()}, reference.steps[1].meta)
+    clipped = Trace(reference.tensors, reference.meta)
+    clipped.steps = [reference.steps[0], ring, *reference.steps[2:]]
+    engine = load_engine("reimpl", resolve_source(str(llama_dir), False), {})
+    local = step_local_errors(engine, clipped)
+    # decode step 2 (reference.steps[1]) writes the ring, step 3 reads it
+    assert local[2] is None and local[3] is None
+    assert all(errors is not None for errors in local[:2] + local[4:])
+
+
+def test_cache_hints_name_the_slot_a_position_is_held_at():
+    torch.manual_seed(0)
+    reference = torch.randn(2, 6, 4)  # (KV, S, D)
+    candidate = reference.clone()
+    candidate[:, 4] = reference[:, 1]  # slot 4 written with position 1's keys
+    candidate[:, 5] = torch.randn(2, 4)  # slot 5 holding something else
+    said = cache_hints(layer_point(0, CACHE_K), reference, candidate, 1e-4, start=10)
+    assert said[0].startswith("the cache holds keys at other slots than the reference's: slot 4 (position 14) holds "
+                              "the reference slot 1 (position 11)'s keys (rel_l2 0.0e+00, against its own ")
+    assert said[1].startswith("1 slot of the cache holds none of the reference's keys (the first, slot 5 "
+                              "(position 15): nearest the reference's slot")
+    assert cache_hints(layer_point(0, CACHE_V), reference, reference.clone(), 1e-4, start=10) == []
+    # a position no row of the scanned ones explains is said so, with the nearest
+    rows = torch.randn(3, 5, 4)  # (heads, N, D): positions 0..4
+    text = position_hint(2, layer_point(0, Q_ROPE), 9, torch.randn(3, 1, 4), rows, list(range(5)), 1e-4, 8, 0)
+    assert text.startswith("decode step 2's layer-0 q_rope is the reference's at none of positions 0..4 (nearest: ")
+
+
+def test_the_documented_step_fields_are_the_written_ones():
+    design = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    entry = design[design.index("else one entry per step"):design.index("`view`")]
+    documented = re.findall(r'"(\w+)"', entry)
+    written = StepResult(step=0, position=0, tokens=(1,), verdict="match", first_divergence=None, points=1).to_dict()
+    assert documented == list(written)
 
 
 def test_hf_cached_decode_is_its_uncached_forward_within_f32_rounding(hf_decoded):

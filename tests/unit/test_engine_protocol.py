@@ -29,7 +29,8 @@ from tracer.files.sources import resolve_source
 # The protocol's methods only some engines have, and what in an entry declares each.
 DECLARED_BY = {"draft": lambda entry: entry.draft, "local_trace": lambda entry: entry.local_errors,
                "op_trace": lambda entry: "regime" in entry.kinds,  # the regime view's per-op run
-               "decode": lambda entry: entry.decode}
+               "decode": lambda entry: entry.decode,
+               "local_step_trace": lambda entry: entry.local_errors and entry.decode}
 READ_FROM_CLASS = {"onnx"}  # built in seconds (an export of the model)
 
 

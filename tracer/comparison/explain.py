@@ -174,3 +174,98 @@ def amplification(rel_l2: dict[str, float], top: int = 5, family: str | None = N
         if inherited and inherited > 0 and error is not None:
             gains.append({"point": point, "gain": error / inherited, "input": source})
     return sorted(gains, key=lambda g: g["gain"], reverse=True)[:top]
+
+
+# --- a decode step's cache and positions, read off the numbers (`tracer.comparison.steps`) ---------
+
+
+def row_distances(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """(M, N) rel_l2 of each of the candidate's M rows against each of the reference's N rows (f64;
+    rows are (N, X) and (M, X))."""
+    ref, cand = reference.double(), candidate.double()
+    scale = ref.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)  # (N,)
+    return torch.cdist(cand, ref) / scale[None]  # (M, N)
+
+
+def slots(cache: torch.Tensor) -> torch.Tensor:
+    """A cache point (KV, S, D) as one row per slot, (S, KV*D)."""
+    return cache.transpose(0, 1).reshape(cache.shape[1], -1)
+
+
+def cache_hints(point: str, reference: torch.Tensor, candidate: torch.Tensor, threshold: float,
+                start: int | None, before_rope: torch.Tensor | None = None) -> list[str]:
+    """What the candidate's cache (KV, S, D) holds, slot by slot, against the reference's: the keys
+    before RoPE (`before_rope`: the reference's keys before RoPE of the step's slots, the last T,
+    (KV, T, D)), or another slot's keys or values. A slot "holds" a reference slot when its rel_l2 to it
+    is within `threshold` (the point's own bound). `start`: the position of slot 0 (None: a cache
+    whose slots are not positions in order, a ring)."""
+    what = "keys" if point.endswith("cache_k") else "values"
+    where = (lambda slot: f"slot {slot} (position {start + slot})") if start is not None else (lambda s: f"slot {s}")
+    distance = row_distances(slots(reference), slots(candidate))  # (S, S)
+    own = distance.diagonal()
+    wrong = [int(j) for j in torch.nonzero(~(own <= threshold)).flatten()]
+    if not wrong:
+        return []
+    if before_rope is not None:
+        count = before_rope.shape[1]
+        held = row_distances(slots(before_rope), slots(candidate[:, -count:])).diagonal()  # (T,)
+        if bool((held <= threshold).all()):
+            first, last = candidate.shape[1] - count, candidate.shape[1] - 1
+            slots_text = where(first) if first == last else f"{where(first)} to {where(last)}"
+            return [f"the cache holds the keys before RoPE: {slots_text} equal the reference's keys before "
+                    f"RoPE (rel_l2 at most {float(held.max()):.1e}), not its cached keys after RoPE (rel_l2 "
+                    f"{float(own[first:].max()):.1e}): the cache keeps the projection, and later steps attend to "
+                    "keys never rotated"]
+    nearest, at = distance[wrong].min(dim=1)  # per wrong slot: the reference slot it is nearest
+    moved = [(j, int(i), float(d)) for j, i, d in zip(wrong, at, nearest) if d <= threshold and int(i) != j]
+    said = []
+    if moved:
+        listed = "; ".join(f"{where(j)} holds {where(i).replace('slot', 'the reference slot', 1)}'s {what} "
+                           f"(rel_l2 {d:.1e}, against its own {float(own[j]):.1e})" for j, i, d in moved[:3])
+        more = f"; {len(moved) - 3} more slots too" if len(moved) > 3 else ""
+        said.append(f"the cache holds {what} at other slots than the reference's: {listed}{more}")
+    alien = [j for j in wrong if j not in {m[0] for m in moved}]
+    if alien:
+        j = alien[0]
+        said.append(f"{len(alien)} slot{'s' if len(alien) > 1 else ''} of the cache hold{'' if len(alien) > 1 else 's'}"
+                    f" none of the reference's {what} (the first, {where(j)}: nearest the reference's slot "
+                    f"{int(at[wrong.index(j)])}, rel_l2 {float(nearest[wrong.index(j)]):.1e})")
+    return said
+
+
+def position_hint(number: int, point: str, position: int, candidate: torch.Tensor, reference: torch.Tensor,
+                  scanned: list[int], threshold: float, prompt_end: int, offset: int) -> str:
+    """Which position a decode step's token was given, read off its layer-0 RoPE output: `candidate`
+    (heads, 1, D) against the reference's for the same token at each of the `scanned` positions
+    (`reference` (heads, N, D), one row per position). `position`: the step's true one; `prompt_end`: the
+    position after the prompt; `offset`: the prompt's first position."""
+    rows = reference.transpose(0, 1).reshape(reference.shape[1], -1)  # (N, heads*D)
+    distance = row_distances(rows, candidate.transpose(0, 1).reshape(1, -1))[0]  # (N,)
+    best = int(distance.argmin())
+    given, gap = scanned[best], float(distance[best])
+    name = point.rsplit(".", 1)[-1]
+    if not gap <= threshold:
+        ranges = ", ".join(f"{a}..{b}" for a, b in _runs(scanned))
+        return (f"decode step {number}'s layer-0 {name} is the reference's at none of positions {ranges} "
+                f"(nearest: position {given}, rel_l2 {gap:.1e}): not a position mistake alone")
+    against = f", against its own {float(distance[scanned.index(position)]):.1e}" if position in scanned else ""
+    why = ("" if given == position
+           else "positions restart at 0 after the prompt (the step's count, not its position)"
+           if given == position - prompt_end
+           else "the prompt's position offset is dropped" if offset and given == position - offset
+           else "one past its position (off by one: the cache's length plus one)" if given == position + 1
+           else "one before its position (off by one)" if given == position - 1 else "")
+    return (f"decode step {number}'s token (position {position}) was given position {given}: its layer-0 "
+            f"{name} is the reference's for the same token at position {given} (rel_l2 {gap:.1e}{against})"
+            + (f"; {why}" if why else ""))
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """Sorted integers as (first, last) runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], value)
+        else:
+            runs.append((value, value))
+    return runs

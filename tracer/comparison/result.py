@@ -21,8 +21,9 @@ from tracer.core import __version__
 DEFAULT_REL_L2 = 1e-4
 # On SmolLM2 the f32-vs-f64 noise bounds eager-vs-sdpa at every point (ratio at most 0.98).
 NOISE_FACTOR = 10.0
-# The version of summary.json's contract (docs/design.md): 2 added the decode steps (`step`, `steps`).
-CONTRACT_VERSION = 2
+# The version of summary.json's contract (docs/design.md): 2 added the decode steps (`step`, `steps`), 3 each
+# step's local errors and status per layer (`layer_max_local_rel_l2`, `layer_status`, `local`, `inherited_from`).
+CONTRACT_VERSION = 3
 NOISE_FLOOR = 1e-6
 
 
@@ -334,12 +335,20 @@ class StepResult:
     # candidate's cached greedy continuation follows the reference's until the first step where they differ.
     reference_pick: int | None = None
     candidate_pick: int | None = None
+    # Local against inherited (a reimpl candidate: the step rerun on the reference's inputs and cache): per layer
+    # the largest local rel_l2 (empty: not measured) and its status, "match" | "local" (the step's own op leaves
+    # the floor) | "inherited" (diverged, every local error within the floor) | "diverged" (not measured).
+    layer_max_local_rel_l2: tuple[float | None, ...] = ()
+    layer_status: tuple[str, ...] = ()
+    local: bool | None = None  # the step itself makes error (None: not measured)
+    inherited_from: int | None = None  # a diverged step: the first step whose cache points diverged, if earlier
 
     def to_dict(self) -> dict:
         return {"step": self.step, "position": self.position, "tokens": list(self.tokens), "verdict": self.verdict,
                 "first_divergence": dict_or_none(self.first_divergence), "points": self.points,
                 "layer_max_rel_l2": list(self.layer_max_rel_l2), "reference_pick": self.reference_pick,
-                "candidate_pick": self.candidate_pick}
+                "candidate_pick": self.candidate_pick, "layer_max_local_rel_l2": list(self.layer_max_local_rel_l2),
+                "layer_status": list(self.layer_status), "local": self.local, "inherited_from": self.inherited_from}
 
 
 @dataclass(frozen=True)

@@ -14,21 +14,26 @@ f64 noise of the step's own rows (`StepNoise`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
-from tracer.comparison.diff import compare, rel_l2_by_point
-from tracer.comparison.result import Divergence, Result, StepResult, Tolerance
+from tracer.comparison.diff import compare, introduces_error, rel_l2_by_point
+from tracer.comparison.explain import cache_hints
+from tracer.comparison.result import DEFAULT_REL_L2, Divergence, Result, StepResult, Tolerance
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.model.points import (
     CACHE_K,
     CACHE_POINTS,
     CACHE_V,
+    K_NORM,
+    K_PROJ,
     K_ROPE,
     LOGITS,
     PROBS,
     Q_ROPE,
+    QKV_PROJ,
     V_PROJ,
     layer_of,
     layer_point,
@@ -71,26 +76,44 @@ def step_position(trace: Trace) -> int:
 
 
 def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,
-                  floors: list[dict[str, float]] | None = None) -> list[tuple[StepResult, Result]]:
+                  floors: list[dict[str, float]] | None = None, local: list[dict[str, float] | None] | None = None,
+                  measured_hints: Callable[[int, Trace, Trace, Divergence], list[str]] | None = None,
+                  ) -> list[tuple[StepResult, Result]]:
     """Every step of two decoded traces compared (0: the cached prefill); `floors[step]`: per point
-    noise (`step_floors`). The two traces must hold the same number of steps, on the same tokens."""
+    noise (`step_floors`); `local[step]`: per point, the error the candidate's step makes on the
+    reference's inputs and cache (`tracer.reimpl.forced_runs.cached_step_points`; None: not measured
+    at that step), which localizes
+    each step's first divergence and tells a step's own error from what it inherits;
+    `measured_hints(step, reference step, candidate step, first divergence)`: hints that need a run of
+    their own (the position a step's token was given), asked at the first step that diverges. The two
+    traces must hold the same number of steps, on the same tokens."""
     if len(reference.steps) != len(candidate.steps):
         raise TracerError(f"the traces hold different numbers of decode steps: {len(reference.steps)} vs "
                           f"{len(candidate.steps)}")
-    compared = []
+    compared: list[tuple[StepResult, Result]] = []
+    cache_wrong: int | None = None  # the first step whose cache points diverged
     for number, (ref, cand) in enumerate(zip(decoded_steps(reference), decoded_steps(candidate))):
         if number and ref.tokens is not None and cand.tokens is not None and list(ref.tokens) != list(cand.tokens):
             raise TracerError(f"decode step {number} was fed different tokens: {ref.tokens} vs {cand.tokens} (each "
                               "side decoded its own greedy tokens; `tracer run --decode N` feeds the candidate the "
                               "reference's)")
         written = step_position(ref) - step_position(reference) + len(ref.tokens or ())  # tokens cached so far
-        result = compare(ref, on_the_references_slots(ref, cand, written), tolerance,
-                         noise=floors[number] if floors else None)
+        aligned = on_the_references_slots(ref, cand, written)
+        result = compare(ref, aligned, tolerance, noise=floors[number] if floors else None,
+                         local=local[number] if local else None)
         first = result.first_divergence
         if first is not None:
-            first = dataclasses.replace(first, hints=(*step_hints(number, first, written), *first.hints))
+            # hints that need a run of their own: at the first step that diverges (the one a result shows)
+            ran = measured_hints(number, ref, aligned, first) if measured_hints and not any(
+                summary.verdict != "match" for summary, _ in compared) else []
+            measured = [*measured_cache_hints(reference, ref, aligned, first), *ran]
+            said = [*measured, *ring_hints(number, first, written)] if measured else step_hints(number, first, written)
+            first = dataclasses.replace(first, hints=(*said, *first.hints))
             result = dataclasses.replace(result, first_divergence=first)
-        compared.append((step_summary(number, ref, result, cand), result))
+        inherited = cache_wrong if result.verdict != "match" and cache_wrong is not None else None
+        compared.append((step_summary(number, ref, result, cand, inherited), result))
+        if cache_wrong is None and any(p.diverged for p in result.points if split_point(p.point)[1] in CACHE_POINTS):
+            cache_wrong = number
     return compared
 
 
@@ -121,33 +144,99 @@ def greedy_pick(trace: Trace) -> int | None:
     return int(trace[LOGITS][-1].argmax()) if LOGITS in trace else None
 
 
-def step_summary(number: int, reference: Trace, result: Result, candidate: Trace | None = None) -> StepResult:
-    """What the JSON and the step × layer map keep of one step's comparison."""
+def step_summary(number: int, reference: Trace, result: Result, candidate: Trace | None = None,
+                 inherited_from: int | None = None) -> StepResult:
+    """What the JSON and the step × layer map keep of one step's comparison: per layer its largest
+    error, its largest local error (on the reference's inputs and cache) and its status: `match`, `local`
+    (a point's local error leaves its floor: the step's own op makes the error), `inherited` (diverged,
+    every local error within the floor: the step reads the error from its inputs or its cache), or
+    `diverged` (no local errors measured)."""
     worst: dict[int | None, float] = {}
+    worst_local: dict[int | None, float] = {}
+    diverged: set[int | None] = set()
+    made: set[int | None] = set()
+    measured = any(p.local_rel_l2 is not None for p in result.points)
     for p in result.points:
-        if p.recorded and p.rel_l2 is not None:
+        if not p.recorded:
+            continue
+        if p.rel_l2 is not None:
             worst[p.layer] = max(worst.get(p.layer, 0.0), p.rel_l2)
+        if p.local_rel_l2 is not None:
+            worst_local[p.layer] = max(worst_local.get(p.layer, 0.0), p.local_rel_l2)
+        if p.diverged:
+            diverged.add(p.layer)
+            if p.local_rel_l2 is not None and introduces_error(p):
+                made.add(p.layer)
     layers = max((layer for layer in worst if layer is not None), default=-1) + 1
+
+    def status(layer: int) -> str:
+        if layer not in diverged:
+            return "match"
+        return ("local" if layer in made else "inherited") if measured else "diverged"
+
     return StepResult(
         step=number, position=step_position(reference), tokens=tuple(reference.tokens or ()), verdict=result.verdict,
         first_divergence=result.first_divergence, points=sum(p.recorded for p in result.points),
         layer_max_rel_l2=tuple(worst.get(layer) for layer in range(layers)),
         reference_pick=greedy_pick(reference), candidate_pick=None if candidate is None else greedy_pick(candidate),
+        layer_max_local_rel_l2=tuple(worst_local.get(layer) for layer in range(layers)) if measured else (),
+        layer_status=tuple(status(layer) for layer in range(layers)),
+        local=bool(made) if measured else None, inherited_from=inherited_from,
     )
 
 
-def step_hints(number: int, first: Divergence, written: int | None = None) -> list[str]:
-    """What a divergence that appears only at a decode step suggests, by the point it starts at; `written`:
-    the tokens the cache took up to this step (a cache point holding fewer slots is a sliding layer's ring)."""
+def measured_cache_hints(decoded: Trace, reference: Trace, candidate: Trace, first: Divergence) -> list[str]:
+    """Where a step first diverges at a cache point: what the candidate's cache holds, read slot by
+    slot against the reference's (`tracer.comparison.explain.cache_hints`): the keys before RoPE, or
+    another slot's keys or values."""
+    layer, sub = split_point(first.point)
+    if sub not in CACHE_POINTS or first.point not in reference or first.point not in candidate:
+        return []
+    ref, cand = reference[first.point], candidate[first.point]  # (KV, S, D)
+    if ref.shape != cand.shape:
+        return []
+    end = step_position(reference) + len(reference.tokens or ())  # one past the step's last position
+    start = step_position(decoded)
+    linear = ref.shape[1] == end - start  # every position since the prompt's first, in order (not a ring)
+    before_rope = _keys_before_rope(reference, layer, ref.shape[0], ref.shape[2]) if sub == CACHE_K else None
+    threshold = first.threshold if first.threshold is not None else DEFAULT_REL_L2
+    return cache_hints(first.point, ref, cand, threshold, start if linear else None, before_rope)
+
+
+def _keys_before_rope(trace: Trace, layer: int, heads: int, dim: int) -> torch.Tensor | None:
+    """The reference's keys of the step before RoPE (KV, T, D), `heads` KV heads of `dim`: its k_norm
+    where the family has one, else its k_proj, else the k part of its fused q | k | v projection
+    (Phi-3); None where none is recorded. Each keeps the heads merged, (T, ...)."""
+    for sub in (K_NORM, K_PROJ, QKV_PROJ):
+        point = layer_point(layer, sub)
+        if point in trace:
+            keys = trace[point]  # (T, KV*D), or (T, (H + 2·KV)·D) for the fused projection
+            if sub == QKV_PROJ:
+                width = keys.shape[1]
+                keys = keys[:, width - 2 * heads * dim:width - heads * dim]  # (T, KV*D)
+            return keys.reshape(keys.shape[0], heads, dim).transpose(0, 1)  # (KV, T, D)
+    return None
+
+
+def ring_hints(number: int, first: Divergence, written: int | None) -> list[str]:
+    """Where a step first diverges at the cache of a sliding layer whose ring has wrapped (`written`: the
+    tokens the cache took up to this step; a cache point holding fewer slots is a ring)."""
     sub = split_point(first.point)[1]
     slots = first.shape[1] if sub in CACHE_POINTS and first.shape and len(first.shape) == 3 else None
-    ring = []
-    if slots is not None and written is not None and slots < written and number != PREFILL:
-        wraps = "wraps at this step" if slots == written - 1 else f"has wrapped ({written} tokens in {slots} slots)"
-        ring = [f"decode step {number} agrees up to the cache of a sliding layer whose ring buffer {wraps}: a slot "
-                "holds other keys or values than the reference's: the ring written at another slot than the "
-                f"token's place in the sequence modulo the window ({slots}), e.g. at its fill, which stops at the "
-                "window (mlx-lm #1437: the ring's offset and fill conflated)"]
+    if slots is None or written is None or slots >= written or number == PREFILL:
+        return []
+    wraps = "wraps at this step" if slots == written - 1 else f"has wrapped ({written} tokens in {slots} slots)"
+    return [f"decode step {number} agrees up to the cache of a sliding layer whose ring buffer {wraps}: a slot "
+            "holds other keys or values than the reference's: the ring written at another slot than the "
+            f"token's place in the sequence modulo the window ({slots}), e.g. at its fill, which stops at the "
+            "window (mlx-lm #1437: the ring's offset and fill conflated)"]
+
+
+def step_hints(number: int, first: Divergence, written: int | None = None) -> list[str]:
+    """What a divergence that appears only at a decode step suggests, by the point it starts at (where
+    no hint read off the numbers says more); `written`: the tokens the cache took up to this step."""
+    sub = split_point(first.point)[1]
+    ring = ring_hints(number, first, written)
     if sub in CACHE_POINTS and number == 1:
         return ["the prefill agrees and decode step 1 differs from its cache on: the step reads a cache that holds "
                 "other keys or values than the prefill left (a cache left over from another prompt, not cleared "

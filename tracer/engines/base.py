@@ -9,6 +9,7 @@ which it carries as `entry`; the pipeline reads capabilities there, never by pro
 
 from __future__ import annotations
 
+import functools
 import platform
 from importlib import metadata
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -27,7 +28,8 @@ DEVICES = ("cpu", "cuda", "mps")
 class Engine(Protocol):
     """What the pipeline asks of an engine.
 
-    `draft` exists where `entry.draft`, `local_trace` where `entry.local_errors`, `op_trace` on
+    `draft` exists where `entry.draft`, `local_trace` where `entry.local_errors` (and
+    `local_step_trace` where it also has `entry.decode`), `op_trace` on
     the reimplementation (the engine a number-format regime runs on); `logits` returns None where
     `entry.logits` is False. A `recorder` is any `record(name, tensor)` callable with `tensors`:
     in memory (`TraceRecorder`), spilled (`tracer.comparison.spill.DiskRecorder`) or compared as it comes
@@ -61,6 +63,11 @@ class Engine(Protocol):
 
     def op_trace(self, reference: Trace, recorder=None) -> Trace:
         """Its points with every op fed the reference's values of its inputs."""
+
+    def local_step_trace(self, step: Trace, before: Trace | None, prefilled: int, recorder=None) -> Trace:
+        """Where `entry.local_errors` and `entry.decode`: a decode step's points with every block fed the
+        reference's input to it and the reference's cache before the step (`before`: the reference's
+        trace of the step before, None for the prefill; `prefilled`: the prompt's length)."""
 
 
 class EngineBase:
@@ -98,6 +105,13 @@ class EngineBase:
 
 
 def environment() -> dict:
+    return dict(_environment())
+
+
+@functools.cache
+def _environment() -> dict:
+    """Read once per process: every trace's metadata carries it, a decode's every step too, and reading
+    the installed packages' metadata takes tens of milliseconds."""
     versions = {"python": platform.python_version(), "platform": platform.platform()}
     for package in ("torch", "transformers", "safetensors"):
         try:

@@ -81,6 +81,14 @@ class ReimplEngine(EngineBase):
         return Trace(teacher_forced_points(self.model, reference, recorder),
                      self._meta(reference.tokens, reference.meta.position_offset))
 
+    def local_step_trace(self, step: Trace, before: Trace | None, prefilled: int, recorder=None) -> Trace:
+        """A decode step rerun on the reference's inputs and on its cache before the step (`before`'s;
+        None: the prefill, into an empty cache): `tracer.reimpl.forced_runs.cached_step_points`."""
+        from tracer.reimpl.forced_runs import cached_step_points
+
+        return Trace(cached_step_points(self.model, step, before, prefilled, recorder),
+                     self._meta(step.tokens, step.meta.position_offset))
+
     def op_trace(self, reference: Trace, recorder=None) -> Trace:
         """Every op rerun on the reference's values of its inputs (`tracer.reimpl.forced_runs.op_forced_points`)."""
         from tracer.reimpl.forced_runs import op_forced_points

@@ -12,14 +12,27 @@ from __future__ import annotations
 
 import time
 
-from tracer.comparison.result import Result
-from tracer.comparison.steps import StepNoise, compare_steps, step_floors, with_steps
+import torch
+
+from tracer.comparison.diff import ErrorRecorder
+from tracer.comparison.explain import position_hint
+from tracer.comparison.result import DEFAULT_REL_L2, Divergence, Result
+from tracer.comparison.steps import (
+    PREFILL,
+    StepNoise,
+    compare_steps,
+    decoded_steps,
+    step_floors,
+    step_position,
+    with_steps,
+)
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions
 from tracer.engines.load import load_engine
 from tracer.engines.registry import EngineRef
+from tracer.model.points import CACHE_POINTS, K_ROPE, Q_ROPE, split_point
 
 
 def reference_decode(prepared, steps: int) -> tuple[Trace, list[dict[str, float]] | None]:
@@ -55,10 +68,75 @@ def compare_decoded(result: Result, prepared, engine: Engine, steps: int) -> Res
     started = time.perf_counter()
     reference, floors = reference_decode(prepared, steps)
     candidate = engine.decode(prepared.ids, steps, forced=decoded_tokens(reference), offset=prepared.position_offset)
-    compared = compare_steps(reference, candidate, prepared.tolerance, floors)
+    local = step_local_errors(engine, reference)
+    compared = compare_steps(reference, candidate, prepared.tolerance, floors, local,
+                             measured_hints=lambda *step: given_position_hints(prepared, *step))
     timings = {**result.timings, "decode_s": time.perf_counter() - started}
     floor = ("each step's floor: the reference's cached step against its uncached forward at the same positions, "
              "or the prefill's f64 noise where larger") if floors else "the steps judged by the fixed rel_l2 bound"
+    rerun = ("; each step of the candidate also rerun on the reference's inputs and cache (local errors: what the "
+             "step makes, not what it inherits)") if local else ""
+    skipped = [number for number, errors in enumerate(local or []) if errors is None]
+    if skipped:
+        rerun += (f", except at {len(skipped)} step{'s' if len(skipped) > 1 else ''} from step {skipped[0]} on, whose "
+                  "reference cache holds fewer slots than positions (a sliding window's ring: not rerun)")
     note = (f"decode: {steps} steps after the prefill, each side with its own KV cache, the candidate fed the "
-            f"reference's greedy tokens; {floor}")
+            f"reference's greedy tokens; {floor}{rerun}")
     return with_steps(result.with_context(notes=(note,), timings=timings), compared)
+
+
+def step_local_errors(engine: Engine, reference: Trace) -> list[dict[str, float] | None] | None:
+    """Per step (0: the prefill), per point: the error the candidate's step makes on the reference's
+    inputs and on the reference's cache as it was before the step (`Engine.local_step_trace`); None
+    where the engine cannot rerun a block on foreign inputs, and for a step whose reference cache, before
+    or after it, does not hold every position in order (a sliding window's ring: its slots are not
+    positions the rerun could place). The reruns are compared as they come."""
+    if not (engine.entry.local_errors and engine.entry.decode):
+        return None
+    steps, errors = decoded_steps(reference), []
+    for number, step in enumerate(steps):
+        before = steps[number - 1] if number else None
+        held = step_position(step) - step_position(reference)  # the positions before the step
+        if not holds_every_position(step, held + len(step.tokens)) or (
+                before is not None and not holds_every_position(before, held)):
+            errors.append(None)
+            continue
+        recorder = ErrorRecorder(step)
+        engine.local_step_trace(step, before, len(reference.tokens), recorder)
+        errors.append(recorder.rel_l2)
+    return errors
+
+
+def holds_every_position(step: Trace, count: int) -> bool:
+    """Whether every layer's cache after `step` holds `count` slots, one per position since the prompt's first."""
+    return all(step[point].shape[1] == count for point in step.points if split_point(point)[1] in CACHE_POINTS)
+
+
+SCANNED_POSITIONS = 64  # positions tried at each end for a step's token: 0.. and ..its own + 1
+
+
+def given_position_hints(prepared, number: int, reference: Trace, candidate: Trace, first: Divergence) -> list[str]:
+    """Where a decode step first diverges at layer 0's RoPE: which position its token was given, read
+    off the numbers. The reference runs the step's token at every position from 0 (and up to one past
+    the step's own) in one uncached forward; layer 0's RoPE output of a token depends on the token and
+    its position alone, so the row the candidate's equals names the position it was given
+    (`tracer.comparison.explain.position_hint`)."""
+    layer, sub = split_point(first.point)
+    if number == PREFILL or layer != 0 or sub not in (Q_ROPE, K_ROPE) or first.point not in candidate:
+        return []
+    position, engine = step_position(reference), prepared.engine
+    last = min(position + 2, engine.max_positions or position + 2)  # one past the last position tried
+    ranges = [(0, min(last, SCANNED_POSITIONS))]
+    if last > SCANNED_POSITIONS:
+        ranges.append((max(ranges[0][1], last - SCANNED_POSITIONS), last))
+    if any(start for start, _ in ranges) and not engine.entry.positions:
+        ranges = ranges[:1]
+    token = reference.tokens[-1]
+    scanned, rows = [], []
+    for start, end in ranges:
+        run = engine.record([token] * (end - start), **at_positions(start, end - start))
+        scanned += range(start, end)
+        rows.append(run[first.point])  # (heads, N, D)
+    threshold = first.threshold if first.threshold is not None else DEFAULT_REL_L2
+    return [position_hint(number, first.point, position, candidate[first.point][:, -1:], torch.cat(rows, dim=1),
+                          scanned, threshold, prepared.position_offset + len(prepared.ids), prepared.position_offset)]

@@ -4,7 +4,9 @@ The reimplementation reruns every block on the *reference's* input to that block
 norm and lm_head on the reference's own inputs). A point's error in that run is what the
 candidate's computation introduces there (`local_rel_l2`); the rest of its error in the plain
 run is inherited from upstream. An injected fault in one block is then local to that block even
-though every later block inherits it.
+though every later block inherits it. A decode step's cache is an input like a block's: the step
+rerun on the reference's cache (`cached_step_points`) tells the error the step makes from the one
+it inherits from the cache written at earlier steps.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import torch
 
 from tracer.comparison.trace import Trace, TraceRecorder
-from tracer.model.points import EMBED, layer_point
+from tracer.core.errors import TracerError
+from tracer.model.points import CACHE_K, CACHE_V, EMBED, layer_point
 from tracer.reimpl.forward import Model
+from tracer.reimpl.kv_cache import KVCache
 
 
 def trace_positions(trace: Trace) -> torch.Tensor:
@@ -23,22 +27,27 @@ def trace_positions(trace: Trace) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def teacher_forced_points(model: Model, reference: Trace, recorder=None):
+def teacher_forced_points(model: Model, reference: Trace, recorder=None, cache: KVCache | None = None):
     """The candidate's points (point -> tensor, recording order) with every block fed the
     reference's input to that block, and each point of the head (a chain: final norm, logits,
-    capped logits) the reference's value of the point before it."""
+    capped logits) the reference's value of the point before it.
+
+    `cache`: a decode step's rerun (`cached_step_points`): every block also reads and appends to this
+    cache, which holds what the reference's cache held before the step, and the model takes the step's
+    positions from it (as in its own decode, where a wrong position is made)."""
     recorder = recorder if recorder is not None else TraceRecorder()
 
     def reference_input(point: str) -> torch.Tensor:
         return reference[point][None].to(dtype=model.steps.dtype, device=model.device)  # (1, T, C)
 
     model.embed(torch.tensor(reference.tokens), recorder)
-    positions = model.positions(trace_positions(reference))
+    positions = model.positions(trace_positions(reference)) if cache is None or cache.length == 0 \
+        else model.positions(count=len(reference.tokens), cache=cache)
     block_input = EMBED
     for i in range(model.spec.num_hidden_layers):
         if block_input not in reference:
             break
-        model.block(i, reference_input(block_input), positions, None, recorder)
+        model.block(i, reference_input(block_input), positions, cache, recorder)
         block_input = layer_point(i, "")
     previous = layer_point(model.spec.num_hidden_layers - 1, "")
     for point in model.family.head.points(model.family):
@@ -46,6 +55,30 @@ def teacher_forced_points(model: Model, reference: Trace, recorder=None):
             model.head_step(point.name, reference_input(previous), recorder)
         previous = point.name
     return recorder.tensors
+
+
+def cached_step_points(model: Model, step: Trace, before: Trace | None, prefilled: int, recorder=None):
+    """A decode step of the candidate rerun on the reference's inputs, its cache among them: every block
+    on the reference's input to it and on the reference's cache as it was before the step (`before`'s
+    `cache_k`/`cache_v`, the reference's trace of the step before; None for the prompt's prefill, into
+    an empty cache). A point's error in this run is the step's own; the rest of its error in the
+    candidate's decode it inherits, from the block before or from the cache written at earlier steps.
+    `prefilled`: the prompt's length (the slots the prefill wrote)."""
+    layers = model.spec.num_hidden_layers
+    if before is None:
+        cache = KVCache(layers)
+    else:
+        held = [(before.tensors.get(layer_point(i, CACHE_K)), before.tensors.get(layer_point(i, CACHE_V)))
+                for i in range(layers)]
+        missing = next((i for i, (k, v) in enumerate(held) if k is None or v is None), None)
+        if missing is not None:
+            raise TracerError(f"the reference's step at position {step.meta.position_offset or 0} has no "
+                              f"{layer_point(missing, CACHE_K)}/{CACHE_V}: a step is rerun on the cache it recorded")
+        placed = [(k.to(dtype=model.steps.dtype, device=model.device),
+                   v.to(dtype=model.steps.dtype, device=model.device)) for k, v in held]  # (KV, S, D) each
+        start = trace_positions(step)[0].item() - placed[0][0].shape[1]  # the first slot's position
+        cache = KVCache.holding([k for k, _ in placed], [v for _, v in placed], start, prefilled)
+    return teacher_forced_points(model, step, recorder, cache)
 
 
 class ForcingRecorder:

@@ -45,6 +45,18 @@ class KVCache:
         self.seen = list(seen or self.windows)
         self.prefilled = 0  # positions the first forward (the prompt's prefill) left in it
 
+    @classmethod
+    def holding(cls, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, prefilled: int) -> KVCache:
+        """A cache that already holds, per layer, `keys` and `values` (KV, S, D) at positions start..start+S-1,
+        the first `prefilled` of them the prompt's: another run's cache contents (the reference's, for a
+        decode step rerun on them: `tracer.reimpl.forced_runs.teacher_forced_points`)."""
+        cache = cls(len(keys))
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            cache.keys[layer], cache.values[layer] = k[None], v[None]  # (1, KV, S, D)
+            cache.positions[layer] = torch.arange(start, start + k.shape[1], device=k.device)  # (S,)
+        cache.prefilled = prefilled
+        return cache
+
     def next_position(self) -> int:
         """The absolute position of the token after those held (0 for an empty cache)."""
         return 0 if self.positions[0] is None else int(self.positions[0].max()) + 1
