@@ -188,7 +188,8 @@ def test_cache_hints_name_the_slot_a_position_is_held_at():
 
 def test_the_documented_step_fields_are_the_written_ones():
     design = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
-    entry = design[design.index("else one entry per step"):design.index("`view`")]
+    start = design.index("else one entry per step")
+    entry = design[start:design.index("}`)", start)]
     documented = re.findall(r'"(\w+)"', entry)
     written = StepResult(step=0, position=0, tokens=(1,), verdict="match", first_divergence=None, points=1).to_dict()
     assert documented == list(written)

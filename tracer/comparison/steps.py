@@ -107,7 +107,11 @@ def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | Non
             ran = measured_hints(number, ref, aligned, first) if measured_hints and not any(
                 summary.verdict != "match" for summary, _ in compared) else []
             measured = [*measured_cache_hints(reference, ref, aligned, first), *ran]
-            said = [*measured, *ring_hints(number, first, written)] if measured else step_hints(number, first, written)
+            # the ring's own hint first (a measured slot hint alone does not say that the ring wrapped), then
+            # what the numbers say, then what the point suggests where they name no cause
+            ring = ring_hints(number, first, written)
+            general = [hint for hint in step_hints(number, first, written) if hint not in ring]
+            said = [*ring, *measured, *general]
             first = dataclasses.replace(first, hints=(*said, *first.hints))
             result = dataclasses.replace(result, first_divergence=first)
         inherited = cache_wrong if result.verdict != "match" and cache_wrong is not None else None

@@ -54,6 +54,7 @@ class KVCache:
         for layer, (k, v) in enumerate(zip(keys, values)):
             cache.keys[layer], cache.values[layer] = k[None], v[None]  # (1, KV, S, D)
             cache.positions[layer] = torch.arange(start, start + k.shape[1], device=k.device)  # (S,)
+            cache.written[layer] = k.shape[1]
         cache.prefilled = prefilled
         return cache
 
