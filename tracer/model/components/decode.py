@@ -53,4 +53,5 @@ DECODE_STARTS = {"true": true_start, "restart": restarted_start, "shifted": shif
 
 def steps(knobs: dict) -> dict:
     return {"decode_start": DECODE_STARTS[setting(knobs, "decode_positions")],
-            "cache_unrotated": setting(knobs, "cache_keys") == "unrotated"}
+            "cache_unrotated": setting(knobs, "cache_keys") == "unrotated",
+            "cache_store": None}  # K, V -> what the cache keeps (a regime's kv_cache format: tracer.ggml.strategies)
