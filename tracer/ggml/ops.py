@@ -210,6 +210,22 @@ def causal(queries: int, keys: int) -> torch.Tensor:
     return torch.arange(keys - queries, keys)[:, None] >= torch.arange(keys)[None, :]
 
 
+def online_softmax_factors(scores: torch.Tensor, allowed: torch.Tensor):
+    """The one-chunk loop's online softmax for every key at once: scores (H, T, S), allowed (T, S) ->
+    visible, new_max (bool), ms, vs (f32), each (H, T, S). The running maximum before a key is the
+    cumulative maximum of the visible scores before it; a visible key above it is a new maximum
+    (ms = expf(M_old - s), vs = 1), any other visible key weighs vs = expf(s - M) (ms = 1). The same
+    expf calls on the same operands as the loop over keys, in two calls instead of two per key."""
+    visible = allowed[None].expand(scores.shape)  # (H, T, S)
+    through = torch.cummax(torch.where(visible, scores, float("-inf")), dim=-1).values  # (H, T, S)
+    best = torch.cat([torch.full_like(through[..., :1], float("-inf")), through[..., :-1]], dim=-1)  # M before each
+    new_max = visible & (scores > best)
+    kept = visible & ~new_max
+    ms = torch.where(new_max, expf(torch.where(new_max, best - scores, 0.0)), 1.0)
+    vs = torch.where(kept, expf(torch.where(kept, scores - best, 0.0)), 1.0)
+    return visible, new_max, ms, vs
+
+
 def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=vec_dot_f16,
                          allowed: torch.Tensor | None = None) -> torch.Tensor:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk with an f16 K/V cache (fewer than 64 query
@@ -226,15 +242,11 @@ def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=v
     k16, v16 = round_f16(k), round_f16(v)
     scores = dot(round_f16(q)[:, :, None, :], k16[:, None, :, :]) * np.float32(scale)  # (H, T, S)
     acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)  # the f16 accumulator, held in f32
-    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
     total = torch.zeros(heads, tokens, dtype=F32)
+    seen, raised, scales, weights = online_softmax_factors(scores, allowed)  # (H, T, S) each
     for key in range(k.shape[1]):
-        visible = allowed[:, key][None].expand(heads, tokens)  # (H, T): the mask (masked keys skipped)
-        s = scores[:, :, key]  # (H, T)
-        new_max = visible & (s > best)
-        ms = torch.where(new_max, expf(torch.where(new_max, best - s, 0.0)), 1.0)
-        vs = torch.where(visible & ~new_max, expf(torch.where(visible & ~new_max, s - best, 0.0)), 1.0)
-        best = torch.where(new_max, s, best)
+        visible, new_max = seen[..., key], raised[..., key]  # (H, T): masked keys skipped
+        ms, vs = scales[..., key], weights[..., key]
         acc = torch.where(new_max[..., None], round_f16(acc * ms[..., None]), acc)
         updated = round_f16(fma(v16[:, key, None, :], vs[..., None], acc))  # (H, T, D)
         acc = torch.where(visible[..., None], updated, acc)
@@ -419,15 +431,11 @@ def flash_attn_one_chunk_f32(scores: torch.Tensor, v: torch.Tensor) -> torch.Ten
     heads, tokens, keys = scores.shape
     allowed = causal(tokens, keys)  # (T, S)
     acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)
-    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
     total = torch.zeros(heads, tokens, dtype=F32)
+    seen, raised, scales, weights = online_softmax_factors(scores, allowed)  # (H, T, S) each
     for key in range(keys):
-        visible = allowed[:, key][None].expand(heads, tokens)
-        s = scores[:, :, key]
-        new_max = visible & (s > best)
-        ms = torch.where(new_max, expf(torch.where(new_max, best - s, 0.0)), 1.0)
-        vs = torch.where(visible & ~new_max, expf(torch.where(visible & ~new_max, s - best, 0.0)), 1.0)
-        best = torch.where(new_max, s, best)
+        visible, new_max = seen[..., key], raised[..., key]
+        ms, vs = scales[..., key], weights[..., key]
         acc = torch.where(new_max[..., None], acc * ms[..., None], acc)
         acc = torch.where(visible[..., None], fma(v[:, key, None, :], vs[..., None], acc), acc)
         total = torch.where(visible, fma(total, ms, vs), total)
