@@ -15,6 +15,7 @@ from tracer.comparison.steps import decoded_steps, step_floors
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.engines.load import load_engine
+from tracer.engines.registry import ENGINES
 from tracer.files.sources import resolve_source
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, Q_ROPE, layer_point
 from tracer.reports import write_report
@@ -108,7 +109,8 @@ def test_decode_mistakes_are_one_line(llama_dir, capsys):
                  "--no-report"])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "--decode 4: the mlx engine does not decode with a KV cache here; engines that do: hf, reimpl")
+        "--decode 4: the mlx engine does not decode with a KV cache here; engines that do: "
+        + ", ".join(name for name, entry in ENGINES.items() if entry.decode))
     assert main(["run", "--model", str(llama_dir), "--tokens", "1,2,3", "--tokens", "4,5,6", "--no-report"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "--tokens given twice (1,2,3 and 4,5,6): a run takes one input; give the flag once")
@@ -117,8 +119,9 @@ def test_decode_mistakes_are_one_line(llama_dir, capsys):
     with pytest.raises(TracerError, match="--decode 200 after 7 tokens from position 0 runs to position 206; "
                                           "the model has 128 positions"):
         tracer.run(llama_dir, tokens=TOKENS, decode=200, greedy=0, progress=False)
-    with pytest.raises(TracerError, match="--decode with --regime"):
-        tracer.run(llama_dir, tokens=TOKENS, decode=2, regime="weights=q8_0", progress=False)
+    with pytest.raises(TracerError, match="--decode with --regime .*: the regime is judged per op here"):
+        tracer.run(llama_dir, tokens=TOKENS, decode=2, regime="weights=q8_0,act_quant=q8_0,accumulate=f32",
+                   progress=False)
 
 
 def test_a_sliding_window_decodes_within_it_and_refuses_past_it(tmp_path):
