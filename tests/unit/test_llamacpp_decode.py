@@ -132,3 +132,19 @@ def test_a_regime_decode_past_256_cells_with_flash_attention_is_refused():
     with pytest.raises(TracerError, match="256 cells"):
         check_regime_decode(REGIME, [], 250, 16)  # llama.cpp's split flash attention from 512 cells
     check_regime_decode({**REGIME, "flash_attn": "off"}, [], 250, 16)  # vec_dot over the cells: emulated
+
+
+def test_micro_batches_first_change_the_first_projection_and_say_why_scores_are_missing(tiny):
+    """n_ubatch=2: the 7-token prompt in 4 graphs, each after the cache the earlier ones filled; the rows
+    are joined into the prompt's points. The first op whose output depends on the batch shape is a
+    matmul (f32 weights: tinyBLAS from 2 rows, ggml_vec_dot_f32 for the last row alone)."""
+    model_dir, gguf, _ = tiny
+    whole, split = llamacpp(model_dir, gguf, EXACT).record(TOKENS), llamacpp(model_dir, gguf, {**EXACT, "n_ubatch": 2})
+    pieces = split.decode(TOKENS, 1)
+    result = tracer.compare(whole, pieces)
+    assert result.verdict == "match"  # within f32 rounding
+    differing = [point.point for point in result.points if point.recorded and point.max_abs]
+    assert differing[0] == layer_point(0, "self_attn.q_proj")
+    assert all(whole[p].equal(pieces[p]) for p in ("model.embed_tokens", layer_point(0, "input_layernorm")))
+    assert "micro-batch" in pieces.not_recorded[layer_point(0, "self_attn.scores")]
+    assert pieces[layer_point(1, CACHE_K)].shape == (2, len(TOKENS), 16)  # the cache after the last micro-batch

@@ -91,6 +91,8 @@ LOG_ERROR = 4  # GGML_LOG_LEVEL_ERROR: what llama.cpp says when it refuses, kept
 CHILD_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "GGML_NO_BACKTRACE": "1"}
 
 FLASH_REASON = "fused inside llama.cpp's flash attention (flash_attn=on, or auto on this backend)"
+SPLIT_REASON = ("computed per micro-batch (n_ubatch), each one's rows against the keys cached so far: not joined "
+                "into one (T, T) array")
 ABSENT_REASON = "llama.cpp's graph for this model has no node for it"
 QUANTIZED_CACHE_REASON = ("llama.cpp stores a q8_0 cache in blocks, Hadamard-rotated (llama-kv-cache.cpp "
                           "attn_rot_k/v): not the keys and values in the model's basis")
@@ -256,6 +258,14 @@ def cache_heads(cache: np.ndarray, shape: Shape, transposed: bool) -> torch.Tens
     return rows_.unflatten(1, (-1, shape.head_dim)).transpose(0, 1)  # (KV, S, D)
 
 
+def joined(point: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One point of a forward from its value in each micro-batch's graph, in order: rows joined
+    (q/k after RoPE on their token axis, (H, T, D)); the cache as the last one left it."""
+    if len(parts) == 1 or sub_point(point) in CACHE_POINTS:
+        return parts[-1]
+    return torch.cat(parts, dim=1 if sub_point(point) in (Q_ROPE, K_ROPE) else 0)
+
+
 # sub-point -> reader; anything else is (T, C) rows
 READERS: dict[str, Callable[[np.ndarray, Shape], torch.Tensor]] = {
     Q_PROJ: qk_rows, K_PROJ: qk_rows, Q_ROPE: qk_heads, K_ROPE: qk_heads, SCORES: scores, PROBS: attention,
@@ -290,18 +300,34 @@ class GraphRecorder:
         self.pending: str | None = None
         self.error: BaseException | None = None
         self.seen_ops: set[int] = set()  # ggml ops of the last graph
+        self.names: dict[str, str] = {}  # point -> the ggml name it was read from
+        self.split = False
         self.partial: dict[str, str] = {}  # point -> ggml name, where llama.cpp kept fewer rows
+        self.parts: dict[str, list[torch.Tensor]] = {}  # point -> its value in each micro-batch's graph
         self.callback = _eval_callback(self)
 
-    def start(self, recorder, shape: Shape, cache: bool = False) -> None:
+    def start(self, recorder, shape: Shape, cache: bool = False, split: bool = False) -> None:
+        """`split`: the forward runs in several micro-batches (n_ubatch), whose scores and
+        probabilities are not recorded (each holds its own rows against the keys cached so far)."""
         self.active, self.error, self.pending, self.cache = (recorder, shape), None, None, cache
-        self.seen_ops, self.partial = set(), {}
+        self.seen_ops, self.partial, self.parts, self.split = set(), {}, {}, split
 
-    def stop(self) -> None:
+    def stop(self, flush: bool = True) -> None:
+        """The forward's points to the recorder (unless the forward failed: not `flush`), each
+        micro-batch's rows joined; an error inside the callback raised."""
+        recorder, shape = self.active
         self.active = None
+        if not flush:
+            self.error, self.parts = None, {}
+            return
         if self.error is not None:
             error, self.error = self.error, None
             raise error
+        for point, parts in self.parts.items():
+            value = joined(point, parts)
+            if value.ndim == 2 and value.shape[0] < shape.tokens:  # llama.cpp's output rows only
+                self.partial[point] = self.names[point]
+            recorder(point, value[None])  # recorders take a batch dimension
 
     def ask(self, address: int) -> bool:
         node = GgmlTensor.from_address(address)
@@ -310,6 +336,8 @@ class GraphRecorder:
         if key not in self.points:
             self.points[key] = node_point(self.table, node.name.decode(errors="replace"), self.ggml.op_name(node.op))
         self.pending = self.points[key]
+        if self.pending is not None and self.split and sub_point(self.pending) in (SCORES, PROBS):
+            self.pending = None  # SPLIT_REASON
         if self.pending is not None and sub_point(self.pending) in CACHE_POINTS:
             readable = self.cache and GgmlTensor.from_address(node.view_src).type in NUMPY_TYPES
             self.pending = self.pending if readable else None  # a q8_0 cache: not a point (QUANTIZED_CACHE_REASON)
@@ -329,14 +357,13 @@ class GraphRecorder:
                 array = array.reshape(array.shape[1], array.shape[0])
             keys = sub_point(point) == CACHE_K  # values are never permuted
             value = cache_heads(array, shape if keys else dataclasses.replace(shape, interleaved=False), transposed)
-            recorder(point, (value.view(torch.bfloat16) if cache.type == GGML_BF16 else value)[None])
+            self.parts.setdefault(point, []).append(value.view(torch.bfloat16) if cache.type == GGML_BF16 else value)
             return
         value = READERS.get(sub_point(point), rows)(self.ggml.array(node, address), shape)
         if node.type == GGML_BF16:
             value = value.view(torch.bfloat16)
-        if value.ndim == 2 and value.shape[0] < shape.tokens:  # llama.cpp's output rows only
-            self.partial[point] = node.name.decode()
-        recorder(point, value[None])  # recorders take a batch dimension
+        self.names[point] = node.name.decode()
+        self.parts.setdefault(point, []).append(value)
 
 
 def _eval_callback(graph: GraphRecorder):
@@ -516,11 +543,14 @@ class LlamaCppEngine(EngineBase):
         recorder = recorder if recorder is not None else TraceRecorder()
         held = 0 if clear else self.filled
         shape = Shape(len(tokens), self.head_dim, self.interleaved, self.kq_scale, held + len(tokens))
-        self.graph.start(recorder, shape, cache)
+        split = len(tokens) > int(self.variant.get("n_ubatch", len(tokens)))
+        self.graph.start(recorder, shape, cache, split)
         try:
             self._decode(tokens, start, outputs or self._outputs(len(tokens)), clear)
-        finally:
-            self.graph.stop()
+        except BaseException:
+            self.graph.stop(flush=False)
+            raise
+        self.graph.stop()
         self.flash = any(self.ggml.op_name(op) == "FLASH_ATTN_EXT" for op in self.graph.seen_ops)
         return Trace(recorder.tensors, self._meta(tokens, recorder.tensors, start, cache))
 
@@ -540,6 +570,8 @@ class LlamaCppEngine(EngineBase):
         size = CONTEXT_PAD * math.ceil(cells / CONTEXT_PAD)
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = params.n_batch = params.n_ubatch = size
+        if "n_ubatch" in self.variant:  # the prompt in micro-batches: one graph each (GraphRecorder.flush)
+            params.n_ubatch = min(size, int(self.variant["n_ubatch"]))
         params.n_seq_max = 1
         params.no_perf = True
         threads = self.variant.get("threads", min(DEFAULT_THREADS, os.cpu_count() or 1))
@@ -623,7 +655,9 @@ class LlamaCppEngine(EngineBase):
         """Every point of the vocabulary the graph did not show, with why."""
         missing = [p for p in all_points(self.num_layers) if p not in recorded]
         fused = FUSED_AWAY if self.flash else ()
-        return {p: FLASH_REASON if sub_point(p) in fused else ABSENT_REASON for p in missing}
+        split = (SCORES, PROBS) if self.graph.split else ()
+        return {p: FLASH_REASON if sub_point(p) in fused else SPLIT_REASON if sub_point(p) in split else ABSENT_REASON
+                for p in missing}
 
     def _meta_int(self, key: str) -> int | None:
         text = self._gguf_value(key)

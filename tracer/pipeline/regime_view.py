@@ -111,7 +111,12 @@ def implied(candidate: EngineRef, variant: dict, source: ModelSource) -> tuple[d
         from tracer.ggml.strategies import GGUFWeights
 
         path = gguf_of(source, candidate.argument)
-        return file_weights(source, path, *runtime_regime(candidate.regime, GGUFWeights(path).types(), variant))
+        regime = runtime_regime(candidate.regime, GGUFWeights(path).types(), variant)
+        knobs, caveats = file_weights(source, path, *regime)
+        if "n_ubatch" in variant:  # the regime runs the prompt whole: its kernels are chosen for T rows
+            caveats = [*caveats, f"llama.cpp computes the prompt in micro-batches of {variant['n_ubatch']} tokens "
+                                 "(n_ubatch), each with the kernels of its own shape; the regime runs it whole"]
+        return knobs, caveats
     formats = {knob: value for knob, value in variant.items() if knob in entry.emulated}
     dtype = setting(variant, "dtype")
     if dtype != "f32":
