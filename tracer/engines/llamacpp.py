@@ -313,21 +313,30 @@ class GraphRecorder:
         self.seen_ops, self.partial, self.parts, self.split = set(), {}, {}, split
 
     def stop(self, flush: bool = True) -> None:
-        """The forward's points to the recorder (unless the forward failed: not `flush`), each
-        micro-batch's rows joined; an error inside the callback raised."""
-        recorder, shape = self.active
+        """Recording ends: in micro-batches, each point's rows joined go to the recorder now (unless
+        the forward failed: not `flush`); an error inside the callback raised."""
+        parts, self.parts = self.parts, {}
+        if flush and self.error is None:
+            for point, values in parts.items():
+                self.emit(point, joined(point, values))
         self.active = None
-        if not flush:
-            self.error, self.parts = None, {}
-            return
-        if self.error is not None:
-            error, self.error = self.error, None
+        error, self.error = self.error, None
+        if flush and error is not None:
             raise error
-        for point, parts in self.parts.items():
-            value = joined(point, parts)
-            if value.ndim == 2 and value.shape[0] < shape.tokens:  # llama.cpp's output rows only
-                self.partial[point] = self.names[point]
-            recorder(point, value[None])  # recorders take a batch dimension
+
+    def keep(self, point: str, value: torch.Tensor) -> None:
+        """A point's value in this graph: to the recorder at once (it may spill it to disk), or, in
+        micro-batches, kept until the last one's (`stop`)."""
+        if self.split:
+            self.parts.setdefault(point, []).append(value)
+        else:
+            self.emit(point, value)
+
+    def emit(self, point: str, value: torch.Tensor) -> None:
+        recorder, shape = self.active
+        if value.ndim == 2 and value.shape[0] < shape.tokens:  # llama.cpp's output rows only
+            self.partial[point] = self.names[point]
+        recorder(point, value[None])  # recorders take a batch dimension
 
     def ask(self, address: int) -> bool:
         node = GgmlTensor.from_address(address)
@@ -347,7 +356,7 @@ class GraphRecorder:
         node = GgmlTensor.from_address(address)
         if not self.ggml.checked:
             self.ggml.check_layout(node, address)
-        recorder, shape = self.active
+        shape = self.active[1]
         point = self.pending
         if sub_point(point) in CACHE_POINTS:  # the whole cache tensor the SET_ROWS node is a view of
             cache = GgmlTensor.from_address(node.view_src)
@@ -357,13 +366,13 @@ class GraphRecorder:
                 array = array.reshape(array.shape[1], array.shape[0])
             keys = sub_point(point) == CACHE_K  # values are never permuted
             value = cache_heads(array, shape if keys else dataclasses.replace(shape, interleaved=False), transposed)
-            self.parts.setdefault(point, []).append(value.view(torch.bfloat16) if cache.type == GGML_BF16 else value)
+            self.keep(point, value.view(torch.bfloat16) if cache.type == GGML_BF16 else value)
             return
         value = READERS.get(sub_point(point), rows)(self.ggml.array(node, address), shape)
         if node.type == GGML_BF16:
             value = value.view(torch.bfloat16)
         self.names[point] = node.name.decode()
-        self.parts.setdefault(point, []).append(value)
+        self.keep(point, value)
 
 
 def _eval_callback(graph: GraphRecorder):
