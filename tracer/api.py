@@ -26,7 +26,7 @@ from tracer.model.knobs import format_knob_value, parse_variant, variant_text
 from tracer.pipeline.catalogue import default_variants, diagnosis_variants, split_variants
 from tracer.pipeline.corpus import Quality, measure_quality
 from tracer.pipeline.greedy import GREEDY_STEPS
-from tracer.pipeline.regime_view import check_regime_run, compare_in_regime
+from tracer.pipeline.regime_view import check_regime_decode, check_regime_run, compare_in_regime
 from tracer.pipeline.regime_view import resolve as resolve_regime
 from tracer.pipeline.request import (
     DEFAULT_CTX,
@@ -236,9 +236,6 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
     regime = regime_knobs(regime)
     if regime is not None:
         check_regime_run(reference.engine, candidate.engine)
-        if inputs.decode:
-            raise TracerError("--decode with --regime: a regime's attention has no KV cache emulated yet; "
-                              "run them apart")
         if inputs.batch > 1:
             raise TracerError("--batch with --regime: a regime's own steps run one prompt; run them apart")
     # the rows are compared point by point; a greedy continuation would be the first row's only
@@ -247,6 +244,8 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
     with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
                             greedy_steps=greedy_steps, progress=progress, candidates=(candidate.engine,)) as prepared:
         in_regime = resolve_regime(regime, candidate.engine, variant, prepared.source) if regime is not None else None
+        if in_regime is not None:  # before the candidate runs: a decode the regime cannot judge is refused now
+            check_regime_decode(in_regime[0], in_regime[1], len(prepared.ids), inputs.decode)
         engine = load_engine(candidate.engine, prepared.source, variant, device=placement.device,
                              stream=prepared.stream, offload=offload_for(candidate.engine, prepared.offload))
         if command is None and not prepared.source.loaded:  # no command line can name a model object
@@ -266,7 +265,8 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
             result = compare_batched(result, prepared, engine, inputs, reference)
         if in_regime is not None:
             stage("regime")
-            result = compare_in_regime(result, prepared, engine, *in_regime, noise_floor=noise_floor)
+            result = compare_in_regime(result, prepared, engine, *in_regime, noise_floor=noise_floor,
+                                       decode=inputs.decode)
     if outputs.report is not None:
         from tracer.reports import write_report
 

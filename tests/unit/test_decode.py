@@ -21,6 +21,7 @@ from tracer.comparison.steps import compare_steps, decoded_steps, step_floors
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.engines.load import load_engine
+from tracer.engines.registry import ENGINES
 from tracer.files.sources import resolve_source
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, Q_ROPE, layer_point, split_point
 from tracer.pipeline.decode import decoded_tokens, step_local_errors
@@ -233,7 +234,7 @@ def test_decode_mistakes_are_one_line(llama_dir, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "--decode 4: the onnx engine does not decode with a KV cache here (tracer's ONNX export is one forward "
         "without a cache, with no past-key/value inputs; an export with them is not done yet); engines that do: "
-        "hf, reimpl, mlx, candle")
+        + ", ".join(name for name, entry in ENGINES.items() if entry.decode))
     assert main(["run", "--model", str(llama_dir), "--tokens", "1,2,3", "--tokens", "4,5,6", "--no-report"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "--tokens given twice (1,2,3 and 4,5,6): a run takes one input; give the flag once")
@@ -242,8 +243,9 @@ def test_decode_mistakes_are_one_line(llama_dir, capsys):
     with pytest.raises(TracerError, match="--decode 200 after 7 tokens from position 0 runs to position 206; "
                                           "the model has 128 positions"):
         tracer.run(llama_dir, tokens=TOKENS, decode=200, greedy=0, progress=False)
-    with pytest.raises(TracerError, match="--decode with --regime"):
-        tracer.run(llama_dir, tokens=TOKENS, decode=2, regime="weights=q8_0", progress=False)
+    with pytest.raises(TracerError, match="--decode with --regime .*: the regime is judged per op here"):
+        tracer.run(llama_dir, tokens=TOKENS, decode=2, regime="weights=q8_0,act_quant=q8_0,accumulate=f32",
+                   progress=False)
 
 
 def test_a_sliding_window_decodes_past_it(tmp_path):

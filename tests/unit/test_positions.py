@@ -14,6 +14,7 @@ from tests.families import write_tiny_family
 from tracer.cli import main
 from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError
+from tracer.engines.registry import ENGINES
 from tracer.model.points import (
     CACHE_K,
     CACHE_POINTS,
@@ -129,7 +130,8 @@ def test_engines_without_positions_refuse_an_offset_in_one_line(llama_dir, capsy
                  "--no-report"])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "--position-offset 5: the mlx engine runs its tokens from position 0; engines that take positions: hf, reimpl")
+        "--position-offset 5: the mlx engine runs its tokens from position 0; engines that take positions: "
+        + ", ".join(name for name, entry in ENGINES.items() if entry.positions))
     with pytest.raises(TracerError, match="--position-offset must be at least 0, got -1"):
         tracer.run(llama_dir, tokens=TOKENS, position_offset=-1, progress=False)
     with pytest.raises(TracerError, match="the prompt has 7 tokens from position 125; the model has 128 positions"):

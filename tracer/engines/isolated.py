@@ -133,42 +133,46 @@ class IsolatedEngine(EngineBase):
     # --- the Engine protocol ------------------------------------------------------------------
 
     def record(self, tokens: list[int], recorder=None, *, positions=None):
-        self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
+        offset = self.first_position(tokens, positions) or 0  # refused unless its entry takes positions
         from tracer.comparison.spill import DiskRecorder
         from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
 
         tokens = [int(t) for t in tokens]
         if isinstance(recorder, DiskRecorder):  # the child writes the points where the caller spills
-            reply = self._call({"op": "record", "tokens": tokens, "folder": str(recorder.folder)})
+            reply = self._call({"op": "record", "tokens": tokens, "offset": offset, "folder": str(recorder.folder)})
             recorder.files.update({point: Path(file) for point, file in reply["files"].items()})
             return Trace(recorder.tensors, TraceMeta.from_dict(reply["meta"]))
         recorder = recorder if recorder is not None else TraceRecorder()
         with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
-            reply = self._call({"op": "record", "tokens": tokens, "file": str(Path(folder) / "trace.safetensors")})
+            reply = self._call({"op": "record", "tokens": tokens, "offset": offset,
+                                "file": str(Path(folder) / "trace.safetensors")})
             for point, tensor in _read(reply["file"], reply["points"]):
                 recorder(point, tensor[None])  # recorders take a batch dimension
         return Trace(recorder.tensors, TraceMeta.from_dict(reply["meta"]))
 
-    def logits(self, tokens: list[int]):
+    def logits(self, tokens: list[int], *, positions=None):
+        offset = self.first_position(tokens, positions) or 0
         with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
-            reply = self._call({"op": "logits", "tokens": [int(t) for t in tokens],
+            reply = self._call({"op": "logits", "tokens": [int(t) for t in tokens], "offset": offset,
                                 "file": str(Path(folder) / "logits.safetensors")})
             if reply["file"] is None:
                 return None
             return dict(_read(reply["file"], ["logits"]))["logits"]
 
-    def draft(self, tokens: list[int], steps: int) -> list[int]:
-        return self._call({"op": "draft", "tokens": [int(t) for t in tokens], "steps": int(steps)})["tokens"]
+    def draft(self, tokens: list[int], steps: int, *, positions=None) -> list[int]:
+        offset = self.first_position(tokens, positions) or 0
+        return self._call({"op": "draft", "tokens": [int(t) for t in tokens], "steps": int(steps),
+                           "offset": offset})["tokens"]
 
     def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0):
-        """The child's engine decodes (its cache lives there); the trace and its steps come back in one file."""
+        """The engine's own cached decode in the child; the trace and its steps come back as one file."""
         from tracer.comparison.trace import Trace
 
         with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
-            file = str(Path(folder) / "decoded.safetensors")
-            self._call({"op": "decode", "tokens": [int(t) for t in tokens], "count": int(count), "offset": int(offset),
-                        "forced": None if forced is None else [int(t) for t in forced], "file": file})
-            return Trace.load(file)  # read into memory: the folder goes
+            reply = self._call({"op": "decode", "tokens": [int(t) for t in tokens], "count": int(count),
+                                "forced": None if forced is None else [int(t) for t in forced], "offset": int(offset),
+                                "file": str(Path(folder) / "decoded.safetensors")})
+            return Trace.load(reply["file"])
 
     def close(self) -> None:
         """End the engine now (it also ends with this object): its child waits for the next load."""
@@ -292,31 +296,39 @@ class Server:
         from tracer.comparison.spill import DiskRecorder
         from tracer.comparison.trace import TraceRecorder
 
+        at = _positions(request)
         if "folder" in request:
             recorder = DiskRecorder(request["folder"])
-            trace = self.engine.record(request["tokens"], recorder)
+            trace = self.engine.record(request["tokens"], recorder, **at)
             return {"meta": trace.meta.to_dict(), "files": {point: str(file) for point, file in recorder.files.items()}}
-        trace = self.engine.record(request["tokens"], TraceRecorder())
+        trace = self.engine.record(request["tokens"], TraceRecorder(), **at)
         save_file({point: tensor.contiguous() for point, tensor in trace.tensors.items()}, request["file"])
         return {"meta": trace.meta.to_dict(), "file": request["file"], "points": list(trace.tensors)}
 
     def logits(self, request: dict) -> dict:
         from safetensors.torch import save_file
 
-        logits = self.engine.logits(request["tokens"])
+        logits = self.engine.logits(request["tokens"], **_positions(request))
         if logits is None:
             return {"file": None}
         save_file({"logits": logits.contiguous()}, request["file"])
         return {"file": request["file"]}
 
     def draft(self, request: dict) -> dict:
-        return {"tokens": [int(t) for t in self.engine.draft(request["tokens"], request["steps"])]}
+        picks = self.engine.draft(request["tokens"], request["steps"], **_positions(request))
+        return {"tokens": [int(t) for t in picks]}
 
     def decode(self, request: dict) -> dict:
         trace = self.engine.decode(request["tokens"], request["count"], forced=request["forced"],
                                    offset=request["offset"])
-        trace.save(request["file"])
-        return {"file": request["file"]}
+        return {"file": str(trace.save(request["file"]))}
+
+
+def _positions(request: dict) -> dict:
+    """The engine call's `positions` keyword for the request's offset (none at 0: every engine starts there)."""
+    from tracer.engines.base import at_positions
+
+    return at_positions(request.get("offset", 0), len(request["tokens"]))
 
 
 def serve() -> None:

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import functools
 import importlib.metadata
 import math
 import os
+import re
 import sys
 import weakref
 from dataclasses import dataclass
@@ -49,12 +51,25 @@ import torch
 from tracer.comparison.layouts import from_interleaved, sub_point
 from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 from tracer.core.errors import TracerError
-from tracer.engines.base import EngineBase
+from tracer.engines.base import EngineBase, decode_steps
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
 from tracer.model.knobs import setting
 from tracer.model.names import AliasTable, ggml_write
-from tracer.model.points import FUSED_AWAY, K_PROJ, K_ROPE, PROBS, Q_PROJ, Q_ROPE, SCORES, all_points, layer_point
+from tracer.model.points import (
+    CACHE_K,
+    CACHE_POINTS,
+    CACHE_V,
+    FUSED_AWAY,
+    K_PROJ,
+    K_ROPE,
+    PROBS,
+    Q_PROJ,
+    Q_ROPE,
+    SCORES,
+    all_points,
+    layer_point,
+)
 
 # ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
@@ -76,7 +91,15 @@ LOG_ERROR = 4  # GGML_LOG_LEVEL_ERROR: what llama.cpp says when it refuses, kept
 CHILD_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "GGML_NO_BACKTRACE": "1"}
 
 FLASH_REASON = "fused inside llama.cpp's flash attention (flash_attn=on, or auto on this backend)"
+SPLIT_REASON = ("computed per micro-batch (n_ubatch), each one's rows against the keys cached so far: not joined "
+                "into one (T, T) array")
 ABSENT_REASON = "llama.cpp's graph for this model has no node for it"
+QUANTIZED_CACHE_REASON = ("llama.cpp stores a q8_0 cache in blocks, Hadamard-rotated (llama-kv-cache.cpp "
+                          "attn_rot_k/v): not the keys and values in the model's basis")
+
+# The KV cache's tensors are named `cache_k_l{il}` / `cache_v_l{il}` (a tag between for other caches); the
+# SET_ROWS that writes a step's rows into one is a view of it, named after it ("cache_k_l0 (view)").
+CACHE_NAME = re.compile(r"cache_(?:\w+_)?([kv])_l(\d+)\b")
 
 
 class GgmlTensor(ctypes.Structure):
@@ -168,6 +191,7 @@ class Shape:
     head_dim: int
     interleaved: bool  # q/k in GGUF's permuted order (rope type NORM)
     kq_scale: float
+    keys: int  # cells of the KV cache filled after this forward (the cache's first ones, in position order)
 
 
 def rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
@@ -204,11 +228,11 @@ def hf_order(width: int, head_dim: int) -> np.ndarray:
 
 
 def attention(array: np.ndarray, shape: Shape, scale: float | None = None) -> torch.Tensor:
-    """(1, H, T, n_kv) -> (H, rows, T): the prompt's T keys (cells 0..T-1 of a cleared cache; the
-    rest is padding) and, past ATTENTION_ROWS tokens, only the last query rows (what every
-    recorder keeps), copied once."""
+    """(1, H, T, n_kv) -> (H, rows, S): the S keys the cache holds (cells 0..S-1, filled in order
+    from a cleared cache; the rest is padding) and, past ATTENTION_ROWS tokens, only the last query
+    rows (what every recorder keeps), copied once."""
     _leading_ones(array, 1)
-    kept = array[0][:, -ATTENTION_ROWS:, :shape.tokens]  # (H, rows, T)
+    kept = array[0][:, -ATTENTION_ROWS:, :shape.keys]  # (H, rows, S)
     if scale is None:
         return torch.from_numpy(np.array(kept))
     return torch.from_numpy(np.multiply(kept, np.float32(scale), dtype=np.float32))
@@ -225,6 +249,23 @@ def _leading_ones(array: np.ndarray, count: int) -> None:
                           f"tracer reads the llama.cpp of llama-cpp-python 0.3.36")
 
 
+def cache_heads(cache: np.ndarray, shape: Shape, transposed: bool) -> torch.Tensor:
+    """A layer's K or V cache (cells, KV·D) as it lies in memory (a transposed V cache: (KV·D,
+    cells)) -> (KV, S, D) of its first S cells, keys in HF's half-split order, copied once in the
+    cache's own type."""
+    held = cache[:, :shape.keys].T if transposed else cache[:shape.keys]  # (S, KV·D)
+    rows_ = _unpermuted(held, shape)  # (S, KV·D), one copy
+    return rows_.unflatten(1, (-1, shape.head_dim)).transpose(0, 1)  # (KV, S, D)
+
+
+def joined(point: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One point of a forward from its value in each micro-batch's graph, in order: rows joined
+    (q/k after RoPE on their token axis, (H, T, D)); the cache as the last one left it."""
+    if len(parts) == 1 or sub_point(point) in CACHE_POINTS:
+        return parts[-1]
+    return torch.cat(parts, dim=1 if sub_point(point) in (Q_ROPE, K_ROPE) else 0)
+
+
 # sub-point -> reader; anything else is (T, C) rows
 READERS: dict[str, Callable[[np.ndarray, Shape], torch.Tensor]] = {
     Q_PROJ: qk_rows, K_PROJ: qk_rows, Q_ROPE: qk_heads, K_ROPE: qk_heads, SCORES: scores, PROBS: attention,
@@ -239,6 +280,9 @@ def node_point(table: AliasTable, name: str, op: str) -> str | None:
     repeated, point = ggml_write(name, op)
     if repeated:
         return point
+    if op == "SET_ROWS":  # this step's keys or values written into the layer's cache
+        cache = CACHE_NAME.match(name)
+        return layer_point(int(cache[2]), CACHE_K if cache[1] == "k" else CACHE_V) if cache else None
     if name.startswith(KQ_PREFIX) and name[len(KQ_PREFIX):].isdigit():
         return layer_point(int(name[len(KQ_PREFIX):]), SCORES)
     resolved = table.resolve(name)
@@ -252,21 +296,47 @@ class GraphRecorder:
         self.ggml, self.table = ggml, AliasTable()
         self.points: dict[tuple[bytes, int], str | None] = {}  # (name, op) -> point, for every graph alike
         self.active = None  # (recorder, Shape) while recording; None: answer no to everything
+        self.cache = False  # whether the cache points are wanted (a decode's forwards)
         self.pending: str | None = None
         self.error: BaseException | None = None
         self.seen_ops: set[int] = set()  # ggml ops of the last graph
+        self.names: dict[str, str] = {}  # point -> the ggml name it was read from
+        self.split = False
         self.partial: dict[str, str] = {}  # point -> ggml name, where llama.cpp kept fewer rows
+        self.parts: dict[str, list[torch.Tensor]] = {}  # point -> its value in each micro-batch's graph
         self.callback = _eval_callback(self)
 
-    def start(self, recorder, shape: Shape) -> None:
-        self.active, self.error, self.pending = (recorder, shape), None, None
-        self.seen_ops, self.partial = set(), {}
+    def start(self, recorder, shape: Shape, cache: bool = False, split: bool = False) -> None:
+        """`split`: the forward runs in several micro-batches (n_ubatch), whose scores and
+        probabilities are not recorded (each holds its own rows against the keys cached so far)."""
+        self.active, self.error, self.pending, self.cache = (recorder, shape), None, None, cache
+        self.seen_ops, self.partial, self.parts, self.split = set(), {}, {}, split
 
-    def stop(self) -> None:
+    def stop(self, flush: bool = True) -> None:
+        """Recording ends: in micro-batches, each point's rows joined go to the recorder now (unless
+        the forward failed: not `flush`); an error inside the callback raised."""
+        parts, self.parts = self.parts, {}
+        if flush and self.error is None:
+            for point, values in parts.items():
+                self.emit(point, joined(point, values))
         self.active = None
-        if self.error is not None:
-            error, self.error = self.error, None
+        error, self.error = self.error, None
+        if flush and error is not None:
             raise error
+
+    def keep(self, point: str, value: torch.Tensor) -> None:
+        """A point's value in this graph: to the recorder at once (it may spill it to disk), or, in
+        micro-batches, kept until the last one's (`stop`)."""
+        if self.split:
+            self.parts.setdefault(point, []).append(value)
+        else:
+            self.emit(point, value)
+
+    def emit(self, point: str, value: torch.Tensor) -> None:
+        recorder, shape = self.active
+        if value.ndim == 2 and value.shape[0] < shape.tokens:  # llama.cpp's output rows only
+            self.partial[point] = self.names[point]
+        recorder(point, value[None])  # recorders take a batch dimension
 
     def ask(self, address: int) -> bool:
         node = GgmlTensor.from_address(address)
@@ -275,20 +345,34 @@ class GraphRecorder:
         if key not in self.points:
             self.points[key] = node_point(self.table, node.name.decode(errors="replace"), self.ggml.op_name(node.op))
         self.pending = self.points[key]
+        if self.pending is not None and self.split and sub_point(self.pending) in (SCORES, PROBS):
+            self.pending = None  # SPLIT_REASON
+        if self.pending is not None and sub_point(self.pending) in CACHE_POINTS:
+            readable = self.cache and GgmlTensor.from_address(node.view_src).type in NUMPY_TYPES
+            self.pending = self.pending if readable else None  # a q8_0 cache: not a point (QUANTIZED_CACHE_REASON)
         return self.pending is not None
 
     def read(self, address: int) -> None:
         node = GgmlTensor.from_address(address)
         if not self.ggml.checked:
             self.ggml.check_layout(node, address)
-        recorder, shape = self.active
+        shape = self.active[1]
         point = self.pending
+        if sub_point(point) in CACHE_POINTS:  # the whole cache tensor the SET_ROWS node is a view of
+            cache = GgmlTensor.from_address(node.view_src)
+            array = self.ggml.array(cache, node.view_src)[0, 0]  # (cells, KV·D) as allocated
+            transposed = node.ne[0] == 1  # llama.cpp's V cache without flash attention: (KV·D, cells)
+            if transposed:
+                array = array.reshape(array.shape[1], array.shape[0])
+            keys = sub_point(point) == CACHE_K  # values are never permuted
+            value = cache_heads(array, shape if keys else dataclasses.replace(shape, interleaved=False), transposed)
+            self.keep(point, value.view(torch.bfloat16) if cache.type == GGML_BF16 else value)
+            return
         value = READERS.get(sub_point(point), rows)(self.ggml.array(node, address), shape)
         if node.type == GGML_BF16:
             value = value.view(torch.bfloat16)
-        if value.ndim == 2 and value.shape[0] < shape.tokens:  # llama.cpp's output rows only
-            self.partial[point] = node.name.decode()
-        recorder(point, value[None])  # recorders take a batch dimension
+        self.names[point] = node.name.decode()
+        self.keep(point, value)
 
 
 def _eval_callback(graph: GraphRecorder):
@@ -410,57 +494,93 @@ class LlamaCppEngine(EngineBase):
         self.description = _text(llama_cpp.llama_model_desc, model)
         self.graph = GraphRecorder(self.ggml)
         self.context, self.context_size, self.flash = None, 0, None
+        self.kv_type = self.variant.get("kv_cache", "f16")  # llama.cpp's type_k/type_v (its default: f16)
+        self.filled = 0  # KV cells the last decode left filled (cells 0..filled-1, in position order)
 
     # --- the protocol -----------------------------------------------------------------------
 
     def record(self, tokens: list[int], recorder=None, *, positions=None) -> Trace:
-        """Every point llama.cpp's graph shows on one forward over `tokens` (one micro-batch)."""
-        self.first_position(tokens, positions)  # its tokens run from 0: other positions are refused
+        """Every point llama.cpp's graph shows on one forward over `tokens` (one micro-batch) at
+        `positions` (the batch's `pos`; default 0..T-1), its cache cleared first."""
+        start = self.first_position(tokens, positions) or 0
+        return self._recorded(tokens, start, recorder, clear=True)
+
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+        """The prompt's prefill into a cleared KV cache, then `count` steps of one `llama_decode` each
+        at `n_past` (the cache kept between them, in its `kv_cache` type), every step's graph recorded
+        as the prefill's, its cache points included (`tracer.engines.base.decode_steps`)."""
+        end = offset + len(tokens) + count
+        if self.max_positions and end > self.max_positions:
+            raise TracerError(f"--decode {count} after {len(tokens)} tokens from position {offset} runs to position "
+                              f"{end - 1}; {self.gguf.name} has {self.max_positions} positions (n_ctx_train)")
+        self._ensure_context(len(tokens) + count)  # one context for the whole decode: its cache is never reallocated
+
+        def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+            prefill = start == offset
+            outputs = self._outputs(len(ids)) if prefill else [True]
+            trace = self._recorded(ids, start, TraceRecorder(), clear=prefill, outputs=outputs, cache=True)
+            return trace, self._logits(sum(outputs))
+
+        return decode_steps(forward, tokens, count, forced, offset)
+
+    def logits(self, tokens: list[int], *, positions=None) -> torch.Tensor:
+        """(T, V) logits of an unrecorded forward, every position."""
+        start = self.first_position(tokens, positions) or 0
+        self._decode(tokens, start, [True] * len(tokens), clear=True)
+        return self._logits(len(tokens))
+
+    def draft(self, tokens: list[int], steps: int, *, positions=None) -> list[int]:
+        """llama.cpp's own greedy decode: the prompt (last logits only, as generation asks), then
+        one token per step through its KV cache."""
+        start = self.first_position(tokens, positions) or 0
+        self._ensure_context(len(tokens) + steps)
+        last = [False] * (len(tokens) - 1) + [True]
+        self._decode(tokens, start, last, clear=True)
+        picks = [int(self._logits(1)[-1].argmax())]
+        while len(picks) < steps:
+            self._decode(picks[-1:], start + len(tokens) + len(picks) - 1, [True], clear=False)
+            picks.append(int(self._logits(1)[-1].argmax()))
+        return picks
+
+    def _recorded(self, tokens: list[int], start: int, recorder, *, clear: bool, outputs: list[bool] | None = None,
+                  cache: bool = False) -> Trace:
+        """One recorded `llama_decode` of `tokens` at positions start.., after what the cache holds
+        (nothing when `clear`); `cache`: the cache points too."""
         if not self.observe:
             raise TracerError("this llamacpp engine was made without an eval callback (observe=False): "
                               "it cannot record")
         recorder = recorder if recorder is not None else TraceRecorder()
-        shape = Shape(len(tokens), self.head_dim, self.interleaved, self.kq_scale)
-        self.graph.start(recorder, shape)
+        held = 0 if clear else self.filled
+        shape = Shape(len(tokens), self.head_dim, self.interleaved, self.kq_scale, held + len(tokens))
+        split = len(tokens) > int(self.variant.get("n_ubatch", len(tokens)))
+        self.graph.start(recorder, shape, cache, split)
         try:
-            self._decode(tokens, list(range(len(tokens))), self._outputs(len(tokens)), clear=True)
-        finally:
-            self.graph.stop()
+            self._decode(tokens, start, outputs or self._outputs(len(tokens)), clear)
+        except BaseException:
+            self.graph.stop(flush=False)
+            raise
+        self.graph.stop()
         self.flash = any(self.ggml.op_name(op) == "FLASH_ATTN_EXT" for op in self.graph.seen_ops)
-        return Trace(recorder.tensors, self._meta(tokens, recorder.tensors))
-
-    def logits(self, tokens: list[int]) -> torch.Tensor:
-        """(T, V) logits of an unrecorded forward, every position."""
-        self._decode(tokens, list(range(len(tokens))), [True] * len(tokens), clear=True)
-        return self._logits(len(tokens))
-
-    def draft(self, tokens: list[int], steps: int) -> list[int]:
-        """llama.cpp's own greedy decode: the prompt (last logits only, as generation asks), then
-        one token per step through its KV cache."""
-        self._ensure_context(len(tokens) + steps)
-        last = [False] * (len(tokens) - 1) + [True]
-        self._decode(tokens, list(range(len(tokens))), last, clear=True)
-        picks = [int(self._logits(1)[-1].argmax())]
-        while len(picks) < steps:
-            self._decode(picks[-1:], [len(tokens) + len(picks) - 1], [True], clear=False)
-            picks.append(int(self._logits(1)[-1].argmax()))
-        return picks
+        return Trace(recorder.tensors, self._meta(tokens, recorder.tensors, start, cache))
 
     # --- llama.cpp calls ----------------------------------------------------------------------
 
     def _outputs(self, count: int) -> list[bool]:
         return [True] * count if self.outputs == "all" else [False] * (count - 1) + [True]
 
-    def _ensure_context(self, positions: int) -> None:
-        """A context holding `positions` cells whose micro-batch takes the whole prompt at once."""
-        if self.context is not None and positions <= self.context_size:
+    def _ensure_context(self, cells: int) -> None:
+        """A context holding `cells` KV cells (one per token, whatever their positions) whose
+        micro-batch takes the whole prompt at once."""
+        if self.context is not None and cells <= self.context_size:
             return
         import llama_cpp
 
         self._free_context()
-        size = CONTEXT_PAD * math.ceil(positions / CONTEXT_PAD)
+        size = CONTEXT_PAD * math.ceil(cells / CONTEXT_PAD)
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = params.n_batch = params.n_ubatch = size
+        if "n_ubatch" in self.variant:  # the prompt in micro-batches: one graph each (GraphRecorder.flush)
+            params.n_ubatch = min(size, int(self.variant["n_ubatch"]))
         params.n_seq_max = 1
         params.no_perf = True
         threads = self.variant.get("threads", min(DEFAULT_THREADS, os.cpu_count() or 1))
@@ -481,21 +601,30 @@ class LlamaCppEngine(EngineBase):
         self.batch = llama_cpp.llama_batch_init(size, 0, 1)
         self.handles.contexts.append((context, self.batch))
 
-    def _decode(self, tokens: list[int], positions: list[int], outputs: list[bool], clear: bool) -> None:
+    def _decode(self, tokens: list[int], start: int, outputs: list[bool], clear: bool) -> None:
+        """One `llama_decode` of `tokens` at positions start.. (the batch's `pos`), after the cells the
+        cache holds (none when `clear`)."""
         import llama_cpp
 
-        self._ensure_context(positions[-1] + 1)
-        if clear:  # a fresh cache: the prompt fills cells 0..T-1, which the attention readers rely on
+        held = 0 if clear else self.filled
+        context = self.context
+        self._ensure_context(held + len(tokens))
+        if not clear and self.context is not context:
+            raise TracerError("the llamacpp engine's context was too small for this decode and was rebuilt, "
+                              "its KV cache lost")  # decode() sizes it first: not reached
+        if clear:  # a fresh cache: the prompt fills cells 0..T-1, each step the next, which the readers rely on
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.context), True)
         batch = self.batch
-        for i, (token, position, output) in enumerate(zip(tokens, positions, outputs)):
-            batch.token[i], batch.pos[i], batch.logits[i] = token, position, output
+        for i, (token, output) in enumerate(zip(tokens, outputs)):
+            batch.token[i], batch.pos[i], batch.logits[i] = token, start + i, output
             batch.n_seq_id[i], batch.seq_id[i][0] = 1, 0
         batch.n_tokens = len(tokens)
         self.logs.clear()
+        self.filled = 0
         status = llama_cpp.llama_decode(self.context, batch)
         if status != 0:
             raise TracerError(f"llama.cpp could not decode {len(tokens)} tokens (status {status}): {self.logs.last()}")
+        self.filled = held + len(tokens)
 
     def _logits(self, count: int) -> torch.Tensor:
         """The last decode's `count` output rows, copied: (count, V)."""
@@ -513,16 +642,20 @@ class LlamaCppEngine(EngineBase):
 
     # --- metadata -----------------------------------------------------------------------------
 
-    def _meta(self, tokens: list[int], recorded) -> TraceMeta:
+    def _meta(self, tokens: list[int], recorded, start: int = 0, cache: bool = False) -> TraceMeta:
         import llama_cpp
 
         not_recorded = self._not_recorded(recorded)
+        if cache:  # a decode's forward: the cache points too
+            not_recorded |= {layer_point(i, sub): QUANTIZED_CACHE_REASON for i in range(self.num_layers)
+                             for sub in CACHE_POINTS if layer_point(i, sub) not in recorded}
         sources = {point: {"name": name, "runtime": "ggml", "layout": None, "qk_order": "half"}
                    for point, name in self.graph.partial.items()}
         return self.meta(
-            tokens, "float32", not_recorded, num_layers=self.num_layers,
+            tokens, "float32", not_recorded, num_layers=self.num_layers, position_offset=start or None,
             runtime={"name": "llama.cpp", "version": f"{self.ggml.commit} (ggml {self.ggml.version})",
-                     "package": f"llama-cpp-python {_distribution_version()}"},
+                     "package": f"llama-cpp-python {_distribution_version()}",
+                     "type_k": self.kv_type, "type_v": self.kv_type},
             weights=self.description, flash_attn="on" if self.flash else "off", outputs=self.outputs,
             sources=sources or None, system_info=llama_cpp.llama_print_system_info().decode().strip(),
         )
@@ -531,7 +664,9 @@ class LlamaCppEngine(EngineBase):
         """Every point of the vocabulary the graph did not show, with why."""
         missing = [p for p in all_points(self.num_layers) if p not in recorded]
         fused = FUSED_AWAY if self.flash else ()
-        return {p: FLASH_REASON if sub_point(p) in fused else ABSENT_REASON for p in missing}
+        split = (SCORES, PROBS) if self.graph.split else ()
+        return {p: FLASH_REASON if sub_point(p) in fused else SPLIT_REASON if sub_point(p) in split else ABSENT_REASON
+                for p in missing}
 
     def _meta_int(self, key: str) -> int | None:
         text = self._gguf_value(key)

@@ -240,10 +240,10 @@ BUILTINS = (
     EngineEntry(
         "llamacpp", "tracer.engines.llamacpp",
         "llama.cpp (llama-cpp-python) running the model's GGUF, its graph observed through the eval callback",
-        # Its own switches: rope_freq_base, the KV cache type, flash attention, threads.
-        knobs=("theta", "kv_cache", "flash_attn", "threads"),
+        # Its own switches: rope_freq_base, the KV cache type, flash attention, threads, the micro-batch.
+        knobs=("theta", "kv_cache", "flash_attn", "threads", "n_ubatch"),
         fused_attention="flash_attn=on, or auto where the backend has it",
-        draft=True, greedy="cached", argument="PATH", extra="llamacpp",
+        draft=True, greedy="cached", argument="PATH", extra="llamacpp", positions=True, decode=True,
         # no wheel on the index: pip compiles llama.cpp, without AMX (docs/engine-llamacpp.md: in a VM that
         # does not hand AMX's tile state over, an AMX build dies with a general-protection fault); no pip
         # cache, which may hold a wheel built with AMX

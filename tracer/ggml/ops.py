@@ -204,9 +204,33 @@ def dot_exact(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x.to(F64) * y.to(F64)).sum(-1).to(F32)
 
 
-def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=vec_dot_f16) -> torch.Tensor:
+def causal(queries: int, keys: int) -> torch.Tensor:
+    """(T, S) bool, True where a query may attend: the T queries are the last of the S keys' positions
+    (a prefill: T = S; a cached decode step: the new token after the S - 1 cached ones)."""
+    return torch.arange(keys - queries, keys)[:, None] >= torch.arange(keys)[None, :]
+
+
+def online_softmax_factors(scores: torch.Tensor, allowed: torch.Tensor):
+    """The one-chunk loop's online softmax for every key at once: scores (H, T, S), allowed (T, S) ->
+    visible, new_max (bool), ms, vs (f32), each (H, T, S). The running maximum before a key is the
+    cumulative maximum of the visible scores before it; a visible key above it is a new maximum
+    (ms = expf(M_old - s), vs = 1), any other visible key weighs vs = expf(s - M) (ms = 1). The same
+    expf calls on the same operands as the loop over keys, in two calls instead of two per key."""
+    visible = allowed[None].expand(scores.shape)  # (H, T, S)
+    through = torch.cummax(torch.where(visible, scores, float("-inf")), dim=-1).values  # (H, T, S)
+    best = torch.cat([torch.full_like(through[..., :1], float("-inf")), through[..., :-1]], dim=-1)  # M before each
+    new_max = visible & (scores > best)
+    kept = visible & ~new_max
+    ms = torch.where(new_max, expf(torch.where(new_max, best - scores, 0.0)), 1.0)
+    vs = torch.where(kept, expf(torch.where(kept, scores - best, 0.0)), 1.0)
+    return visible, new_max, ms, vs
+
+
+def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=vec_dot_f16,
+                         allowed: torch.Tensor | None = None) -> torch.Tensor:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk with an f16 K/V cache (fewer than 64 query
-    rows). q (H, T, D) f32 and k (H, T, D) in GGUF order, v (H, T, D); returns (H, T, D) f32.
+    rows). q (H, T, D) f32 and k (H, S, D) in GGUF order, v (H, S, D); returns (H, T, D) f32.
+    `allowed` (T, S): which keys each query sees (default `causal`: the queries are the last keys).
 
     Q is rounded to f16 and dotted with each key by ggml_vec_dot_f16 (or `dot`); keys are visited in order,
     masked (future) ones skipped; on a new maximum the f16 accumulator is rescaled by expf(M_old - M)
@@ -214,19 +238,15 @@ def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=v
     S = fma(S, ms, vs); the output is f32(acc) * (1/S).
     """
     heads, tokens, _ = q.shape
+    allowed = causal(tokens, k.shape[1]) if allowed is None else allowed  # (T, S)
     k16, v16 = round_f16(k), round_f16(v)
-    scores = dot(round_f16(q)[:, :, None, :], k16[:, None, :, :]) * np.float32(scale)  # (H, T, T)
+    scores = dot(round_f16(q)[:, :, None, :], k16[:, None, :, :]) * np.float32(scale)  # (H, T, S)
     acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)  # the f16 accumulator, held in f32
-    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
     total = torch.zeros(heads, tokens, dtype=F32)
-    positions = torch.arange(tokens)
-    for key in range(tokens):
-        visible = (positions >= key)[None].expand(heads, tokens)  # (H, T): causal mask
-        s = scores[:, :, key]  # (H, T)
-        new_max = visible & (s > best)
-        ms = torch.where(new_max, expf(torch.where(new_max, best - s, 0.0)), 1.0)
-        vs = torch.where(visible & ~new_max, expf(torch.where(visible & ~new_max, s - best, 0.0)), 1.0)
-        best = torch.where(new_max, s, best)
+    seen, raised, scales, weights = online_softmax_factors(scores, allowed)  # (H, T, S) each
+    for key in range(k.shape[1]):
+        visible, new_max = seen[..., key], raised[..., key]  # (H, T): masked keys skipped
+        ms, vs = scales[..., key], weights[..., key]
         acc = torch.where(new_max[..., None], round_f16(acc * ms[..., None]), acc)
         updated = round_f16(fma(v16[:, key, None, :], vs[..., None], acc))  # (H, T, D)
         acc = torch.where(visible[..., None], updated, acc)
@@ -264,9 +284,8 @@ def flash_attn_exact(q, k, v, scale: float, round_q: bool, dtype: torch.dtype = 
     in `dtype` (f64: exact but for the last bits; f32: torch's own order), rounded to f32. Shapes
     as `flash_attn_tiled`."""
     qd = (round_f16(q) if round_q else q).to(dtype)
-    scores = qd @ round_f16(k).to(dtype).transpose(-1, -2) * scale  # (H, T, T)
-    causal = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
-    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+    scores = qd @ round_f16(k).to(dtype).transpose(-1, -2) * scale  # (H, T, S)
+    probs = torch.softmax(scores.masked_fill(~causal(*scores.shape[-2:]), float("-inf")), dim=-1)
     return (probs @ round_f16(v).to(dtype)).to(F32)
 
 
@@ -275,9 +294,11 @@ def dot_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, y.transpose(-1, -2))[..., 0, :] if x.shape[-2] == 1 else (x * y).sum(-1)
 
 
-def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml") -> torch.Tensor:
+def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml", allowed: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """llama.cpp's CPU flash attention with an f16 KV cache, picking its path as ggml does (tiled
-    from 64 query rows). q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D) f32.
+    from 64 query rows). q (1, H, T, D), k/v (1, KV, S, D) HF order -> (1, H, T, D) f32; `allowed`
+    (T, S): the mask below 64 rows (default: causal, the queries the last keys).
 
     `accumulate` other than "ggml": the same algorithm with other sums. Below 64 rows the f16
     accumulator and online softmax stay (every implementation of ggml's kernel keeps them) and only
@@ -285,16 +306,21 @@ def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml") -> torch.T
     softmax attention is computed in f64 or f32 and rounded once."""
     heads = q.shape[1]
     q_g = to_interleaved(q[0].to(F32), head_dim)  # (H, T, D) GGUF order: the dot products' order
-    k_g = kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads)  # (H, T, D)
-    v_h = kv_for_heads(v[0].to(F32), heads)  # (H, T, D): V rows are not permuted
+    k_g = kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads)  # (H, S, D)
+    v_h = kv_for_heads(v[0].to(F32), heads)  # (H, S, D): V rows are not permuted
     scale = attention_scale(head_dim)
     tiled = q.shape[2] >= FA_TILE
+    if tiled and q.shape[2] != k.shape[2]:
+        raise TracerError("the ggml regime's tiled flash attention (64 or more query rows) runs a prefill only, "
+                          "not rows after a KV cache")
     if accumulate == "ggml":
         run = flash_attn_tiled if tiled else flash_attn_one_chunk
     elif tiled:
         run = functools.partial(flash_attn_exact, round_q=False, dtype=F64 if accumulate == "f64" else F32)
     else:
         run = functools.partial(flash_attn_one_chunk, dot=dot_exact if accumulate == "f64" else dot_f32)
+    if not tiled:
+        run = functools.partial(run, allowed=allowed)
     return run(q_g, k_g, v_h, scale)[None]
 
 
@@ -402,18 +428,14 @@ def flash_attn_one_chunk_f32(scores: torch.Tensor, v: torch.Tensor) -> torch.Ten
     (libm expf, S = fma(S, ms, vs)), an f32 accumulator (ggml_vec_scale_f32 on a new maximum,
     ggml_vec_mad_f32: fma(v, weight, acc)), output acc * (1/S). scores (H, T, T) already scaled,
     v (H, T, D) as ggml's v_to_float gives it."""
-    heads, tokens, _ = scores.shape
+    heads, tokens, keys = scores.shape
+    allowed = causal(tokens, keys)  # (T, S)
     acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)
-    best = torch.full((heads, tokens), float("-inf"), dtype=F32)
     total = torch.zeros(heads, tokens, dtype=F32)
-    positions = torch.arange(tokens)
-    for key in range(tokens):
-        visible = (positions >= key)[None].expand(heads, tokens)
-        s = scores[:, :, key]
-        new_max = visible & (s > best)
-        ms = torch.where(new_max, expf(torch.where(new_max, best - s, 0.0)), 1.0)
-        vs = torch.where(visible & ~new_max, expf(torch.where(visible & ~new_max, s - best, 0.0)), 1.0)
-        best = torch.where(new_max, s, best)
+    seen, raised, scales, weights = online_softmax_factors(scores, allowed)  # (H, T, S) each
+    for key in range(keys):
+        visible, new_max = seen[..., key], raised[..., key]
+        ms, vs = scales[..., key], weights[..., key]
         acc = torch.where(new_max[..., None], acc * ms[..., None], acc)
         acc = torch.where(visible[..., None], fma(v[:, key, None, :], vs[..., None], acc), acc)
         total = torch.where(visible, fma(total, ms, vs), total)
@@ -472,7 +494,7 @@ def soft_max(scores: torch.Tensor) -> torch.Tensor:
     maximum, ggml_v_expf(s - max) per 16 values with their `_mm512_reduce_add_ps` added in f64,
     then p * f32(1.0/sum) (the reciprocal taken in f64). scores (H, T, N) -> (H, T, N)."""
     tokens = scores.shape[-1]
-    masked = scores + torch.where(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"), 0.0)
+    masked = scores + torch.where(causal(*scores.shape[-2:]), 0.0, float("-inf"))  # (H, T, S)
     best = masked.amax(-1, keepdim=True)
     p = _pad16(ggml_v_expf(masked - best))  # (H, T, N padded)
     total = torch.zeros(p.shape[:-1], dtype=F64)

@@ -418,7 +418,8 @@ def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
 
     def attention(q, k, v, spec, steps, record, visible=None):
         if kv_cache in ("f16", "f32"):
-            return ops.flash_attention(q, k, v, spec.head_dim, accumulate)
+            allowed = None if visible is None else ~visible.blocked()  # (T, S): keys by their positions
+            return ops.flash_attention(q, k, v, spec.head_dim, accumulate, allowed)
         heads, dim = q.shape[1], spec.head_dim
         q_g = to_interleaved(q[0].to(F32), dim)  # (H, T, D) GGUF order
         k_g = to_interleaved(k[0].to(F32), dim)  # (KV, T, D)
@@ -441,6 +442,7 @@ def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
         return (ops.fwht(out, rot_v) if rot_v else out)[None]
 
     attention.fused = "llama.cpp's flash attention never forms the scores and probabilities"
+    attention.cached = True  # rows after a KV cache: the queries are the last keys (tracer.ggml.ops.causal)
     return attention
 
 
@@ -467,6 +469,7 @@ def make_attention_unfused(kv_cache: str):
     def attention(q, k, v, spec, steps, record, visible=None):
         return ops.attention_unfused(q, k, v, spec.head_dim, kv_cache, record)
 
+    attention.cached = True
     return attention
 
 
@@ -489,6 +492,7 @@ def make_attention_stored(kv_cache: str, rounding: str):
         record(PROBS, probs)
         return torch.matmul(probs_format(probs), vs)
 
+    attention.cached = True  # the mask from the keys' positions (`visible`)
     return attention
 
 
@@ -562,6 +566,8 @@ def apply_regime(knobs: dict, strategies, spec=None):
             changes["attention"] = make_attention_unfused(kv_cache or "f32")
     elif kv_cache is not None:
         changes["attention"] = make_attention_stored(kv_cache, rounding)
+    if kv_cache in ("f16", "bf16"):  # a decode's cache holds K and V as llama.cpp stores them (its cache points)
+        changes["cache_store"] = kv_rounding(kv_cache, rounding)
     replaced = strategies.replace(**changes)
     if knobs.get("ops") == "candle":  # candle's f32 kernels (tracer.ggml.candle)
         from tracer.ggml.candle import apply_ops

@@ -259,6 +259,10 @@ MODEL_WIDE: dict[str, Knob] = {
              "4, at most the CPU count",
              "the runtime's thread count (llama.cpp n_threads); results should not depend on it", fixed("threads=1"),
              kind="runtime"),
+        Knob("n_ubatch", _positive_int, "a positive integer, e.g. n_ubatch=2", "the whole prompt in one",
+             "llama.cpp's micro-batch: the prompt computed in pieces of this many tokens, each a graph of its own "
+             "after the cache the earlier ones filled (other matmul shapes may take other kernels)",
+             fixed("n_ubatch=2"), kind="runtime"),
     )
 }
 

@@ -54,6 +54,11 @@ EXACT_TOKENS_CANDLE = 512
 # f16 accumulator of flash attention); in a 16-bit dtype ten unit roundoffs of that dtype (one op
 # rounds its result once, but two runtimes may round an op's intermediate steps differently).
 PER_OP_BOUNDS = {"f32": 1e-4, "bf16": 10 * 2.0**-9, "f16": 10 * 2.0**-12}
+# A cached decode in llama.cpp's regime is emulated while its one-row flash attention reads fewer than
+# 512 cells (`ggml_compute_forward_flash_attn_ext_f16`: from 512, use_split_kv_path splits the keys
+# among the threads and merges their partial sums, not emulated); llama.cpp pads the cells it reads
+# to 256, so the prompt and the decoded tokens must fit in 256.
+DECODE_CELLS = 256
 
 
 def resolve(regime, candidate: EngineRef, variant: dict,
@@ -106,7 +111,12 @@ def implied(candidate: EngineRef, variant: dict, source: ModelSource) -> tuple[d
         from tracer.ggml.strategies import GGUFWeights
 
         path = gguf_of(source, candidate.argument)
-        return file_weights(source, path, *runtime_regime(candidate.regime, GGUFWeights(path).types(), variant))
+        regime = runtime_regime(candidate.regime, GGUFWeights(path).types(), variant)
+        knobs, caveats = file_weights(source, path, *regime)
+        if "n_ubatch" in variant:  # the regime runs the prompt whole: its kernels are chosen for T rows
+            caveats = [*caveats, f"llama.cpp computes the prompt in micro-batches of {variant['n_ubatch']} tokens "
+                                 "(n_ubatch), each with the kernels of its own shape; the regime runs it whole"]
+        return knobs, caveats
     formats = {knob: value for knob, value in variant.items() if knob in entry.emulated}
     dtype = setting(variant, "dtype")
     if dtype != "f32":
@@ -237,8 +247,26 @@ def per_op_noise(prepared, knobs: dict) -> dict[str, float] | None:
     return {point: max(noise, spread.get(point, 0.0)) for point, noise in prepared.noise.items()}
 
 
+def check_regime_decode(knobs: dict, caveats: list[str], num_tokens: int, decode: int) -> None:
+    """`--decode` in a regime is compared free-running, step by step, against tracer's model decoding
+    with its own cache in the regime: refused in one line where that is not a verdict (a chaotic
+    regime judged per op) or not emulated (llama.cpp's split flash attention past DECODE_CELLS)."""
+    if not decode:
+        return
+    if verdict_view(knobs, caveats, num_tokens + decode) != "free":
+        raise TracerError(f"--decode with --regime {variant_text(knobs)}: the regime is judged per op here "
+                          f"({'; '.join(caveats) or 'not in its runtime summation order'}), and decode steps only "
+                          "free-running; run them apart")
+    expanded = expand_presets(knobs)
+    flash = expanded.get("ops") == "ggml" and setting(expanded, "flash_attn") != "off"
+    if flash and num_tokens + decode > DECODE_CELLS:
+        raise TracerError(f"--decode {decode} after {num_tokens} tokens with --regime: past {DECODE_CELLS} cells "
+                          "llama.cpp's one-token flash attention splits the cache among its threads, which the "
+                          "regime does not emulate; decode fewer steps")
+
+
 def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[str],
-                      audit: WeightAudit | None = None, *, noise_floor: bool = True) -> Result:
+                      audit: WeightAudit | None = None, *, noise_floor: bool = True, decode: int = 0) -> Result:
     """The candidate against tracer's model run in the regime `knobs`, on the tokens `prepared`
     (the f32 reference's) holds: the regime view's `Result`, with the raw view `raw`, the regime's
     cost per point, the per-op errors and the weights' `audit` attached (`Result.regime`).
@@ -248,11 +276,15 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
     `per_op_noise`; a prompt too long for the runtime's order sums with torch's BLAS in f32
     instead (accumulate=f32, ~1.4× a plain forward). The regime reference decodes no greedy
     continuation: the raw view's continuations, f32 reference against the candidate, are kept.
+    `decode` steps: tracer's model decodes them greedily with its own cache in the regime, the
+    candidate with its own, teacher-forced on those tokens (`tracer.pipeline.decode.compare_decoded`).
     """
+    check_regime_decode(knobs, caveats, len(prepared.ids), decode)
     view_kind = verdict_view(knobs, caveats, len(prepared.ids))
     if view_kind == "per_op" and "accumulate" not in knobs and not exact_order(knobs, len(prepared.ids)):
         knobs = {**knobs, "accumulate": "f32"}
-    inputs, placement = Inputs(prepared.source, tokens=prepared.ids), Placement(prepared.device, prepared.stream)
+    inputs = Inputs(prepared.source, tokens=prepared.ids, position_offset=prepared.position_offset)
+    placement = Placement(prepared.device, prepared.stream)
     with prepared_reference(inputs, placement, reference=Side(EngineRef.named("reimpl"), knobs),
                             tolerance=prepared.tolerance, noise_floor=noise_floor, greedy_steps=0,
                             progress=False) as in_regime:
@@ -268,6 +300,10 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
             with timed(timings, "regime_order_spread_s"):
                 judged = dataclasses.replace(in_regime, trace=forced, noise=per_op_noise(in_regime, knobs))
         view = compare_candidate(judged, engine, trace=candidate)
+        if decode:
+            from tracer.pipeline.decode import compare_decoded
+
+            view = compare_decoded(view, in_regime, engine, decode)
         cost = regime_cost(prepared.trace, in_regime.trace)
     timings |= {f"regime_{name}": seconds for name, seconds in view.timings.items() if name != "candidate_s"}
     notes = []  # the view, the raw verdict and the caveats: reports word them from `Result.regime`

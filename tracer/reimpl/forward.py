@@ -201,8 +201,9 @@ class Model:
             with a cache, every layer also records what its cache holds (`cache_k`, `cache_v`);
         `cache`: a `tracer.reimpl.kv_cache.KVCache` the keys and values are appended to.
         """
-        if cache is not None and self.steps.attention not in ATTENTION_KERNELS.values():
-            raise TracerError("a KV cache with a regime's own attention (ops=ggml, ops=candle, kv_cache=) is not "
+        cached = self.steps.attention in ATTENTION_KERNELS.values() or getattr(self.steps.attention, "cached", False)
+        if cache is not None and not cached:  # a regime's attention that takes rows after a cache says so
+            raise TracerError("a KV cache with this regime's own attention (ops=candle) is not "
                               "emulated: run the regime without a cache")
         record = record or _no_record
         at = self.positions(positions, tokens.shape[0], cache)

@@ -547,6 +547,9 @@ class Attention(Component):
         queries = keys = run.positions.positions  # (T,)
         if run.cache is not None:  # the layer's keys and values so far, these appended
             stored = unrotated if steps.cache_unrotated else None
+            if steps.cache_store is not None:  # its storage format: what every later step reads back
+                k, v = steps.cache_store(k), steps.cache_store(v)
+                stored = None if stored is None else steps.cache_store(stored)
             k, v, keys = run.cache.update(run.index, k, v, queries, stored)  # (1, KV, S, D) x2, (S,)
             run.record(CACHE_K, run.cache.keys[run.index])  # what the cache holds now, (1, KV, S, D)
             run.record(CACHE_V, run.cache.values[run.index])

@@ -105,5 +105,6 @@ def steps(knobs: dict, spec=None) -> dict:
             "cache_unrotated": setting(knobs, "cache_keys") == "unrotated",
             "ring_slot": fill_slot if setting(knobs, "ring_index") == "fill" else None,  # None: the ring's own rule
             "cached_window": CACHED_WINDOWS[setting(knobs, "window_mask")],
-            "cache_left_over": setting(knobs, "cache_reset") == "kept"}
+            "cache_left_over": setting(knobs, "cache_reset") == "kept",
+            "cache_store": None}  # K, V -> what the cache keeps (a regime's kv_cache format: tracer.ggml.strategies)
 
