@@ -32,6 +32,7 @@ from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions
 from tracer.engines.load import load_engine
 from tracer.engines.registry import EngineRef
+from tracer.model.knobs import expand_presets, is_regime
 from tracer.model.points import CACHE_POINTS, K_ROPE, Q_ROPE, split_point
 
 
@@ -49,6 +50,8 @@ def reference_decode(prepared, steps: int) -> tuple[Trace, list[dict[str, float]
     sequence = prepared.ids + decoded_tokens(reference)
     at = at_positions(prepared.position_offset, len(sequence))
     uncached = prepared.engine.record(sequence, **at)
+    if is_regime(expand_presets(prepared.variant)):  # its prefill's floor is the regime's own (regime_noise)
+        return reference, step_floors(reference, uncached, prepared.noise)
     # each step's own rows in f64 (a streamed reimpl run, as the prefill's noise): their f32 rounding
     noise = StepNoise(reference, uncached)
     load_engine(EngineRef.named("reimpl"), prepared.source, {**prepared.variant, "dtype": "f64"},
