@@ -33,16 +33,31 @@ import torch
 from tracer.comparison.sglang_dump import is_sglang_dump, sglang_ranks
 from tracer.comparison.trace import Trace, TraceMeta
 from tracer.core.errors import TracerError, one_line
-from tracer.model.points import layout_of, split_point
+from tracer.model.points import (
+    CACHE_K,
+    CACHE_V,
+    CONTEXT,
+    GATE_PROJ,
+    K_NORM,
+    K_PROJ,
+    K_ROPE,
+    MLP_ACT,
+    PROBS,
+    Q_NORM,
+    Q_PROJ,
+    Q_ROPE,
+    SCORES,
+    UP_PROJ,
+    V_PROJ,
+    layout_of,
+    split_point,
+)
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 LAYOUTS = (COLUMN, ROW, REPLICATED)
 # vLLM's / SGLang's module outputs: the per-rank slices of the column-parallel layers and of attention.
-COLUMN_SPLIT = frozenset({
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm", "self_attn.k_norm",
-    "self_attn.q_rope", "self_attn.k_rope", "self_attn.scores", "self_attn.probs", "self_attn.context",
-    "self_attn.cache_k", "self_attn.cache_v", "mlp.gate_proj", "mlp.up_proj", "mlp.act",
-})
+COLUMN_SPLIT = frozenset({Q_PROJ, K_PROJ, V_PROJ, Q_NORM, K_NORM, Q_ROPE, K_ROPE, SCORES, PROBS, CONTEXT, CACHE_K,
+                          CACHE_V, GATE_PROJ, UP_PROJ, MLP_ACT})
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ class Knob:
         """The registered families it applies to, by name (None: every family)."""
         if self.name in MODEL_WIDE and self.applies is None:
             return None
-        return tuple(name for name in registered() if applies_to(self, name))
+        families = tuple(name for name in registered() if applies_to(self, name))
+        return None if families == tuple(registered()) else families  # every family's component
 
 
 def _positive_float(text: str) -> float:

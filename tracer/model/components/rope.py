@@ -269,7 +269,7 @@ LLAMA3_FACTORS = Knob(
     expected=f"layers.0.{Q_ROPE}: rel_l2 0.72 from position 100000, 8.7e-4 from 0 (tiny Llama, 7 tokens)",
     kind="semantic", after="rope_scaling")
 LONGROPE_CTX = Knob(
-    "longrope_ctx", _sequence_or_context, "sequence | an allocated context, e.g. longrope_ctx=131072", "sequence",
+    "longrope_ctx", _sequence_or_context, "sequence | N, an allocated context", "sequence",
     "LongRoPE's short/long factors chosen from the allocated context instead of the sequence length "
     "(llama.cpp #24823): long factors on a short prompt when the context exceeds the pretraining length, short "
     "ones at far positions when it does not", _allocated_context,
