@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from tracer.comparison.trace import Trace, import_foreign
-from tracer.core.errors import TracerError, one_line
+from tracer.core.errors import TracerError
+from tracer.files.torchfile import read_torch_file
 
 NON_INTRUSIVE = "non_intrusive__"
 _DIM = re.compile(r"^(?P<name>[A-Za-z_]\w*)(?:\((?P<modifiers>[^)]*)\))?$")
@@ -113,11 +114,9 @@ def sglang_ranks(directory: Path, aliases=None) -> list[RankDump]:
 
 
 def _read(path: Path) -> tuple[object, dict]:
-    """A dump file's value and its meta (older dumps hold the bare tensor; their tags are the name's)."""
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for a damaged or foreign pickle
-        raise TracerError(f"cannot read SGLang dump file {path}: {one_line(exc)}") from None
+    """A dump file's value and its meta (older dumps hold the bare tensor; their tags are the name's),
+    read without running the file's pickle (`tracer.files.torchfile`)."""
+    loaded = read_torch_file(path)
     tags = dict(part.split("=", 1) for part in path.stem.split("___") if "=" in part)
     if isinstance(loaded, dict) and "value" in loaded:
         return loaded["value"], {**tags, **(loaded.get("meta") or {})}
