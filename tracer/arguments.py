@@ -192,10 +192,13 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     diag.add_argument("--model", help="the model it ran (default: bundled SmolLM2-135M-Instruct)")
     diag.add_argument("--variants", action="append", metavar="K=V[,K=V][;...]",
                       help="variants to try (default: the catalogue)")
+    diag.add_argument("--decode", type=int, default=0, metavar="N",
+                      help="compare the trace's first N decode steps too (recorded with --decode): the reference "
+                           "and each variant decode with their own KV cache, fed the trace's tokens")
 
     swp = command("sweep", "the reference once, then every variant against it (default: one per knob)",
-                  _inputs(), _truncation(), _reference(), _noise(), _placement(), _report(DEFAULT_SWEEP_OUT),
-                  _json("sweep"))
+                  _inputs(), _truncation(), _decode(), _reference(), _noise(), _placement(),
+                  _report(DEFAULT_SWEEP_OUT), _json("sweep"))
     swp.add_argument("--variants", action="extend", nargs="+", metavar="K=V[,K=V]",
                      help="variants to run (several, or one argument with ';' between them; default: one per knob)")
     swp.add_argument("--candidate", default="reimpl",

@@ -67,9 +67,11 @@ class HFEngine(EngineBase):
         self._recorded(recorder, input_ids=self._ids(tokens), use_cache=False, **self._positions(positions))
         return Trace(recorder.tensors, self._meta(tokens, offset))
 
-    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0,
+               recorded=None) -> Trace:
         """The prefill and `count` decode steps with transformers' own KV cache (`DynamicCache`), each
-        step one token at its `position_ids`; the hooks record every step's points and the cache."""
+        step one token at its `position_ids`; the hooks record every step's points and the cache (the
+        `recorded` steps only, where given: `decode_steps`)."""
         from transformers import DynamicCache
 
         config = self.model.config
@@ -80,14 +82,18 @@ class HFEngine(EngineBase):
                                offset + len(tokens) + count)
         cache = DynamicCache(config=self.model.config)
 
-        def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+        def forward(ids: list[int], start: int, record: bool = True) -> tuple[Trace, torch.Tensor]:
             recorder = TraceRecorder()
-            at = torch.arange(start, start + len(ids))
-            out = self._recorded(recorder, cached=True, input_ids=self._ids(ids), use_cache=True,
-                                 **self._cache(cache), **self._positions(at))
+            call = {"input_ids": self._ids(ids), "use_cache": True, **self._cache(cache),
+                    **self._positions(torch.arange(start, start + len(ids)))}
+            if record:
+                out = self._recorded(recorder, cached=True, **call)
+            else:
+                with torch.inference_mode():
+                    out = self.model(**call)
             return Trace(recorder.tensors, self._meta(ids, start or None)), out.logits[0]  # (T, V)
 
-        return decode_steps(forward, tokens, count, forced, offset)
+        return decode_steps(forward, tokens, count, forced, offset, recorded)
 
     def _recorded(self, recorder, cached: bool = False, **call):
         """The model called on `call` with every point going to `recorder`."""

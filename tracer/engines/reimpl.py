@@ -29,9 +29,11 @@ class ReimplEngine(EngineBase):
         self.model.forward(torch.tensor(tokens), recorder, positions=positions)
         return Trace(recorder.tensors, self._meta(tokens, offset))
 
-    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0,
+               recorded=None) -> Trace:
         """The prefill and `count` decode steps with its own KV cache (`tracer.reimpl.kv_cache`); the
-        model picks each step's position from the cache (where the decode knobs get it wrong)."""
+        model picks each step's position from the cache (where the decode knobs get it wrong). `recorded`:
+        the steps whose points are recorded (`decode_steps`)."""
         from tracer.reimpl.kv_cache import KVCache
 
         spec = self.model.spec
@@ -40,13 +42,14 @@ class ReimplEngine(EngineBase):
                                offset + len(tokens) + count)
         cache = KVCache(self.model.spec.num_hidden_layers)
 
-        def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+        def forward(ids: list[int], start: int, record: bool = True) -> tuple[Trace, torch.Tensor]:
             recorder = TraceRecorder()
             at = torch.arange(start, start + len(ids)) if cache.length == 0 else None  # the prompt's, as given
-            logits = self.model.forward(torch.tensor(ids), recorder, positions=at, cache=cache)  # (T, V)
+            logits = self.model.forward(torch.tensor(ids), recorder if record else None, positions=at,
+                                        cache=cache)  # (T, V)
             return Trace(recorder.tensors, self._meta(ids, start or None)), logits
 
-        return decode_steps(forward, tokens, count, forced, offset)
+        return decode_steps(forward, tokens, count, forced, offset, recorded)
 
     def logits(self, tokens: list[int], *, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.forward(torch.tensor(tokens), positions=positions)
