@@ -187,14 +187,11 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     command("engines", "list every engine: what it records and honours, whether its runtime is installed")
 
     diag = command("diagnose", "rank the variant catalogue by resemblance to a trace recorded elsewhere",
-                   _placement(), _json("ranking"))
+                   _decode(), _placement(), _json("ranking"))
     diag.add_argument("trace", type=Path, help="the observed candidate trace (safetensors, with token ids)")
     diag.add_argument("--model", help="the model it ran (default: bundled SmolLM2-135M-Instruct)")
     diag.add_argument("--variants", action="append", metavar="K=V[,K=V][;...]",
                       help="variants to try (default: the catalogue)")
-    diag.add_argument("--decode", type=int, default=0, metavar="N",
-                      help="compare the trace's first N decode steps too (recorded with --decode): the reference "
-                           "and each variant decode with their own KV cache, fed the trace's tokens")
 
     swp = command("sweep", "the reference once, then every variant against it (default: one per knob)",
                   _inputs(), _truncation(), _decode(), _reference(), _noise(), _placement(),

@@ -15,6 +15,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
 from tracer.core.errors import TracerError
+from tracer.core.progress import detail
 from tracer.core.lazy import torch  # the isolated engines' handle imports this module; its child starts torch-free
 from tracer.engines.registry import EngineEntry
 from tracer.model.points import LOGITS, layer_point
@@ -186,6 +187,7 @@ def decode_steps(forward: Callable[..., tuple[Trace, torch.Tensor]], tokens: lis
         trace_of_step, logits = step(index + 1, [token], position)
         steps.append(trace_of_step)
         position += 1
+        detail(f"decode step {index + 1}/{count}")
     trace.steps = steps
     return trace
 
