@@ -15,8 +15,8 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
 from tracer.core.errors import TracerError
-from tracer.core.progress import detail
 from tracer.core.lazy import torch  # the isolated engines' handle imports this module; its child starts torch-free
+from tracer.core.progress import detail
 from tracer.engines.registry import EngineEntry
 from tracer.model.points import LOGITS, layer_point
 
