@@ -4,6 +4,8 @@
     python bench/bench.py --quick    # CI-sized: 256 tokens, 3 repeats (well under two minutes)
     python bench/bench.py --threads 1   # steadier figures on a small, busy machine
     python bench/bench.py --whole-run   # only `tracer run` as a process against a bare transformers script
+    python bench/bench.py --decode 64   # only `--decode 64` and the greedy check, against both engines' own
+                                        # cached decodes (transformers' generate, the reimplementation's cache)
 
 Prints a table and writes it to bench/results.md (the machine is named in it). Each timing is
 the best of the repeats after one warm-up (as `timeit` reports: what else runs on the machine
@@ -459,6 +461,71 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:
             "the same, first run of this model and prompt (noise floor and reference greedy measured)": first}
 
 
+DECODE_PROMPT = "The capital of France is"
+GREEDY_VARIANT = "rope=interleaved"  # flips at the 5th greedy token on SmolLM2: the old path's worst case
+
+
+def decode_rows(model_dir: Path, steps: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """`--decode N` and the greedy check on the cache, each against the engines' own cached decodes
+    timed in the same alternating rounds: transformers' `generate` (greedy, N tokens, no hook) and the
+    reimplementation's cached decode with nothing recorded. (median seconds, median ratio)."""
+    from tracer.comparison.diff import compare
+    from tracer.comparison.result import Tolerance
+    from tracer.engines.load import load_engine
+    from tracer.model.knobs import parse_variant
+    from tracer.pipeline import greedy
+    from tracer.pipeline.decode import compare_decoded
+    from tracer.pipeline.request import Side, request_of
+    from tracer.pipeline.run import compare_candidate, prepared_reference
+
+    inputs, placement = request_of("run", model_dir, DECODE_PROMPT, {})
+    with prepared_reference(inputs, placement, reference=Side.of("hf"), greedy_steps=0, progress=False) as prepared:
+        hf, ids = prepared.engine, prepared.ids
+        reimpl = load_engine("reimpl", prepared.source, {})
+        prefill = compare_candidate(prepared, reimpl, local=False)
+        rows = {}
+
+        def generate():
+            with torch.inference_mode():
+                hf.model.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+
+        def own_decodes():  # what generating costs on each side: the yardstick
+            generate()
+            reimpl.decode(ids, steps - 1, recorded=())
+
+        rows[f"hf generate, {steps} tokens (no hook)"] = median_ratio(generate, own_decodes, repeats)
+        rows[f"tracer run --decode {steps}: both decodes recorded, the floor, every step compared"] = median_ratio(
+            lambda: compare_decoded(prefill, prepared, reimpl, steps), own_decodes, repeats)
+
+        # The greedy check (20 tokens) of a candidate that parts early, before (uncached forwards, both sides
+        # recorded uncached at the flip) and now (each side's cached decode, the flip step recorded).
+        candidate = load_engine("reimpl", prepared.source, parse_variant(GREEDY_VARIANT))
+        count = greedy.GREEDY_STEPS
+
+        def uncached_check():
+            reference = greedy.continuation(hf, ids, count, guess=greedy.draft(hf, ids, count))
+            parted = greedy.summary(reference, greedy.continuation(candidate, ids, count, guess=reference), str)
+            flip_ids = ids + reference[:parted.first_flip - 1]
+            return compare(hf.record(flip_ids), candidate.record(flip_ids), Tolerance()).first_divergence
+
+        def cached_check():
+            reference = greedy.generated(hf, ids, count)
+            parted = greedy.summary(reference, greedy.generated(candidate, ids, count, guess=reference), str)
+            steps_at_flip = [greedy.flip_step(side, ids, reference, parted.first_flip) for side in (hf, candidate)]
+            return compare(*steps_at_flip, Tolerance()).first_divergence
+
+        def generate_greedy():
+            with torch.inference_mode():
+                hf.model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False)
+            candidate.decode(ids, count - 1, recorded=())
+
+        rows[f"greedy check, {GREEDY_VARIANT}, {count} tokens: uncached forwards (before)"] = median_ratio(
+            uncached_check, generate_greedy, repeats)
+        rows[f"greedy check, {GREEDY_VARIANT}, {count} tokens: each side's cache (now)"] = median_ratio(
+            cached_check, generate_greedy, repeats)
+    return rows
+
+
 def table(timings: dict[str, tuple[float, float] | str]) -> list[str]:
     """Rows of (seconds, ratio), or a tool's error instead of figures."""
     rows = ["| measurement | seconds | ratio |", "|---|--:|--:|"]
@@ -483,6 +550,8 @@ def main() -> None:
     parser.add_argument("--candle", action="store_true", help="only the candle engine's rows and candle's regime")
     parser.add_argument("--exact-tokens", type=int, nargs="+", default=list(EXACT_REGIME_TOKENS),
                         help="prompt lengths of the bit-exact regime rows (default 64 512 2048)")
+    parser.add_argument("--decode", type=int, metavar="N", help="only the decode rows: `--decode N` and the greedy "
+                        "check against both engines' own cached decodes (N tokens; the greedy check 20)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -496,6 +565,11 @@ def main() -> None:
     tokens = bench_tokens(model_dir, count)
     if args.whole_run:
         print("\n".join(table(whole_run(model_dir, 5 if not args.quick else 3))))
+        return
+    if args.decode:
+        print("\n".join([f"# decode ({DECODE_PROMPT!r}, {torch.get_num_threads()} threads); ratio: to generate "
+                         "with both engines' own caches, nothing recorded, in the same rounds", ""]
+                        + table(decode_rows(model_dir, args.decode, repeats))))
         return
     if args.candle:
         rows = candle_rows(model_dir, tokens, repeats) or {"candle-nn": "not installed"}

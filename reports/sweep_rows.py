@@ -21,6 +21,7 @@ def sweep_rows(summary: dict) -> list[dict]:
             "variant": entry.get("variant"),
             "verdict": entry.get("verdict"),
             "first_divergence": first.get("point"),
+            "step": entry.get("step"),  # with --decode: the decode step the first divergence is at
             "rel_l2_at_first": first.get("rel_l2"),
             "logits_max_abs": logits.get("max_abs"),
             "logits_max_abs_all": logits.get("max_abs_all"),
@@ -41,7 +42,8 @@ def sweep_cells(row: dict) -> dict:
                                                                                      row["greedy_steps"])
     return {
         "variant": row["variant"], "verdict": row["verdict"] or "?", "error": row["error"] or "",
-        "first": row["first_divergence"] or DASH, "rel": fmt(row["rel_l2_at_first"]),
+        "first": (f"decode step {row['step']}: " if row["step"] else "") + (row["first_divergence"] or DASH),
+        "rel": fmt(row["rel_l2_at_first"]),
         "logits": fmt(row["logits_max_abs"]),
         "agree": percent(row["argmax_agree"]),
         "greedy": greedy,

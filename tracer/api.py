@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 from tracer.comparison.fingerprint import resemblance
@@ -275,7 +276,7 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
     return result
 
 
-@with_stages("load", "reference", "noise floor", "candidate", "report")
+@with_stages("load", "reference", "noise floor", "decode", "candidate", "report")
 def sweep(
     model=None,
     prompt: str | None = None,
@@ -301,9 +302,12 @@ def sweep(
 
     Args:
         model, prompt, and the keywords of the input and placement (tokens, max_tokens, chat, system,
-            position_offset; device, stream, offload, max_memory): as in `tracer.run`.
+            position_offset, decode; device, stream, offload, max_memory): as in `tracer.run`. With
+            `decode=N` the reference decodes once and every variant decodes N steps with its own cache,
+            fed the reference's tokens; a row's `step` is the decode step of its first divergence.
         variants: variant strings ("theta=10000,rope=interleaved"), a list of them, or one string
-            with `;` between variants; None: one representative value of every knob.
+            with `;` between variants; None: one representative value of every knob (with `decode`, the
+            decode-only knobs too: `decode_positions=restart`, `cache_keys=unrotated`).
         reference, reference_variant: the reference engine and its knobs (default hf, none).
         candidate: the engine every variant runs on ("reimpl", "hf", or another engine taking knobs).
         atol, rtol, noise_floor: as in `tracer.run`.
@@ -332,13 +336,14 @@ def sweep(
                         command=command, progress=progress)
 
 
-@with_stages("load", "reference", "noise floor", "candidate", "report")
+@with_stages("load", "reference", "noise floor", "decode", "candidate", "report")
 def sweep_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, variants=None, reference: Side,
                  candidate: Side, tolerance: Tolerance = Tolerance(), greedy: int = 0, noise_floor: bool = True,
                  command: str | None = None, progress: bool = True) -> Sweep:
     """`sweep` on the request's values (`tracer.pipeline.request`), as the CLI builds them; a knob the
     candidate cannot honour is that variant's row's error."""
     check_positions(inputs.position_offset, reference, candidate)
+    check_decode(inputs.decode, reference, candidate)
     texts = None if variants is None else split_variants(variants)
     parsed = None if texts is None else [parse_variant(text) for text in texts]  # before anything loads
     check_greedy(greedy)
@@ -347,9 +352,16 @@ def sweep_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, vari
         load_candidate = candidate_loader(candidate.engine, prepared)
         if parsed is None:
             spec = model_spec(prepared.source)
-            parsed = [parse_variant(text) for text in default_variants(spec, candidate.entry.name)]
+            parsed = [parse_variant(text) for text in default_variants(spec, candidate.entry.name,
+                                                                       decode=bool(inputs.decode))]
+        decoded = None
+        if inputs.decode:  # the reference decodes once; every variant is fed its tokens
+            from tracer.pipeline.decode import reference_decode
+
+            stage("decode")
+            decoded = (inputs.decode, reference_decode(prepared, inputs.decode))
         stage("candidate")
-        rows = tuple(sweep_row(prepared, load_candidate, knobs) for knobs in parsed)
+        rows = tuple(sweep_row(prepared, load_candidate, knobs, decoded=decoded) for knobs in parsed)
     result = Sweep(
         rows=rows, reference={"engine": str(reference.engine), "variant": prepared.variant,
                               "label": prepared.trace.label},
@@ -366,8 +378,8 @@ def sweep_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, vari
     return result
 
 
-@with_stages("load", "reference", "noise floor", "candidate")
-def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: bool | None = None,
+@with_stages("load", "reference", "noise floor", "decode", "candidate")
+def diagnose(trace, model=None, *, variants=None, decode: int = 0, device: str = "cpu", stream: bool | None = None,
              offload: str | Path | None = None, max_memory=None, progress: bool = True) -> Diagnosis:
     """Rank the variant catalogue by how well each reproduces an observed trace's error.
 
@@ -380,6 +392,9 @@ def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: b
             docs/trace-format.md); it must carry its token ids.
         model: the model it ran (None: the bundled SmolLM2).
         variants: the variants to try (default: `tracer.pipeline.catalogue.diagnosis_variants`).
+        decode: compare the trace's first N decode steps too (a trace recorded with `decode=N`): the
+            reference and every variant decode N steps with their own KV cache, fed the trace's tokens,
+            and the catalogue gains the decode-only knobs.
         offload, max_memory: as in `tracer.record`, for the hf reference.
 
     Returns:
@@ -391,33 +406,49 @@ def diagnose(trace, model=None, *, variants=None, device: str = "cpu", stream: b
         >>> tracer.diagnose(observed, variants="theta=10000; eps=1e-4", progress=False).best["variant"]
         'eps=0.0001'
     """
-    return diagnose_values(trace, Inputs(model, tokens=None), Placement(device, stream, offload, max_memory),
-                           variants=variants, progress=progress)
+    return diagnose_values(trace, Inputs(model, tokens=None, decode=decode),
+                           Placement(device, stream, offload, max_memory), variants=variants, progress=progress)
 
 
-@with_stages("load", "reference", "noise floor", "candidate")
+@with_stages("load", "reference", "noise floor", "decode", "candidate")
 def diagnose_values(trace, inputs: Inputs, placement: Placement = Placement(), *, variants=None,
                     progress: bool = True) -> Diagnosis:
-    """`diagnose` on the request's values; `inputs` names the model (its prompt is the trace's tokens)."""
+    """`diagnose` on the request's values; `inputs` names the model (its prompt is the trace's tokens) and
+    the decode steps to compare (`inputs.decode`)."""
     from tracer.engines.file import FileEngine
 
     observed_trace = load_trace(trace)
     if not observed_trace.tokens:
         raise TracerError("the trace carries no token ids; diagnose needs them to rerun the same input")
+    steps = inputs.decode
+    if steps and len(observed_trace.steps) < steps:
+        raise TracerError(f"--decode {steps}: the trace holds {len(observed_trace.steps)} decode steps (record it "
+                          f"with --decode {steps} or more)")
     tried = None if variants is None else [parse_variant(text) for text in split_variants(variants)]
     replay = Inputs(inputs.model, tokens=observed_trace.tokens)
     with prepared_reference(replay, placement, reference=Side.of("hf"), greedy_steps=0, progress=progress) as prepared:
         observed = compare_candidate(prepared, FileEngine(observed_trace))
+        decoded = None
+        if steps:  # the reference and every variant fed the observed trace's tokens
+            from tracer.pipeline.decode import decoded_tokens, reference_decode, with_decoded
+
+            stage("decode")
+            started = time.perf_counter()
+            observed_steps = dataclasses.replace(observed_trace, steps=observed_trace.steps[:steps])
+            decoded = (steps, reference_decode(prepared, steps, forced=decoded_tokens(observed_steps)))
+            observed = with_decoded(observed, prepared, *decoded[1], observed_steps, started,
+                                    fed="the reference fed the trace's tokens")
         if tried is None:
-            tried = [parse_variant(text) for text in diagnosis_variants(model_spec(prepared.source))]
+            tried = [parse_variant(text) for text in diagnosis_variants(model_spec(prepared.source),
+                                                                        decode=bool(steps))]
         stage("candidate")
-        key = catalogue_key(prepared, placement, tried)
+        key = catalogue_key(prepared, placement, tried, steps)
         rows = _CATALOGUE_ROWS.get(key) if key is not None else None
         if rows is None:
             load_candidate = candidate_loader(EngineRef.named("reimpl"), prepared)
             # Without local errors: the observed trace has none (a file cannot rerun a block), so
             # both sides' first divergences are where the total error leaves the floor.
-            rows = [sweep_row(prepared, load_candidate, knobs, local=False) for knobs in tried]
+            rows = [sweep_row(prepared, load_candidate, knobs, local=False, decoded=decoded) for knobs in tried]
             _CATALOGUE_ROWS.clear()  # the last catalogue only: its rows hold every point's comparison
             if key is not None:
                 _CATALOGUE_ROWS[key] = rows
@@ -503,9 +534,10 @@ def quality_values(inputs: Inputs, placement: Placement = Placement(), *, progre
 _CATALOGUE_ROWS: dict[tuple, list] = {}
 
 
-def catalogue_key(prepared, placement: Placement, tried: list[dict]) -> tuple | None:
+def catalogue_key(prepared, placement: Placement, tried: list[dict], steps: int = 0) -> tuple | None:
     """What the catalogue's rows depend on: the model's files as they are on disk now (size, mtime,
-    ctime, inode of each), the tokens, the placement and the variants; None for a loaded model."""
+    ctime, inode of each), the tokens, the placement, the variants and the decode steps; None for a
+    loaded model."""
     if prepared.source.loaded:
         return None
     from tracer.pipeline.reference_cache import folder_state
@@ -513,7 +545,7 @@ def catalogue_key(prepared, placement: Placement, tried: list[dict]) -> tuple | 
     model_dir = prepared.source.directory
     files = json.dumps(folder_state(model_dir), sort_keys=True)
     return (str(model_dir.resolve()), files, tuple(prepared.ids), repr(placement),
-            tuple(variant_text(knobs) for knobs in tried))
+            tuple(variant_text(knobs) for knobs in tried), steps)
 
 
 def compare_files(

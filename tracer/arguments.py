@@ -208,15 +208,15 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     command("engines", "list every engine: what it records and honours, whether its runtime is installed")
 
     diag = command("diagnose", "rank the variant catalogue by resemblance to a trace recorded elsewhere",
-                   _placement(), _json("ranking"))
+                   _decode(), _placement(), _json("ranking"))
     diag.add_argument("trace", type=Path, help="the observed candidate trace (safetensors, with token ids)")
     diag.add_argument("--model", help="the model it ran (default: bundled SmolLM2-135M-Instruct)")
     diag.add_argument("--variants", action="append", metavar="K=V[,K=V][;...]",
                       help="variants to try (default: the catalogue)")
 
     swp = command("sweep", "the reference once, then every variant against it (default: one per knob)",
-                  _inputs(), _truncation(), _reference(), _noise(), _placement(), _report(DEFAULT_SWEEP_OUT),
-                  _json("sweep"))
+                  _inputs(), _truncation(), _decode(), _reference(), _noise(), _placement(),
+                  _report(DEFAULT_SWEEP_OUT), _json("sweep"))
     swp.add_argument("--variants", action="extend", nargs="+", metavar="K=V[,K=V]",
                      help="variants to run (several, or one argument with ';' between them; default: one per knob)")
     swp.add_argument("--candidate", default="reimpl",

@@ -215,7 +215,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_diagnose(args) -> int:
     placement, _ = placement_of(args), outputs_of(args)
-    inputs = Inputs(model=args.model)
+    inputs = Inputs(model=args.model, decode=args.decode)
     if args.variants:
         from tracer.pipeline.catalogue import split_variants
 

@@ -56,3 +56,15 @@ def test_candle_port_walks_theta_rope_i_and_the_gguf_in_candles_regime(executed)
     assert "took rope_theta = 10000" in text and "first divergence model.layers.0.self_attn.q_rope" in text
     assert "read as transformers reads it: match" in text
     assert "match - largest difference over 513 points: 0.0" in text
+
+
+def test_decode_story_finds_the_cache_bug_by_step(executed):
+    name, executed = executed
+    if name != "decode.ipynb":
+        pytest.skip("the decode story only")
+    text = str(outputs(executed))
+    assert "prompt: match" in text and "where the sides part: model.layers.0.self_attn.q_rope" in text
+    assert "first divergence: decode step 1 (position 5), model.layers.0.self_attn.q_rope" in text
+    assert "model.layers.0.self_attn.q_proj 0.0" in text  # the projection agrees, RoPE does not
+    html = [out.get("data", {}).get("text/html", "") for out in outputs(executed)]
+    assert any('class="tracer-nb"' in h and "DIVERGED" in h for h in html)

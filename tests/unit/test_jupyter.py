@@ -140,7 +140,7 @@ def test_run_shows_progress_on_a_terminal(tiny_dir, monkeypatch):
     err = terminal.getvalue()
     for step in ("tracer: load", "tracer: reference", "tracer: candidate", "tracer: greedy"):
         assert step in err
-    assert "token 2/2" in err
+    assert "decode step 1/1" in err  # the greedy check's cached decode: the prompt, then one step per token
 
 
 def test_progress_false_is_quiet(tiny_dir, monkeypatch):

@@ -484,6 +484,7 @@ class SweepRow:
     notes: tuple[str, ...] = ()
     seconds: float | None = None
     result: Result | None = field(default=None, repr=False, compare=False)
+    step: int | None = None  # with --decode: the decode step the first divergence is at (None: the prefill)
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -493,7 +494,7 @@ class SweepRow:
             "variant": self.variant, "knobs": self.knobs, "verdict": self.verdict,
             "first_divergence": dict_or_none(self.first_divergence), "logits": dict_or_none(self.logits),
             "greedy": dict_or_none(self.greedy), "error": self.error, "curve": list(self.curve),
-            "notes": list(self.notes), "seconds": self.seconds,
+            "notes": list(self.notes), "seconds": self.seconds, "step": self.step,
         })
 
 

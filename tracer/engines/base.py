@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import platform
 from importlib import metadata
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
 from tracer.core.errors import TracerError
 from tracer.core.lazy import torch  # the isolated engines' handle imports this module; its child starts torch-free
+from tracer.core.progress import detail
 from tracer.engines.registry import EngineEntry
-from tracer.model.points import layer_point
+from tracer.model.points import LOGITS, layer_point
 
 if TYPE_CHECKING:
     from tracer.comparison.trace import Trace, TraceMeta
@@ -54,9 +55,11 @@ class Engine(Protocol):
     def draft(self, tokens: list[int], steps: int) -> list[int]:
         """A cheap guess at `steps` greedy tokens (a cached decode), checked by the caller."""
 
-    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0,
+               recorded: Collection[int] | None = None) -> Trace:
         """Where `entry.decode`: the prompt's prefill, then `count` steps of one token each, all with
-        its own KV cache; `Trace.steps` holds the steps (`decode_steps`)."""
+        its own KV cache; `Trace.steps` holds the steps (`decode_steps`). `recorded`: the steps whose
+        points are recorded (0: the prefill; None: all), where `entry.greedy == "decode"`."""
 
     def local_trace(self, reference: Trace, recorder=None) -> Trace:
         """Its points with every block fed the reference's input to that block."""
@@ -160,23 +163,37 @@ def refuse_windowed_decode(engine: str, window: int | None, layer: int | None, e
                           "buffers) are not traced yet: decode within the window")
 
 
-def decode_steps(forward: Callable[[list[int], int], tuple[Trace, torch.Tensor]], tokens: list[int], count: int,
-                 forced: list[int] | None = None, offset: int = 0) -> Trace:
+def decode_steps(forward: Callable[..., tuple[Trace, torch.Tensor]], tokens: list[int], count: int,
+                 forced: list[int] | None = None, offset: int = 0, recorded: Collection[int] | None = None) -> Trace:
     """The prefill and `count` decode steps, as every engine with a KV cache decodes: `forward(ids, start)`
     runs `ids` (the prompt, then one token) after what its cache holds and returns their trace and
     logits (T, V); the cache lives in `forward`. Each step's token is `forced` (teacher-forced on the
     reference's tokens, so both sides see the same inputs) or, without it, the previous step's greedy
     pick. Each step's trace says its token and its position in the sequence (`position_offset`), which
-    is what the step is compared at whatever position the engine gave it."""
+    is what the step is compared at whatever position the engine gave it.
+
+    `recorded`: the steps to record (0: the prefill; None: every one). The others run through the cache
+    unrecorded, `forward(ids, start, record=False)`, as fast as generating: their traces hold only their
+    last logits row (`LOGITS`, (1, V): the step's greedy pick), which is how the greedy check follows a
+    continuation and records only the step where it parts."""
     if forced is not None and len(forced) < count:
         raise TracerError(f"{count} decode steps need {count} forced tokens, got {len(forced)}")
-    trace, logits = forward(list(tokens), offset)
+
+    def step(number: int, ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+        if recorded is None or number in recorded:
+            return forward(ids, start)
+        trace, logits = forward(ids, start, record=False)
+        trace.tensors = {LOGITS: logits[-1:]}  # (1, V)
+        return trace, logits
+
+    trace, logits = step(0, list(tokens), offset)
     position, steps = offset + len(tokens), []
     for index in range(count):
         token = forced[index] if forced is not None else int(logits[-1].argmax())
-        step, logits = forward([token], position)
-        steps.append(step)
+        trace_of_step, logits = step(index + 1, [token], position)
+        steps.append(trace_of_step)
         position += 1
+        detail(f"decode step {index + 1}/{count}")
     trace.steps = steps
     return trace
 

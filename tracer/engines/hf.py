@@ -70,10 +70,11 @@ class HFEngine(EngineBase):
         self._recorded(recorder, input_ids=self._ids(tokens), use_cache=False, **self._positions(positions))
         return Trace(recorder.tensors, self._meta(tokens, offset))
 
-    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0,
+               recorded=None) -> Trace:
         """The prefill and `count` decode steps with transformers' own KV cache (`DynamicCache`), each
         step one token at its `position_ids` (a `DynamicSlidingWindowLayer` on each sliding layer); the hooks
-        record every step's points and the cache."""
+        record every step's points and the cache (the `recorded` steps only, where given: `decode_steps`)."""
         from transformers import DynamicCache
 
         from tracer.comparison.steps import ring_slots
@@ -86,12 +87,16 @@ class HFEngine(EngineBase):
                    if getattr(layer, "is_sliding", False)}
         written = 0
 
-        def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+        def forward(ids: list[int], start: int, record: bool = True) -> tuple[Trace, torch.Tensor]:
             nonlocal written
             recorder = TraceRecorder()
-            at = torch.arange(start, start + len(ids))
-            out = self._recorded(recorder, cached=True, input_ids=self._ids(ids), use_cache=True,
-                                 **self._cache(cache), **self._positions(at))
+            call = {"input_ids": self._ids(ids), "use_cache": True, **self._cache(cache),
+                    **self._positions(torch.arange(start, start + len(ids)))}
+            if record:
+                out = self._recorded(recorder, cached=True, **call)
+            else:
+                with torch.inference_mode():
+                    out = self.model(**call)
             written += len(ids)
             for layer, window in windows.items():
                 for sub in CACHE_POINTS:
@@ -100,7 +105,7 @@ class HFEngine(EngineBase):
                         recorder.tensors[name] = ring_slots(recorder.tensors[name], written, window)  # (KV, ≤ W, D)
             return Trace(recorder.tensors, self._meta(ids, start or None)), out.logits[0]  # (T, V)
 
-        return decode_steps(forward, tokens, count, forced, offset)
+        return decode_steps(forward, tokens, count, forced, offset, recorded)
 
     def record_batch(self, rows: list[list[int]]) -> list[Trace]:
         """The rows left-padded into one batched forward, as `generate` runs a padded batch: `attention_mask`,

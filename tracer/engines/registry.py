@@ -51,7 +51,9 @@ class EngineEntry:
             forward over the whole sequence decodes it, each step checked with `logits` (a
             `draft` only saves forwards); "cached": the engine's continuation is its own cached
             decode (`draft`, e.g. llama.cpp with its KV cache), taken as is, because how the
-            runtime decodes is what is being compared.
+            runtime decodes is what is being compared; "decode": its own cached decode too, run by
+            `decode(..., recorded=())` (no point recorded: what generating costs), and at the first flip
+            the step whose argmax flips is recorded from each side's cache (`tracer.pipeline.greedy`).
         noise_floor: an f64 run of tracer's own model measures the rounding noise of this engine as
             a reference (true for the PyTorch engines; a runtime with its own number formats, such
             as llama.cpp's quantized matmuls, differs from it by more than rounding).
@@ -205,14 +207,14 @@ BUILTINS = (
         "hf", "tracer.engines.hf",
         "transformers' own model, observed through forward hooks and a registered attention function",
         kinds=("config",), fused_attention="attn=sdpa", draft=True, devices=("cpu", "cuda", "mps"),
-        noise_floor=True, offload=True, positions=True, decode=True, batch=True, stream=True,
+        noise_floor=True, offload=True, positions=True, decode=True, batch=True, greedy="decode", stream=True,
         requires=(("transformers", "transformers"),),
     ),
     EngineEntry(
         "reimpl", "tracer.engines.reimpl",
         "tracer's own forward of every family in plain torch (tracer/reimpl/), every knob as a step",
         kinds=("config", "semantic", "regime"), fused_attention="attn=sdpa, or flash_attn with ops=ggml",
-        local_errors=True, positions=True, decode=True, batch=True,
+        local_errors=True, positions=True, decode=True, batch=True, greedy="decode",
         devices=("cpu", "cuda", "mps"), stream=True, noise_floor=True,
     ),
     EngineEntry(

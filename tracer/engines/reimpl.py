@@ -32,10 +32,12 @@ class ReimplEngine(EngineBase):
         self.model.forward(torch.tensor(tokens), recorder, positions=positions)
         return Trace(recorder.tensors, self._meta(tokens, offset))
 
-    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0) -> Trace:
+    def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0,
+               recorded=None) -> Trace:
         """The prefill and `count` decode steps with its own KV cache (`tracer.reimpl.kv_cache`: a ring
         buffer on sliding layers); the model picks each step's position from the cache (where the decode
-        knobs get it wrong). With `cache_reset=kept` the steps run on the cache another prompt left."""
+        knobs get it wrong). With `cache_reset=kept` the steps run on the cache another prompt left.
+        `recorded`: the steps whose points are recorded (`decode_steps`)."""
         cache = self.new_cache()
         steps_cache = cache
         if self.model.steps.cache_left_over:  # the previous request: the prompt, every token id one higher
@@ -43,14 +45,15 @@ class ReimplEngine(EngineBase):
             previous = torch.tensor([(token + 1) % self.model.spec.vocab_size for token in tokens])
             self.model.forward(previous, positions=torch.arange(offset, offset + len(tokens)), cache=steps_cache)
 
-        def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
+        def forward(ids: list[int], start: int, record: bool = True) -> tuple[Trace, torch.Tensor]:
             recorder = TraceRecorder()
             held = cache if cache.length == 0 else steps_cache
             at = torch.arange(start, start + len(ids)) if cache.length == 0 else None  # the prompt's, as given
-            logits = self.model.forward(torch.tensor(ids), recorder, positions=at, cache=held)  # (T, V)
+            logits = self.model.forward(torch.tensor(ids), recorder if record else None, positions=at,
+                                        cache=held)  # (T, V)
             return Trace(recorder.tensors, self._meta(ids, start or None)), logits
 
-        return decode_steps(forward, tokens, count, forced, offset)
+        return decode_steps(forward, tokens, count, forced, offset, recorded)
 
     def record_batch(self, rows: list[list[int]]) -> list[Trace]:
         """The rows left-padded into one batched forward with an attention mask (`Model.forward_batch`); one

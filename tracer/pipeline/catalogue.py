@@ -18,30 +18,35 @@ def split_variants(variants) -> list[str]:
     return [part.strip() for text in texts for part in text.split(";") if part.strip()]
 
 
-def default_variants(spec, engine: str = "reimpl") -> list[str]:
+def default_variants(spec, engine: str = "reimpl", decode: bool = False) -> list[str]:
     """One representative variant per knob that applies to this model's family (its classic porting
     mistakes among them) and that `engine` honours, for this model's spec; a knob whose feature the
     model lacks (a window, a soft-cap) has none, and a representative that needs a knob the engine
     lacks is left out, as are the knobs the engine only emulates (number-format regimes: they are
-    what a runtime does by design, ranked by `tracer diagnose`)."""
+    what a runtime does by design, ranked by `tracer diagnose`). `decode`: the run decodes (`--decode N`),
+    so the decode-only knobs (`tracer.model.components.decode`), which change nothing in one forward, are
+    swept too."""
+    from tracer.model.components.decode import KNOBS as DECODE_KNOBS
+
+    decode_only = {knob.name for knob in DECODE_KNOBS}
     entry = ENGINES[engine]
     honoured = set(entry.honoured) - set(entry.emulated)
     chosen = []
     for knob in knobs_for(spec.family):
-        text = knob.representative(spec)
+        text = knob.representative(None if decode and knob.name in decode_only else spec)
         if text and text not in chosen and set(parse_variant(text)) <= honoured:
             chosen.append(text)
     return chosen
 
 
-def diagnosis_variants(spec) -> list[str]:
+def diagnosis_variants(spec, decode: bool = False) -> list[str]:
     """The sweep's representative variants plus more values of theta and eps, and the number-format
     regimes (`tracer.ggml.strategies.regime_catalogue`: block-quantized weights with and without their
-    activation quantization, KV caches, 16-bit dtypes)."""
+    activation quantization, KV caches, 16-bit dtypes); `decode`: the decode-only knobs too."""
     from tracer.ggml.strategies import regime_catalogue  # torch: only a diagnosis, which runs models, needs it
 
     own = {"theta": spec.rope_theta, "eps": spec.rms_norm_eps}
-    variants = default_variants(spec)
+    variants = default_variants(spec, decode=decode)
     seen = [parse_variant(v) for v in variants]
     for knob, values in EXTRA_VALUES.items():
         for value in values:

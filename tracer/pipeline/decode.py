@@ -36,15 +36,17 @@ from tracer.model.knobs import expand_presets, is_regime
 from tracer.model.points import CACHE_POINTS, K_ROPE, Q_ROPE, split_point
 
 
-def reference_decode(prepared, steps: int) -> tuple[Trace, list[dict[str, float]] | None]:
-    """The reference's greedy decode of `steps` tokens with its cache, and each step's floor (None
-    without a noise floor: the fixed bound applies, as to the prefill)."""
+def reference_decode(prepared, steps: int, forced: list[int] | None = None
+                     ) -> tuple[Trace, list[dict[str, float]] | None]:
+    """The reference's greedy decode of `steps` tokens with its cache (teacher-forced on `forced` where
+    given: an observed trace's tokens), and each step's floor (None without a noise floor: the fixed
+    bound applies, as to the prefill)."""
     end = prepared.position_offset + len(prepared.ids) + steps
     limit = prepared.engine.max_positions
     if limit is not None and end > limit:
         raise TracerError(f"--decode {steps} after {len(prepared.ids)} tokens from position {prepared.position_offset} "
                           f"runs to position {end - 1}; the model has {limit} positions")
-    reference = prepared.engine.decode(prepared.ids, steps, offset=prepared.position_offset)
+    reference = prepared.engine.decode(prepared.ids, steps, forced=forced, offset=prepared.position_offset)
     if prepared.noise is None:
         return reference, None
     sequence = prepared.ids + decoded_tokens(reference)
@@ -64,14 +66,25 @@ def decoded_tokens(trace: Trace) -> list[int]:
     return [token for step in trace.steps for token in step.tokens or ()]
 
 
-def compare_decoded(result: Result, prepared, engine: Engine, steps: int) -> Result:
+def compare_decoded(result: Result, prepared, engine: Engine, steps: int,
+                    reference: tuple[Trace, list[dict[str, float]] | None] | None = None) -> Result:
     """`result` (the prefill's comparison) with every decode step of both sides compared and attached
-    (`tracer.comparison.steps.with_steps`)."""
+    (`tracer.comparison.steps.with_steps`). `reference`: the reference's decode and floors
+    (`reference_decode`), where several candidates share them (a sweep's variants)."""
     stage("decode")
     started = time.perf_counter()
-    reference, floors = reference_decode(prepared, steps)
+    reference, floors = reference or reference_decode(prepared, steps)
     candidate = engine.decode(prepared.ids, steps, forced=decoded_tokens(reference), offset=prepared.position_offset)
-    local = step_local_errors(engine, reference)
+    return with_decoded(result, prepared, reference, floors, candidate, started,
+                        fed="the candidate fed the reference's greedy tokens", engine=engine)
+
+
+def with_decoded(result: Result, prepared, reference: Trace, floors: list[dict[str, float]] | None,
+                 candidate: Trace, started: float, fed: str, engine: Engine | None = None) -> Result:
+    """`result` with the steps of two decoded traces compared and attached, the decode's time and a note
+    saying how the steps were fed (`fed`) and judged; with the candidate's `engine`, each step's local
+    errors where it can rerun a step (`step_local_errors`)."""
+    local = step_local_errors(engine, reference) if engine is not None else None
     compared = compare_steps(reference, candidate, prepared.tolerance, floors, local,
                              measured_hints=lambda *step: given_position_hints(prepared, *step))
     timings = {**result.timings, "decode_s": time.perf_counter() - started}
@@ -83,8 +96,8 @@ def compare_decoded(result: Result, prepared, engine: Engine, steps: int) -> Res
     if skipped:
         rerun += (f", except at {len(skipped)} step{'s' if len(skipped) > 1 else ''} from step {skipped[0]} on, whose "
                   "reference cache holds fewer slots than positions (a sliding window's ring: not rerun)")
-    note = (f"decode: {steps} steps after the prefill, each side with its own KV cache, the candidate fed the "
-            f"reference's greedy tokens; {floor}{rerun}")
+    note = (f"decode: {len(reference.steps)} steps after the prefill, each side with its own KV cache, {fed}; "
+            f"{floor}{rerun}")
     return with_steps(result.with_context(notes=(note,), timings=timings), compared)
 
 

@@ -1,16 +1,26 @@
 """Greedy continuations: what each side generates after the prompt, and where they part.
 
-A side's continuation is what step-by-step decoding without a cache gives (the whole sequence
-recomputed each step), obtained cheaply: a guess (a cached decode, or the other side's
-continuation) is checked with one forward over the prompt and the guess, and decoding goes step
-by step only from the first disagreement, confirmed by that step's own forward. An engine whose
-registry entry says `greedy="cached"` is taken at its own cached decode instead (llama.cpp's KV
+An engine that decodes with its own KV cache (registry `greedy="decode"`: hf, reimpl) generates its
+continuation as its users do, with that cache and nothing recorded, so following it costs what
+generating it costs; where the two sides part, the step whose argmax flips is run again on both sides,
+fed the reference's tokens, with its own cache, and that step alone is recorded and compared
+(`flip_step`). A decode the engine refuses (a regime's own attention, a sliding window it would run
+past) takes the uncached path instead.
+
+The uncached path, for the other engines: a side's continuation is what step-by-step decoding without a
+cache gives (the whole sequence recomputed each step), obtained cheaply: a guess (a cached decode, or
+the other side's continuation) is checked with one forward over the prompt and the guess, and decoding
+goes step by step only from the first disagreement, confirmed by that step's own forward. An engine
+whose registry entry says `greedy="cached"` is taken at its own cached decode instead (llama.cpp's KV
 cache is what its users get).
 """
 
 from __future__ import annotations
 
 from tracer.comparison.result import Greedy
+from tracer.comparison.steps import greedy_pick
+from tracer.comparison.trace import Trace
+from tracer.core.errors import TracerError
 from tracer.core.progress import detail
 from tracer.engines.base import at_positions
 
@@ -53,6 +63,47 @@ def continuation(engine, tokens: list[int], steps: int, guess: list[int] | None 
             out, checked = out + [int(logits[-1].argmax())], False
         detail(f"token {len(out)}/{steps}")
     return out
+
+
+def generated(engine, tokens: list[int], steps: int, guess: list[int] | None = None,
+              offset: int = 0) -> list[int] | None:
+    """A side's continuation: its own cached decode where that is its greedy continuation (`decoded`), else
+    `continuation`, checking `guess` (the other side's continuation; None: the engine's own `draft`)."""
+    steps = _fitting(engine, tokens, steps, offset)
+    if steps > 0 and engine.entry.logits and (cached := decoded(engine, tokens, steps, offset)) is not None:
+        return cached
+    guess = guess if guess is not None else draft(engine, tokens, steps, offset)
+    return continuation(engine, tokens, steps, guess=guess, offset=offset)
+
+
+def decoded(engine, tokens: list[int], steps: int, offset: int = 0) -> list[int] | None:
+    """`steps` greedy tokens from the engine's own cached decode, nothing recorded; None for an engine
+    whose greedy continuation is not its decode, or whose decode refuses this model or variant."""
+    if engine.entry.greedy != "decode":
+        return None
+    try:
+        trace = engine.decode(tokens, steps - 1, offset=offset, recorded=())
+    except TracerError:  # e.g. a regime's own attention has no cache: the uncached path decodes it
+        return None
+    fed = [token for step in trace.steps for token in step.tokens]
+    return [*fed, greedy_pick(trace.steps[-1] if trace.steps else trace)]
+
+
+def flip_step(engine, tokens: list[int], reference: list[int], flip: int, offset: int = 0) -> Trace | None:
+    """The step whose argmax gives the continuation's `flip`th token (1-based), fed the `reference`
+    continuation's tokens and recorded alone: the prefill for the first token, else one cached decode step
+    after a prefill of the prompt and the reference's tokens before it (one forward, not a step each: the
+    step still reads its keys and values from the engine's own cache, at its own positions). None where the
+    engine's greedy continuation is not its decode, or its decode refuses."""
+    if engine.entry.greedy != "decode":
+        return None
+    before = tokens + reference[:max(flip - 2, 0)]
+    try:
+        if flip == 1:
+            return engine.decode(before, 0, offset=offset, recorded=(0,))
+        return engine.decode(before, 1, forced=[reference[flip - 2]], offset=offset, recorded=(1,)).steps[0]
+    except TracerError:
+        return None
 
 
 def draft(engine, tokens: list[int], steps: int, offset: int = 0) -> list[int] | None:

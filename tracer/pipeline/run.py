@@ -175,9 +175,7 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
                     if noise_floor else (None, [])
             with timed(timings, "reference_greedy_s"):
                 stage("reference greedy")
-                reference_greedy = greedy.continuation(engine, ids, greedy_steps,
-                                                       guess=greedy.draft(engine, ids, greedy_steps, offset),
-                                                       offset=offset) \
+                reference_greedy = greedy.generated(engine, ids, greedy_steps, offset=offset) \
                     if greedy_steps else None
         yield Prepared(
             source=source, ids=ids, prompt=inputs.text, chat=chat_info,
@@ -251,17 +249,26 @@ def greedy_comparison(prepared: Prepared, engine: Engine, tolerance: Tolerance) 
     """Both sides' greedy continuations and, if they part, the first divergent point at that step."""
     if prepared.reference_greedy is None:
         return None
-    candidate = greedy.continuation(engine, prepared.ids, prepared.greedy_steps, guess=prepared.reference_greedy,
-                                    offset=prepared.position_offset)
+    candidate = greedy.generated(engine, prepared.ids, prepared.greedy_steps, guess=prepared.reference_greedy,
+                               offset=prepared.position_offset)
     summary = greedy.summary(prepared.reference_greedy, candidate, prepared.detokenize)
     if summary and summary.first_flip:
-        # Where the two sides part at the step whose argmax flips: same tokens on both sides.
-        flip_ids = prepared.ids + prepared.reference_greedy[: summary.first_flip - 1]
-        at = at_positions(prepared.position_offset, len(flip_ids))
-        at_flip = compare(prepared.engine.record(flip_ids, **at), engine.record(flip_ids, **at),
-                          tolerance).first_divergence
+        at_flip = flip_divergence(prepared, engine, summary.first_flip, tolerance)
         summary = dataclasses.replace(summary, first_flip_divergence=at_flip)
     return summary
+
+
+def flip_divergence(prepared: Prepared, engine: Engine, flip: int, tolerance: Tolerance):
+    """Where the two sides part at the step whose argmax flips, both fed the same tokens: that step of each
+    side's own cached decode where both decode (`greedy.flip_step`), else both uncached forwards over the
+    prompt and the reference's continuation up to it."""
+    sides = [greedy.flip_step(side, prepared.ids, prepared.reference_greedy, flip, prepared.position_offset)
+             for side in (prepared.engine, engine)]
+    if None in sides:
+        flip_ids = prepared.ids + prepared.reference_greedy[:flip - 1]
+        at = at_positions(prepared.position_offset, len(flip_ids))
+        sides = [prepared.engine.record(flip_ids, **at), engine.record(flip_ids, **at)]
+    return compare(*sides, tolerance).first_divergence
 
 
 def candidate_loader(candidate: EngineRef, prepared: Prepared) -> Callable[[dict], Engine]:
@@ -293,19 +300,27 @@ def candidate_loader(candidate: EngineRef, prepared: Prepared) -> Callable[[dict
 
 
 def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], Engine], knobs: dict, *,
-              local: bool = True) -> SweepRow:
+              local: bool = True, decoded: tuple[int, tuple] | None = None) -> SweepRow:
     """One variant against the prepared reference; a variant that fails to load is a row with its error.
-    `local`: with local errors (the first divergence localized by them), as `tracer.run` does."""
+    `local`: with local errors (the first divergence localized by them), as `tracer.run` does. `decoded`:
+    (N, the reference's decode and floors) for `--decode N`: the variant decodes too and its steps are
+    compared (`tracer.pipeline.decode.compare_decoded`), as `tracer run --decode N` does."""
     started = time.perf_counter()
     label = variant_text(knobs)
     try:
-        result = compare_candidate(prepared, load_candidate(knobs), config_audit=None, local=local)
+        engine = load_candidate(knobs)
+        result = compare_candidate(prepared, engine, config_audit=None, local=local)
+        if decoded is not None:
+            from tracer.pipeline.decode import compare_decoded
+
+            result = compare_decoded(result, prepared, engine, *decoded)
     except TracerError as exc:
         return SweepRow(label, knobs, "error", error=str(exc), seconds=time.perf_counter() - started)
     curve = tuple({key: p.to_dict().get(key) for key in ("point", "layer", "rel_l2", "threshold", "diverged")}
                   for p in result.points if p.recorded and is_coarse(p.point))
     return SweepRow(label, knobs, result.verdict, result.first_divergence, result.logits, result.greedy,
-                    curve=curve, notes=result.notes, seconds=time.perf_counter() - started, result=result)
+                    curve=curve, notes=result.notes, seconds=time.perf_counter() - started, result=result,
+                    step=result.step)
 
 
 def reference_noise(source: ModelSource, reference: Side, engine: Engine, trace: Trace):

@@ -4,7 +4,8 @@ written and masked, and whether the cache starts empty.
 
 They change nothing in one forward without a cache (a sweep, a prefill): they show at the decode
 steps of `--decode N` (docs/decode.md), where the reference and the candidate each decode with their
-own cache. Hence no sweep runs them by default (`representative` gives no variant on a model).
+own cache. Hence no sweep runs them by default (`representative` gives no variant on a model) unless it
+decodes (`sweep --decode N`: `tracer.pipeline.catalogue.default_variants(..., decode=True)`).
 """
 
 from __future__ import annotations
