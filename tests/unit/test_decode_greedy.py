@@ -92,7 +92,7 @@ def test_a_bug_only_in_the_cache_parts_the_continuations_and_is_named(llama_dir,
 
 def test_a_side_whose_cache_refuses_is_decoded_uncached(engines):
     source, hf = engines
-    regime = load_engine("reimpl", source, {"kv_cache": "f16"})  # a regime's attention: no KV cache emulated
+    regime = load_engine("reimpl", source, {"ops": "candle"})  # candle's attention: no KV cache emulated
     with pytest.raises(tracer.TracerError, match="KV cache"):
         regime.decode(TOKENS, 1)
     reference = greedy.generated(hf, TOKENS, STEPS)
@@ -107,7 +107,7 @@ def test_with_decode_the_sweep_runs_the_decode_only_knobs(llama_dir):
     spec = read_hf(load_config(llama_dir))
     plain, decoding = default_variants(spec), default_variants(spec, decode=True)
     assert "decode_positions=restart" not in plain and "cache_keys=unrotated" not in plain
-    assert set(decoding) - set(plain) == {"decode_positions=restart", "cache_keys=unrotated"}
+    assert set(decoding) - set(plain) == {"decode_positions=restart", "cache_keys=unrotated", "cache_reset=kept"}
     assert {"decode_positions=restart", "cache_keys=unrotated"} <= set(diagnosis_variants(spec, decode=True))
 
 
