@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
 from tracer.comparison.result import Tolerance
-from tracer.core.errors import TracerError, did_you_mean
+from tracer.core.errors import TracerError, did_you_mean, printable
 from tracer.model.knobs import parse_variant
 from tracer.pipeline.request import (
     DEFAULT_PROMPT,
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
             return COMMANDS[args.command](args)
     except TracerError as exc:
-        message = str(exc)
+        message = printable(str(exc))
         print(f"tracer: error: {message}", file=sys.stderr)
         if args is not None and getattr(args, "json", None):
             with contextlib.suppress(TracerError):  # an unwritable --json FILE was said above

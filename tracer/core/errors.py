@@ -15,6 +15,12 @@ def one_line(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal would not print as itself escaped (a path holding a record
+    separator or a newline stays on one line, as a one-line error must)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def did_you_mean(name: str, choices) -> str:
     """"; did you mean theta?" when one of `choices` is close to `name` (a typo), else "".
 
