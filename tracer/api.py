@@ -218,10 +218,12 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
                               "run them apart")
     variant = candidate.variant
     with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
-                            greedy_steps=greedy, progress=progress, candidates=(candidate.engine,)) as prepared:
+                            greedy_steps=greedy, progress=progress, candidates=(candidate.engine,),
+                            lockstep_with=candidate if regime is None else None) as prepared:
         in_regime = resolve_regime(regime, candidate.engine, variant, prepared.source) if regime is not None else None
-        engine = load_engine(candidate.engine, prepared.source, variant, device=placement.device,
-                             stream=prepared.stream, offload=offload_for(candidate.engine, prepared.offload))
+        engine = prepared.lockstep.engine if prepared.lockstep is not None else \
+            load_engine(candidate.engine, prepared.source, variant, device=placement.device,
+                        stream=prepared.stream, offload=offload_for(candidate.engine, prepared.offload))
         if command is None and not prepared.source.loaded:  # no command line can name a model object
             command = run_command(inputs, placement, outputs, reference=str(reference.engine),
                                   candidate=str(candidate.engine), variant=variant, reference_variant=prepared.variant,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from tracer.comparison.trace import Trace, TraceRecorder
-from tracer.model.points import EMBED, layer_point
 from tracer.reimpl.forward import Model
+from tracer.reimpl.unit_runs import TeacherForced
 
 
 def trace_positions(trace: Trace) -> torch.Tensor:
@@ -26,25 +26,14 @@ def trace_positions(trace: Trace) -> torch.Tensor:
 def teacher_forced_points(model: Model, reference: Trace, recorder=None):
     """The candidate's points (point -> tensor, recording order) with every block fed the
     reference's input to that block, and each point of the head (a chain: final norm, logits,
-    capped logits) the reference's value of the point before it."""
+    capped logits) the reference's value of the point before it (`tracer.reimpl.unit_runs.TeacherForced`,
+    all its units in a row)."""
     recorder = recorder if recorder is not None else TraceRecorder()
-
-    def reference_input(point: str) -> torch.Tensor:
-        return reference[point][None].to(dtype=model.steps.dtype, device=model.device)  # (1, T, C)
-
-    model.embed(torch.tensor(reference.tokens), recorder)
-    positions = model.positions(trace_positions(reference))
-    block_input = EMBED
+    run = TeacherForced(model, reference, recorder, trace_positions(reference))
+    run.embed()
     for i in range(model.spec.num_hidden_layers):
-        if block_input not in reference:
-            break
-        model.block(i, reference_input(block_input), positions, None, recorder)
-        block_input = layer_point(i, "")
-    previous = layer_point(model.spec.num_hidden_layers - 1, "")
-    for point in model.family.head.points(model.family):
-        if previous in reference:
-            model.head_step(point.name, reference_input(previous), recorder)
-        previous = point.name
+        run.block(i)
+    run.head()
     return recorder.tensors
 
 
