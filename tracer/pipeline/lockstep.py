@@ -135,35 +135,41 @@ def _stepped(engine: Engine, ids: list[int], recorder, offset: int, followers, t
     model = engine.model
     files = model.tracer_weight_files
     layers = [model.get_submodule(prefix) for prefix in engine.layer_prefixes]
+    deepest = max([len(layers)] + [follower.layers for _, follower in followers])  # a variant may add blocks
     spent = dict.fromkeys([key for key, _ in followers], 0.0)
+    done = 0  # units the followers have run: the embedding, then each block
 
-    def step(unit: str, index: int | None = None) -> None:
+    def step(unit: str, *index: int) -> None:
         for key, follower in followers:
             started = time.perf_counter()
-            getattr(follower, unit)(*(() if index is None else (index,)))
+            getattr(follower, unit)(*index)
             spent[key] += time.perf_counter() - started
+
+    def catch_up(units: int) -> None:
+        """The followers through `units` units, on the weights still held, which are then let go."""
+        nonlocal done
+        while done < units:
+            step("embed") if done == 0 else step("block", done - 1)
+            done += 1
+        held.release()
+
+    def before(units: int):
+        # the reference has run (and recorded) every unit before this module
+        return lambda module, args: catch_up(units)
 
     started = time.perf_counter()
     with files.holding(model.dtype) as held:
-        def before_layer(index: int):
-            def hook(module, args):
-                # the reference has run every unit before this layer (its points recorded): the
-                # followers run the last one on the weights still held, which are then let go
-                step("embed") if index == 0 else step("block", index - 1)
-                held.release()
-            return hook
-
-        handles = [layer.register_forward_pre_hook(before_layer(i), prepend=True) for i, layer in enumerate(layers)]
+        boundaries = [(layer, i + 1) for i, layer in enumerate(layers)]
+        output = model.get_output_embeddings()
+        if output is not None:  # the last block let go before lm_head, whose rows come by chunks
+            boundaries.append((output, deepest + 1))
+        handles = [module.register_forward_pre_hook(before(units), prepend=True) for module, units in boundaries]
         try:
             trace = engine.record(ids, recorder, **at_positions(offset, len(ids)))
         finally:
             for handle in handles:
                 handle.remove()
-        deepest = max([len(layers)] + [follower.layers for _, follower in followers])
-        if not layers:
-            step("embed")
-        for index in range(max(len(layers) - 1, 0), deepest):  # the reference's last block (and any a variant adds)
-            step("block", index)
+        catch_up(deepest + 1)
         step("head")
     total = time.perf_counter() - started
     for key, seconds in spent.items():
