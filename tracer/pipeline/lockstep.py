@@ -54,16 +54,17 @@ class Lockstep:
     local: dict[str, float] | None
     noise: dict[str, float] | None = None
     noise_notes: list[str] = field(default_factory=list)
-    noise_measured: bool = False  # False: not in the pass (a regime's floor, or none asked): the caller's to measure
+    noise_measured: bool = False  # False: none asked for (none wanted, or the cache's)
     timings: dict[str, float] = field(default_factory=dict)
 
 
 def applies(reference_engine: Engine, reference: Side, candidate: Side | None) -> bool:
-    """A streamed hf reference and a streamed reimpl candidate outside a number-format regime (whose
-    steps read whole tensors) advance together; anything else runs one side after the other."""
+    """A streamed hf reference and a streamed reimpl candidate, each outside a number-format regime
+    (whose steps read whole tensors, and whose noise floor is a run of its own), advance together;
+    anything else runs one side after the other."""
     return (candidate is not None and candidate.engine.name == "reimpl" and reference.engine.name == "hf"
             and getattr(reference_engine.model, "tracer_weight_files", None) is not None
-            and not is_regime(expand_presets(candidate.variant)))
+            and not any(is_regime(expand_presets(side.variant)) for side in (reference, candidate)))
 
 
 def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candidate: Side, tolerance,
@@ -82,9 +83,8 @@ def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candid
     config, device = source.config(), engine.device
     timings: dict[str, float] = {}
     candidate_engine = from_parts(config, files, candidate.variant, source.name, device=device, stream=True)
-    noise, noise_notes, noise_model, measured = known_noise, [], None, False
-    if noise_floor and not is_regime(expand_presets(reference.variant)):  # a regime's floor is another run
-        measured = True
+    noise, noise_notes, noise_model = known_noise, [], None
+    if noise_floor:
         try:
             noise_model = from_parts(config, files, {**reference.variant, "dtype": "f64"}, source.name,
                                      device=device, stream=True).model
@@ -116,7 +116,8 @@ def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candid
     store = sink("candidate")
     compared = None
     if store is not None:  # a long prompt's candidate is judged as it comes (`compare_candidate` says why)
-        compared = ErrorRecorder(live, tolerance, noise, _RelL2(local_errors) if local_errors else None, store=store)
+        local_so_far = _RelL2(local_errors) if local_errors is not None else None
+        compared = ErrorRecorder(live, tolerance, noise, local_so_far, store=store)
     candidate_recorder = compared if compared is not None else TraceRecorder()
     followers.append(("candidate_s", FreeRun(candidate_engine.model, ids, candidate_recorder, positions)))
     trace = _stepped(engine, ids, recorder, offset, followers, timings, "reference_s")
@@ -125,7 +126,7 @@ def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candid
     return Lockstep(reference=trace, engine=candidate_engine,
                     candidate=candidate_engine.trace(candidate_recorder.tensors, ids, offset),
                     compared=compared, local=local_errors.rel_l2 if local_errors is not None else None,
-                    noise=noise, noise_notes=noise_notes, noise_measured=measured, timings=timings)
+                    noise=noise, noise_notes=noise_notes, noise_measured=noise_floor, timings=timings)
 
 
 def _stepped(engine: Engine, ids: list[int], recorder, offset: int, followers, timings: dict,
