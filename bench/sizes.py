@@ -7,6 +7,12 @@ would check that the model runs at all.
     python bench/sizes.py --sizes llama-1b:16 --tokens 64 512
     python bench/sizes.py --sizes llama-8b:32 --flags= --flags=--no-noise
     python bench/sizes.py --device cuda --sizes llama-1b:16 llama-8b:32   # on a CUDA machine
+    python bench/sizes.py --tracer /tmp/before --tracer .   # before/after rows in one sitting
+
+`--tracer DIR` runs `tracer run` from another source tree (DIR holds the `tracer` package, e.g.
+`git archive REV tracer | tar -x -C DIR`, with hooks/ and reports/ moved under tracer/), one row
+per tree given: a change and the code before it measured in the same sitting, the load of a
+shared machine alike for both. Each row also gives the run's stage timings (`--json`'s `timings`).
 
 With `--device cuda` both the floor (transformers' bf16 model moved to the GPU) and `tracer run
 --device cuda` (weights streamed block by block into device memory) run on the GPU, and each
@@ -23,6 +29,7 @@ Appends its table to bench/results.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -59,12 +66,12 @@ def gpu_memory(pid: int) -> float:
     return sum(used) * 2**20
 
 
-def watched(cmd: list[str], env: dict | None = None, gpu: bool = False) -> dict[str, float]:
+def watched(cmd: list[str], env: dict | None = None, gpu: bool = False, cwd: str | None = None) -> dict[str, float]:
     """Wall seconds and peak resident memory (GB: anonymous, file-backed, the kernel's VmHWM) of a
     process; with `gpu`, its peak GPU memory too (`gpu`, from nvidia-smi every 0.2 s)."""
     started = time.perf_counter()
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env or {})})
+                               env={**os.environ, **(env or {})}, cwd=cwd)
     peak = {"anon": 0, "file": 0, "hwm": 0, "gpu": 0}
     asked = 0.0
     while process.poll() is None:
@@ -86,15 +93,21 @@ def watched(cmd: list[str], env: dict | None = None, gpu: bool = False) -> dict[
     return {"wall": time.perf_counter() - started, **{key: value / 1e9 for key, value in peak.items()}}
 
 
-def row(model: Path, tokens: int, flags: str, device: str = "cpu") -> dict:
+def row(model: Path, tokens: int, flags: str, device: str = "cpu", tracer: str | None = None) -> dict:
     ids = ",".join(str(1000 + (7 * i) % 120000) for i in range(tokens))
     gpu = device != "cpu"
     floor = watched([sys.executable, "-c", FLOOR, str(model), ids, device], gpu=gpu)
     placement = ["--device", device] if gpu else []
-    with tempfile.TemporaryDirectory() as cache:  # an empty cache: the noise floor is measured, not read back
-        run = watched([sys.executable, "-m", "tracer", "run", "--model", str(model), "--tokens", ids,
-                       "--json", os.devnull, *placement, *flags.split()], env={"TRACER_CACHE": cache}, gpu=gpu)
-    return {"floor": floor, "run": run}
+    # an empty cache: the noise floor is measured, not read back
+    with tempfile.TemporaryDirectory() as cache:
+        summary = Path(cache) / "summary.json"
+        env = {"TRACER_CACHE": cache}
+        if tracer is not None:  # that tree's package first (run from the cache folder: no checkout on sys.path)
+            env["PYTHONPATH"] = str(Path(tracer).resolve())
+        run = watched([sys.executable, "-m", "tracer", "run", "--model", str(model.resolve()), "--tokens", ids,
+                       "--json", str(summary), *placement, *flags.split()], env=env, gpu=gpu, cwd=cache)
+        timings = json.loads(summary.read_text()).get("timings", {})
+    return {"floor": floor, "run": run, "timings": timings}
 
 
 def line(name: str, tokens: int, flags: str, measured: dict) -> str:
@@ -103,7 +116,12 @@ def line(name: str, tokens: int, flags: str, measured: dict) -> str:
             f"{run['wall']:.1f} s, anon {run['anon']:.2f} GB + file {run['file']:.2f} GB (HWM {run['hwm']:.2f}) | "
             f"{floor['wall']:.1f} s, anon {floor['anon']:.2f} + file {floor['file']:.2f} GB | "
             f"{run['wall'] / floor['wall']:.2f}× | {run['anon'] / floor['anon']:.2f}× anon, "
-            f"{run['hwm'] / floor['hwm']:.2f}× HWM" + _gpu_cells(floor, run) + " |")
+            f"{run['hwm'] / floor['hwm']:.2f}× HWM" + _gpu_cells(floor, run) + " | "
+            + _stages(measured["timings"]) + " |")
+
+
+def _stages(timings: dict) -> str:
+    return ", ".join(f"{key.removesuffix('_s')} {seconds:.1f}" for key, seconds in timings.items() if seconds >= 0.05)
 
 
 def _gpu_cells(floor: dict, run: dict) -> str:
@@ -118,20 +136,24 @@ def main() -> None:
                         help="shape:layers, shapes as bench/checkpoints.py names them")
     parser.add_argument("--tokens", type=int, nargs="+", default=[64])
     parser.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N on a CUDA machine")
+    parser.add_argument("--tracer", action="append", help="a source tree to run tracer from, one row each "
+                        "(default: the installed tracer)")
     parser.add_argument("--flags", action="append", help="tracer run flags, one row each time it is given "
                         "(--flags=--no-noise; default: one row of default flags)")
     args = parser.parse_args()
-    lines = ["| model | tokens | command | run: wall, peak RSS | floor: bf16 load + forward | time | memory |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | tokens | command | run: wall, peak RSS | floor: bf16 load + forward | time | memory | "
+             "stages (s) |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for size in args.sizes:
         shape, layers = size.split(":")
         model = write_checkpoint(shape, int(layers))
         for tokens in args.tokens:
             for flags in args.flags or [""]:
-                measured = row(model, tokens, flags, args.device)
-                lines.append(line(f"{shape}, {layers} layers, {args.device}", tokens, flags, measured))
-                print(lines[-1], flush=True)
+                for tree in args.tracer or [None]:
+                    measured = row(model, tokens, flags, args.device, tree)
+                    name = f"{shape}, {layers} layers, {args.device}" + (f", tracer from {tree}" if tree else "")
+                    lines.append(line(name, tokens, flags, measured))
+                    print(lines[-1], flush=True)
     load = os.getloadavg()
     lines.append(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load average {load[0]:.1f} "
                  f"(the machine is shared)")

@@ -243,12 +243,14 @@ def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, refere
     greedy_steps = 0 if inputs.batch > 1 and greedy is None else greedy
     variant = candidate.variant
     with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
-                            greedy_steps=greedy_steps, progress=progress, candidates=(candidate.engine,)) as prepared:
+                            greedy_steps=greedy_steps, progress=progress, candidates=(candidate.engine,),
+                            lockstep_with=candidate if regime is None else None) as prepared:
         in_regime = resolve_regime(regime, candidate.engine, variant, prepared.source) if regime is not None else None
         if in_regime is not None:  # before the candidate runs: a decode the regime cannot judge is refused now
             check_regime_decode(in_regime[0], in_regime[1], len(prepared.ids), inputs.decode)
-        engine = load_engine(candidate.engine, prepared.source, variant, device=placement.device,
-                             stream=prepared.stream, offload=offload_for(candidate.engine, prepared.offload))
+        engine = prepared.lockstep.engine if prepared.lockstep is not None else \
+            load_engine(candidate.engine, prepared.source, variant, device=placement.device,
+                        stream=prepared.stream, offload=offload_for(candidate.engine, prepared.offload))
         if command is None and not prepared.source.loaded:  # no command line can name a model object
             command = run_command(inputs, placement, outputs, reference=str(reference.engine),
                                   candidate=str(candidate.engine), variant=variant, reference_variant=prepared.variant,

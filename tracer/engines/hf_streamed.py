@@ -39,6 +39,7 @@ def stream_weights(model: nn.Module, model_dir, dtype: torch.dtype, device: torc
     sources = _sources(model, shapes)
     unused = sorted(set(shapes) - set(sources.values()))
     model.tracer_unused_tensors = [name for name in unused if not name.endswith("rotary_emb.inv_freq")]
+    model.tracer_weight_files = files  # shared with the runs a lockstep run steps beside it (`WeightFiles.holding`)
     device = torch.device(device)
     for module in model.modules():  # the buffers (RoPE tables) live where the weights come in
         for name, buffer in module._buffers.items():
@@ -107,8 +108,7 @@ class _UnitWeights:
 
     def bring_in(self, module, args) -> None:
         for name, source in self.names.items():
-            with self.files.mapped(source) as stored:
-                _set(self.unit, name, stored.to(dtype=self.dtype, device=self.device, copy=True))
+            _set(self.unit, name, self.files.converted(source, self.dtype, self.device))
 
     def give_back(self, module, args, output) -> None:
         for name in self.names:

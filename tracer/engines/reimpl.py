@@ -99,6 +99,11 @@ class ReimplEngine(EngineBase):
         return Trace(op_forced_points(self.model, reference, recorder),
                      self._meta(reference.tokens, reference.meta.position_offset))
 
+    def trace(self, tensors, tokens: list[int], offset: int | None = None) -> Trace:
+        """The trace of a forward over `tokens` whose points a driver recorded unit by unit
+        (`tracer.reimpl.unit_runs.FreeRun`): what `record` returns for the same points."""
+        return Trace(tensors, self._meta(tokens, offset or None))
+
     def _meta(self, tokens: list[int], offset: int | None = None) -> TraceMeta:
         spec = self.model.spec
         not_recorded = per_layer(spec.num_hidden_layers, self.model.not_recorded())

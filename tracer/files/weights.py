@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +44,8 @@ class WeightFiles(Mapping):
                     raise TracerError(f"tensor {name} is in both {self._origin[name].path} and {file}")
                 self._origin[name] = opened
         _check_index_complete(folder, self._origin)
+        self.maps: Counter[str] = Counter()  # name -> how many times its pages were mapped (tests count reads)
+        self.hold: HeldUnit | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._origin[name].read(name)
@@ -54,11 +58,62 @@ class WeightFiles(Mapping):
 
     def mapped(self, name: str):
         """A context: the tensor as a view of its file's pages, to convert from (`TensorFile.mapped`)."""
+        self.maps[name] += 1
         return self._origin[name].mapped(name)
+
+    def converted(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
+        """The tensor `name` in `dtype` on `device`, converted from its file's pages: on every call,
+        or, inside `holding`, from pages mapped once per unit (and once per held dtype)."""
+        if self.hold is not None:
+            return self.hold.converted(name, dtype, device)
+        with self.mapped(name) as stored:
+            return stored.to(dtype=dtype, device=device, copy=True)
+
+    @contextmanager
+    def holding(self, dtype: torch.dtype):
+        """A context yielding a `HeldUnit`: until its `release()`, each tensor asked for is mapped
+        once and its conversion to `dtype` made once and shared by whoever asks (a lockstep run's
+        reference and candidate); other dtypes are converted from the same pages on each call."""
+        if self.hold is not None:
+            raise RuntimeError("weights are already held")  # a driver inside a driver: a bug, not a user error
+        self.hold = HeldUnit(self, dtype)
+        try:
+            yield self.hold
+        finally:
+            self.hold.release()
+            self.hold = None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """name -> shape, from the headers alone."""
         return {name: opened.shape(name) for name, opened in self._origin.items()}
+
+
+class HeldUnit:
+    """The weights of the unit a lockstep run is in (`WeightFiles.holding`): each tensor's pages
+    mapped once and its `dtype` conversion made once, both given back by `release()`."""
+
+    def __init__(self, files: WeightFiles, dtype: torch.dtype):
+        self.files, self.dtype = files, dtype
+        self._pages = ExitStack()
+        self._stored: dict[str, torch.Tensor] = {}
+        self._converted: dict[tuple[str, str], torch.Tensor] = {}
+
+    def converted(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
+        if name not in self._stored:
+            self._stored[name] = self._pages.enter_context(self.files.mapped(name))
+        if dtype != self.dtype:
+            return self._stored[name].to(dtype=dtype, device=device, copy=True)
+        key = (name, str(device))
+        if key not in self._converted:
+            self._converted[key] = self._stored[name].to(dtype=dtype, device=device, copy=True)
+        return self._converted[key]
+
+    def release(self) -> None:
+        """Drop the conversions and give the pages back (`TensorFile.mapped`'s end)."""
+        self._converted.clear()
+        self._stored.clear()
+        self._pages.close()
+        self._pages = ExitStack()
 
 
 def read_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:

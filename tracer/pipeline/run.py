@@ -21,7 +21,7 @@ import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -41,6 +41,9 @@ from tracer.model.knobs import setting, variant_text
 from tracer.model.points import is_coarse
 from tracer.pipeline import greedy, reference_cache, streamed
 from tracer.pipeline.request import Inputs, Placement, Side, check_family_support
+
+if TYPE_CHECKING:
+    from tracer.pipeline.lockstep import Lockstep
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Prepared:
     position_offset: int = 0  # the first token's absolute position, on both sides
     notes: tuple[str, ...] = ()
     timings: dict = field(default_factory=dict)
+    lockstep: Lockstep | None = None  # the candidate, already run beside the reference (streamed runs)
 
 
 def token_ids(source: ModelSource, prompt: str | None = None, tokens=None, *, chat: bool = False,
@@ -115,14 +119,17 @@ def check_tokens(ids: list[int], engine: Engine, position_offset: int = 0) -> No
 @contextmanager
 def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, reference: Side,
                        tolerance: Tolerance | None = None, noise_floor: bool = True, greedy_steps: int | None = None,
-                       progress: bool = True, candidates: tuple[EngineRef, ...] = ()):
+                       progress: bool = True, candidates: tuple[EngineRef, ...] = (),
+                       lockstep_with: Side | None = None):
     """Load the model and the reference engine, tokenize, record the reference, measure its noise
     floor and decode its greedy continuation; yield a `Prepared`.
 
     `inputs`, `placement` and `reference` (its engine and knobs) are the request's values
     (`tracer.pipeline.request`), already checked. `candidates`: the engines that will be compared,
     checked here against the model before anything loads. `greedy_steps`: None for the default
-    (20, or none past 128 tokens).
+    (20, or none past 128 tokens). `lockstep_with`: the candidate, run beside the reference in one
+    pass over the weights when the run streams and the engines allow (`tracer.pipeline.lockstep`;
+    `Prepared.lockstep` holds its engine and results).
     """
     model, tokens, max_tokens = inputs.model, inputs.tokens, inputs.max_tokens
     device, offload = placement.device, placement.accelerate
@@ -160,10 +167,22 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         source.directory, ids, engine=str(reference.engine), variant=reference_variant, placement=repr(placement),
         noise_floor=noise_floor, greedy_steps=greedy_steps, position_offset=offset)
     kept = reference_cache.load(key) if key is not None else None
+    together = None
     with spill_folder(len(ids)) as sink:
-        with timed(timings, "reference_s"):
-            stage("reference")
-            trace = engine.record(ids, sink("reference"), **at_positions(offset, len(ids)))
+        if stream and lockstep_with is not None:
+            from tracer.pipeline import lockstep
+
+            if lockstep.applies(engine, reference, lockstep_with):
+                together = lockstep.run(engine, source, ids, sink, reference=reference, candidate=lockstep_with,
+                                        tolerance=tolerance or Tolerance(), noise_floor=noise_floor and kept is None,
+                                        known_noise=kept["noise"] if kept is not None else None, offset=offset)
+        if together is not None:
+            trace = together.reference
+            timings.update(together.timings)
+        else:
+            with timed(timings, "reference_s"):
+                stage("reference")
+                trace = engine.record(ids, sink("reference"), **at_positions(offset, len(ids)))
         if kept is not None:
             noise, noise_notes, reference_greedy = kept["noise"], kept["noise_notes"], kept["greedy"]
             notes.append("noise floor and reference greedy continuation read from the cache (an earlier run "
@@ -171,8 +190,11 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         else:
             with timed(timings, "noise_s"):
                 stage("noise floor")
-                noise, noise_notes = reference_noise(source, reference, engine, trace) \
-                    if noise_floor else (None, [])
+                if together is not None and together.noise_measured:
+                    noise, noise_notes = together.noise, together.noise_notes
+                else:
+                    noise, noise_notes = reference_noise(source, reference, engine, trace) \
+                        if noise_floor else (None, [])
             with timed(timings, "reference_greedy_s"):
                 stage("reference greedy")
                 reference_greedy = greedy.generated(engine, ids, greedy_steps, offset=offset) \
@@ -183,6 +205,7 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
             tolerance=tolerance or Tolerance(), greedy_steps=greedy_steps, reference_greedy=reference_greedy,
             detokenize=detokenizer(source), sink=sink, device=str(device), stream=stream, offload=offload,
             position_offset=offset, notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings,
+            lockstep=together,
         )
     if key is not None and kept is None:  # kept only once the run has succeeded: a failed run writes nothing
         reference_cache.store(key, {"noise": noise, "noise_notes": noise_notes, "greedy": reference_greedy})
@@ -206,12 +229,15 @@ def compare_candidate(prepared: Prepared, engine: Engine, *, command: str | None
     greedy continuations and the run's context attached."""
     check_tokens(prepared.ids, engine, prepared.position_offset)
     timings = dict(prepared.timings)
+    together = prepared.lockstep if prepared.lockstep is not None and prepared.lockstep.engine is engine else None
     with timed(timings, "local_s"):
-        errors = local_errors(engine, prepared.trace) if local else None
+        errors = (together.local if together is not None else local_errors(engine, prepared.trace)) if local else None
     compared = None
     with timed(timings, "candidate_s"):
         stage("candidate")
-        if trace is None:
+        if together is not None:  # run in the reference's pass
+            trace, compared = together.candidate, together.compared
+        elif trace is None:
             recorder = prepared.sink("candidate")
             # A long run's candidate is judged as it comes; an isolated engine's child writes its points
             # straight into the spill folder instead, which that would not save.

@@ -15,9 +15,10 @@ import torch
 
 from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError
-from tracer.model.points import CACHE_K, CACHE_V, EMBED, layer_point
+from tracer.model.points import CACHE_K, CACHE_V, layer_point
 from tracer.reimpl.forward import Model
 from tracer.reimpl.kv_cache import KVCache
+from tracer.reimpl.unit_runs import TeacherForced
 
 
 def trace_positions(trace: Trace) -> torch.Tensor:
@@ -30,30 +31,18 @@ def trace_positions(trace: Trace) -> torch.Tensor:
 def teacher_forced_points(model: Model, reference: Trace, recorder=None, cache: KVCache | None = None):
     """The candidate's points (point -> tensor, recording order) with every block fed the
     reference's input to that block, and each point of the head (a chain: final norm, logits,
-    capped logits) the reference's value of the point before it.
+    capped logits) the reference's value of the point before it (`tracer.reimpl.unit_runs.TeacherForced`,
+    all its units in a row).
 
     `cache`: a decode step's rerun (`cached_step_points`): every block also reads and appends to this
     cache, which holds what the reference's cache held before the step, and the model takes the step's
     positions from it (as in its own decode, where a wrong position is made)."""
     recorder = recorder if recorder is not None else TraceRecorder()
-
-    def reference_input(point: str) -> torch.Tensor:
-        return reference[point][None].to(dtype=model.steps.dtype, device=model.device)  # (1, T, C)
-
-    model.embed(torch.tensor(reference.tokens), recorder)
-    positions = model.positions(trace_positions(reference)) if cache is None or cache.length == 0 \
-        else model.positions(count=len(reference.tokens), cache=cache)
-    block_input = EMBED
+    run = TeacherForced(model, reference, recorder, trace_positions(reference), cache)
+    run.embed()
     for i in range(model.spec.num_hidden_layers):
-        if block_input not in reference:
-            break
-        model.block(i, reference_input(block_input), positions, cache, recorder)
-        block_input = layer_point(i, "")
-    previous = layer_point(model.spec.num_hidden_layers - 1, "")
-    for point in model.family.head.points(model.family):
-        if previous in reference:
-            model.head_step(point.name, reference_input(previous), recorder)
-        previous = point.name
+        run.block(i)
+    run.head()
     return recorder.tensors
 
 

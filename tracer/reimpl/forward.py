@@ -284,6 +284,8 @@ class StreamedWeights:
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.chunked:
             return RowChunks(self.stored(self.names[name]), self.dtype, self.device)
+        if hasattr(self.tensors, "converted"):  # weight files: a lockstep run's unit may hold it converted already
+            return self.tensors.converted(self.names[name], self.dtype, self.device)
         with self.stored(self.names[name]) as stored:
             return stored.to(dtype=self.dtype, device=self.device, copy=True)
 

@@ -1,0 +1,116 @@
+"""A streamed run's sides advancing together (tracer/pipeline/lockstep.py): the same Result, point for
+point, as the sides run one after the other, with each block's weights mapped from the files once."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tracer
+from tests.conftest import TOKENS
+from tests.families import write_tiny_family
+from tracer.comparison.result import Tolerance
+from tracer.engines.load import load_engine
+from tracer.files.sources import resolve_source
+from tracer.model.points import layer_point
+from tracer.pipeline import lockstep, reference_cache
+from tracer.pipeline.request import Side
+
+# tied and untied embeddings, Gemma's scaled embedding, offset norms and capped logits
+FAMILIES = ["llama", "gemma2"]
+
+
+def bf16_shards(folder):
+    """The tiny model's weights re-saved as a checkpoint ships: bf16, in two shards with their index."""
+    tensors = {name: t.to(torch.bfloat16) for name, t in load_file(str(folder / "model.safetensors")).items()}
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, part in halves.items():
+        save_file({name: tensors[name] for name in part}, str(folder / file), metadata={"format": "pt"})
+    weight_map = {name: file for file, part in halves.items() for name in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lockstep")
+    return {family: bf16_shards(write_tiny_family(root / family, family, max_position_embeddings=512))
+            for family in FAMILIES}
+
+
+def results(model, monkeypatch, **run):
+    """(one side after the other, in lockstep): tracer.run's Results, streamed (the second one checked
+    to have gone through the lockstep pass)."""
+    call = dict(tokens=TOKENS, stream=True, greedy=0, progress=False) | run
+    monkeypatch.setattr(reference_cache, "load", lambda key: None)  # both measure their noise floor
+    with monkeypatch.context() as patch:
+        patch.setattr(lockstep, "applies", lambda *args: False)
+        apart = tracer.run(model, **call)
+    passes, run_pass = [], lockstep.run
+    monkeypatch.setattr(lockstep, "run", lambda *args, **kwargs: passes.append(run_pass(*args, **kwargs)) or passes[-1])
+    together = tracer.run(model, **call)
+    assert len(passes) == 1
+    return apart, together
+
+
+def same(apart, together):
+    assert together.verdict == apart.verdict
+    assert together.first_divergence == apart.first_divergence
+    assert [p.to_dict() for p in together.points] == [p.to_dict() for p in apart.points]
+    assert together.logits == apart.logits
+
+
+@pytest.mark.parametrize(("family", "variant"), [("llama", None), ("gemma2", "theta=1000")])
+def test_lockstep_gives_the_same_result_point_for_point(tiny, family, variant, monkeypatch):
+    apart, together = results(tiny[family], monkeypatch, variant=variant)
+    same(apart, together)
+    assert "noise_s" in together.timings and "local_s" in together.timings
+    assert (together.verdict == "match") == (variant is None)
+    if variant:  # a fault the local errors place: they ran in the pass
+        assert together.first_divergence.point == "model.layers.0.self_attn.q_rope"
+        assert any(p.local_rel_l2 and p.local_rel_l2 > 0 for p in together.points)
+
+
+def test_a_long_prompt_spills_and_measures_its_noise_floor_on_its_first_tokens(tiny, monkeypatch):
+    """300 tokens (0.7 s on 2 quiet cores, 18 s at load 13): the reference spilled to disk, the
+    candidate judged as it comes, the noise floor measured on the first 128 tokens in a pass of its own."""
+    tokens = [int(t) for t in torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(1))]
+    apart, together = results(tiny["llama"], monkeypatch, variant="theta=1000", tokens=tokens)
+    same(apart, together)
+    assert any("first 128 tokens" in note for note in together.notes)
+
+
+def test_each_blocks_weights_are_mapped_once_and_every_run_is_its_own(tiny):
+    """One pass: the reference, the candidate, the local errors and the noise floor are what each
+    gives alone, and each tensor of a block is mapped from the files once (not once per run)."""
+    from tracer.pipeline.noise_floor import estimate_noise
+    from tracer.pipeline.run import local_errors
+
+    model = tiny["gemma2"]
+    engine = load_engine("hf", model, {}, stream=True)
+    files = engine.model.tracer_weight_files
+    files.maps.clear()
+    source = resolve_source(model)
+    done = lockstep.run(engine, source, TOKENS, lambda side: None, reference=Side.of("hf"),
+                        candidate=Side.of("reimpl", "eps=1e-3"), tolerance=Tolerance(), noise_floor=True)
+    block_tensors = [name for name in files if name.startswith(layer_point(0, "") + ".")]
+    assert block_tensors and {files.maps[name] for name in block_tensors} == {1}
+    alone = load_engine("hf", model, {}, stream=True).record(TOKENS)
+    assert done.reference.points == alone.points
+    assert all(torch.equal(done.reference[p], alone[p]) for p in alone.points)
+    candidate = load_engine("reimpl", model, {"eps": 1e-3}, stream=True)
+    expected = candidate.record(TOKENS)
+    assert done.candidate.points == expected.points
+    assert all(torch.equal(done.candidate[p], expected[p]) for p in expected.points)
+    assert done.candidate.meta == expected.meta
+    assert done.local == local_errors(candidate, alone)
+    noise = estimate_noise(source, alone, {})
+    assert done.noise.keys() == noise.keys()
+    assert all(done.noise[p] == noise[p] or (math.isnan(noise[p]) and math.isnan(done.noise[p])) for p in noise)
