@@ -105,8 +105,7 @@ def hints(point: str, details: dict, family: str | None = None) -> list[str]:
         growing = positions[-1] >= positions[1]
         said.append(
             "exact at position 0 and " + ("growing with position" if growing else "non-zero after it")
-            + ": positional encoding (rope_theta, rope scaling: its factors or LongRoPE's short/long pick, or the "
-              "rotary pairing: half-split vs interleaved)"
+            + ": positional encoding (rope_theta, rope scaling, or the rotary pairing: half-split vs interleaved)"
         )
     elif op_kind(point) == "rope" and details.get("scale") is not None:
         said.append(f"the candidate is the reference × {details['scale']:.6g} at every position and head: cos and "
