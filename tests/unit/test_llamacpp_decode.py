@@ -28,6 +28,8 @@ from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, V_PROJ, layer_point
 from tracer.pipeline.regime_view import check_regime_decode
 
 pytest.importorskip("llama_cpp")
+# a child process per engine and a regime decode per test: the full suite runs them, the quick tier does not
+pytestmark = pytest.mark.slow
 
 EXACT = {"flash_attn": "off", "kv_cache": "f32", "threads": 1}
 ROUNDING = 2e-6  # rel_l2 at every point of every step (measured at most 1.0e-6)
@@ -119,7 +121,7 @@ def test_in_llamacpps_regime_every_point_of_every_step_is_exactly_0(quantized, s
             assert torch.equal(ours[point].double(), value.double()), point
 
 
-@pytest.mark.slow  # the whole pipeline twice (raw and regime views, their floors): 8.6 s here
+# the whole pipeline twice (raw and regime views, their floors): 8.6 s here
 def test_run_with_regime_and_decode_matches_at_every_step(quantized):
     gguf, converted = quantized
     result = tracer.run(converted, tokens=TOKENS, candidate=f"llamacpp:{gguf}", variant="threads=1", regime="auto",
