@@ -260,3 +260,32 @@ def test_decode_after_a_position_offset_and_with_streamed_weights(llama_dir):
     result = tracer.run(llama_dir, tokens=TOKENS, decode=2, greedy=0, position_offset=20, stream=True,
                         noise_floor=False, progress=False)
     assert result.verdict == "match" and [step.position for step in result.steps] == [20, 27, 28]
+
+
+def test_a_long_decode_spills_its_steps_and_reads_as_one_held_in_memory(llama_dir, monkeypatch):
+    """Past SPILL_TOKENS positions each step both sides record goes to disk as it is recorded (its
+    cache points alone grow with every step) and is read back point by point: the same result."""
+    import tracer.pipeline.decode as decode
+    from tracer.comparison.spill import SpilledTensors
+
+    def run():
+        return tracer.run(llama_dir, tokens=TOKENS, decode=STEPS, greedy=0, variant="decode_positions=restart",
+                          progress=False)
+
+    held = run()
+    spilled_steps = []
+    monkeypatch.setattr(decode, "SPILL_TOKENS", 0)
+    original = decode.with_decoded
+
+    def spy(result, prepared, reference, floors, candidate, *rest, **kw):
+        spilled_steps.extend([reference, *reference.steps, candidate, *candidate.steps])
+        return original(result, prepared, reference, floors, candidate, *rest, **kw)
+
+    monkeypatch.setattr(decode, "with_decoded", spy)
+    spilled = run()
+    assert len(spilled_steps) == 2 * (STEPS + 1)
+    assert all(isinstance(step.tensors, SpilledTensors) for step in spilled_steps)
+    assert spilled.to_dict()["steps"] == held.to_dict()["steps"]
+    assert (spilled.step, spilled.first_divergence.point) == (held.step, held.first_divergence.point) == (
+        1, layer_point(0, Q_ROPE))
+    assert [p.rel_l2 for p in spilled.points] == [p.rel_l2 for p in held.points]

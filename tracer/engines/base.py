@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import platform
+from contextlib import contextmanager
+from contextvars import ContextVar
 from importlib import metadata
 from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
@@ -163,6 +165,22 @@ def refuse_windowed_decode(engine: str, window: int | None, layer: int | None, e
                           "buffers) are not traced yet: decode within the window")
 
 
+# What a decode does with each step's trace once recorded (`steps_kept_by`); None: kept in memory.
+_STEP_KEEPER: ContextVar[Callable[[Trace], Trace] | None] = ContextVar("step_keeper", default=None)
+
+
+@contextmanager
+def steps_kept_by(keep: Callable[[Trace], Trace]):
+    """Within the block, every in-process engine's decode hands each step's trace to `keep` as soon as it
+    is recorded and holds what it returns (a long decode's steps written to disk and read back point by
+    point: `tracer.pipeline.decode`), so that a decode's memory does not grow with its steps."""
+    token = _STEP_KEEPER.set(keep)
+    try:
+        yield
+    finally:
+        _STEP_KEEPER.reset(token)
+
+
 def decode_steps(forward: Callable[..., tuple[Trace, torch.Tensor]], tokens: list[int], count: int,
                  forced: list[int] | None = None, offset: int = 0, recorded: Collection[int] | None = None) -> Trace:
     """The prefill and `count` decode steps, as every engine with a KV cache decodes: `forward(ids, start)`
@@ -186,12 +204,14 @@ def decode_steps(forward: Callable[..., tuple[Trace, torch.Tensor]], tokens: lis
         trace.tensors = {LOGITS: logits[-1:]}  # (1, V)
         return trace, logits
 
+    keep = _STEP_KEEPER.get() or (lambda kept: kept)
     trace, logits = step(0, list(tokens), offset)
+    trace = keep(trace)
     position, steps = offset + len(tokens), []
     for index in range(count):
         token = forced[index] if forced is not None else int(logits[-1].argmax())
         trace_of_step, logits = step(index + 1, [token], position)
-        steps.append(trace_of_step)
+        steps.append(keep(trace_of_step))
         position += 1
         detail(f"decode step {index + 1}/{count}")
     trace.steps = steps

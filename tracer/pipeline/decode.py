@@ -10,13 +10,19 @@ without a cache, and the two differ by f32 rounding only (`tracer.comparison.ste
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import tempfile
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from tracer.comparison.diff import ErrorRecorder
 from tracer.comparison.explain import position_hint
 from tracer.comparison.result import DEFAULT_REL_L2, Divergence, Result
+from tracer.comparison.spill import SPILL_TOKENS, DiskRecorder
 from tracer.comparison.steps import (
     PREFILL,
     StepNoise,
@@ -29,7 +35,7 @@ from tracer.comparison.steps import (
 from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
-from tracer.engines.base import Engine, at_positions
+from tracer.engines.base import Engine, at_positions, steps_kept_by
 from tracer.engines.load import load_engine
 from tracer.engines.registry import EngineRef
 from tracer.model.knobs import expand_presets, is_regime
@@ -73,10 +79,36 @@ def compare_decoded(result: Result, prepared, engine: Engine, steps: int,
     (`reference_decode`), where several candidates share them (a sweep's variants)."""
     stage("decode")
     started = time.perf_counter()
-    reference, floors = reference or reference_decode(prepared, steps)
-    candidate = engine.decode(prepared.ids, steps, forced=decoded_tokens(reference), offset=prepared.position_offset)
-    return with_decoded(result, prepared, reference, floors, candidate, started,
-                        fed="the candidate fed the reference's greedy tokens", engine=engine)
+    with kept_steps(len(prepared.ids) + steps if reference is None else 0):
+        reference, floors = reference or reference_decode(prepared, steps)
+        candidate = engine.decode(prepared.ids, steps, forced=decoded_tokens(reference),
+                                  offset=prepared.position_offset)
+        return with_decoded(result, prepared, reference, floors, candidate, started,
+                            fed="the candidate fed the reference's greedy tokens", engine=engine)
+
+
+@contextmanager
+def kept_steps(sequence: int):
+    """Past `SPILL_TOKENS` positions (prompt and decoded tokens), each step both sides record is written to
+    a temporary folder as soon as it is recorded and read back point by point when compared
+    (`tracer.comparison.spill`), so that memory stays flat in the number of steps: held in memory, each
+    step's cache points hold every slot so far and a decode's memory grows with its square. The folder
+    goes when the steps are compared. Engines in a child process (llama.cpp, candle) send their steps
+    back in one file and are not spilled."""
+    if sequence <= SPILL_TOKENS:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="tracer-steps-") as folder:
+        written = itertools.count()
+
+        def spill(trace: Trace) -> Trace:
+            recorder = DiskRecorder(Path(folder) / f"{next(written):06d}")
+            for point, tensor in trace.tensors.items():
+                recorder(point, tensor[None])  # recorders take the batch dimension their traces drop
+            return dataclasses.replace(trace, tensors=recorder.tensors)
+
+        with steps_kept_by(spill):
+            yield
 
 
 def with_decoded(result: Result, prepared, reference: Trace, floors: list[dict[str, float]] | None,
