@@ -96,10 +96,7 @@ def with_rows(result: Result, compared: list[tuple[BatchRow, Result]]) -> Result
     if result.verdict != "match" or first is None:
         return dataclasses.replace(result, batch=rows)
     summary, shown = first
-    return dataclasses.replace(result, verdict=shown.verdict, points=shown.points,
-                               first_divergence=shown.first_divergence, logits=shown.logits,
-                               first_nonfinite=shown.first_nonfinite, amplification=shown.amplification,
-                               batch=rows, row=summary.row)
+    return result.showing(shown, batch=rows, row=summary.row)
 
 
 def batch_line(result: Result) -> str | None:

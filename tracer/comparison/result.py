@@ -428,6 +428,14 @@ class Result:
         """This comparison with the run's context attached; `notes` go before the comparison's own."""
         return dataclasses.replace(self, notes=(*notes, *self.notes), **context)
 
+    def showing(self, shown: Result, **attached) -> Result:
+        """This result (its context) showing `shown`'s comparison instead (verdict, points, first
+        divergence, logits): a decode step's or a batch row's, the first that diverged, with `attached`."""
+        return dataclasses.replace(self, verdict=shown.verdict, points=shown.points,
+                                   first_divergence=shown.first_divergence, logits=shown.logits,
+                                   first_nonfinite=shown.first_nonfinite, amplification=shown.amplification,
+                                   **attached)
+
     @property
     def not_recorded(self) -> list[PointDiff]:
         return [p for p in self.points if not p.recorded]

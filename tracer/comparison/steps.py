@@ -280,10 +280,7 @@ def with_steps(result: Result, compared: list[tuple[StepResult, Result]]) -> Res
     if result.verdict != "match" or first is None:
         return dataclasses.replace(result, steps=steps)
     summary, shown = first
-    return dataclasses.replace(result, verdict=shown.verdict, points=shown.points,
-                               first_divergence=shown.first_divergence, logits=shown.logits,
-                               first_nonfinite=shown.first_nonfinite, amplification=shown.amplification,
-                               steps=steps, step=summary.step)
+    return result.showing(shown, steps=steps, step=summary.step)
 
 
 # --- the floor of each step ------------------------------------------------------------------------
