@@ -130,6 +130,12 @@ def when(test: Callable[[Any], bool], text: str) -> Callable[[Any], str]:
     return lambda spec: text if spec is None or test(spec) else ""
 
 
+def unswept(text: str) -> Callable[[Any], str]:
+    """The knob's value for `tracer variants` and the engine checks, and no sweep variant on a model: a
+    knob that changes nothing in one forward of one prompt (a decode step's, a padded batch's mistake)."""
+    return when(lambda spec: False, text)
+
+
 def llama_graph(family: Family) -> bool:
     """The candle and llama.cpp readers, presets and emulations know Llama's graph only: a family
     composed of exactly Llama's components."""

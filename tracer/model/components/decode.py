@@ -11,41 +11,34 @@ decodes (`sweep --decode N`: `tracer.pipeline.catalogue.default_variants(..., de
 from __future__ import annotations
 
 from tracer.core.errors import TracerError
-from tracer.model.knobs import Knob, choice, setting, when
+from tracer.model.knobs import Knob, choice, setting, unswept
 from tracer.model.points import CACHE_K, K_ROPE, PROBS, Q_ROPE
-
-
-def _decode_only(text: str):
-    """The knob's value for `tracer variants` and the engine checks; no sweep variant on a model: a
-    sweep records one uncached forward, where the knob changes nothing."""
-    return when(lambda spec: False, text)
-
 
 DECODE_POSITIONS = Knob(
     "decode_positions", choice("true", "restart", "shifted"), "true | restart | shifted", "true",
     "a decode step's token given a wrong position: restart counts from 0 again after the prompt (positions "
     "taken from the step's own length), shifted one past its true position (the cache's length plus one)",
-    _decode_only("decode_positions=restart"),
+    unswept("decode_positions=restart"),
     expected=f"decode step 1, layers.0.{Q_ROPE} / {K_ROPE} (with --decode N)", kind="semantic")
 CACHE_KEYS = Knob(
     "cache_keys", choice("rotated", "unrotated"), "rotated | unrotated", "rotated",
     "the KV cache keeps the keys before RoPE (the projection's output): the prompt attends to its own rotated "
     "keys, every later step to the cached keys never rotated",
-    _decode_only("cache_keys=unrotated"),
+    unswept("cache_keys=unrotated"),
     expected=f"prefill, layers.0.{CACHE_K} (with --decode N)", kind="semantic", after="decode_positions")
 RING_INDEX = Knob(
     "ring_index", choice("position", "fill"), "position | fill", "position",
     "a sliding layer's ring buffer written at its fill (the tokens it holds, which stops at the window) instead "
     "of the token's place in the sequence: once full, every step overwrites its last slot, keeping the token a "
     "window back and evicting one still in the window (mlx-lm #1437's offset and fill conflated)",
-    _decode_only("ring_index=fill"),
+    unswept("ring_index=fill"),
     expected="the decode step whose token wraps the ring (position = window), the first sliding layer's "
              f"{CACHE_K} (with --decode N past the window)", kind="semantic", after="cache_reset")
 WINDOW_MASK = Knob(
     "window_mask", choice("exact", "wide"), "exact | wide", "exact",
     "the sliding-window mask of a cached forward one key too wide (129 keys for a window of 128, mlx-lm #390): "
     "a decoded token attends to the whole ring before its own key overwrites the oldest, a window back",
-    _decode_only("window_mask=wide"),
+    unswept("window_mask=wide"),
     expected=f"the first decode step with a key a window back (position = window), the first sliding layer's "
              f"{PROBS}", kind="semantic", after="ring_index")
 CACHE_RESET = Knob(
@@ -53,7 +46,7 @@ CACHE_RESET = Knob(
     "a cache left over from the previous prompt: the decode steps run on the cache the previous request (here "
     "the prompt with every token id one higher) left, not cleared, while the prefill filled a new one (a cache "
     "held on the model object and set once)",
-    _decode_only("cache_reset=kept"),
+    unswept("cache_reset=kept"),
     expected=f"decode step 1, layers.0.{CACHE_K} (with --decode N)", kind="semantic", after="cache_keys")
 CACHE_KNOBS = (DECODE_POSITIONS, CACHE_KEYS, CACHE_RESET)  # every attention's
 WINDOW_KNOBS = (RING_INDEX, WINDOW_MASK)  # an attention whose configs may slide a window: its ring buffer

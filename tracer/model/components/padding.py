@@ -10,26 +10,19 @@ by default (`representative` gives no variant on a model).
 from __future__ import annotations
 
 from tracer.core.lazy import torch
-from tracer.model.knobs import Knob, choice, setting, when
+from tracer.model.knobs import Knob, choice, setting, unswept
 from tracer.model.points import PROBS, Q_ROPE
-
-
-def _batch_only(text: str):
-    """The knob's value for `tracer variants` and the engine checks; no sweep variant on a model: a
-    sweep records one prompt, where nothing is padded."""
-    return when(lambda spec: False, text)
-
 
 PADDING_MASK = Knob(
     "padding_mask", choice("keep", "drop"), "keep | drop", "keep",
     "a left-padded batch's attention mask dropped: the real tokens of a padded row attend to its padding too "
-    "(causal masking only)", _batch_only("padding_mask=drop"),
+    "(causal masking only)", unswept("padding_mask=drop"),
     expected=f"layers.0.{PROBS} of the first padded row (with --batch B and prompts of different lengths)",
     kind="semantic", after="cache_keys")
 BATCH_POSITIONS = Knob(
     "batch_positions", choice("mask", "arange"), "mask | arange", "mask",
     "a left-padded row's positions counted from the padded sequence's start (0..T-1) instead of from its first "
-    "real token (transformers' generate: attention_mask.cumsum(-1) - 1)", _batch_only("batch_positions=arange"),
+    "real token (transformers' generate: attention_mask.cumsum(-1) - 1)", unswept("batch_positions=arange"),
     expected=f"layers.0.{Q_ROPE} of the first padded row (with --batch B and prompts of different lengths)",
     kind="semantic", after="padding_mask")
 KNOBS = (PADDING_MASK, BATCH_POSITIONS)
