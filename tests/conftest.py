@@ -77,6 +77,12 @@ def tiny_llama(tmp_path):
     return make
 
 
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """One tiny random Llama directory per test module (a module may shadow it with its own)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "m")
+
+
 TOKENS = [1, 17, 5, 42, 8, 63, 3]
 
 # Python source for a child process's own peak resident size in kB. Not ru_maxrss: across exec,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tracer
-from tests.conftest import TOKENS, write_tiny_llama
+from tests.conftest import TOKENS
 from tracer.cli import main
 from tracer.comparison.diff import rel_l2_by_point
 from tracer.comparison.trace import Trace
@@ -23,11 +23,6 @@ from tracer.reimpl.forward import Model
 from tracer.reports import write_report
 
 ROWS = [TOKENS, TOKENS[:3], TOKENS[1:], TOKENS[2:4]]  # 7, 3, 6, 2 tokens: padding 0, 4, 1, 5
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "m")
 
 
 @pytest.fixture(scope="module")

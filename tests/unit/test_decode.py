@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tracer
-from tests.conftest import TOKENS, write_tiny_llama
+from tests.conftest import TOKENS
 from tests.families import write_tiny_family
 from tracer.cli import main
 from tracer.comparison.diff import rel_l2_by_point
@@ -30,11 +30,6 @@ from tracer.reports.summary import fmt, step_origin_text
 from tracer.reports.terminal import steps_line
 
 STEPS = 5
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "m")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tracer
-from tests.conftest import TOKENS, write_tiny_llama
+from tests.conftest import TOKENS
 from tracer.cli import main
 from tracer.comparison.diff import compare
 from tracer.comparison.result import Tolerance
@@ -27,11 +27,6 @@ from tracer.pipeline.catalogue import default_variants, diagnosis_variants
 
 STEPS = 8
 DECODE = 4
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "m")
 
 
 @pytest.fixture(scope="module")

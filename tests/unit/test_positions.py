@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tracer
-from tests.conftest import TOKENS, write_tiny_llama
+from tests.conftest import TOKENS
 from tests.families import write_tiny_family
 from tracer.cli import main
 from tracer.comparison.trace import Trace, TraceRecorder
@@ -33,11 +33,6 @@ from tracer.model.points import (
 )
 from tracer.reimpl.forward import Model
 from tracer.reimpl.kv_cache import KVCache
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "m")
 
 
 @pytest.fixture(scope="module")
