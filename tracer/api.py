@@ -81,7 +81,7 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
         position_offset: the first token's absolute position (default 0), on the engines that take
             positions (hf, reimpl): RoPE at far positions, as a decode step deep in a context sees it.
         decode: after the prompt's prefill, decode this many greedy tokens one at a time with the engine's
-            own KV cache (engines that decode: hf, reimpl, mlx, candle); the steps are `trace.steps`
+            own KV cache (engines that decode: hf, reimpl, llamacpp, mlx, candle); the steps are `trace.steps`
             (docs/decode.md).
         batch: run B rows as one left-padded batch with an attention mask (engines: hf, reimpl;
             docs/batch.md): `tokens_or_prompt` a list of B prompts or of B token lists, or one repeated.

@@ -86,7 +86,7 @@ def _positions() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--position-offset", type=int, default=0, metavar="P",
                         help="the first token's absolute position (default 0): RoPE at far positions, on the engines "
-                             "that take positions (hf, reimpl)")
+                             "that take positions (`tracer engines` lists them)")
     return parent
 
 
@@ -94,7 +94,7 @@ def _decode() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--decode", type=int, default=0, metavar="N",
                         help="after the prompt, decode N tokens one at a time, each engine with its own KV cache, "
-                             "every point of every step recorded (engines that decode: hf, reimpl, mlx, candle; "
+                             "every point of every step recorded (`tracer engines` lists the engines that decode; "
                              "docs/decode.md)")
     return parent
 
