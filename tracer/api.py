@@ -79,7 +79,7 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
             that can: hf): device_map="auto" under `max_memory` ("cpu=2GiB,0=20GiB" or a dict),
             what fits nowhere in the `offload` folder; for models larger than memory.
         position_offset: the first token's absolute position (default 0), on the engines that take
-            positions (hf, reimpl): RoPE at far positions, as a decode step deep in a context sees it.
+            positions (hf, reimpl, llamacpp): RoPE at far positions, as a decode step deep in a context sees it.
         decode: after the prompt's prefill, decode this many greedy tokens one at a time with the engine's
             own KV cache (engines that decode: hf, reimpl, llamacpp, mlx, candle); the steps are `trace.steps`
             (docs/decode.md).
