@@ -161,8 +161,9 @@ def refuse_windowed_decode(engine: str, window: int | None, layer: int | None, e
     docs/decode.md). Within the window every cache holds every slot."""
     if window is not None and end > window:
         raise TracerError(f"--decode on the {engine} engine: this model's layer {layer} attends to a sliding window "
-                          f"of {window} keys and the decode runs to position {end - 1}; sliding-window caches (ring "
-                          "buffers) are not traced yet: decode within the window")
+                          f"of {window} keys and the decode runs to position {end - 1}; this engine's sliding-window "
+                          "cache (a ring buffer) is not traced past its window yet (hf and reimpl trace theirs): "
+                          "decode within the window")
 
 
 # What a decode does with each step's trace once recorded (`steps_kept_by`); None: kept in memory.
