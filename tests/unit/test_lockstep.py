@@ -111,6 +111,38 @@ def test_each_blocks_weights_are_mapped_once_and_every_run_is_its_own(tiny):
     assert all(torch.equal(done.candidate[p], expected[p]) for p in expected.points)
     assert done.candidate.meta == expected.meta
     assert done.local == local_errors(candidate, alone)
+    assert done.shared_blocks == 1  # block 0's input is the embedding, the same on both; eps= changes its output
     noise = estimate_noise(source, alone, {})
     assert done.noise.keys() == noise.keys()
     assert all(done.noise[p] == noise[p] or (math.isnan(noise[p]) and math.isnan(done.noise[p])) for p in noise)
+
+
+def test_the_local_run_shares_the_candidates_blocks_while_their_inputs_agree(tiny):
+    """A port that matches: every block's input is the reference's, bit for bit, so the local run's
+    blocks are the candidate's own (run once, recorded into both), and its errors are what running
+    them again gives."""
+    from tracer.pipeline.run import local_errors
+
+    model = tiny["llama"]
+    engine = load_engine("hf", model, {}, stream=True)
+    done = lockstep.run(engine, resolve_source(model), TOKENS, lambda side: None, reference=Side.of("hf"),
+                        candidate=Side.of("reimpl"), tolerance=Tolerance(), noise_floor=False)
+    candidate = load_engine("reimpl", model, {}, stream=True)
+    assert done.shared_blocks == candidate.model.spec.num_hidden_layers
+    expected = local_errors(candidate, load_engine("hf", model, {}, stream=True).record(TOKENS))
+    assert done.local == expected and any(layer_point(0, "") in name for name in expected)
+
+
+@pytest.mark.parametrize(("rows", "bias"), [(1300, False), (512, True), (7, True)])
+def test_an_f64_matmul_upcast_by_rows_is_the_whole_upcast_ones_bit_for_bit(rows, bias):
+    """The noise floor's f64 run multiplies a block's f32 matrices 512 rows at a time: the same bits
+    as upcasting the whole matrix first, a bias included."""
+    from tracer.reimpl.forward import upcasting_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, 9, 256, generator=gen, dtype=torch.float64)
+    weight = torch.randn(rows, 256, generator=gen).to(torch.bfloat16).float()
+    b = torch.randn(rows, generator=gen) if bias else None
+    whole = torch.nn.functional.linear(x, weight.double(), None if b is None else b.double())
+    assert torch.equal(upcasting_linear(x, weight, b), whole)
+    assert torch.equal(upcasting_linear(x, weight.double(), None if b is None else b.double()), whole)

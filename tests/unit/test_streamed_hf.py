@@ -29,9 +29,9 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_points_are_the_whole_models_bit_for_bit(tiny, family, monkeypatch):
-    from tracer.engines import hf_streamed
+    from tracer.files import weights
 
-    monkeypatch.setattr(hf_streamed, "VOCAB_ROWS", 10)  # lm_head in several chunks of the tiny vocabulary
+    monkeypatch.setattr(weights, "VOCAB_ROWS", 10)  # lm_head in several chunks of the tiny vocabulary
     whole = load_engine("hf", tiny[family], {})
     streamed = load_engine("hf", tiny[family], {}, stream=True)
     expected, got = whole.record(TOKENS), streamed.record(TOKENS)
@@ -70,10 +70,10 @@ def test_a_missing_or_misshapen_tensor_is_one_line(tiny, tmp_path):
 def test_the_reimpl_streamed_with_its_vocabulary_in_chunks_is_bit_for_bit(tiny, variant, monkeypatch):
     """The embedding read as the rows the tokens use, lm_head as chunks of rows (a chunk smaller
     than the tiny vocabulary, so that there are several)."""
-    from tracer.reimpl import forward
+    from tracer.files import weights
     from tracer.reimpl.forward import Model
 
-    monkeypatch.setattr(forward, "VOCAB_ROWS", 10)
+    monkeypatch.setattr(weights, "VOCAB_ROWS", 10)
     ids = torch.tensor(TOKENS)
     for family in ("llama", "gemma2"):  # tied, and Gemma's scaled embedding and capped logits
         whole, streamed = {}, {}

@@ -101,3 +101,25 @@ def test_read_weights_empty_folder(tmp_path):
     with pytest.raises(TracerError) as err:
         weights.read_weights(tmp_path)
     assert str(err.value) == f"no safetensors file in {tmp_path}"
+
+
+# --------------------------------------------------------------------------- conversion buffers
+
+
+def test_a_conversion_buffer_is_reused_only_once_nobody_holds_it():
+    """A unit's conversions go into the buffers of the unit before: never into one still read
+    (held, a view of it, or a parameter made from it), and with the bits `Tensor.to` gives."""
+    buffers = weights.ConversionBuffers()
+    stored = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    first = buffers.converted(stored, torch.float32, "cpu")
+    assert torch.equal(first, stored.to(torch.float32))
+    second = buffers.converted(stored * 2, torch.float32, "cpu")  # `first` is still held
+    assert second.data_ptr() != first.data_ptr() and torch.equal(first, stored.to(torch.float32))
+    parameter, row = torch.nn.Parameter(first, requires_grad=False), second[1]
+    del first, second
+    third = buffers.converted(stored, torch.float64, "cpu")  # another dtype: its own buffer
+    assert third.dtype == torch.float64 and torch.equal(third, stored.to(torch.float64))
+    held = {parameter.data_ptr(), row.untyped_storage().data_ptr()}
+    assert buffers.take((6, 4), torch.float32, "cpu").data_ptr() not in held  # both still read: a third one
+    del parameter, row
+    assert buffers.take((6, 4), torch.float32, "cpu").data_ptr() in held  # now one of the two is reused

@@ -132,9 +132,6 @@ def _set(unit: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 
-VOCAB_ROWS = 16384  # lm_head rows converted at a time: 256 MB of f32 at a hidden size of 4096
-
-
 class _EmbeddingRows:
     """The embedding's pre-hook: a table of only the rows the tokens use, the ids renumbered into it,
     so that the module's own forward (Gemma's scale included) gathers the same values from it; the
@@ -159,15 +156,13 @@ class _EmbeddingRows:
 
 
 class _VocabChunks:
-    """lm_head's forward, its rows converted `VOCAB_ROWS` at a time: x (…, C) -> (…, V). The same
-    matmul per output column as the whole weight's (bitwise on this CPU's BLAS, f32 and f64:
-    tests/unit/test_streamed_hf.py compares the logits)."""
+    """lm_head's forward, its rows converted `VOCAB_ROWS` at a time (`WeightFiles.row_chunks`): x (…, C)
+    -> (…, V). The same matmul per output column as the whole weight's (bitwise on this CPU's BLAS,
+    f32 and f64: tests/unit/test_streamed_hf.py compares the logits)."""
 
     def __init__(self, files: WeightFiles, source: str, dtype: torch.dtype, device: torch.device):
         self.files, self.source, self.dtype, self.device = files, source, dtype, device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        with self.files.mapped(self.source) as weight:  # (V, C), in the stored dtype
-            return torch.cat([F.linear(x, weight[start:start + VOCAB_ROWS].to(dtype=self.dtype, device=self.device,
-                                                                               copy=True))
-                              for start in range(0, weight.shape[0], VOCAB_ROWS)], dim=-1)  # (…, V)
+        return torch.cat([F.linear(x, rows) for rows in self.files.row_chunks(self.source, self.dtype, self.device)],
+                         dim=-1)  # (…, V)

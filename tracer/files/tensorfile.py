@@ -55,6 +55,11 @@ class TensorFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name]["shape"])
 
+    def header(self, name: str) -> torch.Tensor:
+        """A meta tensor of `name`'s dtype and shape (no data read)."""
+        entry, dtype = self._entry(name)
+        return torch.empty(entry["shape"], dtype=dtype, device="meta")
+
     def read(self, name: str) -> torch.Tensor:
         """The tensor `name`, in ordinary (not mapped) memory."""
         entry, dtype = self._entry(name)

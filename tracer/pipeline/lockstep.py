@@ -55,6 +55,7 @@ class Lockstep:
     noise: dict[str, float] | None = None
     noise_notes: list[str] = field(default_factory=list)
     noise_measured: bool = False  # False: none asked for (none wanted, or the cache's)
+    shared_blocks: int = 0  # blocks the local run took from the candidate's (the same input, bit for bit)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -111,22 +112,26 @@ def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candid
     if noise_errors is not None:
         followers.append(("noise_s", FreeRun(noise_model, ids, noise_errors, positions)))
     local_errors = ErrorRecorder(live) if local and candidate_engine.entry.local_errors else None
-    if local_errors is not None:
-        followers.append(("local_s", TeacherForced(candidate_engine.model, live, local_errors, positions)))
     store = sink("candidate")
     compared = None
     if store is not None:  # a long prompt's candidate is judged as it comes (`compare_candidate` says why)
         local_so_far = _RelL2(local_errors) if local_errors is not None else None
         compared = ErrorRecorder(live, tolerance, noise, local_so_far, store=store)
     candidate_recorder = compared if compared is not None else TraceRecorder()
-    followers.append(("candidate_s", FreeRun(candidate_engine.model, ids, candidate_recorder, positions)))
+    free = FreeRun(candidate_engine.model, ids, candidate_recorder, positions)
+    forced = None
+    if local_errors is not None:  # stepped right before the candidate, whose blocks it shares while their inputs agree
+        forced = TeacherForced(candidate_engine.model, live, local_errors, positions, beside=free)
+        followers.append(("local_s", forced))
+    followers.append(("candidate_s", free))
     trace = _stepped(engine, ids, recorder, offset, followers, timings, "reference_s")
     if noise_errors is not None:
         noise = noise_errors.rel_l2
     return Lockstep(reference=trace, engine=candidate_engine,
                     candidate=candidate_engine.trace(candidate_recorder.tensors, ids, offset),
                     compared=compared, local=local_errors.rel_l2 if local_errors is not None else None,
-                    noise=noise, noise_notes=noise_notes, noise_measured=noise_floor, timings=timings)
+                    noise=noise, noise_notes=noise_notes, noise_measured=noise_floor, timings=timings,
+                    shared_blocks=forced.shared if forced is not None else 0)
 
 
 def _stepped(engine: Engine, ids: list[int], recorder, offset: int, followers, timings: dict,

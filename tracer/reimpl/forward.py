@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from tracer.core.errors import TracerError
 from tracer.core.torch_types import TORCH_DTYPES, Recorder
+from tracer.files.weights import VOCAB_ROWS
 from tracer.model.component import Run, Steps, family_named
 from tracer.model.components.attention import ATTENTION_KERNELS, not_recorded
 from tracer.model.components.mlp import ACTIVATION_NAMES
@@ -120,7 +121,11 @@ class Model:
         weights = self.steps.weights(weights, source)  # source: config.json's tracer_source (the GGUF)
         # streamed outside a regime (whose steps read whole tensors): lm_head converted by chunks of rows
         chunked = (LOGITS + WEIGHT,) if stream and not is_regime(self.knobs) else ()
-        self.weights = prepare_weights(self.spec, weights, self.steps.dtype, self.device, stream, chunked)
+        # and an f64 forward's matrices read in f32 (a lockstep unit's shared conversion), upcast as multiplied
+        narrow = bool(chunked) and self.steps.dtype == torch.float64 and self.steps.linear is F.linear
+        if narrow:
+            self.steps = self.steps.replace(linear=upcasting_linear)
+        self.weights = prepare_weights(self.spec, weights, self.steps.dtype, self.device, stream, chunked, narrow)
         self.unused_tensors = unused_tensors(self.spec, weights)
         self.layers = [Prefixed(self.weights, layer_point(i, "") + ".") for i in range(self.spec.num_hidden_layers)]
 
@@ -258,16 +263,18 @@ def check_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def prepare_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                    device: torch.device, stream: bool, chunked: tuple[str, ...] = ()) -> Mapping[str, torch.Tensor]:
+                    device: torch.device, stream: bool, chunked: tuple[str, ...] = (),
+                    narrow_matrices: bool = False) -> Mapping[str, torch.Tensor]:
     """The spec's tensors in `dtype` on `device`, the logits' weight tied to the embedding where the
-    config says so: converted now, or (`stream`) on every access, the `chunked` ones as `RowChunks`."""
+    config says so: converted now, or (`stream`) on every access, the `chunked` ones as `RowChunks`
+    (and, `narrow_matrices`, a block's matrices in f32 where that holds them exactly)."""
     check_weights(spec, tensors)
     shapes = expected_shapes(spec)
     names = {name: name for name in shapes}
     if spec.tie_word_embeddings:
         names[LOGITS + WEIGHT] = EMBED + WEIGHT
     if stream:
-        return StreamedWeights(tensors, names, dtype, device, chunked)
+        return StreamedWeights(tensors, names, dtype, device, chunked, narrow_matrices)
     converted = {name: tensors[name].to(dtype=dtype, device=device) for name in shapes}
     return {name: converted[source] for name, source in names.items()}
 
@@ -277,17 +284,28 @@ class StreamedWeights:
     holds the weights of the op it runs, at the price of reading them once per forward."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], dtype: torch.dtype,
-                 device: torch.device, chunked: tuple[str, ...] = ()):
+                 device: torch.device, chunked: tuple[str, ...] = (), narrow_matrices: bool = False):
         self.tensors, self.names, self.dtype, self.device = tensors, names, dtype, device
         self.chunked = frozenset(chunked)
+        self.narrow_matrices = narrow_matrices
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.chunked:
-            return RowChunks(self.stored(self.names[name]), self.dtype, self.device)
+            return RowChunks(self.tensors, self.names[name], self.dtype, self.device)
+        dtype = self._dtype(self.names[name])
         if hasattr(self.tensors, "converted"):  # weight files: a lockstep run's unit may hold it converted already
-            return self.tensors.converted(self.names[name], self.dtype, self.device)
+            return self.tensors.converted(self.names[name], dtype, self.device)
         with self.stored(self.names[name]) as stored:
-            return stored.to(dtype=self.dtype, device=self.device, copy=True)
+            return stored.to(dtype=dtype, device=self.device, copy=True)
+
+    def _dtype(self, name: str) -> torch.dtype:
+        """A matrix stored in 32 bits or fewer comes in f32 where the matrices are narrowed (for
+        `upcasting_linear`): every such value is an f32 value, so nothing is rounded."""
+        if not self.narrow_matrices:
+            return self.dtype
+        header = self.tensors.header(name) if hasattr(self.tensors, "header") else self.tensors[name]
+        narrow = len(header.shape) == 2 and header.dtype.is_floating_point and header.dtype.itemsize <= 4
+        return torch.float32 if narrow else self.dtype
 
     def stored(self, name: str):
         """A context: the tensor in its stored dtype, a view of the file's pages where the weights
@@ -303,23 +321,42 @@ class StreamedWeights:
             return stored[rows.cpu()].to(dtype=self.dtype, device=self.device)
 
 
-VOCAB_ROWS = 16384  # rows of a streamed lm_head converted at a time: 256 MB of f32 at a hidden size of 4096
+UPCAST_ROWS = 512  # rows of a narrowed matrix upcast at a time: 16 MB of f64 at a width of 4096, multiplied in cache
+
+
+def upcasting_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight.to(x.dtype), bias)` without the whole upcast copy: `UPCAST_ROWS` rows of the
+    weight at a time, into one buffer, each multiplied while it is in the cache. The same matmul per
+    output column as the whole weight's, bitwise on this CPU's BLAS (tests/unit/test_lockstep.py);
+    an f64 copy of a 14336×4096 matrix is 470 MB written and read again per forward (8B shape, 64
+    tokens: 75 ms a matrix against 100–114 ms converting it whole into a used buffer first)."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    buffer = torch.empty((min(UPCAST_ROWS, weight.shape[0]), weight.shape[1]), dtype=x.dtype, device=x.device)
+    parts = []
+    for start in range(0, weight.shape[0], UPCAST_ROWS):
+        rows = buffer[:len(weight[start:start + UPCAST_ROWS])].copy_(weight[start:start + UPCAST_ROWS])
+        part_bias = None if bias is None else bias[start:start + UPCAST_ROWS].to(x.dtype)
+        parts.append(F.linear(x, rows, part_bias))  # (…, rows)
+    return torch.cat(parts, dim=-1)  # (…, N)
 
 
 class RowChunks:
-    """A (V, C) weight in its stored dtype, given as chunks of `VOCAB_ROWS` rows converted one at a
-    time (the model's head multiplies by each: `tracer.model.components.head`); an f64 lm_head of a
-    128k vocabulary is 4.2 GB at a hidden size of 4096, a chunk 0.5 GB."""
+    """A (V, C) weight given as chunks of `VOCAB_ROWS` rows converted one at a time (the model's head
+    multiplies by each: `tracer.model.components.head`; `WeightFiles.row_chunks` for weight files)."""
 
     in_row_chunks = True  # what `tracer.model.components.head` looks for
 
-    def __init__(self, stored, dtype: torch.dtype, device: torch.device):
-        self.stored, self.dtype, self.device = stored, dtype, device  # stored: a context (`StreamedWeights.stored`)
+    def __init__(self, tensors, name: str, dtype: torch.dtype, device: torch.device):
+        self.tensors, self.name, self.dtype, self.device = tensors, name, dtype, device
 
     def __iter__(self):
-        with self.stored as stored:
-            for start in range(0, stored.shape[0], VOCAB_ROWS):
-                yield stored[start:start + VOCAB_ROWS].to(dtype=self.dtype, device=self.device, copy=True)
+        if hasattr(self.tensors, "row_chunks"):
+            yield from self.tensors.row_chunks(self.name, self.dtype, self.device)
+            return
+        stored = self.tensors[self.name]
+        for start in range(0, stored.shape[0], VOCAB_ROWS):
+            yield stored[start:start + VOCAB_ROWS].to(dtype=self.dtype, device=self.device, copy=True)
 
 
 class Overlay:
