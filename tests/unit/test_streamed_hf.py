@@ -69,11 +69,14 @@ def test_a_missing_or_misshapen_tensor_is_one_line(tiny, tmp_path):
 @pytest.mark.parametrize("variant", [{}, {"dtype": "f64"}, {"theta": 1000.0}])
 def test_the_reimpl_streamed_with_its_vocabulary_in_chunks_is_bit_for_bit(tiny, variant, monkeypatch):
     """The embedding read as the rows the tokens use, lm_head as chunks of rows (a chunk smaller
-    than the tiny vocabulary, so that there are several)."""
+    than the tiny vocabulary, so that there are several); in f64, each matrix read in f32 and upcast
+    16 rows at a time as it is multiplied."""
     from tracer.files import weights
+    from tracer.reimpl import forward
     from tracer.reimpl.forward import Model
 
     monkeypatch.setattr(weights, "VOCAB_ROWS", 10)
+    monkeypatch.setattr(forward, "UPCAST_ROWS", 16)
     ids = torch.tensor(TOKENS)
     for family in ("llama", "gemma2"):  # tied, and Gemma's scaled embedding and capped logits
         whole, streamed = {}, {}

@@ -194,7 +194,8 @@ class ErrorRecorder:
 
     def __init__(self, reference: Trace, tolerance: Tolerance | None = None, noise: dict[str, float] | None = None,
                  local: dict[str, float] | None = None, store=None):
-        self.reference, self.tolerance, self.noise, self.local = reference, tolerance or Tolerance(), noise or {}, local
+        self.reference, self.tolerance, self.local = reference, tolerance or Tolerance(), local
+        self.noise = noise if noise is not None else {}  # (a live mapping may be empty when given)
         self.store = store
         self.diffs: dict[str, PointDiff] = {}
         self.names: list[str] = []  # every point recorded, in order

@@ -228,10 +228,11 @@ def _read_into(fd: int, buffer: torch.Tensor, offset: int) -> int:
 
 
 @contextmanager
-def spill_folder(num_tokens: int) -> Iterator[Callable[[str], DiskRecorder | None]]:
-    """`sink(side)` -> a recorder for that side: None (in memory) for short prompts, else a
-    `DiskRecorder` in a temporary folder that is removed when the block ends."""
-    if num_tokens <= SPILL_TOKENS:
+def spill_folder(spills: bool) -> Iterator[Callable[[str], DiskRecorder | None]]:
+    """`sink(side)` -> a recorder for that side: None (in memory) unless the run `spills` (a long
+    prompt, a streamed model), else a `DiskRecorder` in a temporary folder that is removed when the
+    block ends."""
+    if not spills:
         yield lambda side: None
         return
     with tempfile.TemporaryDirectory(prefix="tracer-spill-") as folder:

@@ -114,9 +114,11 @@ def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candid
     local_errors = ErrorRecorder(live) if local and candidate_engine.entry.local_errors else None
     store = sink("candidate")
     compared = None
-    if store is not None:  # a long prompt's candidate is judged as it comes (`compare_candidate` says why)
+    if store is not None:  # a spilled candidate is judged as it comes (`compare_candidate` says why)
         local_so_far = _RelL2(local_errors) if local_errors is not None else None
-        compared = ErrorRecorder(live, tolerance, noise, local_so_far, store=store)
+        # a floor measured in this pass: each unit's, by the f64 run stepped before the candidate through it
+        floor = _RelL2(noise_errors) if noise_errors is not None else noise
+        compared = ErrorRecorder(live, tolerance, floor, local_so_far, store=store)
     candidate_recorder = compared if compared is not None else TraceRecorder()
     free = FreeRun(candidate_engine.model, ids, candidate_recorder, positions)
     forced = None
@@ -220,7 +222,8 @@ class _Recorded(Mapping):
 
 
 class _RelL2(Mapping):
-    """point -> rel_l2 of an `ErrorRecorder` still recording (the local run, one unit ahead of the candidate)."""
+    """point -> rel_l2 of an `ErrorRecorder` still recording (the local run or the noise floor's, one
+    unit ahead of the candidate)."""
 
     def __init__(self, errors: ErrorRecorder):
         self.errors = errors

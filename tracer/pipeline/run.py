@@ -168,7 +168,9 @@ def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, re
         noise_floor=noise_floor, greedy_steps=greedy_steps, position_offset=offset)
     kept = reference_cache.load(key) if key is not None else None
     together = None
-    with spill_folder(len(ids)) as sink:
+    # a streamed run spills too: its points, 25 MB a layer per side at the 8B width and 64 tokens, would
+    # otherwise be the one thing in its memory that grows with depth
+    with spill_folder(len(ids) > SPILL_TOKENS or stream) as sink:
         if stream and lockstep_with is not None:
             from tracer.pipeline import lockstep
 
@@ -376,6 +378,7 @@ def reference_noise(source: ModelSource, reference: Side, engine: Engine, trace:
 
 
 def memory_notes(num_tokens: int) -> list[str]:
+    """What a long prompt changes (a streamed run's traces spill as well, as its docs say: no note on each run)."""
     notes = []
     if num_tokens > ATTENTION_ROWS:
         notes.append(f"attention scores and probs are kept and compared on their last {ATTENTION_ROWS} query rows "

@@ -28,6 +28,7 @@ Notation: T tokens, C hidden size, H query heads, KV kv heads, D head dim, V voc
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -124,7 +125,8 @@ class Model:
         # and an f64 forward's matrices read in f32 (a lockstep unit's shared conversion), upcast as multiplied
         narrow = bool(chunked) and self.steps.dtype == torch.float64 and self.steps.linear is F.linear
         if narrow:
-            self.steps = self.steps.replace(linear=upcasting_linear)
+            self.steps = self.steps.replace(linear=upcasting_linear,
+                                            logits=functools.partial(self.steps.logits, linear=upcasting_linear))
         self.weights = prepare_weights(self.spec, weights, self.steps.dtype, self.device, stream, chunked, narrow)
         self.unused_tensors = unused_tensors(self.spec, weights)
         self.layers = [Prefixed(self.weights, layer_point(i, "") + ".") for i in range(self.spec.num_hidden_layers)]
@@ -291,20 +293,22 @@ class StreamedWeights:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.chunked:
-            return RowChunks(self.tensors, self.names[name], self.dtype, self.device)
-        dtype = self._dtype(self.names[name])
+            return RowChunks(self.tensors, self.names[name], self._dtype(name), self.device)
+        dtype = self._dtype(name)
         if hasattr(self.tensors, "converted"):  # weight files: a lockstep run's unit may hold it converted already
             return self.tensors.converted(self.names[name], dtype, self.device)
         with self.stored(self.names[name]) as stored:
             return stored.to(dtype=dtype, device=self.device, copy=True)
 
     def _dtype(self, name: str) -> torch.dtype:
-        """A matrix stored in 32 bits or fewer comes in f32 where the matrices are narrowed (for
-        `upcasting_linear`): every such value is an f32 value, so nothing is rounded."""
-        if not self.narrow_matrices:
+        """Where the matrices are narrowed, one that the steps' `linear` multiplies (a projection,
+        lm_head; not the embedding, whose rows are looked up) stored in 32 bits or fewer comes in
+        f32, for `upcasting_linear`: every such value is an f32 value, so nothing is rounded."""
+        if not self.narrow_matrices or not (name.endswith("_proj" + WEIGHT) or name == LOGITS + WEIGHT):
             return self.dtype
-        header = self.tensors.header(name) if hasattr(self.tensors, "header") else self.tensors[name]
-        narrow = len(header.shape) == 2 and header.dtype.is_floating_point and header.dtype.itemsize <= 4
+        source = self.names[name]
+        header = self.tensors.header(source) if hasattr(self.tensors, "header") else self.tensors[source]
+        narrow = header.dtype.is_floating_point and header.dtype.itemsize <= 4
         return torch.float32 if narrow else self.dtype
 
     def stored(self, name: str):
