@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tracer.comparison.diff import ErrorRecorder
-from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
+from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder, kept
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions
@@ -104,7 +104,7 @@ def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candid
         noise_model = None
     stage("reference")
     recorder = sink("reference")
-    recorder = recorder if recorder is not None else TraceRecorder()
+    recorder = _UnitPoints(recorder) if recorder is not None else TraceRecorder()
     live = _live(recorder, engine, ids)
     positions = _positions(offset, len(ids))
     followers = []
@@ -160,6 +160,8 @@ def _stepped(engine: Engine, ids: list[int], recorder, offset: int, followers, t
             step("embed") if done == 0 else step("block", done - 1)
             done += 1
         held.release()
+        if isinstance(recorder, _UnitPoints):
+            recorder.next_unit()
 
     def before(units: int):
         # the reference has run (and recorded) every unit before this module
@@ -205,6 +207,8 @@ class _Recorded(Mapping):
         return self.recorder.files if hasattr(self.recorder, "files") else self.recorder.tensors
 
     def __getitem__(self, point: str) -> torch.Tensor:
+        if point in getattr(self.recorder, "recent", ()):
+            return self.recorder.recent[point]
         if hasattr(self.recorder, "files"):
             from tracer.comparison.spill import read_point
 
@@ -219,6 +223,34 @@ class _Recorded(Mapping):
 
     def __len__(self) -> int:
         return len(self._points())
+
+
+class _UnitPoints:
+    """A spilling recorder (`DiskRecorder`) whose points of the unit the followers are yet to run are
+    also kept in memory until they have run it (`next_unit`), with the last point (the next block's
+    input): the noise floor's, the local run's and the candidate's comparisons each read every one
+    of them, from here rather than three times from the disk (the spill's reads bypass the page
+    cache). Memory: one unit's points, whatever the depth."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+        self.recent: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        self.recorder(name, tensor)
+        self.recent[name] = kept(name, tensor)
+
+    def next_unit(self) -> None:
+        last = next(reversed(self.recent), None)
+        self.recent = {last: self.recent[last]} if last is not None else {}
+
+    @property
+    def files(self):
+        return self.recorder.files
+
+    @property
+    def tensors(self):
+        return self.recorder.tensors
 
 
 class _RelL2(Mapping):
