@@ -91,6 +91,29 @@ TOKENS = [1, 17, 5, 42, 8, 63, 3]
 OWN_PEAK_KB = "int(next(line for line in open('/proc/self/status') if line.startswith('VmHWM')).split()[1])"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_conversions_left_in_the_cache(tmp_path_factory):
+    """A GGUF a test writes under its temporary folder is converted into the user's cache, keyed by
+    its path (`tracer.files.sources.gguf_model_path`): a new 517 MB folder per run for a SmolLM2
+    quantized by llama.cpp. Those conversions go when the session ends (each worker its own)."""
+    yield
+    import shutil
+
+    from tracer.files.convert import cache_root
+
+    temporary = tmp_path_factory.getbasetemp().resolve()
+    root = cache_root()
+    for config in root.glob("*/config.json"):
+        try:
+            source = json.loads(config.read_text()).get("tracer_source") or {}
+        except (OSError, ValueError):
+            continue
+        gguf = Path(str(source.get("gguf_file", "")))
+        if gguf.is_absolute() and gguf.resolve().is_relative_to(temporary):
+            shutil.rmtree(config.parent, ignore_errors=True)
+            (root / f".{config.parent.name}.lock").unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The bundled SmolLM2 as a cached HF directory (converted once per cache)."""
