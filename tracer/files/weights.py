@@ -174,10 +174,13 @@ class ConversionBuffers:
 
 
 def _unused(buffer: torch.Tensor) -> bool:
-    """Nothing but `buffer` itself holds its storage (the count includes the wrapper asked here)."""
+    """Nothing but `buffer` itself holds its storage (the count includes the wrapper asked here).
+    A torch without the count (a private function, which inductor's CUDA graphs use the same way)
+    never reuses a buffer: fresh memory each time, as before the buffers."""
     import torch
 
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and count(buffer.untyped_storage()._cdata) <= 2
 
 
 def read_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
