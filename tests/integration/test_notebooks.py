@@ -27,6 +27,14 @@ def outputs(notebook) -> list:
     return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
 
 
+def story(executed, notebook: str) -> list:
+    """The outputs of `notebook`, the one a story test reads (the others skip it)."""
+    name, executed = executed
+    if name != notebook:
+        pytest.skip(f"the {notebook} story only")
+    return outputs(executed)
+
+
 def test_notebook_runs_without_errors(executed):
     _, executed = executed
     assert not [out for out in outputs(executed) if out.output_type == "error"]
@@ -35,36 +43,29 @@ def test_notebook_runs_without_errors(executed):
 
 
 def test_rope_theta_story_shows_rich_outputs(executed):
-    name, executed = executed
-    if name != "rope_theta.ipynb":
-        pytest.skip("the rope_theta story only")
-    data = [out.get("data", {}) for out in outputs(executed)]
+    shown = story(executed, "rope_theta.ipynb")
+    data = [out.get("data", {}) for out in shown]
     html = [d["text/html"] for d in data if "text/html" in d]
     assert any('class="tracer-nb"' in h and "model.layers.0.self_attn.q_rope" in h and "DIVERGED" in h for h in html)
     assert any("Trace</b> <code>reimpl[theta=10000]</code>" in h for h in html)
     assert sum("image/png" in d for d in data) >= 2  # result.plot() and result.plot("breakdown")
     # the long steps show tqdm's notebook widget
     assert any("application/vnd.jupyter.widget-view+json" in d for d in data)
-    assert "model.layers.0.self_attn.q_rope" in str(outputs(executed))
+    assert "model.layers.0.self_attn.q_rope" in str(shown)
 
 
 def test_candle_port_walks_theta_rope_i_and_the_gguf_in_candles_regime(executed):
-    name, executed = executed
-    if name != "candle_port.ipynb":
-        pytest.skip("the candle port only")
-    text = str(outputs(executed))
+    text = str(story(executed, "candle_port.ipynb"))
     assert "took rope_theta = 10000" in text and "first divergence model.layers.0.self_attn.q_rope" in text
     assert "read as transformers reads it: match" in text
     assert "match - largest difference over 513 points: 0.0" in text
 
 
 def test_decode_story_finds_the_cache_bug_by_step(executed):
-    name, executed = executed
-    if name != "decode.ipynb":
-        pytest.skip("the decode story only")
-    text = str(outputs(executed))
+    shown = story(executed, "decode.ipynb")
+    text = str(shown)
     assert "prompt: match" in text and "where the sides part: model.layers.0.self_attn.q_rope" in text
     assert "first divergence: decode step 1 (position 5), model.layers.0.self_attn.q_rope" in text
     assert "model.layers.0.self_attn.q_proj 0.0" in text  # the projection agrees, RoPE does not
-    html = [out.get("data", {}).get("text/html", "") for out in outputs(executed)]
+    html = [out.get("data", {}).get("text/html", "") for out in shown]
     assert any('class="tracer-nb"' in h and "DIVERGED" in h for h in html)

@@ -341,9 +341,9 @@ def upcasting_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     buffer = torch.empty((min(UPCAST_ROWS, weight.shape[0]), weight.shape[1]), dtype=x.dtype, device=x.device)
     parts = []
     for start in range(0, weight.shape[0], UPCAST_ROWS):
-        rows = buffer[:len(weight[start:start + UPCAST_ROWS])].copy_(weight[start:start + UPCAST_ROWS])
+        chunk = weight[start:start + UPCAST_ROWS]  # (rows, K)
         part_bias = None if bias is None else bias[start:start + UPCAST_ROWS].to(x.dtype)
-        parts.append(F.linear(x, rows, part_bias))  # (…, rows)
+        parts.append(F.linear(x, buffer[:len(chunk)].copy_(chunk), part_bias))  # (…, rows)
     return torch.cat(parts, dim=-1)  # (…, N)
 
 
