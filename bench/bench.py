@@ -82,8 +82,8 @@ def in_process(model_dir: Path, tokens: list[int], repeats: int) -> tuple[dict[s
     from transformers import LlamaForCausalLM
 
     import tracer
-    from tracer.comparison.trace import TraceRecorder
     from tracer.reimpl.forward import Model
+    from tracer.traces.trace import TraceRecorder
 
     model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     ids = torch.tensor([tokens])

@@ -14,7 +14,7 @@ the same dict that is saved as summary.json, so a report can be rebuilt from tha
 
 from importlib import import_module
 
-from tracer.comparison.renderers import register_renderers
+from tracer.core.renderers import register_renderers
 
 # Attribute -> submodule. Loaded on first use: matplotlib and pandas cost most of a second, and
 # `tracer run` only needs them when it writes a report (the terminal summary needs neither).
@@ -42,7 +42,7 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-# What a value's methods render through (`tracer.comparison.renderers`): Result.plot / _repr_html_,
+# What a value's methods render through (`tracer.core.renderers`): Result.plot / _repr_html_,
 # Trace._repr_html_, Sweep.table / plot / _repr_html_. Each loads its submodule when first called.
 RENDERED = ("plot", "result_html", "trace_html", "sweep_frame", "sweep_figure", "sweep_html")
 

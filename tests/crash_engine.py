@@ -43,8 +43,8 @@ class CrashEngine:
             raise TracerError("the crash engine refuses, in one line")
         import torch
 
-        from tracer.comparison.trace import Trace, TraceRecorder
         from tracer.engines.base import trace_meta
+        from tracer.traces.trace import Trace, TraceRecorder
 
         recorder = recorder if recorder is not None else TraceRecorder()
         recorder("model.embed_tokens", torch.arange(len(tokens) * 4, dtype=torch.float32).reshape(1, len(tokens), 4))

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tracer.comparison.layouts import to_interleaved
 from tracer.model.points import layer_of
+from tracer.traces.layouts import to_interleaved
 
 # our point (layer part as {i}) -> candle llama.rs field path
 CANDLE_NAMES = {

@@ -1,6 +1,6 @@
 """A tiny Llama directory (tests/conftest.py `write_tiny_llama`) written again as a real GGUF file,
 the way llama.cpp's convert_hf_to_gguf.py writes a Llama: q/k weight rows permuted so that each
-RoPE pair is adjacent (`tracer.comparison.layouts.to_interleaved` on the output rows), f32 or f16 tensors,
+RoPE pair is adjacent (`tracer.traces.layouts.to_interleaved` on the output rows), f32 or f16 tensors,
 and no tokenizer (`tokenizer.ggml.model = "no_vocab"`, the vocabulary size as metadata): tracer
 feeds llama.cpp token ids.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tracer.comparison.layouts import to_interleaved
+from tracer.traces.layouts import to_interleaved
 
 # HF tensor name (after "model.layers.{n}.") -> GGUF name (after "blk.{n}.")
 LAYER_TENSORS = {

@@ -19,13 +19,13 @@ import importlib
 import tracer.reports  # noqa: F401  (registers the renderers Result, Trace and Sweep look up)
 from tracer.core import __version__  # noqa: F401  (tracer.__version__)
 
-_API, _RESULT, _TRACE = "tracer.api", "tracer.comparison.result", "tracer.comparison.trace"
+_API, _RESULT, _TRACE = "tracer.api", "tracer.comparison.result", "tracer.traces.trace"
 _EXPORTS = {
     "record": _API, "run": _API, "sweep": _API, "diagnose": _API, "compare_files": _API, "audit_gguf": _API,
     "quality": _API, "compare": "tracer.comparison.diff", "Quality": "tracer.pipeline.corpus",
     "Result": _RESULT, "PointDiff": _RESULT, "Tolerance": _RESULT, "Sweep": _RESULT, "SweepRow": _RESULT,
     "Diagnosis": _RESULT, "Divergence": _RESULT, "LogitsSummary": _RESULT, "Greedy": _RESULT,
-    "RegimeView": _RESULT, "WeightAudit": _RESULT,
+    "RegimeView": _RESULT, "WeightAudit": "tracer.ggml.audit",
     "Trace": _TRACE, "TraceMeta": _TRACE, "TracerError": "tracer.core.errors",
     "default_model_path": "tracer.files.sources",
 }

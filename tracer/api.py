@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 from tracer.comparison.fingerprint import resemblance
-from tracer.comparison.result import Diagnosis, Result, Sweep, Tolerance, WeightAudit
-from tracer.comparison.trace import Trace
+from tracer.comparison.result import Diagnosis, Result, Sweep, Tolerance
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage, with_stages
 from tracer.engines.base import at_positions, environment
@@ -23,6 +22,7 @@ from tracer.engines.load import load_engine
 from tracer.engines.offload import check_offload, offload_for
 from tracer.engines.registry import EngineRef
 from tracer.files.sources import ModelSource, resolve_source
+from tracer.ggml.audit import WeightAudit
 from tracer.model.knobs import format_knob_value, parse_variant, variant_text
 from tracer.pipeline.catalogue import default_variants, diagnosis_variants, split_variants
 from tracer.pipeline.corpus import Quality, measure_quality
@@ -56,6 +56,7 @@ from tracer.pipeline.run import (
     sweep_row,
     token_ids,
 )
+from tracer.traces.trace import Trace
 
 
 @with_stages("load", "record")
@@ -205,7 +206,7 @@ def run(
             No greedy continuation unless `greedy` is given.
 
     Prompts over 256 tokens are recorded to a temporary folder point by point and compared from
-    there (`tracer.comparison.spill`), and attention matrices over 128 tokens keep their last 128 query
+    there (`tracer.traces.spill`), and attention matrices over 128 tokens keep their last 128 query
     rows, so memory stays bounded (SmolLM2 at 2048 tokens: under 4 GB resident).
 
     Returns:
@@ -564,14 +565,14 @@ def compare_files(
     """Compare two saved traces: tracer's own, or dumps from candle, llama.cpp, MLX, PyTorch, or a
     tensor-parallel run's dumps (one file per rank, or SGLang's dumper directory) merged into one.
 
-    Names are mapped onto points (`tracer.model.names`), layouts brought to ours (`tracer.comparison.layouts`),
+    Names are mapped onto points (`tracer.model.names`), layouts brought to ours (`tracer.traces.layouts`),
     and only the points both sides have are compared; the Result's `notes` say what was missing
     on each side, which names were not recognized and which layout was assumed.
 
     Args:
         reference, candidate: paths to safetensors files (docs/trace-format.md) or `Trace`s; a list of
             paths (one per tensor-parallel rank) or an SGLang dumper directory is merged first
-            (`tracer.comparison.shards`).
+            (`tracer.traces.shards`).
         atol, rtol: elementwise tolerance replacing the default relative-L2 criterion.
         aliases: a user name mapping: a dict, a JSON file path, or an `AliasTable`.
         out: write the report folder there.
@@ -652,18 +653,18 @@ def is_sharded(trace_or_path) -> bool:
 def load_trace(trace_or_path, aliases=None, shard_layout=None) -> Trace:
     """A Trace as it is; a file read with `Trace.load`, or a dict name -> tensor, with foreign
     names mapped through the aliases; a list of files (one per rank) or an SGLang dumper directory
-    merged by `shard_layout` and the dumps' declarations (`tracer.comparison.shards`)."""
+    merged by `shard_layout` and the dumps' declarations (`tracer.traces.shards`)."""
     if isinstance(trace_or_path, Trace):
         return trace_or_path
     if isinstance(trace_or_path, dict):
-        from tracer.comparison.trace import import_foreign
+        from tracer.traces.trace import import_foreign
 
         return import_foreign(trace_or_path, {}, Path("<dict>"), aliases)
     paths = list(trace_or_path) if isinstance(trace_or_path, (list, tuple)) else [trace_or_path]
     if not paths:
         raise TracerError("no trace file given")
     if len(paths) > 1 or Path(paths[0]).is_dir():
-        from tracer.comparison.shards import load_shards
+        from tracer.traces.shards import load_shards
 
         return load_shards(paths, aliases, shard_layout)
     if shard_layout is not None:

@@ -22,7 +22,7 @@ def modules_with_examples() -> list[str]:
 
 
 def test_examples_are_found():
-    expected = {"tracer", "tracer.api", "tracer.comparison.result", "tracer.comparison.trace"}
+    expected = {"tracer", "tracer.api", "tracer.comparison.result", "tracer.traces.trace"}
     assert expected <= set(modules_with_examples())
 
 

@@ -17,8 +17,8 @@ import pytest
 
 import tracer
 from tests.readme import run_recipe
-from tracer.comparison.layouts import sub_point
 from tracer.engines.load import load_engine
+from tracer.traces.layouts import sub_point
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 LLAMACPP = {"preset": "llamacpp", "weights": "gguf"}

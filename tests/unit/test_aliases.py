@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import save_file
 
 from tests.dumps import CANDLE_NAMES, GGML_NAMES
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.model.names import AliasTable, alias_table, is_point, load_alias_file, rename
 from tracer.model.points import all_points
+from tracer.traces.trace import Trace
 
 
 @pytest.mark.parametrize("name, point", [

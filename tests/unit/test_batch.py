@@ -12,7 +12,6 @@ import tracer
 from tests.conftest import TOKENS
 from tracer.cli import main
 from tracer.comparison.diff import rel_l2_by_point
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.engines.batch import left_padded
 from tracer.engines.load import load_engine
@@ -21,6 +20,7 @@ from tracer.model.points import CONTEXT, PROBS, Q_ROPE, layer_point
 from tracer.pipeline.request import Inputs
 from tracer.reimpl.forward import Model
 from tracer.reports import write_report
+from tracer.traces.trace import Trace
 
 ROWS = [TOKENS, TOKENS[:3], TOKENS[1:], TOKENS[2:4]]  # 7, 3, 6, 2 tokens: padding 0, 4, 1, 5
 

@@ -18,7 +18,6 @@ from tracer.comparison.diff import rel_l2_by_point
 from tracer.comparison.explain import cache_hints, position_hint
 from tracer.comparison.result import CONTRACT_VERSION, StepResult
 from tracer.comparison.steps import compare_steps, decoded_steps, step_floors
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.engines.load import load_engine
 from tracer.engines.registry import ENGINES
@@ -28,6 +27,7 @@ from tracer.pipeline.decode import decoded_tokens, step_local_errors
 from tracer.reports import markdown_summary, render_html, result_html, write_report
 from tracer.reports.summary import fmt, step_origin_text
 from tracer.reports.terminal import steps_line
+from tracer.traces.trace import Trace
 
 STEPS = 5
 
@@ -261,7 +261,7 @@ def test_a_long_decode_spills_its_steps_and_reads_as_one_held_in_memory(llama_di
     """Past SPILL_TOKENS positions each step both sides record goes to disk as it is recorded (its
     cache points alone grow with every step) and is read back point by point: the same result."""
     import tracer.pipeline.decode as decode
-    from tracer.comparison.spill import SpilledTensors
+    from tracer.traces.spill import SpilledTensors
 
     def run():
         return tracer.run(llama_dir, tokens=TOKENS, decode=STEPS, greedy=0, variant="decode_positions=restart",

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import torch
 
-from tracer.comparison.layouts import to_interleaved
 from tracer.ggml import ops
 from tracer.ggml.floats import F32, F64, libm, powf, round_f16
 from tracer.model.config import LlamaSpec
+from tracer.traces.layouts import to_interleaved
 
 
 def _randn(*shape, seed=0, scale=1.0):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from tracer.comparison.layouts import Fixes, align, fix_notes, from_interleaved, reconcile, to_interleaved
-from tracer.comparison.trace import Trace, TraceMeta
 from tracer.core.errors import TracerError
+from tracer.traces.layouts import Fixes, align, fix_notes, from_interleaved, reconcile, to_interleaved
+from tracer.traces.trace import Trace, TraceMeta
 
 T, H, KV, D, C = 5, 4, 2, 8, 32
 g = torch.Generator().manual_seed(0)

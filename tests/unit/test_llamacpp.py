@@ -282,7 +282,7 @@ def test_a_child_whose_call_was_interrupted_is_not_reused():
 
 
 def test_the_child_writes_a_spilled_trace_where_the_caller_spills(tmp_path):
-    from tracer.comparison.spill import DiskRecorder
+    from tracer.traces.spill import DiskRecorder
 
     recorder = DiskRecorder(tmp_path / "side")
     trace = crash_engine({}).record([1, 2, 3], recorder)

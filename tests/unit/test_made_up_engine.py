@@ -39,7 +39,7 @@ MODULE = '''
         def record(self, tokens, recorder=None, *, positions=None):
             import torch
 
-            from tracer.comparison.trace import Trace, TraceRecorder
+            from tracer.traces.trace import Trace, TraceRecorder
 
             self.first_position(tokens, positions)
             recorder = recorder if recorder is not None else TraceRecorder()

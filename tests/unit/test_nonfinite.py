@@ -18,7 +18,7 @@ import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tracer.cli import main
 from tracer.comparison.diff import compare, first_nonfinite
-from tracer.comparison.trace import Trace, TraceMeta
+from tracer.traces.trace import Trace, TraceMeta
 
 F16_MAX = torch.finfo(torch.float16).max  # 65504
 OVERFLOW_POINT = "model.layers.1.mlp.act"

@@ -17,10 +17,10 @@ import torch
 import tracer
 from tests.conftest import OWN_PEAK_KB, TOKENS, write_tiny_llama
 from tracer.cli import main
-from tracer.comparison.trace import TraceRecorder
 from tracer.files.sources import resolve_source
 from tracer.pipeline.noise_floor import estimate_noise
 from tracer.reimpl.forward import Model
+from tracer.traces.trace import TraceRecorder
 
 CUDA = torch.cuda.is_available()
 

@@ -12,9 +12,9 @@ import tracer
 from tests.conftest import TOKENS
 from tests.families import write_tiny_family
 from tracer.cli import main
-from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError
 from tracer.engines.registry import ENGINES
+from tracer.model.kv_cache import KVCache
 from tracer.model.points import (
     CACHE_K,
     CACHE_POINTS,
@@ -32,7 +32,7 @@ from tracer.model.points import (
     layer_point,
 )
 from tracer.reimpl.forward import Model
-from tracer.reimpl.kv_cache import KVCache
+from tracer.traces.trace import Trace, TraceRecorder
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 
 from tracer.comparison.diff import compare, compare_point
 from tracer.comparison.result import Tolerance
-from tracer.comparison.trace import MANIFEST_KEY, Trace, TraceMeta
 from tracer.core.errors import TracerError
 from tracer.model.knobs import KNOBS, parse_variant
+from tracer.traces.trace import MANIFEST_KEY, Trace, TraceMeta
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

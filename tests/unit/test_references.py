@@ -3,7 +3,7 @@ README, docs/*.md and the docstrings and comments of tracer/, hooks/ and reports
 
 A path (`tracer/config.py`, `tests/unit/test_matrix.py`, `docs/engines.md`, `tests/unit`) names a file
 or folder of the repository. A dotted name (`tracer.files.sources`, `tracer.comparison.diff.compare`,
-`tracer.comparison.trace.TraceMeta.to_dict`) names a module, then a name that module defines, then a
+`tracer.traces.trace.TraceMeta.to_dict`) names a module, then a name that module defines, then a
 name that class defines. Modules are parsed,
 never imported, so the check stays fast and needs no runtime. Only what is wholly a path or a
 dotted name (or a call or subscript of one: `tracer.run(model=...)`) is checked: a placeholder
@@ -135,12 +135,12 @@ def test_every_path_and_dotted_name_in_the_docs_and_the_code_exists():
 
 def test_a_stale_path_or_name_is_found_and_prose_is_not():
     written = {"page": "`tracer/model.py`, `tracer.files.sources.resolve_model`, `tracer.model.load`, "
-                       "`tracer.comparison.trace.TraceMeta.nonsense`, `tracer.comparison.diff.compare(a, b)`, "
+                       "`tracer.traces.trace.TraceMeta.nonsense`, `tracer.comparison.diff.compare(a, b)`, "
                        "`tracer.hooks.HFEngine`, "
                        "`tracer.model.knobs.KNOBS[name]`, `tests/unit`, "
                        "`tracer/engines/<name>.py`, `tracer run --variant theta=10000`, `docs/design.md`"}
     assert stale(written) == [
         "page: `tracer/model.py` is not there",
         "page: `tracer.model.load`: tracer.model has no load",
-        "page: `tracer.comparison.trace.TraceMeta.nonsense`: tracer.comparison.trace.TraceMeta has no nonsense",
+        "page: `tracer.traces.trace.TraceMeta.nonsense`: tracer.traces.trace.TraceMeta has no nonsense",
     ]

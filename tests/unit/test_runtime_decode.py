@@ -13,7 +13,6 @@ from tests.conftest import TOKENS, write_tiny_llama
 from tests.ggml_gguf import write_quantized_gguf
 from tracer.comparison.diff import rel_l2_by_point
 from tracer.comparison.steps import StepNoise, compare_steps, decoded_steps, step_floors
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.engines.isolated import IsolatedEngine
 from tracer.engines.load import load_engine
@@ -21,6 +20,7 @@ from tracer.engines.registry import ENGINES
 from tracer.files.sources import resolve_source
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, LOGITS, Q_ROPE, layer_point
 from tracer.pipeline.decode import decoded_tokens
+from tracer.traces.trace import Trace
 
 STEPS = 4
 HEAD_DIM, KV_HEADS = 16, 2  # write_tiny_llama's

@@ -25,7 +25,7 @@ SOURCES = sorted(p for folder in ("tracer", "hooks", "reports") for p in (ROOT /
 
 def test_the_sources_are_found():
     names = {p.relative_to(ROOT).as_posix() for p in SOURCES}
-    assert {"tracer/comparison/trace.py", "tracer/files/sources.py", "tracer/engines/hf.py",
+    assert {"tracer/traces/trace.py", "tracer/files/sources.py", "tracer/engines/hf.py",
             "reports/write.py"} <= names
 
 

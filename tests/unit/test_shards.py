@@ -1,5 +1,5 @@
 """Tensor-parallel shards (one dump per rank, or SGLang's dumper directory) merged by their declared
-layout and compared with the reference (`tracer.comparison.shards`): shards cut from a real hf trace
+layout and compared with the reference (`tracer.traces.shards`): shards cut from a real hf trace
 of a tiny Llama the way a 2-GPU vLLM/SGLang run splits it, the row-parallel partial sums computed
 from the model's own o_proj/down_proj weights."""
 
@@ -13,9 +13,9 @@ import tracer
 from tests.conftest import TOKENS
 from tests.dumps import save_dump
 from tracer.cli import main
-from tracer.comparison.shards import COLUMN_SPLIT
 from tracer.core.errors import TracerError
 from tracer.model.points import has_head_axis, split_point
+from tracer.traces.shards import COLUMN_SPLIT
 
 RANKS = 2
 ROW_SPLIT = ("self_attn.o_proj", "mlp.down_proj")

@@ -12,14 +12,13 @@ import torch
 import tracer
 from tests.families import write_tiny_family
 from tracer.comparison.diff import rel_l2_by_point
-from tracer.comparison.steps import decoded_steps, ring_slots, step_floors
-from tracer.comparison.trace import Trace
+from tracer.comparison.steps import decoded_steps, step_floors
 from tracer.engines.load import load_engine
 from tracer.files.sources import resolve_source
-from tracer.model.components.decode import fill_slot
+from tracer.model.kv_cache import KVCache, fill_slot, ring_slots
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, PROBS, layer_point
-from tracer.reimpl.kv_cache import KVCache
 from tracer.reports.terminal import steps_line
+from tracer.traces.trace import Trace
 
 WINDOW, PROMPT, STEPS = 8, [3, 4, 5, 6, 7, 8], 12
 WRAP = WINDOW - len(PROMPT) + 1  # the decode step whose token (position 8) takes the ring's slot 0 again

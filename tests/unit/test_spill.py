@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 import tracer
 from tests.conftest import TOKENS
-from tracer.comparison.spill import BLOCK, CHUNK, DiskRecorder, _aligned, read_point, write_point
-from tracer.comparison.trace import ATTENTION_ROWS
 from tracer.engines.load import load_engine
+from tracer.traces.spill import BLOCK, CHUNK, DiskRecorder, _aligned, read_point, write_point
+from tracer.traces.trace import ATTENTION_ROWS
 
 LONG = [(7 * i + 3) % 97 for i in range(ATTENTION_ROWS + 22)]
 
@@ -54,8 +54,8 @@ def test_spilled_trace_compares_like_the_in_memory_one(tiny_llama, tmp_path):
 
 def test_aligning_two_native_traces_reads_no_tensor(tiny_llama, tmp_path):
     """A spilled trace stays on disk through `align`: at most a few shapes are looked at (head_dim)."""
-    from tracer.comparison.layouts import align
-    from tracer.comparison.spill import SpilledTensors
+    from tracer.traces.layouts import align
+    from tracer.traces.spill import SpilledTensors
 
     class Counting(SpilledTensors):
         reads = 0
@@ -83,7 +83,7 @@ def _long_and_short_runs(model, monkeypatch, **run_args):
 
     in_memory = tracer.run(model, tokens=TOKENS, greedy=0, progress=False, **run_args)
     with monkeypatch.context() as patch:
-        for module in ("tracer.comparison.spill", "tracer.pipeline.run"):  # where the folder is made, where its note is
+        for module in ("tracer.traces.spill", "tracer.pipeline.run"):  # where the folder is made, where its note is
             patch.setattr(f"{module}.SPILL_TOKENS", 2)
         patch.setattr(DiskRecorder, "__call__", counting)
         spilled = tracer.run(model, tokens=TOKENS, greedy=0, progress=False, **run_args)
@@ -180,17 +180,17 @@ def test_without_direct_io_the_same_bytes_are_written_and_read(refusal, tmp_path
 
 
 def test_reading_in_order_reads_each_point_once_ahead_of_its_use(tiny_llama, tmp_path, monkeypatch):
-    import tracer.comparison.spill
+    import tracer.traces.spill
 
     spilled = load_engine("reimpl", tiny_llama(), {}).record([1, 5, 9, 2], DiskRecorder(tmp_path / "spill"))
     tensors = spilled.tensors
     expected = {point: read_point(path) for point, path in tensors.files.items()}
     reads = []
-    monkeypatch.setattr(tracer.comparison.spill, "read_point", lambda path: reads.append(path) or read_point(path))
+    monkeypatch.setattr(tracer.traces.spill, "read_point", lambda path: reads.append(path) or read_point(path))
     order = list(tensors)
     for n, point in enumerate(order):
         assert torch.equal(tensors[point], expected[point])
-        tracer.comparison.spill._reader().submit(lambda: None).result()  # the reader thread has done what it was given
+        tracer.traces.spill._reader().submit(lambda: None).result()  # the reader thread has done what it was given
         assert reads == [tensors.files[p] for p in order[:n + 2]]  # this point and, already, the next
     backwards = order[::-1]  # out of order each read is its own, and still right
     assert all(torch.equal(tensors[point], expected[point]) for point in backwards)

@@ -100,12 +100,13 @@ def test_no_import_cycle_among_tracer_hooks_and_reports():
 LAYERS = [
     ("foundation", {"tracer.core", "tracer.core.", "tracer.files.tensorfile", "tracer.files.torchfile"}),
     ("model: points, components, families, knobs, names, config", {"tracer.model", "tracer.model."}),
-    ("values: traces, results, comparing them", {"tracer.comparison", "tracer.comparison."}),
-    ("reports: render a summary", {"tracer.reports", "tracer.reports."}),
+    ("traces: recorded data, its files and layouts", {"tracer.traces", "tracer.traces."}),
     ("model files", {"tracer.files", "tracer.files."}),
     ("ggml's arithmetic", {"tracer.ggml", "tracer.ggml."}),
     ("the reimplementation", {"tracer.reimpl", "tracer.reimpl."}),
     ("engines", {"tracer.engines", "tracer.engines.", "tracer.hooks", "tracer.hooks."}),
+    ("comparison: diffs, results, explanations", {"tracer.comparison", "tracer.comparison."}),
+    ("reports: render a summary", {"tracer.reports", "tracer.reports."}),
     ("pipeline: one run, start to end", {"tracer.pipeline", "tracer.pipeline."}),
     # `tracer` itself is the API's face: it exports the api's functions and imports the reports package
     ("api and cli", {"tracer", "tracer.arguments", "tracer.api", "tracer.testing", "tracer.cli", "tracer.__main__"}),

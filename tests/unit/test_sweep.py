@@ -7,7 +7,7 @@ import pytest
 from tests.conftest import TOKENS
 from tracer import TracerError, sweep
 from tracer.engines.registry import ENGINES
-from tracer.model.components import decode
+from tracer.model import kv_cache
 from tracer.model.config import load_config, read_hf
 from tracer.model.knobs import KNOBS, knobs_for
 from tracer.pipeline.catalogue import default_variants, split_variants
@@ -94,7 +94,7 @@ def test_default_sweep_has_one_variant_per_knob(tiny_llama):
     assert {"weights", "act_quant", "kv_cache"} <= emulated
     honoured = {knob.name for knob in knobs_for("llama") if ENGINES["reimpl"].honours(knob.name)}
     assert named == honoured - {"act", "llama3_factors", "longrope_ctx", "yarn_mscale", "padding_mask",
-                                "batch_positions"} - {knob.name for knob in decode.KNOBS} - emulated
+                                "batch_positions"} - {knob.name for knob in kv_cache.KNOBS} - emulated
     assert not {"ort_opt", "threads"} & named
     assert not {knob.name for knob in KNOBS.values() if knob.families and "llama" not in knob.families} & named
     assert "theta=500000" in chosen  # the tiny model's theta already is 10000

@@ -1,1 +1,2 @@
-"""Traces as data and comparing them: the trace, the per-point diff and its result, explanations."""
+"""Comparing traces: the per-point diff and its result values, explanations, decode steps and batch rows,
+fingerprints and llama-perplexity's figures. Above the engines; it reads traces (`tracer.traces`)."""

@@ -14,8 +14,8 @@ import dataclasses
 
 from tracer.comparison.diff import compare, rel_l2_by_point
 from tracer.comparison.result import BatchRow, Divergence, Result, Tolerance
-from tracer.comparison.trace import Trace
 from tracer.model.points import CONTEXT, K_ROPE, PROBS, Q_ROPE, SCORES, layer_of, split_point
+from tracer.traces.trace import Trace
 
 
 def batch_gaps(alone: list[Trace], batched: list[Trace]) -> list[dict[str, float]]:

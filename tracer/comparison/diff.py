@@ -23,9 +23,9 @@ import math
 import torch
 
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
-from tracer.comparison.trace import Trace, kept
 from tracer.core.errors import TracerError
 from tracer.model.points import FINAL_LOGITS, LOGITS, Q_ROPE, causal_allowed, is_causal, layer_of, layer_point
+from tracer.traces.trace import Trace, kept
 
 CHUNK = 1 << 14  # values per chunk: 64 kB of f32, in cache, and below torch's parallel grain (32768)
 BORDERLINE = 1e-4  # rel_l2 this close (relative) to its threshold is recomputed in f64
@@ -184,7 +184,7 @@ class ErrorRecorder:
     f64 noise run, the teacher-forced local run, a forced run in f64; `rel_l2`), nothing is held
     in memory or written to disk, however long the prompt.
 
-    With `store` (a `tracer.comparison.spill.DiskRecorder`) it records a long run's candidate: each point is
+    With `store` (a `tracer.traces.spill.DiskRecorder`) it records a long run's candidate: each point is
     judged with `tolerance` and `noise` as `compare` judges it (`diffs`, which `compare` then takes
     as they are), and only the tensors `compare` reads again are written: the logits, points
     holding NaN or Inf, the earliest point that can be the first divergence (`local` errors are
@@ -210,7 +210,7 @@ class ErrorRecorder:
         """Empty without a store (the engines return a Trace of it); else the points, the kept ones readable."""
         if self.store is None:
             return {}
-        from tracer.comparison.spill import SpilledTensors
+        from tracer.traces.spill import SpilledTensors
 
         return SpilledTensors(self.store.files, self.names)
 
@@ -403,7 +403,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     starts = [trace.meta.position_offset or 0 for trace in (reference, candidate) if trace.meta.engine != "file"]
     if len(set(starts)) > 1:  # a dump from another runtime says no position: taken as it is
         raise TracerError(f"the traces were recorded at different positions: from {starts[0]} vs from {starts[1]}")
-    from tracer.comparison.layouts import align  # another runtime's names and layouts, brought to ours
+    from tracer.traces.layouts import align  # another runtime's names and layouts, brought to ours
 
     reference, candidate, layout_notes = align(reference, candidate)
     points = compare_points(reference, candidate, tolerance, noise, compared)

@@ -14,9 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tracer.comparison.renderers import render
 from tracer.core import __version__
+from tracer.core.renderers import render
+
+if TYPE_CHECKING:  # a value held here; the audit module computes with numpy and torch
+    from tracer.ggml.audit import WeightAudit
 
 DEFAULT_REL_L2 = 1e-4
 # On SmolLM2 the f32-vs-f64 noise bounds eager-vs-sdpa at every point (ratio at most 0.98).
@@ -230,66 +234,6 @@ class RawView:
         first = self.first_divergence
         return {"verdict": self.verdict, "reference": self.reference, "first_divergence": first and first.brief(),
                 "logits": dict_or_none(self.logits)}
-
-
-@dataclass(frozen=True)
-class TensorAudit:
-    """One tensor of a GGUF file against llama.cpp's requantization of the reference's weights
-    (`tracer.ggml.audit`)."""
-
-    tensor: str  # its GGUF name
-    kind: str  # its ggml type ("q5_0", "q4_k", "f16", ...)
-    verdict: str  # "identical" | "legitimate" (another quantization) | "damaged" | "unchecked"
-    blocks: int  # its blocks (32 values each for float types)
-    off_blocks: int = 0  # blocks whose quants no scale explains
-    worst_block: int | None = None  # the block furthest off (damaged), in row-major order
-    steps_off: float | None = None  # how far that block's worst quant is from its value, in steps of its scale
-    # rms error against the reference's weights over the requantization's, in the worst block (damaged: the
-    # worst off block); None where the bytes are identical or unchecked
-    error_ratio: float | None = None
-    why: str | None = None  # unchecked: why
-
-    def to_dict(self) -> dict:
-        """Its fields, `kind` as "type" (the GGUF word); the ones that do not apply left out."""
-        fields = {"type" if key == "kind" else key: value for key, value in dataclasses.asdict(self).items()}
-        return {key: value for key, value in fields.items() if value is not None and (key != "off_blocks" or value)}
-
-
-@dataclass(frozen=True)
-class WeightAudit:
-    """A GGUF file's tensors audited before the arithmetic is judged (`tracer.ggml.audit.audit_gguf`):
-    each requantized from the reference's weights by llama.cpp's own quantizer and compared with the
-    file's bytes. A tensor that differs is another quantization when every block's quants sit on the
-    level nearest the reference's values for some scale (an importance matrix, another quantizer
-    version), damage where a block's quants fit no scale."""
-
-    file: str
-    verdict: str  # "identical" | "legitimate" | "damaged" | "other_weights" | "not_audited"
-    quantizer: str | None  # "llama-cpp-python 0.3.36 (ggml 0.25.3)"; None: not audited
-    why: str | None = None  # not_audited: why
-    tensors: tuple[TensorAudit, ...] = ()
-    seconds: float = 0.0
-
-    @property
-    def damaged(self) -> tuple[str, ...]:
-        """The GGUF names of the damaged tensors (none where the whole file is other weights)."""
-        return () if self.verdict != "damaged" else tuple(t.tensor for t in self.tensors if t.verdict == "damaged")
-
-    def count(self, verdict: str) -> int:
-        return sum(t.verdict == verdict for t in self.tensors)
-
-    def to_dict(self) -> dict:
-        legitimate = [t for t in self.tensors if t.verdict == "legitimate" and t.error_ratio is not None]
-        worst = max(legitimate, key=lambda t: t.error_ratio, default=None)
-        return {
-            "file": self.file, "verdict": self.verdict, "quantizer": self.quantizer, "why": self.why,
-            "counts": {v: self.count(v) for v in ("identical", "legitimate", "damaged", "unchecked")},
-            "damaged": [t.to_dict() for t in self.tensors if t.verdict == "damaged"],
-            "legitimate_worst": worst and {"tensor": worst.tensor, "type": worst.kind,
-                                           "error_ratio": worst.error_ratio},
-            "tensors": {t.tensor: {k: v for k, v in t.to_dict().items() if k != "tensor"} for t in self.tensors},
-            "seconds": self.seconds,
-        }
 
 
 @dataclass(frozen=True)

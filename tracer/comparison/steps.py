@@ -21,8 +21,8 @@ import torch
 from tracer.comparison.diff import compare, introduces_error, rel_l2_by_point
 from tracer.comparison.explain import cache_hints
 from tracer.comparison.result import DEFAULT_REL_L2, Divergence, Result, StepResult, Tolerance
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
+from tracer.model.kv_cache import ring_slots
 from tracer.model.points import (
     CACHE_K,
     CACHE_POINTS,
@@ -40,30 +40,12 @@ from tracer.model.points import (
     layout_of,
     split_point,
 )
+from tracer.traces.trace import Trace
 
 PREFILL = 0  # the step number of the prompt's (cached) prefill
 
 # The cache's points take the prefill floor of what they hold.
 _HELD = {CACHE_K: K_ROPE, CACHE_V: V_PROJ}
-
-
-def ring_slot(written: int, window: int) -> int:
-    """The ring's slot of the `written`-th token (0-based) a sliding layer's cache takes: how every cache
-    of a sliding layer is compared (the reimplementation's ring writes there; a cache kept otherwise is
-    laid out so by `ring_slots`)."""
-    return written % window
-
-
-def ring_slots(held: torch.Tensor, written: int, window: int) -> torch.Tensor:
-    """A sliding layer's keys or values (KV, S, D) in position order, the last of them the `written`-th
-    token its cache took (1-based count), laid out as the ring of `window` slots keeps them
-    (`ring_slot`): (KV, min(written, window), D), slot order. How a cache kept in position order
-    (transformers' last W - 1 keys and the step's own) is compared with a ring."""
-    count = min(written, window)
-    slots = torch.tensor([ring_slot(n, window) for n in range(written - count, written)])  # (count,) distinct
-    ring = torch.empty_like(held[:, -count:])  # (KV, count, D)
-    ring[:, slots] = held[:, -count:]
-    return ring
 
 
 def decoded_steps(trace: Trace) -> list[Trace]:
@@ -326,7 +308,7 @@ class StepNoise:
         self.noise: list[dict[str, float]] = [{} for _ in self.steps]
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
-        from tracer.comparison.trace import kept
+        from tracer.traces.trace import kept
 
         exact = Trace({name: kept(name, tensor)}, self.uncached.meta)
         layer, sub = split_point(name)

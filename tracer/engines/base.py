@@ -23,7 +23,7 @@ from tracer.engines.registry import EngineEntry
 from tracer.model.points import LOGITS, layer_point
 
 if TYPE_CHECKING:
-    from tracer.comparison.trace import Trace, TraceMeta
+    from tracer.traces.trace import Trace, TraceMeta
 
 DEVICES = ("cpu", "cuda", "mps")
 
@@ -35,7 +35,7 @@ class Engine(Protocol):
     `local_step_trace` where it also has `entry.decode`), `op_trace` on
     the reimplementation (the engine a number-format regime runs on); `logits` returns None where
     `entry.logits` is False. A `recorder` is any `record(name, tensor)` callable with `tensors`:
-    in memory (`TraceRecorder`), spilled (`tracer.comparison.spill.DiskRecorder`) or compared as it comes
+    in memory (`TraceRecorder`), spilled (`tracer.traces.spill.DiskRecorder`) or compared as it comes
     (`tracer.comparison.diff.ErrorRecorder`).
     """
 
@@ -148,7 +148,7 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
                **facts) -> TraceMeta:
     """The metadata every engine writes into its traces, plus its own `facts` (`TraceMeta`'s fields:
     `num_layers`, `family`, `runtime` for a non-PyTorch runtime, ...)."""
-    from tracer.comparison.trace import TraceMeta
+    from tracer.traces.trace import TraceMeta
 
     return TraceMeta(engine=engine.name, variant=dict(engine.variant), model=model, tokens=list(tokens),
                      dtype=str(dtype).removeprefix("torch."), device=str(engine.device), versions=environment(),

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tracer.comparison.trace import TraceRecorder
 from tracer.core.errors import TracerError
 from tracer.model.points import layout_of
+from tracer.traces.trace import TraceRecorder
 
 PAD_ID = 0  # what a padded column holds: any id embeds, and a padded column is never attended nor compared
 

@@ -40,8 +40,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.comparison.layouts import from_interleaved
-from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 from tracer.core.errors import TracerError
 from tracer.engines.base import EngineBase, at_positions, decode_steps
 from tracer.engines.registry import ENGINES
@@ -77,6 +75,8 @@ from tracer.model.points import (
     layer_point,
     split_point,
 )
+from tracer.traces.layouts import from_interleaved
+from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # the wheel's target-cpu=native build executes them
 # Ops candle-transformers 0.11 calls as one fused CPU kernel that 0.4.2 lacks: composed here from

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.engines.base import EngineBase
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
+from tracer.traces.trace import Trace
 
 
 class FileEngine(EngineBase):

@@ -21,7 +21,6 @@ from contextlib import ExitStack
 
 import torch
 
-from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
 from tracer.engines.base import EngineBase, decode_steps, per_layer
@@ -32,6 +31,7 @@ from tracer.model.component import family_named, family_of
 from tracer.model.config import LlamaSpec, config_reading, load_config, read_hf, variant_spec
 from tracer.model.knobs import setting
 from tracer.model.points import CACHE_POINTS, layer_point, model_points
+from tracer.traces.trace import Trace, TraceRecorder
 
 # A local directory never needs the hub; make sure nothing tries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -77,7 +77,7 @@ class HFEngine(EngineBase):
         record every step's points and the cache (the `recorded` steps only, where given: `decode_steps`)."""
         from transformers import DynamicCache
 
-        from tracer.comparison.steps import ring_slots
+        from tracer.model.kv_cache import ring_slots
 
         cache = DynamicCache(config=self.model.config)
         restart_dynamic_ropes(self.model)  # then it grows step by step, as in `generate`

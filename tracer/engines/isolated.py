@@ -134,8 +134,8 @@ class IsolatedEngine(EngineBase):
 
     def record(self, tokens: list[int], recorder=None, *, positions=None):
         offset = self.first_position(tokens, positions) or 0  # refused unless its entry takes positions
-        from tracer.comparison.spill import DiskRecorder
-        from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
+        from tracer.traces.spill import DiskRecorder
+        from tracer.traces.trace import Trace, TraceMeta, TraceRecorder
 
         tokens = [int(t) for t in tokens]
         if isinstance(recorder, DiskRecorder):  # the child writes the points where the caller spills
@@ -166,7 +166,7 @@ class IsolatedEngine(EngineBase):
 
     def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0):
         """The engine's own cached decode in the child; the trace and its steps come back as one file."""
-        from tracer.comparison.trace import Trace
+        from tracer.traces.trace import Trace
 
         with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
             reply = self._call({"op": "decode", "tokens": [int(t) for t in tokens], "count": int(count),
@@ -293,8 +293,8 @@ class Server:
     def record(self, request: dict) -> dict:
         from safetensors.torch import save_file
 
-        from tracer.comparison.spill import DiskRecorder
-        from tracer.comparison.trace import TraceRecorder
+        from tracer.traces.spill import DiskRecorder
+        from tracer.traces.trace import TraceRecorder
 
         at = _positions(request)
         if "folder" in request:

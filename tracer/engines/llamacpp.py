@@ -17,7 +17,7 @@ at once (ggml reuses the memory for later nodes) and brought to tracer's layout:
   product its soft_max_ext takes; `scores` and `probs` keep the T keys of the prompt (the KV
   cache is padded to 256 cells) and, past `ATTENTION_ROWS` tokens, their last query rows;
 - q/k come out in GGUF's order where llama.cpp rotates adjacent pairs (rope type NORM: the
-  converter permuted the q/k weight rows): `tracer.comparison.layouts.from_interleaved` puts them back;
+  converter permuted the q/k weight rows): `tracer.traces.layouts.from_interleaved` puts them back;
 - in the last layer llama.cpp keeps only the output rows (`inp_out_ids`) from `ffn_inp` on. The
   engine asks for the logits of every position, so those are all rows; a run asked for fewer
   (`outputs="last"`) records the rows it has and says so (`meta.sources`), and the comparison
@@ -48,8 +48,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tracer.comparison.layouts import from_interleaved, sub_point
-from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 from tracer.core.errors import TracerError
 from tracer.engines.base import EngineBase, decode_steps
 from tracer.engines.registry import ENGINES
@@ -70,6 +68,8 @@ from tracer.model.points import (
     all_points,
     layer_point,
 )
+from tracer.traces.layouts import from_interleaved, sub_point
+from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
 # ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
@@ -222,7 +222,7 @@ def _unpermuted(view: np.ndarray, shape: Shape) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=8)
 def hf_order(width: int, head_dim: int) -> np.ndarray:
-    """Which GGUF-ordered column each HF-ordered column is: `tracer.comparison.layouts.from_interleaved`
+    """Which GGUF-ordered column each HF-ordered column is: `tracer.traces.layouts.from_interleaved`
     applied to the column numbers themselves."""
     return from_interleaved(torch.arange(width)[None], head_dim)[0].numpy()
 

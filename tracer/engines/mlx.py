@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
 from tracer.engines.base import EngineBase, at_positions, decode_steps, per_layer, refuse_windowed_decode
@@ -39,6 +38,7 @@ from tracer.files.sources import ModelSource
 from tracer.model.config import NON_FORWARD_KEYS, read_hf
 from tracer.model.knobs import setting
 from tracer.model.points import CACHE_K, CACHE_V, LOGITS, fused_away, layer_point, model_point_records, sub_points
+from tracer.traces.trace import Trace, TraceRecorder
 
 # mlx-lm's module paths are HF's; what each observed call gives is read off the family's points
 # (`layer_calls`): a module's output where hf observes that module's output, the input of the module hf

@@ -52,7 +52,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.comparison.trace import ATTENTION_ROWS, Trace, TraceRecorder
 from tracer.core.errors import TracerError, one_line
 from tracer.core.progress import detail
 from tracer.engines.base import EngineBase
@@ -60,6 +59,7 @@ from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.knobs import setting
 from tracer.model.points import LOGITS, is_causal
+from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceRecorder
 
 EXPORT_FORMAT = 3  # bump when RecordingExport or the export settings change what it writes: older exports are rebuilt
 MODEL_FILE, PLAIN_FILE, DATA_FILE, MANIFEST_FILE = "model.onnx", "plain.onnx", "model.onnx.data", "export.json"

@@ -7,12 +7,12 @@ from collections.abc import Mapping
 
 import torch
 
-from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder
 from tracer.engines.base import EngineBase, check_device, decode_steps, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.components.rope import rope_type
 from tracer.reimpl.forward import Model
+from tracer.traces.trace import Trace, TraceMeta, TraceRecorder
 
 
 class ReimplEngine(EngineBase):
@@ -34,7 +34,7 @@ class ReimplEngine(EngineBase):
 
     def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0,
                recorded=None) -> Trace:
-        """The prefill and `count` decode steps with its own KV cache (`tracer.reimpl.kv_cache`: a ring
+        """The prefill and `count` decode steps with its own KV cache (`tracer.model.kv_cache`: a ring
         buffer on sliding layers); the model picks each step's position from the cache (where the decode
         knobs get it wrong). With `cache_reset=kept` the steps run on the cache another prompt left.
         `recorded`: the steps whose points are recorded (`decode_steps`)."""
@@ -67,7 +67,7 @@ class ReimplEngine(EngineBase):
 
     def new_cache(self):
         """An empty KV cache for this model: a ring of the window's slots on each sliding layer."""
-        from tracer.reimpl.kv_cache import KVCache, ring_slot
+        from tracer.model.kv_cache import KVCache, ring_slot
 
         spec, steps = self.model.spec, self.model.steps
         windows = [steps.window(spec, i) for i in range(spec.num_hidden_layers)]

@@ -3,7 +3,7 @@
 A memory-mapped tensor stays resident, and counted in the process's resident size, for as long
 as its mapping lives; a tensor read here is ordinary memory, freed with its last reference. That
 is what lets the reimplementation stream one block's weights at a time in bounded resident
-memory (spilled trace points have their own reader, `tracer.comparison.spill.read_point`).
+memory (spilled trace points have their own reader, `tracer.traces.spill.read_point`).
 A streamed run converts every weight once per forward: `mapped` gives the tensor as a view of the
 file's pages to convert from (no copy through a read buffer, about 1.5 s of a 4 s streamed forward
 of the Llama-3.2-1B shape), and drops the process's mapping of those pages afterwards.

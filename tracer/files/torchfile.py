@@ -1,7 +1,7 @@
 """Reading a file `torch.save` wrote (a zip holding `data.pkl` and one file per storage) without
 running its pickle: nothing in the file is executed.
 
-Some runtimes dump only this format (SGLang's dumper, `tracer.comparison.sglang_dump`). A pickle is a
+Some runtimes dump only this format (SGLang's dumper, `tracer.traces.sglang_dump`). A pickle is a
 program; tracer never runs one (docs/reliability.md). Its opcodes are walked instead
 (`pickletools.genops` decodes them, nothing more) by a small machine that builds dicts, lists,
 tuples, strings, numbers, booleans, None and tensors. The only names the stream may call are the

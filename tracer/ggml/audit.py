@@ -39,6 +39,7 @@ Notation: R rows, C values per row, B blocks, n values per block; r rows of a ch
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,8 +47,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from tracer.comparison.result import TensorAudit, WeightAudit
 
 CHUNK_VALUES = 1 << 22  # reference values judged at a time: bounded f64 temporaries, whatever the tensor
 FLOAT_BLOCK = 32  # float types have no blocks: their errors are told per 32 values
@@ -68,6 +67,67 @@ OTHER_WEIGHTS = 0.5  # off in more than this share of tensors: the file was made
 # made with an importance matrix (SmolLM2), none without (every block within 4e-4 of its stored
 # scale). At or below this share the file rounds at its stored scales, and such a block was changed.
 RESCALED_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class TensorAudit:
+    """One tensor of a GGUF file against llama.cpp's requantization of the reference's weights
+    (`tracer.ggml.audit`)."""
+
+    tensor: str  # its GGUF name
+    kind: str  # its ggml type ("q5_0", "q4_k", "f16", ...)
+    verdict: str  # "identical" | "legitimate" (another quantization) | "damaged" | "unchecked"
+    blocks: int  # its blocks (32 values each for float types)
+    off_blocks: int = 0  # blocks whose quants no scale explains
+    worst_block: int | None = None  # the block furthest off (damaged), in row-major order
+    steps_off: float | None = None  # how far that block's worst quant is from its value, in steps of its scale
+    # rms error against the reference's weights over the requantization's, in the worst block (damaged: the
+    # worst off block); None where the bytes are identical or unchecked
+    error_ratio: float | None = None
+    why: str | None = None  # unchecked: why
+
+    def to_dict(self) -> dict:
+        """Its fields, `kind` as "type" (the GGUF word); the ones that do not apply left out."""
+        fields = {"type" if key == "kind" else key: value for key, value in dataclasses.asdict(self).items()}
+        return {key: value for key, value in fields.items() if value is not None and (key != "off_blocks" or value)}
+
+
+@dataclass(frozen=True)
+class WeightAudit:
+    """A GGUF file's tensors audited before the arithmetic is judged (`tracer.ggml.audit.audit_gguf`):
+    each requantized from the reference's weights by llama.cpp's own quantizer and compared with the
+    file's bytes. A tensor that differs is another quantization when every block's quants sit on the
+    level nearest the reference's values for some scale (an importance matrix, another quantizer
+    version), damage where a block's quants fit no scale."""
+
+    file: str
+    verdict: str  # "identical" | "legitimate" | "damaged" | "other_weights" | "not_audited"
+    quantizer: str | None  # "llama-cpp-python 0.3.36 (ggml 0.25.3)"; None: not audited
+    why: str | None = None  # not_audited: why
+    tensors: tuple[TensorAudit, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def damaged(self) -> tuple[str, ...]:
+        """The GGUF names of the damaged tensors (none where the whole file is other weights)."""
+        return () if self.verdict != "damaged" else tuple(t.tensor for t in self.tensors if t.verdict == "damaged")
+
+    def count(self, verdict: str) -> int:
+        return sum(t.verdict == verdict for t in self.tensors)
+
+    def to_dict(self) -> dict:
+        legitimate = [t for t in self.tensors if t.verdict == "legitimate" and t.error_ratio is not None]
+        worst = max(legitimate, key=lambda t: t.error_ratio, default=None)
+        return {
+            "file": self.file, "verdict": self.verdict, "quantizer": self.quantizer, "why": self.why,
+            "counts": {v: self.count(v) for v in ("identical", "legitimate", "damaged", "unchecked")},
+            "damaged": [t.to_dict() for t in self.tensors if t.verdict == "damaged"],
+            "legitimate_worst": worst and {"tensor": worst.tensor, "type": worst.kind,
+                                           "error_ratio": worst.error_ratio},
+            "tensors": {t.tensor: {k: v for k, v in t.to_dict().items() if k != "tensor"} for t in self.tensors},
+            "seconds": self.seconds,
+        }
+
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tracer.comparison.layouts import to_interleaved
 from tracer.core.errors import TracerError
 from tracer.ggml import candle_kernels
 from tracer.ggml.candle_kernels import KQUANT_KINDS
@@ -55,6 +54,7 @@ from tracer.ggml.floats import (
 from tracer.ggml.quants import ACT_BLOCK, ActBlocks, Blocks
 from tracer.ggml.vecdot import matmul_blas, matmul_ggml
 from tracer.model.points import PROBS, SCORES
+from tracer.traces.layouts import to_interleaved
 
 # (weight, activation) pairs whose candle kernel is emulated in its own order.
 SCALAR_KERNELS = {("q4_1", "q8_1"), ("q5_1", "q8_1"), ("q5_0", "q8_0")}  # k_quants.rs' generic loops (no AVX2 kernel)

@@ -15,7 +15,6 @@ import math
 import numpy as np
 import torch
 
-from tracer.comparison.layouts import to_interleaved
 from tracer.core.errors import TracerError
 from tracer.ggml.floats import (
     EXP_CONSTANTS,
@@ -33,6 +32,7 @@ from tracer.ggml.floats import (
     silu_scalar,
 )
 from tracer.model.points import PROBS, SCORES
+from tracer.traces.layouts import to_interleaved
 
 SIMD_F32 = 16  # f32 lanes of an AVX-512 register (GGML_F32_EPR)
 F16_DOT_STEP = 64  # GGML_F16_STEP: 4 registers of 16 lanes per step of ggml_vec_dot_f16

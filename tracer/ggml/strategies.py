@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tracer.comparison.layouts import to_interleaved
 from tracer.core.errors import TracerError
 from tracer.ggml import ops, repack, tinyblas
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
@@ -73,6 +72,7 @@ from tracer.model.points import (
     WEIGHT,
     gguf_permuted,
 )
+from tracer.traces.layouts import to_interleaved
 
 PROJECTIONS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 
@@ -103,8 +103,8 @@ def gguf_path(source: dict | None) -> Path:
 
 
 def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
-    """Index taking GGUF-ordered q/k weight rows to HF order (`tracer.comparison.layouts.from_interleaved`)."""
-    from tracer.comparison.layouts import from_interleaved
+    """Index taking GGUF-ordered q/k weight rows to HF order (`tracer.traces.layouts.from_interleaved`)."""
+    from tracer.traces.layouts import from_interleaved
 
     return from_interleaved(torch.arange(rows)[None], head_dim)[0]
 
@@ -498,7 +498,7 @@ def make_attention_stored(kv_cache: str, rounding: str):
 
 def _stored_qk(x: torch.Tensor, store, head_dim: int) -> torch.Tensor:
     """Q or K (1, heads, T, D) in the cache format, blocks taken in GGUF's dim order."""
-    from tracer.comparison.layouts import from_interleaved, to_interleaved
+    from tracer.traces.layouts import from_interleaved, to_interleaved
 
     return from_interleaved(store(to_interleaved(x.to(F32), head_dim)), head_dim)
 

@@ -12,7 +12,7 @@ written here: `gguf_names` asks gguf's `TensorNameMap` (the hub llama.cpp's conv
 point's module path. A name that maps nowhere is listed, never dropped silently; names known to hold
 something tracer has no point for are listed with why (`NOT_COMPARABLE`).
 
-Each alias also says how that runtime lays the tensor out, for `tracer.comparison.layouts`:
+Each alias also says how that runtime lays the tensor out, for `tracer.traces.layouts`:
 `layout` is the natural order of a per-head tensor ("THD": [T, H, D], "HTD": [H, T, D]) used
 when the shape alone is ambiguous (T == H), and `qk_order` is "interleaved" where q/k rows are
 in GGUF's order (llama.cpp's converter permutes the q/k weight rows so that RoPE pairs are

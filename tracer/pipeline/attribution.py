@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from tracer.comparison.perplexity import ExactKL, scored_rows, scored_slice
-from tracer.comparison.trace import Trace, TraceMeta
 from tracer.core.errors import TracerError
 from tracer.engines.registry import ENGINES, EngineRef, registered
 from tracer.files.sources import ModelSource
@@ -49,6 +48,7 @@ from tracer.model.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_o
 from tracer.pipeline.regime_view import runtime_regime
 from tracer.reimpl.forced_runs import teacher_forced_points
 from tracer.reimpl.forward import Model
+from tracer.traces.trace import Trace, TraceMeta
 
 REIMPL = ENGINES["reimpl"]
 

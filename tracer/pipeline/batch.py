@@ -13,12 +13,12 @@ import dataclasses
 
 from tracer.comparison.batch import batch_gaps, batch_line, compare_rows, row_floors, with_rows
 from tracer.comparison.result import Result
-from tracer.comparison.spill import SPILL_TOKENS
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine
 from tracer.pipeline.request import Inputs, Side
+from tracer.traces.spill import SPILL_TOKENS
+from tracer.traces.trace import Trace
 
 
 def batch_rows(prepared, inputs: Inputs) -> list[list[int]]:

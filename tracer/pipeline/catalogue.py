@@ -24,9 +24,9 @@ def default_variants(spec, engine: str = "reimpl", decode: bool = False) -> list
     model lacks (a window, a soft-cap) has none, and a representative that needs a knob the engine
     lacks is left out, as are the knobs the engine only emulates (number-format regimes: they are
     what a runtime does by design, ranked by `tracer diagnose`). `decode`: the run decodes (`--decode N`),
-    so the decode-only knobs (`tracer.model.components.decode`), which change nothing in one forward, are
+    so the decode-only knobs (`tracer.model.kv_cache`), which change nothing in one forward, are
     swept too."""
-    from tracer.model.components.decode import KNOBS as DECODE_KNOBS
+    from tracer.model.kv_cache import KNOBS as DECODE_KNOBS
 
     decode_only = {knob.name for knob in DECODE_KNOBS}
     entry = ENGINES[engine]

@@ -22,7 +22,6 @@ import torch
 from tracer.comparison.diff import ErrorRecorder
 from tracer.comparison.explain import position_hint
 from tracer.comparison.result import DEFAULT_REL_L2, Divergence, Result
-from tracer.comparison.spill import SPILL_TOKENS, DiskRecorder
 from tracer.comparison.steps import (
     PREFILL,
     StepNoise,
@@ -32,7 +31,6 @@ from tracer.comparison.steps import (
     step_position,
     with_steps,
 )
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions, steps_kept_by
@@ -40,6 +38,8 @@ from tracer.engines.load import load_engine
 from tracer.engines.registry import EngineRef
 from tracer.model.knobs import expand_presets, is_regime
 from tracer.model.points import CACHE_POINTS, K_ROPE, Q_ROPE, split_point
+from tracer.traces.spill import SPILL_TOKENS, DiskRecorder
+from tracer.traces.trace import Trace
 
 
 def reference_decode(prepared, steps: int, forced: list[int] | None = None
@@ -91,7 +91,7 @@ def compare_decoded(result: Result, prepared, engine: Engine, steps: int,
 def kept_steps(sequence: int):
     """Past `SPILL_TOKENS` positions (prompt and decoded tokens), each step both sides record is written to
     a temporary folder as soon as it is recorded and read back point by point when compared
-    (`tracer.comparison.spill`), so that memory stays flat in the number of steps: held in memory, each
+    (`tracer.traces.spill`), so that memory stays flat in the number of steps: held in memory, each
     step's cache points hold every slot so far and a decode's memory grows with its square. The folder
     goes when the steps are compared. Engines in a child process (llama.cpp, candle) send their steps
     back in one file and are not spilled."""

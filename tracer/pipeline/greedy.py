@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from tracer.comparison.result import Greedy
 from tracer.comparison.steps import greedy_pick
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.core.progress import detail
 from tracer.engines.base import at_positions
+from tracer.traces.trace import Trace
 
 GREEDY_STEPS = 20
 LONG_PROMPT = 128  # past this, greedy decoding (a whole forward per step and side) is off by default

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tracer.comparison.diff import ErrorRecorder
-from tracer.comparison.trace import Trace, TraceMeta, TraceRecorder, kept
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions
 from tracer.model.knobs import expand_presets, is_regime
 from tracer.pipeline.request import Side
 from tracer.reimpl.unit_runs import FreeRun, TeacherForced
+from tracer.traces.trace import Trace, TraceMeta, TraceRecorder, kept
 
 
 @dataclass
@@ -210,7 +210,7 @@ class _Recorded(Mapping):
         if point in getattr(self.recorder, "recent", ()):
             return self.recorder.recent[point]
         if hasattr(self.recorder, "files"):
-            from tracer.comparison.spill import read_point
+            from tracer.traces.spill import read_point
 
             return read_point(self.recorder.files[point])
         return self.recorder.tensors[point]

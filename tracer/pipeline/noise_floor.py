@@ -23,11 +23,11 @@ Measured figures (SmolLM2, preset=llamacpp): docs/regimes.md, "The noise floor i
 from __future__ import annotations
 
 from tracer.comparison.diff import ErrorRecorder
-from tracer.comparison.trace import Trace
 from tracer.engines.base import at_positions
 from tracer.engines.load import load_engine
 from tracer.engines.registry import EngineRef
 from tracer.files.sources import ModelSource
+from tracer.traces.trace import Trace
 
 NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many first tokens
 

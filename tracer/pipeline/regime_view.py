@@ -29,14 +29,15 @@ import os
 from pathlib import Path
 
 from tracer.comparison.diff import rel_l2_by_point
-from tracer.comparison.result import RawView, RegimeView, Result, WeightAudit
-from tracer.comparison.trace import Trace
+from tracer.comparison.result import RawView, RegimeView, Result
 from tracer.core.errors import TracerError
 from tracer.engines.registry import EngineRef, check_engine
 from tracer.files.sources import ModelSource
+from tracer.ggml.audit import WeightAudit
 from tracer.model.knobs import expand_presets, parse_variant, setting, variant_label, variant_text
 from tracer.pipeline.request import Inputs, Placement, Side
 from tracer.pipeline.run import compare_candidate, prepared_reference, timed
+from tracer.traces.trace import Trace
 
 # Prompts up to this long are emulated bit-exactly in a chaotic regime (`verdict_view`): verified
 # against llama.cpp on SmolLM2 at 2048 tokens. Past it, memory rather than time: the emulated flash

@@ -27,8 +27,6 @@ import torch
 
 from tracer.comparison.diff import ErrorRecorder, compare
 from tracer.comparison.result import Greedy, Result, SweepRow, Tolerance
-from tracer.comparison.spill import SPILL_TOKENS, spill_folder
-from tracer.comparison.trace import ATTENTION_ROWS, Trace
 from tracer.core.allocator import map_streamed_weights
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
@@ -41,6 +39,8 @@ from tracer.model.knobs import setting, variant_text
 from tracer.model.points import is_coarse
 from tracer.pipeline import greedy, reference_cache, streamed
 from tracer.pipeline.request import Inputs, Placement, Side, check_family_support
+from tracer.traces.spill import SPILL_TOKENS, spill_folder
+from tracer.traces.trace import ATTENTION_ROWS, Trace
 
 if TYPE_CHECKING:
     from tracer.pipeline.lockstep import Lockstep

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from tracer.comparison.trace import Trace, TraceRecorder
 from tracer.core.errors import TracerError
+from tracer.model.kv_cache import KVCache
 from tracer.model.points import CACHE_K, CACHE_V, layer_point
 from tracer.reimpl.forward import Model
-from tracer.reimpl.kv_cache import KVCache
 from tracer.reimpl.unit_runs import TeacherForced
+from tracer.traces.trace import Trace, TraceRecorder
 
 
 def trace_positions(trace: Trace) -> torch.Tensor:

@@ -11,7 +11,7 @@ and a streamed run calls them one by one. It reads `config.json` and safetensors
 transformers is never imported on this path.
 
 Positions are an input (absolute, int64 (T,); default 0..T-1, or after what a cache holds), and a
-KV cache (`tracer.reimpl.kv_cache.KVCache`) is threaded through the layers: a decode step is a
+KV cache (`tracer.model.kv_cache.KVCache`) is threaded through the layers: a decode step is a
 forward of one token at its position, with the cache of the tokens before it.
 
 Every point of `tracer.model.points` is handed to one `record(name, tensor)` call; tensors keep
@@ -206,7 +206,7 @@ class Model:
 
         `positions`: the tokens' absolute positions (T,) (default: 0..T-1, or after what `cache` holds);
             with a cache, every layer also records what its cache holds (`cache_k`, `cache_v`);
-        `cache`: a `tracer.reimpl.kv_cache.KVCache` the keys and values are appended to.
+        `cache`: a `tracer.model.kv_cache.KVCache` the keys and values are appended to.
         """
         cached = self.steps.attention in ATTENTION_KERNELS.values() or getattr(self.steps.attention, "cached", False)
         if cache is not None and not cached:  # a regime's attention that takes rows after a cache says so

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from tracer.comparison.trace import Trace
 from tracer.model.points import EMBED, layer_point
 from tracer.reimpl.forward import Model
+from tracer.traces.trace import Trace
 
 
 class FreeRun:

@@ -4,7 +4,7 @@ the attention core (scores, probabilities, context; a sliding window; soft-cappi
 
 Mirrors transformers 5.25's eager attention op by op (`modeling_llama.py`, and the families'
 `modeling_<family>.py`). Attention takes absolute positions (its RoPE tables, `Positions`) and an
-optional cache (`tracer.reimpl.kv_cache.KVCache`: keys after RoPE and values, appended and fetched
+optional cache (`tracer.model.kv_cache.KVCache`: keys after RoPE and values, appended and fetched
 per layer, as transformers' `cache.update(k, v, layer_idx)` and mlx-lm's `update_and_fetch`); which
 keys a query sees is a function of their positions (`Visible`): causal, and a window on sliding layers.
 
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 from tracer.core.errors import TracerError
 from tracer.core.lazy import F, torch
+from tracer.model import kv_cache
 from tracer.model.component import Component, Name, Point
-from tracer.model.components import decode, padding
+from tracer.model.components import padding
 from tracer.model.components.rope import Rope
 from tracer.model.knobs import KNOBS, Knob, choice, fixed, setting, when
 from tracer.model.points import (
@@ -466,8 +467,8 @@ class Attention(Component):
 
     @property
     def knobs(self) -> tuple:
-        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + decode.CACHE_KNOBS + \
-            decode.WINDOW_KNOBS * self.window + padding.KNOBS
+        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + kv_cache.CACHE_KNOBS + \
+            kv_cache.WINDOW_KNOBS * self.window + padding.KNOBS
 
     @property
     def output(self) -> str:
@@ -528,7 +529,7 @@ class Attention(Component):
             **({"qk_heads": qk_plain} if self.qk_norm is None else {}),
             # the q/k norms compute with the family's norm (`qk_norm` None) unless the variant drops them
             "qk_norm": qk_norm_skipped if knobs.get("qk_norm") == "drop" else None,
-            **decode.steps(knobs, spec),
+            **kv_cache.steps(knobs, spec),
             **padding.steps(knobs),
         }
 

@@ -1,7 +1,7 @@
 """Traces too large for memory: each point written to disk as it is recorded, read back on demand.
 
 A 2048-token SmolLM2 trace holds ~2.8 GB even with attention matrices cut to their last rows
-(`tracer.comparison.trace.ATTENTION_ROWS`). `DiskRecorder` writes the reference's points, each to its own
+(`tracer.traces.trace.ATTENTION_ROWS`). `DiskRecorder` writes the reference's points, each to its own
 safetensors file the moment the forward produces it, and `SpilledTensors` is a read-only mapping
 that loads one point when asked, so a `Trace` built on it makes the diff engine stream: peak
 memory is the model and one forward's activations, not the traces. The other runs are compared
@@ -31,9 +31,9 @@ from typing import TypeVar
 
 import torch
 
-from tracer.comparison.trace import kept
 from tracer.core.errors import TracerError
 from tracer.files.tensorfile import DTYPES
+from tracer.traces.trace import kept
 
 # Past this many tokens a run spills its traces: SmolLM2's trace is ~1.5 MB per token in f32.
 SPILL_TOKENS = 256

@@ -1,5 +1,5 @@
 """SGLang's dumper output (`sglang.srt.debug_utils.dumper`): one directory, one `.pt` file per dumped
-tensor and rank, read as one trace per tensor-parallel rank (`tracer.comparison.shards` merges them).
+tensor and rank, read as one trace per tensor-parallel rank (`tracer.traces.shards` merges them).
 
 Each file is named by its tags (`step=0___rank=1___dump_index=7___name=...___layer_id=3.pt`) and holds
 `{"value": tensor, "meta": {...}}`: the tags again, `dims` where the dump declared them (`t h(tp) d`:
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from tracer.comparison.trace import Trace, import_foreign
 from tracer.core.errors import TracerError
 from tracer.files.torchfile import read_torch_file
+from tracer.traces.trace import Trace, import_foreign
 
 NON_INTRUSIVE = "non_intrusive__"
 _DIM = re.compile(r"^(?P<name>[A-Za-z_]\w*)(?:\((?P<modifiers>[^)]*)\))?$")
@@ -42,7 +42,7 @@ def is_sglang_dump(path: Path) -> bool:
 @dataclass
 class RankDump:
     """One tensor-parallel rank of the dump: its trace, rank and size, and the split its `dims`
-    declare per point ("column:AXIS", "row" or "replicated", as `tracer.comparison.shards` reads them)."""
+    declare per point ("column:AXIS", "row" or "replicated", as `tracer.traces.shards` reads them)."""
 
     trace: Trace
     rank: int

@@ -27,9 +27,9 @@ from collections.abc import Mapping
 
 import torch
 
-from tracer.comparison.trace import Trace
 from tracer.core.errors import TracerError
 from tracer.model.points import Q_ROPE, gguf_permuted, layout_of, split_point
+from tracer.traces.trace import Trace
 
 LAYOUT_NAMES = {"THD": "[T, H, D]", "HTD": "[H, T, D]"}
 # The most axes a point of each layout (tracer.model.points) may have in a dump, batch included.

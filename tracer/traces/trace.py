@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tracer.comparison.renderers import render
 from tracer.core.errors import TracerError, one_line
+from tracer.core.renderers import render
 from tracer.model.knobs import side_label
 from tracer.model.points import is_causal
 

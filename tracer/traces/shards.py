@@ -30,8 +30,6 @@ from pathlib import Path
 
 import torch
 
-from tracer.comparison.sglang_dump import is_sglang_dump, sglang_ranks
-from tracer.comparison.trace import Trace, TraceMeta
 from tracer.core.errors import TracerError, one_line
 from tracer.model.points import (
     CACHE_K,
@@ -52,6 +50,8 @@ from tracer.model.points import (
     layout_of,
     split_point,
 )
+from tracer.traces.sglang_dump import is_sglang_dump, sglang_ranks
+from tracer.traces.trace import Trace, TraceMeta
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 LAYOUTS = (COLUMN, ROW, REPLICATED)
@@ -240,7 +240,7 @@ def _merged_meta(shards: list[Shard], tokens, notes: list[str]) -> TraceMeta:
 def load_shards(sources, aliases=None, layouts=None) -> Trace:
     """The merged trace of a tensor-parallel run: `sources` one safetensors file per rank (their
     metadata may say `tp_rank`, `tp_size`, `tp_layout`), or one SGLang dumper directory holding every
-    rank (`tracer.comparison.sglang_dump`). `layouts`: the user's table (`read_layouts`)."""
+    rank (`tracer.traces.sglang_dump`). `layouts`: the user's table (`read_layouts`)."""
     paths = [Path(source) for source in sources]
     if len(paths) == 1 and is_sglang_dump(paths[0]):
         shards = [Shard(dump.trace, dump.rank, dump.size, {point: parse_split(text, dump.origin)
