@@ -1,6 +1,7 @@
 """transformers' model with its weights read block by block (`hf --stream`, tracer/engines/hf_streamed.py):
-every point is the whole-model run's bit for bit (all eight families were checked when it was written;
-five that cover what differs between them are kept here), and parameters hold no memory between forwards."""
+every point is the whole-model run's bit for bit but the logits, which are the whole product's to a few f32
+ulps (all eight families were checked when it was written; five that cover what differs between them are
+kept here), and parameters hold no memory between forwards."""
 
 from __future__ import annotations
 
@@ -14,11 +15,35 @@ from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, write_tiny_family
 from tracer import TracerError
 from tracer.engines.load import load_engine
+from tracer.model.points import FINAL_LOGITS, LOGITS
 
 # tied and untied embeddings, sliding windows, Gemma's scaled embedding and soft-caps, a partial
 # rotary, per-layer attention types: what the units and their weights can differ in
 FAMILIES = ["llama", "qwen2", "gemma2", "gemma3", "phi3"]
 assert set(FAMILIES) <= set(TINY_FAMILIES)
+
+# lm_head multiplied by chunks of rows against the whole matrix: BLAS picks its kernel by shape, so a
+# chunk's sums may run in another order. At these tiny shapes (10-row chunks) the AMD EPYC measured up
+# to 2.8 f32 ulps of a position's largest logit (3.4 after Gemma's soft-cap); the Intel Xeon, bitwise.
+# At the default 16384-row chunks the AMD EPYC is bitwise at SmolLM2's, the 1B's and the 8B's shapes.
+LOGIT_ULPS = 8
+
+
+def same_logits(streamed: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Within `LOGIT_ULPS` f32 ulps of each position's largest |logit| (the last axis is the vocabulary)."""
+    scale = whole.abs().amax(dim=-1, keepdim=True) * torch.finfo(torch.float32).eps  # (…, 1)
+    return bool(((streamed - whole).abs() <= LOGIT_ULPS * scale).all())
+
+
+def differing(whole: dict, streamed: dict, same=torch.equal) -> list[str]:
+    """The points that are not the whole model's by `same`; where `same` is bit for bit, the logits by
+    `same_logits`."""
+    def agrees(point: str) -> bool:
+        if same is torch.equal and point in (LOGITS, FINAL_LOGITS):
+            return same_logits(streamed[point], whole[point])
+        return same(streamed[point], whole[point])
+
+    return [point for point in whole if not agrees(point)]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +61,8 @@ def test_streamed_points_are_the_whole_models_bit_for_bit(tiny, family, monkeypa
     streamed = load_engine("hf", tiny[family], {}, stream=True)
     expected, got = whole.record(TOKENS), streamed.record(TOKENS)
     assert got.points == expected.points
-    assert [p for p in expected.points if not torch.equal(expected[p], got[p])] == []
-    assert torch.equal(streamed.logits(TOKENS), whole.logits(TOKENS))
+    assert differing(expected.tensors, got.tensors) == []
+    assert same_logits(streamed.logits(TOKENS), whole.logits(TOKENS))
     assert streamed.draft(TOKENS, 3) == whole.draft(TOKENS, 3)  # transformers' KV cache, blocks streamed
     # between forwards the parameters hold no memory
     assert {p.device.type for p in streamed.model.parameters()} == {"meta"}
@@ -87,5 +112,5 @@ def test_the_reimpl_streamed_with_its_vocabulary_in_chunks_is_bit_for_bit(tiny, 
         # f64's matrices multiplied by chunks of rows: BLAS may order a sum otherwise (a few f64 ulps)
         same = torch.equal if variant.get("dtype") != "f64" else \
             (lambda a, b: bool((a - b).abs().max() <= 1e-13 * max(1.0, float(b.abs().max()))))
-        assert [n for n in whole if not same(whole[n], streamed[n])] == []
-        assert same(expected, got)
+        assert differing(whole, streamed, same) == []
+        assert (same_logits if same is torch.equal else same)(got, expected)

@@ -5,7 +5,8 @@ RoPE tables); each unit of the forward, the embedding, every decoder layer, the 
 the lm_head, gets its weights in a forward pre-hook, read from the (sharded) safetensors files in
 their stored dtype and converted to the run's, and gives them back in a forward hook. transformers'
 own `forward` runs unchanged (its masks, rotary embeddings, caches), and so do tracer's recording
-hooks: the points are those of the model loaded whole, bit for bit (tests/unit/test_streamed_run.py).
+hooks: the points are those of the model loaded whole, bit for bit, the logits to a few f32 ulps
+(`_VocabChunks`; tests/unit/test_streamed_hf.py).
 Memory then holds one unit's weights at a time, independent of depth (the largest unit is the
 lm_head: vocabulary × hidden in the run's dtype), at the price of reading the weights once per
 forward.
@@ -157,8 +158,9 @@ class _EmbeddingRows:
 
 class _VocabChunks:
     """lm_head's forward, its rows converted `VOCAB_ROWS` at a time (`WeightFiles.row_chunks`): x (…, C)
-    -> (…, V). The same matmul per output column as the whole weight's (bitwise on this CPU's BLAS,
-    f32 and f64: tests/unit/test_streamed_hf.py compares the logits)."""
+    -> (…, V). The same sums per output column as the whole weight's, in the order BLAS picks for each
+    chunk's shape: bitwise at the default chunk at SmolLM2's, the 1B's and the 8B's shapes where
+    measured, else a few f32 ulps of a position's largest logit (docs/memory.md)."""
 
     def __init__(self, files: WeightFiles, source: str, dtype: torch.dtype, device: torch.device):
         self.files, self.source, self.dtype, self.device = files, source, dtype, device
