@@ -6,21 +6,32 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
+FOLDER = Path(__file__).resolve().parents[2] / "notebooks"
+NOTEBOOKS = sorted(path.name for path in FOLDER.glob("*.ipynb"))
 REQUIRES = {"candle_port.ipynb": "candle"}  # notebooks that run an optional runtime: its import name
 
 
-@pytest.fixture(scope="module", params=NOTEBOOKS, ids=lambda p: p.name)
-def executed(request, default_model, tmp_path_factory):
-    if request.param.name in REQUIRES:
-        pytest.importorskip(REQUIRES[request.param.name])
-    notebook = nbformat.read(request.param, as_version=4)
-    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), "strip outputs"
-    assert all(cell.get("execution_count") is None for cell in notebook.cells if cell.cell_type == "code")
-    workdir = tmp_path_factory.mktemp(request.param.stem)
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(workdir)}}).execute()
-    return request.param.name, notebook
+@pytest.fixture(scope="module")
+def executed(default_model, tmp_path_factory):
+    """name -> the notebook executed top to bottom, each executed once in the module and kept (its story
+    test reads what `test_notebook_runs_without_errors` ran)."""
+    done = {}
+
+    def execute(name: str):
+        if name in REQUIRES:
+            pytest.importorskip(REQUIRES[name])
+        if name not in done:
+            notebook = nbformat.read(FOLDER / name, as_version=4)
+            code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+            assert all(not cell.get("outputs") for cell in code), "strip outputs"
+            assert all(cell.get("execution_count") is None for cell in code)
+            workdir = tmp_path_factory.mktemp(Path(name).stem)
+            NotebookClient(notebook, timeout=600, kernel_name="python3",
+                           resources={"metadata": {"path": str(workdir)}}).execute()
+            done[name] = notebook
+        return done[name]
+
+    return execute
 
 
 def outputs(notebook) -> list:
@@ -28,17 +39,16 @@ def outputs(notebook) -> list:
 
 
 def story(executed, notebook: str) -> list:
-    """The outputs of `notebook`, the one a story test reads (the others skip it)."""
-    name, executed = executed
-    if name != notebook:
-        pytest.skip(f"the {notebook} story only")
-    return outputs(executed)
+    """The outputs of `notebook`, the one a story test reads."""
+    assert notebook in NOTEBOOKS
+    return outputs(executed(notebook))
 
 
-def test_notebook_runs_without_errors(executed):
-    _, executed = executed
-    assert not [out for out in outputs(executed) if out.output_type == "error"]
-    stderr = " ".join(out.text for out in outputs(executed) if out.output_type == "stream" and out.name == "stderr")
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_without_errors(executed, name):
+    shown = outputs(executed(name))
+    assert not [out for out in shown if out.output_type == "error"]
+    stderr = " ".join(out.text for out in shown if out.output_type == "stream" and out.name == "stderr")
     assert "Warning" not in stderr and "Traceback" not in stderr
 
 
