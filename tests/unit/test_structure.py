@@ -4,11 +4,13 @@ layers, no private name imported across modules, and the commands that need no m
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+DESIGN = ROOT / "docs" / "design.md"
 # folder -> the package it is installed as (pyproject's package-dir)
 PACKAGES = {"tracer": "tracer", "hooks": "tracer.hooks", "reports": "tracer.reports"}
 
@@ -95,22 +97,45 @@ def test_no_import_cycle_among_tracer_hooks_and_reports():
     assert cycles(import_graph()) == []
 
 
-# The layers, lowest first: a module imports from its own layer or a lower one, never a higher one
-# (function-level imports included). A name ending in "." is a whole package. A new module gets a place here.
-LAYERS = [
-    ("foundation", {"tracer.core", "tracer.core.", "tracer.files.tensorfile", "tracer.files.torchfile"}),
-    ("model: points, components, families, knobs, names, config", {"tracer.model", "tracer.model."}),
-    ("traces: recorded data, its files and layouts", {"tracer.traces", "tracer.traces."}),
-    ("model files", {"tracer.files", "tracer.files."}),
-    ("ggml's arithmetic", {"tracer.ggml", "tracer.ggml."}),
-    ("the reimplementation", {"tracer.reimpl", "tracer.reimpl."}),
-    ("engines", {"tracer.engines", "tracer.engines.", "tracer.hooks", "tracer.hooks."}),
-    ("comparison: diffs, results, explanations", {"tracer.comparison", "tracer.comparison."}),
-    ("reports: render a summary", {"tracer.reports", "tracer.reports."}),
-    ("pipeline: one run, start to end", {"tracer.pipeline", "tracer.pipeline."}),
-    # `tracer` itself is the API's face: it exports the api's functions and imports the reports package
-    ("api and cli", {"tracer", "tracer.arguments", "tracer.api", "tracer.testing", "tracer.cli", "tracer.__main__"}),
-]
+def drawn_layers(design: str) -> list[tuple[str, set[str]]]:
+    """The layers, lowest first, as docs/design.md draws them: the first ```text block of its Layout
+    section, one floor a line, top floor first, its name then its modules two spaces or more apart (`X.*`:
+    the package and every module in it, held as "X" and the prefix "X.")."""
+    block = re.search(r"## Layout\n.*?```text\n(.*?)```", design, flags=re.S).group(1)
+    layers = []
+    for line in block.strip().splitlines():
+        name, *members = re.split(r"\s{2,}", line.strip())
+        modules = set()
+        for member in members:
+            modules |= {member[:-2], member[:-1]} if member.endswith(".*") else {member}
+        layers.append((name, modules))
+    return layers[::-1]
+
+
+# A module imports from its own layer or a lower one, never a higher one (function-level imports included).
+# A name ending in "." is a whole package. A new module gets a place in the drawing.
+LAYERS = drawn_layers(DESIGN.read_text())
+
+
+def test_the_drawing_is_read():
+    names = [name for name, _ in LAYERS]
+    assert names[0] == "foundation" and names[-1] == "api and cli" and len(names) == len(set(names)) >= 10
+    assert layer_of("tracer.files.tensorfile") < layer_of("tracer.traces.trace") < layer_of("tracer.files.sources")
+    assert layer_of("tracer.traces") == layer_of("tracer.traces.spill")
+
+
+def test_the_prose_follows_the_drawing():
+    """The numbered floors under the drawing are its layers, lowest first, in its words."""
+    section = DESIGN.read_text().split("## Layout\n")[1].split("\n## ")[0]
+    assert re.findall(r"^\d+\. \*\*(.+?)\*\*", section, flags=re.M) == [name for name, _ in LAYERS]
+
+
+def test_below_the_engines_nothing_imports_the_comparison():
+    engines = layer_of("tracer.engines")
+    below = {name for name in modules() if layer_of(name) < engines and not name.startswith("tracer.comparison")}
+    graph = import_graph()
+    assert [(name, target) for name in below for target in graph[name] if target.startswith("tracer.comparison")] \
+        == []
 
 
 def layer_of(module: str) -> int | None:
@@ -136,8 +161,7 @@ def test_no_import_runs_up_the_layers():
 def test_the_layer_check_sees_an_upward_import():
     # what variants.py did before knobs carried their kind: it asked the engine registry
     assert upward_imports({"tracer.model.knobs": {"tracer.engines.registry", "tracer.model.families"}}) == [
-        "tracer.model.knobs (model: points, components, families, knobs, names, config) imports "
-        "tracer.engines.registry (engines)"]
+        "tracer.model.knobs (the model) imports tracer.engines.registry (engines)"]
 
 
 def test_no_private_name_is_imported_across_modules():
