@@ -1,6 +1,12 @@
 """RMSNorm, RoPE, SwiGLU and attention as llama.cpp's CPU backend computes them (ggml-cpu/ops.cpp,
-vec.h, vec.cpp, simd-gemm.h), for x86 with AVX-512F/DQ (the `GGML_NATIVE` build on this machine;
+vec.h, vec.cpp, simd-gemm.h), for x86 with AVX-512F/DQ (a `GGML_NATIVE` build by GCC 12;
 AVX2-only machines differ in `ggml_v_expf` and in the lane count of the f16 dot products).
+
+What the build's code is, is read from its feature report and the CPU (`llamacpp_cpu_features`):
+AVX512_BF16 (`_mm512_dpbf16_ps`), LLAMAFILE (tinyBLAS), AVX512_FP16 (f16 arithmetic in flash
+attention's accumulator, from 128 columns) and ZNVER (GCC's tuning for AMD Zen: RoPE's pairs
+vectorised 4 at a time, loop accumulators not fused). Measured against llama.cpp on an Intel Xeon
+and an AMD EPYC (Zen 4), every path but AVX512-FP16's (docs/regimes.md).
 
 Shapes as in `tracer.reimpl.forward`: x (1, T, C); q (1, H, T, D), k/v (1, KV, T, D) in HF's half-split
 order. ggml holds q/k rows in GGUF's interleaved order; where that order decides a summation
