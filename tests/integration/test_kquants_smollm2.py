@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 import tracer
+from tests.cpu_builds import skip_unless_exact_here
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 
@@ -33,15 +34,13 @@ def test_a_q4_k_m_gguf_in_its_implied_regime_is_llama_cpp_to_the_bit(q4_k_m):
     """70 tokens: the repacked Q4_K gemm (68 rows) and gemv (2), the tiled Q6_K matmul, the tiled
     flash attention."""
     from tracer.files.sources import gguf_model_path
-    from tracer.ggml import kmatmul
     from tracer.ggml.strategies import GGUFWeights, implied_regime
 
     types = GGUFWeights(q4_k_m).types()
     assert {"q4_k", "q6_k"} <= set(types.values())
     variant, caveats = implied_regime(types, {})
     assert variant == {"preset": "llamacpp", "weights": "gguf"}
-    if not kmatmul.emulated(kmatmul.this_build().features) or caveats:
-        pytest.skip(f"this machine's llama.cpp takes other code paths: {caveats}")
+    skip_unless_exact_here(caveats)  # a build without AVX2 or FMA: its k-quant kernels are not x86's
     converted = gguf_model_path(q4_k_m, progress=False)
     tokens = (PROMPT_IDS * 14)[:70]
     ours = tracer.record(converted, tokens, engine="reimpl", variant=variant, progress=False)

@@ -42,6 +42,17 @@ def _sequential_f32(values) -> float:
     return float(total)
 
 
+def test_fma_f16_rounds_once_to_f16_where_rounding_through_f32_would_tie():
+    a, b, c = torch.tensor([1 + 2**-10]), torch.tensor([4 - 2**-8]), torch.tensor([8200.0])  # f16 values
+    # a*b + c = 8204 - 2^-18: just below the tie between 8200 and 8208 (f16 steps of 8 there)
+    assert floats.fma_f16(a, b, c).item() == 8200.0
+    assert floats.round_f16(floats.fma(a, b, c)).item() == 8208.0  # f32 holds 8204: the tie goes to even
+    generator = torch.Generator().manual_seed(9)
+    x, y, z = (floats.round_f16(torch.randn(4096, generator=generator)) for _ in range(3))
+    literal = [float(np.float16(float(i) * float(j) + float(k))) for i, j, k in zip(x, y, z)]  # exact in f64 here
+    assert floats.fma_f16(x, y, z).tolist() == literal
+
+
 def test_rdiv_is_one_ieee_division_where_torch_multiplies_by_a_reciprocal():
     # The block that made llama.cpp's Q8_1 quantization and ours part (layer 9 of SmolLM2):
     # 127/amax times x is -41.5 exactly, a tie, only with a correctly rounded division.

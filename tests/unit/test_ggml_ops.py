@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
+from tests.cpu_builds import AMD, BUILDS, INTEL
 from tracer.ggml import ops
-from tracer.ggml.floats import F32, F64, libm, powf, round_f16
+from tracer.ggml.floats import F32, F64, fma, libm, powf, round_f16
 from tracer.model.config import LlamaSpec
 from tracer.traces.layouts import to_interleaved
 
@@ -58,15 +60,33 @@ def test_rope_angles_are_repeated_f32_products_of_powf_and_the_c_librarys_cos_si
     assert not torch.equal(far_cos[0], cos[0])
 
 
-def test_rope_rotates_hf_pairs_with_fused_forms():
-    x = _randn(1, 2, 3, 8, seed=3)
-    cos, sin = torch.rand(1, 3, 4), torch.rand(1, 3, 4)
-    out = ops.rope(x, cos, sin)
-    x0, x1 = x[..., :4].to(F64), x[..., 4:].to(F64)
-    c, s = cos[:, None].to(F64), sin[:, None].to(F64)
-    y0 = (x0 * c - (x1.to(F32) * s.to(F32)).to(F64)).to(F32)  # fma(x0, c, -(x1*s)): one rounding of x0*c
-    assert torch.equal(out[..., :4], y0)
+@pytest.mark.parametrize("build, head_dim, fused", [
+    ("amd", 12, 4),  # a 512-bit loop, its 256-bit epilogue: 4 pairs at a time, 2 left
+    ("intel", 12, 6),  # a 256-bit loop, its 128-bit epilogue: 2 pairs at a time
+    ("intel", 10, 4),
+    ("amd", 64, 32),  # SmolLM2's heads: whole vectors on both
+])
+def test_rope_fuses_the_pairs_in_whole_vectors_and_rounds_each_product_of_the_rest(build, head_dim, fused):
+    half = head_dim // 2
+    x = _randn(1, 4, 16, head_dim, seed=3)
+    cos, sin = torch.rand(1, 16, half), torch.rand(1, 16, half)
+    out = ops.rope(x, cos, sin, BUILDS[build])
+    x0, x1 = x[..., :half], x[..., half:]
+    c, s = cos[:, None], sin[:, None]
+    # fma(x0, c, -(x1*s)) and fma(x0, s, x1*c): one rounding of x0*c (x0*s) with the f32 product added
+    y0 = (x0.to(F64) * c.to(F64) - (x1 * s).to(F64)).to(F32)
+    y1 = (x0.to(F64) * s.to(F64) + (x1 * c).to(F64)).to(F32)
+    assert torch.equal(out[..., :fused], y0[..., :fused]) and torch.equal(out[..., half:half + fused], y1[..., :fused])
+    assert torch.equal(out[..., fused:half], (x0 * c - x1 * s)[..., fused:])  # vaddsubps: both products rounded
+    assert torch.equal(out[..., half + fused:], (x0 * s + x1 * c)[..., fused:])
     assert float((out - ops.rope_exact(x, cos, sin)).abs().max()) < 1e-6
+
+
+def test_the_two_cpus_rope_differs_where_one_leaves_pairs_to_the_scalar_tail():
+    x, cos, sin = _randn(1, 4, 16, 12, seed=4), torch.rand(1, 16, 6), torch.rand(1, 16, 6)
+    amd, intel = ops.rope(x, cos, sin, AMD), ops.rope(x, cos, sin, INTEL)
+    differs = (amd != intel).flatten(0, 2).any(0)  # (D,): which dims differ anywhere
+    assert differs[[4, 5, 10, 11]].all() and not differs[[0, 1, 2, 3, 6, 7, 8, 9]].any()
 
 
 def test_swiglu_takes_16_lane_vectors_and_a_scalar_tail():
@@ -120,6 +140,27 @@ def test_flash_attention_from_64_rows_is_tiled_with_f32_accumulators():
     assert math.isfinite(float(scores.sum()))
 
 
+def test_an_avx512_fp16_build_scales_and_accumulates_f16_values_in_f16_from_128_columns():
+    assert [ops.native_f16_columns(n, INTEL) for n in (64, 128, 200, 256)] == [0, 128, 128, 256]
+    assert ops.native_f16_columns(256, AMD) == 0  # AVX-512F: f32 arithmetic, each result rounded to f16
+    y, x = round_f16(_randn(6, 200, seed=21)), round_f16(_randn(6, 200, seed=22))
+    v = torch.rand(6, generator=torch.Generator().manual_seed(23))  # weights in (0, 1), not f16 values
+    v16 = round_f16(v)
+    mad = ops.vec_mad_f16(y, x, v, 128)
+    literal = [[float(np.float16(float(x[r, i]) * float(v16[r]) + float(y[r, i]))) for i in range(128)]
+               for r in range(6)]  # _mm512_fmadd_ph(x, f16(v), y): one rounding of the exact value
+    assert mad[:, :128].tolist() == literal
+    assert torch.equal(mad[:, 128:], round_f16(fma(x, v[:, None], y))[:, 128:])  # the scalar leftovers
+    assert not torch.equal(mad, ops.vec_mad_f16(y, x, v, 0))
+    scaled = ops.vec_scale_f16(y, v, 128)
+    assert torch.equal(scaled[:, :128], round_f16(y * v16[:, None])[:, :128])  # f16 * f16: exact, then f16
+    assert torch.equal(scaled[:, 128:], round_f16(y * v[:, None])[:, 128:])
+    # flash attention over 128-wide heads: the two CPUs' builds part in the last bits
+    q, k, v = (_randn(2, 9, 128, seed=24 + i, scale=2) for i in range(3))
+    amd, intel = (ops.flash_attn_one_chunk(q, k, v, 128**-0.5, features=build) for build in (AMD, INTEL))
+    assert not torch.equal(amd, intel) and float((amd - intel).norm() / amd.norm()) < 1e-3
+
+
 def _bf16_values(*shape: int, seed: int) -> torch.Tensor:
     return _randn(*shape, seed=seed, scale=3).to(torch.bfloat16).to(F32)
 
@@ -166,7 +207,16 @@ def test_dpbf16_adds_the_odd_product_first():
     assert ops.dpbf16(acc, x, y)[0].item() == 2.0**24 + 4
 
 
-def test_the_cpu_features_are_llama_cpps_names():
-    features = ops.llamacpp_cpu_features()
-    assert "AVX2" in features  # every machine the regime is exact on
-    assert ops.takes_dpbf16() == ("AVX512_BF16" in features)
+def test_the_build_features_are_its_report_and_what_the_cpu_adds():
+    assert {"AVX2", "AVX512", "AVX512_BF16", "LLAMAFILE", "REPACK"} <= AMD & INTEL
+    assert "SSE3" in AMD  # the report's first name, after its "CPU :"
+    assert AMD - INTEL == {"ZNVER"} and INTEL - AMD == {"AVX_VNNI", "AVX512_FP16"}
+    assert not ops.contracts_fma_chains(AMD) and ops.contracts_fma_chains(INTEL)
+    assert ops.vectorises_in_512_bits(AMD) and not ops.vectorises_in_512_bits(INTEL)
+    assert not ops.vectorises_in_512_bits(AMD - {"AVX512"})  # an AVX2 Zen: 256-bit vectors
+    # a Hygon CPU is built as a Zen; the report never names AVX512-FP16, the CPU's flags do
+    assert "ZNVER" in ops.report_features("AVX2 = 1 |", {"vendor_id": "HygonGenuine"})
+    assert ops.report_features("AVX2 = 1 | AVX512 = 0 |", {"flags": "avx2 avx512_fp16"}) == {"AVX2", "AVX512_FP16"}
+    assert ops.takes_dpbf16() == ("AVX512_BF16" in ops.llamacpp_cpu_features())
+
+

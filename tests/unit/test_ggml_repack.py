@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cpu_builds import BUILDS
 from tracer.ggml import repack
 from tracer.ggml.floats import F32, F64, fma, hsum8
 from tracer.ggml.quants import IQ4_NL_VALUES, Blocks, from_gguf_bytes, quantize, quantize_q8_0
@@ -60,15 +61,21 @@ def test_iq4_nl_unpacks_to_its_codebook_as_the_gguf_package_dequantizes():
     assert np.array_equal(blocks.values().numpy(), expected)
 
 
-def test_iq4_nl_on_one_row_is_two_accumulators_and_a_scalar_last_block():
-    weight, act = _iq4_nl(12, 96, seed=4), quantize_q8_0(_randn(1, 96, seed=5) * 3)  # 3 blocks: one pair, one left
+@pytest.mark.parametrize("build", ["intel", "amd"])
+def test_iq4_nl_on_one_row_is_two_accumulators_and_a_scalar_last_block(build):
+    weight, act = _iq4_nl(60, 96, seed=4), quantize_q8_0(_randn(1, 96, seed=5) * 3)  # 3 blocks: one pair, one left
     lanes = (weight.q.to(F32).unflatten(-1, (8, 4)) * act.q[0].unflatten(-1, (8, 4))).sum(-1)  # (R, B, 8)
     scale = weight.d * act.d[0]  # (R, B)
     acc_even, acc_odd = scale[:, 0, None] * lanes[:, 0], scale[:, 1, None] * lanes[:, 1]  # fma(d, lane, 0)
-    expected = fma(scale[:, 2], lanes[:, 2].sum(-1), hsum8(acc_even + acc_odd))
-    assert torch.equal(repack.matmul(act, weight, BUILD), expected[None])  # 12 rows: not repacked
+    pairs, last = hsum8(acc_even + acc_odd), lanes[:, 2].sum(-1)
+    # `sumf += d * (sumi1 + sumi2)`: fused on Intel; GCC's tuning for Zen keeps the loop's add apart
+    expected = fma(scale[:, 2], last, pairs) if build == "intel" else pairs + scale[:, 2] * last
+    out = repack.matmul(act, weight, BUILDS[build])  # 60 rows: not repacked (ne[1] % 8)
+    assert torch.equal(out, expected[None])
+    other = BUILDS["amd" if build == "intel" else "intel"]
+    assert not torch.equal(out, repack.matmul(act, weight, other))
     two_rows = quantize_q8_0(_randn(2, 96, seed=5) * 3)  # from 2 rows tinyBLAS_Q0_AVX: vec_dot's 8 lanes
-    assert torch.equal(repack.matmul(two_rows, weight, BUILD), matmul_ggml(two_rows, weight))
+    assert torch.equal(repack.matmul(two_rows, weight, BUILDS[build]), matmul_ggml(two_rows, weight))
 
 
 @pytest.mark.parametrize("kind, rows, build, repacked", [

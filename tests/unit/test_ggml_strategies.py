@@ -11,6 +11,7 @@ import torch
 
 import tracer
 from tests.conftest import TOKENS
+from tests.cpu_builds import AMD, AMD_CPU, INTEL, INTEL_CPU
 from tests.ggml_gguf import quantized_models
 from tracer.core.errors import TracerError
 from tracer.engines.registry import engines_honouring
@@ -161,6 +162,22 @@ def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized)
     assert 1e-9 < noise["model.layers.0.self_attn.q_proj"] < 1e-5
     assert 1e-9 < noise["model.layers.1.mlp.down_proj"] < 1e-5
     assert estimate_noise(converted, reference, LLAMACPP) == noise  # tracer.pipeline.noise_floor hands regimes over
+
+
+@pytest.mark.parametrize("cpu, build", [(AMD_CPU, AMD), (INTEL_CPU, INTEL)], ids=["amd", "intel"])
+def test_the_regime_is_exact_on_both_cpus_and_names_an_fp16_builds_unmeasured_path(cpu, build):
+    types = {"model.embed_tokens.weight": "q8_0", "model.layers.0.mlp.up_proj.weight": "q4_1",
+             "model.layers.0.mlp.down_proj.weight": "iq4_nl", "model.layers.1.mlp.down_proj.weight": "f16"}
+    flags = set(cpu["flags"].split())
+    assert implied_regime(types, {}, flags, build, head_dim=64) == ({"preset": "llamacpp", "weights": "gguf"}, [])
+    _, caveats = implied_regime(types, {}, flags, build, head_dim=128)
+    if "AVX512_FP16" in build:  # flash attention's f16 values in f16 arithmetic: by its definition, unmeasured
+        assert caveats == ["this llama.cpp build accumulates flash attention's values in AVX512-FP16 arithmetic "
+                           "(128 of 128 columns): emulated from the instructions' definition, not yet measured "
+                           "against llama.cpp"]
+    else:
+        assert caveats == []
+    assert implied_regime(types, {"flash_attn": "off"}, flags, build, head_dim=128)[1] == []  # no f16 accumulator
 
 
 def test_op_forcing_feeds_every_op_the_references_inputs(tiny_llama):

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import tracer
 from tests.conftest import write_tiny_llama
+from tests.cpu_builds import skip_unless_exact_here
 from tests.quantized_gguf import quantize_gguf
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -34,11 +35,12 @@ def test_the_emulated_candidate_loses_what_llamacpp_loses(quantized):
     q = tracer.quality(tokens=tokens, model=model, candidate=f"llamacpp:{gguf}", ctx=32, by_layer=True,
                        progress=False)
     layers = q.layers
-    assert layers.candidate == f"preset=llamacpp,weights=gguf on {gguf.name}" and layers.caveats == ()
+    assert layers.candidate == f"preset=llamacpp,weights=gguf on {gguf.name}"
     assert 1e-5 < layers.total_kld < 1e-2  # 8-bit weights and activations: a small loss, not none
-    assert layers.emulated_kld == layers.total_kld  # bit-exact: the same logits on both paths
     assert layers.floor_kld == 0.0  # hf and tracer's f32 forward: the same logits on this model
     shares = {s.component: s.share for s in layers.shares}
     assert shares["model.embed_tokens"] > 0 and shares["lm_head"] > 0  # Q8_0 embedding, tied lm_head
     assert shares["model.norm"] < 1e-6  # ggml's RMSNorm against transformers': rounding only
     assert 0.5 < layers.sum_of_shares < 1.5
+    skip_unless_exact_here(layers.caveats)  # last: the rest holds on any CPU
+    assert layers.emulated_kld == layers.total_kld  # bit-exact: the same logits on both paths

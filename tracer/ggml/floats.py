@@ -25,18 +25,22 @@ F32, F64 = torch.float32, torch.float64
 # --- fused multiply-add ---------------------------------------------------------------------
 
 
-def _fma_via_f64(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """round_f32(a*b + c) exactly: the f32 product is exact in f64, the sum is rounded to odd
-    (TwoSum's error decides the last bit), and an f64 rounded to odd rounds to f32 correctly."""
-    p, c64 = a.to(F64) * b.to(F64), c.to(F64)
-    s = p + c64
+def _sum_to_odd(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """p + c (f64) rounded to odd: TwoSum's error decides the last bit, and an f64 rounded to odd
+    rounds correctly to any format of 51 bits or fewer (f32, f16)."""
+    s = p + c
     bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)  # s + err == p + c exactly
+    err = (p - (s - bb)) + (c - bb)  # s + err == p + c exactly
     bits = s.view(torch.int64)
     inexact_even = (err != 0) & torch.isfinite(err) & ((bits & 1) == 0)
     away = (err > 0) == (s > 0)  # the exact value lies further from zero than s
     step = torch.where(away, 1, -1)
-    return torch.where(inexact_even, bits + step, bits).view(F64).to(F32)
+    return torch.where(inexact_even, bits + step, bits).view(F64)
+
+
+def _fma_via_f64(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """round_f32(a*b + c) exactly: the f32 product is exact in f64, the sum rounded to odd."""
+    return _sum_to_odd(a.to(F64) * b.to(F64), c.to(F64)).to(F32)
 
 
 @functools.cache
@@ -80,6 +84,15 @@ def round_f16(x: torch.Tensor) -> torch.Tensor:
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     """f32 -> bf16 -> f32, round to nearest even (ggml_compute_fp32_to_bf16)."""
     return x.to(torch.bfloat16).to(F32)
+
+
+def fma_f16(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The binary16 fused multiply-add of AVX512-FP16 (`_mm512_fmadd_ph`): a*b + c of f16 values
+    held in f32 (broadcasting like torch), rounded once to f16 (to nearest even; FP16 arithmetic
+    keeps subnormals). The product is exact in f64, the sum rounded to odd there, and numpy
+    rounds an f64 to f16 in one step."""
+    a, b, c = torch.broadcast_tensors(a.to(F64), b.to(F64), c.to(F64))
+    return torch.from_numpy(_sum_to_odd(a * b, c).numpy().astype(np.float16).astype(np.float32))
 
 
 ROUND = {"f32": lambda x: x.to(F32), "f16": round_f16, "bf16": round_bf16}

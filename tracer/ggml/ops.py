@@ -1,6 +1,12 @@
 """RMSNorm, RoPE, SwiGLU and attention as llama.cpp's CPU backend computes them (ggml-cpu/ops.cpp,
-vec.h, vec.cpp, simd-gemm.h), for x86 with AVX-512F/DQ (the `GGML_NATIVE` build on this machine;
+vec.h, vec.cpp, simd-gemm.h), for x86 with AVX-512F/DQ (a `GGML_NATIVE` build by GCC 12;
 AVX2-only machines differ in `ggml_v_expf` and in the lane count of the f16 dot products).
+
+What the build's code is, is read from its feature report and the CPU (`llamacpp_cpu_features`):
+AVX512_BF16 (`_mm512_dpbf16_ps`), LLAMAFILE (tinyBLAS), AVX512_FP16 (f16 arithmetic in flash
+attention's accumulator, from 128 columns) and ZNVER (GCC's tuning for AMD Zen: RoPE's pairs
+vectorised 4 at a time, loop accumulators not fused). Measured against llama.cpp on an Intel Xeon
+and an AMD EPYC (Zen 4), every path but AVX512-FP16's (docs/regimes.md).
 
 Shapes as in `tracer.reimpl.forward`: x (1, T, C); q (1, H, T, D), k/v (1, KV, T, D) in HF's half-split
 order. ggml holds q/k rows in GGUF's interleaved order; where that order decides a summation
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -22,6 +29,7 @@ from tracer.ggml.floats import (
     F64,
     expf,
     fma,
+    fma_f16,
     ggml_v_expf,
     ggml_v_silu,
     libm,
@@ -37,6 +45,7 @@ from tracer.traces.layouts import to_interleaved
 SIMD_F32 = 16  # f32 lanes of an AVX-512 register (GGML_F32_EPR)
 F16_DOT_STEP = 64  # GGML_F16_STEP: 4 registers of 16 lanes per step of ggml_vec_dot_f16
 FA_TILE = 64  # GGML_FA_TILE_Q = GGML_FA_TILE_KV
+F16_NATIVE_STEP = 128  # GGML_F16_STEP with AVX512-FP16: 4 registers of 32 f16 lanes
 
 
 # --- RMSNorm ----------------------------------------------------------------------------------
@@ -97,16 +106,30 @@ def rope_cos_sin(spec, positions: torch.Tensor, dtype: torch.dtype | None, devic
     return cos[None].to(device), sin[None].to(device)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         features: frozenset[str] | None = None) -> torch.Tensor:
     """ggml RoPE, normal mode (rotate_pairs, ops.cpp): pair (x0, x1) = GGUF rows (2i, 2i+1), which
-    are HF's dims (i, i + D/2); GCC contracts y0 = x0*c - x1*s into fma(x0, c, -(x1*s)) and
-    y1 = x0*s + x1*c into fma(x0, s, x1*c). x (1, heads, T, D), cos/sin (1, T, D/2)."""
+    are HF's dims (i, i + D/2). GCC vectorises the loop over pairs: those in whole vectors of its
+    epilogue (`rope_fused_pairs`) take vfmaddsub, y0 = fma(x0, c, -(x1*s)) and y1 = fma(x0, s, x1*c);
+    the last few a 64-bit vaddsubps of products each rounded, y0 = x0*c - x1*s, y1 = x0*s + x1*c.
+    x (1, heads, T, D), cos/sin (1, T, D/2); `features`: the build's (default: this one's)."""
+    features = llamacpp_cpu_features() if features is None else features
     half = x.shape[-1] // 2
     x0, x1 = x[..., :half].to(F32), x[..., half:].to(F32)  # (1, heads, T, D/2) each
     c, s = cos[:, None], sin[:, None]  # (1, 1, T, D/2)
-    y0 = fma(x0, c, -(x1 * s))
-    y1 = fma(x0, s, x1 * c)
+    fused = torch.arange(half) < rope_fused_pairs(half, features)  # (D/2,)
+    y0 = torch.where(fused, fma(x0, c, -(x1 * s)), x0 * c - x1 * s)
+    y1 = torch.where(fused, fma(x0, s, x1 * c), x0 * s + x1 * c)
     return torch.cat((y0, y1), dim=-1)  # (1, heads, T, D)
+
+
+def rope_fused_pairs(pairs: int, features: frozenset[str]) -> int:
+    """How many of a head's `pairs` rotate_pairs computes with FMAs: those in whole vectors of the
+    vectorised loop's last, narrowest part (4 pairs on a build that vectorises in 512 bits, whose
+    epilogue is 256; else 2, a 256-bit loop's 128-bit epilogue); the rest are left to a 64-bit
+    (one-pair) vaddsubps, which GCC 12 does not fuse. Measured on builds for Zen 4 (native), Sapphire
+    Rapids, Skylake-AVX512, Haswell and Zen 1-3 at head sizes 2 to 128."""
+    return pairs - pairs % (4 if vectorises_in_512_bits(features) else 2)
 
 
 def rope_exact(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -226,19 +249,48 @@ def online_softmax_factors(scores: torch.Tensor, allowed: torch.Tensor):
     return visible, new_max, ms, vs
 
 
+def native_f16_columns(columns: int, features: frozenset[str]) -> int:
+    """How many of a row's leading `columns` ggml_vec_mad_f16 and ggml_vec_scale_f16 (vec.h)
+    compute in f16 arithmetic: on a build with AVX512-FP16 (GGML_F16_VEC is `__m512h`) the whole
+    steps of 128 (GGML_F16_STEP), the scalar first rounded to f16; none elsewhere (AVX-512F, AVX2:
+    f32 arithmetic on widened values, each result rounded to f16, as the scalar leftovers)."""
+    return columns - columns % F16_NATIVE_STEP if "AVX512_FP16" in features else 0
+
+
+def vec_mad_f16(y: torch.Tensor, x: torch.Tensor, v: torch.Tensor, native: int) -> torch.Tensor:
+    """ggml_vec_mad_f16: y + x*v for f16 values y, x (..., D) held in f32 and v (...) f32: the first
+    `native` columns `_mm512_fmadd_ph(x, f16(v), y)`, the others f16(fma(x, v, y)) in f32."""
+    out = round_f16(fma(x, v[..., None], y))
+    if not native:
+        return out
+    return torch.cat((fma_f16(x[..., :native], round_f16(v)[..., None], y[..., :native]), out[..., native:]), dim=-1)
+
+
+def vec_scale_f16(y: torch.Tensor, v: torch.Tensor, native: int) -> torch.Tensor:
+    """ggml_vec_scale_f16: y * v, y (..., D) f16 values held in f32, v (...) f32: the first `native`
+    columns `_mm512_mul_ph(y, f16(v))` (two f16 values: their f32 product is exact, one rounding
+    to f16), the others f16(y * v) in f32."""
+    out = round_f16(y * v[..., None])
+    if not native:
+        return out
+    return torch.cat((round_f16(y[..., :native] * round_f16(v)[..., None]), out[..., native:]), dim=-1)
+
+
 def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=vec_dot_f16,
-                         allowed: torch.Tensor | None = None) -> torch.Tensor:
+                         allowed: torch.Tensor | None = None, features: frozenset[str] | None = None) -> torch.Tensor:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk with an f16 K/V cache (fewer than 64 query
     rows). q (H, T, D) f32 and k (H, S, D) in GGUF order, v (H, S, D); returns (H, T, D) f32.
-    `allowed` (T, S): which keys each query sees (default `causal`: the queries are the last keys).
+    `allowed` (T, S): which keys each query sees (default `causal`: the queries are the last keys);
+    `features`: the build's (default: this one's), which decide `native_f16_columns`.
 
     Q is rounded to f16 and dotted with each key by ggml_vec_dot_f16 (or `dot`); keys are visited in order,
     masked (future) ones skipped; on a new maximum the f16 accumulator is rescaled by expf(M_old - M)
-    (in f16), else the key's weight is expf(s - M); V is accumulated as f16(fma(v, weight, acc)),
+    (`vec_scale_f16`), else the key's weight is expf(s - M); V is accumulated by `vec_mad_f16`,
     S = fma(S, ms, vs); the output is f32(acc) * (1/S).
     """
     heads, tokens, _ = q.shape
     allowed = causal(tokens, k.shape[1]) if allowed is None else allowed  # (T, S)
+    native = native_f16_columns(v.shape[-1], llamacpp_cpu_features() if features is None else features)
     k16, v16 = round_f16(k), round_f16(v)
     scores = dot(round_f16(q)[:, :, None, :], k16[:, None, :, :]) * np.float32(scale)  # (H, T, S)
     acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)  # the f16 accumulator, held in f32
@@ -247,8 +299,8 @@ def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=v
     for key in range(k.shape[1]):
         visible, new_max = seen[..., key], raised[..., key]  # (H, T): masked keys skipped
         ms, vs = scales[..., key], weights[..., key]
-        acc = torch.where(new_max[..., None], round_f16(acc * ms[..., None]), acc)
-        updated = round_f16(fma(v16[:, key, None, :], vs[..., None], acc))  # (H, T, D)
+        acc = torch.where(new_max[..., None], vec_scale_f16(acc, ms, native), acc)
+        updated = vec_mad_f16(acc, v16[:, key, None, :], vs, native)  # (H, T, D)
         acc = torch.where(visible[..., None], updated, acc)
         s_next = fma(total, ms, vs) if contract_sum else total * ms + vs
         total = torch.where(visible, s_next, total)
@@ -354,34 +406,77 @@ def rotation_size(head_dim: int, keys: bool) -> int | None:
 
 
 @functools.cache
-def cpu_flags() -> set[str]:
-    """This machine's CPU feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+def _cpuinfo() -> dict[str, str]:
+    """This machine's first processor as Linux's /proc/cpuinfo describes it (empty elsewhere)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return set()
+    return fields
+
+
+def cpu_flags() -> set[str]:
+    """This machine's CPU feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    return set(_cpuinfo().get("flags", "").split())
+
+
+# Not one of llama.cpp's names: a native build made on an AMD CPU (GGML_NATIVE: `-march=native`) is
+# tuned by GCC for AMD Zen (znver1..4), and that tuning, not an instruction set, decides two things
+# the emulation follows (`contracts_fma_chains`, `vectorises_in_512_bits`).
+ZNVER = "ZNVER"
+AMD_VENDORS = ("AuthenticAMD", "HygonGenuine")  # /proc/cpuinfo vendor_id; GCC tunes Hygon's as znver1
+
+
+def report_features(report: str, cpu: Mapping[str, str]) -> frozenset[str]:
+    """The features a llama.cpp build reports as on (`llama_print_system_info`: "CPU : SSE3 = 1 |
+    AVX2 = 1 | ... | REPACK = 1 |"), plus two it does not report that a native build on `cpu` (its
+    /proc/cpuinfo fields) takes: ZNVER where the vendor is AMD's, AVX512_FP16 where the CPU has it
+    (ggml's f16 vectors are then FP16 arithmetic: `native_f16_columns`)."""
+    names = {name.rpartition(":")[2].strip() for name, _, on in (part.partition("=") for part in report.split("|"))
+             if on.strip() == "1"}
+    if cpu.get("vendor_id") in AMD_VENDORS:
+        names.add(ZNVER)
+    if "avx512_fp16" in cpu.get("flags", "").split():
+        names.add("AVX512_FP16")
+    return frozenset(names)
 
 
 @functools.cache
 def llamacpp_cpu_features() -> frozenset[str]:
     """The CPU features the llama.cpp build takes here, as it reports them (`llama_print_system_info`:
-    "AVX512_BF16 = 1 | ... | LLAMAFILE = 1 | REPACK = 1"); without llama-cpp-python, what a native
-    build would take: this CPU's /proc/cpuinfo flags under llama.cpp's names (AVX512_BF16,
-    AVX512_VNNI, AVX512, ...) and its default matmul paths (LLAMAFILE: tinyBLAS; REPACK: the
-    CPU_REPACK buffer)."""
+    "AVX512_BF16 = 1 | ... | LLAMAFILE = 1 | REPACK = 1") with ZNVER and AVX512_FP16 read off this CPU
+    (`report_features`); without llama-cpp-python, what a native build would take: this CPU's
+    /proc/cpuinfo flags under llama.cpp's names (AVX512_BF16, AVX512_VNNI, AVX512, ...) and its
+    default matmul paths (LLAMAFILE: tinyBLAS; REPACK: the CPU_REPACK buffer)."""
     try:
         import llama_cpp
 
         report = llama_cpp.llama_print_system_info().decode(errors="replace")
-        return frozenset(name.strip() for name, _, on in (part.partition("=") for part in report.split("|"))
-                         if on.strip() == "1")
     except (ImportError, OSError, AttributeError):
-        return frozenset({flag.upper() if flag.startswith("avx512_") else flag.upper().replace("AVX512F", "AVX512")
-                          for flag in cpu_flags()} | {"LLAMAFILE", "REPACK"})
+        names = {flag.upper() if flag.startswith("avx512_") else flag.upper().replace("AVX512F", "AVX512")
+                 for flag in cpu_flags()} | {"LLAMAFILE", "REPACK"}
+        report = " | ".join(f"{name} = 1" for name in sorted(names))
+    return report_features(report, _cpuinfo())
+
+
+def contracts_fma_chains(features: frozenset[str]) -> bool:
+    """Whether GCC fuses `acc += a * b` into one FMA where `acc` is a loop's f32 accumulator: not on a
+    build tuned for AMD Zen (ZNVER), whose tuning avoids FMA chains up to 256 bits (GCC 12:
+    `--param avoid-fma-max-bits=256`) and leaves a multiply and an add, each rounded."""
+    return ZNVER not in features
+
+
+def vectorises_in_512_bits(features: frozenset[str]) -> bool:
+    """Whether GCC's auto-vectorised loops take 512-bit vectors, their epilogue 256: on an AVX-512
+    build tuned for AMD Zen; GCC's tunings for Intel's AVX-512 cores prefer 256 bits (then a 128-bit
+    epilogue), as does every AVX2 build."""
+    return {"AVX512", ZNVER} <= features
 
 
 def takes_dpbf16() -> bool:

@@ -16,7 +16,9 @@ Otherwise the weight stays as stored: Q4_0 takes `ggml_vec_dot_q4_0_q8_0` or, fr
 tinyBLAS_Q0_AVX, both the 8-lane order `tracer.ggml.vecdot` emulates. IQ4_NL takes tinyBLAS_Q0_AVX
 from 2 rows (the same 8-lane order), and for one row (or without LLAMAFILE)
 `ggml_vec_dot_iq4_nl_q8_0`: two 8-lane accumulators, even blocks in the first and odd ones in the
-second, `hsum_float_8(acc1 + acc2)`, then a last odd block added as `fma(d_w * d_x, f32(sum), total)`.
+second, `hsum_float_8(acc1 + acc2)`, then a last odd block added by the scalar loop's
+`sumf += d * (sumi1 + sumi2)`: `fma(d_w * d_x, f32(sum), total)`, or on a build tuned for AMD Zen
+(`ops.contracts_fma_chains`) the product rounded before the add.
 
 Notation: T tokens, R outputs (weight rows), B blocks of 32 along the inner axis.
 """
@@ -55,11 +57,12 @@ def matmul(act: ActBlocks, weight: Blocks, features: frozenset[str] | None = Non
         return torch.from_numpy(out)
     if weight.kind == "q4_0" or (tokens >= 2 and "LLAMAFILE" in features):  # vec_dot / tinyBLAS_Q0_AVX
         return matmul_ggml(act, weight)
-    return vec_dot_iq4_nl(act, weight)
+    return vec_dot_iq4_nl(act, weight, features)
 
 
-def vec_dot_iq4_nl(act: ActBlocks, weight: Blocks) -> torch.Tensor:
-    """(T, R): `ggml_vec_dot_iq4_nl_q8_0` (AVX2) for every output, a token at a time."""
+def vec_dot_iq4_nl(act: ActBlocks, weight: Blocks, features: frozenset[str]) -> torch.Tensor:
+    """(T, R): `ggml_vec_dot_iq4_nl_q8_0` (AVX2) for every output, a token at a time, as the build
+    with `features` compiles its scalar loop (arch/x86/quants.c)."""
     rows, blocks = weight.q.shape[:2]
     pairs = blocks - blocks % 2
     w_lanes = weight.q.to(F32).unflatten(-1, (8, 4))  # (R, B, 8, 4)
@@ -72,6 +75,8 @@ def vec_dot_iq4_nl(act: ActBlocks, weight: Blocks) -> torch.Tensor:
             acc[b % 2] = fma(scale[:, b, None], lanes[:, b], acc[b % 2])
         total = hsum8(acc[0] + acc[1])  # (R,)
         if pairs < blocks:  # the last block of an odd count, in the scalar loop
-            total = fma(scale[:, -1], lanes[:, -1].sum(-1), total)
+            last = lanes[:, -1].sum(-1)  # (R,): sumi1 + sumi2, exact
+            fused = ops.contracts_fma_chains(features)
+            total = fma(scale[:, -1], last, total) if fused else total + scale[:, -1] * last
         out.append(total)
     return torch.stack(out)

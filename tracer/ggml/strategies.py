@@ -606,7 +606,8 @@ AMX_WEIGHT_TYPES = {"f16", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_
 
 
 def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[str, str] | None = None,
-                   flags: set[str] | None = None, build: frozenset[str] | None = None) -> tuple[dict, list[str]]:
+                   flags: set[str] | None = None, build: frozenset[str] | None = None,
+                   head_dim: int | None = None) -> tuple[dict, list[str]]:
     """The reimpl variant that reproduces a llama.cpp CPU run, and what of it is not bit-exact here.
 
     Args:
@@ -615,6 +616,8 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
             defaults f16 and auto, which is on for the CPU backend).
         flags: CPU feature flags (default: this machine's).
         build: the features the llama.cpp build reports (default: `ops.llamacpp_cpu_features()`).
+        head_dim: the model's head size (GGUFWeights.head_dim), where known: from 128 an
+            AVX512-FP16 build accumulates flash attention's f16 values in FP16 arithmetic.
 
     Returns:
         (variant, caveats): e.g. ({"preset": "llamacpp", "weights": "gguf"}, []). With no caveat the
@@ -652,6 +655,11 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
     if missing:
         caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
                        "(exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated")
+    fp16 = ops.native_f16_columns(head_dim or 0, build)
+    if fp16 and kv_cache == "f16" and variant.get("flash_attn") != "off":
+        caveats.append(f"this llama.cpp build accumulates flash attention's values in AVX512-FP16 arithmetic "
+                       f"({fp16} of {head_dim} columns): emulated from the instructions' definition, not yet "
+                       "measured against llama.cpp")
     amx = sorted(set(weight_types.values()) & AMX_WEIGHT_TYPES)
     if amx and "AMX_INT8" in build:
         caveats.append(f"this llama.cpp build multiplies {', '.join(t.upper() for t in amx)} weights in AMX "

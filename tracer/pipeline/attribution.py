@@ -91,7 +91,7 @@ def emulation(engine: EngineRef, variant: dict, source: ModelSource, *, role: st
     plain = {k: v for k, v in knobs.items() if KNOBS[k].kind != "regime"}  # theta, eps, ...
     if role == "reference":
         return Emulation({**plain, "weights": "gguf"}, path)
-    implied, caveats = runtime_regime(entry.regime, GGUFWeights(path).types(), variant)
+    implied, caveats = runtime_regime(entry.regime, GGUFWeights(path), variant)
     return Emulation({**implied, **plain}, path, tuple(caveats))
 
 

@@ -112,7 +112,7 @@ def implied(candidate: EngineRef, variant: dict, source: ModelSource) -> tuple[d
         from tracer.ggml.strategies import GGUFWeights
 
         path = gguf_of(source, candidate.argument)
-        regime = runtime_regime(candidate.regime, GGUFWeights(path).types(), variant)
+        regime = runtime_regime(candidate.regime, GGUFWeights(path), variant)
         knobs, caveats = file_weights(source, path, *regime)
         if "n_ubatch" in variant:  # the regime runs the prompt whole: its kernels are chosen for T rows
             caveats = [*caveats, f"llama.cpp computes the prompt in micro-batches of {variant['n_ubatch']} tokens "
@@ -129,18 +129,19 @@ def implied(candidate: EngineRef, variant: dict, source: ModelSource) -> tuple[d
                       "weights=q4_1,act_quant=q8_1")
 
 
-def runtime_regime(regime: str, types: dict[str, str], variant: dict) -> tuple[dict, list[str]]:
-    """The knobs and caveats of a runtime's regime (`EngineEntry.regime`) on a GGUF of these tensor
-    types: "ggml", llama.cpp's CPU arithmetic (`tracer.ggml.strategies.implied_regime`); "candle",
-    candle's (`preset=candle-q`, `tracer.ggml.candle.implied_regime`)."""
+def runtime_regime(regime: str, weights, variant: dict) -> tuple[dict, list[str]]:
+    """The knobs and caveats of a runtime's regime (`EngineEntry.regime`) on a GGUF's tensors
+    (`tracer.ggml.strategies.GGUFWeights`: their types, the head size): "ggml", llama.cpp's CPU
+    arithmetic (`tracer.ggml.strategies.implied_regime`); "candle", candle's (`preset=candle-q`,
+    `tracer.ggml.candle.implied_regime`)."""
     if regime == "ggml":
         from tracer.ggml.strategies import implied_regime
 
-        return implied_regime(types, variant)
+        return implied_regime(weights.types(), variant, head_dim=weights.head_dim)
     if regime == "candle":
         from tracer.ggml.candle import implied_regime
 
-        return implied_regime(types)
+        return implied_regime(weights.types())
     raise ValueError(f"no regime {regime!r} (an engine entry's regime is ggml, candle or None)")
 
 
