@@ -33,7 +33,7 @@ from typing import Callable, Protocol
 from tracer.core.errors import TracerError
 from tracer.core.lazy import torch
 from tracer.model.knobs import Knob, choice, setting, unswept
-from tracer.model.points import CACHE_K, K_ROPE, PROBS, Q_ROPE
+from tracer.model.points import CACHE_K, CACHE_POINTS, K_ROPE, PROBS, Q_ROPE, layout_of, split_point
 
 
 class Cache(Protocol):
@@ -69,13 +69,108 @@ def ring_slots(held: torch.Tensor, written: int, window: int) -> torch.Tensor:
     """A sliding layer's keys or values (KV, S, D) in position order, the last of them the `written`-th
     token its cache took (1-based count), laid out as the ring of `window` slots keeps them
     (`ring_slot`): (KV, min(written, window), D), slot order. How a cache kept in position order
-    (transformers' last W - 1 keys and the step's own) is compared with a ring."""
+    (transformers' last W - 1 keys and the step's own, mlx-lm's rotating cache in temporal order, a
+    cache that keeps every token) is compared with a ring."""
     count = min(written, window)
     slots = torch.tensor([ring_slot(n, window) for n in range(written - count, written)])  # (count,) distinct
     ring = torch.empty_like(held[:, -count:])  # (KV, count, D)
     ring[:, slots] = held[:, -count:]
     return ring
 
+
+SIDES = ("reference", "candidate")
+
+
+class SlotLayout:
+    """Two traces' cache points, and their attention over a cache, read in one layout for one comparison
+    (`tracer.comparison.diff.compare` pairs every point through `pair`), and what was done, for the
+    result's notes.
+
+    A cache point is (KV, S, D). Where one side keeps a ring of W slots (a sliding window's) and the
+    other every token its cache took, in position order (a port without the window, or one that keeps
+    the whole sequence and masks it), the whole cache is laid out as the ring (`ring_slots`): storage
+    alone is no difference. An attention point of a forward after a cache is (H, T, S) over the keys it
+    attends to, in position order on every side; the side that attends to more keys is read at the
+    other's last S, the same positions, so attending past the window shows where it does, at the
+    probabilities. Two caches that are neither (another number of slots, other heads) are not compared,
+    and a note says why.
+
+    Args:
+        written: the tokens each side's cache took up to and including the compared forward (None: the
+            traces do not say).
+        rows: the compared forward's own tokens (None: not said).
+    """
+
+    def __init__(self, written: int | None, rows: int | None):
+        self.written, self.rows = written, rows
+        self.done: dict[str, list[str]] = {}  # the note saying what was done -> its points
+        self.unpaired: dict[str, list[str]] = {}  # why a point is not compared -> its points
+
+    def pair(self, point: str, reference: torch.Tensor, candidate: torch.Tensor) -> tuple | str:
+        """Both sides' tensors of `point` in one layout (as they are where nothing applies:
+        `compare_point` then says the mismatch), or why they cannot be compared (one line)."""
+        if reference.shape == candidate.shape:
+            return reference, candidate
+        sub = split_point(point)[1]
+        if sub in CACHE_POINTS:
+            paired = self._slots(reference, candidate)
+        elif layout_of(point) == "attention" and (self.written is None or self.rows is None or
+                                                  self.rows < self.written):
+            paired = self._keys(reference, candidate)
+        else:
+            return reference, candidate
+        if isinstance(paired, str):
+            self.unpaired.setdefault(paired, []).append(point)
+            return paired
+        *tensors, done = paired
+        self.done.setdefault(done, []).append(point)
+        return tuple(tensors)
+
+    def _slots(self, reference: torch.Tensor, candidate: torch.Tensor) -> tuple | str:
+        """A cache point of both sides, (KV, S, D) each: the side that keeps every token laid out as the
+        other's ring, or why not."""
+        shapes = dict(zip(SIDES, (tuple(reference.shape), tuple(candidate.shape))))
+        if reference.ndim != 3 or candidate.ndim != 3 or reference.shape[::2] != candidate.shape[::2]:
+            return f"the caches hold other heads or head sizes: reference {shapes['reference']}, candidate " \
+                   f"{shapes['candidate']}"
+        ring, whole = sorted(SIDES, key=lambda side: shapes[side][1])
+        slots = {side: shapes[side][1] for side in SIDES}
+        if self.written is None:
+            return f"the reference's cache holds {slots['reference']} slots and the candidate's " \
+                   f"{slots['candidate']}, and the traces do not say how many tokens they took"
+        if slots[whole] != self.written:
+            return f"the reference's cache holds {slots['reference']} slots and the candidate's " \
+                   f"{slots['candidate']} after {self.written} tokens: neither keeps every token"
+        laid = {**dict(zip(SIDES, (reference, candidate))),
+                whole: ring_slots((reference, candidate)[SIDES.index(whole)], self.written, slots[ring])}
+        return laid["reference"], laid["candidate"], \
+            f"the {whole} keeps every token ({self.written}) where the {ring} keeps a ring of {slots[ring]} " \
+            "slots (a sliding window's): compared on the ring's slots"
+
+    def _keys(self, reference: torch.Tensor, candidate: torch.Tensor) -> tuple | str:
+        """An attention point of both sides, (H, T, S) each over keys in position order: the side over
+        more keys read at the other's last S, or why not."""
+        if reference.ndim != candidate.ndim or reference.shape[:-1] != candidate.shape[:-1]:
+            return f"other attention shapes: reference {tuple(reference.shape)}, candidate {tuple(candidate.shape)}"
+        keys = dict(zip(SIDES, (reference.shape[-1], candidate.shape[-1])))
+        fewer, more = sorted(SIDES, key=keys.get)
+        shared = keys[fewer]
+        return reference[..., -shared:], candidate[..., -shared:], \
+            f"the {more} attends to {keys[more]} keys where the {fewer} attends to {shared}: compared on " \
+            f"the last {shared} (the same positions)"
+
+    def notes(self) -> list[str]:
+        """One line per kind of layout done, and per reason a point was not compared."""
+        return [*(f"{_where(points)}: {done}" for done, points in self.done.items()),
+                *(f"{_where(points)} not compared: {why}" for why, points in self.unpaired.items())]
+
+
+def _where(points: list[str]) -> str:
+    """`self_attn.cache_k, self_attn.cache_v of layers 0, 2`: points named by their sub-points and layers."""
+    subs = list(dict.fromkeys(split_point(point)[1] or point for point in points))
+    layers = sorted({layer for layer in (split_point(point)[0] for point in points) if layer is not None})
+    at = f" of layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}" if layers else ""
+    return ", ".join(subs) + at
 
 
 class KVCache:
