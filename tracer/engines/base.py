@@ -156,17 +156,6 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
                      not_recorded=not_recorded, **facts)
 
 
-def refuse_windowed_decode(engine: str, window: int | None, layer: int | None, end: int) -> None:
-    """`--decode` past a sliding window (the sequence runs to position `end - 1`) on an engine whose
-    sliding-window cache is not traced is refused in one line (hf and reimpl trace theirs as a ring:
-    docs/decode.md). Within the window every cache holds every slot."""
-    if window is not None and end > window:
-        raise TracerError(f"--decode on the {engine} engine: this model's layer {layer} attends to a sliding window "
-                          f"of {window} keys and the decode runs to position {end - 1}; this engine's sliding-window "
-                          "cache (a ring buffer) is not traced past its window yet (hf and reimpl trace theirs): "
-                          "decode within the window")
-
-
 # What a decode does with each step's trace once recorded (`steps_kept_by`); None: kept in memory.
 _STEP_KEEPER: ContextVar[Callable[[Trace], Trace] | None] = ContextVar("step_keeper", default=None)
 
