@@ -297,7 +297,8 @@ def test_embed_scale_in_f32_differs_only_in_half_precision(tiny):
     ("gemma3", "norm=candle", "knob 'norm' does not apply to gemma3 models; it applies to llama, qwen2, qwen3, "
                               "mistral, phi3"),
     ("llama", "qk_norm=drop", "knob 'qk_norm' does not apply to llama models; it applies to qwen3, gemma3, olmo2"),
-    ("gemma3", "softcap=drop", "softcap=drop changes nothing here: this model's config soft-caps nothing"),
+    ("gemma3", "softcap=drop", "softcap=drop changes nothing here: attn_logit_softcapping and "
+                               "final_logit_softcapping are null"),
     ("qwen3", "window=ignore", "window=ignore changes nothing here: this model's config has no sliding window"),
     ("gemma2", "attn=sdpa", "attn=sdpa cannot soft-cap attention scores"),
 ])
