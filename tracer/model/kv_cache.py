@@ -1,6 +1,6 @@
 """The KV cache, in one room: what a cache is (`Cache`), the reimplementation's (`KVCache`), the ring
-rule of a sliding layer (`ring_slot`), the slot layout every cache point is compared in (`ring_slots`),
-and the cached decode's classic mistakes (knobs of attention) with their steps.
+rule of a sliding layer (`ring_slot`), the slot layout every cache point is compared in (`ring_slots`,
+`SlotLayout`), and the cached decode's classic mistakes (knobs of attention) with their steps.
 
 As transformers' `DynamicCache.update(k, v, layer_idx)` and mlx-lm's `KVCache.update_and_fetch(k, v)`:
 a layer hands its new keys and values, and gets back everything it is to attend to. A forward with a
@@ -13,15 +13,33 @@ A sliding layer of window W (mlx-lm's `RotatingKVCache(max_size=W)`, llama.cpp's
 of W slots: the n-th token the layer's cache takes (n counted from 0, whatever its position) goes to
 slot `n % W` (`ring_slot`), overwriting the token W before it, the one no later query sees. A step
 attends, as transformers' `DynamicSlidingWindowLayer` hands over, to the last W - 1 held keys in
-position order and its own: for one decoded token exactly the window's W keys. The points
-`cache_k`/`cache_v` of a sliding layer are the ring in slot order; a cache kept in position order
-(transformers' keeps W - 1 keys and the step's own, a port that ignores the window keeps them all) is
-laid out by the same rule (`ring_slots`), so every engine's cache is compared slot for slot.
+position order and its own: for one decoded token exactly the window's W keys.
 
-The mistakes change nothing in one forward without a cache (a sweep, a prefill): they show at the
-decode steps of `--decode N` (docs/decode.md), where the reference and the candidate each decode with
-their own cache. Hence no sweep runs them by default (`representative` gives no variant on a model)
-unless it decodes (`sweep --decode N`: `tracer.pipeline.catalogue.default_variants(..., decode=True)`).
+The layout every cache point is compared in: a sliding layer's cache is the ring in slot order, any other
+cache every token in position order. Each engine reads its runtime's cache into it:
+
+- reimpl: `KVCache`, as it is (a ring on a sliding layer);
+- hf: transformers' `DynamicCache`, which keeps W - 1 keys and the step's own on a sliding layer, in
+  position order: laid out by `ring_slots`;
+- mlx: mlx-lm's `KVCache`, its filled slots; a `RotatingKVCache` on a sliding layer in temporal order,
+  then `ring_slots` (its own slots are not the rule's after a prompt longer than W);
+- candle: llama.rs' keys and values concatenated step by step, every token (Llama only: no window);
+- llamacpp: the first S cells of llama.cpp's unified cache, filled in order from a cleared cache (Llama
+  GGUFs only: no window). Its SWA cache is not read: which cell holds which position is its cell table,
+  not the tensor.
+
+A ring and a cache that keeps every token (a port without the window, or one that keeps the whole
+sequence and masks it) are two layouts of the same keys: where one comparison meets both, the whole one
+is laid out as the ring (`SlotLayout`, which every comparison pairs its points through), and the
+attention over more keys is read at the other side's last keys, so storage alone is no difference and
+attending past the window is one, at the probabilities. Caches that are neither are not compared, and
+the result's notes say why.
+
+The cached decode's mistakes (the knobs below) change nothing in one forward without a cache (a sweep, a
+prefill): they show at the decode steps of `--decode N` (docs/decode.md), where the reference and the
+candidate each decode with their own cache. Hence no sweep runs them by default (`representative`
+gives no variant on a model) unless it decodes (`sweep --decode N`:
+`tracer.pipeline.catalogue.default_variants(..., decode=True)`).
 
 Notation: KV kv heads, S cached positions, T new ones, D head dim, W a sliding layer's window.
 """
