@@ -138,30 +138,28 @@ class SlotLayout:
         else:
             return reference, candidate
         if isinstance(paired, str):
-            self.unpaired.setdefault(paired, []).append(point)
+            _said(self.unpaired, paired, point)
             return paired
         *tensors, done = paired
-        self.done.setdefault(done, []).append(point)
+        _said(self.done, done, point)
         return tuple(tensors)
 
     def _slots(self, reference: torch.Tensor, candidate: torch.Tensor) -> tuple | str:
         """A cache point of both sides, (KV, S, D) each: the side that keeps every token laid out as the
         other's ring, or why not."""
-        shapes = dict(zip(SIDES, (tuple(reference.shape), tuple(candidate.shape))))
         if reference.ndim != 3 or candidate.ndim != 3 or reference.shape[::2] != candidate.shape[::2]:
-            return f"the caches hold other heads or head sizes: reference {shapes['reference']}, candidate " \
-                   f"{shapes['candidate']}"
-        ring, whole = sorted(SIDES, key=lambda side: shapes[side][1])
-        slots = {side: shapes[side][1] for side in SIDES}
+            return f"the caches hold other heads or head sizes: reference {tuple(reference.shape)}, candidate " \
+                   f"{tuple(candidate.shape)}"
+        tensors = dict(zip(SIDES, (reference, candidate)))
+        slots = {side: tensor.shape[1] for side, tensor in tensors.items()}
+        held = f"the reference's cache holds {slots['reference']} slots and the candidate's {slots['candidate']}"
         if self.written is None:
-            return f"the reference's cache holds {slots['reference']} slots and the candidate's " \
-                   f"{slots['candidate']}, and the traces do not say how many tokens they took"
+            return f"{held}, and the traces do not say how many tokens they took"
+        ring, whole = sorted(SIDES, key=slots.get)
         if slots[whole] != self.written:
-            return f"the reference's cache holds {slots['reference']} slots and the candidate's " \
-                   f"{slots['candidate']} after {self.written} tokens: neither keeps every token"
-        laid = {**dict(zip(SIDES, (reference, candidate))),
-                whole: ring_slots((reference, candidate)[SIDES.index(whole)], self.written, slots[ring])}
-        return laid["reference"], laid["candidate"], \
+            return f"{held} after {self.written} tokens: neither keeps every token"
+        tensors[whole] = ring_slots(tensors[whole], self.written, slots[ring])  # (KV, W, D) in the ring's slots
+        return tensors["reference"], tensors["candidate"], \
             f"the {whole} keeps every token ({self.written}) where the {ring} keeps a ring of {slots[ring]} " \
             "slots (a sliding window's): compared on the ring's slots"
 
@@ -173,14 +171,21 @@ class SlotLayout:
         keys = dict(zip(SIDES, (reference.shape[-1], candidate.shape[-1])))
         fewer, more = sorted(SIDES, key=keys.get)
         shared = keys[fewer]
-        return reference[..., -shared:], candidate[..., -shared:], \
-            f"the {more} attends to {keys[more]} keys where the {fewer} attends to {shared}: compared on " \
-            f"the last {shared} (the same positions)"
+        said = f"the {more} attends to {keys[more]} keys where the {fewer} attends to {shared}: compared on the " \
+               f"last {shared} (the same positions)"
+        return reference[..., -shared:], candidate[..., -shared:], said  # (H, T, shared) each
 
     def notes(self) -> list[str]:
         """One line per kind of layout done, and per reason a point was not compared."""
         return [*(f"{_where(points)}: {done}" for done, points in self.done.items()),
                 *(f"{_where(points)} not compared: {why}" for why, points in self.unpaired.items())]
+
+
+def _said(table: dict[str, list[str]], note: str, point: str) -> None:
+    """`point` under `note`, once (the first divergence is paired again to explain it)."""
+    points = table.setdefault(note, [])
+    if point not in points:
+        points.append(point)
 
 
 def _where(points: list[str]) -> str:
