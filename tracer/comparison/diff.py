@@ -25,7 +25,17 @@ import torch
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
 from tracer.core.errors import TracerError
 from tracer.model.kv_cache import SlotLayout
-from tracer.model.points import FINAL_LOGITS, LOGITS, Q_ROPE, causal_allowed, is_causal, layer_of, layer_point
+from tracer.model.points import (
+    CACHE_POINTS,
+    FINAL_LOGITS,
+    LOGITS,
+    Q_ROPE,
+    causal_allowed,
+    is_causal,
+    layer_of,
+    layer_point,
+    split_point,
+)
 from tracer.traces.trace import Trace, kept
 
 CHUNK = 1 << 14  # values per chunk: 64 kB of f32, in cache, and below torch's parallel grain (32768)
@@ -187,9 +197,13 @@ def tokens_cached(trace: Trace) -> int | None:
 
 def slot_layout(reference: Trace, candidate: Trace) -> SlotLayout:
     """How the two traces' caches and attention over them are read in one layout
-    (`tracer.model.kv_cache.SlotLayout`), from what the traces say of their cache."""
+    (`tracer.model.kv_cache.SlotLayout`), from what the traces say of their cache; traces without a cache
+    point are a forward from an empty cache (it took their tokens only: each side attends to its own)."""
     said = reference if reference.tokens is not None else candidate
-    return SlotLayout(tokens_cached(said), None if said.tokens is None else len(said.tokens))
+    rows = None if said.tokens is None else len(said.tokens)
+    if not any(split_point(point)[1] in CACHE_POINTS for trace in (reference, candidate) for point in trace.points):
+        return SlotLayout(rows or 0, rows or 0)
+    return SlotLayout(tokens_cached(said), rows)
 
 
 def paired(point: str, reference: Trace, candidate: Trace, layout: SlotLayout) -> tuple | str:

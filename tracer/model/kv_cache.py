@@ -115,7 +115,7 @@ class SlotLayout:
 
     Args:
         written: the tokens each side's cache took up to and including the compared forward (None: the
-            traces do not say).
+            traces do not say; a forward without a cache took its own tokens only).
         rows: the compared forward's own tokens (None: not said).
     """
 
