@@ -154,7 +154,8 @@ def rel_l2_threshold(summary: Summary) -> float | None:
 
 def missing_text(point: Mapping) -> str:
     side = point.get("missing_on")
-    text = "not recorded on both sides" if side == "both" else f"not recorded on {side}" if side else "not recorded"
+    text = {"both": "not recorded on both sides", "neither": "not compared", None: "not recorded"}.get(
+        side, f"not recorded on {side}")
     return f"{text} ({point['reason']})" if point.get("reason") else text
 
 

@@ -297,9 +297,14 @@ def test_embed_scale_in_f32_differs_only_in_half_precision(tiny):
     ("gemma3", "norm=candle", "knob 'norm' does not apply to gemma3 models; it applies to llama, qwen2, qwen3, "
                               "mistral, phi3"),
     ("llama", "qk_norm=drop", "knob 'qk_norm' does not apply to llama models; it applies to qwen3, gemma3, olmo2"),
-    ("gemma3", "softcap=drop", "softcap=drop changes nothing here: this model's config soft-caps nothing"),
+    ("gemma3", "softcap=drop", "softcap=drop changes nothing here: attn_logit_softcapping and "
+                               "final_logit_softcapping are null"),
     ("qwen3", "window=ignore", "window=ignore changes nothing here: this model's config has no sliding window"),
     ("gemma2", "attn=sdpa", "attn=sdpa cannot soft-cap attention scores"),
+    ("qwen2", "weights=gguf", "weights=gguf reads a Llama GGUF (llama.cpp's names, q/k rows permuted); this model "
+                              "is a qwen2"),
+    ("qwen3", "gguf_file=model.gguf,weights=gguf", "knob 'gguf_file' does not apply to qwen3 models; it applies to "
+                                                   "llama, mistral"),
 ])
 def test_a_knob_that_does_not_apply_is_an_error_saying_why(tiny, family, variant, message):
     with pytest.raises(TracerError, match=message.replace("(", r"\(").replace(")", r"\)")):

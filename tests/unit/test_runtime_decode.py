@@ -7,6 +7,7 @@ step 1, layer 0's `q_rope`."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
@@ -18,7 +19,7 @@ from tracer.engines.isolated import IsolatedEngine
 from tracer.engines.load import load_engine
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import resolve_source
-from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, LOGITS, Q_ROPE, layer_point
+from tracer.model.points import CACHE_K, CACHE_V, CONTEXT, K_ROPE, LOGITS, Q_ROPE, layer_point
 from tracer.pipeline.decode import decoded_tokens
 from tracer.traces.trace import Trace
 
@@ -139,7 +140,7 @@ def test_each_step_is_floored_by_the_f64_rounding_of_its_own_rows(llama_dir, ref
 
 def test_mlx_decodes_a_sliding_layer_with_its_rotating_cache_within_the_window(tmp_path):
     """mlx-lm's Llama makes a RotatingKVCache for a layer its config marks sliding: within the window it
-    holds every slot in order and matches; a decode past it is refused in one line (the ring is not traced)."""
+    holds every slot in order and matches transformers' cached decode."""
     runtime("mlx")
     model = write_tiny_llama(tmp_path / "m", rope_theta=500.0, layer_types=["sliding_attention", "full_attention"],
                              sliding_window=16)
@@ -150,6 +151,31 @@ def test_mlx_decodes_a_sliding_layer_with_its_rotating_cache_within_the_window(t
     candidate = engine.decode(TOKENS, STEPS, forced=decoded_tokens(truth))
     assert [summary.verdict for summary, _ in compare_steps(truth, candidate)] == ["match"] * (STEPS + 1)
     assert candidate.steps[-1][layer_point(0, CACHE_K)].shape == (KV_HEADS, len(TOKENS) + STEPS, HEAD_DIM)
-    with pytest.raises(TracerError, match="^--decode on the mlx engine: this model's layer 0 attends to a sliding "
-                                          "window of 16 keys and the decode runs to position 18;"):
-        engine.decode(TOKENS, 12)
+
+
+def test_mlx_reads_its_rotating_cache_past_the_window_as_the_ring(tmp_path):
+    """Past a window of 4 keys (a 7-token prompt), mlx-lm keeps the prompt whole, then trims it to its last 4
+    and writes the next token at its own slot 0; read in temporal order and laid out by the ring rule, its
+    cache is the reimplementation's whole cache laid out as the same ring (f32 rounding apart) at every
+    step. transformers' Llama and the reimplementation read no window, so the layer's attention parts from
+    mlx-lm's at layer 0 (its context: mlx fuses scores and probabilities)."""
+    runtime("mlx")
+    window = 4
+    model = write_tiny_llama(tmp_path / "m", rope_theta=500.0, layer_types=["sliding_attention", "full_attention"],
+                             sliding_window=window)
+    source = resolve_source(str(model), False)
+    whole = load_engine("reimpl", source, {}).decode(TOKENS, STEPS)
+    ring = load_engine("mlx", source, {}).decode(TOKENS, STEPS, forced=decoded_tokens(whole))
+    cache_k, cache_v = layer_point(0, CACHE_K), layer_point(0, CACHE_V)
+    for number, step in enumerate(decoded_steps(ring)):
+        written = len(TOKENS) + number  # tokens the cache took
+        assert step[cache_k].shape == (KV_HEADS, window, HEAD_DIM)
+        own = (written - 1) % window  # the ring's slot of the step's last token
+        assert torch.equal(step[cache_k][:, own], step[layer_point(0, K_ROPE)][:, -1])
+    compared = compare_steps(whole, ring)
+    for summary, result in compared:
+        by_point = {p.point: p for p in result.points}
+        assert by_point[cache_k].recorded and by_point[cache_k].rel_l2 < 1e-6, summary.step
+        assert by_point[cache_v].recorded and by_point[cache_v].rel_l2 < 1e-6, summary.step
+        assert result.first_divergence.point == layer_point(0, CONTEXT), summary.step
+        assert any("where the candidate keeps a ring of 4 slots" in note for note in result.notes)

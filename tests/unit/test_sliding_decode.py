@@ -104,7 +104,7 @@ def test_a_ring_keeps_a_long_prefill_s_last_window_and_the_fill_rule_never_wraps
     # the ring's 8 keys and its own: position 0 is a window back from position 8
     ("window_mask=wide", PROMPT, WRAP, layer_point(0, PROBS), "one key too wide"),
     # a port without the window keeps and attends to every key: compared on the window's slots and keys
-    # (`on_the_references_slots`), it parts where it attends past the window
+    # (`tracer.model.kv_cache.SlotLayout`), it parts where it attends past the window
     ("window=ignore", PROMPT, WRAP, layer_point(0, PROBS), "the mask over the cached keys differs"),
 ])
 def test_each_ring_knob_is_found_at_its_step_and_point(gemma2, variant, prompt, step, point, hint):
@@ -134,3 +134,19 @@ def test_every_sliding_family_decodes_past_its_window(family, tmp_path):
     model = write_tiny_family(tmp_path / family, family)
     result = tracer.run(model, tokens=[1, 17], decode=4, greedy=0, noise_floor=False, progress=False)
     assert result.verdict == "match" and len(result.steps) == 5
+
+
+def test_hf_refuses_in_one_line_a_cache_window_its_attention_does_not_mask(tmp_path):
+    """A Llama config whose layer_types mark a sliding layer (read by mlx-lm's Llama) makes transformers'
+    cache slide there while its Llama attention masks every key: past the window its eager attention
+    fails on the mask's width, so hf's decode says so in one line; within the window it decodes."""
+    from tests.conftest import TOKENS, write_tiny_llama
+    from tracer.core.errors import TracerError
+
+    model = write_tiny_llama(tmp_path / "m", layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    engine = load_engine("hf", resolve_source(str(model), False), {})
+    with pytest.raises(TracerError) as refused:
+        engine.decode(TOKENS, 2)
+    assert str(refused.value) == "--decode: transformers' llama caches layer 0 as a 4-key window but masks none: " \
+                                 "decode within it"
+    assert len(engine.decode(TOKENS[:2], 2).steps) == 2

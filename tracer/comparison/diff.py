@@ -24,7 +24,18 @@ import torch
 
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
 from tracer.core.errors import TracerError
-from tracer.model.points import FINAL_LOGITS, LOGITS, Q_ROPE, causal_allowed, is_causal, layer_of, layer_point
+from tracer.model.kv_cache import SlotLayout
+from tracer.model.points import (
+    CACHE_POINTS,
+    FINAL_LOGITS,
+    LOGITS,
+    Q_ROPE,
+    causal_allowed,
+    is_causal,
+    layer_of,
+    layer_point,
+    split_point,
+)
 from tracer.traces.trace import Trace, kept
 
 CHUNK = 1 << 14  # values per chunk: 64 kB of f32, in cache, and below torch's parallel grain (32768)
@@ -145,10 +156,12 @@ def _rel_l2(sq_ref: float, sq_diff: float) -> float:
 
 
 def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
-                   noise: dict[str, float] | None = None, compared: dict[str, PointDiff] | None = None
-                   ) -> list[PointDiff]:
-    """Every point either side recorded or declared unobservable, in execution order; `compared`:
-    points already judged as they were recorded (`ErrorRecorder` with a store)."""
+                   noise: dict[str, float] | None = None, compared: dict[str, PointDiff] | None = None,
+                   layout: SlotLayout | None = None) -> list[PointDiff]:
+    """Every point either side recorded or declared unobservable, in execution order, each pair read in
+    one layout (`paired`; `layout`: the one to use, default `slot_layout`'s); `compared`: points already
+    judged as they were recorded (`ErrorRecorder` with a store)."""
+    layout = layout if layout is not None else slot_layout(reference, candidate)
     order = list(reference.points)
     for extra in [*candidate.points, *reference.not_recorded, *candidate.not_recorded]:
         if extra not in order:
@@ -161,14 +174,44 @@ def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
             results.append(compared[point])
             continue
         if in_ref and in_cand:
-            pair = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
-            results.append(compare_point(point, *pair, tolerance, (noise or {}).get(point)))
+            pair = paired(point, reference, candidate, layout)
+            if isinstance(pair, str):  # two cache layouts that cannot be reconciled: said, not compared
+                results.append(PointDiff(point, layer_of(point), None, missing_on="neither", reason=pair))
+            else:
+                results.append(compare_point(point, *pair, tolerance, (noise or {}).get(point)))
             continue
         missing_on = "both" if not (in_ref or in_cand) else ("candidate" if in_ref else "reference")
         reason = candidate.not_recorded.get(point) or reference.not_recorded.get(point)
         shape = tuple(reference[point].shape) if in_ref else tuple(candidate[point].shape) if in_cand else None
         results.append(PointDiff(point, layer_of(point), shape, missing_on=missing_on, reason=reason))
     return results
+
+
+def tokens_cached(trace: Trace) -> int | None:
+    """The tokens a decoded trace's KV cache took up to and including its own (from `cache_start`, the
+    decode's first position, to its last token); None for a trace without token ids."""
+    if trace.tokens is None:
+        return None
+    return (trace.meta.position_offset or 0) + len(trace.tokens) - (trace.meta.cache_start or 0)
+
+
+def slot_layout(reference: Trace, candidate: Trace) -> SlotLayout:
+    """How the two traces' caches and attention over them are read in one layout
+    (`tracer.model.kv_cache.SlotLayout`), from what the traces say of their cache; traces without a cache
+    point are a forward from an empty cache (it took their tokens only: each side attends to its own)."""
+    said = reference if reference.tokens is not None else candidate
+    rows = None if said.tokens is None else len(said.tokens)
+    if not any(split_point(point)[1] in CACHE_POINTS for trace in (reference, candidate) for point in trace.points):
+        return SlotLayout(rows or 0, rows or 0)
+    return SlotLayout(tokens_cached(said), rows)
+
+
+def paired(point: str, reference: Trace, candidate: Trace, layout: SlotLayout) -> tuple | str:
+    """Both sides' tensors of `point` as they are compared: the last rows where one side kept only the
+    last (candle's logits), a cache and the attention over it in one slot layout (`layout`); or why two
+    cache layouts cannot be compared (one line)."""
+    ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
+    return layout.pair(point, ref, cand)
 
 
 def rel_l2_by_point(reference: Trace, other: Trace) -> dict[str, float]:
@@ -356,12 +399,13 @@ def num_heads(trace: Trace, layer: int | None) -> int | None:
     return int(trace[q_rope].shape[0]) if layer is not None and q_rope in trace else None
 
 
-def explain_divergence(first: Divergence, reference: Trace, candidate: Trace) -> Divergence:
-    """The first divergence with its breakdowns (per position, head, channel) and the hints they suggest."""
+def explain_divergence(first: Divergence, reference: Trace, candidate: Trace, layout: SlotLayout) -> Divergence:
+    """The first divergence with its breakdowns (per position, head, channel) and the hints they suggest;
+    both sides read in the layout they were compared in."""
     from tracer.comparison.explain import breakdown, hints
 
     point = first.point
-    ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
+    ref, cand = paired(point, reference, candidate, layout)
     details = breakdown(point, ref, cand, num_heads(reference, first.layer))
     return dataclasses.replace(
         first, by_position=tuple(details["by_position"]), by_head=_tuple_or_none(details["by_head"]),
@@ -406,7 +450,8 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     from tracer.traces.layouts import align  # another runtime's names and layouts, brought to ours
 
     reference, candidate, layout_notes = align(reference, candidate)
-    points = compare_points(reference, candidate, tolerance, noise, compared)
+    layout = slot_layout(reference, candidate)  # the caches' layouts, reconciled point by point
+    points = compare_points(reference, candidate, tolerance, noise, compared, layout)
     if not any(p.recorded for p in points):
         unknown = [*(reference.meta.unknown_names or []), *(candidate.meta.unknown_names or [])]
         said = f"; names that match no alias: {', '.join(unknown[:3])}" if unknown else ""
@@ -416,7 +461,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         points = [dataclasses.replace(p, local_rel_l2=local.get(p.point)) if p.recorded else p for p in points]
     first = first_divergence(points)
     if first:
-        first = explain_divergence(first, reference, candidate)
+        first = explain_divergence(first, reference, candidate, layout)
     return Result(
         verdict="diverged" if first else "match",
         points=tuple(points),
@@ -427,7 +472,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         candidate=side(candidate),
         model=reference.meta.model,
         tokens=ref_tokens or cand_tokens,
-        notes=(*layout_notes, *logits_note(reference, candidate)),
+        notes=(*layout_notes, *layout.notes(), *logits_note(reference, candidate)),
         # A point whose metrics are all finite holds no NaN or Inf on either side: only the rest is scanned.
         first_nonfinite=first_nonfinite([p.point for p in points if not _finite_metrics(p)], reference, candidate),
         amplification=tuple(_amplification(points, trace_family(reference, candidate))),

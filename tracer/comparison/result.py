@@ -80,7 +80,9 @@ class PointDiff:
     point: str
     layer: int | None
     shape: tuple[int, ...] | None
-    missing_on: str | None = None  # "reference", "candidate" or "both" when not recorded
+    # "reference", "candidate" or "both" when not recorded; "neither" when both recorded it in cache layouts
+    # that cannot be reconciled (`tracer.model.kv_cache.SlotLayout`): not compared, `reason` says why
+    missing_on: str | None = None
     max_abs: float | None = None
     max_ref: float | None = None
     rel_l2: float | None = None

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from tracer.comparison.diff import compare, introduces_error, rel_l2_by_point
+from tracer.comparison.diff import compare, introduces_error, paired, rel_l2_by_point, slot_layout, tokens_cached
 from tracer.comparison.explain import cache_hints
 from tracer.comparison.result import DEFAULT_REL_L2, Divergence, Result, StepResult, Tolerance
 from tracer.core.errors import TracerError
@@ -79,16 +79,15 @@ def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | Non
             raise TracerError(f"decode step {number} was fed different tokens: {ref.tokens} vs {cand.tokens} (each "
                               "side decoded its own greedy tokens; `tracer run --decode N` feeds the candidate the "
                               "reference's)")
-        written = step_position(ref) - step_position(reference) + len(ref.tokens or ())  # tokens cached so far
-        aligned = on_the_references_slots(ref, cand, written)
-        result = compare(ref, aligned, tolerance, noise=floors[number] if floors else None,
+        result = compare(ref, cand, tolerance, noise=floors[number] if floors else None,
                          local=local[number] if local else None)
         first = result.first_divergence
         if first is not None:
+            written = tokens_cached(ref)
             # hints that need a run of their own: at the first step that diverges (the one a result shows)
-            ran = measured_hints(number, ref, aligned, first) if measured_hints and not any(
+            ran = measured_hints(number, ref, cand, first) if measured_hints and not any(
                 summary.verdict != "match" for summary, _ in compared) else []
-            measured = [*measured_cache_hints(reference, ref, aligned, first), *ran]
+            measured = [*measured_cache_hints(reference, ref, cand, first), *ran]
             # the ring's own hint first (a measured slot hint alone does not say that the ring wrapped), then
             # what the numbers say, then what the point suggests where they name no cause
             ring = ring_hints(number, first, written)
@@ -101,28 +100,6 @@ def compare_steps(reference: Trace, candidate: Trace, tolerance: Tolerance | Non
         if cache_wrong is None and any(p.diverged for p in result.points if split_point(p.point)[1] in CACHE_POINTS):
             cache_wrong = number
     return compared
-
-
-def on_the_references_slots(reference: Trace, candidate: Trace, written: int) -> Trace:
-    """`candidate` with each cache point that keeps every token in position order, where the reference's
-    keeps a sliding layer's ring, laid out as that ring (`ring_slots`), and each attention point over more
-    keys than the reference's read at the reference's keys (the last ones, in position order). So a cache
-    that keeps more than the window is compared on what the window holds, and a candidate that attends
-    past the window (the window ignored) diverges where it does: at the probabilities."""
-    aligned = {}
-    for point in candidate.points:
-        if point not in reference.points or reference[point].shape == candidate[point].shape:
-            continue
-        ours, theirs = candidate[point], reference[point]
-        if split_point(point)[1] in CACHE_POINTS and ours.shape[1] == written > theirs.shape[1] and \
-                ours.shape[::2] == theirs.shape[::2]:
-            aligned[point] = ring_slots(ours, written, theirs.shape[1])  # (KV, W, D)
-        elif layout_of(point) == "attention" and ours.shape[:-1] == theirs.shape[:-1] and \
-                ours.shape[-1] > theirs.shape[-1]:
-            aligned[point] = ours[..., -theirs.shape[-1]:]  # (H, T, W)
-    if not aligned:
-        return candidate
-    return Trace({**candidate.tensors, **aligned}, candidate.meta)
 
 
 def greedy_pick(trace: Trace) -> int | None:
@@ -173,14 +150,12 @@ def step_summary(number: int, reference: Trace, result: Result, candidate: Trace
 
 def measured_cache_hints(decoded: Trace, reference: Trace, candidate: Trace, first: Divergence) -> list[str]:
     """Where a step first diverges at a cache point: what the candidate's cache holds, read slot by
-    slot against the reference's (`tracer.comparison.explain.cache_hints`): the keys before RoPE, or
-    another slot's keys or values."""
+    slot against the reference's in the layout they were compared in (`tracer.comparison.explain.cache_hints`):
+    the keys before RoPE, or another slot's keys or values."""
     layer, sub = split_point(first.point)
     if sub not in CACHE_POINTS or first.point not in reference or first.point not in candidate:
         return []
-    ref, cand = reference[first.point], candidate[first.point]  # (KV, S, D)
-    if ref.shape != cand.shape:
-        return []
+    ref, cand = paired(first.point, reference, candidate, slot_layout(reference, candidate))  # (KV, S, D) each
     end = step_position(reference) + len(reference.tokens or ())  # one past the step's last position
     start = step_position(decoded)
     linear = ref.shape[1] == end - start  # every position since the prompt's first, in order (not a ring)

@@ -9,6 +9,7 @@ which it carries as `entry`; the pipeline reads capabilities there, never by pro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import platform
 from contextlib import contextmanager
@@ -155,17 +156,6 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
                      not_recorded=not_recorded, **facts)
 
 
-def refuse_windowed_decode(engine: str, window: int | None, layer: int | None, end: int) -> None:
-    """`--decode` past a sliding window (the sequence runs to position `end - 1`) on an engine whose
-    sliding-window cache is not traced is refused in one line (hf and reimpl trace theirs as a ring:
-    docs/decode.md). Within the window every cache holds every slot."""
-    if window is not None and end > window:
-        raise TracerError(f"--decode on the {engine} engine: this model's layer {layer} attends to a sliding window "
-                          f"of {window} keys and the decode runs to position {end - 1}; this engine's sliding-window "
-                          "cache (a ring buffer) is not traced past its window yet (hf and reimpl trace theirs): "
-                          "decode within the window")
-
-
 # What a decode does with each step's trace once recorded (`steps_kept_by`); None: kept in memory.
 _STEP_KEEPER: ContextVar[Callable[[Trace], Trace] | None] = ContextVar("step_keeper", default=None)
 
@@ -189,7 +179,8 @@ def decode_steps(forward: Callable[..., tuple[Trace, torch.Tensor]], tokens: lis
     logits (T, V); the cache lives in `forward`. Each step's token is `forced` (teacher-forced on the
     reference's tokens, so both sides see the same inputs) or, without it, the previous step's greedy
     pick. Each step's trace says its token and its position in the sequence (`position_offset`), which
-    is what the step is compared at whatever position the engine gave it.
+    is what the step is compared at whatever position the engine gave it, and where its cache started
+    (`cache_start`: `offset`).
 
     `recorded`: the steps to record (0: the prefill; None: every one). The others run through the cache
     unrecorded, `forward(ids, start, record=False)`, as fast as generating: their traces hold only their
@@ -200,9 +191,12 @@ def decode_steps(forward: Callable[..., tuple[Trace, torch.Tensor]], tokens: lis
 
     def step(number: int, ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
         if recorded is None or number in recorded:
-            return forward(ids, start)
-        trace, logits = forward(ids, start, record=False)
-        trace.tensors = {LOGITS: logits[-1:]}  # (1, V)
+            trace, logits = forward(ids, start)
+        else:
+            trace, logits = forward(ids, start, record=False)
+            trace.tensors = {LOGITS: logits[-1:]}  # (1, V)
+        # where its cache starts: how many tokens it holds, which a ring's slots depend on (`SlotLayout`)
+        trace.meta = dataclasses.replace(trace.meta, cache_start=offset or None)
         return trace, logits
 
     keep = _STEP_KEEPER.get() or (lambda kept: kept)

@@ -155,8 +155,9 @@ class Shape:
 class Cache:
     """candle-transformers' KV cache, as both forwards keep it (llama.rs' `Cache.kvs`, quantized_llama.rs'
     `LayerWeights.kv_cache`): per layer the keys after RoPE and the values, (1, KV, S, D), each step's
-    own concatenated after them along S (`Tensor::cat(&[cache_k, &k], 2)`); `position` is the
-    `index_pos` the next forward is called with (the length of what the cache holds)."""
+    own concatenated after them along S (`Tensor::cat(&[cache_k, &k], 2)`): every token in position order
+    (llama.rs has no window), the layout such a cache is compared in (`tracer.model.kv_cache`); `position`
+    is the `index_pos` the next forward is called with (the length of what the cache holds)."""
 
     def __init__(self, num_layers: int):
         self.kvs: list[tuple[object, object] | None] = [None] * num_layers

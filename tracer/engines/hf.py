@@ -85,6 +85,13 @@ class HFEngine(EngineBase):
         # its points are laid out as the ring of W slots every cache is compared as (`ring_slots`)
         windows = {i: layer.sliding_window for i, layer in enumerate(cache.layers)
                    if getattr(layer, "is_sliding", False)}
+        if windows and count and not family_named(self.family).attention.window:
+            # a config's layer_types slide the cache of a family whose attention masks no window (a Llama
+            # config written for mlx-lm): past it, the eager mask over every key meets the window's scores
+            layer, window = next(iter(windows.items()))
+            if len(tokens) + count > window:
+                raise TracerError(f"--decode: transformers' {self.family} caches layer {layer} as a {window}-key "
+                                  "window but masks none: decode within it")
         written = 0
 
         def forward(ids: list[int], start: int, record: bool = True) -> tuple[Trace, torch.Tensor]:

@@ -252,7 +252,9 @@ def _leading_ones(array: np.ndarray, count: int) -> None:
 def cache_heads(cache: np.ndarray, shape: Shape, transposed: bool) -> torch.Tensor:
     """A layer's K or V cache (cells, KV·D) as it lies in memory (a transposed V cache: (KV·D,
     cells)) -> (KV, S, D) of its first S cells, keys in HF's half-split order, copied once in the
-    cache's own type."""
+    cache's own type. A cleared unified cache fills its cells in order (one sequence): every token in
+    position order, the layout a cache without a window is compared in (`tracer.model.kv_cache`). A
+    SWA cache, whose cells only its cell table maps to positions, is never met: Llama GGUFs have none."""
     held = cache[:, :shape.keys].T if transposed else cache[:shape.keys]  # (S, KV·D)
     rows_ = _unpermuted(held, shape)  # (S, KV·D), one copy
     return rows_.unflatten(1, (-1, shape.head_dim)).transpose(0, 1)  # (KV, S, D)

@@ -32,11 +32,12 @@ import torch
 
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
-from tracer.engines.base import EngineBase, at_positions, decode_steps, per_layer, refuse_windowed_decode
+from tracer.engines.base import EngineBase, at_positions, decode_steps, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.config import NON_FORWARD_KEYS, read_hf
 from tracer.model.knobs import setting
+from tracer.model.kv_cache import ring_slots
 from tracer.model.points import CACHE_K, CACHE_V, LOGITS, fused_away, layer_point, model_point_records, sub_points
 from tracer.traces.trace import Trace, TraceRecorder
 
@@ -89,10 +90,6 @@ class MLXEngine(EngineBase):
 
         self.first_position(tokens, at_positions(offset, len(tokens)).get("positions"))  # from 0 only
         cache = make_prompt_cache(self.model)
-        # mlx-lm's own window (a RotatingKVCache's max_size), which it may read where transformers does not
-        windowed = next((i for i, layer in enumerate(cache) if getattr(layer, "max_size", None)), None)
-        refuse_windowed_decode(self.name, None if windowed is None else cache[windowed].max_size, windowed,
-                               len(tokens) + count)
 
         def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:
             recorder = TraceRecorder()
@@ -112,14 +109,21 @@ class MLXEngine(EngineBase):
                              lambda name, array: recorded.append((name, flat_heads(name, array, per_head)))):
             logits = self._forward(tokens, cache)
         recorded.append((LOGITS, logits))
+        rings = {}  # a rotating cache's points -> (tokens it took, its slots): laid out as the ring
         for i, layer in enumerate(cache or ()):
             keys, values = cache_contents(layer)  # (1, KV, S, D) each: slices taken now, this step's contents
-            recorded.extend(((layer_point(i, CACHE_K), keys), (layer_point(i, CACHE_V), values)))
+            points = layer_point(i, CACHE_K), layer_point(i, CACHE_V)
+            recorded.extend(zip(points, (keys, values)))
+            if getattr(layer, "max_size", None):
+                rings |= dict.fromkeys(points, (layer.offset, layer.max_size))
         mx.eval([array for _, array in recorded])  # one evaluation of the whole lazy graph
         out = to_torch(logits)
         while recorded:  # each MLX array let go once the recorder holds its copy
             name, array = recorded.popleft()
-            recorder(name, out if name == LOGITS else to_torch(array))
+            tensor = out if name == LOGITS else to_torch(array)
+            if name in rings:
+                tensor = ring_slots(tensor[0], *rings[name])[None]  # (1, KV, min(S, W), D) in the ring's slots
+            recorder(name, tensor)
         return out
 
     def _meta(self, tokens: list[int], offset: int | None = None):
@@ -139,10 +143,17 @@ class MLXEngine(EngineBase):
 
 
 def cache_contents(cache) -> tuple:
-    """What one layer's mlx-lm cache holds, (1, KV, S, D) keys (after RoPE) and values in slot order
-    (`keys_and_values`: the filled slots). A `RotatingKVCache` holds them in temporal order until its
-    ring wraps, which no traced decode reaches (`refuse_windowed_decode`)."""
-    return cache.keys_and_values()
+    """What one layer's mlx-lm cache holds, (1, KV, S, D) keys (after RoPE) and values in the order their
+    tokens came: a `KVCache`'s filled slots (`keys_and_values`); a `RotatingKVCache`'s (a sliding layer's)
+    in temporal order (its own `_temporal_order`), which `ring_slots` lays out as the ring every cache is
+    compared in. mlx-lm's own slots are not the ring rule's: a prompt longer than the window stays whole
+    until the next token trims it to the last W and writes slot 0."""
+    if not getattr(cache, "max_size", None):
+        return cache.keys_and_values()
+    if cache.keep:
+        raise TracerError(f"mlx-lm's rotating cache keeps its first {cache.keep} tokens beside its ring: "
+                          "not a sliding window's ring")
+    return cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
 
 
 def per_head_points(family: str) -> tuple[str, ...]:

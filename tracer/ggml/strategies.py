@@ -55,7 +55,8 @@ from tracer.ggml.quants import (
     quantize_q8_0,
 )
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
-from tracer.model.knobs import PRESETS, is_regime, setting
+from tracer.model.component import family_named
+from tracer.model.knobs import PRESETS, is_regime, llama_gguf, setting
 from tracer.model.names import gguf_tensor_name, hf_tensor_name
 from tracer.model.points import (
     DOWN_PROJ,
@@ -550,6 +551,9 @@ def apply_regime(knobs: dict, strategies, spec=None):
         raise TracerError(f"ops={knobs['ops']} emulates {'llama.cpp' if knobs['ops'] == 'ggml' else 'candle'}'s "
                           f"Llama forward; this model is a {family} "
                           "(the number-format knobs weights/act_quant/kv_cache apply to it)")
+    if knobs.get("weights") == "gguf" and not llama_gguf(family_named(family)):  # GGUFWeights' names and rows
+        raise TracerError(f"weights=gguf reads a Llama GGUF (llama.cpp's names, q/k rows permuted); this model "
+                          f"is a {family}")
     rounding, accumulate = setting(knobs, "act_round"), setting(knobs, "accumulate")
     linear = make_linear(setting(knobs, "act_quant"), rounding, accumulate)
     changes = {"weights": weight_format(knobs.get("weights"), knobs.get("gguf_file"), knobs.get("requantize")),

@@ -142,6 +142,12 @@ def llama_graph(family: Family) -> bool:
     return family.graph() == family_named("llama").graph()
 
 
+def llama_gguf(family: Family) -> bool:
+    """A family whose GGUF llama.cpp writes as a Llama's (its tensor names, q/k rows permuted), which is
+    how a regime reads a GGUF's own tensors (`weights=gguf`)."""
+    return family.gguf_arch == "llama"
+
+
 def _llama_only(text: str) -> Callable[[Any], str]:
     """A representative for Llama models only (the candle presets read Llama configs only)."""
     return when(lambda spec: llama_graph(family_named(spec.family)), text)
@@ -224,12 +230,12 @@ MODEL_WIDE: dict[str, Knob] = {
         Knob("gguf_file", _file_path, "a GGUF path, e.g. gguf_file=model.gguf",
              "the GGUF the model directory was converted from",
              "with weights=gguf: the tensors of this GGUF (another quantization of the same model), each in its "
-             "own type", when(lambda spec: False, "gguf_file=model.gguf,weights=gguf"), kind="regime",
-             display=_file_name),
+             "own type", when(lambda spec: False, "gguf_file=model.gguf,weights=gguf"), applies=llama_gguf,
+             kind="regime", display=_file_name),
         Knob("requantize", _tensor_names, "GGUF names joined by +, e.g. blk.5.attn_k", "none",
              "with weights=gguf: these tensors as llama.cpp's quantizer makes them from the model's own weights, "
              "in the file's type (what the regime view's audit takes in place of a damaged tensor)",
-             when(lambda spec: False, "requantize=blk.0.attn_k,weights=gguf"), kind="regime"),
+             when(lambda spec: False, "requantize=blk.0.attn_k,weights=gguf"), applies=llama_gguf, kind="regime"),
         Knob("act_quant", choice(*ACT_QUANTS), " | ".join(ACT_QUANTS), "none",
              "ggml's activation quantization before a quantized matmul (auto: the weight type's vec-dot type)",
              fixed("act_quant=q8_0"), kind="regime"),

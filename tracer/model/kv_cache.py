@@ -1,6 +1,6 @@
 """The KV cache, in one room: what a cache is (`Cache`), the reimplementation's (`KVCache`), the ring
-rule of a sliding layer (`ring_slot`), the slot layout every cache point is compared in (`ring_slots`),
-and the cached decode's classic mistakes (knobs of attention) with their steps.
+rule of a sliding layer (`ring_slot`), the slot layout every cache point is compared in (`ring_slots`,
+`SlotLayout`), and the cached decode's classic mistakes (knobs of attention) with their steps.
 
 As transformers' `DynamicCache.update(k, v, layer_idx)` and mlx-lm's `KVCache.update_and_fetch(k, v)`:
 a layer hands its new keys and values, and gets back everything it is to attend to. A forward with a
@@ -13,15 +13,33 @@ A sliding layer of window W (mlx-lm's `RotatingKVCache(max_size=W)`, llama.cpp's
 of W slots: the n-th token the layer's cache takes (n counted from 0, whatever its position) goes to
 slot `n % W` (`ring_slot`), overwriting the token W before it, the one no later query sees. A step
 attends, as transformers' `DynamicSlidingWindowLayer` hands over, to the last W - 1 held keys in
-position order and its own: for one decoded token exactly the window's W keys. The points
-`cache_k`/`cache_v` of a sliding layer are the ring in slot order; a cache kept in position order
-(transformers' keeps W - 1 keys and the step's own, a port that ignores the window keeps them all) is
-laid out by the same rule (`ring_slots`), so every engine's cache is compared slot for slot.
+position order and its own: for one decoded token exactly the window's W keys.
 
-The mistakes change nothing in one forward without a cache (a sweep, a prefill): they show at the
-decode steps of `--decode N` (docs/decode.md), where the reference and the candidate each decode with
-their own cache. Hence no sweep runs them by default (`representative` gives no variant on a model)
-unless it decodes (`sweep --decode N`: `tracer.pipeline.catalogue.default_variants(..., decode=True)`).
+The layout every cache point is compared in: a sliding layer's cache is the ring in slot order, any other
+cache every token in position order. Each engine reads its runtime's cache into it:
+
+- reimpl: `KVCache`, as it is (a ring on a sliding layer);
+- hf: transformers' `DynamicCache`, which keeps W - 1 keys and the step's own on a sliding layer, in
+  position order: laid out by `ring_slots`;
+- mlx: mlx-lm's `KVCache`, its filled slots; a `RotatingKVCache` on a sliding layer in temporal order,
+  then `ring_slots` (its own slots are not the rule's after a prompt longer than W);
+- candle: llama.rs' keys and values concatenated step by step, every token (Llama only: no window);
+- llamacpp: the first S cells of llama.cpp's unified cache, filled in order from a cleared cache (Llama
+  GGUFs only: no window). Its SWA cache is not read: which cell holds which position is its cell table,
+  not the tensor.
+
+A ring and a cache that keeps every token (a port without the window, or one that keeps the whole
+sequence and masks it) are two layouts of the same keys: where one comparison meets both, the whole one
+is laid out as the ring (`SlotLayout`, which every comparison pairs its points through), and the
+attention over more keys is read at the other side's last keys, so storage alone is no difference and
+attending past the window is one, at the probabilities. Caches that are neither are not compared, and
+the result's notes say why.
+
+The cached decode's mistakes (the knobs below) change nothing in one forward without a cache (a sweep, a
+prefill): they show at the decode steps of `--decode N` (docs/decode.md), where the reference and the
+candidate each decode with their own cache. Hence no sweep runs them by default (`representative`
+gives no variant on a model) unless it decodes (`sweep --decode N`:
+`tracer.pipeline.catalogue.default_variants(..., decode=True)`).
 
 Notation: KV kv heads, S cached positions, T new ones, D head dim, W a sliding layer's window.
 """
@@ -33,7 +51,7 @@ from typing import Callable, Protocol
 from tracer.core.errors import TracerError
 from tracer.core.lazy import torch
 from tracer.model.knobs import Knob, choice, setting, unswept
-from tracer.model.points import CACHE_K, K_ROPE, PROBS, Q_ROPE
+from tracer.model.points import CACHE_K, CACHE_POINTS, K_ROPE, PROBS, Q_ROPE, layout_of, split_point
 
 
 class Cache(Protocol):
@@ -69,13 +87,113 @@ def ring_slots(held: torch.Tensor, written: int, window: int) -> torch.Tensor:
     """A sliding layer's keys or values (KV, S, D) in position order, the last of them the `written`-th
     token its cache took (1-based count), laid out as the ring of `window` slots keeps them
     (`ring_slot`): (KV, min(written, window), D), slot order. How a cache kept in position order
-    (transformers' last W - 1 keys and the step's own) is compared with a ring."""
+    (transformers' last W - 1 keys and the step's own, mlx-lm's rotating cache in temporal order, a
+    cache that keeps every token) is compared with a ring."""
     count = min(written, window)
     slots = torch.tensor([ring_slot(n, window) for n in range(written - count, written)])  # (count,) distinct
     ring = torch.empty_like(held[:, -count:])  # (KV, count, D)
     ring[:, slots] = held[:, -count:]
     return ring
 
+
+SIDES = ("reference", "candidate")
+
+
+class SlotLayout:
+    """Two traces' cache points, and their attention over a cache, read in one layout for one comparison
+    (`tracer.comparison.diff.compare` pairs every point through `pair`), and what was done, for the
+    result's notes.
+
+    A cache point is (KV, S, D). Where one side keeps a ring of W slots (a sliding window's) and the
+    other every token its cache took, in position order (a port without the window, or one that keeps
+    the whole sequence and masks it), the whole cache is laid out as the ring (`ring_slots`): storage
+    alone is no difference. An attention point of a forward after a cache is (H, T, S) over the keys it
+    attends to, in position order on every side; the side that attends to more keys is read at the
+    other's last S, the same positions, so attending past the window shows where it does, at the
+    probabilities. Two caches that are neither (another number of slots, other heads) are not compared,
+    and a note says why.
+
+    Args:
+        written: the tokens each side's cache took up to and including the compared forward (None: the
+            traces do not say; a forward without a cache took its own tokens only).
+        rows: the compared forward's own tokens (None: not said).
+    """
+
+    def __init__(self, written: int | None, rows: int | None):
+        self.written, self.rows = written, rows
+        self.done: dict[str, list[str]] = {}  # the note saying what was done -> its points
+        self.unpaired: dict[str, list[str]] = {}  # why a point is not compared -> its points
+
+    def pair(self, point: str, reference: torch.Tensor, candidate: torch.Tensor) -> tuple | str:
+        """Both sides' tensors of `point` in one layout (as they are where nothing applies:
+        `compare_point` then says the mismatch), or why they cannot be compared (one line)."""
+        if reference.shape == candidate.shape:
+            return reference, candidate
+        sub = split_point(point)[1]
+        if sub in CACHE_POINTS:
+            paired = self._slots(reference, candidate)
+        elif layout_of(point) == "attention" and (self.written is None or self.rows is None or
+                                                  self.rows < self.written):
+            paired = self._keys(reference, candidate)
+        else:
+            return reference, candidate
+        if isinstance(paired, str):
+            _said(self.unpaired, paired, point)
+            return paired
+        *tensors, done = paired
+        _said(self.done, done, point)
+        return tuple(tensors)
+
+    def _slots(self, reference: torch.Tensor, candidate: torch.Tensor) -> tuple | str:
+        """A cache point of both sides, (KV, S, D) each: the side that keeps every token laid out as the
+        other's ring, or why not."""
+        if reference.ndim != 3 or candidate.ndim != 3 or reference.shape[::2] != candidate.shape[::2]:
+            return f"the caches hold other heads or head sizes: reference {tuple(reference.shape)}, candidate " \
+                   f"{tuple(candidate.shape)}"
+        tensors = dict(zip(SIDES, (reference, candidate)))
+        slots = {side: tensor.shape[1] for side, tensor in tensors.items()}
+        held = f"the reference's cache holds {slots['reference']} slots and the candidate's {slots['candidate']}"
+        if self.written is None:
+            return f"{held}, and the traces do not say how many tokens they took"
+        ring, whole = sorted(SIDES, key=slots.get)
+        if slots[whole] != self.written:
+            return f"{held} after {self.written} tokens: neither keeps every token"
+        tensors[whole] = ring_slots(tensors[whole], self.written, slots[ring])  # (KV, W, D) in the ring's slots
+        return tensors["reference"], tensors["candidate"], \
+            f"the {whole} keeps every token ({self.written}) where the {ring} keeps a ring of {slots[ring]} " \
+            "slots (a sliding window's): compared on the ring's slots"
+
+    def _keys(self, reference: torch.Tensor, candidate: torch.Tensor) -> tuple | str:
+        """An attention point of both sides, (H, T, S) each over keys in position order: the side over
+        more keys read at the other's last S, or why not."""
+        if reference.ndim != candidate.ndim or reference.shape[:-1] != candidate.shape[:-1]:
+            return f"other attention shapes: reference {tuple(reference.shape)}, candidate {tuple(candidate.shape)}"
+        keys = dict(zip(SIDES, (reference.shape[-1], candidate.shape[-1])))
+        fewer, more = sorted(SIDES, key=keys.get)
+        shared = keys[fewer]
+        said = f"the {more} attends to {keys[more]} keys where the {fewer} attends to {shared}: compared on the " \
+               f"last {shared} (the same positions)"
+        return reference[..., -shared:], candidate[..., -shared:], said  # (H, T, shared) each
+
+    def notes(self) -> list[str]:
+        """One line per kind of layout done, and per reason a point was not compared."""
+        return [*(f"{_where(points)}: {done}" for done, points in self.done.items()),
+                *(f"{_where(points)} not compared: {why}" for why, points in self.unpaired.items())]
+
+
+def _said(table: dict[str, list[str]], note: str, point: str) -> None:
+    """`point` under `note`, once (the first divergence is paired again to explain it)."""
+    points = table.setdefault(note, [])
+    if point not in points:
+        points.append(point)
+
+
+def _where(points: list[str]) -> str:
+    """`self_attn.cache_k, self_attn.cache_v of layers 0, 2`: points named by their sub-points and layers."""
+    subs = list(dict.fromkeys(split_point(point)[1] or point for point in points))
+    layers = sorted({layer for layer in (split_point(point)[0] for point in points) if layer is not None})
+    at = f" of layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}" if layers else ""
+    return ", ".join(subs) + at
 
 
 class KVCache:

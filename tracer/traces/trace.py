@@ -51,6 +51,9 @@ class TraceMeta:
         family: the model family (`tracer.model.families`), which orders and explains the points.
         position_offset: the absolute position of the first token (None: 0); the engines that take
             positions (`--position-offset`) write it.
+        cache_start: a decoded trace's (a cached prefill's, a decode step's): the position of the first
+            token its KV cache took, the prompt's first (None: 0); its cache holds the tokens from there
+            to its own last (`tracer.engines.base.decode_steps` writes it).
         num_attention_heads, num_key_value_heads, head_dim: a dump's attention shape.
 
     Attributes one engine writes:
@@ -101,6 +104,7 @@ class TraceMeta:
     unused_tensors: list[str] | None = None
     family: str | None = None
     position_offset: int | None = None
+    cache_start: int | None = None
     placement: str | None = None
     prompt: str | None = None
     chat: dict | None = None

@@ -424,11 +424,10 @@ SOFTCAP = Knob("softcap", choice("keep", "drop"), "keep | drop", "keep",
 # (The fused sdpa kernel cannot soft-cap, as transformers' Gemma 2 cannot.)
 _FEATURES = {
     ("attn", "sdpa"): (lambda spec: spec.attn_logit_softcapping is not None,
-                       "attn=sdpa cannot soft-cap attention scores (attn_logit_softcapping; transformers has no "
-                       "sdpa path for it either)"),
+                       "attn=sdpa cannot soft-cap attention scores (attn_logit_softcapping), nor can "
+                       "transformers' sdpa"),
     ("softcap", "drop"): (lambda spec: spec.attn_logit_softcapping is None and spec.final_logit_softcapping is None,
-                          "this model's config soft-caps nothing (attn_logit_softcapping and "
-                          "final_logit_softcapping are null)"),
+                          "attn_logit_softcapping and final_logit_softcapping are null"),
     ("window", "ignore"): (lambda spec: spec.sliding_window is None, "this model's config has no sliding window"),
 }
 

@@ -309,11 +309,11 @@ def _misreading(knobs: dict, spec) -> Callable | None:
         readings.append(("yarn_mscale=drop", "yarn", _no_mscale))
     for text, kind, _ in readings:
         if spec is not None and rope_type(spec) != kind:
-            raise TracerError(f"{text} changes nothing here: this model's rope_type is {rope_type(spec)!r} "
-                              f"(the knob concerns {kind})")
-        if spec is not None and kind == "yarn" and rope_attention_scaling(spec) == 1.0:
-            raise TracerError(f"{text} changes nothing here: this model's YaRN attention factor is 1 "
-                              "(attention_factor, or mscale equal to mscale_all_dim)")
+            raise TracerError(f"{text} changes nothing here: this model's rope_type is {rope_type(spec)!r}, "
+                              f"not {kind}")
+        if spec is not None and kind == "yarn" and rope_attention_scaling(spec) == 1.0:  # attention_factor 1,
+            # or mscale equal to mscale_all_dim
+            raise TracerError(f"{text} changes nothing here: this model's YaRN attention factor is 1")
     if not readings:
         return None
 
