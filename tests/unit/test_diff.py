@@ -145,7 +145,9 @@ def test_metrics_in_f32_chunks_are_the_f64_definitions():
         got = compare_point("model.layers.0", ref, cand, Tolerance())
         assert got.rel_l2 == pytest.approx(float((c - r).norm() / r.norm()), rel=1e-6)
         assert got.max_abs == pytest.approx(float((c - r).abs().max()), rel=1e-6)
-        one_minus_cos = 1 - float(c.dot(r) / (c.norm() * r.norm()))
+        # 1 - cos as half the squared distance of the unit vectors: exact to f64's digits however close to 1
+        # cos is (1 - c·r/(|c||r|) loses them, and its sign, to the order threads sum the dot product in)
+        one_minus_cos = float((c / c.norm() - r / r.norm()).norm() ** 2 / 2)
         assert 1 - got.cosine == pytest.approx(one_minus_cos, rel=1e-3, abs=1e-15)
     assert compare_point("x", ref, -0.5 * ref, Tolerance()).cosine == pytest.approx(-1.0)
     assert compare_point("x", ref, ref.clone(), Tolerance()).rel_l2 == 0.0
