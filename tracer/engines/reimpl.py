@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from tracer.engines.base import EngineBase, check_device, decode_steps, per_layer
+from tracer.engines.base import EngineBase, decode_steps, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.components.rope import rope_type
@@ -125,6 +125,7 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
 
 
 def from_parts(config: dict, weights: Mapping[str, torch.Tensor], variant: dict, label: str, *,
-               device: str | torch.device = "cpu", stream: bool = False) -> ReimplEngine:
-    """A reimpl engine from a config dict and weights already read (a sweep reads them once)."""
-    return ReimplEngine(Model.from_config(config, weights, variant, device=check_device(device), stream=stream), label)
+               device: torch.device = torch.device("cpu"), stream: bool = False) -> ReimplEngine:
+    """A reimpl engine from a config dict and weights already read (a sweep reads them once), on a device
+    resolved already (`tracer.engines.load.resolve_target`)."""
+    return ReimplEngine(Model.from_config(config, weights, variant, device=device, stream=stream), label)

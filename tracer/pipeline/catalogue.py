@@ -18,6 +18,15 @@ def split_variants(variants) -> list[str]:
     return [part.strip() for text in texts for part in text.split(";") if part.strip()]
 
 
+def parse_variants(variants) -> tuple[dict, ...]:
+    """A sweep's or a diagnosis's variants, each parsed: a string with `;` between variants, a list of
+    such strings, or variants parsed already (dicts of knobs, checked again: a request built anew)."""
+    items = [variants] if isinstance(variants, (str, dict)) else list(variants)
+    if all(isinstance(item, dict) for item in items):
+        return tuple(parse_variant(item) for item in items)
+    return tuple(parse_variant(text) for text in split_variants(items))
+
+
 def default_variants(spec, engine: str = "reimpl", decode: bool = False) -> list[str]:
     """One representative variant per knob that applies to this model's family (its classic porting
     mistakes among them) and that `engine` honours, for this model's spec; a knob whose feature the
