@@ -63,10 +63,12 @@ def inputs_of(args) -> Inputs:
                   decode=getattr(args, "decode", 0), batch=getattr(args, "batch", 1))
 
 
-def placement_of(args) -> Placement:
+def placement_of(args, by_size: bool = True) -> Placement:
+    """The `Placement` of a command's flags; without --stream or --no-stream, streaming is chosen by the model's
+    size where the command prepares a reference (`by_size`: run, sweep, diagnose), else off (record, quality)."""
     if args.stream and getattr(args, "no_stream", False):
         raise TracerError("--stream and --no-stream contradict each other; give one")
-    stream = True if args.stream else False if getattr(args, "no_stream", False) else None  # None: chosen by size
+    stream = True if args.stream else False if getattr(args, "no_stream", False) or not by_size else None
     return Placement(device=args.device, stream=stream, offload=args.offload, max_memory=args.max_memory)
 
 
@@ -117,7 +119,7 @@ def _exit_code(result, args) -> int:
 
 
 def cmd_record(args) -> int:
-    inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args)
+    inputs, placement, outputs = inputs_of(args), placement_of(args, by_size=False), outputs_of(args)
     request = Request(inputs, placement, Side.of(args.engine, args.variant), outputs=outputs)
     from tracer.pipeline import commands  # torch loads only now, every argument checked
 
@@ -235,7 +237,7 @@ def cmd_diagnose(args) -> int:
 
 
 def cmd_quality(args) -> int:
-    placement = placement_of(args)
+    placement = placement_of(args, by_size=False)
     outputs_of(args)
     if args.markdown not in (None, "-"):
         writable_file(args.markdown, "--markdown")

@@ -116,7 +116,7 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
          stream: bool = False) -> ReimplEngine:
     """From a model directory, or an already loaded transformers model (its config and state dict
     read our own way). `stream`: each block's weights read from the files when it runs. `device` is
-    `load_engine`'s, already checked."""
+    the run's, checked once (`tracer.engines.load.resolve_target`)."""
     placement = {"device": torch.device(device), "stream": stream}
     if source.loaded:
         model = Model.from_config(source.config(), dict(source.module.state_dict()), variant, **placement)

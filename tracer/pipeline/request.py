@@ -1,14 +1,16 @@
-"""A run's request as a few frozen values, checked in one place before torch is imported or
-anything is written.
+"""A command's request as a few frozen values, checked in one place before torch is imported or
+anything is written, then resolved once.
 
 `Inputs` (model, prompt or tokens, chat, system, max tokens, the first position), `Placement` (device, stream,
 offload, max memory), `Outputs` (report folder, JSON file, trace file) and a `Side` per engine (the
-engine argument parsed into an `EngineRef`, its knobs parsed and checked against it) are built once
-(by the CLI from its flags, by the API from its arguments) and passed whole to `tracer.pipeline.run`.
-Each checks itself when built: value ranges, duplicates, knobs an engine cannot honour, and that every
-output location can be written, so a mistake is one line (`TracerError`) before any work starts, never
-a traceback after it. `regime_knobs` does the same for --regime. No torch here
-(tests/unit/test_request.py checks it).
+engine argument parsed into an `EngineRef`, its knobs parsed and checked against it) make a `Request`,
+built once (by the CLI from its flags, by the API from its arguments). Each checks itself when built:
+value ranges, duplicates, knobs an engine cannot honour, what the inputs ask of each engine (positions,
+decode, batch), the regime against the sides, and that every output location can be written, so a
+mistake is one line (`TracerError`) before any work starts, never a traceback after it. `regime_knobs`
+does the same for --regime. `Request.resolved()` then resolves, once, what needs the model or torch
+(`tracer.engines.load.resolve_target`); the pipeline's commands (`tracer.pipeline.commands`) take the
+resolved request whole. No torch here until `resolved()` (tests/unit/test_request.py checks it).
 """
 
 from __future__ import annotations
