@@ -253,7 +253,8 @@ def diagnose(trace, model=None, *, variants=None, decode: int = 0, device: str =
     """
     request = Request(Inputs(model, tokens=None, decode=decode), Placement(device, stream, offload, max_memory),
                       variants=variants, progress=progress)
-    return commands.diagnose(request.resolved(), trace)
+    observed = commands.observed_trace(trace, decode)  # a trace that cannot be diagnosed: said before the model loads
+    return commands.diagnose(request.resolved(), observed)
 
 
 def quality(text: str | None = None, model=None, *, text_file: str | Path | None = None, tokens=None,

@@ -220,7 +220,8 @@ def cmd_diagnose(args) -> int:
         check_engine(knobs, "reimpl")  # the variants run on tracer's model: a knob it cannot honour, said now
     from tracer.pipeline import commands  # torch loads only now, every argument checked
 
-    result = commands.diagnose(request.resolved(), args.trace)
+    observed = commands.observed_trace(args.trace, args.decode)  # a trace that cannot be diagnosed: said first
+    result = commands.diagnose(request.resolved(), observed)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":

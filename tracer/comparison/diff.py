@@ -22,9 +22,11 @@ import math
 
 import torch
 
+from tracer.comparison.explain import amplification, breakdown, hints
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
 from tracer.core.errors import TracerError
-from tracer.model.points import FINAL_LOGITS, LOGITS, Q_ROPE, causal_allowed, is_causal, layer_of, layer_point
+from tracer.model.points import FINAL_LOGITS, LOGITS, Q_ROPE, causal_allowed, is_causal, layer_of, layer_point, rank
+from tracer.traces.spill import SpilledTensors
 from tracer.traces.trace import Trace, kept
 
 CHUNK = 1 << 14  # values per chunk: 64 kB of f32, in cache, and below torch's parallel grain (32768)
@@ -210,8 +212,6 @@ class ErrorRecorder:
         """Empty without a store (the engines return a Trace of it); else the points, the kept ones readable."""
         if self.store is None:
             return {}
-        from tracer.traces.spill import SpilledTensors
-
         return SpilledTensors(self.store.files, self.names)
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
@@ -234,8 +234,6 @@ class ErrorRecorder:
 
     def _read_again(self, diff: PointDiff) -> bool:
         """Will `compare` read this point's tensor (logits, NaN/Inf scan, the first divergence's breakdown)?"""
-        from tracer.model.points import rank
-
         if diff.point in (LOGITS, FINAL_LOGITS) or not _finite_metrics(diff):
             return True
         if not diff.diverged:
@@ -252,8 +250,6 @@ class ErrorRecorder:
 def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> list[str]:
     """Unrecorded points take their place in the vocabulary's order (the traced family's), not the
     end of the list."""
-    from tracer.model.points import rank
-
     family = trace_family(reference, candidate)
     return sorted(names, key=lambda name: rank(name, family))
 
@@ -358,8 +354,6 @@ def num_heads(trace: Trace, layer: int | None) -> int | None:
 
 def explain_divergence(first: Divergence, reference: Trace, candidate: Trace) -> Divergence:
     """The first divergence with its breakdowns (per position, head, channel) and the hints they suggest."""
-    from tracer.comparison.explain import breakdown, hints
-
     point = first.point
     ref, cand = last_rows_if_one_side_kept_one(point, reference[point], candidate[point])
     details = breakdown(point, ref, cand, num_heads(reference, first.layer))
@@ -439,6 +433,4 @@ def _finite_metrics(p: PointDiff) -> bool:
 
 
 def _amplification(points: list[PointDiff], family: str | None = None) -> list[dict]:
-    from tracer.comparison.explain import amplification
-
     return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None}, family=family)

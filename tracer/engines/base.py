@@ -130,7 +130,7 @@ def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, 
                **facts) -> TraceMeta:
     """The metadata every engine writes into its traces, plus its own `facts` (`TraceMeta`'s fields:
     `num_layers`, `family`, `runtime` for a non-PyTorch runtime, ...)."""
-    from tracer.traces.trace import TraceMeta
+    from tracer.traces.trace import TraceMeta  # torch: the child process starts without it
 
     return TraceMeta(engine=engine.name, variant=dict(engine.variant), model=model, tokens=list(tokens),
                      dtype=str(dtype).removeprefix("torch."), device=str(engine.device), versions=environment(),

@@ -17,7 +17,7 @@ import torch
 from tracer.core.errors import TracerError
 from tracer.engines.base import DEVICES, Engine
 from tracer.engines.offload import Offload, check_offload
-from tracer.engines.registry import EngineRef, check_engine, check_runtime, parse_engine
+from tracer.engines.registry import EngineRef, engine_with_knobs
 from tracer.files.sources import ModelSource, resolve_source
 from tracer.model.families import model_types
 
@@ -76,9 +76,7 @@ def resolve_and_load(engine: str | EngineRef, model, variant: dict | None = None
     """One engine from the arguments a user writes: `engine` as `--candidate` takes it ("hf",
     "llamacpp:F16.gguf"; its runtime and knobs checked), `model` as `tracer.run` takes it (a path, a .gguf
     file, None, a loaded model, a `ModelSource`), resolved (`resolve_target`), then loaded (`load_engine`)."""
-    engine, variant = parse_engine(engine), variant or {}
-    check_runtime(engine.entry)
-    check_engine(variant, engine.entry)
+    engine, variant = engine_with_knobs(engine, variant)
     target = resolve_target(model, (engine,), device=device, stream=stream, offload=offload, progress=progress)
     return load_engine(engine, variant, target)
 

@@ -7,6 +7,7 @@ import math
 
 from tracer.engines.registry import ENGINES
 from tracer.model.knobs import knobs_for, parse_variant
+from tracer.model.kv_cache import KNOBS as DECODE_KNOBS
 
 # Values of the numeric knobs tried beyond the sweep's representative one (the model's own is skipped).
 EXTRA_VALUES = {"theta": (10_000.0, 500_000.0, 1_000_000.0), "eps": (1e-6, 1e-5, 1e-4, 1e-3)}
@@ -35,8 +36,6 @@ def default_variants(spec, engine: str = "reimpl", decode: bool = False) -> list
     what a runtime does by design, ranked by `tracer diagnose`). `decode`: the run decodes (`--decode N`),
     so the decode-only knobs (`tracer.model.kv_cache`), which change nothing in one forward, are
     swept too."""
-    from tracer.model.kv_cache import KNOBS as DECODE_KNOBS
-
     decode_only = {knob.name for knob in DECODE_KNOBS}
     entry = ENGINES[engine]
     honoured = set(entry.honoured) - set(entry.emulated)

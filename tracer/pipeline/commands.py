@@ -171,18 +171,24 @@ def model_spec(source: ModelSource):
 _CATALOGUE_ROWS: dict[tuple, list] = {}
 
 
-def diagnose(request: Request, trace) -> Diagnosis:
-    """`tracer diagnose`: `trace` (the observed candidate, a `Trace` or a file) against the request's
-    reference on the trace's tokens, then every variant of the catalogue (the request's `variants`, or
+def observed_trace(trace, steps: int = 0) -> Trace:
+    """A diagnosis's observed candidate (a `Trace` or a file), read and checked before its model resolves: it
+    carries the token ids to rerun and at least the `steps` decode steps to compare."""
+    observed = load_trace(trace)
+    if not observed.tokens:
+        raise TracerError("the trace carries no token ids; diagnose needs them to rerun the same input")
+    if steps and len(observed.steps) < steps:
+        raise TracerError(f"--decode {steps}: the trace holds {len(observed.steps)} decode steps (record it "
+                          f"with --decode {steps} or more)")
+    return observed
+
+
+def diagnose(request: Request, observed_trace: Trace) -> Diagnosis:
+    """`tracer diagnose`: the observed candidate (`observed_trace`) against the request's reference on the
+    trace's tokens, then every variant of the catalogue (the request's `variants`, or
     `tracer.pipeline.catalogue.diagnosis_variants`) on the reimplementation, ranked by resemblance.
     `request.inputs` names the model and the decode steps to compare."""
-    observed_trace = load_trace(trace)
-    if not observed_trace.tokens:
-        raise TracerError("the trace carries no token ids; diagnose needs them to rerun the same input")
     steps = request.inputs.decode
-    if steps and len(observed_trace.steps) < steps:
-        raise TracerError(f"--decode {steps}: the trace holds {len(observed_trace.steps)} decode steps (record it "
-                          f"with --decode {steps} or more)")
     replay = Request(Inputs(request.target.source, tokens=observed_trace.tokens), request.placement,
                      request.reference, greedy=0, progress=request.progress, target=request.target, notes=request.notes,
                      resolve_s=request.resolve_s)

@@ -29,10 +29,10 @@ from tracer.comparison.result import Tolerance
 from tracer.core.errors import TracerError
 from tracer.core.folders import replaceable_folder
 from tracer.engines.offload import Offload, parse_max_memory
-from tracer.engines.registry import EngineEntry, EngineRef, check_engine, check_runtime, parse_engine, registered
+from tracer.engines.registry import EngineEntry, EngineRef, engine_with_knobs, registered
 from tracer.files.sources import check_source
 from tracer.files.tokenizer import check_prompt
-from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
+from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant
 from tracer.pipeline import streamed
 from tracer.pipeline.catalogue import parse_variants
 
@@ -285,14 +285,9 @@ class Side:
 
     @classmethod
     def of(cls, engine: str | EngineRef, variant=None) -> Side:
-        """`engine` ("hf", "file:PATH", ...) and `variant` ("theta=10000", a dict) parsed and checked."""
-        ref, knobs = parse_engine(engine), parse_variant(variant)
-        if knobs and ref.entry.argument_required:
-            raise TracerError(f"{ref} is a saved trace; knobs ({variant_text(knobs)}) need an engine that "
-                              "runs the model")
-        check_engine(knobs, ref.entry)
-        check_runtime(ref.entry)
-        return cls(ref, knobs)
+        """`engine` ("hf", "file:PATH", ...) and `variant` ("theta=10000", a dict) parsed and checked
+        (`tracer.engines.registry.engine_with_knobs`)."""
+        return cls(*engine_with_knobs(engine, variant))
 
     @property
     def entry(self) -> EngineEntry:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from tracer.core.errors import TracerError
 from tracer.files.sources import ModelSource
+from tracer.files.weights import WeightFiles
 
 STREAM_BYTES = 2 << 30  # f32 weights past 2 GiB (about 540M parameters): streamed by default
 F32_BYTES = 4
@@ -23,8 +24,6 @@ def f32_bytes(source: ModelSource) -> int | None:
     """The model's weights in f32, from the safetensors headers alone (None: not a directory of them)."""
     if source.loaded or source.directory is None:
         return None
-    from tracer.files.weights import WeightFiles
-
     try:
         shapes = WeightFiles(source.directory).shapes()
     except TracerError:
