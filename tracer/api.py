@@ -19,7 +19,7 @@ from tracer.core.errors import TracerError
 from tracer.files.sources import resolve_source
 from tracer.ggml.audit import WeightAudit
 from tracer.pipeline import commands
-from tracer.pipeline.corpus import Quality, check_quality
+from tracer.pipeline.corpus import Quality
 from tracer.pipeline.regime_view import audit_weights
 from tracer.pipeline.request import (
     DEFAULT_CTX,
@@ -80,7 +80,7 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
                     chat=chat, system=system, position_offset=position_offset, decode=decode, batch=batch)
     request = Request(inputs, Placement(device, stream, offload, max_memory), Side.of(engine, variant),
                       progress=progress)
-    return commands.record(request.resolved())
+    return commands.record(request)
 
 
 def run(
@@ -162,7 +162,7 @@ def run(
                     noise_floor=noise_floor, regime=regime, command=command, progress=progress)
     if command is None and (model is None or isinstance(model, (str, os.PathLike))):  # a model object has no line
         asked = dataclasses.replace(asked, command=run_command(asked))
-    return commands.run(asked.resolved())
+    return commands.run(asked)
 
 
 def sweep(
@@ -221,7 +221,7 @@ def sweep(
                       Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT),
                       Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor, variants=variants,
                       command=command, progress=progress)
-    return commands.sweep(request.resolved())
+    return commands.sweep(request)
 
 
 def diagnose(trace, model=None, *, variants=None, decode: int = 0, device: str = "cpu", stream: bool | None = None,
@@ -253,8 +253,7 @@ def diagnose(trace, model=None, *, variants=None, decode: int = 0, device: str =
     """
     request = Request(Inputs(model, tokens=None, decode=decode), Placement(device, stream, offload, max_memory),
                       variants=variants, progress=progress)
-    observed = commands.observed_trace(trace, decode)  # a trace that cannot be diagnosed: said before the model loads
-    return commands.diagnose(request.resolved(), observed)
+    return commands.diagnose(request, trace)
 
 
 def quality(text: str | None = None, model=None, *, text_file: str | Path | None = None, tokens=None,
@@ -312,8 +311,7 @@ def quality(text: str | None = None, model=None, *, text_file: str | Path | None
     inputs = Inputs(model, prompt=text, tokens=tokens)
     request = Request(inputs, Placement(device, stream, offload, max_memory), Side.of(reference, reference_variant),
                       Side.of(candidate, variant), command=command, progress=progress)
-    check_quality(request, ctx, chunks)
-    return commands.quality(request.resolved(), ctx=ctx, chunks=chunks, by_layer=by_layer,
+    return commands.quality(request, ctx=ctx, chunks=chunks, by_layer=by_layer,
                             text_name=text_name or ("<tokens>" if text is None else "<text>"))
 
 

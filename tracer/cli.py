@@ -89,7 +89,7 @@ def cmd_run(args) -> int:
         start_drawers()  # forked while this is one thread with no torch: matplotlib loads beside the run
     from tracer.pipeline import commands  # torch loads only now, every argument checked
 
-    result = commands.run(request.resolved())
+    result = commands.run(request)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
@@ -123,7 +123,7 @@ def cmd_record(args) -> int:
     request = Request(inputs, placement, Side.of(args.engine, args.variant), outputs=outputs)
     from tracer.pipeline import commands  # torch loads only now, every argument checked
 
-    trace = commands.record(request.resolved())
+    trace = commands.record(request)
     if inputs.batch > 1:  # one file per row: OUT.row0.safetensors, ...
         output = Path(args.output)
         for row, one in enumerate(trace):
@@ -204,7 +204,7 @@ def cmd_sweep(args) -> int:
                       progress=args.json != "-")
     from tracer.pipeline import commands  # torch loads only now, every argument checked
 
-    result = commands.sweep(request.resolved())
+    result = commands.sweep(request)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
@@ -220,8 +220,7 @@ def cmd_diagnose(args) -> int:
         check_engine(knobs, "reimpl")  # the variants run on tracer's model: a knob it cannot honour, said now
     from tracer.pipeline import commands  # torch loads only now, every argument checked
 
-    observed = commands.observed_trace(args.trace, args.decode)  # a trace that cannot be diagnosed: said first
-    result = commands.diagnose(request.resolved(), observed)
+    result = commands.diagnose(request, args.trace)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
@@ -253,11 +252,10 @@ def cmd_quality(args) -> int:
     request = Request(Inputs(model=args.model, prompt=text, tokens=args.tokens), placement,
                       Side.of(args.reference, args.reference_variant), Side.of(args.candidate, args.variant),
                       command=_command_line(), progress=args.json != "-" and args.markdown != "-")
-    from tracer.pipeline import commands, corpus  # torch loads only now, every argument checked
+    from tracer.pipeline import commands  # torch loads only now, every argument checked
     from tracer.reports.quality import quality_markdown, quality_text  # jinja2, for Markdown: quality's only
 
-    corpus.check_quality(request, args.ctx, args.chunks)
-    result = commands.quality(request.resolved(), ctx=args.ctx, chunks=args.chunks, by_layer=args.by_layer,
+    result = commands.quality(request, ctx=args.ctx, chunks=args.chunks, by_layer=args.by_layer,
                               text_name=args.text.name if args.text else "<tokens>")
     summary = result.to_dict()
     if args.json:

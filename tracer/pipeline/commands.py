@@ -1,9 +1,10 @@
 """Each command, composed of the pipeline's stages from one `Request` (`tracer.pipeline.request`).
 
 The CLI builds the request from its flags, the API (`tracer.api`) from its arguments: checked when built,
-before torch loads, then resolved once (`Request.resolved`: the model source, the device, the placement,
-checked against every engine it names). Each composition takes that resolved request and hands its
-`target` to every engine it loads; nothing here resolves or checks it again.
+before torch loads. Each composition checks what is its own to check (a quality's chunks, a diagnosis's
+trace, ...), then resolves the request once (`Request.resolved`: the model source, the device, the
+placement, checked against every engine it names) and hands its `target` to every engine it loads;
+nothing resolves or checks it again.
 
 - `run`: the reference prepared, one candidate compared, then its decode steps, its batch's rows and its
   regime view where the request asks for them, and the report folder.
@@ -42,6 +43,7 @@ from tracer.pipeline.batch import compare_batched
 from tracer.pipeline.catalogue import default_variants, diagnosis_variants, parse_variants
 from tracer.pipeline.corpus import (
     Quality,
+    check_quality,
     load_side,
     quality_notes,
     score_chunks,
@@ -77,6 +79,7 @@ def run(request: Request) -> Result:
     """`tracer run`: trace the request's reference and candidate on the same tokens and localize the first
     divergence (`tracer.api.run` says what each part of the request does). After the reference, each stage
     reads what it does from the run's request, which the prepared reference holds."""
+    request = request.resolved()
     candidate, inputs = request.candidate, request.inputs
     with progress_stages(RUN_STAGES, request.progress):
         with prepared_reference(request, lockstep_with=candidate if request.regime is None else None) as prepared:
@@ -108,6 +111,7 @@ def sweep(request: Request) -> Sweep:
     """`tracer sweep`: the reference once, then every variant of the request's candidate against it (the
     request's `variants`, or one representative per knob); a variant that fails to load, or that the
     candidate cannot honour, is that variant's row's error."""
+    request = request.resolved()
     reference, candidate, decode = request.reference, request.candidate, request.inputs.decode
     with progress_stages(SWEEP_STAGES, request.progress):
         with prepared_reference(request) as prepared:
@@ -171,7 +175,7 @@ def model_spec(source: ModelSource):
 _CATALOGUE_ROWS: dict[tuple, list] = {}
 
 
-def observed_trace(trace, steps: int = 0) -> Trace:
+def observed_trace_of(trace, steps: int = 0) -> Trace:
     """A diagnosis's observed candidate (a `Trace` or a file), read and checked before its model resolves: it
     carries the token ids to rerun and at least the `steps` decode steps to compare."""
     observed = load_trace(trace)
@@ -183,12 +187,14 @@ def observed_trace(trace, steps: int = 0) -> Trace:
     return observed
 
 
-def diagnose(request: Request, observed_trace: Trace) -> Diagnosis:
-    """`tracer diagnose`: the observed candidate (`observed_trace`) against the request's reference on the
-    trace's tokens, then every variant of the catalogue (the request's `variants`, or
-    `tracer.pipeline.catalogue.diagnosis_variants`) on the reimplementation, ranked by resemblance.
-    `request.inputs` names the model and the decode steps to compare."""
+def diagnose(request: Request, trace) -> Diagnosis:
+    """`tracer diagnose`: the observed candidate (`trace`, read and checked first: `observed_trace`) against
+    the request's reference on the trace's tokens, then every variant of the catalogue (the request's
+    `variants`, or `tracer.pipeline.catalogue.diagnosis_variants`) on the reimplementation, ranked by
+    resemblance. `request.inputs` names the model and the decode steps to compare."""
     steps = request.inputs.decode
+    observed_trace = observed_trace_of(trace, steps)
+    request = request.resolved()
     replay = Request(Inputs(request.target.source, tokens=observed_trace.tokens), request.placement,
                      request.reference, greedy=0, progress=request.progress, target=request.target, notes=request.notes,
                      resolve_s=request.resolve_s)
@@ -243,6 +249,7 @@ def record(request: Request) -> Trace | list[Trace]:
     if request.placement.stream and not side.entry.stream:
         raise TracerError(f"stream is for the engines that read weights block by block (hf, reimpl); "
                           f"the {side.engine} engine cannot")
+    request = request.resolved()
     with progress_stages(("load", "record"), request.progress):
         target = request.target
         runner = load_engine(side.engine, side.variant, target)
@@ -272,8 +279,10 @@ def quality(request: Request, *, ctx: int, chunks: int | None = None, by_layer: 
             text_name: str | None = None) -> Quality:
     """`tracer quality`: the request's text (`inputs.prompt`, or its token ids) cut into llama-perplexity's
     chunks of `ctx` tokens (at most `chunks`), each through both engines, scored as llama-perplexity scores
-    it; `by_layer`: also where the loss is made (`tracer.pipeline.attribution`). The request and these
-    options were checked before it was resolved (`tracer.pipeline.corpus.check_quality`)."""
+    it; `by_layer`: also where the loss is made (`tracer.pipeline.attribution`). What quality cannot do is
+    refused before the model resolves (`tracer.pipeline.corpus.check_quality`)."""
+    check_quality(request, ctx, chunks)
+    request = request.resolved()
     reference, candidate, inputs, target = request.reference, request.candidate, request.inputs, request.target
     with progress_stages(("load", "chunks"), request.progress):
         started = time.perf_counter() - request.resolve_s  # the load time counts resolving the model too

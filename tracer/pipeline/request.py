@@ -8,9 +8,10 @@ built once (by the CLI from its flags, by the API from its arguments). Each chec
 value ranges, duplicates, knobs an engine cannot honour, what the inputs ask of each engine (positions,
 decode, batch), the regime against the sides, and that every output location can be written, so a
 mistake is one line (`TracerError`) before any work starts, never a traceback after it. `regime_knobs`
-does the same for --regime. `Request.resolved()` then resolves, once, what needs the model or torch
-(`tracer.engines.load.resolve_target`); the pipeline's commands (`tracer.pipeline.commands`) take the
-resolved request whole. No torch here until `resolved()` (tests/unit/test_request.py checks it).
+does the same for --regime. The pipeline's commands (`tracer.pipeline.commands`) take the request whole
+and resolve it once as they start (`Request.resolved()`: what needs the model or torch,
+`tracer.engines.load.resolve_target`). No torch here until `resolved()` (tests/unit/test_request.py
+checks it).
 """
 
 from __future__ import annotations
@@ -367,9 +368,9 @@ class Request:
 
     Every side is checked against what the inputs ask of it (positions, decode, batch), and the regime
     against the sides. What needs the model or torch (the source, the device, offloading, the families
-    the engines trace, streaming by size) the edge then resolves once, `resolved()`, into the `target`
-    every engine of the command loads on (`tracer.engines.load.LoadTarget`); the pipeline takes a
-    resolved request and resolves nothing again."""
+    the engines trace, streaming by size) each command resolves once as it starts, `resolved()`, into the
+    `target` every engine of the command loads on (`tracer.engines.load.LoadTarget`); nothing after
+    resolves it again."""
 
     inputs: Inputs
     placement: Placement = field(default_factory=Placement)
@@ -412,9 +413,12 @@ class Request:
         """This request with what its engines load resolved once (`tracer.engines.load.resolve_target`: the
         device, offloading and the model's family checked against every engine, the model source resolved,
         a GGUF converted on first use), and `placement.stream` None decided by the model's size
-        (`tracer.pipeline.streamed`, said in `notes`). Every refusal is one line, before any engine loads."""
+        (`tracer.pipeline.streamed`, said in `notes`). Every refusal is one line, before any engine loads. A
+        resolved request is returned as it is: nothing is resolved twice."""
         from tracer.engines.load import resolve_target  # torch: imported only once every value has been checked
 
+        if self.target is not None:
+            return self
         started = time.perf_counter()
         placement = self.placement
         target = resolve_target(self.inputs.model, tuple(side.engine for side in self.sides), device=placement.device,
