@@ -79,9 +79,9 @@ def run(request: Request) -> Result:
     """`tracer run`: trace the request's reference and candidate on the same tokens and localize the first
     divergence (`tracer.api.run` says what each part of the request does). After the reference, each stage
     reads what it does from the run's request, which the prepared reference holds."""
-    request = request.resolved()
     candidate, inputs = request.candidate, request.inputs
     with progress_stages(RUN_STAGES, request.progress):
+        request = request.resolved()  # in the bar's "load" stage: a GGUF converted on first use takes seconds
         with prepared_reference(request, lockstep_with=candidate if request.regime is None else None) as prepared:
             in_regime = None
             if request.regime is not None:
@@ -111,9 +111,9 @@ def sweep(request: Request) -> Sweep:
     """`tracer sweep`: the reference once, then every variant of the request's candidate against it (the
     request's `variants`, or one representative per knob); a variant that fails to load, or that the
     candidate cannot honour, is that variant's row's error."""
-    request = request.resolved()
     reference, candidate, decode = request.reference, request.candidate, request.inputs.decode
     with progress_stages(SWEEP_STAGES, request.progress):
+        request = request.resolved()
         with prepared_reference(request) as prepared:
             load_candidate = candidate_loader(candidate.engine, prepared)
             variants = request.variants
@@ -188,40 +188,42 @@ def observed_trace_of(trace, steps: int = 0) -> Trace:
 
 
 def diagnose(request: Request, trace) -> Diagnosis:
-    """`tracer diagnose`: the observed candidate (`trace`, read and checked first: `observed_trace`) against
+    """`tracer diagnose`: the observed candidate (`trace`, read and checked first: `observed_trace_of`) against
     the request's reference on the trace's tokens, then every variant of the catalogue (the request's
     `variants`, or `tracer.pipeline.catalogue.diagnosis_variants`) on the reimplementation, ranked by
     resemblance. `request.inputs` names the model and the decode steps to compare."""
     steps = request.inputs.decode
     observed_trace = observed_trace_of(trace, steps)
-    request = request.resolved()
-    replay = Request(Inputs(request.target.source, tokens=observed_trace.tokens), request.placement,
-                     request.reference, greedy=0, progress=request.progress, target=request.target, notes=request.notes,
-                     resolve_s=request.resolve_s)
-    with progress_stages(DIAGNOSE_STAGES, request.progress), prepared_reference(replay) as prepared:
-        observed = compare_candidate(prepared, FileEngine(observed_trace))
-        decoded = None
-        if steps:  # the reference and every variant fed the observed trace's tokens
-            stage("decode")
-            started = time.perf_counter()
-            observed_steps = dataclasses.replace(observed_trace, steps=observed_trace.steps[:steps])
-            decoded = (steps, reference_decode(prepared, steps, forced=decoded_tokens(observed_steps)))
-            observed = with_decoded(observed, prepared, *decoded[1], observed_steps, started,
-                                    fed="the reference fed the trace's tokens")
-        tried = request.variants
-        if tried is None:
-            tried = parse_variants(diagnosis_variants(model_spec(prepared.source), decode=bool(steps)))
-        stage("candidate")
-        key = catalogue_key(prepared, request.placement, tried, steps)
-        rows = _CATALOGUE_ROWS.get(key) if key is not None else None
-        if rows is None:
-            load_candidate = candidate_loader(EngineRef.named("reimpl"), prepared)
-            # Without local errors: the observed trace has none (a file cannot rerun a block), so
-            # both sides' first divergences are where the total error leaves the floor.
-            rows = [sweep_row(prepared, load_candidate, knobs, local=False, decoded=decoded) for knobs in tried]
-            _CATALOGUE_ROWS.clear()  # the last catalogue only: its rows hold every point's comparison
-            if key is not None:
-                _CATALOGUE_ROWS[key] = rows
+    with progress_stages(DIAGNOSE_STAGES, request.progress):
+        request = request.resolved()
+        # the trace's tokens replayed on the target just resolved
+        replay = Request(Inputs(request.target.source, tokens=observed_trace.tokens), request.placement,
+                         request.reference, greedy=0, progress=request.progress, target=request.target,
+                         notes=request.notes, resolve_s=request.resolve_s)
+        with prepared_reference(replay) as prepared:
+            observed = compare_candidate(prepared, FileEngine(observed_trace))
+            decoded = None
+            if steps:  # the reference and every variant fed the observed trace's tokens
+                stage("decode")
+                started = time.perf_counter()
+                observed_steps = dataclasses.replace(observed_trace, steps=observed_trace.steps[:steps])
+                decoded = (steps, reference_decode(prepared, steps, forced=decoded_tokens(observed_steps)))
+                observed = with_decoded(observed, prepared, *decoded[1], observed_steps, started,
+                                        fed="the reference fed the trace's tokens")
+            tried = request.variants
+            if tried is None:
+                tried = parse_variants(diagnosis_variants(model_spec(prepared.source), decode=bool(steps)))
+            stage("candidate")
+            key = catalogue_key(prepared, request.placement, tried, steps)
+            rows = _CATALOGUE_ROWS.get(key) if key is not None else None
+            if rows is None:
+                load_candidate = candidate_loader(EngineRef.named("reimpl"), prepared)
+                # Without local errors: the observed trace has none (a file cannot rerun a block), so
+                # both sides' first divergences are where the total error leaves the floor.
+                rows = [sweep_row(prepared, load_candidate, knobs, local=False, decoded=decoded) for knobs in tried]
+                _CATALOGUE_ROWS.clear()  # the last catalogue only: its rows hold every point's comparison
+                if key is not None:
+                    _CATALOGUE_ROWS[key] = rows
     ranking = sorted((
         {"variant": row.variant, "score": resemblance(observed, row.result) if row.result is not None else 0.0,
          "verdict": row.verdict, "first_divergence": row.first_divergence and row.first_divergence.point,
@@ -249,8 +251,8 @@ def record(request: Request) -> Trace | list[Trace]:
     if request.placement.stream and not side.entry.stream:
         raise TracerError(f"stream is for the engines that read weights block by block (hf, reimpl); "
                           f"the {side.engine} engine cannot")
-    request = request.resolved()
     with progress_stages(("load", "record"), request.progress):
+        request = request.resolved()
         target = request.target
         runner = load_engine(side.engine, side.variant, target)
         ids, chat_info = token_ids(target.source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
@@ -282,9 +284,9 @@ def quality(request: Request, *, ctx: int, chunks: int | None = None, by_layer: 
     it; `by_layer`: also where the loss is made (`tracer.pipeline.attribution`). What quality cannot do is
     refused before the model resolves (`tracer.pipeline.corpus.check_quality`)."""
     check_quality(request, ctx, chunks)
-    request = request.resolved()
-    reference, candidate, inputs, target = request.reference, request.candidate, request.inputs, request.target
     with progress_stages(("load", "chunks"), request.progress):
+        request = request.resolved()
+        reference, candidate, inputs, target = request.reference, request.candidate, request.inputs, request.target
         started = time.perf_counter() - request.resolve_s  # the load time counts resolving the model too
 
         ids, bos = text_tokens(target.source, inputs)
