@@ -127,12 +127,12 @@ def llamacpp_rows(model_dir: Path, tokens: list[int], repeats: int,
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     from tracer.engines import llamacpp
-    from tracer.engines.load import load_engine
+    from tracer.engines.load import resolve_and_load
     from tracer.files.sources import ModelSource
 
     variant = {"threads": threads} if threads else {}  # --threads: llama.cpp's too
     plain_engine = llamacpp.load(ModelSource(model_dir), variant, observe=False)
-    engine, child = llamacpp.load(ModelSource(model_dir), variant), load_engine("llamacpp", model_dir, variant)
+    engine, child = llamacpp.load(ModelSource(model_dir), variant), resolve_and_load("llamacpp", model_dir, variant)
 
     def plain():
         plain_engine.logits(tokens)
@@ -161,7 +161,7 @@ def candle_rows(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, t
     if importlib.util.find_spec("candle") is None:
         return None
     from tracer.engines import candle
-    from tracer.engines.load import load_engine
+    from tracer.engines.load import resolve_and_load
     from tracer.files.sources import ModelSource, bundled_gguf
 
     rows = {}
@@ -171,7 +171,7 @@ def candle_rows(model_dir: Path, tokens: list[int], repeats: int) -> dict[str, t
         measures = {"plain": lambda engine=engine: engine.plain_forward(tokens),
                     "recorded": lambda engine=engine: engine.record(tokens)}
         if argument:
-            child = load_engine(f"candle:{gguf}", model_dir, {})
+            child = resolve_and_load(f"candle:{gguf}", model_dir, {})
             measures["child"] = lambda child=child: child.record(tokens)
         times = best_times(measures, repeats)
         rows[f"{CANDLE_PLAIN}: {label}"] = (times["plain"], 1.0)
@@ -292,7 +292,7 @@ def runtime_engines(model_dir: Path, tokens: dict[str, list[int]], repeats: int)
     """Each installed runtime engine's recording cost against that runtime's own plain forward
     (ORT: the plain export, logits its only output; MLX: the unrecorded forward), timed in
     alternating rounds: table rows, and the runtimes not installed."""
-    from tracer.engines.load import load_engine
+    from tracer.engines.load import resolve_and_load
     from tracer.engines.registry import ENGINES
 
     rows = ["| engine (runtime) | tokens | plain forward, s | every point recorded, s | ratio |",
@@ -303,7 +303,7 @@ def runtime_engines(model_dir: Path, tokens: dict[str, list[int]], repeats: int)
         if entry.missing_runtime():
             missing.append(f"{name} (pip install -e '.[{entry.extra}]')")
             continue
-        engine = load_engine(name, model_dir, {})
+        engine = resolve_and_load(name, model_dir, {})
         pair = best_times({"plain": lambda: engine.logits(ids), "recorded": lambda: engine.record(ids)}, repeats)
         runtime = engine.record(ids[:2]).meta.runtime
         rows.append(f"| {name} ({runtime['name']} {runtime['version']}) | {len(ids)} | {pair['plain']:.3f} | "
@@ -472,16 +472,17 @@ def decode_rows(model_dir: Path, steps: int, repeats: int) -> dict[str, tuple[fl
     from tracer.comparison.diff import compare
     from tracer.comparison.result import Tolerance
     from tracer.engines.load import load_engine
+    from tracer.engines.registry import EngineRef
     from tracer.model.knobs import parse_variant
     from tracer.pipeline import greedy
     from tracer.pipeline.decode import compare_decoded
-    from tracer.pipeline.request import Side, request_of
+    from tracer.pipeline.request import GREEDY_STEPS, Inputs, Request
     from tracer.pipeline.run import compare_candidate, prepared_reference
 
-    inputs, placement = request_of("run", model_dir, DECODE_PROMPT, {})
-    with prepared_reference(inputs, placement, reference=Side.of("hf"), greedy_steps=0, progress=False) as prepared:
+    request = Request(Inputs(model_dir, DECODE_PROMPT), greedy=0, progress=False).resolved()
+    with prepared_reference(request) as prepared:
         hf, ids = prepared.engine, prepared.ids
-        reimpl = load_engine("reimpl", prepared.source, {})
+        reimpl = load_engine(EngineRef.named("reimpl"), {}, prepared.target)
         prefill = compare_candidate(prepared, reimpl, local=False)
         rows = {}
 
@@ -499,8 +500,8 @@ def decode_rows(model_dir: Path, steps: int, repeats: int) -> dict[str, tuple[fl
 
         # The greedy check (20 tokens) of a candidate that parts early, before (uncached forwards, both sides
         # recorded uncached at the flip) and now (each side's cached decode, the flip step recorded).
-        candidate = load_engine("reimpl", prepared.source, parse_variant(GREEDY_VARIANT))
-        count = greedy.GREEDY_STEPS
+        candidate = load_engine(EngineRef.named("reimpl"), parse_variant(GREEDY_VARIANT), prepared.target)
+        count = GREEDY_STEPS
 
         def uncached_check():
             reference = greedy.continuation(hf, ids, count, guess=greedy.draft(hf, ids, count))

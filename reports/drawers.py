@@ -66,7 +66,7 @@ def _serve(names: tuple[str, ...], summary_read: int, images_write: int) -> None
     running the parent's exit handlers. An empty summary (the command wrote no report) ends it."""
     code = 1
     try:
-        from tracer.reports.figures import draw_images
+        from tracer.reports.figures import draw_images  # matplotlib: loaded by the drawer, beside the run
 
         with os.fdopen(summary_read, "rb") as pipe:
             text = pipe.read()
@@ -86,7 +86,7 @@ def report_images(summary) -> dict[str, bytes]:
     images = drawn_by_drawers(summary)
     missing = tuple(name for name in figure_names(summary) if name not in images)
     if missing:
-        from tracer.reports.figures import draw_images
+        from tracer.reports.figures import draw_images  # matplotlib: loaded by the drawer, beside the run
 
         images |= draw_images(summary, missing)
     return {name: images[name] for name in figure_names(summary)}

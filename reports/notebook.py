@@ -12,6 +12,8 @@ import base64
 import sys
 from collections.abc import Mapping
 
+from matplotlib.figure import Figure
+
 from tracer.core.errors import TracerError
 from tracer.model.points import EMBED, folded, is_coarse, layer_of, rank
 from tracer.reports.figures import breakdown_figure, curve_figure, figure_png, has_breakdown, layer_heatmap_figure
@@ -27,6 +29,7 @@ from tracer.reports.summary import (
     tolerance_text,
     verdict_sentence,
 )
+from tracer.reports.sweep_rows import sweep_cells, sweep_rows
 from tracer.reports.table import display_rows, has_local
 from tracer.reports.template import ENV
 
@@ -181,12 +184,10 @@ def show_figures_inline() -> None:
     shell = _ipython_shell()
     if shell is None:
         return
-    from matplotlib.figure import Figure
-
     formatter = shell.display_formatter.formatters.get("image/png")
     if formatter is None or Figure in formatter.type_printers:
         return
-    from IPython.core.pylabtools import select_figure_formats
+    from IPython.core.pylabtools import select_figure_formats  # IPython: in a notebook only
 
     select_figure_formats(shell, {"png"})
 
@@ -220,9 +221,7 @@ SWEEP = ENV.from_string("""<div class="tracer-nb">
 def sweep_html(sweep, *, figure: bool = True) -> str:
     """The notebook view of a sweep (a `Sweep` or its dict): the overlay of every variant's curve
     and one row per variant, as `tracer.reports.sweep` renders them for the report."""
-    from tracer.reports.sweep import sweep_figure
-    from tracer.reports.sweep_rows import sweep_cells, sweep_rows
-
+    from tracer.reports.sweep import sweep_figure  # pandas: a sweep's table only
     summary = as_summary(sweep)
     rows = [sweep_cells(r) for r in sweep_rows(summary)]
     image = None

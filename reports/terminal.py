@@ -16,14 +16,18 @@ from collections.abc import Sequence
 from tracer.reports.summary import (
     fmt,
     greedy_text,
+    input_label,
+    model_name,
     nonfinite_text,
     percent,
     regime_lines,
     runtime_text,
+    side_label,
     steps_line,
     tolerance_text,
     worst_point,
 )
+from tracer.reports.sweep_rows import greedy_note, sweep_cells, sweep_rows
 
 MAX_WIDTH = 100  # never wider, even on a wider terminal: the output is pasted into issues and logs
 MIN_WIDTH = 40
@@ -166,9 +170,6 @@ def divergence_lines(first: dict) -> list[str]:
 
 def sweep_summary(sweep, out_dir=None) -> str:
     """The lines `tracer sweep` prints: one row per variant, aligned, and why greedy is off when it is."""
-    from tracer.reports.summary import input_label, model_name, side_label
-    from tracer.reports.sweep_rows import greedy_note, sweep_cells, sweep_rows
-
     s = sweep.to_dict() if hasattr(sweep, "to_dict") else sweep
     cells = [sweep_cells(row) for row in sweep_rows(s)]
     variants = f"{len(cells)} variant" + ("" if len(cells) == 1 else "s")

@@ -1,34 +1,26 @@
-"""The public API: `record`, `run`, `sweep`, `diagnose`, `compare_files`, `quality`. The CLI maps onto these.
+"""The public API: `record`, `run`, `sweep`, `diagnose`, `compare_files`, `audit_gguf`, `quality`.
 
 Run first, compare later: `record` turns a model and tokens into a `Trace`; `tracer.compare`
-(`tracer.comparison.diff`) turns two traces into a `Result`. The other functions compose the two steps of
-`tracer.pipeline.run` (prepare the reference once, compare a candidate against it) and add the report
-folder.
+(`tracer.comparison.diff`) turns two traces into a `Result`. Each function here is a façade: it builds
+its command's `Request` from its arguments (`tracer.pipeline.request`: every value checked once, before
+torch loads) and hands it to the command's composition of the pipeline's stages
+(`tracer.pipeline.commands`), which the CLI calls with the `Request` it builds from its flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
+import os
 from pathlib import Path
 
-from tracer.comparison.fingerprint import resemblance
+from tracer.arguments import run_command
 from tracer.comparison.result import Diagnosis, Result, Sweep, Tolerance
 from tracer.core.errors import TracerError
-from tracer.core.progress import stage, with_stages
-from tracer.engines.base import at_positions, environment
-from tracer.engines.load import load_engine
-from tracer.engines.offload import check_offload, offload_for
-from tracer.engines.registry import EngineRef
-from tracer.files.sources import ModelSource, resolve_source
+from tracer.files.sources import resolve_source
 from tracer.ggml.audit import WeightAudit
-from tracer.model.knobs import format_knob_value, parse_variant, variant_text
-from tracer.pipeline.catalogue import default_variants, diagnosis_variants, split_variants
-from tracer.pipeline.corpus import Quality, measure_quality
-from tracer.pipeline.greedy import GREEDY_STEPS
-from tracer.pipeline.regime_view import check_regime_decode, check_regime_run, compare_in_regime
-from tracer.pipeline.regime_view import resolve as resolve_regime
+from tracer.pipeline import commands
+from tracer.pipeline.corpus import Quality
+from tracer.pipeline.regime_view import audit_weights
 from tracer.pipeline.request import (
     DEFAULT_CTX,
     DEFAULT_PROMPT,
@@ -36,30 +28,14 @@ from tracer.pipeline.request import (
     Inputs,
     Outputs,
     Placement,
+    Request,
     Side,
-    check_batch,
-    check_decode,
-    check_family_support,
-    check_greedy,
-    check_positions,
     check_tolerance,
-    regime_knobs,
     request_of,
-)
-from tracer.pipeline.run import (
-    candidate_loader,
-    check_tokens,
-    compare_candidate,
-    config_audit,
-    prepared_from_trace,
-    prepared_reference,
-    sweep_row,
-    token_ids,
 )
 from tracer.traces.trace import Trace
 
 
-@with_stages("load", "record")
 def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device: str = "cpu", stream: bool = False,
            chat: bool = False, system: str | None = None, offload: str | Path | None = None, max_memory=None,
            position_offset: int = 0, decode: int = 0, batch: int = 1, progress: bool = True) -> Trace | list[Trace]:
@@ -102,49 +78,11 @@ def record(model, tokens_or_prompt, engine: str = "hf", variant=None, *, device:
         and all(isinstance(row, str) for row in tokens_or_prompt))
     inputs = Inputs(model, tokens_or_prompt if is_prompt else None, None if is_prompt else tokens_or_prompt,
                     chat=chat, system=system, position_offset=position_offset, decode=decode, batch=batch)
-    return record_values(inputs, Placement(device, stream, offload, max_memory), Side.of(engine, variant),
-                         progress=progress)
+    request = Request(inputs, Placement(device, stream, offload, max_memory), Side.of(engine, variant),
+                      progress=progress)
+    return commands.record(request)
 
 
-@with_stages("load", "record")
-def record_values(inputs: Inputs, placement: Placement, side: Side, *,
-                  progress: bool = True) -> Trace | list[Trace]:
-    """`record` on the request's values (`tracer.pipeline.request`), as the CLI builds them."""
-    engine = side.engine
-    check_positions(inputs.position_offset, side)
-    check_decode(inputs.decode, side)
-    check_batch(inputs.batch, side)
-    if placement.stream and not side.entry.stream:
-        raise TracerError(f"stream is for the engines that read weights block by block (hf, reimpl); "
-                          f"the {engine} engine cannot")
-    check_offload(placement.accelerate, engine)
-    source = resolve_source(inputs.model, progress)
-    check_family_support(engine, source)
-    runner = load_engine(engine, source, side.variant, device=placement.device, stream=placement.stream,
-                         offload=placement.accelerate)
-    ids, chat_info = token_ids(source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
-    check_tokens(ids, runner, inputs.position_offset)
-    stage("record")
-    if inputs.batch > 1:
-        rows = [list(token_ids(source, *((row, None) if isinstance(row, str) else (None, row)), chat=inputs.chat,
-                               system=inputs.system)[0]) for row in inputs.rows]
-        for row in rows:
-            check_tokens(row, runner)
-        traces = runner.record_batch(rows)
-        return [dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, prompt=text, chat=None))
-                if isinstance(text, str) else trace for trace, text in zip(traces, inputs.rows)]
-    if inputs.decode:
-        trace = runner.decode(ids, inputs.decode, offset=inputs.position_offset)
-    else:
-        trace = runner.record(ids, **at_positions(inputs.position_offset, len(ids)))
-    if inputs.text is not None:
-        trace.meta = dataclasses.replace(trace.meta, prompt=inputs.text)
-    if chat_info:
-        trace.meta = dataclasses.replace(trace.meta, chat=chat_info)
-    return trace
-
-
-@with_stages("load", "reference", "noise floor", "candidate", "greedy", "decode", "batch", "regime", "report")
 def run(
     model=None,
     prompt: str | None = DEFAULT_PROMPT,
@@ -219,67 +157,14 @@ def run(
     """
     check_tolerance(atol, rtol)
     inputs, placement = request_of("run", model, prompt, request)
-    return run_values(inputs, placement, Outputs(report=None if out is None else str(out)),
-                      reference=Side.of(reference, reference_variant), candidate=Side.of(candidate, variant),
-                      tolerance=Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor, regime=regime,
-                      command=command, progress=progress)
+    asked = Request(inputs, placement, Side.of(reference, reference_variant), Side.of(candidate, variant),
+                    Outputs(report=None if out is None else str(out)), Tolerance(atol=atol, rtol=rtol), greedy=greedy,
+                    noise_floor=noise_floor, regime=regime, command=command, progress=progress)
+    if command is None and (model is None or isinstance(model, (str, os.PathLike))):  # a model object has no line
+        asked = dataclasses.replace(asked, command=run_command(asked))
+    return commands.run(asked)
 
 
-@with_stages("load", "reference", "noise floor", "candidate", "greedy", "decode", "batch", "regime", "report")
-def run_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, reference: Side, candidate: Side,
-               tolerance: Tolerance = Tolerance(), greedy: int | None = None, noise_floor: bool = True,
-               regime=None, command: str | None = None, progress: bool = True) -> Result:
-    """`run` on the request's values (`tracer.pipeline.request`: each side's engine and knobs parsed and
-    checked), as the CLI builds them; the rest is checked here, before torch loads anything."""
-    check_positions(inputs.position_offset, reference, candidate)
-    check_decode(inputs.decode, reference, candidate)
-    check_batch(inputs.batch, reference, candidate)
-    check_greedy(greedy)
-    regime = regime_knobs(regime)
-    if regime is not None:
-        check_regime_run(reference.engine, candidate.engine)
-        if inputs.batch > 1:
-            raise TracerError("--batch with --regime: a regime's own steps run one prompt; run them apart")
-    # the rows are compared point by point; a greedy continuation would be the first row's only
-    greedy_steps = 0 if inputs.batch > 1 and greedy is None else greedy
-    variant = candidate.variant
-    with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
-                            greedy_steps=greedy_steps, progress=progress, candidates=(candidate.engine,),
-                            lockstep_with=candidate if regime is None else None) as prepared:
-        in_regime = resolve_regime(regime, candidate.engine, variant, prepared.source) if regime is not None else None
-        if in_regime is not None:  # before the candidate runs: a decode the regime cannot judge is refused now
-            check_regime_decode(in_regime[0], in_regime[1], len(prepared.ids), inputs.decode)
-        engine = prepared.lockstep.engine if prepared.lockstep is not None else \
-            load_engine(candidate.engine, prepared.source, variant, device=placement.device,
-                        stream=prepared.stream, offload=offload_for(candidate.engine, prepared.offload))
-        if command is None and not prepared.source.loaded:  # no command line can name a model object
-            command = run_command(inputs, placement, outputs, reference=str(reference.engine),
-                                  candidate=str(candidate.engine), variant=variant, reference_variant=prepared.variant,
-                                  tolerance=tolerance, greedy=greedy, noise_floor=noise_floor, regime=regime)
-        result = compare_candidate(prepared, engine, command=command,
-                                   notes=stream_notes(prepared.stream, candidate.engine),
-                                   config_audit=config_audit(prepared.source, variant))
-        if inputs.decode:
-            from tracer.pipeline.decode import compare_decoded
-
-            result = compare_decoded(result, prepared, engine, inputs.decode)
-        if inputs.batch > 1:
-            from tracer.pipeline.batch import compare_batched
-
-            result = compare_batched(result, prepared, engine, inputs, reference)
-        if in_regime is not None:
-            stage("regime")
-            result = compare_in_regime(result, prepared, engine, *in_regime, noise_floor=noise_floor,
-                                       decode=inputs.decode)
-    if outputs.report is not None:
-        from tracer.reports import write_report
-
-        stage("report")
-        write_report(result, outputs.report)
-    return result
-
-
-@with_stages("load", "reference", "noise floor", "decode", "candidate", "report")
 def sweep(
     model=None,
     prompt: str | None = None,
@@ -332,56 +217,13 @@ def sweep(
     check_tolerance(atol, rtol)
     given = DEFAULT_PROMPT if prompt is None and request.get("tokens") is None else prompt
     inputs, placement = request_of("sweep", model, given, request)
-    return sweep_values(inputs, placement, Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT),
-                        variants=variants,
-                        reference=Side.of(reference, reference_variant), candidate=Side.of(candidate),
-                        tolerance=Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor,
-                        command=command, progress=progress)
+    request = Request(inputs, placement, Side.of(reference, reference_variant), Side.of(candidate),
+                      Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT),
+                      Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor, variants=variants,
+                      command=command, progress=progress)
+    return commands.sweep(request)
 
 
-@with_stages("load", "reference", "noise floor", "decode", "candidate", "report")
-def sweep_values(inputs: Inputs, placement: Placement, outputs: Outputs, *, variants=None, reference: Side,
-                 candidate: Side, tolerance: Tolerance = Tolerance(), greedy: int = 0, noise_floor: bool = True,
-                 command: str | None = None, progress: bool = True) -> Sweep:
-    """`sweep` on the request's values (`tracer.pipeline.request`), as the CLI builds them; a knob the
-    candidate cannot honour is that variant's row's error."""
-    check_positions(inputs.position_offset, reference, candidate)
-    check_decode(inputs.decode, reference, candidate)
-    texts = None if variants is None else split_variants(variants)
-    parsed = None if texts is None else [parse_variant(text) for text in texts]  # before anything loads
-    check_greedy(greedy)
-    with prepared_reference(inputs, placement, reference=reference, tolerance=tolerance, noise_floor=noise_floor,
-                            greedy_steps=greedy, progress=progress, candidates=(candidate.engine,)) as prepared:
-        load_candidate = candidate_loader(candidate.engine, prepared)
-        if parsed is None:
-            spec = model_spec(prepared.source)
-            parsed = [parse_variant(text) for text in default_variants(spec, candidate.entry.name,
-                                                                       decode=bool(inputs.decode))]
-        decoded = None
-        if inputs.decode:  # the reference decodes once; every variant is fed its tokens
-            from tracer.pipeline.decode import reference_decode
-
-            stage("decode")
-            decoded = (inputs.decode, reference_decode(prepared, inputs.decode))
-        stage("candidate")
-        rows = tuple(sweep_row(prepared, load_candidate, knobs, decoded=decoded) for knobs in parsed)
-    result = Sweep(
-        rows=rows, reference={"engine": str(reference.engine), "variant": prepared.variant,
-                              "label": prepared.trace.label},
-        candidate={"engine": str(candidate.engine)}, tolerance=prepared.tolerance, model=prepared.trace.meta.model,
-        prompt=prepared.prompt, tokens=prepared.ids, chat=prepared.chat, greedy_steps=prepared.greedy_steps,
-        reference_greedy=prepared.reference_greedy, environment=environment(), command=command,
-        timings={**prepared.timings, "variants_s": sum(row.seconds or 0.0 for row in rows)}, notes=prepared.notes,
-    )
-    if outputs.report is not None:
-        from tracer.reports import write_sweep_report
-
-        stage("report")
-        write_sweep_report(result, outputs.report)
-    return result
-
-
-@with_stages("load", "reference", "noise floor", "decode", "candidate")
 def diagnose(trace, model=None, *, variants=None, decode: int = 0, device: str = "cpu", stream: bool | None = None,
              offload: str | Path | None = None, max_memory=None, progress: bool = True) -> Diagnosis:
     """Rank the variant catalogue by how well each reproduces an observed trace's error.
@@ -409,61 +251,11 @@ def diagnose(trace, model=None, *, variants=None, decode: int = 0, device: str =
         >>> tracer.diagnose(observed, variants="theta=10000; eps=1e-4", progress=False).best["variant"]
         'eps=0.0001'
     """
-    return diagnose_values(trace, Inputs(model, tokens=None, decode=decode),
-                           Placement(device, stream, offload, max_memory), variants=variants, progress=progress)
+    request = Request(Inputs(model, tokens=None, decode=decode), Placement(device, stream, offload, max_memory),
+                      variants=variants, progress=progress)
+    return commands.diagnose(request, trace)
 
 
-@with_stages("load", "reference", "noise floor", "decode", "candidate")
-def diagnose_values(trace, inputs: Inputs, placement: Placement = Placement(), *, variants=None,
-                    progress: bool = True) -> Diagnosis:
-    """`diagnose` on the request's values; `inputs` names the model (its prompt is the trace's tokens) and
-    the decode steps to compare (`inputs.decode`)."""
-    from tracer.engines.file import FileEngine
-
-    observed_trace = load_trace(trace)
-    if not observed_trace.tokens:
-        raise TracerError("the trace carries no token ids; diagnose needs them to rerun the same input")
-    steps = inputs.decode
-    if steps and len(observed_trace.steps) < steps:
-        raise TracerError(f"--decode {steps}: the trace holds {len(observed_trace.steps)} decode steps (record it "
-                          f"with --decode {steps} or more)")
-    tried = None if variants is None else [parse_variant(text) for text in split_variants(variants)]
-    replay = Inputs(inputs.model, tokens=observed_trace.tokens)
-    with prepared_reference(replay, placement, reference=Side.of("hf"), greedy_steps=0, progress=progress) as prepared:
-        observed = compare_candidate(prepared, FileEngine(observed_trace))
-        decoded = None
-        if steps:  # the reference and every variant fed the observed trace's tokens
-            from tracer.pipeline.decode import decoded_tokens, reference_decode, with_decoded
-
-            stage("decode")
-            started = time.perf_counter()
-            observed_steps = dataclasses.replace(observed_trace, steps=observed_trace.steps[:steps])
-            decoded = (steps, reference_decode(prepared, steps, forced=decoded_tokens(observed_steps)))
-            observed = with_decoded(observed, prepared, *decoded[1], observed_steps, started,
-                                    fed="the reference fed the trace's tokens")
-        if tried is None:
-            tried = [parse_variant(text) for text in diagnosis_variants(model_spec(prepared.source),
-                                                                        decode=bool(steps))]
-        stage("candidate")
-        key = catalogue_key(prepared, placement, tried, steps)
-        rows = _CATALOGUE_ROWS.get(key) if key is not None else None
-        if rows is None:
-            load_candidate = candidate_loader(EngineRef.named("reimpl"), prepared)
-            # Without local errors: the observed trace has none (a file cannot rerun a block), so
-            # both sides' first divergences are where the total error leaves the floor.
-            rows = [sweep_row(prepared, load_candidate, knobs, local=False, decoded=decoded) for knobs in tried]
-            _CATALOGUE_ROWS.clear()  # the last catalogue only: its rows hold every point's comparison
-            if key is not None:
-                _CATALOGUE_ROWS[key] = rows
-    ranking = sorted((
-        {"variant": row.variant, "score": resemblance(observed, row.result) if row.result is not None else 0.0,
-         "verdict": row.verdict, "first_divergence": row.first_divergence and row.first_divergence.point,
-         "error": row.error}
-        for row in rows), key=lambda entry: entry["score"], reverse=True)
-    return Diagnosis(observed, tuple(ranking))
-
-
-@with_stages("load", "chunks")
 def quality(text: str | None = None, model=None, *, text_file: str | Path | None = None, tokens=None,
             reference: str = "hf", candidate: str = "reimpl", variant=None, reference_variant=None,
             ctx: int = DEFAULT_CTX, chunks: int | None = None, by_layer: bool = False, device: str = "cpu",
@@ -517,38 +309,10 @@ def quality(text: str | None = None, model=None, *, text_file: str | Path | None
     if text is None and tokens is None:
         raise TracerError("give a text (text=, text_file=) or token ids (tokens=)")
     inputs = Inputs(model, prompt=text, tokens=tokens)
-    return quality_values(inputs, Placement(device, stream, offload, max_memory),
-                          reference=Side.of(reference, reference_variant), candidate=Side.of(candidate, variant),
-                          ctx=ctx, chunks=chunks, by_layer=by_layer, text_name=text_name or ("<tokens>" if text is None
-                                                                                    else "<text>"),
-                          command=command)
-
-
-@with_stages("load", "chunks")
-def quality_values(inputs: Inputs, placement: Placement = Placement(), *, progress: bool = True,
-                   **options) -> Quality:
-    """`quality` on the request's values (`tracer.pipeline.request`), as the CLI builds them (`options`:
-    `tracer.pipeline.corpus.measure_quality`'s)."""
-    return measure_quality(inputs, placement, **options)
-
-
-# The catalogue's rows for the last model, tokens and placement diagnosed: diagnosing several
-# dumps of one prompt (a notebook, a porting CI job) runs the catalogue once per process.
-_CATALOGUE_ROWS: dict[tuple, list] = {}
-
-
-def catalogue_key(prepared, placement: Placement, tried: list[dict], steps: int = 0) -> tuple | None:
-    """What the catalogue's rows depend on: the model's files as they are on disk now (size, mtime,
-    ctime, inode of each), the tokens, the placement, the variants and the decode steps; None for a
-    loaded model."""
-    if prepared.source.loaded:
-        return None
-    from tracer.pipeline.reference_cache import folder_state
-
-    model_dir = prepared.source.directory
-    files = json.dumps(folder_state(model_dir), sort_keys=True)
-    return (str(model_dir.resolve()), files, tuple(prepared.ids), repr(placement),
-            tuple(variant_text(knobs) for knobs in tried), steps)
+    request = Request(inputs, Placement(device, stream, offload, max_memory), Side.of(reference, reference_variant),
+                      Side.of(candidate, variant), command=command, progress=progress)
+    return commands.quality(request, ctx=ctx, chunks=chunks, by_layer=by_layer,
+                            text_name=text_name or ("<tokens>" if text is None else "<text>"))
 
 
 def compare_files(
@@ -593,29 +357,10 @@ def compare_files(
         >>> tracer.compare_files(ref, cand).first_divergence.point
         'model.layers.0.self_attn.q_rope'
     """
-    from tracer.engines.file import FileEngine
-    from tracer.model.names import alias_table
-
     check_tolerance(atol, rtol)
-    Outputs(report=None if out is None else str(out))  # the report folder can be written: checked before reading
-    table = alias_table(aliases)  # a bad mapping file is an error even when both traces are tracer's own
-    ref_trace, cand_trace = (load_trace(side, table, shard_layout if is_sharded(side) else None)
-                             for side in (reference, candidate))
-    if shard_layout is not None and not (is_sharded(reference) or is_sharded(candidate)):
-        raise TracerError("a shard layout was given, but neither side is a set of tensor-parallel shards")
-    prepared = prepared_from_trace(ref_trace, Tolerance(atol=atol, rtol=rtol), cand_trace.tokens)
-    result = compare_candidate(prepared, FileEngine(cand_trace), command=command)
-    if ref_trace.steps or cand_trace.steps:  # decoded traces (`record --decode N`): every step, by the fixed bound
-        from tracer.comparison.steps import compare_steps, with_steps
-
-        result = with_steps(result, compare_steps(ref_trace, cand_trace, prepared.tolerance))
-    if result.prompt is None and cand_trace.meta.prompt:
-        result = result.with_context(prompt=cand_trace.meta.prompt)
-    if out is not None:
-        from tracer.reports import write_report
-
-        write_report(result, out)
-    return result
+    outputs = Outputs(report=None if out is None else str(out))  # the report folder can be written: checked first
+    return commands.compare_files(reference, candidate, tolerance=Tolerance(atol=atol, rtol=rtol), aliases=aliases,
+                                  outputs=outputs, command=command, shard_layout=shard_layout)
 
 
 def audit_gguf(gguf: str | Path, model=None, *, progress: bool = True) -> WeightAudit:
@@ -638,87 +383,4 @@ def audit_gguf(gguf: str | Path, model=None, *, progress: bool = True) -> Weight
         >>> audit.verdict, audit.damaged
         ('identical', ())
     """
-    from tracer.pipeline.regime_view import audit_weights
-
     return audit_weights({"weights": "gguf", "gguf_file": str(gguf)}, resolve_source(model, progress))
-
-
-def is_sharded(trace_or_path) -> bool:
-    """Several files, one per rank, or a directory (SGLang's dumper): a tensor-parallel run's shards."""
-    if isinstance(trace_or_path, (list, tuple)):
-        return len(trace_or_path) > 1 or (len(trace_or_path) == 1 and Path(trace_or_path[0]).is_dir())
-    return isinstance(trace_or_path, (str, Path)) and Path(trace_or_path).is_dir()
-
-
-def load_trace(trace_or_path, aliases=None, shard_layout=None) -> Trace:
-    """A Trace as it is; a file read with `Trace.load`, or a dict name -> tensor, with foreign
-    names mapped through the aliases; a list of files (one per rank) or an SGLang dumper directory
-    merged by `shard_layout` and the dumps' declarations (`tracer.traces.shards`)."""
-    if isinstance(trace_or_path, Trace):
-        return trace_or_path
-    if isinstance(trace_or_path, dict):
-        from tracer.traces.trace import import_foreign
-
-        return import_foreign(trace_or_path, {}, Path("<dict>"), aliases)
-    paths = list(trace_or_path) if isinstance(trace_or_path, (list, tuple)) else [trace_or_path]
-    if not paths:
-        raise TracerError("no trace file given")
-    if len(paths) > 1 or Path(paths[0]).is_dir():
-        from tracer.traces.shards import load_shards
-
-        return load_shards(paths, aliases, shard_layout)
-    if shard_layout is not None:
-        raise TracerError(f"a shard layout was given, but {paths[0]} is one trace, not shards of one")
-    return Trace.load(paths[0], aliases)
-
-
-def model_spec(source: ModelSource):
-    """What the hf reader makes of the model's config (for the variants worth trying on it)."""
-    from tracer.model.config import read_hf
-
-    return read_hf(source.config())
-
-
-def stream_notes(stream: bool, candidate: EngineRef) -> tuple[str, ...]:
-    """A candidate engine that cannot stream loads its whole model: said."""
-    if stream and not candidate.entry.stream:
-        return (f"stream: the {candidate} engine loads its whole model (only engines that stream read weights "
-                "block by block)",)
-    return ()
-
-
-def run_command(inputs: Inputs, placement: Placement, outputs: Outputs, *, reference: str, candidate: str,
-                variant: dict, reference_variant: dict, tolerance: Tolerance, greedy, noise_floor: bool,
-                regime) -> str:
-    """The `tracer run` line that repeats a Python `run` call on a model path, for the report,
-    derived from the CLI's parser: defaults left out."""
-    from tracer.arguments import command_line
-
-    knobs = {k: f"{k}={format_knob_value(v)}" for k, v in {**variant}.items()}
-    several = len(set(inputs.rows)) > 1  # a batch of different rows: every row on the line
-    tokens, prompt = inputs.tokens, inputs.prompt if inputs.prompt != DEFAULT_PROMPT else None
-    if several and inputs.tokens is not None:
-        tokens = ";".join(",".join(map(str, row)) for row in inputs.rows)
-    elif several:
-        prompt = list(inputs.rows)
-    values = {
-        "model": inputs.model,
-        "tokens": None if tokens is None else tokens if isinstance(tokens, str) else ",".join(map(str, tokens)),
-        "prompt": prompt if inputs.tokens is None else None,
-        "chat": inputs.chat, "system": inputs.system,
-        "max_tokens": inputs.max_tokens if inputs.tokens is None else None,
-        "position_offset": inputs.position_offset, "decode": inputs.decode, "batch": inputs.batch,
-        "reference": reference, "candidate": candidate,
-        "reference_variant": [",".join(f"{k}={format_knob_value(v)}" for k, v in reference_variant.items())]
-        if reference_variant else [],
-        "variant": [",".join(knobs.values())] if knobs else [],
-        "atol": tolerance.atol, "rtol": tolerance.rtol,
-        "greedy": greedy if greedy != GREEDY_STEPS else None, "no_noise": not noise_floor,
-        "device": placement.device, "stream": placement.stream, "no_stream": placement.stream is False,
-        "regime": None if regime is None else regime if isinstance(regime, str) else variant_text(regime),
-        "offload": placement.offload,
-        "max_memory": ",".join(f"{d}={size}" for d, size in placement.max_memory.items())
-        if placement.max_memory else None,
-        "out": outputs.report, "no_report": outputs.report is None,
-    }
-    return command_line("run", values)

@@ -1,7 +1,7 @@
 """Every flag of the `tracer` command, declared once: shared argparse parents for the flags several
 sub-commands take (inputs, placement, tolerance, report, JSON), and `command_line`, which writes the
-command that repeats a run from the same declarations. Pure argparse: no torch, no tracer internals
-above `tracer.pipeline.request`, so the API can derive its reproduction line from here.
+command that repeats a run from the same declarations (`run_command`: the `tracer run` line of a Python
+`run` call's `Request`). Pure argparse: no torch, no tracer internals above `tracer.pipeline.request`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tracer.core.errors import TracerError, did_you_mean
 from tracer.model.families import FAMILIES
-from tracer.pipeline.request import DEFAULT_CTX, DEFAULT_PROMPT
+from tracer.model.knobs import variant_text
+from tracer.pipeline.request import DEFAULT_CTX, DEFAULT_PROMPT, GREEDY_STEPS, Request
 
 DEFAULT_OUT = "tracer-report"
 DEFAULT_SWEEP_OUT = "tracer-sweep"
@@ -302,3 +303,35 @@ def command_line(command: str, values: dict) -> str:
         else:
             words += [flag, str(value)]
     return shlex.join(words)
+
+
+def run_command(request: Request) -> str:
+    """The `tracer run` line that repeats a Python `run` call on a model path, for the report: every flag
+    whose value differs from its default (`command_line`)."""
+    inputs, placement, tolerance, regime = request.inputs, request.placement, request.tolerance, request.regime
+    several = len(set(inputs.rows)) > 1  # a batch of different rows: every row on the line
+    tokens, prompt = inputs.tokens, inputs.prompt if inputs.prompt != DEFAULT_PROMPT else None
+    if several and inputs.tokens is not None:
+        tokens = ";".join(",".join(map(str, row)) for row in inputs.rows)
+    elif several:
+        prompt = list(inputs.rows)
+    values = {
+        "model": inputs.model,
+        "tokens": None if tokens is None else tokens if isinstance(tokens, str) else ",".join(map(str, tokens)),
+        "prompt": prompt if inputs.tokens is None else None,
+        "chat": inputs.chat, "system": inputs.system,
+        "max_tokens": inputs.max_tokens if inputs.tokens is None else None,
+        "position_offset": inputs.position_offset, "decode": inputs.decode, "batch": inputs.batch,
+        "reference": str(request.reference.engine), "candidate": str(request.candidate.engine),
+        "reference_variant": [variant_text(request.reference.variant)] if request.reference.variant else [],
+        "variant": [variant_text(request.candidate.variant)] if request.candidate.variant else [],
+        "atol": tolerance.atol, "rtol": tolerance.rtol,
+        "greedy": request.greedy if request.greedy != GREEDY_STEPS else None, "no_noise": not request.noise_floor,
+        "device": placement.device, "stream": placement.stream, "no_stream": placement.stream is False,
+        "regime": None if regime is None else regime if isinstance(regime, str) else variant_text(regime),
+        "offload": placement.offload,
+        "max_memory": ",".join(f"{d}={size}" for d, size in placement.max_memory.items())
+        if placement.max_memory else None,
+        "out": request.outputs.report, "no_report": request.outputs.report is None,
+    }
+    return command_line("run", values)

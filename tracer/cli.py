@@ -1,7 +1,9 @@
-"""`tracer` on the command line: a thin map over `tracer.api`.
+"""`tracer` on the command line: a thin map over the pipeline's commands (`tracer.pipeline.commands`),
+which the API's functions call too.
 
-A mistake the user can make is one line on stderr and exit code 2; `--json -` prints exactly
-one JSON object on stdout and nothing else there.
+Each command's flags become its `Request` (`tracer.pipeline.request`), checked as it is built, before
+torch loads. A mistake the user can make is one line on stderr and exit code 2; `--json -` prints
+exactly one JSON object on stdout and nothing else there.
 """
 
 from __future__ import annotations
@@ -14,8 +16,14 @@ from pathlib import Path
 
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
 from tracer.comparison.result import Tolerance
+from tracer.core.allocator import reuse_freed_memory
 from tracer.core.errors import TracerError, did_you_mean, printable
-from tracer.model.knobs import parse_variant
+from tracer.engines.registry import check_engine, engines_honouring, registered
+from tracer.files.sources import resolve_model
+from tracer.model.config import audit, load_config
+from tracer.model.families import FAMILIES
+from tracer.model.knobs import KNOBS, PRESETS, knobs_for, variant_text
+from tracer.model.points import FUSED_AWAY
 from tracer.pipeline.request import (
     DEFAULT_PROMPT,
     RUN_REPORT,
@@ -23,10 +31,20 @@ from tracer.pipeline.request import (
     Inputs,
     Outputs,
     Placement,
+    Request,
     Side,
-    check_greedy,
     check_tolerance,
-    regime_knobs,
+    writable_file,
+)
+from tracer.reports.drawers import start_drawers
+from tracer.reports.terminal import (
+    command_lines,
+    sweep_summary,
+    table,
+    terminal_summary,
+    terminal_width,
+    wrap,
+    wrapped,
 )
 
 
@@ -45,10 +63,12 @@ def inputs_of(args) -> Inputs:
                   decode=getattr(args, "decode", 0), batch=getattr(args, "batch", 1))
 
 
-def placement_of(args) -> Placement:
+def placement_of(args, by_size: bool = True) -> Placement:
+    """The `Placement` of a command's flags; without --stream or --no-stream, streaming is chosen by the model's
+    size where the command prepares a reference (`by_size`: run, sweep, diagnose), else off (record, quality)."""
     if args.stream and getattr(args, "no_stream", False):
         raise TracerError("--stream and --no-stream contradict each other; give one")
-    stream = True if args.stream else False if getattr(args, "no_stream", False) else None  # None: chosen by size
+    stream = True if args.stream else False if getattr(args, "no_stream", False) or not by_size else None
     return Placement(device=args.device, stream=stream, offload=args.offload, max_memory=args.max_memory)
 
 
@@ -61,20 +81,15 @@ def outputs_of(args, kind: tuple[str, str] = RUN_REPORT) -> Outputs:
 def cmd_run(args) -> int:
     inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args)
     check_tolerance(args.atol, args.rtol)
-    reference, candidate = Side.of(args.reference, args.reference_variant), Side.of(args.candidate, args.variant)
-    check_greedy(args.greedy)
-    regime = regime_knobs(args.regime)
+    request = Request(inputs, placement, Side.of(args.reference, args.reference_variant),
+                      Side.of(args.candidate, args.variant), outputs, Tolerance(atol=args.atol, rtol=args.rtol),
+                      greedy=args.greedy, noise_floor=not args.no_noise, regime=args.regime,
+                      command=_command_line(), progress=args.json != "-")
     if outputs.report is not None:
-        from tracer.reports.drawers import start_drawers
-
         start_drawers()  # forked while this is one thread with no torch: matplotlib loads beside the run
-    from tracer.api import run_values  # every argument checked: only now does torch load
-    from tracer.reports.terminal import terminal_summary
+    from tracer.pipeline import commands  # torch loads only now, every argument checked
 
-    result = run_values(inputs, placement, outputs, reference=reference, candidate=candidate,
-                        tolerance=Tolerance(atol=args.atol, rtol=args.rtol), greedy=args.greedy,
-                        noise_floor=not args.no_noise, regime=regime, command=_command_line(),
-                        progress=args.json != "-")
+    result = commands.run(request)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
@@ -83,14 +98,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    import tracer
-    from tracer.reports.terminal import terminal_summary
-
     outputs = outputs_of(args)
     check_tolerance(args.atol, args.rtol)
     candidate = args.candidate[0] if len(args.candidate) == 1 else args.candidate
-    result = tracer.compare_files(args.reference, candidate, atol=args.atol, rtol=args.rtol, aliases=args.aliases,
-                                  out=outputs.report, command=_command_line(), shard_layout=args.shard_layout)
+    from tracer.pipeline import commands  # torch loads only now, every argument checked
+
+    result = commands.compare_files(args.reference, candidate, tolerance=Tolerance(atol=args.atol, rtol=args.rtol),
+                                    aliases=args.aliases, outputs=outputs, command=_command_line(),
+                                    shard_layout=args.shard_layout)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
@@ -104,11 +119,11 @@ def _exit_code(result, args) -> int:
 
 
 def cmd_record(args) -> int:
-    inputs, placement, _ = inputs_of(args), placement_of(args), outputs_of(args)
-    side = Side.of(args.engine, args.variant)
-    from tracer.api import record_values
+    inputs, placement, outputs = inputs_of(args), placement_of(args, by_size=False), outputs_of(args)
+    request = Request(inputs, placement, Side.of(args.engine, args.variant), outputs=outputs)
+    from tracer.pipeline import commands  # torch loads only now, every argument checked
 
-    trace = record_values(inputs, placement, side)
+    trace = commands.record(request)
     if inputs.batch > 1:  # one file per row: OUT.row0.safetensors, ...
         output = Path(args.output)
         for row, one in enumerate(trace):
@@ -122,11 +137,6 @@ def cmd_record(args) -> int:
 
 
 def cmd_variants(args) -> int:
-    from tracer.engines.registry import engines_honouring
-    from tracer.model.families import FAMILIES
-    from tracer.model.knobs import KNOBS, PRESETS, knobs_for, variant_text
-    from tracer.reports.terminal import table, wrapped
-
     if args.family is not None and args.family not in FAMILIES:
         raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}"
                           + did_you_mean(args.family, FAMILIES))
@@ -154,10 +164,6 @@ def cmd_variants(args) -> int:
 
 
 def cmd_engines(args) -> int:
-    from tracer.engines.registry import registered
-    from tracer.model.points import FUSED_AWAY
-    from tracer.reports.terminal import table, wrap
-
     lines = table(("engine", "runtime", "devices", "families"),
                   [(e.usage, _runtime(e), ", ".join(e.devices), "all" if e.families is None else ", ".join(e.families))
                    for e in registered().values()])
@@ -182,8 +188,6 @@ def _runtime(entry) -> str:
 def _runtime_lines(entry) -> list[str]:
     """`tracer engines`' runtime line; a missing one with the README's install command, on lines of its
     own (split where a shell joins them) when it does not fit beside the words."""
-    from tracer.reports.terminal import command_lines, terminal_width, wrap
-
     if not entry.missing_runtime():
         return wrap(f"  runtime  installed ({_runtime(entry)})", hang=9)
     said = "  runtime  not installed" + (f" ({entry.install_note})" if entry.install_note else "") + ":"
@@ -193,19 +197,14 @@ def _runtime_lines(entry) -> list[str]:
 
 
 def cmd_sweep(args) -> int:
-    from tracer.pipeline.catalogue import split_variants
-
     inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args, SWEEP_REPORT)
-    reference, candidate = Side.of(args.reference, args.reference_variant), Side.of(args.candidate)
-    for text in split_variants(args.variants) if args.variants else []:
-        parse_variant(text)  # a knob the candidate cannot honour is that row's error, said in the table
-    check_greedy(args.greedy)
-    from tracer.api import sweep_values
-    from tracer.reports.terminal import sweep_summary
+    request = Request(inputs, placement, Side.of(args.reference, args.reference_variant),
+                      Side.of(args.candidate), outputs, greedy=args.greedy,
+                      noise_floor=not args.no_noise, variants=args.variants, command=_command_line(),
+                      progress=args.json != "-")
+    from tracer.pipeline import commands  # torch loads only now, every argument checked
 
-    result = sweep_values(inputs, placement, outputs, variants=args.variants, reference=reference,
-                          candidate=candidate, greedy=args.greedy,
-                          noise_floor=not args.no_noise, command=_command_line(), progress=args.json != "-")
+    result = commands.sweep(request)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
@@ -215,21 +214,16 @@ def cmd_sweep(args) -> int:
 
 def cmd_diagnose(args) -> int:
     placement, _ = placement_of(args), outputs_of(args)
-    inputs = Inputs(model=args.model, decode=args.decode)
-    if args.variants:
-        from tracer.pipeline.catalogue import split_variants
+    request = Request(Inputs(model=args.model, decode=args.decode), placement, variants=args.variants,
+                      progress=args.json != "-")
+    for knobs in request.variants or ():
+        check_engine(knobs, "reimpl")  # the variants run on tracer's model: a knob it cannot honour, said now
+    from tracer.pipeline import commands  # torch loads only now, every argument checked
 
-        for text in split_variants(args.variants):
-            Side.of("reimpl", text)
-    from tracer.api import diagnose_values
-
-    result = diagnose_values(args.trace, inputs, placement, variants=args.variants or None,
-                             progress=args.json != "-")
+    result = commands.diagnose(request, args.trace)
     if args.json:
         _write_json(result.to_dict(), args.json)
     if args.json != "-":
-        from tracer.reports.terminal import table, wrapped
-
         first = result.observed.first_divergence
         lines = [f"observed: {result.observed.verdict}" + (f", first divergence {first.point}" if first else "")]
         lines += table(("", "variant", "resemblance", "its verdict"),
@@ -243,11 +237,9 @@ def cmd_diagnose(args) -> int:
 
 
 def cmd_quality(args) -> int:
-    placement = placement_of(args)
+    placement = placement_of(args, by_size=False)
     outputs_of(args)
     if args.markdown not in (None, "-"):
-        from tracer.pipeline.request import writable_file
-
         writable_file(args.markdown, "--markdown")
     if args.json == "-" and args.markdown == "-":
         raise TracerError("--json - and --markdown - both want stdout: write one of them to a file")
@@ -257,15 +249,14 @@ def cmd_quality(args) -> int:
             text = args.text.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise TracerError(f"cannot read text file {args.text}: {getattr(exc, 'strerror', None) or exc}") from None
-    inputs = Inputs(model=args.model, prompt=text, tokens=args.tokens)
-    reference, candidate = Side.of(args.reference, args.reference_variant), Side.of(args.candidate, args.variant)
-    from tracer.api import quality_values
-    from tracer.reports.quality import quality_markdown, quality_text
+    request = Request(Inputs(model=args.model, prompt=text, tokens=args.tokens), placement,
+                      Side.of(args.reference, args.reference_variant), Side.of(args.candidate, args.variant),
+                      command=_command_line(), progress=args.json != "-" and args.markdown != "-")
+    from tracer.pipeline import commands  # torch loads only now, every argument checked
+    from tracer.reports.quality import quality_markdown, quality_text  # jinja2, for Markdown: quality's only
 
-    result = quality_values(inputs, placement, reference=reference, candidate=candidate, ctx=args.ctx,
-                            chunks=args.chunks, by_layer=args.by_layer,
-                            text_name=args.text.name if args.text else "<tokens>",
-                            command=_command_line(), progress=args.json != "-" and args.markdown != "-")
+    result = commands.quality(request, ctx=args.ctx, chunks=args.chunks, by_layer=args.by_layer,
+                              text_name=args.text.name if args.text else "<tokens>")
     summary = result.to_dict()
     if args.json:
         _write_json(summary, args.json)
@@ -277,9 +268,6 @@ def cmd_quality(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from tracer.files.sources import resolve_model
-    from tracer.model.config import audit, load_config
-
     outputs_of(args)
 
     report = audit(load_config(resolve_model(args.model, progress=args.json != "-")), args.resave)
@@ -291,8 +279,6 @@ def cmd_config(args) -> int:
 
 
 def _audit_text(report: dict) -> str:
-    from tracer.reports.terminal import wrap
-
     lines = [] if report["resave"] == "none" else [f"config as re-saved by transformers 5 (resave={report['resave']})"]
     for name, entry in report["readers"].items():
         lines.append(f"{name} reader:")
@@ -368,8 +354,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main() -> int:
     """The `tracer` command: `main` in a process of its own, whose allocator it may tune."""
-    from tracer.core.allocator import reuse_freed_memory
-
     reuse_freed_memory()
     return main()
 

@@ -12,6 +12,9 @@ could not be compared.
 
 from __future__ import annotations
 
+from tracer.api import compare_files
+from tracer.reports.terminal import terminal_summary
+
 
 def assert_traces_close(reference, candidate, *, atol: float | None = None, rtol: float | None = None,
                         aliases=None) -> None:
@@ -35,9 +38,6 @@ def assert_traces_close(reference, candidate, *, atol: float | None = None, rtol
         >>> port["tokens"] = torch.tensor(ref.tokens)
         >>> assert_traces_close(ref, port, aliases={"my_out-{i}": "model.layers.{i}"})  # a dump with its own names
     """
-    from tracer.api import compare_files
-    from tracer.reports.terminal import terminal_summary
-
     result = compare_files(reference, candidate, atol=atol, rtol=rtol, aliases=aliases)
     if not result:
         raise AssertionError("traces are not close\n" + terminal_summary(result))

@@ -18,7 +18,7 @@ import pytest
 import tracer
 from tests.cpu_builds import skip_unless_exact_here
 from tests.readme import run_recipe
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.traces.layouts import sub_point
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
@@ -42,7 +42,7 @@ def test_the_llamacpp_regime_is_llama_cpp_to_the_bit(default_model, llamacpp_tra
 def test_per_op_on_llama_cpps_inputs_is_exact_here_and_within_1e_4_in_another_order(default_model, llamacpp_trace):
     worst = {}
     for accumulate in ("ggml", "f32"):
-        engine = load_engine("reimpl", default_model, {**LLAMACPP, "accumulate": accumulate})
+        engine = resolve_and_load("reimpl", default_model, {**LLAMACPP, "accumulate": accumulate})
         result = tracer.compare(llamacpp_trace, engine.op_trace(llamacpp_trace))
         worst[accumulate] = {}
         for p in result.points:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.cpu_builds import skip_unless_exact_here
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.engines.registry import EngineRef
 from tracer.files.sources import ModelSource
 from tracer.pipeline.regime_view import resolve
@@ -23,8 +23,8 @@ def test_llamacpps_cached_decode_is_exactly_its_regimes(default_model):
     source, llamacpp = ModelSource(default_model), EngineRef.named("llamacpp")
     knobs, caveats, _ = resolve("auto", llamacpp, {}, source)
     skip_unless_exact_here(caveats)  # this CPU's paths are emulated: the free-running comparison is a verdict
-    regime = load_engine(EngineRef.named("reimpl"), source, knobs).decode(PROMPT, STEPS)
-    decoded = load_engine(llamacpp, source, {}).decode(PROMPT, STEPS, forced=[s.tokens[0] for s in regime.steps])
+    regime = resolve_and_load(EngineRef.named("reimpl"), source, knobs).decode(PROMPT, STEPS)
+    decoded = resolve_and_load(llamacpp, source, {}).decode(PROMPT, STEPS, forced=[s.tokens[0] for s in regime.steps])
     assert [step.meta.position_offset for step in decoded.steps] == [5, 6, 7]
     for ours, theirs in zip([regime, *regime.steps], [decoded, *decoded.steps]):
         assert len(theirs.tensors) == 453 + 60  # every point recorded, 30 layers' cache_k and cache_v among them

@@ -14,7 +14,7 @@ from tracer.cli import main
 from tracer.comparison.diff import rel_l2_by_point
 from tracer.core.errors import TracerError
 from tracer.engines.batch import left_padded
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.files.sources import resolve_source
 from tracer.model.points import CONTEXT, PROBS, Q_ROPE, layer_point
 from tracer.pipeline.request import Inputs
@@ -28,7 +28,7 @@ ROWS = [TOKENS, TOKENS[:3], TOKENS[1:], TOKENS[2:4]]  # 7, 3, 6, 2 tokens: paddi
 @pytest.fixture(scope="module")
 def engines(llama_dir):
     source = resolve_source(str(llama_dir), False)
-    return load_engine("hf", source, {}), load_engine("reimpl", source, {})
+    return resolve_and_load("hf", source, {}), resolve_and_load("reimpl", source, {})
 
 
 def test_left_padding_and_positions_as_transformers_generate_counts_them(engines):

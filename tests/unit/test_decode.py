@@ -19,7 +19,7 @@ from tracer.comparison.explain import cache_hints, position_hint
 from tracer.comparison.result import CONTRACT_VERSION, StepResult
 from tracer.comparison.steps import compare_steps, decoded_steps, step_floors
 from tracer.core.errors import TracerError
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import resolve_source
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, Q_ROPE, layer_point, split_point
@@ -35,7 +35,7 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def hf_decoded(llama_dir):
     """hf's greedy decode of STEPS tokens with its cache, and its uncached forward over the whole sequence."""
-    engine = load_engine("hf", resolve_source(str(llama_dir), False), {})
+    engine = resolve_and_load("hf", resolve_source(str(llama_dir), False), {})
     decoded = engine.decode(TOKENS, STEPS)
     sequence = TOKENS + [step.tokens[0] for step in decoded.steps]
     return decoded, engine.record(sequence)
@@ -123,8 +123,8 @@ def test_a_step_reading_a_wrong_cache_and_making_no_error_reads_as_inherited(lla
     """A candidate whose cache keeps unrotated keys, against local errors measured by a correct engine: the
     prefill's cache is wrong, no step makes error itself, so every later step inherits it from the prefill's."""
     reference, _ = hf_decoded
-    correct = load_engine("reimpl", resolve_source(str(llama_dir), False), {})
-    wrong = load_engine("reimpl", resolve_source(str(llama_dir), False), {"cache_keys": "unrotated"})
+    correct = resolve_and_load("reimpl", resolve_source(str(llama_dir), False), {})
+    wrong = resolve_and_load("reimpl", resolve_source(str(llama_dir), False), {"cache_keys": "unrotated"})
     candidate = wrong.decode(TOKENS, STEPS, forced=decoded_tokens(reference))
     local = step_local_errors(correct, reference)
     assert len(local) == STEPS + 1 and max(max(errors.values()) for errors in local) < 1e-6
@@ -157,7 +157,7 @@ def test_a_step_whose_reference_cache_is_not_every_position_in_order_is_not_reru
                   for point, tensor in reference.steps[1].tensors.items()}, reference.steps[1].meta)
     clipped = Trace(reference.tensors, reference.meta)
     clipped.steps = [reference.steps[0], ring, *reference.steps[2:]]
-    engine = load_engine("reimpl", resolve_source(str(llama_dir), False), {})
+    engine = resolve_and_load("reimpl", resolve_source(str(llama_dir), False), {})
     local = step_local_errors(engine, clipped)
     # decode step 2 (reference.steps[1]) writes the ring, step 3 reads it
     assert local[2] is None and local[3] is None

@@ -17,7 +17,7 @@ from tests.conftest import TOKENS
 from tracer.cli import main
 from tracer.comparison.diff import compare
 from tracer.comparison.result import Tolerance
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.files.sources import resolve_source
 from tracer.model.config import load_config, read_hf
 from tracer.model.knobs import parse_variant
@@ -32,7 +32,7 @@ DECODE = 4
 @pytest.fixture(scope="module")
 def engines(llama_dir):
     source = resolve_source(str(llama_dir), False)
-    return source, load_engine("hf", source, {})
+    return source, resolve_and_load("hf", source, {})
 
 
 def test_the_cached_continuation_is_what_transformers_generates_one_forward_per_token(engines):
@@ -41,7 +41,7 @@ def test_the_cached_continuation_is_what_transformers_generates_one_forward_per_
         generated = hf.model.generate(torch.tensor([TOKENS]), max_new_tokens=STEPS, do_sample=False,
                                       min_new_tokens=STEPS)[0, len(TOKENS):].tolist()
     assert greedy.generated(hf, TOKENS, STEPS) == generated
-    reimpl = load_engine("reimpl", source, {})
+    reimpl = resolve_and_load("reimpl", source, {})
     fed = []
     forward = reimpl.model.forward
 
@@ -61,7 +61,7 @@ def test_the_cached_continuation_is_what_transformers_generates_one_forward_per_
 ])
 def test_the_flip_step_on_the_cache_names_the_point_the_uncached_forwards_name(engines, variant, flip_point):
     source, hf = engines
-    candidate = load_engine("reimpl", source, parse_variant(variant))
+    candidate = resolve_and_load("reimpl", source, parse_variant(variant))
     reference = greedy.generated(hf, TOKENS, STEPS)
     parted = greedy.summary(reference, greedy.generated(candidate, TOKENS, STEPS, guess=reference), str)
     assert parted.first_flip is not None
@@ -87,7 +87,7 @@ def test_a_bug_only_in_the_cache_parts_the_continuations_and_is_named(llama_dir,
 
 def test_a_side_whose_cache_refuses_is_decoded_uncached(engines):
     source, hf = engines
-    regime = load_engine("reimpl", source, {"ops": "candle"})  # candle's attention: no KV cache emulated
+    regime = resolve_and_load("reimpl", source, {"ops": "candle"})  # candle's attention: no KV cache emulated
     with pytest.raises(tracer.TracerError, match="KV cache"):
         regime.decode(TOKENS, 1)
     reference = greedy.generated(hf, TOKENS, STEPS)

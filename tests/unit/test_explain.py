@@ -5,6 +5,7 @@ import torch
 import tracer
 from tests.conftest import TOKENS
 from tracer.comparison.explain import by_head, by_position, hints, top_channels
+from tracer.files.sources import ModelSource
 
 
 def test_by_position_reads_the_query_axis_of_each_layout():
@@ -68,7 +69,7 @@ def test_noise_floor_judges_points_on_their_own_rounding(tiny_llama):
 
     model = tiny_llama()
     reference = tracer.record(model, TOKENS, engine="hf")
-    noise = estimate_noise(model, reference, {})
+    noise = estimate_noise(ModelSource(model), reference, {})
     assert noise["model.embed_tokens"] == 0.0  # an f32 lookup is exact in f64
     assert all(0 <= v < 1e-5 for v in noise.values()) and max(noise.values()) > 0
     sdpa = tracer.record(model, TOKENS, engine="hf", variant="attn=sdpa")

@@ -18,7 +18,7 @@ from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, WINDOW, family_config, write_tiny_family
 from tracer import TracerError
 from tracer.cli import main
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.model.config import load_config, read_hf
 from tracer.model.families import FAMILIES
 from tracer.model.points import all_points, layer_order, rank, sub_points
@@ -169,7 +169,7 @@ def test_bf16_is_bitwise_too(tiny, family):
 
 @pytest.mark.parametrize("family", ["gemma2", "qwen3", "phi3", "olmo2"])
 def test_hooks_never_leak_and_change_nothing(tiny, family):
-    engine = load_engine("hf", tiny[family], {})
+    engine = resolve_and_load("hf", tiny[family], {})
     interfaces = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping))
     plain = engine.logits(TOKENS)
     trace = engine.record(TOKENS)

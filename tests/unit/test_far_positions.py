@@ -14,7 +14,7 @@ from tests.families import write_tiny_family
 from tracer.cli import main
 from tracer.core.errors import TracerError
 from tracer.engines.base import at_positions
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.model.components.rope import rope_attention_scaling, rope_inv_freq, yarn_mscale
 from tracer.model.config import read_hf
 from tracer.model.points import Q_ROPE, layer_point
@@ -126,7 +126,7 @@ def test_longrope_picked_by_the_context_shows_only_where_context_and_sequence_di
 def test_dynamic_ntk_is_stateless_on_hf_as_on_reimpl(scaled):
     """transformers keeps the frequencies of the longest sequence seen; tracer's hf engine restarts them
     for each forward, so a trace does not depend on what ran before."""
-    engine = load_engine("hf", scaled["dynamic"], {})
+    engine = resolve_and_load("hf", scaled["dynamic"], {})
     point = layer_point(0, Q_ROPE)
     first = engine.record(TOKENS, **at_positions(FAR, len(TOKENS)))[point]
     engine.record(TOKENS * 3, **at_positions(FAR, 3 * len(TOKENS)))

@@ -156,12 +156,12 @@ def test_regime_noise_is_the_per_op_spread_of_another_summation_order(quantized)
 
     _, _, converted = quantized
     reference = tracer.record(converted, TOKENS, engine="reimpl", variant=LLAMACPP, progress=False)
-    noise = regime_noise(converted, reference, LLAMACPP)
+    noise = regime_noise(ModelSource(converted), reference, LLAMACPP)
     assert noise["model.embed_tokens"] == 0 and noise["model.layers.0.input_layernorm"] == 0
     assert noise["model.layers.0.resid_mid"] == 0  # an f32 add of forced inputs: no order to change
     assert 1e-9 < noise["model.layers.0.self_attn.q_proj"] < 1e-5
     assert 1e-9 < noise["model.layers.1.mlp.down_proj"] < 1e-5
-    assert estimate_noise(converted, reference, LLAMACPP) == noise  # tracer.pipeline.noise_floor hands regimes over
+    assert estimate_noise(ModelSource(converted), reference, LLAMACPP) == noise  # handed over to regime_noise
 
 
 @pytest.mark.parametrize("cpu, build", [(AMD_CPU, AMD), (INTEL_CPU, INTEL)], ids=["amd", "intel"])
@@ -181,11 +181,11 @@ def test_the_regime_is_exact_on_both_cpus_and_names_an_fp16_builds_unmeasured_pa
 
 
 def test_op_forcing_feeds_every_op_the_references_inputs(tiny_llama):
-    from tracer.engines.load import load_engine
+    from tracer.engines.load import resolve_and_load
 
     model = tiny_llama()
     reference = tracer.record(model, TOKENS, engine="reimpl", variant="theta=500", progress=False)
-    engine = load_engine("reimpl", model, {})
+    engine = resolve_and_load("reimpl", model, {})
     per_op, per_block = engine.op_trace(reference), engine.local_trace(reference)
     rope = "model.layers.1.self_attn.q_rope"
     assert _rel(per_op[rope], reference[rope]) > 1e-2  # the op with the wrong theta: its own error

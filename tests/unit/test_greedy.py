@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import TOKENS
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.engines.registry import ENGINES
 from tracer.pipeline.greedy import continuation as greedy_continuation
 from tracer.pipeline.greedy import draft, summary
@@ -31,8 +31,8 @@ class Counting:
                                      {"dtype": "bf16"}])
 def test_a_guess_gives_the_step_by_step_continuation(tiny_llama, variant):
     model = tiny_llama()
-    reference = greedy_continuation(load_engine("hf", model, {}), TOKENS, STEPS)
-    candidate = load_engine("reimpl", model, variant)
+    reference = greedy_continuation(resolve_and_load("hf", model, {}), TOKENS, STEPS)
+    candidate = resolve_and_load("reimpl", model, variant)
     stepwise, guessed = Counting(candidate), Counting(candidate)
     expected = greedy_continuation(stepwise, TOKENS, STEPS)
     assert greedy_continuation(guessed, TOKENS, STEPS, guess=reference) == expected
@@ -84,7 +84,7 @@ def test_a_real_disagreement_is_decoded_from_there():
 
 
 def test_the_reference_checks_its_cached_decode_in_one_forward(tiny_llama):
-    engine = load_engine("hf", tiny_llama(), {})
+    engine = resolve_and_load("hf", tiny_llama(), {})
     stepwise = greedy_continuation(engine, TOKENS, STEPS)
     guess = draft(engine, TOKENS, STEPS)
     assert guess == stepwise

@@ -7,7 +7,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import tracer
 from tests.conftest import TOKENS
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 
 
 def hook_count(model) -> int:
@@ -15,7 +15,7 @@ def hook_count(model) -> int:
 
 
 def test_nothing_leaks_after_recording(tiny_llama):
-    engine = load_engine("hf", tiny_llama(), {})
+    engine = resolve_and_load("hf", tiny_llama(), {})
     interfaces = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping))
     engine.record(TOKENS)
     assert hook_count(engine.model) == 0
@@ -24,7 +24,7 @@ def test_nothing_leaks_after_recording(tiny_llama):
 
 
 def test_nothing_leaks_when_the_forward_raises(tiny_llama):
-    engine = load_engine("hf", tiny_llama(), {})
+    engine = resolve_and_load("hf", tiny_llama(), {})
     interfaces = set(AttentionInterface._global_mapping)
 
     def explode(module, args, output):
@@ -41,7 +41,7 @@ def test_nothing_leaks_when_the_forward_raises(tiny_llama):
 
 
 def test_recording_does_not_change_the_models_output(tiny_llama):
-    engine = load_engine("hf", tiny_llama(), {})
+    engine = resolve_and_load("hf", tiny_llama(), {})
     plain = engine.logits(TOKENS)
     recorded = engine.record(TOKENS)["lm_head"]
     assert torch.equal(plain, recorded)

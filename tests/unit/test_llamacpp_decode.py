@@ -21,7 +21,7 @@ from tests.tiny_gguf import write_tiny_gguf
 from tracer.comparison.steps import compare_steps
 from tracer.core.errors import TracerError
 from tracer.engines.isolated import IsolatedEngine
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.engines.registry import EngineRef, parse_engine
 from tracer.files.sources import ModelSource
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, V_PROJ, layer_point
@@ -43,12 +43,12 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llamacpp-decode")
     model_dir = write_tiny_llama(folder / "model")
     gguf = write_tiny_gguf(model_dir, folder / "tiny.gguf")
-    hf = load_engine(EngineRef.named("hf"), ModelSource(model_dir), {})
+    hf = resolve_and_load(EngineRef.named("hf"), ModelSource(model_dir), {})
     return model_dir, gguf, hf.decode(TOKENS, STEPS)
 
 
 def llamacpp(model_dir, gguf, variant) -> IsolatedEngine:
-    engine = load_engine(parse_engine(f"llamacpp:{gguf}"), ModelSource(model_dir), variant)
+    engine = resolve_and_load(parse_engine(f"llamacpp:{gguf}"), ModelSource(model_dir), variant)
     assert isinstance(engine, IsolatedEngine)  # llama.cpp runs in its child process
     return engine
 
@@ -111,7 +111,7 @@ def quantized(tmp_path_factory):
 @pytest.mark.parametrize("switches", [{}, {"flash_attn": "off"}], ids=["flash", "unfused"])
 def test_in_llamacpps_regime_every_point_of_every_step_is_exactly_0(quantized, switches):
     gguf, converted = quantized
-    regime = load_engine(EngineRef.named("reimpl"), ModelSource(converted), {**REGIME, **switches})
+    regime = resolve_and_load(EngineRef.named("reimpl"), ModelSource(converted), {**REGIME, **switches})
     reference = regime.decode(TOKENS, STEPS)
     decoded = llamacpp(converted, gguf, {**switches, "threads": 1}).decode(TOKENS, STEPS, forced=forced(reference))
     for ours, theirs in zip([reference, *reference.steps], [decoded, *decoded.steps]):

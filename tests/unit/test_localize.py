@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 import tracer
 from tests.conftest import TOKENS
 from tracer.comparison.explain import amplification
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
+from tracer.files.sources import ModelSource
 from tracer.model.points import source_point
 from tracer.pipeline.noise_floor import estimate_noise
 from tracer.pipeline.run import local_errors
@@ -29,10 +30,10 @@ def test_a_single_block_fault_is_local_to_that_block(tiny_llama, tmp_path):
     model = tiny_llama(num_hidden_layers=4)
     faulty = faulty_copy(model, tmp_path, "model.layers.1.mlp.down_proj.weight")
     reference = tracer.record(model, TOKENS, engine="hf")
-    engine = load_engine("reimpl", faulty, {})
+    engine = resolve_and_load("reimpl", faulty, {})
     candidate = engine.record(TOKENS)
     local = local_errors(engine, reference)
-    result = tracer.compare(reference, candidate, noise=estimate_noise(model, reference, {}), local=local)
+    result = tracer.compare(reference, candidate, noise=estimate_noise(ModelSource(model), reference, {}), local=local)
 
     first = result.first_divergence
     assert first.point == "model.layers.1.mlp.down_proj" and first.localized_by == "local"
@@ -45,7 +46,7 @@ def test_a_single_block_fault_is_local_to_that_block(tiny_llama, tmp_path):
 def test_local_error_of_a_clean_reimplementation_is_zero(tiny_llama):
     model = tiny_llama()
     reference = tracer.record(model, TOKENS, engine="hf")
-    local = local_errors(load_engine("reimpl", model, {}), reference)
+    local = local_errors(resolve_and_load("reimpl", model, {}), reference)
     assert set(local) == set(reference.points) and max(local.values()) == 0.0
 
 

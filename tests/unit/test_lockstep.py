@@ -14,7 +14,7 @@ import tracer
 from tests.conftest import TOKENS
 from tests.families import write_tiny_family
 from tracer.comparison.result import Tolerance
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.files.sources import resolve_source
 from tracer.model.points import layer_point
 from tracer.pipeline import lockstep, reference_cache
@@ -94,7 +94,7 @@ def test_each_blocks_weights_are_mapped_once_and_every_run_is_its_own(tiny):
     from tracer.pipeline.run import local_errors
 
     model = tiny["gemma2"]
-    engine = load_engine("hf", model, {}, stream=True)
+    engine = resolve_and_load("hf", model, {}, stream=True)
     files = engine.model.tracer_weight_files
     files.maps.clear()
     source = resolve_source(model)
@@ -102,10 +102,10 @@ def test_each_blocks_weights_are_mapped_once_and_every_run_is_its_own(tiny):
                         candidate=Side.of("reimpl", "eps=1e-3"), tolerance=Tolerance(), noise_floor=True)
     block_tensors = [name for name in files if name.startswith(layer_point(0, "") + ".")]
     assert block_tensors and {files.maps[name] for name in block_tensors} == {1}
-    alone = load_engine("hf", model, {}, stream=True).record(TOKENS)
+    alone = resolve_and_load("hf", model, {}, stream=True).record(TOKENS)
     assert done.reference.points == alone.points
     assert all(torch.equal(done.reference[p], alone[p]) for p in alone.points)
-    candidate = load_engine("reimpl", model, {"eps": 1e-3}, stream=True)
+    candidate = resolve_and_load("reimpl", model, {"eps": 1e-3}, stream=True)
     expected = candidate.record(TOKENS)
     assert done.candidate.points == expected.points
     assert all(torch.equal(done.candidate[p], expected[p]) for p in expected.points)
@@ -124,12 +124,12 @@ def test_the_local_run_shares_the_candidates_blocks_while_their_inputs_agree(tin
     from tracer.pipeline.run import local_errors
 
     model = tiny["llama"]
-    engine = load_engine("hf", model, {}, stream=True)
+    engine = resolve_and_load("hf", model, {}, stream=True)
     done = lockstep.run(engine, resolve_source(model), TOKENS, lambda side: None, reference=Side.of("hf"),
                         candidate=Side.of("reimpl"), tolerance=Tolerance(), noise_floor=False)
-    candidate = load_engine("reimpl", model, {}, stream=True)
+    candidate = resolve_and_load("reimpl", model, {}, stream=True)
     assert done.shared_blocks == candidate.model.spec.num_hidden_layers
-    expected = local_errors(candidate, load_engine("hf", model, {}, stream=True).record(TOKENS))
+    expected = local_errors(candidate, resolve_and_load("hf", model, {}, stream=True).record(TOKENS))
     assert done.local == expected and any(layer_point(0, "") in name for name in expected)
 
 

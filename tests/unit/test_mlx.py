@@ -8,7 +8,7 @@ import torch
 import tracer
 from tests.conftest import TOKENS
 from tracer import TracerError
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.model.points import all_points, layer_point
 
 FUSED = ("self_attn.scores", "self_attn.probs")
@@ -63,7 +63,7 @@ def test_every_point_but_the_fused_attention_matches_transformers(mlx, tiny_llam
 
 
 def test_logits_are_an_unrecorded_forward_equal_to_the_recorded_one(mlx, model):
-    engine = load_engine("mlx", model, {})
+    engine = resolve_and_load("mlx", model, {})
     logits = engine.logits(TOKENS)
     assert logits.shape == (len(TOKENS), 97)
     assert torch.equal(logits, engine.record(TOKENS)["lm_head"])
@@ -91,7 +91,7 @@ def test_half_precision_traces_agree_with_transformers_in_the_same_dtype(mlx, mo
 
 
 def test_recording_leaves_every_module_as_it_was_even_when_the_forward_raises(mlx, model):
-    engine = load_engine("mlx", model, {})
+    engine = resolve_and_load("mlx", model, {})
     classes = {path: type(module) for path, module in engine.model.named_modules()}
     engine.record(TOKENS)
     assert {path: type(module) for path, module in engine.model.named_modules()} == classes

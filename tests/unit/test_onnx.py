@@ -14,7 +14,7 @@ import torch
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
 from tracer import TracerError
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.model.points import all_points
 
 LAYERS = 3  # one layer more than the export traces: the third is layer 1's nodes repeated
@@ -36,7 +36,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(onnx_cache, model):
-    return load_engine("onnx", model, {})
+    return resolve_and_load("onnx", model, {})
 
 
 @pytest.fixture(scope="module")
@@ -184,13 +184,13 @@ def test_only_layers_that_are_one_computation_are_repeated(tmp_path):
 
 @pytest.mark.parametrize("level", ["disable", "basic", "extended"])
 def test_ort_optimization_levels_all_match(onnx_cache, model, reference, level):
-    candidate = load_engine("onnx", model, {"ort_opt": level}).record(TOKENS)
+    candidate = resolve_and_load("onnx", model, {"ort_opt": level}).record(TOKENS)
     assert candidate.meta.ort_opt == level
     assert tracer.compare(reference, candidate).verdict == "match"
 
 
 def test_an_f16_export_diverges_at_the_embedding(onnx_cache, model, reference):
-    candidate = load_engine("onnx", model, {"dtype": "f16"}).record(TOKENS)
+    candidate = resolve_and_load("onnx", model, {"dtype": "f16"}).record(TOKENS)
     assert candidate.meta.dtype == "f16" and candidate["model.norm"].dtype == torch.float16
     result = tracer.compare(reference, candidate)
     assert result.first_divergence.point == "model.embed_tokens"

@@ -17,7 +17,7 @@ import torch
 import tracer
 from tests.conftest import OWN_PEAK_KB, TOKENS, write_tiny_llama
 from tracer.cli import main
-from tracer.files.sources import resolve_source
+from tracer.files.sources import ModelSource, resolve_source
 from tracer.pipeline.noise_floor import estimate_noise
 from tracer.reimpl.forward import Model
 from tracer.traces.trace import TraceRecorder
@@ -45,7 +45,7 @@ def test_the_noise_floor_is_the_same_from_streamed_f64_weights(tiny_llama):
     """`estimate_noise` streams its f64 copy; the numbers are those of a fully loaded f64 model."""
     model = tiny_llama()
     reference = tracer.record(model, TOKENS, engine="hf", progress=False)
-    noise = estimate_noise(model, reference, {})
+    noise = estimate_noise(ModelSource(model), reference, {})
     exact = tracer.Trace(recorded(Model.from_dir(model, {"dtype": "f64"})), tracer.TraceMeta(tokens=TOKENS))
     expected = {p.point: p.rel_l2 for p in tracer.comparison.diff.compare_points(reference, exact, tracer.Tolerance())}
     assert noise == {point: value for point, value in expected.items() if point in noise}

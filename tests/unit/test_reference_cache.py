@@ -90,22 +90,22 @@ def test_a_damaged_entry_is_measured_again(tiny_llama, cache):
 
 
 def test_a_second_diagnosis_of_the_same_tokens_reuses_the_catalogues_rows(tiny_llama, cache):
-    from tracer import api
+    from tracer.pipeline import commands
 
     model = tiny_llama()
     variants = "theta=500; eps=1e-3; weights=q8_0"
     first = tracer.diagnose(tracer.record(model, TOKENS, engine="reimpl", variant="theta=500"), model,
                             variants=variants, progress=False)
-    rows = next(iter(api._CATALOGUE_ROWS.values()))
+    rows = next(iter(commands._CATALOGUE_ROWS.values()))
     second = tracer.diagnose(tracer.record(model, TOKENS, engine="reimpl", variant="eps=1e-3"), model,
                              variants=variants, progress=False)
-    assert next(iter(api._CATALOGUE_ROWS.values())) is rows  # not run again
+    assert next(iter(commands._CATALOGUE_ROWS.values())) is rows  # not run again
     assert (first.best["variant"], second.best["variant"]) == ("theta=500", "eps=0.001")
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes())  # rewritten: the rows are the old model's
     tracer.diagnose(tracer.record(model, TOKENS, engine="reimpl", variant="eps=1e-3"), model, variants=variants,
                     progress=False)
-    assert next(iter(api._CATALOGUE_ROWS.values())) is not rows
+    assert next(iter(commands._CATALOGUE_ROWS.values())) is not rows
 
 
 def test_two_weight_formats_of_one_kind_share_the_quantized_blocks(tiny_llama):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tracer.arguments import build_parser, command_line
 from tracer.core.errors import TracerError
 from tracer.engines.registry import parse_engine
-from tracer.pipeline.request import Inputs, Outputs, Placement, Side, regime_knobs, request_of
+from tracer.pipeline.request import Inputs, Outputs, Placement, Request, Side, regime_knobs, request_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -216,9 +216,9 @@ def test_any_value_of_any_flag_passes_the_checks_or_is_one_line_exit_2_with_noth
     def reached(*args, **kwargs):
         raise Reached
 
+    # every value checked, the request is resolved: the model, the device and the placement come next
     with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder), \
-            mock.patch("tracer.api.run_values", reached), mock.patch("tracer.api.sweep_values", reached), \
-            mock.patch("tracer.api.record_values", reached), mock.patch("tracer.api.quality_values", reached):
+            mock.patch.object(Request, "resolved", reached):
         err, out = io.StringIO(), io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
@@ -270,3 +270,58 @@ def test_the_api_keywords_of_the_input_and_placement_build_them_once():
     assert (inputs.tokens, inputs.position_offset, placement.device) == ((1, 2), 3, "cpu")
     with pytest.raises(TypeError, match=r"run\(\) got an unexpected keyword argument 'devices'"):
         request_of("run", None, "hello", {"devices": "cpu"})
+
+
+# ------------------------------------------------------------------ resolved and checked once
+
+# What a run resolves and checks before anything loads, by the module that defines it; each check
+# is keyed by what it was asked about (an engine's name, or one key for the run's single resolution).
+WATCHED = {
+    "resolve_source": ("tracer.files.sources", lambda *args: "model"),
+    "check_device": ("tracer.engines.load", lambda *args: "device"),
+    "check_offload": ("tracer.engines.offload", lambda *args: "offload"),
+    "check_family_support": ("tracer.engines.load", lambda *args: "families"),
+    "parse_engine": ("tracer.engines.registry", lambda engine: str(engine)),
+    "check_runtime": ("tracer.engines.registry", lambda entry: entry.name),
+    "check_engine": ("tracer.engines.registry", lambda variant, engine: getattr(engine, "name", engine)),
+}
+
+
+def count_calls(monkeypatch) -> dict[str, dict[str, int]]:
+    """Wrap every watched function wherever tracer's modules hold it (imported by name or not) so that each
+    call is counted under its key; returns the live counts."""
+    import importlib
+
+    counts: dict[str, dict[str, int]] = {name: {} for name in WATCHED}
+    for name, (home, key) in WATCHED.items():
+        original = getattr(importlib.import_module(home), name)
+
+        def counted(*args, _name=name, _original=original, _key=key, **kwargs):
+            asked = _key(*args, **kwargs)
+            counts[_name][asked] = counts[_name].get(asked, 0) + 1
+            return _original(*args, **kwargs)
+
+        holders = [module for module_name, module in list(sys.modules.items())
+                   if module_name.startswith("tracer") and getattr(module, name, None) is original]
+        assert holders, name  # a renamed function would count nothing here
+        for module in holders:
+            monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("asked", [{}, {"decode": 2}, {"batch": 2}, {"regime": "dtype=bf16", "variant": "dtype=bf16"}])
+def test_one_run_resolves_the_model_and_checks_each_engine_once(tiny_llama, asked):
+    import tracer
+    import tracer.pipeline.commands  # noqa: F401 - every module a run uses, imported before the wrapping
+
+    model = tiny_llama()
+    with pytest.MonkeyPatch.context() as patch:
+        counts = count_calls(patch)
+        result = tracer.run(model, tokens=[1, 17, 5, 42], greedy=2, progress=False, **asked)
+    assert result.verdict in ("match", "diverged")
+    once = {"model": 1}, {"device": 1}, {"offload": 1}, {"families": 1}
+    assert (counts["resolve_source"], counts["check_device"], counts["check_offload"],
+            counts["check_family_support"]) == once
+    assert counts["parse_engine"] == counts["check_runtime"] == {"hf": 1, "reimpl": 1}
+    # the regime's own knobs are checked once more, against the reimplementation that runs them
+    assert counts["check_engine"] == ({"hf": 1, "reimpl": 2} if "regime" in asked else {"hf": 1, "reimpl": 1})

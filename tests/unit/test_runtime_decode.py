@@ -16,7 +16,7 @@ from tracer.comparison.diff import rel_l2_by_point
 from tracer.comparison.steps import StepNoise, compare_steps, decoded_steps, step_floors
 from tracer.core.errors import TracerError
 from tracer.engines.isolated import IsolatedEngine
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import resolve_source
 from tracer.model.points import CACHE_K, CACHE_V, CONTEXT, K_ROPE, LOGITS, Q_ROPE, layer_point
@@ -49,8 +49,8 @@ def references(llama_dir):
     """hf's greedy decode with its DynamicCache (the truth), and reimpl's on the same tokens with the step's
     positions restarting at 0 after the prompt (a deliberately wrong position)."""
     source = resolve_source(str(llama_dir), False)
-    truth = load_engine("hf", source, {}).decode(TOKENS, STEPS)
-    wrong = load_engine("reimpl", source, {"decode_positions": "restart"}).decode(
+    truth = resolve_and_load("hf", source, {}).decode(TOKENS, STEPS)
+    wrong = resolve_and_load("reimpl", source, {"decode_positions": "restart"}).decode(
         TOKENS, STEPS, forced=decoded_tokens(truth))
     return truth, wrong
 
@@ -59,7 +59,7 @@ def references(llama_dir):
 def test_a_runtime_decodes_with_its_own_cache_and_matches_every_step(llama_dir, references, engine):
     runtime(engine)
     truth, wrong = references
-    loaded = load_engine(engine, resolve_source(str(llama_dir), False), {})
+    loaded = resolve_and_load(engine, resolve_source(str(llama_dir), False), {})
     assert isinstance(loaded, IsolatedEngine) == (engine == "candle")  # candle's cache lives in its child
     candidate = loaded.decode(TOKENS, STEPS, forced=decoded_tokens(truth))
     assert [step.tokens for step in candidate.steps] == [step.tokens for step in truth.steps]
@@ -94,7 +94,7 @@ def test_candle_decodes_a_gguf_with_its_cache_as_its_own_uncached_forward(llama_
     position before is not."""
     runtime("candle")
     gguf_file = write_quantized_gguf(llama_dir, tmp_path / "tiny-q8_0.gguf", projections="q8_0")
-    engine = load_engine(f"candle:{gguf_file}", resolve_source(str(llama_dir), False), {})
+    engine = resolve_and_load(f"candle:{gguf_file}", resolve_source(str(llama_dir), False), {})
     decoded = engine.decode(TOKENS, STEPS)
     sequence = TOKENS + decoded_tokens(decoded)
     uncached = engine.record(sequence)  # (T, ...) rows: every step's position without a cache
@@ -116,9 +116,9 @@ def test_each_step_is_floored_by_the_f64_rounding_of_its_own_rows(llama_dir, ref
     truth, _ = references
     source = resolve_source(str(llama_dir), False)
     sequence = TOKENS + decoded_tokens(truth)
-    uncached = load_engine("hf", source, {}).record(sequence)
+    uncached = resolve_and_load("hf", source, {}).record(sequence)
     noise = StepNoise(truth, uncached)
-    f64 = load_engine("reimpl", source, {"dtype": "f64"})
+    f64 = resolve_and_load("reimpl", source, {"dtype": "f64"})
     f64.record(sequence, noise)
     exact = f64.record(sequence)  # kept whole, to check the rows the recorder compared
     assert len(noise.noise) == STEPS + 1
@@ -145,9 +145,9 @@ def test_mlx_decodes_a_sliding_layer_with_its_rotating_cache_within_the_window(t
     model = write_tiny_llama(tmp_path / "m", rope_theta=500.0, layer_types=["sliding_attention", "full_attention"],
                              sliding_window=16)
     source = resolve_source(str(model), False)
-    engine = load_engine("mlx", source, {})
+    engine = resolve_and_load("mlx", source, {})
     assert type(engine.model.make_cache()[0]).__name__ == "RotatingKVCache"
-    truth = load_engine("hf", source, {}).decode(TOKENS, STEPS)
+    truth = resolve_and_load("hf", source, {}).decode(TOKENS, STEPS)
     candidate = engine.decode(TOKENS, STEPS, forced=decoded_tokens(truth))
     assert [summary.verdict for summary, _ in compare_steps(truth, candidate)] == ["match"] * (STEPS + 1)
     assert candidate.steps[-1][layer_point(0, CACHE_K)].shape == (KV_HEADS, len(TOKENS) + STEPS, HEAD_DIM)

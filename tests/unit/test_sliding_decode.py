@@ -13,7 +13,7 @@ import tracer
 from tests.families import write_tiny_family
 from tracer.comparison.diff import rel_l2_by_point
 from tracer.comparison.steps import decoded_steps, step_floors
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.files.sources import resolve_source
 from tracer.model.kv_cache import KVCache, fill_slot, ring_slots
 from tracer.model.points import CACHE_K, CACHE_V, K_ROPE, PROBS, layer_point
@@ -47,7 +47,7 @@ def test_a_decode_past_the_window_matches_at_every_step_and_point(gemma2):
 def test_each_cache_is_laid_out_as_the_ring(gemma2, engine):
     """Slot n % W holds the n-th token's keys: after the wrap slot 0 holds position 8's, and the full layer
     (1) keeps every position in order; the step attends to exactly the window's keys."""
-    decoded = load_engine(engine, resolve_source(str(gemma2), False), {}).decode(PROMPT, STEPS, forced=[9] * STEPS)
+    decoded = resolve_and_load(engine, resolve_source(str(gemma2), False), {}).decode(PROMPT, STEPS, forced=[9] * STEPS)
     sliding, full = layer_point(0, CACHE_K), layer_point(1, CACHE_K)
     before, wrap, last = decoded.steps[WRAP - 2], decoded.steps[WRAP - 1], decoded.steps[-1]
     heads = before[sliding].shape[0]
@@ -62,7 +62,7 @@ def test_each_cache_is_laid_out_as_the_ring(gemma2, engine):
 def test_the_floor_of_a_ring_is_its_uncached_forward_within_f32_rounding(gemma2):
     """Each step's ring against the same slots of the uncached forward (the window's last keys of the
     scores and probs): f32 rounding only; a ring read one slot off is not."""
-    engine = load_engine("hf", resolve_source(str(gemma2), False), {})
+    engine = resolve_and_load("hf", resolve_source(str(gemma2), False), {})
     decoded = engine.decode(PROMPT, STEPS)
     uncached = engine.record(PROMPT + [step.tokens[0] for step in decoded.steps])
     gaps = step_floors(decoded, uncached, None)

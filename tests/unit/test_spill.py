@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import tracer
 from tests.conftest import TOKENS
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.traces.spill import BLOCK, CHUNK, DiskRecorder, _aligned, read_point, write_point
 from tracer.traces.trace import ATTENTION_ROWS
 
@@ -18,8 +18,8 @@ LONG = [(7 * i + 3) % 97 for i in range(ATTENTION_ROWS + 22)]
 
 def test_long_attention_matrices_keep_their_last_rows_on_both_engines(tiny_llama):
     model = tiny_llama(max_position_embeddings=512)
-    reference = load_engine("hf", model, {}).record(LONG)
-    candidate = load_engine("reimpl", model, {}).record(LONG)
+    reference = resolve_and_load("hf", model, {}).record(LONG)
+    candidate = resolve_and_load("reimpl", model, {}).record(LONG)
     scores = "model.layers.1.self_attn.scores"
     assert reference[scores].shape == candidate[scores].shape == (4, ATTENTION_ROWS, len(LONG))
     assert reference["model.layers.1.self_attn.q_rope"].shape == (4, len(LONG), 16)  # only (H, T, T) points are cut
@@ -31,8 +31,8 @@ def test_long_attention_matrices_keep_their_last_rows_on_both_engines(tiny_llama
 
 def test_masked_entries_of_cut_matrices_stay_excluded(tiny_llama):
     model = tiny_llama(max_position_embeddings=512)
-    reference = load_engine("reimpl", model, {}).record(LONG)
-    candidate = load_engine("reimpl", model, {}).record(LONG)
+    reference = resolve_and_load("reimpl", model, {}).record(LONG)
+    candidate = resolve_and_load("reimpl", model, {}).record(LONG)
     point = "model.layers.0.self_attn.scores"
     candidate.tensors[point] = candidate[point].clone()
     candidate.tensors[point][:, 0, -1] = 1e6  # the first kept query never sees the last key
@@ -41,12 +41,12 @@ def test_masked_entries_of_cut_matrices_stay_excluded(tiny_llama):
 
 def test_spilled_trace_compares_like_the_in_memory_one(tiny_llama, tmp_path):
     model = tiny_llama()
-    engine = load_engine("reimpl", model, {"theta": 500.0})
+    engine = resolve_and_load("reimpl", model, {"theta": 500.0})
     in_memory = engine.record([1, 5, 9, 2])
     spilled = engine.record([1, 5, 9, 2], DiskRecorder(tmp_path / "spill"))
     assert spilled.points == in_memory.points and len(list((tmp_path / "spill").iterdir())) == len(in_memory)
     assert all(torch.equal(spilled[p], in_memory[p]) for p in in_memory)
-    reference = load_engine("reimpl", model, {}).record([1, 5, 9, 2])
+    reference = resolve_and_load("reimpl", model, {}).record([1, 5, 9, 2])
     from_disk, from_memory = tracer.compare(reference, spilled), tracer.compare(reference, in_memory)
     assert from_disk.first_divergence.point == from_memory.first_divergence.point
     assert [p.rel_l2 for p in from_disk.points] == [p.rel_l2 for p in from_memory.points]
@@ -64,7 +64,7 @@ def test_aligning_two_native_traces_reads_no_tensor(tiny_llama, tmp_path):
             Counting.reads += 1
             return super().__getitem__(point)
 
-    engine = load_engine("reimpl", tiny_llama(), {})
+    engine = resolve_and_load("reimpl", tiny_llama(), {})
     spilled = engine.record([1, 5, 9, 2], DiskRecorder(tmp_path / "a"))
     counted = tracer.Trace(Counting(spilled.tensors.files), spilled.meta)
     align(counted, counted)
@@ -182,7 +182,7 @@ def test_without_direct_io_the_same_bytes_are_written_and_read(refusal, tmp_path
 def test_reading_in_order_reads_each_point_once_ahead_of_its_use(tiny_llama, tmp_path, monkeypatch):
     import tracer.traces.spill
 
-    spilled = load_engine("reimpl", tiny_llama(), {}).record([1, 5, 9, 2], DiskRecorder(tmp_path / "spill"))
+    spilled = resolve_and_load("reimpl", tiny_llama(), {}).record([1, 5, 9, 2], DiskRecorder(tmp_path / "spill"))
     tensors = spilled.tensors
     expected = {point: read_point(path) for point, path in tensors.files.items()}
     reads = []

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, write_tiny_family
 from tracer import TracerError
-from tracer.engines.load import load_engine
+from tracer.engines.load import resolve_and_load
 from tracer.model.points import FINAL_LOGITS, LOGITS
 
 # tied and untied embeddings, sliding windows, Gemma's scaled embedding and soft-caps, a partial
@@ -57,8 +57,8 @@ def test_streamed_points_are_the_whole_models_bit_for_bit(tiny, family, monkeypa
     from tracer.files import weights
 
     monkeypatch.setattr(weights, "VOCAB_ROWS", 10)  # lm_head in several chunks of the tiny vocabulary
-    whole = load_engine("hf", tiny[family], {})
-    streamed = load_engine("hf", tiny[family], {}, stream=True)
+    whole = resolve_and_load("hf", tiny[family], {})
+    streamed = resolve_and_load("hf", tiny[family], {}, stream=True)
     expected, got = whole.record(TOKENS), streamed.record(TOKENS)
     assert got.points == expected.points
     assert differing(expected.tensors, got.tensors) == []
@@ -70,8 +70,8 @@ def test_streamed_points_are_the_whole_models_bit_for_bit(tiny, family, monkeypa
 
 def test_a_variant_and_a_dtype_stream_too(tiny):
     variant = {"theta": 10000.0, "dtype": "bf16"}
-    whole = load_engine("hf", tiny["llama"], variant).record(TOKENS)
-    streamed = load_engine("hf", tiny["llama"], variant, stream=True).record(TOKENS)
+    whole = resolve_and_load("hf", tiny["llama"], variant).record(TOKENS)
+    streamed = resolve_and_load("hf", tiny["llama"], variant, stream=True).record(TOKENS)
     assert all(torch.equal(whole[p], streamed[p]) for p in whole.points)
     assert streamed[next(iter(streamed.points))].dtype == torch.bfloat16
 
@@ -85,10 +85,10 @@ def test_a_missing_or_misshapen_tensor_is_one_line(tiny, tmp_path):
     shape = tuple(tensors[name].shape)
     save_file({k: v for k, v in tensors.items() if k != name}, str(folder / "model.safetensors"))
     with pytest.raises(TracerError, match=re.escape(f"missing tensor {name} (expected shape {shape})")):
-        load_engine("hf", folder, {}, stream=True)
+        resolve_and_load("hf", folder, {}, stream=True)
     save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, str(folder / "model.safetensors"))
     with pytest.raises(TracerError, match=f"shape mismatch for {name}"):
-        load_engine("hf", folder, {}, stream=True)
+        resolve_and_load("hf", folder, {}, stream=True)
 
 
 @pytest.mark.parametrize("variant", [{}, {"dtype": "f64"}, {"theta": 1000.0}])

@@ -84,7 +84,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_real_imports():
     graph = import_graph()
-    assert "tracer.pipeline.run" in graph["tracer.api"]
+    assert "tracer.pipeline.commands" in graph["tracer.api"]  # `from tracer.pipeline import commands` too
     assert "tracer.engines.base" in graph["tracer.engines.hf"]  # relative and absolute both resolved
     assert "tracer.reports.summary" in graph["tracer.reports.terminal"]
 
@@ -169,6 +169,34 @@ def test_no_private_name_is_imported_across_modules():
     private = [(name, target, taken) for name, path in known.items() for target, names in imports(name, path, known)
                for taken in names if taken.startswith("_") and taken != "__version__"]
     assert private == []
+
+
+def function_level_imports() -> list[tuple[str, int, str, bool]]:
+    """(module, line, statement, whether its lines carry a comment) for every import inside a function."""
+    found = []
+    for name, path in modules().items():
+        lines = path.read_text().splitlines()
+        for function in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    text = lines[node.lineno - 1:node.end_lineno]
+                    found.append((name, node.lineno, " ".join(t.strip() for t in text), any("#" in t for t in text)))
+    return sorted(set(found))
+
+
+def test_an_import_inside_a_function_says_what_it_defers():
+    """An import is at the top of its module unless it defers something heavy (torch where a module must load
+    without it, a runtime, matplotlib, ...), which a comment on its line says; a cycle is no reason (the layer
+    test forbids those, function-level imports included)."""
+    silent = [f"{name}:{line}: {text}" for name, line, text, commented in function_level_imports() if not commented]
+    assert silent == []
+
+
+def test_the_function_level_import_finder_finds_one():
+    assert ("tracer.cli", "from tracer.pipeline import commands") in {
+        (name, text.split("  #")[0]) for name, _, text, _ in function_level_imports()}
 
 
 def test_listing_variants_and_engines_leaves_torch_out():

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from tracer.comparison.explain import amplification, breakdown, hints
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
 from tracer.core.errors import TracerError
 from tracer.model.kv_cache import SlotLayout
@@ -34,8 +35,10 @@ from tracer.model.points import (
     is_causal,
     layer_of,
     layer_point,
+    rank,
     split_point,
 )
+from tracer.traces.spill import SpilledTensors
 from tracer.traces.trace import Trace, kept
 
 CHUNK = 1 << 14  # values per chunk: 64 kB of f32, in cache, and below torch's parallel grain (32768)
@@ -253,8 +256,6 @@ class ErrorRecorder:
         """Empty without a store (the engines return a Trace of it); else the points, the kept ones readable."""
         if self.store is None:
             return {}
-        from tracer.traces.spill import SpilledTensors
-
         return SpilledTensors(self.store.files, self.names)
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
@@ -277,8 +278,6 @@ class ErrorRecorder:
 
     def _read_again(self, diff: PointDiff) -> bool:
         """Will `compare` read this point's tensor (logits, NaN/Inf scan, the first divergence's breakdown)?"""
-        from tracer.model.points import rank
-
         if diff.point in (LOGITS, FINAL_LOGITS) or not _finite_metrics(diff):
             return True
         if not diff.diverged:
@@ -295,8 +294,6 @@ class ErrorRecorder:
 def _execution_order(names: list[str], reference: Trace, candidate: Trace) -> list[str]:
     """Unrecorded points take their place in the vocabulary's order (the traced family's), not the
     end of the list."""
-    from tracer.model.points import rank
-
     family = trace_family(reference, candidate)
     return sorted(names, key=lambda name: rank(name, family))
 
@@ -402,8 +399,6 @@ def num_heads(trace: Trace, layer: int | None) -> int | None:
 def explain_divergence(first: Divergence, reference: Trace, candidate: Trace, layout: SlotLayout) -> Divergence:
     """The first divergence with its breakdowns (per position, head, channel) and the hints they suggest;
     both sides read in the layout they were compared in."""
-    from tracer.comparison.explain import breakdown, hints
-
     point = first.point
     ref, cand = paired(point, reference, candidate, layout)
     details = breakdown(point, ref, cand, num_heads(reference, first.layer))
@@ -484,6 +479,4 @@ def _finite_metrics(p: PointDiff) -> bool:
 
 
 def _amplification(points: list[PointDiff], family: str | None = None) -> list[dict]:
-    from tracer.comparison.explain import amplification
-
     return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None}, family=family)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from tracer.model.component import registered
 from tracer.model.points import (
     CONTEXT,
     Q_PROJ,
@@ -136,8 +137,6 @@ def hints(point: str, details: dict, family: str | None = None) -> list[str]:
 def family_hints(point: str, family: str | None) -> list[str]:
     """The family's own feature at this point, where it has one (Gemma's (1 + w) norms, Qwen3's q/k
     norms, soft-caps, sliding windows, ...)."""
-    from tracer.model.component import registered
-
     entry = registered().get(family or "llama")
     layer, sub = split_point(point)
     text = entry.hints.get(sub if layer is not None else point) if entry else None

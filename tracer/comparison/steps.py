@@ -40,7 +40,7 @@ from tracer.model.points import (
     layout_of,
     split_point,
 )
-from tracer.traces.trace import Trace
+from tracer.traces.trace import Trace, kept
 
 PREFILL = 0  # the step number of the prompt's (cached) prefill
 
@@ -283,8 +283,6 @@ class StepNoise:
         self.noise: list[dict[str, float]] = [{} for _ in self.steps]
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
-        from tracer.traces.trace import kept
-
         exact = Trace({name: kept(name, tensor)}, self.uncached.meta)
         layer, sub = split_point(name)
         points = [name, *(layer_point(layer, cache) for cache, held in _HELD.items() if held == sub)]

@@ -4,6 +4,8 @@ The CLI prints its message as one line on stderr and exits with code 2; the API 
 the same message. Anything else escaping is a bug in tracer.
 """
 
+import difflib
+
 
 class TracerError(Exception):
     """A user-caused error: bad variant, missing file or tensor, shape mismatch, bad prompt."""
@@ -27,7 +29,5 @@ def did_you_mean(name: str, choices) -> str:
     difflib's ratio at its usual cutoff: one letter dropped, doubled or swapped in a short name
     passes ("thetaa" -> "theta", "--variantt" -> "--variant"), an unrelated word does not.
     """
-    import difflib
-
     close = difflib.get_close_matches(str(name), [str(choice) for choice in choices], n=1)
     return f"; did you mean {close[0]}?" if close else ""

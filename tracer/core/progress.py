@@ -6,8 +6,7 @@ The bar is `leave=False`: it disappears when the call returns, so what stays on 
 result. The text bar shows only when stderr is a terminal (a log or a pipe gets no carriage-return
 noise); `progress=False` (what `tracer run --json -` passes) shows nothing anywhere.
 
-    @with_stages("load", "reference", "candidate")
-    def run(..., progress=True):
+    with progress_stages(("load", "reference", "candidate"), request.progress):
         ...                 # the bar starts at "load"
         stage("reference")  # the next long step
 """
@@ -15,8 +14,7 @@ noise); `progress=False` (what `tracer run --json -` passes) shows nothing anywh
 from __future__ import annotations
 
 import contextvars
-import functools
-import inspect
+from contextlib import contextmanager
 
 _ACTIVE: contextvars.ContextVar[Stages | None] = contextvars.ContextVar("tracer_progress", default=None)
 
@@ -25,7 +23,7 @@ class Stages:
     """A bar with one tick per named stage; the description names the stage running now."""
 
     def __init__(self, names: tuple[str, ...], enabled: bool):
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # it probes for Jupyter: paid when a bar starts, not by `import tracer`
 
         self.names = names
         # None: the text bar only on a terminal (not in logs, pipes or a CLI error's one line);
@@ -47,43 +45,30 @@ class Stages:
         self.bar.close()
 
 
-def with_stages(*names: str):
-    """Decorate an API function taking `progress=`: one bar for the call, closed however it ends.
-
-    A decorated function called from inside another one adds no second bar.
-    """
-
-    def decorate(function):
-        signature = inspect.signature(function)
-
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            if _ACTIVE.get() is not None:
-                return function(*args, **kwargs)
-            bound = signature.bind_partial(*args, **kwargs)
-            enabled = bool(bound.arguments.get("progress", signature.parameters["progress"].default))
-            stages = Stages(names, enabled)
-            token = _ACTIVE.set(stages)
-            try:
-                return function(*args, **kwargs)
-            finally:
-                _ACTIVE.reset(token)
-                stages.close()
-
-        return wrapper
-
-    return decorate
+@contextmanager
+def progress_stages(names: tuple[str, ...], enabled: bool):
+    """One bar over the block, closed however it ends; inside another one, no second bar."""
+    if _ACTIVE.get() is not None:
+        yield
+        return
+    stages = Stages(names, enabled)
+    token = _ACTIVE.set(stages)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        stages.close()
 
 
 def stage(name: str) -> None:
-    """Mark the start of the next long step (no-op outside a decorated call)."""
+    """Mark the start of the next long step (no-op outside `progress_stages`)."""
     stages = _ACTIVE.get()
     if stages is not None:
         stages.stage(name)
 
 
 def detail(text: str) -> None:
-    """Progress inside the current step ("token 7/20"); no-op outside a decorated call."""
+    """Progress inside the current step ("token 7/20"); no-op outside `progress_stages`."""
     stages = _ACTIVE.get()
     if stages is not None:
         stages.detail(text)

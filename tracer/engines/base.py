@@ -1,5 +1,5 @@
 """What every engine is and shares: the `Engine` protocol, `EngineBase` (what every engine class
-inherits), trace metadata, device checks.
+inherits), trace metadata.
 
 An engine is built by its module's `load(source, variant, *, argument, device, stream)` (see
 `tracer.engines.load`; `source` is a `tracer.files.sources.ModelSource`) and answers to the protocol
@@ -127,29 +127,11 @@ def _environment() -> dict:
     return versions
 
 
-def check_device(device: str | torch.device) -> torch.device:
-    """A device this torch can run the model on; anything else is the user's error, in one line."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        parsed = None
-    if parsed is None or parsed.type not in DEVICES:
-        raise TracerError(f"unknown device {str(device)!r}; devices: {', '.join(DEVICES)} "
-                          "(cuda:N for one GPU of several)")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise TracerError(f"device {device}: torch {torch.__version__} sees no CUDA GPU here")
-    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        raise TracerError(f"device {device}: there are {torch.cuda.device_count()} CUDA GPUs (cuda:0..)")
-    if parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise TracerError(f"device {device}: torch {torch.__version__} sees no Apple GPU here")
-    return parsed
-
-
 def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, not_recorded: dict,
                **facts) -> TraceMeta:
     """The metadata every engine writes into its traces, plus its own `facts` (`TraceMeta`'s fields:
     `num_layers`, `family`, `runtime` for a non-PyTorch runtime, ...)."""
-    from tracer.traces.trace import TraceMeta
+    from tracer.traces.trace import TraceMeta  # torch: the child process starts without it
 
     return TraceMeta(engine=engine.name, variant=dict(engine.variant), model=model, tokens=list(tokens),
                      dtype=str(dtype).removeprefix("torch."), device=str(engine.device), versions=environment(),

@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import re
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,12 +40,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from tracer.core.errors import TracerError
 from tracer.engines.base import EngineBase, at_positions, decode_steps
 from tracer.engines.registry import ENGINES
+from tracer.files.gguffile import GGUFFile
 from tracer.files.sources import ModelSource, check_gguf_header
 from tracer.ggml.candle import candle_inv_freq, rope_angles
+from tracer.ggml.ops import cpu_flags
+from tracer.model.component import family_of
+from tracer.model.components.rope import rope_inv_freq
+from tracer.model.config import RESAVES, load_config, variant_spec
 from tracer.model.names import gguf_tensor_name
 from tracer.model.points import (
     BLOCK_OUT,
@@ -106,8 +113,6 @@ NORMS = (INPUT_NORM, POST_ATTENTION_NORM)
 def check_platform(system: str | None = None, machine: str | None = None, flags: set[str] | None = None) -> None:
     """The wheel is manylinux x86-64 code compiled for AVX2/FMA/F16C: anything else is one line
     here, never an illegal-instruction crash inside candle."""
-    from tracer.ggml.ops import cpu_flags
-
     system, machine = system or platform.system(), (machine or platform.machine()).lower()
     if system != "Linux" or machine not in ("x86_64", "amd64"):
         raise TracerError(f"the candle engine runs candle-nn's manylinux x86-64 wheel; this machine is "
@@ -331,10 +336,6 @@ def refuse_family(family: str) -> None:
 
 def hf_model(model_dir: Path, variant: dict, candle) -> tuple[Shape, dict, object, dict]:
     """llama.rs on an HF directory: (shape, weights by point, linear, config facts for the trace)."""
-    from tracer.model.component import family_of
-    from tracer.model.components.rope import rope_inv_freq
-    from tracer.model.config import RESAVES, load_config, variant_spec
-
     config = load_config(model_dir)
     refuse_family(family_of(config.get("model_type")).name)
     knobs = {"config": "candle", **variant}
@@ -376,8 +377,6 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     if refused:
         raise TracerError(f"{refused[0]}= changes how config.json is read; candle:{path.name} reads the GGUF's "
                           "metadata (quantized_llama.rs)")
-    from tracer.files.gguffile import GGUFFile
-
     file = GGUFFile(path)  # the metadata first: a family candle's Llama cannot run loads nothing
     refuse_family(str(file.fields.get("general.architecture", "llama")))  # llama.cpp's architecture names
     unreadable = sorted({info.kind for info in file.tensors.values()} - READABLE_TYPES)
@@ -434,8 +433,6 @@ def read_f32_file(file: str) -> dict[str, torch.Tensor]:
     header.pop("__metadata__", None)
     start = 8 + size
     if start % 4 or any(info["dtype"] != "F32" for info in header.values()):
-        from safetensors.torch import load_file
-
         return load_file(file)
     flat = torch.from_numpy(data[start:].view(np.float32))
     return {name: flat[info["data_offsets"][0] // 4:info["data_offsets"][1] // 4].view(info["shape"])
@@ -513,8 +510,6 @@ class CandleEngine(EngineBase):
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """(T, V) logits of an unrecorded forward."""
-        from safetensors.torch import load_file
-
         logits = self.plain_forward(tokens)
         with tempfile.TemporaryDirectory(prefix="tracer-candle-") as folder:
             file = str(Path(folder) / "logits.safetensors")
@@ -582,11 +577,9 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
 def import_candle(threads: int | None):
     """candle, its rayon pool sized by `threads` (RAYON_NUM_THREADS, read once when candle first
     computes); a pool already running with another size is said, not ignored."""
-    import sys
-
     if threads is not None and "candle" not in sys.modules:
         os.environ["RAYON_NUM_THREADS"] = str(threads)
-    import candle
+    import candle  # RAYON_NUM_THREADS is read when candle loads: set first
 
     if threads is not None and candle.utils.get_num_threads() != threads:
         raise TracerError(f"threads={threads}: candle already runs {candle.utils.get_num_threads()} threads in this "

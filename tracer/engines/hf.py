@@ -24,12 +24,17 @@ import torch
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
 from tracer.engines.base import EngineBase, decode_steps, per_layer
+from tracer.engines.batch import RowRecorders, left_padded
+from tracer.engines.hf_streamed import empty_model, stream_weights
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
+from tracer.files.weights import check_weight_files
 from tracer.hooks.modules import recording_modules
 from tracer.model.component import family_named, family_of
+from tracer.model.components.padding import positions_from_mask
 from tracer.model.config import LlamaSpec, config_reading, load_config, read_hf, variant_spec
 from tracer.model.knobs import setting
+from tracer.model.kv_cache import ring_slots
 from tracer.model.points import CACHE_POINTS, layer_point, model_points
 from tracer.traces.trace import Trace, TraceRecorder
 
@@ -75,9 +80,7 @@ class HFEngine(EngineBase):
         """The prefill and `count` decode steps with transformers' own KV cache (`DynamicCache`), each
         step one token at its `position_ids` (a `DynamicSlidingWindowLayer` on each sliding layer); the hooks
         record every step's points and the cache (the `recorded` steps only, where given: `decode_steps`)."""
-        from transformers import DynamicCache
-
-        from tracer.model.kv_cache import ring_slots
+        from transformers import DynamicCache  # transformers: 0.5 s, when a model loads
 
         cache = DynamicCache(config=self.model.config)
         restart_dynamic_ropes(self.model)  # then it grows step by step, as in `generate`
@@ -118,9 +121,6 @@ class HFEngine(EngineBase):
         """The rows left-padded into one batched forward, as `generate` runs a padded batch: `attention_mask`,
         and `position_ids` from it (each row from 0 at its first real token; without them transformers
         counts from the padded sequence's start); one trace per row, at its real positions."""
-        from tracer.engines.batch import RowRecorders, left_padded
-        from tracer.model.components.padding import positions_from_mask
-
         padded = left_padded(rows)
         recorders = RowRecorders(padded)
         positions = positions_from_mask(padded.mask.bool())  # (B, T)
@@ -130,7 +130,7 @@ class HFEngine(EngineBase):
 
     def _recorded(self, recorder, cached: bool = False, **call):
         """The model called on `call` with every point going to `recorder`."""
-        from tracer.hooks.attention import recording_attention
+        from tracer.hooks.attention import recording_attention  # transformers: loaded when a model is
 
         names = {module: name for name, module in self.model.named_modules()}
         with ExitStack() as stack, torch.inference_mode():
@@ -145,7 +145,7 @@ class HFEngine(EngineBase):
         return {"cache": cache} if "cache" in forward else {"past_key_values": cache}
 
     def _meta(self, tokens: list[int], offset: int | None):
-        from tracer.hooks.attention import unobservable_points
+        from tracer.hooks.attention import unobservable_points  # transformers: loaded when a model is
 
         implementation = self.model.config._attn_implementation
         not_recorded = per_layer(len(self.layer_prefixes), unobservable_points(implementation))
@@ -230,16 +230,14 @@ def _load(model_dir, variant: dict, offload=None, stream_to: torch.device | None
     """from_pretrained with the variant's config-level knobs applied before the weights load (and,
     with `offload`, accelerate's device_map="auto" placement); with `stream_to`, the model empty
     and its weights read block by block on that device as the forward runs (`hf_streamed`)."""
-    from tracer.files.weights import check_weight_files
-
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
     # default (hidden_size 4096); our readers name the file or the key in one line first, before
     # transformers is even imported (seconds a user's typo does not need to wait).
     family = family_named(read_hf(load_config(model_dir)).family)
     check_weight_files(model_dir)
-    import transformers
-    from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
+    import transformers  # transformers: 0.5 s, when a model loads
+    from transformers import AutoConfig  # transformers: 0.5 s, when a model loads
+    from transformers.utils import logging as hf_logging  # transformers: 0.5 s, when a model loads
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except Exception as exc:  # noqa: BLE001 - e.g. "use_cache": "yes", a key our readers do not use
@@ -252,8 +250,6 @@ def _load(model_dir, variant: dict, offload=None, stream_to: torch.device | None
     # accelerate's "Some parameters are on the meta device" line, too: the trace's notes say where
     # the model was placed.
     if stream_to is not None:
-        from tracer.engines.hf_streamed import empty_model, stream_weights
-
         dtype = TORCH_DTYPES[setting(variant, "dtype")]
         model = empty_model(getattr(transformers, family.architecture), config, dtype, setting(variant, "attn"))
         stream_weights(model, model_dir, dtype, stream_to)

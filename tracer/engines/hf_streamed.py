@@ -24,7 +24,7 @@ from tracer.files.weights import WeightFiles
 
 def empty_model(architecture, config, dtype: torch.dtype, attention: str):
     """The family's model with every parameter on the meta device and its buffers real."""
-    from accelerate import init_empty_weights
+    from accelerate import init_empty_weights  # accelerate: loaded when a model streams
 
     with init_empty_weights(include_buffers=False):
         model = architecture._from_config(config, dtype=dtype, attn_implementation=attention,

@@ -43,8 +43,8 @@ import traceback
 import weakref
 from pathlib import Path
 
-from tracer.core.errors import TracerError
-from tracer.engines.base import EngineBase
+from tracer.core.errors import TracerError, one_line
+from tracer.engines.base import EngineBase, at_positions
 from tracer.engines.registry import EngineEntry
 from tracer.files.sources import ModelSource
 
@@ -134,8 +134,8 @@ class IsolatedEngine(EngineBase):
 
     def record(self, tokens: list[int], recorder=None, *, positions=None):
         offset = self.first_position(tokens, positions) or 0  # refused unless its entry takes positions
-        from tracer.traces.spill import DiskRecorder
-        from tracer.traces.trace import Trace, TraceMeta, TraceRecorder
+        from tracer.traces.spill import DiskRecorder  # torch: the child process starts without it
+        from tracer.traces.trace import Trace, TraceMeta, TraceRecorder  # torch: the child process starts without it
 
         tokens = [int(t) for t in tokens]
         if isinstance(recorder, DiskRecorder):  # the child writes the points where the caller spills
@@ -166,7 +166,7 @@ class IsolatedEngine(EngineBase):
 
     def decode(self, tokens: list[int], count: int, *, forced: list[int] | None = None, offset: int = 0):
         """The engine's own cached decode in the child; the trace and its steps come back as one file."""
-        from tracer.traces.trace import Trace
+        from tracer.traces.trace import Trace  # torch: the child process starts without it
 
         with tempfile.TemporaryDirectory(prefix="tracer-isolated-") as folder:
             reply = self._call({"op": "decode", "tokens": [int(t) for t in tokens], "count": int(count),
@@ -256,7 +256,7 @@ def _signal_name(number: int) -> str:
 
 def _read(file: str, points: list[str]):
     """(point, tensor) in `points`' order from one safetensors file, read into memory."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # torch: the child process starts without it
 
     tensors = load_file(file)
     return [(point, tensors[point]) for point in points]
@@ -291,10 +291,10 @@ class Server:
                 "max_positions": engine.max_positions}
 
     def record(self, request: dict) -> dict:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # torch: the child process starts without it
 
-        from tracer.traces.spill import DiskRecorder
-        from tracer.traces.trace import TraceRecorder
+        from tracer.traces.spill import DiskRecorder  # torch: the child process starts without it
+        from tracer.traces.trace import TraceRecorder  # torch: the child process starts without it
 
         at = _positions(request)
         if "folder" in request:
@@ -306,7 +306,7 @@ class Server:
         return {"meta": trace.meta.to_dict(), "file": request["file"], "points": list(trace.tensors)}
 
     def logits(self, request: dict) -> dict:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # torch: the child process starts without it
 
         logits = self.engine.logits(request["tokens"], **_positions(request))
         if logits is None:
@@ -326,8 +326,6 @@ class Server:
 
 def _positions(request: dict) -> dict:
     """The engine call's `positions` keyword for the request's offset (none at 0: every engine starts there)."""
-    from tracer.engines.base import at_positions
-
     return at_positions(request.get("offset", 0), len(request["tokens"]))
 
 
@@ -344,8 +342,6 @@ def serve() -> None:
         try:
             reply = server.handle(request)
         except Exception as exc:  # noqa: BLE001 - every error goes back to the parent, which raises it
-            from tracer.core.errors import one_line
-
             ours = isinstance(exc, TracerError)
             reply = {"error": str(exc) if ours else one_line(exc),
                      "kind": "TracerError" if ours else type(exc).__name__,

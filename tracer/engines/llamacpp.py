@@ -52,7 +52,7 @@ from tracer.core.errors import TracerError
 from tracer.engines.base import EngineBase, decode_steps
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
-from tracer.model.knobs import setting
+from tracer.model.knobs import setting, variant_text
 from tracer.model.names import AliasTable, ggml_write
 from tracer.model.points import (
     CACHE_K,
@@ -128,7 +128,7 @@ class Ggml:
     """The few ggml functions the callback needs, from the libggml llama-cpp-python ships."""
 
     def __init__(self):
-        from llama_cpp import _ggml
+        from llama_cpp import _ggml  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
         lib = _ggml.libggml
         self.op_name_fn = _function(lib.ggml_op_name, ctypes.c_char_p, [ctypes.c_int])
@@ -380,7 +380,7 @@ class GraphRecorder:
 def _eval_callback(graph: GraphRecorder):
     """The ctypes function llama.cpp calls; an error inside stops the graph and is raised after
     the decode (an exception must not cross the C boundary)."""
-    import llama_cpp
+    import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
     def callback(address, ask, _user_data):
         if graph.active is None:
@@ -404,7 +404,7 @@ class Logs:
     """llama.cpp's log, silenced; the errors since the last `clear` kept for our error messages."""
 
     def __init__(self):
-        import llama_cpp
+        import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
         self.lines: collections.deque[str] = collections.deque(maxlen=8)
         self.callback = llama_cpp.llama_log_callback(self._log)
@@ -431,7 +431,7 @@ def runtime() -> tuple[Ggml, Logs]:
         if "llama_cpp" not in sys.modules:  # OpenMP reads its variables when llama.cpp loads
             for name, value in CHILD_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)
-        import llama_cpp
+        import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
         llama_cpp.llama_backend_init()
         _RUNTIME["logs"], _RUNTIME["ggml"] = Logs(), Ggml()
@@ -471,7 +471,7 @@ class LlamaCppEngine(EngineBase):
         rows); "last" for the last one only, as generation does (the last layer's points from
         ffn_inp on then hold one row). `observe=False`: no eval callback at all, llama.cpp's own
         plain forward (the benchmark's baseline); such an engine cannot record."""
-        import llama_cpp
+        import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
         self.ggml, self.logs = runtime()
         self.gguf, self.variant, self.outputs, self.observe = Path(gguf), dict(variant), outputs, observe
@@ -575,7 +575,7 @@ class LlamaCppEngine(EngineBase):
         micro-batch takes the whole prompt at once."""
         if self.context is not None and cells <= self.context_size:
             return
-        import llama_cpp
+        import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
         self._free_context()
         size = CONTEXT_PAD * math.ceil(cells / CONTEXT_PAD)
@@ -606,7 +606,7 @@ class LlamaCppEngine(EngineBase):
     def _decode(self, tokens: list[int], start: int, outputs: list[bool], clear: bool) -> None:
         """One `llama_decode` of `tokens` at positions start.. (the batch's `pos`), after the cells the
         cache holds (none when `clear`)."""
-        import llama_cpp
+        import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
         held = 0 if clear else self.filled
         context = self.context
@@ -630,7 +630,7 @@ class LlamaCppEngine(EngineBase):
 
     def _logits(self, count: int) -> torch.Tensor:
         """The last decode's `count` output rows, copied: (count, V)."""
-        import llama_cpp
+        import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
         pointer = llama_cpp.llama_get_logits(self.context)
         return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(count, self.vocab_size)).copy())
@@ -645,7 +645,7 @@ class LlamaCppEngine(EngineBase):
     # --- metadata -----------------------------------------------------------------------------
 
     def _meta(self, tokens: list[int], recorded, start: int = 0, cache: bool = False) -> TraceMeta:
-        import llama_cpp
+        import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
         not_recorded = self._not_recorded(recorded)
         if cache:  # a decode's forward: the cache points too
@@ -686,8 +686,6 @@ class LlamaCppEngine(EngineBase):
         return _meta_text(self.model, f"{arch}.{key}".encode()) if arch else None
 
     def _knobs_text(self) -> str:
-        from tracer.model.knobs import variant_text
-
         return variant_text(self.variant) or "its defaults"
 
 
@@ -697,7 +695,7 @@ def _distribution_version() -> str:
 
 
 def _meta_text(model, key: bytes) -> str | None:
-    import llama_cpp
+    import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
     buffer = ctypes.create_string_buffer(256)
     length = llama_cpp.llama_model_meta_val_str(model, key, buffer, len(buffer))

@@ -35,6 +35,7 @@ from tracer.core.torch_types import TORCH_DTYPES
 from tracer.engines.base import EngineBase, at_positions, decode_steps, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
+from tracer.files.weights import check_weight_files
 from tracer.model.config import NON_FORWARD_KEYS, read_hf
 from tracer.model.knobs import setting
 from tracer.model.kv_cache import ring_slots
@@ -65,7 +66,7 @@ class MLXEngine(EngineBase):
     entry = ENGINES["mlx"]
 
     def __init__(self, model, config: dict, variant: dict, label: str, device: torch.device):
-        import mlx.core as mx
+        import mlx.core as mx  # mlx, an optional runtime: loaded where it runs
 
         self.model, self.config, self.variant, self.label, self.device = model, config, variant, label, device
         self.spec = read_hf(config)  # what transformers reads: the positions the reference has
@@ -86,7 +87,7 @@ class MLXEngine(EngineBase):
         """The prefill and `count` decode steps with mlx-lm's own cache (`make_prompt_cache`: a `KVCache`
         per layer, a `RotatingKVCache` where the model makes one), each step's position the cache's
         `offset`, as mlx-lm's generate runs it; every step's points and what each cache holds."""
-        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.models.cache import make_prompt_cache  # mlx, an optional runtime: loaded where it runs
 
         self.first_position(tokens, at_positions(offset, len(tokens)).get("positions"))  # from 0 only
         cache = make_prompt_cache(self.model)
@@ -101,7 +102,7 @@ class MLXEngine(EngineBase):
     def _recorded(self, tokens: list[int], recorder, cache: list | None = None) -> torch.Tensor:
         """One forward (after what `cache` holds, if any) with every point handed to `recorder`, and
         each layer's cache contents after it; returns the logits (1, T, V)."""
-        import mlx.core as mx
+        import mlx.core as mx  # mlx, an optional runtime: loaded where it runs
 
         recorded: deque[tuple[str, object]] = deque()
         per_head = per_head_points(self.family)
@@ -136,7 +137,7 @@ class MLXEngine(EngineBase):
         return to_torch(self._forward(tokens))[0]  # (T, V)
 
     def _forward(self, tokens: list[int], cache: list | None = None):
-        import mlx.core as mx
+        import mlx.core as mx  # mlx, an optional runtime: loaded where it runs
 
         with mx.stream(self.stream):
             return self.model(mx.array([tokens]), cache=cache)  # (1, T, V), lazy
@@ -169,7 +170,7 @@ def flat_heads(name: str, array, per_head: tuple[str, ...]):
 def to_torch(array) -> torch.Tensor:
     """An evaluated MLX array as a torch tensor of the same dtype (bf16, which numpy lacks, through
     its bits)."""
-    import mlx.core as mx
+    import mlx.core as mx  # mlx, an optional runtime: loaded where it runs
 
     if array.dtype == mx.bfloat16:
         return torch.from_numpy(np.array(array.view(mx.uint16))).view(torch.bfloat16)
@@ -271,8 +272,6 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
     """mlx-lm's model from a model directory, in the `dtype` knob's dtype."""
     if source.loaded:
         raise TracerError("the mlx engine loads the model directory itself; pass a path, not a loaded model")
-    from tracer.files.weights import check_weight_files
-
     device = torch.device(device)
     dtype = setting(variant, "dtype")
     if dtype not in DTYPES:
@@ -286,10 +285,10 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
 
 def _load_model(model_dir: Path, dtype: str, device: torch.device):
     try:
-        import mlx.core as mx
+        import mlx.core as mx  # mlx, an optional runtime: loaded where it runs
     except ImportError as exc:  # Linux: `mlx` without `mlx-cpu` has no backend library to load
         raise TracerError(f"MLX is installed without a backend ({one_line(exc)}): pip install -e '.[mlx]'") from None
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_model  # mlx, an optional runtime: loaded where it runs
 
     if not mx.is_available(getattr(mx, DEVICES[device.type])):
         raise TracerError(f"device {device}: this MLX build ({runtime()['version']}) has no {DEVICES[device.type]} "

@@ -54,9 +54,15 @@ import torch
 
 from tracer.core.errors import TracerError, one_line
 from tracer.core.progress import detail
+from tracer.engines import onnx_layers
 from tracer.engines.base import EngineBase
+from tracer.engines.hf import load as load_hf
+from tracer.engines.onnx_layers import NotRepeatable
 from tracer.engines.registry import ENGINES
+from tracer.files.convert import cache_root, cached_build
 from tracer.files.sources import ModelSource
+from tracer.hooks import recording_attention, recording_modules
+from tracer.model.config import read_hf
 from tracer.model.knobs import setting
 from tracer.model.points import LOGITS, is_causal
 from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceRecorder
@@ -115,7 +121,7 @@ class ONNXEngine(EngineBase):
         return {INPUT: np.array([tokens], dtype=np.int64)}  # (1, T)
 
     def _session(self, file: str):
-        import onnxruntime as ort
+        import onnxruntime as ort  # onnx: an optional runtime
 
         options = ort.SessionOptions()
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPT_LEVELS[self.level])
@@ -156,8 +162,6 @@ class RecordingExport(torch.nn.Module):
         self.names: list[str] = []
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        from tracer.hooks import recording_attention, recording_modules
-
         collected: dict[str, torch.Tensor] = {}
         module_names = {module: name for name, module in self.model.named_modules()}
         with recording_modules(self.model, self._keep(collected), self.layer_prefixes, self.family,
@@ -178,8 +182,6 @@ class RecordingExport(torch.nn.Module):
 
 def export_path(model_dir: Path, dtype: str) -> Path:
     """Where the export of this model directory (as its files are now) in `dtype` is cached."""
-    from tracer.files.convert import cache_root
-
     files = sorted(p for p in model_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
     identity = [str(model_dir.resolve()), dtype, EXPORT_FORMAT,
                 *[(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
@@ -191,8 +193,6 @@ def export_path(model_dir: Path, dtype: str) -> Path:
 
 def exported(model_dir: Path, dtype: str) -> Path:
     """The cached export (made now if missing): model.onnx, plain.onnx, their weights, export.json."""
-    from tracer.files.convert import cached_build
-
     target = export_path(model_dir, dtype)
     return cached_build(target, lambda folder: _export(model_dir, dtype, folder), progress=False)
 
@@ -200,8 +200,6 @@ def exported(model_dir: Path, dtype: str) -> Path:
 def _export(model_dir: Path, dtype: str, folder: Path, *, repeat: bool = True) -> None:
     """repeat: export two layers and repeat the second (`tracer.engines.onnx_layers`) where the
     layers are one computation; False exports every layer (the tests compare the two)."""
-    from tracer.engines.onnx_layers import NotRepeatable
-
     detail(f"exporting to ONNX ({dtype}; first use only)")
     started = time.perf_counter()
     try:
@@ -220,9 +218,6 @@ def _export(model_dir: Path, dtype: str, folder: Path, *, repeat: bool = True) -
 
 def _exported_program(model_dir: Path, dtype: str, repeat: bool):
     """(the torch.onnx program, the points in execution order, the number of layers, how they were made)."""
-    from tracer.engines import onnx_layers
-    from tracer.engines.hf import load as load_hf
-
     hf = load_hf(ModelSource(model_dir), {"dtype": dtype})
     wrapper = RecordingExport(hf).eval()
     # (1, T); not one token, which torch.export would specialize T to
@@ -260,7 +255,10 @@ def _merge_duplicates(model) -> None:
     In place of the exporter's `optimize=True`, whose pattern rewriter took half the export's time
     for fusions ORT makes itself when it loads the graph (`ort_opt`); the points are the same to the bit.
     """
-    from onnx_ir.passes.common import CommonSubexpressionEliminationPass, RemoveUnusedNodesPass
+    from onnx_ir.passes.common import (  # onnx: an optional runtime
+        CommonSubexpressionEliminationPass,
+        RemoveUnusedNodesPass,
+    )
 
     CommonSubexpressionEliminationPass()(model)
     RemoveUnusedNodesPass()(model)
@@ -287,7 +285,7 @@ def _quiet_exporter():
 def _write_plain(folder: Path) -> None:
     """plain.onnx: model.onnx with the logits as its only output, without the nodes that only
     other points needed; it reads the same weights file."""
-    import onnx
+    import onnx  # onnx: an optional runtime
 
     model = onnx.load(str(folder / MODEL_FILE), load_external_data=False)
     graph = model.graph
@@ -312,8 +310,6 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
     """ORT on tracer's export of the model directory, exported on first use."""
     if source.loaded:
         raise TracerError("the onnx engine exports the model directory itself; pass a path, not a loaded model")
-    from tracer.model.config import read_hf
-
     dtype = setting(variant, "dtype")
     if dtype not in DTYPES:
         raise TracerError(f"the onnx engine runs dtype {' | '.join(DTYPES)}, not {dtype} "

@@ -59,7 +59,7 @@ def repeat_layers(model, layer_prefixes: list[str], names: list[str], weights: d
     model's points in execution order (the graph's outputs when done); weights: the full model's
     state dict; module_prefix: what the exporter puts before a module path in the names it gives
     nodes and initializers (RecordingExport holds the model as `model`). Raises NotRepeatable."""
-    import onnx_ir as ir
+    import onnx_ir as ir  # onnx: an optional runtime
 
     graph = model.graph
     scopes = [module_prefix + prefix for prefix in layer_prefixes[:TEMPLATE_LAYERS]]
@@ -164,7 +164,7 @@ def _signature(nodes: list, residual, scope: str) -> list:
 
 
 def _attributes(node) -> list:
-    import onnx_ir as ir
+    import onnx_ir as ir  # onnx: an optional runtime
 
     def key(attribute):
         if attribute.type == ir.AttributeType.TENSOR:
@@ -178,7 +178,7 @@ def _attributes(node) -> list:
 def _input_of(value, renamed: dict, weight_prefix: str, scope: str, weights: dict, module_prefix: str, graph):
     """What a copy's node reads where the template's node reads `value` (the template's nodes are in
     topological order, so a value one of them made is in `renamed` already)."""
-    import onnx_ir as ir
+    import onnx_ir as ir  # onnx: an optional runtime
 
     if value is None:
         return None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from tracer.core.errors import TracerError, did_you_mean
-from tracer.model.knobs import KNOBS
+from tracer.model.knobs import KNOBS, parse_variant, variant_text
 from tracer.model.points import FUSED_AWAY
 
 
@@ -345,3 +345,16 @@ def check_engine(variant: dict, engine: str | EngineEntry) -> None:
             raise TracerError(
                 f"knob {name!r} is not honoured by the {entry.name} engine; engines that honour it: {engines}"
             )
+
+
+def engine_with_knobs(engine: str | EngineRef, variant=None) -> tuple[EngineRef, dict]:
+    """An engine argument ("hf", "file:PATH", ...) and its knobs ("theta=10000", a dict) parsed and checked
+    against each other once: a saved trace takes none, every knob is one the engine honours, and its
+    runtime is installed. What a run's side is made of (`tracer.pipeline.request.Side.of`), and what one
+    engine outside a command loads with (`tracer.engines.load.resolve_and_load`)."""
+    ref, knobs = parse_engine(engine), parse_variant(variant)
+    if knobs and ref.entry.argument_required:
+        raise TracerError(f"{ref} is a saved trace; knobs ({variant_text(knobs)}) need an engine that runs the model")
+    check_engine(knobs, ref.entry)
+    check_runtime(ref.entry)
+    return ref, knobs

@@ -7,10 +7,13 @@ from collections.abc import Mapping
 
 import torch
 
-from tracer.engines.base import EngineBase, check_device, decode_steps, per_layer
+from tracer.engines.base import EngineBase, decode_steps, per_layer
+from tracer.engines.batch import RowRecorders, left_padded
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.components.rope import rope_type
+from tracer.model.kv_cache import KVCache, ring_slot
+from tracer.reimpl.forced_runs import cached_step_points, op_forced_points, teacher_forced_points
 from tracer.reimpl.forward import Model
 from tracer.traces.trace import Trace, TraceMeta, TraceRecorder
 
@@ -58,8 +61,6 @@ class ReimplEngine(EngineBase):
     def record_batch(self, rows: list[list[int]]) -> list[Trace]:
         """The rows left-padded into one batched forward with an attention mask (`Model.forward_batch`); one
         trace per row, at its real positions (`tracer.engines.batch`)."""
-        from tracer.engines.batch import RowRecorders, left_padded
-
         padded = left_padded(rows)
         recorders = RowRecorders(padded)
         self.model.forward_batch(padded.ids, padded.mask, recorders)
@@ -67,8 +68,6 @@ class ReimplEngine(EngineBase):
 
     def new_cache(self):
         """An empty KV cache for this model: a ring of the window's slots on each sliding layer."""
-        from tracer.model.kv_cache import KVCache, ring_slot
-
         spec, steps = self.model.spec, self.model.steps
         windows = [steps.window(spec, i) for i in range(spec.num_hidden_layers)]
         return KVCache(spec.num_hidden_layers, windows, steps.ring_slot or ring_slot,
@@ -79,23 +78,17 @@ class ReimplEngine(EngineBase):
 
     def local_trace(self, reference: Trace, recorder=None) -> Trace:
         """Every block rerun on the reference's input to that block (`tracer.reimpl.forced_runs`)."""
-        from tracer.reimpl.forced_runs import teacher_forced_points
-
         return Trace(teacher_forced_points(self.model, reference, recorder),
                      self._meta(reference.tokens, reference.meta.position_offset))
 
     def local_step_trace(self, step: Trace, before: Trace | None, prefilled: int, recorder=None) -> Trace:
         """A decode step rerun on the reference's inputs and on its cache before the step (`before`'s;
         None: the prefill, into an empty cache): `tracer.reimpl.forced_runs.cached_step_points`."""
-        from tracer.reimpl.forced_runs import cached_step_points
-
         return Trace(cached_step_points(self.model, step, before, prefilled, recorder),
                      self._meta(step.tokens, step.meta.position_offset))
 
     def op_trace(self, reference: Trace, recorder=None) -> Trace:
         """Every op rerun on the reference's values of its inputs (`tracer.reimpl.forced_runs.op_forced_points`)."""
-        from tracer.reimpl.forced_runs import op_forced_points
-
         return Trace(op_forced_points(self.model, reference, recorder),
                      self._meta(reference.tokens, reference.meta.position_offset))
 
@@ -116,7 +109,7 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
          stream: bool = False) -> ReimplEngine:
     """From a model directory, or an already loaded transformers model (its config and state dict
     read our own way). `stream`: each block's weights read from the files when it runs. `device` is
-    `load_engine`'s, already checked."""
+    the run's, checked once (`tracer.engines.load.resolve_target`)."""
     placement = {"device": torch.device(device), "stream": stream}
     if source.loaded:
         model = Model.from_config(source.config(), dict(source.module.state_dict()), variant, **placement)
@@ -125,6 +118,7 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
 
 
 def from_parts(config: dict, weights: Mapping[str, torch.Tensor], variant: dict, label: str, *,
-               device: str | torch.device = "cpu", stream: bool = False) -> ReimplEngine:
-    """A reimpl engine from a config dict and weights already read (a sweep reads them once)."""
-    return ReimplEngine(Model.from_config(config, weights, variant, device=check_device(device), stream=stream), label)
+               device: torch.device = torch.device("cpu"), stream: bool = False) -> ReimplEngine:
+    """A reimpl engine from a config dict and weights already read (a sweep reads them once), on a device
+    resolved already (`tracer.engines.load.resolve_target`)."""
+    return ReimplEngine(Model.from_config(config, weights, variant, device=device, stream=stream), label)

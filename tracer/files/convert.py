@@ -29,10 +29,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from tracer.core.errors import TracerError, one_line
 from tracer.files import hashes as cache
 from tracer.files.tokenizer import TOKENIZER_FILE
 from tracer.files.weights import WEIGHTS_FILE
+from tracer.model.families import family_of, model_types
 from tracer.model.points import LOGITS, WEIGHT
 
 __all__ = ["cache_root", "cached_build", "convert_gguf", "is_complete", "package_version"]
@@ -146,8 +149,6 @@ def convert_gguf(
 ) -> None:
     """Dequantize a GGUF into ``out``: f32 safetensors, tokenizer, config (transformers-4 style for Llama)."""
     # Plain tqdm, not tqdm.auto: the notebook widget needs ipywidgets, which we do not require.
-    from tqdm import tqdm
-
     # One line that says why the first run is slow and that it will not happen again.
     when = f"first use only, {expected}" if expected else "first use only"
     bar = tqdm(
@@ -174,8 +175,8 @@ def convert_gguf(
 
 
 def _load_gguf_model(gguf: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # torch: the CLI checks its arguments without it
+    from transformers import AutoModelForCausalLM  # transformers: 0.5 s, when a model loads
 
     try:
         with _quiet_transformers():
@@ -190,8 +191,6 @@ def _load_gguf_model(gguf: Path):
         # struct.error to ValueError; the message keeps the reason and the chained exception
         # keeps the full traceback for anyone debugging with the API.
         raise TracerError(f"cannot convert GGUF file {gguf}: {one_line(exc)}") from exc
-    from tracer.model.families import model_types
-
     if model.config.model_type not in model_types():
         raise TracerError(
             f"GGUF file {gguf} holds a {model.config.model_type!r} model; tracer traces: {', '.join(model_types())}"
@@ -209,8 +208,8 @@ def _load_gguf_model(gguf: Path):
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """Hide transformers' progress bars (ours says what is happening); keep its warnings."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils  # transformers: 0.5 s, when a model loads
+    from transformers.utils import logging as hf_logging  # transformers: 0.5 s, when a model loads
 
     with _SWAP_LOCK:
         bars_were_on = hf_logging.is_progress_bar_enabled()
@@ -235,7 +234,7 @@ def _gguf_parsed_once() -> Iterator[None]:
     map at every level of its module walk (6 s in all). Within the block a file is parsed once and
     a map built once per architecture and depth; both are read-only to their callers, so the
     converted files are byte for byte what they were (tests/unit/test_convert.py)."""
-    import gguf
+    import gguf  # gguf-py: 0.1 s, for GGUF files only
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], Any] = {}
@@ -255,8 +254,8 @@ def _gguf_parsed_once() -> Iterator[None]:
 
 
 def _write_weights(model, out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
+    import torch  # torch: the CLI checks its arguments without it
+    from safetensors.torch import save_file  # torch: the CLI checks its arguments without it
 
     state = model.state_dict()
     if model.config.tie_word_embeddings:
@@ -268,7 +267,7 @@ def _write_weights(model, out: Path) -> None:
 
 
 def _write_tokenizer(gguf: Path, out: Path) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: 0.5 s, when a model loads
 
     try:
         with _quiet_transformers():
@@ -299,8 +298,6 @@ def _family_config_dict(config, source: dict[str, Any]) -> dict[str, Any]:
     """A non-Llama family's loaded config as transformers 5's save_pretrained writes it (the keys that
     differ from the class defaults), floats that came through GGUF's float32 written back as their
     shortest decimal (1e-06, not 9.99999997e-07)."""
-    from tracer.model.families import family_of
-
     data = {key: value for key, value in config.to_diff_dict().items() if key not in _NOT_SAVED}
     data["architectures"] = [family_of(config.model_type).architecture]
     for key in ("rms_norm_eps", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):

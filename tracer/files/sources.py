@@ -146,7 +146,7 @@ def gguf_model_path(
     check_gguf_header(gguf)
     target = cache_root(cache_dir) / _gguf_cache_name(gguf)
     if not is_complete(target):
-        from tracer.files.gguffile import check_consistent
+        from tracer.files.gguffile import check_consistent  # numpy: a GGUF's check only
 
         check_consistent(gguf)  # metadata against tensors: transformers' converter would spin or fail deep
     if is_complete(target):

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from tracer.core.errors import TracerError, one_line
 
@@ -104,8 +105,6 @@ class TensorFile:
 
 
 def _validate(path: Path) -> None:
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt"):
             pass

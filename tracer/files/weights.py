@@ -33,7 +33,7 @@ class WeightFiles(Mapping):
     """
 
     def __init__(self, model_dir: str | os.PathLike):
-        from tracer.files.tensorfile import TensorFile
+        from tracer.files.tensorfile import TensorFile  # torch: read before torch loads
 
         folder = Path(model_dir)
         self.files = _weight_files(folder)
@@ -159,7 +159,7 @@ class ConversionBuffers:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """A view of a free buffer of `shape` (its values: whatever its last user left)."""
-        import torch
+        import torch  # torch: read before torch loads
 
         device = torch.device(device)
         same = self._buffers.setdefault((shape, dtype, device), [])
@@ -177,7 +177,7 @@ def _unused(buffer: torch.Tensor) -> bool:
     """Nothing but `buffer` itself holds its storage (the count includes the wrapper asked here).
     A torch without the count (a private function, which inductor's CUDA graphs use the same way)
     never reuses a buffer: fresh memory each time, as before the buffers."""
-    import torch
+    import torch  # torch: read before torch loads
 
     count = getattr(torch._C, "_storage_Use_Count", None)
     return count is not None and count(buffer.untyped_storage()._cdata) <= 2
@@ -185,7 +185,7 @@ def _unused(buffer: torch.Tensor) -> bool:
 
 def read_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a model directory, memory-mapped (the fastest way to hold all of them)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # torch: read before torch loads
 
     files = WeightFiles(model_dir)  # the headers and their checks first
     tensors: dict[str, torch.Tensor] = {}

@@ -48,6 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tracer.files.gguffile import GGML_TYPES
+from tracer.ggml.quantizer import ggml_quantizer, quantizer_name
+
 CHUNK_VALUES = 1 << 22  # reference values judged at a time: bounded f64 temporaries, whatever the tensor
 FLOAT_BLOCK = 32  # float types have no blocks: their errors are told per 32 values
 MANTISSA_BITS = {"f16": 10, "bf16": 7, "f32": 23}
@@ -236,8 +239,7 @@ def audit_gguf(path: str | Path, reference: Mapping[str, torch.Tensor], quantize
         >>> audit.verdict, audit.count("identical")
         ('identical', 272)
     """
-    from tracer.ggml.quantizer import ggml_quantizer, quantizer_name
-    from tracer.ggml.strategies import GGUFWeights, check_same_model, reference_tensor
+    from tracer.ggml.strategies import GGUFWeights, check_same_model, reference_tensor  # numba: an audit's only
 
     started = time.perf_counter()
     path = Path(path)
@@ -263,7 +265,7 @@ def audit_gguf(path: str | Path, reference: Mapping[str, torch.Tensor], quantize
 
 def _audit_tensor(weights, name: str, tensor: torch.Tensor, quantizer) -> _Tally | TensorAudit:
     """The tally of one tensor's blocks (a `TensorAudit` at once for a type the audit cannot judge)."""
-    from tracer.ggml.strategies import gguf_rows
+    from tracer.ggml.strategies import gguf_rows  # numba, for ggml's kernels
 
     info = weights.names[name]
     kind, values = info.kind, tensor.reshape(-1, info.shape[-1]) if tensor.ndim > 1 else tensor[None]
@@ -287,8 +289,6 @@ def _audit_tensor(weights, name: str, tensor: torch.Tensor, quantizer) -> _Tally
 
 def _block_layout(kind: str) -> tuple[int, int]:
     """(values, bytes) of one block of a ggml type (`tracer.files.gguffile.GGML_TYPES`)."""
-    from tracer.files.gguffile import GGML_TYPES
-
     return next((size, nbytes) for name, size, nbytes in GGML_TYPES.values() if name == kind)
 
 
@@ -423,7 +423,7 @@ def _worst_distance(shifted: np.ndarray, level: np.ndarray, judged: np.ndarray, 
 def _unchecked(weights, name: str, values: torch.Tensor, quantizer, blocks: int) -> TensorAudit:
     """A type the audit has no level layout for (IQ4_NL, IQ4_XS), or one ggml quantizes only with an
     importance matrix: identical or not, but a difference is not judged."""
-    from tracer.ggml.strategies import gguf_rows
+    from tracer.ggml.strategies import gguf_rows  # numba, for ggml's kernels
 
     info = weights.names[name]
     kind = info.kind

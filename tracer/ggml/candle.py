@@ -111,7 +111,7 @@ def matmul_scalar(act: ActBlocks, weight: Blocks) -> torch.Tensor:
     the min term 0 (adding +0 changes no sum: sumf starts at +0). act (T, B, 32) Q8_1 / Q8_0,
     weight (R, B, 32) -> (T, R), by the compiled loop of `tracer.ggml.kernels` (on as many threads
     as torch uses)."""
-    from tracer.ggml import kernels
+    from tracer.ggml import kernels  # numba compiles these kernels: loaded by the ops that run them
 
     quants, scales, mins = weight.kernel_layout()  # (B, 32, R), (B, R), (B, R) or None
     x_sums = act.s if act.s is not None else torch.zeros_like(act.d)  # (T, B)
@@ -189,7 +189,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     order -> (..., M, N) (`tracer.ggml.kernels.fma_chains`). One row or column (M or N = 1, K > 2)
     goes through its gemv (`gemv_dot`): the path it takes where b is a transposed matrix, as in
     candle's x·wᵀ and q·kᵀ."""
-    from tracer.ggml import kernels
+    from tracer.ggml import kernels  # numba compiles these kernels: loaded by the ops that run them
 
     a, b = a.detach().to(F32), b.detach().to(F32)
     depth = a.shape[-1]

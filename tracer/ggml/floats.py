@@ -158,7 +158,7 @@ def powf(base: float, exponent: float) -> float:
 def expf(x: torch.Tensor) -> torch.Tensor:
     """The C library's `expf` at every element of f32 `x`, called by compiled code
     (`tracer.ggml.kernels.libm_expf`) rather than once per element through ctypes."""
-    from tracer.ggml import kernels
+    from tracer.ggml import kernels  # numba compiles these kernels: loaded by the ops that run them
 
     return torch.from_numpy(kernels.libm_expf(x.detach().to("cpu", F32).numpy(), torch.get_num_threads()))
 
@@ -178,7 +178,7 @@ def ggml_v_expf(x: torch.Tensor) -> torch.Tensor:
     """ggml_v_expf, AVX-512F/DQ variant (vec.h): exp(x) = 2^n * poly(b), b = x - n*ln2 in two fused
     steps, `_mm512_scalef_ps` for 2^n; |n| > 192 gives 0 (n <= 0) or inf. Max error 1.45 + 0.5 ulp.
     Computed per element by `tracer.ggml.kernels._v_expf` (the same steps, compiled)."""
-    from tracer.ggml import kernels
+    from tracer.ggml import kernels  # numba compiles these kernels: loaded by the ops that run them
 
     return torch.from_numpy(kernels.v_expf(x.detach().to("cpu", F32).numpy(), EXP_CONSTANTS, torch.get_num_threads()))
 

@@ -31,7 +31,7 @@ def _prefer_512_bit_vectors() -> None:
     user set it, numba is imported already, or the CPU has no AVX-512."""
     if "numba" in sys.modules or "NUMBA_CPU_FEATURES" in os.environ:
         return
-    import llvmlite.binding as llvm
+    import llvmlite.binding as llvm  # numba's LLVM, to read the CPU's features before numba loads
 
     llvm.initialize_native_target()
     features = llvm.get_host_cpu_features()

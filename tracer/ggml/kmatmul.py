@@ -113,7 +113,7 @@ def emulated(features: frozenset[str]) -> bool:
 
 def matmul_kquant(act: ActBlocks, weight: KBlocks, build: Build | None = None) -> torch.Tensor:
     """(T, R): x · Wᵀ as llama.cpp's x86 build computes it for this weight and this many rows."""
-    from tracer.ggml import kquant_kernels as kernels
+    from tracer.ggml import kquant_kernels as kernels  # numba compiles these kernels: loaded by the ops that run them
 
     build = this_build() if build is None else build
     tokens, rows = act.d.shape[0], weight.shape[0]

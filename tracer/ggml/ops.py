@@ -36,6 +36,7 @@ from tracer.ggml.floats import (
     powf,
     rdiv,
     reduce_add16,
+    round_bf16,
     round_f16,
     silu_scalar,
 )
@@ -318,7 +319,7 @@ def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
 
     Three compiled passes (`tracer.ggml.kernels`): the q·k FMA chains, the online softmax per
     query row (`tile_softmax`), the FMA chains over V."""
-    from tracer.ggml import kernels
+    from tracer.ggml import kernels  # numba compiles these kernels: loaded by the ops that run them
 
     threads = torch.get_num_threads()
     k32, v32 = round_f16(k), round_f16(v)
@@ -455,7 +456,7 @@ def llamacpp_cpu_features() -> frozenset[str]:
     /proc/cpuinfo flags under llama.cpp's names (AVX512_BF16, AVX512_VNNI, AVX512, ...) and its
     default matmul paths (LLAMAFILE: tinyBLAS; REPACK: the CPU_REPACK buffer)."""
     try:
-        import llama_cpp
+        import llama_cpp  # llama-cpp-python, an optional runtime: loaded where llama.cpp runs
 
         report = llama_cpp.llama_print_system_info().decode(errors="replace")
     except (ImportError, OSError, AttributeError):
@@ -608,8 +609,6 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None):
     ggml_vec_dot_f32 (the first tinyBLAS call needs a contiguous Q), the probabilities by tinyBLAS.
     Scores and probabilities are recorded (`record`: names relative to the layer).
     q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D)."""
-    from tracer.ggml.floats import round_bf16
-
     heads, tokens = q.shape[1], q.shape[2]
     store = {"f16": round_f16, "bf16": round_bf16, "f32": lambda x: x.to(F32)}[kv_cache]
     q_g = store(to_interleaved(q[0].to(F32), head_dim))[:, :, None, :]  # (H, T, 1, D)

@@ -22,6 +22,7 @@ import functools
 import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -132,8 +133,6 @@ def ggml_quantizer() -> GgmlQuantizer | None:
 
 def quantizer_name(quantizer: GgmlQuantizer) -> str:
     """"llama.cpp 0.3.36 (ggml 0.9.4)": the package and the library, as reports name them."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         package = f"llama-cpp-python {version('llama_cpp_python')}"
     except PackageNotFoundError:

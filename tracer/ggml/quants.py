@@ -164,7 +164,7 @@ def from_gguf_bytes(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Block
 
 
 def _gguf_type(kind: str):
-    import gguf
+    import gguf  # gguf-py: 0.1 s, for GGUF files only
 
     try:
         return gguf.GGMLQuantizationType[kind.upper()]
@@ -173,7 +173,7 @@ def _gguf_type(kind: str):
 
 
 def _dequantize_with_gguf(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
-    import gguf.quants
+    import gguf.quants  # gguf-py: 0.1 s, for GGUF files only
 
     values = gguf.quants.dequantize(np.asarray(raw), _gguf_type(kind))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
@@ -185,7 +185,7 @@ def quantize(weight: torch.Tensor, kind: str) -> Blocks:
     Raises:
         TracerError: `kind` is not one the gguf package can quantize, or C is not a whole number of blocks.
     """
-    import gguf.quants
+    import gguf.quants  # gguf-py: 0.1 s, for GGUF files only
 
     qtype = _gguf_type(kind)
     rows, cols = weight.shape
@@ -228,7 +228,7 @@ def _blocked(x: torch.Tensor, size: int, kind: str) -> torch.Tensor:
 def _quantize_q8(x: torch.Tensor, kind: str, rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, C) -> q (T, B, 32), f32 d = amax/127 (T, B), f32 d*sum(q) (T, B): the x86 quantizer's
     steps per block (`tracer.ggml.kernels.quantize_q8`, compiled)."""
-    from tracer.ggml import kernels
+    from tracer.ggml import kernels  # numba compiles these kernels: loaded by the ops that run them
 
     blocks = _blocked(x, 32, kind)  # (T, B, 32)
     q, d, sums = kernels.quantize_q8(blocks.detach().cpu().numpy(), rounding == "away", torch.get_num_threads())
@@ -253,7 +253,7 @@ def quantize_q8_k(x: torch.Tensor, rounding: str = "even") -> ActBlocks:
     1/iscale kept in f32 (compiled: `tracer.ggml.kernels.quantize_q8_k`). `nearest_int` (the f32
     sum with 1.5·2^23) rounds ties to even in the reference and on x86 alike: `rounding` does not
     apply to Q8_K."""
-    from tracer.ggml import kernels
+    from tracer.ggml import kernels  # numba compiles these kernels: loaded by the ops that run them
 
     blocks = _blocked(x, 256, "q8_k")  # (T, B, 256)
     q, d = kernels.quantize_q8_k(blocks.detach().cpu().numpy(), torch.get_num_threads())

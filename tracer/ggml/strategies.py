@@ -41,10 +41,14 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tracer.core.errors import TracerError
-from tracer.ggml import ops, repack, tinyblas
+from tracer.files.gguffile import GGUFFile
+from tracer.files.sources import DEFAULT_GGUF, bundled_gguf
+from tracer.ggml import candle, ops, repack, tinyblas
+from tracer.ggml.candle import apply_ops
 from tracer.ggml.floats import F32, ROUND, round_bf16, round_f16
 from tracer.ggml.kmatmul import emulated as kquants_emulated
 from tracer.ggml.kquants import KQUANT_TYPES, from_gguf_bytes
+from tracer.ggml.quantizer import ggml_quantizer
 from tracer.ggml.quants import (
     ACT_BLOCK,
     BLOCK_TYPES,
@@ -73,7 +77,7 @@ from tracer.model.points import (
     WEIGHT,
     gguf_permuted,
 )
-from tracer.traces.layouts import to_interleaved
+from tracer.traces.layouts import from_interleaved, to_interleaved
 
 PROJECTIONS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 
@@ -91,8 +95,6 @@ def gguf_path(source: dict | None) -> Path:
     Raises:
         TracerError: the directory was not converted from a GGUF, or the file is gone.
     """
-    from tracer.files.sources import DEFAULT_GGUF, bundled_gguf
-
     name = (source or {}).get("gguf_file")
     if not name:
         raise TracerError("weights=gguf needs a model converted from a GGUF file (its config.json has no "
@@ -105,8 +107,6 @@ def gguf_path(source: dict | None) -> Path:
 
 def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
     """Index taking GGUF-ordered q/k weight rows to HF order (`tracer.traces.layouts.from_interleaved`)."""
-    from tracer.traces.layouts import from_interleaved
-
     return from_interleaved(torch.arange(rows)[None], head_dim)[0]
 
 
@@ -116,8 +116,6 @@ class GGUFWeights(Mapping):
     llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
 
     def __init__(self, path: Path):
-        from tracer.files.gguffile import GGUFFile
-
         self.file = GGUFFile(path)
         self.names = {name: info for info in self.file.tensors.values() if (name := hf_tensor_name(info.name))}
         self.head_dim = _head_dim(self.file)
@@ -163,8 +161,6 @@ class RequantizedWeights(Mapping):
     own, in the file's type (`requantize=`: what the audit puts in place of a damaged tensor)."""
 
     def __init__(self, weights: GGUFWeights, reference: Mapping, tensors: tuple[str, ...]):
-        from tracer.ggml.quantizer import ggml_quantizer
-
         self.weights, self.reference, self.quantizer = weights, reference, ggml_quantizer()
         by_gguf = {info.name.removesuffix(".weight"): name for name, info in weights.names.items()}
         unknown = [tensor for tensor in tensors if tensor.removesuffix(".weight") not in by_gguf]
@@ -333,8 +329,6 @@ def make_linear(act_quant: str, rounding: str, accumulate: str):
     blas_dtype = F32 if accumulate == "f32" else torch.float64  # ggml: f64 where no kernel is emulated
     quantize, candle_matmul = quantize_activations, None
     if "candle" in (rounding, accumulate):
-        from tracer.ggml import candle
-
         quantize = candle.quantize if rounding == "candle" else quantize_activations
         candle_matmul = candle.matmul if accumulate == "candle" else None
     last: dict = {}  # the input quantized last: q/k/v (and gate/up) take the same tensor object in turn
@@ -499,8 +493,6 @@ def make_attention_stored(kv_cache: str, rounding: str):
 
 def _stored_qk(x: torch.Tensor, store, head_dim: int) -> torch.Tensor:
     """Q or K (1, heads, T, D) in the cache format, blocks taken in GGUF's dim order."""
-    from tracer.traces.layouts import from_interleaved, to_interleaved
-
     return from_interleaved(store(to_interleaved(x.to(F32), head_dim)), head_dim)
 
 
@@ -574,8 +566,6 @@ def apply_regime(knobs: dict, strategies, spec=None):
         changes["cache_store"] = kv_rounding(kv_cache, rounding)
     replaced = strategies.replace(**changes)
     if knobs.get("ops") == "candle":  # candle's f32 kernels (tracer.ggml.candle)
-        from tracer.ggml.candle import apply_ops
-
         return apply_ops(replaced)
     return replaced
 

@@ -40,10 +40,10 @@ def matmul_ggml(act: ActBlocks, weight: Blocks) -> torch.Tensor:
     loop of `tracer.ggml.kernels` (on as many threads as torch uses); k-quants by the path
     llama.cpp takes for this weight and this many rows (`tracer.ggml.kmatmul`)."""
     if isinstance(weight, KBlocks):
-        from tracer.ggml.kmatmul import matmul_kquant
+        from tracer.ggml.kmatmul import matmul_kquant  # numba compiles these kernels: loaded by the ops that run them
 
         return matmul_kquant(act, weight)
-    from tracer.ggml import kernels
+    from tracer.ggml import kernels  # numba compiles these kernels: loaded by the ops that run them
 
     quants, scales, mins = weight.kernel_layout()  # (B, 32, R), (B, R), (B, R) or None
     x_sums = None if mins is None else act.s.to(F32).contiguous().numpy()

@@ -73,7 +73,7 @@ def gguf_names(family: str | None = None) -> dict[str, str]:
     row = family_named(family)
     key = (row.name, registry_version())
     if key not in _GGUF_CACHE:
-        import gguf
+        import gguf  # gguf-py: 0.1 s, for GGUF files only
 
         arch = next(a for a, text in gguf.MODEL_ARCH_NAMES.items() if text == row.gguf_arch)
         tensor_map = gguf.get_tensor_name_map(arch, 1)
@@ -117,7 +117,7 @@ def gguf_block_of(gguf_name: str) -> int | None:
     """The block a GGUF tensor belongs to, by gguf's own name formats (`gguf.TENSOR_NAMES`:
     "blk.{bid}.attn_q"); None outside the blocks."""
     if _BLOCK_RE[0] is None:
-        import gguf
+        import gguf  # gguf-py: 0.1 s, for GGUF files only
 
         prefixes = {text.split("{bid}")[0] for text in gguf.TENSOR_NAMES.values() if "{bid}" in text}
         _BLOCK_RE[0] = re.compile("^(?:" + "|".join(map(re.escape, sorted(prefixes))) + r")(\d+)\.")

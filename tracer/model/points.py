@@ -111,7 +111,7 @@ def folded(point: str) -> str:
 def causal_allowed(queries: int, keys: int):
     """(queries, keys) bool: what each query may attend to. Queries are the *last* `queries`
     positions, so a matrix reduced to its last rows keeps the right diagonal."""
-    import torch
+    import torch  # torch: reading the model's declarations never loads it
 
     return torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
 

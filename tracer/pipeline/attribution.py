@@ -43,6 +43,7 @@ from tracer.comparison.perplexity import ExactKL, scored_rows, scored_slice
 from tracer.core.errors import TracerError
 from tracer.engines.registry import ENGINES, EngineRef, registered
 from tracer.files.sources import ModelSource
+from tracer.files.weights import read_weights
 from tracer.model.knobs import KNOBS, variant_text
 from tracer.model.points import EMBED, FINAL_LOGITS, FINAL_NORM, LOGITS, layer_of, layer_point
 from tracer.pipeline.regime_view import runtime_regime
@@ -84,8 +85,8 @@ def emulation(engine: EngineRef, variant: dict, source: ModelSource, *, role: st
         able = ", ".join(e.name for e in registered().values() if e.noise_floor or e.regime)
         raise TracerError(f"--by-layer emulates each side with tracer's reimplementation; the {entry.name} engine "
                           f"has no emulation (use {able})")
-    from tracer.engines.llamacpp import gguf_of
-    from tracer.ggml.strategies import GGUFWeights
+    from tracer.engines.llamacpp import gguf_of  # its ctypes structures take 0.1 s: a llama.cpp side's only
+    from tracer.ggml.strategies import GGUFWeights  # numba, for ggml's kernels: a regime's only
 
     path = gguf_of(source, argument)
     plain = {k: v for k, v in knobs.items() if KNOBS[k].kind != "regime"}  # theta, eps, ...
@@ -231,8 +232,6 @@ class Attributor:
 
     def __init__(self, source: ModelSource, reference: Emulation, candidate: Emulation, device="cpu"):
         started = time.perf_counter()
-        from tracer.files.weights import read_weights
-
         weights = dict(source.module.state_dict()) if source.loaded else read_weights(source.directory)
         self.emulations = (reference, candidate)
         self.reference = emulated_model(source, reference, weights, device)

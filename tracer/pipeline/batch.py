@@ -17,6 +17,7 @@ from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine
 from tracer.pipeline.request import Inputs, Side
+from tracer.pipeline.run import check_tokens, reference_noise, timed, token_ids
 from tracer.traces.spill import SPILL_TOKENS
 from tracer.traces.trace import Trace
 
@@ -24,8 +25,6 @@ from tracer.traces.trace import Trace
 def batch_rows(prepared, inputs: Inputs) -> list[list[int]]:
     """The token ids of every row: the prepared prompt's for the rows that repeat it, the others tokenized
     (and truncated) as the prepared prompt was."""
-    from tracer.pipeline.run import token_ids
-
     rows = []
     for given in inputs.rows:
         if given in (inputs.prompt, inputs.tokens):
@@ -44,23 +43,20 @@ def batch_rows(prepared, inputs: Inputs) -> list[list[int]]:
 def reference_alone(prepared, reference: Side, rows: list[list[int]]) -> tuple[list[Trace], list[dict | None]]:
     """The reference's batch-1 run of each row's prompt and its f64 noise (None without a noise floor), each
     distinct prompt run once (the prepared one is already)."""
-    from tracer.pipeline.run import reference_noise
-
     runs = {tuple(prepared.ids): (prepared.trace, prepared.noise)}
     for ids in rows:
         if tuple(ids) not in runs:
             trace = prepared.engine.record(ids)
-            noise = None if prepared.noise is None else reference_noise(prepared.source, reference,
+            noise = None if prepared.noise is None else reference_noise(prepared.target, reference,
                                                                         prepared.engine, trace)[0]
             runs[tuple(ids)] = (trace, noise)
     return [runs[tuple(ids)][0] for ids in rows], [runs[tuple(ids)][1] for ids in rows]
 
 
-def compare_batched(result: Result, prepared, engine: Engine, inputs: Inputs, reference: Side) -> Result:
+def compare_batched(result: Result, prepared, engine: Engine) -> Result:
     """`result` (the first row's prompt run alone) with every row of both sides' batched forwards compared
-    and attached (`tracer.comparison.batch.with_rows`)."""
-    from tracer.pipeline.run import check_tokens, timed
-
+    and attached (`tracer.comparison.batch.with_rows`): the rows of the run's request (`prepared.request`)."""
+    inputs, reference = prepared.request.inputs, prepared.request.reference
     stage("batch")
     timings = dict(result.timings)
     rows = batch_rows(prepared, inputs)

@@ -7,6 +7,7 @@ import math
 
 from tracer.engines.registry import ENGINES
 from tracer.model.knobs import knobs_for, parse_variant
+from tracer.model.kv_cache import KNOBS as DECODE_KNOBS
 
 # Values of the numeric knobs tried beyond the sweep's representative one (the model's own is skipped).
 EXTRA_VALUES = {"theta": (10_000.0, 500_000.0, 1_000_000.0), "eps": (1e-6, 1e-5, 1e-4, 1e-3)}
@@ -18,6 +19,15 @@ def split_variants(variants) -> list[str]:
     return [part.strip() for text in texts for part in text.split(";") if part.strip()]
 
 
+def parse_variants(variants) -> tuple[dict, ...]:
+    """A sweep's or a diagnosis's variants, each parsed: a string with `;` between variants, a list of
+    such strings, or variants parsed already (dicts of knobs, checked again: a request built anew)."""
+    items = [variants] if isinstance(variants, (str, dict)) else list(variants)
+    if all(isinstance(item, dict) for item in items):
+        return tuple(parse_variant(item) for item in items)
+    return tuple(parse_variant(text) for text in split_variants(items))
+
+
 def default_variants(spec, engine: str = "reimpl", decode: bool = False) -> list[str]:
     """One representative variant per knob that applies to this model's family (its classic porting
     mistakes among them) and that `engine` honours, for this model's spec; a knob whose feature the
@@ -26,8 +36,6 @@ def default_variants(spec, engine: str = "reimpl", decode: bool = False) -> list
     what a runtime does by design, ranked by `tracer diagnose`). `decode`: the run decodes (`--decode N`),
     so the decode-only knobs (`tracer.model.kv_cache`), which change nothing in one forward, are
     swept too."""
-    from tracer.model.kv_cache import KNOBS as DECODE_KNOBS
-
     decode_only = {knob.name for knob in DECODE_KNOBS}
     entry = ENGINES[engine]
     honoured = set(entry.honoured) - set(entry.emulated)

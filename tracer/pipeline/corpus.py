@@ -11,7 +11,6 @@ with the text. `by_layer` adds where the loss is made (`tracer.pipeline.attribut
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,23 +22,19 @@ from tracer.comparison.perplexity import (
     Estimate,
     Statistics,
     TokenFigures,
-    chunk_tokens,
     exact_kld,
-    mean_and_uncertainty,
     scored_rows,
     scored_targets,
     stored_log_probs,
     token_figures,
 )
 from tracer.core.errors import TracerError
-from tracer.core.progress import detail, stage
-from tracer.engines.base import environment
-from tracer.engines.load import load_engine
-from tracer.engines.offload import check_offload, offload_for
-from tracer.engines.registry import EngineRef
-from tracer.files.sources import ModelSource, resolve_source
+from tracer.core.progress import detail
+from tracer.engines.load import LoadTarget, load_engine
+from tracer.files.sources import ModelSource
+from tracer.files.tokenizer import TOKENIZER_FILE, tokenize_plain
 from tracer.model.knobs import side_label, variant_text
-from tracer.pipeline.request import DEFAULT_CTX, Inputs, Placement, Side, check_family_support, whole_number
+from tracer.pipeline.request import Inputs, Request, Side, whole_number
 from tracer.pipeline.run import check_tokens
 
 
@@ -97,17 +92,17 @@ class Quality:
 
     def table(self) -> str:
         """llama-perplexity's printed statistics, line for line."""
-        from tracer.reports.quality import perplexity_table
+        from tracer.reports.quality import perplexity_table  # jinja2, for Markdown: loaded when a report is asked
 
         return perplexity_table(self.to_dict())
 
     def markdown(self) -> str:
-        from tracer.reports.quality import quality_markdown
+        from tracer.reports.quality import quality_markdown  # jinja2, for Markdown: loaded when a report is asked
 
         return quality_markdown(self.to_dict())
 
     def __str__(self) -> str:
-        from tracer.reports.quality import quality_text
+        from tracer.reports.quality import quality_text  # jinja2, for Markdown: loaded when a report is asked
 
         return quality_text(self.to_dict())
 
@@ -115,8 +110,6 @@ class Quality:
 def text_tokens(source: ModelSource, inputs: Inputs) -> tuple[list[int], int | None]:
     """(token ids, the BOS each chunk starts with): the text tokenized as llama-perplexity does; ids
     given as they are, with the BOS the model's tokenizer adds (none without a tokenizer)."""
-    from tracer.files.tokenizer import TOKENIZER_FILE, tokenize_plain
-
     folder = source.directory
     has_tokenizer = folder is not None and (folder / TOKENIZER_FILE).is_file()
     if inputs.tokens is not None:
@@ -126,12 +119,18 @@ def text_tokens(source: ModelSource, inputs: Inputs) -> tuple[list[int], int | N
     return tokenize_plain(folder, inputs.prompt)
 
 
-def check_logits(engine: EngineRef) -> None:
-    """An engine that cannot run an unrecorded forward (a saved trace) is refused before loading."""
-    entry = engine.entry
-    if not entry.logits:
-        raise TracerError(f"the {entry.name} engine cannot give logits (a saved trace holds one forward); "
-                          "quality needs an engine that runs the model")
+def check_quality(request: Request, ctx: int, chunks: int | None) -> None:
+    """What a quality request cannot ask, refused before its model resolves: an engine that cannot run an
+    unrecorded forward (a saved trace), a chunk size or count out of range, a chat template or a
+    truncation (quality reads a plain text)."""
+    for side in request.sides:
+        if not side.entry.logits:
+            raise TracerError(f"the {side.entry.name} engine cannot give logits (a saved trace holds one forward); "
+                              "quality needs an engine that runs the model")
+    whole_number(ctx, "-c/--ctx", minimum=MIN_CTX)
+    whole_number(chunks, "--chunks", minimum=1)
+    if request.inputs.chat or request.inputs.max_tokens is not None:
+        raise TracerError("quality reads a plain text: no chat template, no truncation")
 
 
 def chunk_logits(engine, tokens: list[int], role: str) -> np.ndarray:
@@ -150,58 +149,9 @@ def check_context(engine, ctx: int, role: str) -> None:
                           f"{engine.name})")
 
 
-def measure_quality(inputs: Inputs, placement: Placement, *, reference: Side, candidate: Side,
-                    ctx: int = DEFAULT_CTX, chunks: int | None = None, by_layer: bool = False,
-                    text_name: str | None = None, command: str | None = None) -> Quality:
-    """`tracer.quality` on the request's values (`tracer.pipeline.request`: each side's engine and knobs
-    parsed and checked), as the CLI and the API build them; the rest is checked before an engine loads."""
-    started = time.perf_counter()
-    for side in (reference, candidate):
-        check_logits(side.engine)
-    check_offload(placement.accelerate, reference.engine, candidate.engine)
-    whole_number(ctx, "-c/--ctx", minimum=MIN_CTX)
-    whole_number(chunks, "--chunks", minimum=1)
-    if inputs.chat or inputs.max_tokens is not None:
-        raise TracerError("quality reads a plain text: no chat template, no truncation")
-    source = resolve_source(inputs.model, progress=False)
-    for side in (reference, candidate):
-        check_family_support(side.engine, source)
-    ids, bos = text_tokens(source, inputs)
-    windows = chunk_tokens(ids, ctx, bos, chunks)
-    engines = {role: load_side(side, role, source, placement, windows, ctx)
-               for role, side in (("reference", reference), ("candidate", candidate))}
-    attributor = None
-    if by_layer:
-        from tracer.pipeline.attribution import Attributor, emulation
-
-        attributor = Attributor(source, emulation(reference.engine, reference.variant, source, role="reference"),
-                                emulation(candidate.engine, candidate.variant, source, role="candidate"),
-                                placement.device)
-    layers_s = attributor.seconds if attributor else 0.0
-    timings = {"load_s": time.perf_counter() - started - layers_s}
-    stage("chunks")
-    started = time.perf_counter()
-    figures, exact, lines = score_chunks(engines, ids, windows, ctx, attributor)
-    statistics = Statistics.of(figures)
-    exact_mean = mean_and_uncertainty(exact.sum(), (exact * exact).sum(), len(exact))
-    layers = None
-    if attributor is not None:
-        layers = attributor.result(exact_mean.value)
-        timings["layers_s"] = attributor.seconds
-    timings["chunks_s"] = time.perf_counter() - started - (attributor.seconds - layers_s if attributor else 0.0)
-    return Quality(
-        reference=_side(reference), candidate=_side(candidate),
-        model=source.name, text=text_name, tokens=len(ids), bos=bos, ctx=ctx, chunks=len(windows),
-        statistics=statistics, exact_kld=exact_mean, lines=tuple(lines), layers=layers, timings=timings,
-        notes=tuple(_notes(len(ids), ctx, len(windows), statistics.count, bos, inputs)), command=command,
-        environment=environment())
-
-
-def load_side(side: Side, role: str, source: ModelSource, placement: Placement, windows: list[list[int]],
-              ctx: int):
+def load_side(side: Side, role: str, target: LoadTarget, windows: list[list[int]], ctx: int):
     """One side's engine, loaded and checked against the chunks (positions, vocabulary)."""
-    engine = load_engine(side.engine, source, side.variant, device=placement.device, stream=placement.stream,
-                         offload=offload_for(side.engine, placement.accelerate))
+    engine = load_engine(side.engine, side.variant, target)
     check_context(engine, ctx, role)
     for window in windows:
         check_tokens(window, engine)
@@ -225,12 +175,12 @@ def score_chunks(engines: dict, ids: list[int], windows: list[list[int]], ctx: i
     return TokenFigures.concatenate(figures), np.concatenate(exact), lines
 
 
-def _side(side: Side) -> dict:
+def side_summary(side: Side) -> dict:
     engine = str(side.engine)
     return {"engine": engine, "variant": variant_text(side.variant), "label": side_label(engine, side.variant)}
 
 
-def _notes(tokens: int, ctx: int, chunks: int, scored: int, bos: int | None, inputs: Inputs) -> list[str]:
+def quality_notes(tokens: int, ctx: int, chunks: int, scored: int, bos: int | None, inputs: Inputs) -> list[str]:
     notes = []
     dropped = tokens - chunks * ctx
     if dropped:

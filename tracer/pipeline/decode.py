@@ -62,8 +62,8 @@ def reference_decode(prepared, steps: int, forced: list[int] | None = None
         return reference, step_floors(reference, uncached, prepared.noise)
     # each step's own rows in f64 (a streamed reimpl run, as the prefill's noise): their f32 rounding
     noise = StepNoise(reference, uncached)
-    load_engine(EngineRef.named("reimpl"), prepared.source, {**prepared.variant, "dtype": "f64"},
-                device=prepared.device, stream=True).record(sequence, noise, **at)
+    load_engine(EngineRef.named("reimpl"), {**prepared.variant, "dtype": "f64"},
+                dataclasses.replace(prepared.target, stream=True)).record(sequence, noise, **at)
     return reference, step_floors(reference, uncached, prepared.noise, noise.noise)
 
 

@@ -22,9 +22,9 @@ from tracer.comparison.steps import greedy_pick
 from tracer.core.errors import TracerError
 from tracer.core.progress import detail
 from tracer.engines.base import at_positions
+from tracer.pipeline.request import GREEDY_STEPS
 from tracer.traces.trace import Trace
 
-GREEDY_STEPS = 20
 LONG_PROMPT = 128  # past this, greedy decoding (a whole forward per step and side) is off by default
 
 

@@ -35,9 +35,12 @@ from tracer.comparison.diff import ErrorRecorder
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions
+from tracer.engines.reimpl import from_parts
 from tracer.model.knobs import expand_presets, is_regime
+from tracer.pipeline.noise_floor import NOISE_TOKENS
 from tracer.pipeline.request import Side
 from tracer.reimpl.unit_runs import FreeRun, TeacherForced
+from tracer.traces.spill import read_point
 from tracer.traces.trace import Trace, TraceMeta, TraceRecorder, kept
 
 
@@ -77,9 +80,6 @@ def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candid
     `NOISE_TOKENS` tokens the noise floor is measured on the first ones, in a pass of its own
     before (the candidate's judged points need it). `known_noise`: a floor already measured (the
     reference cache's), for those judged points."""
-    from tracer.engines.reimpl import from_parts
-    from tracer.pipeline.noise_floor import NOISE_TOKENS
-
     files = engine.model.tracer_weight_files
     config, device = source.config(), engine.device
     timings: dict[str, float] = {}
@@ -210,8 +210,6 @@ class _Recorded(Mapping):
         if point in getattr(self.recorder, "recent", ()):
             return self.recorder.recent[point]
         if hasattr(self.recorder, "files"):
-            from tracer.traces.spill import read_point
-
             return read_point(self.recorder.files[point])
         return self.recorder.tensors[point]
 

@@ -22,11 +22,14 @@ Measured figures (SmolLM2, preset=llamacpp): docs/regimes.md, "The noise floor i
 
 from __future__ import annotations
 
+import torch
+
 from tracer.comparison.diff import ErrorRecorder
 from tracer.engines.base import at_positions
-from tracer.engines.load import load_engine
+from tracer.engines.load import LoadTarget, load_engine
 from tracer.engines.registry import EngineRef
 from tracer.files.sources import ModelSource
+from tracer.model.knobs import expand_presets, is_regime
 from tracer.traces.trace import Trace
 
 NOISE_TOKENS = 128  # longer prompts measure their noise floor on this many first tokens
@@ -40,12 +43,10 @@ def estimate_noise(source: ModelSource, reference: Trace, reference_variant: dic
     memory (twice the f32 model), for one forward. A number-format regime (weights=, act_quant=,
     preset=llamacpp, ...) gets its own estimate instead: `regime_noise`.
     """
-    from tracer.model.knobs import expand_presets, is_regime
-
     if is_regime(expand_presets(reference_variant)):
         return regime_noise(source, reference, reference_variant, device)
-    engine = load_engine(EngineRef.named("reimpl"), source, {**reference_variant, "dtype": "f64"}, device=device,
-                         stream=True)
+    engine = load_engine(EngineRef.named("reimpl"), {**reference_variant, "dtype": "f64"},
+                         LoadTarget(source, torch.device(device), stream=True))
     errors = ErrorRecorder(reference)
     engine.record(reference.tokens, errors, **at_positions(reference.meta.position_offset or 0, len(reference.tokens)))
     return errors.rel_l2
@@ -56,7 +57,7 @@ def regime_noise(source: ModelSource, reference: Trace, variant: dict, device="c
     op of it fed `reference`'s values of its inputs.
 
     Args:
-        source: the model the reference ran (or a path to it: `load_engine` resolves one).
+        source: the model the reference ran, resolved (`tracer.files.sources.resolve_source`).
         reference: the regime's trace (usually the reimpl engine's run of `variant`).
         variant: the regime's knobs, e.g. {"preset": "llamacpp", "weights": "gguf"}.
 
@@ -64,12 +65,14 @@ def regime_noise(source: ModelSource, reference: Trace, variant: dict, device="c
         point -> rel_l2, for every point both traces hold.
 
     Example:
+        >>> from tracer.files.sources import ModelSource
         >>> model, regime = tracer.default_model_path(), {"preset": "llamacpp", "weights": "gguf"}
         >>> ref = tracer.record(model, [504, 3575, 282, 4649, 314], engine="reimpl", variant=regime, progress=False)
-        >>> regime_noise(model, ref, regime)["model.layers.0.mlp.down_proj"] < 1e-5  # measured 1e-7..6e-7
+        >>> regime_noise(ModelSource(model), ref, regime)["model.layers.0.mlp.down_proj"] < 1e-5  # 1e-7..6e-7
         True
     """
-    engine = load_engine(EngineRef.named("reimpl"), source, {**variant, "accumulate": "f64"}, device=device)
+    engine = load_engine(EngineRef.named("reimpl"), {**variant, "accumulate": "f64"},
+                         LoadTarget(source, torch.device(device)))
     errors = ErrorRecorder(reference)
     engine.op_trace(reference, errors)
     return errors.rel_l2

@@ -27,6 +27,7 @@ import os
 import time
 from pathlib import Path
 
+from tracer.files.convert import cache_root, package_version
 from tracer.files.hashes import stats
 
 FORMAT = 1
@@ -44,8 +45,6 @@ def folder_state(folder: Path) -> dict[str, list[int]]:
 def entry_key(model_dir: Path, tokens: list[int], **context) -> dict:
     """The key of one reference's measurements: the model's files, the tokens and `context`
     (engine, variant, placement, what was asked for), with the versions that shape the numbers."""
-    from tracer.files.convert import package_version
-
     folders = {Path(location).resolve() for name in _SOURCES
                for location in importlib.util.find_spec(name).submodule_search_locations}
     code = {str(path): [path.stat().st_size, path.stat().st_mtime_ns]
@@ -56,8 +55,6 @@ def entry_key(model_dir: Path, tokens: list[int], **context) -> dict:
 
 
 def entry_path(key: dict) -> Path:
-    from tracer.files.convert import cache_root
-
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     return cache_root() / "reference" / f"{digest[:40]}.json"
 

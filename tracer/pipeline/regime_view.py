@@ -28,14 +28,17 @@ import dataclasses
 import os
 from pathlib import Path
 
-from tracer.comparison.diff import rel_l2_by_point
+from tracer.comparison.diff import ErrorRecorder, rel_l2_by_point
 from tracer.comparison.result import RawView, RegimeView, Result
 from tracer.core.errors import TracerError
+from tracer.engines.load import load_engine
 from tracer.engines.registry import EngineRef, check_engine
-from tracer.files.sources import ModelSource
-from tracer.ggml.audit import WeightAudit
+from tracer.files.sources import ModelSource, check_gguf_header
+from tracer.files.weights import WeightFiles
+from tracer.ggml.audit import WeightAudit, audit_gguf
 from tracer.model.knobs import expand_presets, parse_variant, setting, variant_label, variant_text
-from tracer.pipeline.request import Inputs, Placement, Side
+from tracer.pipeline.decode import compare_decoded
+from tracer.pipeline.request import Inputs, Placement, Request, Side
 from tracer.pipeline.run import compare_candidate, prepared_reference, timed
 from tracer.traces.trace import Trace
 
@@ -87,10 +90,7 @@ def resolve(regime, candidate: EngineRef, variant: dict,
 def audit_weights(knobs: dict, source: ModelSource) -> WeightAudit:
     """The GGUF a weights=gguf regime takes (gguf_file=, else the one the directory was converted
     from) audited against the model's own weights (`tracer.ggml.audit`)."""
-    from tracer.files.sources import check_gguf_header
-    from tracer.files.weights import WeightFiles
-    from tracer.ggml.audit import audit_gguf
-    from tracer.ggml.strategies import gguf_path
+    from tracer.ggml.strategies import gguf_path  # numba, for ggml's kernels, loads in 0.3 s: a regime's only
 
     path = Path(knobs["gguf_file"]) if knobs.get("gguf_file") else gguf_path(source.config().get("tracer_source"))
     check_gguf_header(path)
@@ -108,8 +108,8 @@ def implied(candidate: EngineRef, variant: dict, source: ModelSource) -> tuple[d
     """
     entry = candidate.entry
     if candidate.regime is not None:
-        from tracer.engines.llamacpp import gguf_of
-        from tracer.ggml.strategies import GGUFWeights
+        from tracer.engines.llamacpp import gguf_of  # its ctypes structures take 0.1 s: a llama.cpp candidate's
+        from tracer.ggml.strategies import GGUFWeights  # numba, for ggml's kernels, loads in 0.3 s: a regime's only
 
         path = gguf_of(source, candidate.argument)
         regime = runtime_regime(candidate.regime, GGUFWeights(path), variant)
@@ -135,11 +135,11 @@ def runtime_regime(regime: str, weights, variant: dict) -> tuple[dict, list[str]
     arithmetic (`tracer.ggml.strategies.implied_regime`); "candle", candle's (`preset=candle-q`,
     `tracer.ggml.candle.implied_regime`)."""
     if regime == "ggml":
-        from tracer.ggml.strategies import implied_regime
+        from tracer.ggml.strategies import implied_regime  # numba, for ggml's kernels: a regime's only
 
         return implied_regime(weights.types(), variant, head_dim=weights.head_dim)
     if regime == "candle":
-        from tracer.ggml.candle import implied_regime
+        from tracer.ggml.candle import implied_regime  # numba, for candle's kernels: a regime's only
 
         return implied_regime(weights.types())
     raise ValueError(f"no regime {regime!r} (an engine entry's regime is ggml, candle or None)")
@@ -148,7 +148,7 @@ def runtime_regime(regime: str, weights, variant: dict) -> tuple[dict, list[str]
 def file_weights(source: ModelSource, path: Path, knobs: dict, caveats: list[str]) -> tuple[dict, list[str]]:
     """weights=gguf on the candidate's own file, each tensor in its own type, whatever directory the
     model came from: `gguf_file=` names the file unless the directory was converted from it."""
-    from tracer.ggml.strategies import gguf_path
+    from tracer.ggml.strategies import gguf_path  # numba, for ggml's kernels, loads in 0.3 s: a regime's only
 
     try:
         converted_from = gguf_path(source.config().get("tracer_source"))
@@ -184,17 +184,6 @@ def regime_context(knobs: dict, caveats: list[str], raw: Result, cost: dict[str,
     )
 
 
-def check_regime_run(reference: EngineRef, candidate: EngineRef) -> None:
-    """The regime view replaces the reference by tracer's model in the regime: it needs a model the
-    candidate runs, compared against the f32 reference of a runnable engine."""
-    if candidate.entry.argument_required:
-        raise TracerError(f"--regime needs a candidate that runs the model; {candidate} is a saved trace "
-                          "(compare it with --reference reimpl --reference-variant KNOBS)")
-    if reference.entry.argument_required:
-        raise TracerError(f"--regime compares against f32 {reference} as the raw view: it needs an engine that runs "
-                          "the model, not a saved trace")
-
-
 def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
     """How the regime view judges the candidate: "free" (free-running, every point against the
     regime reference) or "per_op" (every op on the candidate's own inputs).
@@ -227,11 +216,8 @@ def order_spread(prepared, knobs: dict) -> dict[str, float]:
     by torch's BLAS in f32 (accumulate=f32), every op fed the regime reference's values of its
     inputs, against that reference. The per-op floor of an op whose kernel is not emulated: the
     reference sums it exactly (f64), the runtime in its own f32 order."""
-    from tracer.comparison.diff import ErrorRecorder
-    from tracer.engines.load import load_engine
-
-    engine = load_engine(EngineRef.named("reimpl"), prepared.source, {**knobs, "accumulate": "f32"},
-                         device=prepared.device)
+    engine = load_engine(EngineRef.named("reimpl"), {**knobs, "accumulate": "f32"},
+                         dataclasses.replace(prepared.target, stream=False))
     errors = ErrorRecorder(prepared.trace)
     engine.op_trace(prepared.trace, errors)
     return errors.rel_l2
@@ -268,28 +254,31 @@ def check_regime_decode(knobs: dict, caveats: list[str], num_tokens: int, decode
 
 
 def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[str],
-                      audit: WeightAudit | None = None, *, noise_floor: bool = True, decode: int = 0) -> Result:
+                      audit: WeightAudit | None = None) -> Result:
     """The candidate against tracer's model run in the regime `knobs`, on the tokens `prepared`
     (the f32 reference's) holds: the regime view's `Result`, with the raw view `raw`, the regime's
-    cost per point, the per-op errors and the weights' `audit` attached (`Result.regime`).
+    cost per point, the per-op errors and the weights' `audit` attached (`Result.regime`). Its noise
+    floor and decode steps are the run's (`prepared.request`).
 
     Where `verdict_view` says "per_op", the ops whose kernels are emulated keep their runtime's
     order (exactly 0 on a correct candidate) and the others sum in f64, judged against
     `per_op_noise`; a prompt too long for the runtime's order sums with torch's BLAS in f32
     instead (accumulate=f32, ~1.4× a plain forward). The regime reference decodes no greedy
     continuation: the raw view's continuations, f32 reference against the candidate, are kept.
-    `decode` steps: tracer's model decodes them greedily with its own cache in the regime, the
+    Decode steps: tracer's model decodes them greedily with its own cache in the regime, the
     candidate with its own, teacher-forced on those tokens (`tracer.pipeline.decode.compare_decoded`).
     """
+    noise_floor, decode = prepared.request.noise_floor, prepared.request.inputs.decode
     check_regime_decode(knobs, caveats, len(prepared.ids), decode)
     view_kind = verdict_view(knobs, caveats, len(prepared.ids))
     if view_kind == "per_op" and "accumulate" not in knobs and not exact_order(knobs, len(prepared.ids)):
         knobs = {**knobs, "accumulate": "f32"}
-    inputs = Inputs(prepared.source, tokens=prepared.ids, position_offset=prepared.position_offset)
-    placement = Placement(prepared.device, prepared.stream)
-    with prepared_reference(inputs, placement, reference=Side(EngineRef.named("reimpl"), knobs),
-                            tolerance=prepared.tolerance, noise_floor=noise_floor, greedy_steps=0,
-                            progress=False) as in_regime:
+    target = prepared.target
+    # on the f32 run's resolved target: its model, device and streaming (the cache key's placement too)
+    request = Request(Inputs(target.source, tokens=prepared.ids, position_offset=prepared.position_offset),
+                      Placement(str(target.device), target.stream), Side(EngineRef.named("reimpl"), knobs),
+                      tolerance=prepared.tolerance, greedy=0, noise_floor=noise_floor, progress=False, target=target)
+    with prepared_reference(request) as in_regime:
         timings: dict[str, float] = {}
         with timed(timings, "regime_candidate_s"):
             candidate = engine.record(in_regime.ids, in_regime.sink("candidate"))
@@ -303,8 +292,6 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
                 judged = dataclasses.replace(in_regime, trace=forced, noise=per_op_noise(in_regime, knobs))
         view = compare_candidate(judged, engine, trace=candidate)
         if decode:
-            from tracer.pipeline.decode import compare_decoded
-
             view = compare_decoded(view, in_regime, engine, decode)
         cost = regime_cost(prepared.trace, in_regime.trace)
     timings |= {f"regime_{name}": seconds for name, seconds in view.timings.items() if name != "candidate_s"}

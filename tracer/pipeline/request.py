@@ -1,34 +1,47 @@
-"""A run's request as a few frozen values, checked in one place before torch is imported or
-anything is written.
+"""A command's request as a few frozen values, checked in one place before torch is imported or
+anything is written, then resolved once.
 
 `Inputs` (model, prompt or tokens, chat, system, max tokens, the first position), `Placement` (device, stream,
 offload, max memory), `Outputs` (report folder, JSON file, trace file) and a `Side` per engine (the
-engine argument parsed into an `EngineRef`, its knobs parsed and checked against it) are built once
-(by the CLI from its flags, by the API from its arguments) and passed whole to `tracer.pipeline.run`.
-Each checks itself when built: value ranges, duplicates, knobs an engine cannot honour, and that every
-output location can be written, so a mistake is one line (`TracerError`) before any work starts, never
-a traceback after it. `regime_knobs` does the same for --regime. No torch here
-(tests/unit/test_request.py checks it).
+engine argument parsed into an `EngineRef`, its knobs parsed and checked against it) make a `Request`,
+built once (by the CLI from its flags, by the API from its arguments). Each checks itself when built:
+value ranges, duplicates, knobs an engine cannot honour, what the inputs ask of each engine (positions,
+decode, batch), the regime against the sides, and that every output location can be written, so a
+mistake is one line (`TracerError`) before any work starts, never a traceback after it. `regime_knobs`
+does the same for --regime. The pipeline's commands (`tracer.pipeline.commands`) take the request whole
+and resolve it once as they start (`Request.resolved()`: what needs the model or torch,
+`tracer.engines.load.resolve_target`). No torch here until `resolved()` (tests/unit/test_request.py
+checks it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
 import re
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from tracer.comparison.result import Tolerance
 from tracer.core.errors import TracerError
 from tracer.core.folders import replaceable_folder
 from tracer.engines.offload import Offload, parse_max_memory
-from tracer.engines.registry import EngineEntry, EngineRef, check_engine, check_runtime, parse_engine, registered
-from tracer.files.sources import ModelSource, check_source
+from tracer.engines.registry import EngineEntry, EngineRef, engine_with_knobs, registered
+from tracer.files.sources import check_source
 from tracer.files.tokenizer import check_prompt
-from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
+from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant
+from tracer.pipeline import streamed
+from tracer.pipeline.catalogue import parse_variants
+
+if TYPE_CHECKING:
+    from tracer.engines.load import LoadTarget
 
 DEFAULT_PROMPT = "The capital of France is"
+GREEDY_STEPS = 20  # greedy tokens a run decodes by default (`tracer.pipeline.greedy.default_steps`)
 DEFAULT_CTX = 512  # `tracer quality`'s tokens per chunk: llama-perplexity's default -c
 DEVICE_FORM = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 # What --regime takes: the number-format knobs, a 16-bit dtype, and the presets made of those.
@@ -273,14 +286,9 @@ class Side:
 
     @classmethod
     def of(cls, engine: str | EngineRef, variant=None) -> Side:
-        """`engine` ("hf", "file:PATH", ...) and `variant` ("theta=10000", a dict) parsed and checked."""
-        ref, knobs = parse_engine(engine), parse_variant(variant)
-        if knobs and ref.entry.argument_required:
-            raise TracerError(f"{ref} is a saved trace; knobs ({variant_text(knobs)}) need an engine that "
-                              "runs the model")
-        check_engine(knobs, ref.entry)
-        check_runtime(ref.entry)
-        return cls(ref, knobs)
+        """`engine` ("hf", "file:PATH", ...) and `variant` ("theta=10000", a dict) parsed and checked
+        (`tracer.engines.registry.engine_with_knobs`)."""
+        return cls(*engine_with_knobs(engine, variant))
 
     @property
     def entry(self) -> EngineEntry:
@@ -337,26 +345,86 @@ def regime_knobs(regime) -> dict | str | None:
     return knobs
 
 
-def check_family_support(engine: EngineRef, source: ModelSource) -> None:
-    """An engine asked to trace a family it does not trace point for point (the registry's
-    `families`) is refused in one line, before anything loads."""
-    entry = engine.entry
-    if entry.families is None:
-        return
-    family = family_name(source)
-    if family is not None and family not in entry.families:
-        raise TracerError(f"the {entry.name} engine does not trace {family} yet "
-                          f"(it traces {', '.join(entry.families)})")
+def check_regime_run(reference: EngineRef, candidate: EngineRef) -> None:
+    """The regime view replaces the reference by tracer's model in the regime: it needs a model the
+    candidate runs, compared against the f32 reference of a runnable engine."""
+    if candidate.entry.argument_required:
+        raise TracerError(f"--regime needs a candidate that runs the model; {candidate} is a saved trace "
+                          "(compare it with --reference reimpl --reference-variant KNOBS)")
+    if reference.entry.argument_required:
+        raise TracerError(f"--regime compares against f32 {reference} as the raw view: it needs an engine that runs "
+                          "the model, not a saved trace")
 
 
-def family_name(source: ModelSource) -> str | None:
-    """The family of a model directory (its config.json) or of a loaded model; None when unknown
-    (an unreadable config is said by the engine that reads it)."""
-    from tracer.model.families import model_types
+@dataclass(frozen=True)
+class Request:
+    """One command's request, built once at its edge (the CLI from its flags, the API from its arguments)
+    and checked as it is built, before torch loads: what the model is fed (`inputs`), where it runs
+    (`placement`), where results go (`outputs`), the `reference` side and the `candidate` side (None for
+    a command with one engine: `record`'s is its reference), the tolerance, the greedy continuation (None:
+    the default), the noise floor, the number-format `regime` (None, "auto" or its knobs), a sweep's or a
+    diagnosis's `variants` (None: the catalogue's; parsed here), the command line that repeats the run and
+    whether a progress bar shows.
 
-    try:
-        model_type = source.config().get("model_type")
-    except TracerError:
-        return None
-    family = model_types().get(model_type or "llama")
-    return family.name if family else None
+    Every side is checked against what the inputs ask of it (positions, decode, batch), and the regime
+    against the sides. What needs the model or torch (the source, the device, offloading, the families
+    the engines trace, streaming by size) each command resolves once as it starts, `resolved()`, into the
+    `target` every engine of the command loads on (`tracer.engines.load.LoadTarget`); nothing after
+    resolves it again."""
+
+    inputs: Inputs
+    placement: Placement = field(default_factory=Placement)
+    reference: Side = field(default_factory=lambda: Side(EngineRef.named("hf")))
+    candidate: Side | None = None
+    outputs: Outputs = field(default_factory=Outputs)
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    greedy: int | None = None
+    noise_floor: bool = True
+    regime: dict | str | None = None
+    variants: tuple[dict, ...] | None = None
+    command: str | None = None
+    progress: bool = True
+    target: LoadTarget | None = None  # set by `resolved()`
+    notes: tuple[str, ...] = ()  # what resolving chose by itself (weights streamed by size), said in the result
+    resolve_s: float = 0.0  # how long resolving took (a GGUF converted on first use): part of the run's load time
+
+    def __post_init__(self):
+        if self.target is not None:
+            return  # a resolved request: its values were checked when it was built, before `resolved()`
+        sides = self.sides
+        check_positions(self.inputs.position_offset, *sides)
+        check_decode(self.inputs.decode, *sides)
+        check_batch(self.inputs.batch, *sides)
+        check_greedy(self.greedy)
+        object.__setattr__(self, "regime", regime_knobs(self.regime))
+        if self.regime is not None:
+            check_regime_run(self.reference.engine, self.candidate.engine)
+            if self.inputs.batch > 1:
+                raise TracerError("--batch with --regime: a regime's own steps run one prompt; run them apart")
+        if self.variants is not None:
+            object.__setattr__(self, "variants", parse_variants(self.variants))
+
+    @property
+    def sides(self) -> tuple[Side, ...]:
+        """The reference, then the candidate where there is one."""
+        return (self.reference,) if self.candidate is None else (self.reference, self.candidate)
+
+    def resolved(self) -> Request:
+        """This request with what its engines load resolved once (`tracer.engines.load.resolve_target`: the
+        device, offloading and the model's family checked against every engine, the model source resolved,
+        a GGUF converted on first use), and `placement.stream` None decided by the model's size
+        (`tracer.pipeline.streamed`, said in `notes`). Every refusal is one line, before any engine loads. A
+        resolved request is returned as it is: nothing is resolved twice."""
+        from tracer.engines.load import resolve_target  # torch: imported only once every value has been checked
+
+        if self.target is not None:
+            return self
+        started = time.perf_counter()
+        placement = self.placement
+        target = resolve_target(self.inputs.model, tuple(side.engine for side in self.sides), device=placement.device,
+                                stream=bool(placement.stream), offload=placement.accelerate, progress=self.progress)
+        notes = []
+        if placement.stream is None:
+            stream, notes = streamed.resolve(None, target.source)
+            target = dataclasses.replace(target, stream=stream)
+        return dataclasses.replace(self, target=target, notes=tuple(notes), resolve_s=time.perf_counter() - started)

@@ -1,18 +1,18 @@
-"""The run pipeline, in two steps every command composes.
+"""The run's stages, in two steps every command composes (`tracer.pipeline.commands`).
 
-1. `prepared_reference(...)`: the model source, the token ids, the reference engine and its
-   trace, the noise floor, the reference's greedy continuation, and the notes about all of that.
-   A context manager: long prompts spill traces to a temporary folder that lives as long as the
-   block.
+1. `prepared_reference(request)`: on the request's resolved target (`Request.resolved`: the model
+   source, the device, the placement, checked once against every engine it names), the token ids,
+   the reference engine and its trace, the noise floor, the reference's greedy continuation, and the
+   notes about all of that. A context manager: long prompts spill traces to a temporary folder that
+   lives as long as the block.
 2. `compare_candidate(prepared, engine)`: the candidate's local (teacher-forced) errors where its
    engine can run them, its trace (a long prompt's judged point by point as it is recorded), the
    diff against the reference, both greedy continuations, and the notes: one `Result` with the
    run's context attached once.
 
-`tracer.run` is one candidate; `tracer.sweep` many (one per variant, `sweep_row`);
-`tracer.diagnose` one observed trace plus the catalogue; `tracer.compare_files` two traces with
-no model (`prepared_from_trace`). Because they share these steps, a sweep row says what
-`tracer run --variant V` says for the same variant.
+`run` is one candidate; `sweep` many (one per variant, `sweep_row`); `diagnose` one observed trace
+plus the catalogue; `compare_files` two traces with no model (`prepared_from_trace`). Because they
+share these steps, a sweep row says what `tracer run --variant V` says for the same variant.
 """
 
 from __future__ import annotations
@@ -21,41 +21,45 @@ import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from tracer.comparison.diff import ErrorRecorder, compare
-from tracer.comparison.result import Greedy, Result, SweepRow, Tolerance
+from tracer.comparison.result import Greedy, Result, Tolerance
 from tracer.core.allocator import map_streamed_weights
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
-from tracer.engines.base import Engine, at_positions, check_device, environment
-from tracer.engines.load import load_engine
-from tracer.engines.offload import Offload, check_offload, offload_for
+from tracer.engines.base import Engine, at_positions, environment
+from tracer.engines.load import LoadTarget, load_engine
 from tracer.engines.registry import EngineRef, check_engine
-from tracer.files.sources import ModelSource, resolve_source
-from tracer.model.knobs import setting, variant_text
-from tracer.model.points import is_coarse
-from tracer.pipeline import greedy, reference_cache, streamed
-from tracer.pipeline.request import Inputs, Placement, Side, check_family_support
+from tracer.engines.reimpl import from_parts
+from tracer.files.sources import ModelSource
+from tracer.files.tokenizer import chat_text, chat_tokens, detokenize, tokenize
+from tracer.files.weights import WeightFiles, read_weights
+from tracer.model.config import audit
+from tracer.model.knobs import setting
+from tracer.pipeline import greedy, lockstep, reference_cache
+from tracer.pipeline.lockstep import Lockstep
+from tracer.pipeline.noise_floor import NOISE_TOKENS, estimate_noise
+from tracer.pipeline.request import Request, Side
 from tracer.traces.spill import SPILL_TOKENS, spill_folder
 from tracer.traces.trace import ATTENTION_ROWS, Trace
-
-if TYPE_CHECKING:
-    from tracer.pipeline.lockstep import Lockstep
 
 
 @dataclass(frozen=True)
 class Prepared:
     """The reference side of a run, prepared once and shared by every candidate compared with it.
 
-    `source` is the resolved model (None for two saved traces); `prompt` the text as the user
-    gave it and `chat` the templated text when it went through a chat template; `sink(side)`
-    gives a recorder for a side (None: in memory; a `DiskRecorder` for long prompts).
+    `request` is the run's (None for two saved traces): the stages after the reference read what they do
+    from it. `target` is what every engine of the run loads and where (the model source, the device,
+    streamed or not, accelerate's placement), resolved once; `prompt` the text as the user gave it and
+    `chat` the templated text when it went through a chat template; `sink(side)` gives a recorder for a
+    side (None: in memory; a `DiskRecorder` for long prompts).
     """
 
-    source: ModelSource | None
+    request: Request | None
+    target: LoadTarget | None
     ids: list[int]
     prompt: str | None
     chat: dict | None
@@ -69,13 +73,15 @@ class Prepared:
     reference_greedy: list[int] | None
     detokenize: Callable
     sink: Callable
-    device: str = "cpu"
-    stream: bool = False
-    offload: Offload | None = None  # accelerate's placement, for every side whose engine takes it
     position_offset: int = 0  # the first token's absolute position, on both sides
     notes: tuple[str, ...] = ()
     timings: dict = field(default_factory=dict)
     lockstep: Lockstep | None = None  # the candidate, already run beside the reference (streamed runs)
+
+    @property
+    def source(self) -> ModelSource | None:
+        """The model the run traces (None for two saved traces)."""
+        return self.target.source if self.target is not None else None
 
 
 def token_ids(source: ModelSource, prompt: str | None = None, tokens=None, *, chat: bool = False,
@@ -93,8 +99,6 @@ def token_ids(source: ModelSource, prompt: str | None = None, tokens=None, *, ch
         raise TracerError("give a prompt or token ids")
     if system is not None and not chat:
         raise TracerError("a system message needs the chat template: pass chat=True (--chat)")
-    from tracer.files.tokenizer import chat_text, chat_tokens, tokenize
-
     model_dir = source.directory
     if model_dir is None:
         raise TracerError("this loaded model has no tokenizer folder; pass token ids instead of a prompt")
@@ -117,107 +121,146 @@ def check_tokens(ids: list[int], engine: Engine, position_offset: int = 0) -> No
 
 
 @contextmanager
-def prepared_reference(inputs: Inputs, placement: Placement = Placement(), *, reference: Side,
-                       tolerance: Tolerance | None = None, noise_floor: bool = True, greedy_steps: int | None = None,
-                       progress: bool = True, candidates: tuple[EngineRef, ...] = (),
-                       lockstep_with: Side | None = None):
-    """Load the model and the reference engine, tokenize, record the reference, measure its noise
-    floor and decode its greedy continuation; yield a `Prepared`.
+def prepared_reference(request: Request, *, lockstep_with: Side | None = None):
+    """The reference side loaded (`reference_side`) and measured (`measured`): yield a `Prepared`, and keep
+    what was measured in the reference cache once the block has run without an error.
 
-    `inputs`, `placement` and `reference` (its engine and knobs) are the request's values
-    (`tracer.pipeline.request`), already checked. `candidates`: the engines that will be compared,
-    checked here against the model before anything loads. `greedy_steps`: None for the default
-    (20, or none past 128 tokens). `lockstep_with`: the candidate, run beside the reference in one
-    pass over the weights when the run streams and the engines allow (`tracer.pipeline.lockstep`;
+    `request` is checked and resolved already (`tracer.pipeline.request.Request.resolved`: its `target`
+    is what every engine loads and where). `lockstep_with`: the candidate, run beside the reference in
+    one pass over the weights when the run streams and the engines allow (`tracer.pipeline.lockstep`;
     `Prepared.lockstep` holds its engine and results).
     """
-    model, tokens, max_tokens = inputs.model, inputs.tokens, inputs.max_tokens
-    device, offload = placement.device, placement.accelerate
-    reference_variant = reference.variant
-    check_device(device)
-    check_offload(offload, reference.engine, *candidates)
-    timings: dict[str, float] = {}
+    with reference_side(request, lockstep_with) as side:
+        prepared, measurements = measured(side)
+        yield prepared
+    if measurements is not None:  # kept only once the run has succeeded: a failed run writes nothing
+        reference_cache.store(side.key, measurements)
+
+
+@dataclass(frozen=True)
+class ReferenceSide:
+    """The reference side of a run, loaded and not yet recorded (`reference_side`): its engine on the
+    request's target, the token ids and the notes so far, how many greedy steps it decodes, its entry in
+    the reference cache (`key`, None for a loaded model; `kept`: what an earlier run measured), `sink(side)`
+    (a recorder for a side: None in memory, a spill folder's for long prompts and streamed runs) and the
+    candidate that records beside it, if any (`lockstep_with`)."""
+
+    request: Request
+    engine: Engine
+    ids: list[int]
+    chat: dict | None
+    notes: tuple[str, ...]
+    greedy_steps: int
+    key: str | None
+    kept: dict | None
+    sink: Callable
+    lockstep_with: Side | None
+    timings: dict
+
+
+@contextmanager
+def reference_side(request: Request, lockstep_with: Side | None = None):
+    """Load the reference engine, tokenize and check the tokens, choose the greedy steps (`request.greedy`
+    None: 20, or none past 128 tokens, in a streamed run or for a batch), look the reference up in the
+    cache, and open the run's spill folder; yield a `ReferenceSide` for as long as its traces are used."""
+    inputs, reference, target = request.inputs, request.reference, request.target
+    timings = {"load_s": request.resolve_s}
+    notes = list(request.notes)
     with timed(timings, "load_s"):
         stage("load")
-        source = resolve_source(model, progress)
-        for engine in (reference.engine, *candidates):
-            check_family_support(engine, source)  # a family an engine does not trace: said before it loads
-        stream, stream_notes = streamed.resolve(placement.stream, source)
-        if stream:
+        if target.stream:
             map_streamed_weights()  # weights pass through memory on every forward: not kept in the heap
-        engine = load_engine(reference.engine, source, reference_variant, device=device, stream=stream,
-                             offload=offload_for(reference.engine, offload))
-    ids, chat_info = token_ids(source, inputs.text, tokens, chat=inputs.chat, system=inputs.system)
-    notes = list(stream_notes)
-    if max_tokens is not None and len(ids) > max_tokens:
-        notes.append(f"prompt truncated from {len(ids)} to its first {max_tokens} tokens")
-        ids = ids[:max_tokens]
+        engine = load_engine(reference.engine, reference.variant, target)
+    source, stream = target.source, target.stream
+    ids, chat_info = token_ids(source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
+    if inputs.max_tokens is not None and len(ids) > inputs.max_tokens:
+        notes.append(f"prompt truncated from {len(ids)} to its first {inputs.max_tokens} tokens")
+        ids = ids[:inputs.max_tokens]
     offset = inputs.position_offset
     check_tokens(ids, engine, offset)
-    if stream and not reference.entry.stream:
-        notes.append(f"stream: the {reference.engine} engine loads its whole model (only engines that stream read "
-                     "weights block by block)")
-    if greedy_steps is None:
+    notes += stream_notes(stream, reference.engine)
+    greedy_steps = request.greedy
+    if greedy_steps is None and inputs.batch > 1:
+        greedy_steps = 0  # the rows are compared point by point; a greedy continuation would be the first row's only
+    elif greedy_steps is None:
         greedy_steps = greedy.default_steps(len(ids)) if not stream else 0
         if not greedy_steps:
             why = "in a streamed run (each step reads every weight again)" if stream \
                 else f"for a {len(ids)}-token prompt"
             notes.append(f"no greedy continuation {why} (pass greedy=N to force)")
     key = None if source.loaded else reference_cache.entry_key(
-        source.directory, ids, engine=str(reference.engine), variant=reference_variant, placement=repr(placement),
-        noise_floor=noise_floor, greedy_steps=greedy_steps, position_offset=offset)
+        source.directory, ids, engine=str(reference.engine), variant=reference.variant,
+        placement=repr(request.placement), noise_floor=request.noise_floor, greedy_steps=greedy_steps,
+        position_offset=offset)
     kept = reference_cache.load(key) if key is not None else None
-    together = None
     # a streamed run spills too: its points, 25 MB a layer per side at the 8B width and 64 tokens, would
     # otherwise be the one thing in its memory that grows with depth
     with spill_folder(len(ids) > SPILL_TOKENS or stream) as sink:
-        if stream and lockstep_with is not None:
-            from tracer.pipeline import lockstep
+        yield ReferenceSide(request, engine, ids, chat_info, tuple(notes), greedy_steps, key, kept, sink,
+                            lockstep_with, timings)
 
-            if lockstep.applies(engine, reference, lockstep_with):
-                together = lockstep.run(engine, source, ids, sink, reference=reference, candidate=lockstep_with,
-                                        tolerance=tolerance or Tolerance(), noise_floor=noise_floor and kept is None,
-                                        known_noise=kept["noise"] if kept is not None else None, offset=offset)
-        if together is not None:
-            trace = together.reference
-            timings.update(together.timings)
-        else:
-            with timed(timings, "reference_s"):
-                stage("reference")
-                trace = engine.record(ids, sink("reference"), **at_positions(offset, len(ids)))
-        if kept is not None:
-            noise, noise_notes, reference_greedy = kept["noise"], kept["noise_notes"], kept["greedy"]
-            notes.append("noise floor and reference greedy continuation read from the cache (an earlier run "
-                         "of this model and these tokens measured them)")
-        else:
-            with timed(timings, "noise_s"):
-                stage("noise floor")
-                if together is not None and together.noise_measured:
-                    noise, noise_notes = together.noise, together.noise_notes
-                else:
-                    noise, noise_notes = reference_noise(source, reference, engine, trace) \
-                        if noise_floor else (None, [])
-            with timed(timings, "reference_greedy_s"):
-                stage("reference greedy")
-                reference_greedy = greedy.generated(engine, ids, greedy_steps, offset=offset) \
-                    if greedy_steps else None
-        yield Prepared(
-            source=source, ids=ids, prompt=inputs.text, chat=chat_info,
-            reference=str(reference.engine), engine=engine, variant=reference_variant, trace=trace, noise=noise,
-            tolerance=tolerance or Tolerance(), greedy_steps=greedy_steps, reference_greedy=reference_greedy,
-            detokenize=detokenizer(source), sink=sink, device=str(device), stream=stream, offload=offload,
-            position_offset=offset, notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings,
-            lockstep=together,
-        )
-    if key is not None and kept is None:  # kept only once the run has succeeded: a failed run writes nothing
-        reference_cache.store(key, {"noise": noise, "noise_notes": noise_notes, "greedy": reference_greedy})
+
+def measured(side: ReferenceSide) -> tuple[Prepared, dict | None]:
+    """Record the reference (beside its lockstep candidate where one applies), measure its noise floor and
+    decode its greedy continuation, or take both from the cache: the `Prepared` reference, and what the
+    reference cache is to keep of it (None: read from there, or a loaded model's)."""
+    request, engine, ids, kept = side.request, side.engine, side.ids, side.kept
+    reference, target, tolerance, offset = request.reference, request.target, request.tolerance, \
+        request.inputs.position_offset
+    timings, notes = dict(side.timings), list(side.notes)
+    together = None
+    if target.stream and side.lockstep_with is not None and lockstep.applies(engine, reference, side.lockstep_with):
+        together = lockstep.run(engine, target.source, ids, side.sink, reference=reference,
+                                candidate=side.lockstep_with, tolerance=tolerance,
+                                noise_floor=request.noise_floor and kept is None,
+                                known_noise=kept["noise"] if kept is not None else None, offset=offset)
+    if together is not None:
+        trace = together.reference
+        timings.update(together.timings)
+    else:
+        with timed(timings, "reference_s"):
+            stage("reference")
+            trace = engine.record(ids, side.sink("reference"), **at_positions(offset, len(ids)))
+    if kept is not None:
+        noise, noise_notes, reference_greedy = kept["noise"], kept["noise_notes"], kept["greedy"]
+        notes.append("noise floor and reference greedy continuation read from the cache (an earlier run "
+                     "of this model and these tokens measured them)")
+    else:
+        with timed(timings, "noise_s"):
+            stage("noise floor")
+            if together is not None and together.noise_measured:
+                noise, noise_notes = together.noise, together.noise_notes
+            else:
+                noise, noise_notes = reference_noise(target, reference, engine, trace) \
+                    if request.noise_floor else (None, [])
+        with timed(timings, "reference_greedy_s"):
+            stage("reference greedy")
+            reference_greedy = greedy.generated(engine, ids, side.greedy_steps, offset=offset) \
+                if side.greedy_steps else None
+    prepared = Prepared(
+        request=request, target=target, ids=ids, prompt=request.inputs.text, chat=side.chat,
+        reference=str(reference.engine), engine=engine, variant=reference.variant, trace=trace, noise=noise,
+        tolerance=tolerance, greedy_steps=side.greedy_steps, reference_greedy=reference_greedy,
+        detokenize=detokenizer(target.source), sink=side.sink, position_offset=offset,
+        notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings, lockstep=together,
+    )
+    keep = side.key is not None and kept is None
+    return prepared, {"noise": noise, "noise_notes": noise_notes, "greedy": reference_greedy} if keep else None
+
+
+def stream_notes(stream: bool, engine: EngineRef) -> list[str]:
+    """In a streamed run, a side whose engine cannot stream loads its whole model: said."""
+    if stream and not engine.entry.stream:
+        return [f"stream: the {engine} engine loads its whole model (only engines that stream read weights "
+                "block by block)"]
+    return []
 
 
 def prepared_from_trace(trace: Trace, tolerance: Tolerance | None = None, tokens: list[int] | None = None) -> Prepared:
     """A saved reference trace standing alone (no model, no noise floor, no greedy decoding);
     `tokens` when the trace does not carry its own."""
     return Prepared(
-        source=None, ids=list(trace.tokens or tokens or []), prompt=trace.meta.prompt, chat=None,
+        request=None, target=None, ids=list(trace.tokens or tokens or []), prompt=trace.meta.prompt, chat=None,
         reference="file", engine=None, variant=trace.variant, trace=trace, noise=None,
         tolerance=tolerance or Tolerance(), greedy_steps=0, reference_greedy=None,
         detokenize=lambda ids: None, sink=lambda side: None,
@@ -299,26 +342,32 @@ def flip_divergence(prepared: Prepared, engine: Engine, flip: int, tolerance: To
     return compare(*sides, tolerance).first_divergence
 
 
+def candidate_engine(prepared: Prepared) -> Engine:
+    """The run's candidate on the prepared target: the one the lockstep pass ran beside the reference
+    (a streamed run), else loaded now."""
+    if prepared.lockstep is not None:
+        return prepared.lockstep.engine
+    candidate = prepared.request.candidate
+    return load_engine(candidate.engine, candidate.variant, prepared.target)
+
+
 def candidate_loader(candidate: EngineRef, prepared: Prepared) -> Callable[[dict], Engine]:
     """knobs -> a candidate engine on the prepared model, the knobs checked against it first; a reimpl
     candidate on a model directory reuses the config and weights read once (a sweep builds one per
     variant)."""
     if candidate.entry.argument_required:
         raise TracerError(f"{candidate} is a saved trace; variants need an engine that runs the model")
-    source = prepared.source
+    target = prepared.target
+    source = target.source
     if candidate.name == "reimpl" and not source.loaded:
-        from tracer.engines.reimpl import from_parts
-        from tracer.files.weights import WeightFiles, read_weights
-
         config = source.config()
-        weights = WeightFiles(source.directory) if prepared.stream else read_weights(source.directory)
+        weights = WeightFiles(source.directory) if target.stream else read_weights(source.directory)
 
         def load(knobs: dict):
-            return from_parts(config, weights, knobs, source.name, device=prepared.device, stream=prepared.stream)
+            return from_parts(config, weights, knobs, source.name, device=target.device, stream=target.stream)
     else:
         def load(knobs: dict):
-            return load_engine(candidate, source, knobs, device=prepared.device, stream=prepared.stream,
-                               offload=offload_for(candidate, prepared.offload))
+            return load_engine(candidate, knobs, target)
 
     def load_candidate(knobs: dict) -> Engine:
         check_engine(knobs, candidate.entry)
@@ -327,31 +376,7 @@ def candidate_loader(candidate: EngineRef, prepared: Prepared) -> Callable[[dict
     return load_candidate
 
 
-def sweep_row(prepared: Prepared, load_candidate: Callable[[dict], Engine], knobs: dict, *,
-              local: bool = True, decoded: tuple[int, tuple] | None = None) -> SweepRow:
-    """One variant against the prepared reference; a variant that fails to load is a row with its error.
-    `local`: with local errors (the first divergence localized by them), as `tracer.run` does. `decoded`:
-    (N, the reference's decode and floors) for `--decode N`: the variant decodes too and its steps are
-    compared (`tracer.pipeline.decode.compare_decoded`), as `tracer run --decode N` does."""
-    started = time.perf_counter()
-    label = variant_text(knobs)
-    try:
-        engine = load_candidate(knobs)
-        result = compare_candidate(prepared, engine, config_audit=None, local=local)
-        if decoded is not None:
-            from tracer.pipeline.decode import compare_decoded
-
-            result = compare_decoded(result, prepared, engine, *decoded)
-    except TracerError as exc:
-        return SweepRow(label, knobs, "error", error=str(exc), seconds=time.perf_counter() - started)
-    curve = tuple({key: p.to_dict().get(key) for key in ("point", "layer", "rel_l2", "threshold", "diverged")}
-                  for p in result.points if p.recorded and is_coarse(p.point))
-    return SweepRow(label, knobs, result.verdict, result.first_divergence, result.logits, result.greedy,
-                    curve=curve, notes=result.notes, seconds=time.perf_counter() - started, result=result,
-                    step=result.step)
-
-
-def reference_noise(source: ModelSource, reference: Side, engine: Engine, trace: Trace):
+def reference_noise(target: LoadTarget, reference: Side, engine: Engine, trace: Trace):
     """(noise per point, notes): what f32 rounding alone makes at each point of the reference.
 
     Past NOISE_TOKENS tokens the noise is measured on the prompt's first NOISE_TOKENS: an f64
@@ -363,8 +388,6 @@ def reference_noise(source: ModelSource, reference: Side, engine: Engine, trace:
     if not entry.noise_floor:
         return None, [f"no noise floor for a {entry.name} reference (an f64 run of tracer's model does not measure "
                       "its rounding): points judged by the fixed rel_l2 bound"]
-    from tracer.pipeline.noise_floor import NOISE_TOKENS, estimate_noise
-
     notes = []
     if len(trace.tokens) > NOISE_TOKENS:
         trace = engine.record(trace.tokens[:NOISE_TOKENS],
@@ -372,7 +395,7 @@ def reference_noise(source: ModelSource, reference: Side, engine: Engine, trace:
         notes.append(f"noise floor measured on the first {NOISE_TOKENS} tokens (an f64 run of all of them "
                      "would double the memory)")
     try:
-        return estimate_noise(source, trace, variant, engine.device), notes
+        return estimate_noise(target.source, trace, variant, engine.device), notes
     except TracerError as exc:
         return None, [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
 
@@ -414,16 +437,12 @@ def config_audit(source: ModelSource, variant: dict) -> dict | None:
     None for a loaded model, whose config is not a file."""
     if source.loaded:
         return None
-    from tracer.model.config import audit
-
     return audit(source.config(), setting(variant, "resave"))
 
 
 def detokenizer(source: ModelSource) -> Callable:
     if source.loaded:
         return lambda ids: None
-    from tracer.files.tokenizer import detokenize
-
     return lambda ids: detokenize(source.directory, ids)
 
 

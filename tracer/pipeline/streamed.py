@@ -1,10 +1,11 @@
 """When a run streams its weights block by block by default, and what it says about it.
 
 A model whose weights in f32 exceed `STREAM_BYTES` is streamed unless the user says otherwise
-(`--stream` / `--no-stream`; `stream=True/False` in Python, None to let tracer choose): the hf
+(`--stream` / `--no-stream`; `stream=True/False` in Python, None to let tracer choose, which
+`tracer.pipeline.request.Request.resolved` asks here): the hf
 reference (`tracer.engines.hf_streamed`), the reimpl candidate and the noise floor's f64 run then
 each hold one block's weights at a time instead of a whole f32 copy, the traces spill to disk
-(`tracer.pipeline.run.prepared_reference`: their points would grow with depth), and the run's
+(`tracer.pipeline.run.reference_side`: their points would grow with depth), and the run's
 memory no longer grows with depth. Below it both sides load whole: each forward would read the weights
 again, for memory that small models do not need. Measured: docs/memory.md.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from tracer.core.errors import TracerError
 from tracer.files.sources import ModelSource
+from tracer.files.weights import WeightFiles
 
 STREAM_BYTES = 2 << 30  # f32 weights past 2 GiB (about 540M parameters): streamed by default
 F32_BYTES = 4
@@ -22,8 +24,6 @@ def f32_bytes(source: ModelSource) -> int | None:
     """The model's weights in f32, from the safetensors headers alone (None: not a directory of them)."""
     if source.loaded or source.directory is None:
         return None
-    from tracer.files.weights import WeightFiles
-
     try:
         shapes = WeightFiles(source.directory).shapes()
     except TracerError:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from tracer.core.errors import TracerError
 from tracer.core.torch_types import TORCH_DTYPES, Recorder
-from tracer.files.weights import VOCAB_ROWS
+from tracer.files.weights import VOCAB_ROWS, WeightFiles, read_weights
 from tracer.model.component import Run, Steps, family_named
 from tracer.model.components.attention import ATTENTION_KERNELS, not_recorded
 from tracer.model.components.mlp import ACTIVATION_NAMES
@@ -61,7 +61,7 @@ def resolve_steps(knobs: dict, spec: LlamaSpec | None = None) -> Steps:
                    "linear": F.linear, **family.steps(knobs, spec)})
     if not is_regime(knobs):
         return steps  # numba's kernels stay unimported (about 60 MB and 250 ms) outside a regime
-    from tracer.ggml.strategies import apply_regime
+    from tracer.ggml.strategies import apply_regime  # numba, for ggml's kernels: a regime's only
 
     return apply_regime(knobs, steps, spec)
 
@@ -141,8 +141,6 @@ class Model:
     @classmethod
     def from_dir(cls, model_dir: str | Path, variant: dict | None = None, **placement) -> Model:
         """`placement`: `device`, and `stream=True` to read each block's weights from the files when it runs."""
-        from tracer.files.weights import WeightFiles, read_weights
-
         weights = WeightFiles(model_dir) if placement.get("stream") else read_weights(model_dir)
         return cls.from_config(load_config(model_dir), weights, variant, **placement)
 

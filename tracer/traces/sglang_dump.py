@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -124,6 +124,4 @@ def _read(path: Path) -> tuple[object, dict]:
 
 
 def _with_notes(meta, notes: list[str]):
-    from dataclasses import replace
-
     return replace(meta, notes=[*(meta.notes or []), *notes]) if notes else meta

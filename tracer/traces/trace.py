@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from tracer.core.errors import TracerError, one_line
 from tracer.core.renderers import render
 from tracer.model.knobs import side_label
-from tracer.model.points import is_causal
+from tracer.model.names import TOKEN_TENSORS, alias_table, rename
+from tracer.model.points import is_causal, layer_of
 
 MANIFEST_KEY = "tracer"
 MAX_LAYERS = 10_000  # far above any Llama (405B has 126 blocks)
@@ -170,9 +171,7 @@ class Trace:
 
     def table(self):
         """One row per point (execution order): layer, shape, dtype, max |x| — a pandas DataFrame."""
-        import pandas as pd
-
-        from tracer.model.points import layer_of
+        import pandas as pd  # pandas: 0.2 s, for a table only
 
         rows = [{"point": name, "layer": layer_of(name), "shape": tuple(t.shape),
                  "dtype": str(t.dtype).removeprefix("torch."),
@@ -284,8 +283,6 @@ QK_ORDERS = ("half", "interleaved")
 def import_foreign(tensors: dict[str, torch.Tensor], header: dict[str, str], path: Path, aliases=None) -> Trace:
     """A dump from another runtime as a Trace: names mapped onto points, metadata read. Metadata keys
     tracer does not read stay in `meta.extra`, as text."""
-    from tracer.model.names import TOKEN_TENSORS, alias_table, rename
-
     read = {key: header[key] for key in FOREIGN_TEXT_KEYS if key in header}
     read |= {key: _int_metadata(header[key], key, path) for key in FOREIGN_INT_KEYS if key in header}
     token_tensor = next((name for name in TOKEN_TENSORS if name in tensors), None)
