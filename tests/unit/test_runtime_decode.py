@@ -164,8 +164,8 @@ def test_mlx_reads_its_rotating_cache_past_the_window_as_the_ring(tmp_path):
     model = write_tiny_llama(tmp_path / "m", rope_theta=500.0, layer_types=["sliding_attention", "full_attention"],
                              sliding_window=window)
     source = resolve_source(str(model), False)
-    whole = load_engine("reimpl", source, {}).decode(TOKENS, STEPS)
-    ring = load_engine("mlx", source, {}).decode(TOKENS, STEPS, forced=decoded_tokens(whole))
+    whole = resolve_and_load("reimpl", source, {}).decode(TOKENS, STEPS)
+    ring = resolve_and_load("mlx", source, {}).decode(TOKENS, STEPS, forced=decoded_tokens(whole))
     cache_k, cache_v = layer_point(0, CACHE_K), layer_point(0, CACHE_V)
     for number, step in enumerate(decoded_steps(ring)):
         written = len(TOKENS) + number  # tokens the cache took

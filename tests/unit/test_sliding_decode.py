@@ -144,7 +144,7 @@ def test_hf_refuses_in_one_line_a_cache_window_its_attention_does_not_mask(tmp_p
     from tracer.core.errors import TracerError
 
     model = write_tiny_llama(tmp_path / "m", layer_types=["sliding_attention", "full_attention"], sliding_window=4)
-    engine = load_engine("hf", resolve_source(str(model), False), {})
+    engine = resolve_and_load("hf", resolve_source(str(model), False), {})
     with pytest.raises(TracerError) as refused:
         engine.decode(TOKENS, 2)
     assert str(refused.value) == "--decode: transformers' llama caches layer 0 as a 4-key window but masks none: " \

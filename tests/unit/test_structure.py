@@ -4,6 +4,7 @@ layers, no private name imported across modules, and the commands that need no m
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ DESIGN = ROOT / "docs" / "design.md"
 PACKAGES = {"tracer": "tracer", "hooks": "tracer.hooks", "reports": "tracer.reports"}
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     """Every module of the three packages, by its installed name."""
     found = {}
@@ -46,6 +48,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, li
     return [(target, names) for target, names in found if target in known and target != name]
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     known = modules()
     return {name: {target for target, _ in imports(name, path, known)} for name, path in known.items()}

@@ -38,6 +38,7 @@ from tracer.model.points import (
     rank,
     split_point,
 )
+from tracer.traces.layouts import align
 from tracer.traces.spill import SpilledTensors
 from tracer.traces.trace import Trace, kept
 
@@ -442,8 +443,6 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     starts = [trace.meta.position_offset or 0 for trace in (reference, candidate) if trace.meta.engine != "file"]
     if len(set(starts)) > 1:  # a dump from another runtime says no position: taken as it is
         raise TracerError(f"the traces were recorded at different positions: from {starts[0]} vs from {starts[1]}")
-    from tracer.traces.layouts import align  # another runtime's names and layouts, brought to ours
-
     reference, candidate, layout_notes = align(reference, candidate)
     layout = slot_layout(reference, candidate)  # the caches' layouts, reconciled point by point
     points = compare_points(reference, candidate, tolerance, noise, compared, layout)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tracer.core.errors import TracerError
+from tracer.engines import isolated
 from tracer.engines.base import DEVICES, Engine
 from tracer.engines.offload import Offload, check_offload
 from tracer.engines.registry import EngineRef, engine_with_knobs
@@ -60,8 +61,6 @@ def load_engine(engine: EngineRef, variant: dict, target: LoadTarget) -> Engine:
     entry, argument = engine.entry, engine.argument
     stream = target.stream and entry.stream
     if entry.isolated:  # native code that may abort: in a child process (tracer.engines.isolated)
-        from tracer.engines import isolated  # the child's protocol: only runtimes that need it import it
-
         return isolated.load(entry, target.source, variant, argument=argument, device=target.device, stream=stream)
     module = importlib.import_module(entry.module)
     if target.offload is not None and entry.offload:
