@@ -67,7 +67,6 @@ from tracer.pipeline.run import (
     stream_notes,
     token_ids,
 )
-from tracer.reports import write_report, write_sweep_report
 from tracer.traces.shards import load_shards
 from tracer.traces.trace import Trace, import_foreign
 
@@ -101,6 +100,8 @@ def run(request: Request) -> Result:
                 stage("regime")
                 result = compare_in_regime(result, prepared, engine, *in_regime)
         if request.outputs.report is not None:
+            from tracer.reports import write_report  # matplotlib and pandas: only a report folder needs them
+
             stage("report")
             write_report(result, request.outputs.report)
         return result
@@ -135,6 +136,8 @@ def sweep(request: Request) -> Sweep:
             notes=prepared.notes,
         )
         if request.outputs.report is not None:
+            from tracer.reports import write_sweep_report  # matplotlib and pandas: only a report folder needs them
+
             stage("report")
             write_sweep_report(result, request.outputs.report)
         return result
@@ -332,6 +335,8 @@ def compare_files(reference, candidate, *, tolerance: Tolerance = Tolerance(), a
     if result.prompt is None and cand_trace.meta.prompt:
         result = result.with_context(prompt=cand_trace.meta.prompt)
     if outputs.report is not None:
+        from tracer.reports import write_report  # matplotlib and pandas: only a report folder needs them
+
         write_report(result, outputs.report)
     return result
 
