@@ -329,7 +329,7 @@ def compare_files(
     """Compare two saved traces: tracer's own, or dumps from candle, llama.cpp, MLX, PyTorch, or a
     tensor-parallel run's dumps (one file per rank, or SGLang's dumper directory) merged into one.
 
-    Names are mapped onto points (`tracer.model.names`), layouts brought to ours (`tracer.traces.layouts`),
+    Names are mapped onto points (`tracer.names.aliases`), layouts brought to ours (`tracer.traces.layouts`),
     and only the points both sides have are compared; the Result's `notes` say what was missing
     on each side, which names were not recognized and which layout was assumed.
 

@@ -8,8 +8,8 @@ from safetensors.torch import save_file
 
 from tests.dumps import CANDLE_NAMES, GGML_NAMES
 from tracer.core.errors import TracerError
-from tracer.model.names import AliasTable, alias_table, is_point, load_alias_file, rename
 from tracer.model.points import all_points
+from tracer.names.aliases import AliasTable, alias_table, is_point, load_alias_file, rename
 from tracer.traces.trace import Trace
 
 
@@ -150,7 +150,7 @@ def test_the_gguf_names_are_gguf_pys_own():
     name back gives the tensor (what the regime's and candle's weight readers do)."""
     from tracer.model.config import LlamaSpec
     from tracer.model.families import expected_shapes
-    from tracer.model.names import gguf_names, gguf_tensor_name, hf_tensor_name
+    from tracer.names.gguf import gguf_names, gguf_tensor_name, hf_tensor_name
 
     layer = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
     assert sorted(gguf_names("llama").values()) == sorted(["token_embd", "output_norm", "output",

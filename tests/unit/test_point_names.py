@@ -2,7 +2,8 @@
 (`tracer/model/points.py`) and the components (`tracer/model/components/`). Everything else under
 `tracer/`, `hooks/` and `reports/` names a point by a constant of the vocabulary or through a
 component's declaration, so that a point is named in one place and a slip (a name nothing records)
-cannot be typed."""
+cannot be typed. Another runtime's name that happens to share a part with a point (candle's
+`blocks.{i}.attn.q_proj`) is that runtime's, declared in its vocabulary (`tracer.names`), not ours."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 from pathlib import Path
 
 from tracer.model.points import known_model_points, known_sub_points
+from tracer.names.aliases import vocabularies
 
 ROOT = Path(__file__).resolve().parents[2]
 DECLARATIONS = ("tracer/model/points.py", "tracer/model/components/")
@@ -36,14 +38,19 @@ def docstrings(tree: ast.AST) -> set[int]:
     return found
 
 
-def literal_point_names(source: str, pattern: re.Pattern) -> list[tuple[int, str]]:
+def runtime_names() -> frozenset[str]:
+    """Every name a registered runtime vocabulary writes down (its points' names and those it skips)."""
+    return frozenset(name for vocabulary in vocabularies().values() for name in vocabulary.written())
+
+
+def literal_point_names(source: str, pattern: re.Pattern, theirs: frozenset = frozenset()) -> list[tuple[int, str]]:
     """(line, literal) for every name-shaped string constant of `source` naming a point (docstrings,
-    comments and prose, which has spaces, are not names)."""
+    comments and prose, which has spaces, are not names; nor are `theirs`, other runtimes' names)."""
     tree = ast.parse(source)
     skipped = docstrings(tree)
     return [(node.lineno, node.value) for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skipped
-            and not re.search(r"\s", node.value) and pattern.search(node.value)]
+            and not re.search(r"\s", node.value) and node.value not in theirs and pattern.search(node.value)]
 
 
 def test_the_scan_sees_a_literal_point_name():
@@ -53,13 +60,19 @@ def test_the_scan_sees_a_literal_point_name():
     assert sorted(literal_point_names(source, point_pattern())) == [(2, ".q_rope"), (3, "lm_head.capped")]
 
 
+def test_a_runtime_name_is_not_one_of_ours():
+    source = 'candle = ("blocks.{i}.attn.q_proj",)\nours = "blocks.{i}.self_attn.q_proj"\n'
+    assert literal_point_names(source, point_pattern(), runtime_names()) == [
+        (2, "blocks.{i}.self_attn.q_proj")]
+
+
 def test_point_names_are_written_only_where_points_are_declared():
-    pattern = point_pattern()
+    pattern, theirs = point_pattern(), runtime_names()
     found = []
     for folder in ("tracer", "hooks", "reports"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             relative = path.relative_to(ROOT).as_posix()
             if not relative.startswith(DECLARATIONS):
                 found += [f"{relative}:{line}: {literal!r}" for line, literal in
-                          literal_point_names(path.read_text(), pattern)]
+                          literal_point_names(path.read_text(), pattern, theirs)]
     assert found == []

@@ -212,8 +212,8 @@ def test_listing_variants_and_engines_leaves_torch_out():
 
 def test_importing_the_model_leaves_torch_out():
     """The model's declarations hold their forward code (torch imported when first used), yet reading
-    them (families, points, knobs, names, config) never loads torch."""
-    code = ("import sys, tracer.model.families, tracer.model.names, tracer.model.config, tracer.model.points as p; "
+    them (families, points, knobs, config) and other runtimes' names for them never loads torch."""
+    code = ("import sys, tracer.model.families, tracer.names.aliases, tracer.model.config, tracer.model.points as p; "
             "p.all_points(2, 'gemma3'); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -12,7 +12,7 @@ import torch
 import tracer
 from tests.conftest import TOKENS
 from tests.dumps import save_dump, transformer_lens_4_dump, transformer_lens_4_names
-from tracer.model.names import TOKEN_TENSORS, AliasTable
+from tracer.names.aliases import AliasTable, token_names
 
 
 @pytest.mark.parametrize("name, point", [
@@ -52,7 +52,7 @@ def test_every_name_of_a_real_bridge_cache_is_a_point_or_skipped_with_a_reason()
     names = transformer_lens_4_names(2)
     assert len(names) == 6 + 2 * 46 + 7  # the bundled SmolLM2's cache: 1393 names for 30 layers
     for name, point in names:
-        if name in TOKEN_TENSORS:
+        if name in token_names():
             continue
         resolved = table.resolve(name)
         if point is None:
@@ -83,7 +83,7 @@ def test_a_bridge_cache_of_a_tiny_llama_matches_at_every_point(reference, tmp_pa
     assert result.logits.max_abs_all == 0.0
     notes = " | ".join(result.notes)
     assert "match no alias" not in notes  # every name of the cache is known
-    skipped = [name for name, point in transformer_lens_4_names(2) if point is None and name not in TOKEN_TENSORS]
+    skipped = [name for name, point in transformer_lens_4_names(2) if point is None and name not in token_names()]
     assert len(skipped) == 39 and "34 more known names not compared" in notes  # 5 named, each with its reason
     points = [point for _, point in transformer_lens_4_names(2) if point is not None]
     repeated = {point for point in points if points.count(point) > 1}

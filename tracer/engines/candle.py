@@ -52,7 +52,6 @@ from tracer.ggml.ops import cpu_flags
 from tracer.model.component import family_of
 from tracer.model.components.rope import rope_inv_freq
 from tracer.model.config import RESAVES, load_config, variant_spec
-from tracer.model.names import gguf_tensor_name
 from tracer.model.points import (
     BLOCK_OUT,
     CACHE_K,
@@ -82,6 +81,7 @@ from tracer.model.points import (
     layer_point,
     split_point,
 )
+from tracer.names.gguf import gguf_tensor_name
 from tracer.traces.layouts import from_interleaved
 from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
@@ -103,7 +103,7 @@ K_QUANT_CAVEAT = ("this GGUF has K-quant tensors ({types}): candle 0.11 changed 
 READABLE_TYPES = {"f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", "q2_k", "q3_k", "q4_k", "q5_k",
                   "q6_k", "q8_k"}
 # A block's weights, by the point of the module holding them: what llama.rs and quantized_llama.rs load
-# (quantized_llama.rs by their GGUF names, `tracer.model.names.gguf_tensor_name`, gguf's TensorNameMap).
+# (quantized_llama.rs by their GGUF names, `tracer.names.gguf.gguf_tensor_name`, gguf's TensorNameMap).
 LAYER_WEIGHTS = (INPUT_NORM, Q_PROJ, K_PROJ, V_PROJ, O_PROJ, POST_ATTENTION_NORM, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 NORMS = (INPUT_NORM, POST_ATTENTION_NORM)
 

@@ -8,10 +8,10 @@ want, with ask=False once the node is computed; the scheduler computes everythin
 node first, so asking for few nodes keeps the graph in few large pieces. The data is copied out
 at once (ggml reuses the memory for later nodes) and brought to tracer's layout:
 
-- names map onto points through the alias table (`tracer.model.names.AliasTable`: the ggml names the
-  components declare); a name written more than once in one graph (`Qcur-3`: the matmul, a reshape
-  that is a view of it, the RoPE) is told apart by the op that wrote it (`tracer.model.names.ggml_write`,
-  from the same declarations): the matmul is `q_proj`, the RoPE
+- names map onto points through the alias table (`tracer.names.aliases.AliasTable`: the ggml names
+  llama.cpp's vocabulary declares, `tracer.names.llamacpp`); a name written more than once in one graph
+  (`Qcur-3`: the matmul, a reshape that is a view of it, the RoPE) is told apart by the op that wrote it
+  (`tracer.names.llamacpp.ggml_write`, from the same declarations): the matmul is `q_proj`, the RoPE
   `q_rope`, the reshape no point. Nodes are keyed by what they are, never by name alone;
 - `kq-{i}` (q·kᵀ before the scale) becomes `scores` times llama.cpp's kq_scale, the same f32
   product its soft_max_ext takes; `scores` and `probs` keep the T keys of the prompt (the KV
@@ -53,7 +53,6 @@ from tracer.engines.base import EngineBase, decode_steps
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
 from tracer.model.knobs import setting, variant_text
-from tracer.model.names import AliasTable, ggml_write
 from tracer.model.points import (
     CACHE_K,
     CACHE_POINTS,
@@ -68,6 +67,8 @@ from tracer.model.points import (
     all_points,
     layer_point,
 )
+from tracer.names.aliases import AliasTable
+from tracer.names.llamacpp import ggml_write
 from tracer.traces.layouts import from_interleaved, sub_point
 from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 

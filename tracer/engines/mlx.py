@@ -36,17 +36,19 @@ from tracer.engines.base import EngineBase, at_positions, decode_steps, per_laye
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.files.weights import check_weight_files
+from tracer.model.component import family_named
 from tracer.model.config import NON_FORWARD_KEYS, read_hf
 from tracer.model.knobs import setting
 from tracer.model.kv_cache import ring_slots
 from tracer.model.points import CACHE_K, CACHE_V, LOGITS, fused_away, layer_point, model_point_records, sub_points
+from tracer.names.mlx import MLX
 from tracer.traces.trace import Trace, TraceRecorder
 
 # mlx-lm's module paths are HF's; what each observed call gives is read off the family's points
 # (`layer_calls`): a module's output where hf observes that module's output, the input of the module hf
-# takes an input from, and a point's own `mlx` name where mlx-lm differs (its RoPE module, called
-# twice; the context, the input of o_proj). A point mlx-lm observes per head, (B, T, H, D), is held as
-# (B, T, H*D), as hf merges it.
+# takes an input from, and the point's name in mlx-lm's vocabulary where mlx-lm differs (`tracer.names.mlx`:
+# its RoPE module, called twice; the context, the input of o_proj). A point mlx-lm observes per head,
+# (B, T, H, D), is held as (B, T, H*D), as hf merges it.
 PER_HEAD = "output:(T, H, D)"
 
 FUSED = ("mlx-lm runs attention as one fused call (mx.fast.scaled_dot_product_attention): "
@@ -197,8 +199,9 @@ def layer_calls(family: str) -> dict[str, list[tuple[str | None, str | None]]]:
         slots += [[None, None] for _ in range(call + 1 - len(slots))]
         slots[call][0 if side == "input" else 1] = sub
 
+    own_names = MLX.for_family(family_named(family))
     for sub, point in sub_points(family).items():
-        own = next((name for name in point.names if name.runtime == "mlx"), None)
+        own = own_names.get(sub, (None,))[0]
         if own is not None:
             put(own.pattern, own.call, own.side, sub)
         elif point.observed.startswith("output"):

@@ -18,8 +18,8 @@ import numpy as np
 from tracer.core.errors import TracerError
 from tracer.model.config import DEFAULT_ROPE_THETA, LlamaSpec
 from tracer.model.families import expected_shapes
-from tracer.model.names import gguf_block_of, gguf_family, gguf_tensor_name
 from tracer.model.points import EMBED, WEIGHT
+from tracer.names.gguf import gguf_block_of, gguf_family, gguf_tensor_name
 
 # GGUF metadata value types: id -> struct format (None: string, array handled apart).
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}

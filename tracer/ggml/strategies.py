@@ -61,7 +61,6 @@ from tracer.ggml.quants import (
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
 from tracer.model.component import family_named
 from tracer.model.knobs import PRESETS, is_regime, llama_gguf, setting
-from tracer.model.names import gguf_tensor_name, hf_tensor_name
 from tracer.model.points import (
     DOWN_PROJ,
     EMBED,
@@ -77,6 +76,7 @@ from tracer.model.points import (
     WEIGHT,
     gguf_permuted,
 )
+from tracer.names.gguf import gguf_tensor_name, hf_tensor_name
 from tracer.traces.layouts import from_interleaved, to_interleaved
 
 PROJECTIONS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)

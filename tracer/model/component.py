@@ -1,15 +1,15 @@
-"""The base types of a model's declaration: a point, its names in other runtimes, a config field, a
-component, the steps it resolves, a family (a composition of components), and the registry of families.
+"""The base types of a model's declaration: a point, a config field, a component, the steps it resolves,
+a family (a composition of components), and the registry of families.
 
 A component (`tracer.model.components`) is a small frozen declaration, configured like an nn.Module
 declaration (`Attention(projections=FusedQKV(), qk_norm=PerHeadNorm())`), that states its facts once:
-its points in execution order (`Point`, with their names in other runtimes, `Name`), its weights and
+its points in execution order (`Point`), its weights and
 their shapes (functions of the spec), its config fields (`ConfigField`), its knobs (the porting
 mistakes it can make), its steps (`steps(knobs, spec)`: slot name -> function, resolved once) and its
 forward (torch, imported lazily: importing `tracer.model` never loads torch). A family is a
-composition (`Family`): the point order, the shapes, how hf observes each point, which knobs apply
-and the alias tables are read off it (`tracer.model.points`, `tracer.model.names`,
-`tracer.model.knobs`), never restated. `register` adds a family (built-ins and a test's alike).
+composition (`Family`): the point order, the shapes, how hf observes each point and which knobs apply
+are read off it (`tracer.model.points`, `tracer.model.knobs`), never restated; so are other runtimes'
+names for its points (`tracer.names`, keyed by these points). `register` adds a family (built-ins and a test's alike).
 """
 
 from __future__ import annotations
@@ -20,33 +20,6 @@ from functools import cached_property
 from typing import Any, Callable
 
 from tracer.core.errors import TracerError
-
-
-@dataclass(frozen=True)
-class Name:
-    """A point's name in another runtime.
-
-    Attributes:
-        runtime: "candle" (llama.rs field names), "ggml" (llama.cpp's graph names), "gguf" (GGUF tensor
-            names used for module outputs), "transformer_lens", "hf" (another HF module path), "mlx"
-            (the mlx-lm module, relative to the layer, whose call gives the point).
-        pattern: the name, `{i}` for the layer.
-        layout: how the runtime lays a per-head tensor out ("THD", "HTD"); None: the runtime's default.
-        qk_order: "interleaved" where q/k come in GGUF's permuted order (llama.cpp).
-        writes: ggml: the ops whose write of this (repeated) name is the point, e.g. ("ROPE",).
-        dump: in the alias table: a dump keeping one tensor per name keeps this point under it.
-        call: mlx: which call of the module gives the point (RoPE: queries 0, keys 1).
-        side: mlx: "output" or "input" of that call.
-    """
-
-    runtime: str
-    pattern: str
-    layout: str | None = None
-    qk_order: str = "half"
-    writes: tuple[str, ...] = ()
-    dump: bool = True
-    call: int = 0
-    side: str = "output"
 
 
 @dataclass(frozen=True)
@@ -66,7 +39,6 @@ class Point:
             "output:(H, T, D)" (per head, merged into (T, H·D)), "output:(T, X)" (a module that drops
             the batch), "input:MODULE" (the first input of that module under the layer), "attention"
             (the recording attention function), "model:FIELD" (a field of the whole model's output).
-        names: its names in other runtimes.
         gguf_permuted: its last axis holds q/k RoPE pairs, which GGUF's converter permutes.
     """
 
@@ -77,7 +49,6 @@ class Point:
     what: str
     source: str
     observed: str = "output"
-    names: tuple[Name, ...] = ()
     gguf_permuted: bool = False
 
     def replace(self, **changes) -> Point:

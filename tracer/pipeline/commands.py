@@ -36,8 +36,8 @@ from tracer.engines.registry import EngineRef
 from tracer.files.sources import ModelSource
 from tracer.model.config import read_hf
 from tracer.model.knobs import variant_text
-from tracer.model.names import alias_table
 from tracer.model.points import is_coarse
+from tracer.names.aliases import alias_table
 from tracer.pipeline.attribution import Attributor, emulation
 from tracer.pipeline.batch import compare_batched
 from tracer.pipeline.catalogue import default_variants, diagnosis_variants, parse_variants

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from tracer.core.errors import TracerError, one_line
 from tracer.core.renderers import render
 from tracer.model.knobs import side_label
-from tracer.model.names import TOKEN_TENSORS, alias_table, rename
 from tracer.model.points import is_causal, layer_of
+from tracer.names.aliases import alias_table, rename, token_names
 
 MANIFEST_KEY = "tracer"
 MAX_LAYERS = 10_000  # far above any Llama (405B has 126 blocks)
@@ -239,7 +239,7 @@ class Trace:
         """Read a trace written by `save`, or a dump from another runtime (docs/trace-format.md).
 
         A file without tracer's manifest is imported: its names go through the alias table
-        (`tracer.model.names`; `aliases` adds a user mapping: a dict, a JSON file path or an
+        (`tracer.names.aliases`; `aliases` adds a user mapping: a dict, a JSON file path or an
         AliasTable), its metadata keys (`tokens`, `runtime`, `model`, `qk_order`, head counts)
         become the trace's `TraceMeta` (other keys its `extra`), and names that map to no point are kept in
         `meta.unknown_names`.
@@ -285,12 +285,13 @@ def import_foreign(tensors: dict[str, torch.Tensor], header: dict[str, str], pat
     tracer does not read stay in `meta.extra`, as text."""
     read = {key: header[key] for key in FOREIGN_TEXT_KEYS if key in header}
     read |= {key: _int_metadata(header[key], key, path) for key in FOREIGN_INT_KEYS if key in header}
-    token_tensor = next((name for name in TOKEN_TENSORS if name in tensors), None)
+    tokens = token_names()
+    token_tensor = next((name for name in tokens if name in tensors), None)
     if "tokens" in header:
         read["tokens"] = _token_metadata(header["tokens"], path)
     elif token_tensor is not None:
         read["tokens"] = [int(t) for t in tensors[token_tensor].reshape(-1).tolist()]
-    floats = {name: t for name, t in tensors.items() if name not in TOKEN_TENSORS}
+    floats = {name: t for name, t in tensors.items() if name not in tokens}
     renamed = rename(floats, alias_table(aliases))
     if "qk_order" in header:
         if header["qk_order"] not in QK_ORDERS:

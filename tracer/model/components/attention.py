@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from tracer.core.errors import TracerError
 from tracer.core.lazy import F, torch
 from tracer.model import kv_cache
-from tracer.model.component import Component, Name, Point
+from tracer.model.component import Component, Point
 from tracer.model.components import padding
 from tracer.model.components.rope import Rope
 from tracer.model.knobs import KNOBS, Knob, choice, fixed, setting, when
@@ -213,20 +213,6 @@ def not_recorded(steps) -> dict[str, str]:
 
 # --- the projections -------------------------------------------------------------------------------
 
-# Llama's projections in other runtimes: candle's llama.rs, llama.cpp's graph (Qcur/Kcur/Vcur are written
-# more than once per layer: after the matmul (+ bias), reshaped, after RoPE; the ROPE write is q_rope),
-# TransformerLens 3 hooks and TransformerLens 4's bridge.
-_Q_NAMES = (Name("candle", "blocks.{i}.attn.q_proj"), Name("ggml", "Qcur-{i}", writes=("MUL_MAT", "ADD"), dump=False),
-            Name("transformer_lens", "blocks.{i}.attn.hook_q"),
-            Name("transformer_lens", "blocks.{i}.attn.q.hook_out"))
-_K_NAMES = (Name("candle", "blocks.{i}.attn.k_proj"), Name("ggml", "Kcur-{i}", writes=("MUL_MAT", "ADD"), dump=False),
-            Name("transformer_lens", "blocks.{i}.attn.hook_k"),
-            Name("transformer_lens", "blocks.{i}.attn.k.hook_out"))
-_V_NAMES = (Name("candle", "blocks.{i}.attn.v_proj"), Name("ggml", "Vcur-{i}", writes=("MUL_MAT", "ADD")),
-            Name("transformer_lens", "blocks.{i}.attn.hook_v"),
-            Name("transformer_lens", "blocks.{i}.attn.v.hook_out"))
-
-
 def project_separate(x, run):
     """x (1, T, C) -> q (1, T, H*D), k, v (1, T, KV*D): three projections (Qwen2's carry biases)."""
     w, linear = run.weights, run.steps.linear
@@ -268,11 +254,9 @@ class SeparateQKV(Component):
     """q_proj, k_proj, v_proj (biases where the config says so)."""
 
     def points(self, source: str) -> tuple[Point, ...]:
-        return (Point(Q_PROJ, "q_proj", "merged", "projection", "query projection", source, names=_Q_NAMES,
-                      gguf_permuted=True),
-                Point(K_PROJ, "k_proj", "merged", "projection", "key projection", source, names=_K_NAMES,
-                      gguf_permuted=True),
-                Point(V_PROJ, "v_proj", "merged", "projection", "value projection", source, names=_V_NAMES))
+        return (Point(Q_PROJ, "q_proj", "merged", "projection", "query projection", source, gguf_permuted=True),
+                Point(K_PROJ, "k_proj", "merged", "projection", "key projection", source, gguf_permuted=True),
+                Point(V_PROJ, "v_proj", "merged", "projection", "value projection", source))
 
     def rope_sources(self) -> tuple[str, str]:
         return Q_PROJ, K_PROJ
@@ -431,21 +415,6 @@ _FEATURES = {
     ("window", "ignore"): (lambda spec: spec.sliding_window is None, "this model's config has no sliding window"),
 }
 
-_Q_ROPE_NAMES = (Name("ggml", "Qcur-{i}", qk_order="interleaved", writes=("ROPE",)),
-                 Name("transformer_lens", "blocks.{i}.attn.hook_rot_q"), Name("mlx", "self_attn.rope", call=0))
-_K_ROPE_NAMES = (Name("ggml", "Kcur-{i}", qk_order="interleaved", writes=("ROPE",)),
-                 Name("transformer_lens", "blocks.{i}.attn.hook_rot_k"), Name("mlx", "self_attn.rope", call=1))
-_SCORES_NAMES = (Name("transformer_lens", "blocks.{i}.attn.hook_attn_scores"),)
-_PROBS_NAMES = (Name("ggml", "kq_soft_max-{i}"), Name("transformer_lens", "blocks.{i}.attn.hook_pattern"))
-_CONTEXT_NAMES = (Name("ggml", "kqv_out-{i}"), Name("transformer_lens", "blocks.{i}.attn.hook_z"),
-                  Name("transformer_lens", "blocks.{i}.attn.o.hook_in"),
-                  Name("mlx", "self_attn.o_proj", side="input"))
-_O_NAMES = (Name("candle", "blocks.{i}.attn.o_proj"), Name("candle", "blocks.{i}.attn"),
-            Name("ggml", "attn_out-{i}"), Name("transformer_lens", "blocks.{i}.hook_attn_out"),
-            Name("transformer_lens", "blocks.{i}.attn.o.hook_out"),
-            Name("transformer_lens", "blocks.{i}.attn.hook_out"), Name("hf", "model.layers.{i}.self_attn"))
-
-
 @dataclass(frozen=True)
 class Attention(Component):
     """Self-attention with RoPE.
@@ -490,16 +459,14 @@ class Attention(Component):
             q_source, k_source = Q_NORM, K_NORM
         return (*order,
                 Point(Q_ROPE, "q_rope", "heads", "rope", "queries after RoPE, HF half-split layout", q_source,
-                      "attention", _Q_ROPE_NAMES, gguf_permuted=True),
+                      "attention", gguf_permuted=True),
                 Point(K_ROPE, "k_rope", "heads", "rope", "keys after RoPE, HF half-split layout", k_source,
-                      "attention", _K_ROPE_NAMES, gguf_permuted=True),
-                Point(SCORES, "scores", "attention", "scores", "q·kᵀ·scale before softmax", Q_ROPE, "attention",
-                      _SCORES_NAMES),
-                Point(PROBS, "probs", "attention", "softmax", "softmax of the masked scores", SCORES, "attention",
-                      _PROBS_NAMES),
+                      "attention", gguf_permuted=True),
+                Point(SCORES, "scores", "attention", "scores", "q·kᵀ·scale before softmax", Q_ROPE, "attention"),
+                Point(PROBS, "probs", "attention", "softmax", "softmax of the masked scores", SCORES, "attention"),
                 Point(CONTEXT, "context", "merged", "attention", "probs·v, heads merged (input of o_proj)", PROBS,
-                      "attention", _CONTEXT_NAMES),
-                Point(O_PROJ, "o_proj", "rows", "projection", "attention output", CONTEXT, names=_O_NAMES))
+                      "attention"),
+                Point(O_PROJ, "o_proj", "rows", "projection", "attention output", CONTEXT))
 
     def weights(self, spec) -> dict:
         shapes = {O_PROJ + WEIGHT: (spec.hidden_size, spec.num_attention_heads * spec.head_dim)}

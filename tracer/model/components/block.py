@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tracer.core.lazy import torch
-from tracer.model.component import Component, Name, Point
+from tracer.model.component import Component, Point
 from tracer.model.points import (
     BLOCK_INPUT,
     BLOCK_OUT,
@@ -36,17 +36,6 @@ _NORMS = {
     PRE_FF_NORM: ("pre_ff_norm", "RMSNorm before the MLP (Gemma)", None),
     POST_FF_NORM: ("post_ff_norm", None, "RMSNorm of the MLP output, before the residual add"),
 }
-# Llama's norms (pre-norm) in other runtimes: candle's llama.rs, llama.cpp's graph, TransformerLens 4's bridge.
-_PRE_NORM_NAMES = {
-    INPUT_NORM: (Name("candle", "blocks.{i}.rms_1"), Name("ggml", "attn_norm-{i}"),
-                 Name("transformer_lens", "blocks.{i}.ln1.hook_out")),
-    POST_ATTENTION_NORM: (Name("candle", "blocks.{i}.rms_2"), Name("ggml", "ffn_norm-{i}"),
-                          Name("transformer_lens", "blocks.{i}.ln2.hook_out")),
-}
-_RESID_NAMES = (Name("ggml", "ffn_inp-{i}"), Name("transformer_lens", "blocks.{i}.hook_resid_mid"),
-                Name("transformer_lens", "blocks.{i}.ln2.hook_in"))
-_OUT_NAMES = (Name("candle", "blocks.{i}"), Name("ggml", "l_out-{i}"), Name("gguf", "blk.{i}"),
-              Name("transformer_lens", "blocks.{i}.hook_resid_post"), Name("transformer_lens", "blocks.{i}.hook_out"))
 
 
 @dataclass(frozen=True)
@@ -60,8 +49,7 @@ class Block(Component):
 
     def _norm(self, name: str, source: str, before: bool) -> Point:
         label, what_before, what_after = _NORMS[name]
-        names = _PRE_NORM_NAMES.get(name, ()) if self.placement == PRE_NORM else ()
-        return Point(name, label, "rows", "norm", what_before if before else what_after, source, names=names)
+        return Point(name, label, "rows", "norm", what_before if before else what_after, source)
 
     def points(self, family) -> tuple[Point, ...]:
         """The block's points in execution order (transformers' modeling_<family>.py, op by op)."""
@@ -72,12 +60,12 @@ class Block(Component):
         # A post-norm (Gemma's sandwich, OLMo-2) normalizes the attention output before the residual add.
         order += [self._norm(attn_post, attention.output, False)] if attn_post else []
         order.append(Point(RESID_MID, "resid_mid", "rows", "residual", "after the attention residual add",
-                           attn_post or attention.output, f"input:{mlp_pre or MLP}", _RESID_NAMES))
+                           attn_post or attention.output, f"input:{mlp_pre or MLP}"))
         order += [self._norm(mlp_pre, RESID_MID, True)] if mlp_pre else []
         order += mlp.points(mlp_pre or RESID_MID)
         order += [self._norm(mlp_post, mlp.output, False)] if mlp_post else []
         order.append(Point(BLOCK_OUT, "block out", "rows", "block", "block output (after the MLP residual add)",
-                           mlp_post or mlp.output, names=_OUT_NAMES))
+                           mlp_post or mlp.output))
         return tuple(order)
 
     def weights(self, spec) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tracer.core.lazy import F, torch
-from tracer.model.component import Component, Name, Point
+from tracer.model.component import Component, Point
 from tracer.model.knobs import Knob, choice, fixed, setting
 from tracer.model.points import EMBED, WEIGHT
 
@@ -34,17 +34,12 @@ EMBED_SCALE = Knob("embed_scale", choice("model", "drop", "f32"), "model | drop 
                    expected=f"{EMBED} (f32: with dtype=bf16 or f16 only, rel_l2 ~2e-3, as large as bf16's own rounding "
                             "there: seen against the fixed bound, --no-noise)", kind="semantic", after="norm_offset")
 
-# Llama's embeddings in other runtimes (GGUF's `token_embd` comes from gguf's TensorNameMap).
-_NAMES = (Name("candle", "wte"), Name("ggml", "embd"), Name("ggml", "inp_embd"),
-          Name("transformer_lens", "hook_embed"), Name("transformer_lens", "embed.hook_out"))
-
-
 @dataclass(frozen=True)
 class Embedding(Component):
     """Rows of the embedding table."""
 
     def points(self, family) -> tuple[Point, ...]:
-        return (Point(EMBED, "embed", "rows", "embedding", self.what, "", names=_NAMES),)
+        return (Point(EMBED, "embed", "rows", "embedding", self.what, ""),)
 
     @property
     def what(self) -> str:

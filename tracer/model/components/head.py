@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tracer.core.lazy import F, torch
-from tracer.model.component import Component, Name, Point
+from tracer.model.component import Component, Point
 from tracer.model.components.attention import SOFTCAP, SOFTCAPS
 from tracer.model.knobs import setting
 from tracer.model.points import FINAL_LOGITS, FINAL_NORM, LOGITS, WEIGHT
@@ -33,10 +33,6 @@ def _by_rows(linear: Callable, h: torch.Tensor, weight) -> torch.Tensor:
 
 LOGIT_STEPS = {"all": logits_all, "last": logits_last}
 
-_NORM_NAMES = (Name("candle", "ln_f"), Name("ggml", "result_norm"), Name("transformer_lens", "ln_final.hook_out"))
-_LOGITS_NAMES = (Name("ggml", "result_output"), Name("transformer_lens", "unembed.hook_out"),
-                 Name("transformer_lens", "hook_unembed"), Name("hf", "logits"))
-
 
 @dataclass(frozen=True)
 class Head(Component):
@@ -49,9 +45,8 @@ class Head(Component):
         return (SOFTCAP,) if self.softcap else ()
 
     def points(self, family) -> tuple[Point, ...]:
-        points = (Point(FINAL_NORM, "norm", "rows", "norm", "final RMSNorm", "", names=_NORM_NAMES),
-                  Point(LOGITS, "logits", "rows", "logits", "logits: the lm_head projection", "",
-                        names=_LOGITS_NAMES))
+        points = (Point(FINAL_NORM, "norm", "rows", "norm", "final RMSNorm", ""),
+                  Point(LOGITS, "logits", "rows", "logits", "logits: the lm_head projection", ""))
         if self.softcap:  # what the model returns: a field of its output, not a module's
             points += (Point(FINAL_LOGITS, "capped logits", "rows", "softcap",
                              "final logits soft-capped, cap·tanh(logits/cap) (Gemma)", LOGITS, "model:logits"),)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tracer.core.lazy import F, torch
-from tracer.model.component import Component, Name, Point
+from tracer.model.component import Component, Point
 from tracer.model.knobs import Knob, choice, fixed, setting
-from tracer.model.points import BIAS, DOWN_PROJ, GATE_PROJ, GATE_UP_PROJ, MLP, MLP_ACT, UP_PROJ, WEIGHT
+from tracer.model.points import BIAS, DOWN_PROJ, GATE_PROJ, GATE_UP_PROJ, MLP_ACT, UP_PROJ, WEIGHT
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -56,23 +56,6 @@ GATE_UP = Knob("gate_up", choice("gate_up", "up_gate"), "gate_up | up_gate", "ga
                "the fused gate_up_proj output split up-first (Phi-3 stores the gate first)",
                fixed("gate_up=up_gate"), expected=f"layers.0.{MLP_ACT}", kind="semantic", after="qkv_split")
 
-# Llama's MLP in other runtimes: candle's llama.rs (c_fc1 gate, c_fc2 up, c_proj down), llama.cpp's graph
-# (older builds wrote silu(gate)·up as ffn_gate_par), TransformerLens 3 hooks and TransformerLens 4's bridge.
-_GATE_NAMES = (Name("candle", "blocks.{i}.mlp.c_fc1"), Name("ggml", "ffn_gate-{i}"),
-               Name("transformer_lens", "blocks.{i}.mlp.hook_pre"),
-               Name("transformer_lens", "blocks.{i}.mlp.gate.hook_out"))
-_UP_NAMES = (Name("candle", "blocks.{i}.mlp.c_fc2"), Name("ggml", "ffn_up-{i}"),
-             Name("transformer_lens", "blocks.{i}.mlp.hook_pre_linear"),
-             Name("transformer_lens", "blocks.{i}.mlp.in.hook_out"))
-_ACT_NAMES = (Name("ggml", "ffn_swiglu-{i}"), Name("ggml", "ffn_gate_par-{i}"),
-              Name("transformer_lens", "blocks.{i}.mlp.hook_post"),
-              Name("transformer_lens", "blocks.{i}.mlp.out.hook_in"))
-_DOWN_NAMES = (Name("candle", "blocks.{i}.mlp.c_proj"), Name("candle", "blocks.{i}.mlp"), Name("ggml", "ffn_out-{i}"),
-               Name("transformer_lens", "blocks.{i}.hook_mlp_out"),
-               Name("transformer_lens", "blocks.{i}.mlp.out.hook_out"),
-               Name("transformer_lens", "blocks.{i}.mlp.hook_out"), Name("hf", f"model.layers.{{i}}.{MLP}"))
-
-
 @dataclass(frozen=True)
 class GatedMLP(Component):
     """down(act(gate(x)) · up(x)); `fused`: one gate_up_proj, the gate first (Phi-3)."""
@@ -94,13 +77,12 @@ class GatedMLP(Component):
             projections = (Point(GATE_UP_PROJ, "gate_up", "rows", "projection",
                                  "fused gate | up projection (Phi-3), (T, 2·I)", source),)
         else:
-            projections = (Point(GATE_PROJ, "gate", "rows", "projection", "MLP gate projection", source,
-                                 names=_GATE_NAMES),
-                           Point(UP_PROJ, "up", "rows", "projection", "MLP up projection", source, names=_UP_NAMES))
+            projections = (Point(GATE_PROJ, "gate", "rows", "projection", "MLP gate projection", source),
+                           Point(UP_PROJ, "up", "rows", "projection", "MLP up projection", source))
         return (*projections,
                 Point(MLP_ACT, "act", "rows", "activation", "act(gate)·up (input of down_proj)", projections[0].name,
-                      f"input:{DOWN_PROJ}", _ACT_NAMES),
-                Point(DOWN_PROJ, "down", "rows", "projection", "MLP output", MLP_ACT, names=_DOWN_NAMES))
+                      f"input:{DOWN_PROJ}"),
+                Point(DOWN_PROJ, "down", "rows", "projection", "MLP output", MLP_ACT))
 
     def weights(self, spec) -> dict:
         c, i = spec.hidden_size, spec.intermediate_size
