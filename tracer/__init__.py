@@ -16,6 +16,7 @@ variants`) does not pay for torch.
 
 import importlib
 
+import tracer.engines.registry  # noqa: F401  (registers the built-in engines, their runtimes' switches among the knobs)
 import tracer.reports  # noqa: F401  (registers the renderers Result, Trace and Sweep look up)
 from tracer.core import __version__  # noqa: F401  (tracer.__version__)
 

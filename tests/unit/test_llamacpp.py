@@ -194,7 +194,7 @@ def test_knobs_llamacpp_cannot_honour_are_refused_before_anything_loads(tiny):
     with pytest.raises(TracerError,
                        match=re.escape("bad value 'q4' for knob 'kv_cache'; expected f32 | f16 | bf16 | q8_0")):
         tracer.record(tiny[0], TOKENS, engine="llamacpp", variant="kv_cache=q4", progress=False)
-    assert ENGINES["llamacpp"].knobs == ("theta", "kv_cache", "flash_attn", "threads", "n_ubatch")
+    assert ENGINES["llamacpp"].honoured == ("theta", "kv_cache", "flash_attn", "threads", "n_ubatch")
 
 
 def test_the_engines_tables_cover_exactly_the_knobs_values(llamacpp):

@@ -18,7 +18,17 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from tracer.core.errors import TracerError, did_you_mean
-from tracer.model.knobs import KNOBS, parse_variant, variant_text
+from tracer.model.knobs import (
+    KNOBS,
+    Knob,
+    choice,
+    fixed,
+    parse_variant,
+    positive_int,
+    register_switch,
+    unregister_switch,
+    variant_text,
+)
 from tracer.model.points import FUSED_AWAY
 
 
@@ -31,8 +41,13 @@ class EngineEntry:
         module: the module whose `load(source, variant, *, argument, device, stream)` builds it.
         summary: one line for `tracer engines`.
         kinds: the kinds of knob it honours whole (`tracer.model.knobs.KINDS`: config, semantic, regime).
-        knobs: single knobs it honours beyond those kinds (a runtime's own switches). Any other knob is
-            refused, naming the engines that can (`honoured` is the whole list).
+        knobs: single knobs of the catalogue it honours beyond those kinds (a model knob its runtime
+            reads, e.g. llama.cpp's rope_freq_base as `theta`).
+        switches: its runtime's own switches (a thread count, a micro-batch, an optimizer level), declared
+            here and nowhere else: registering the engine adds them to the catalogue
+            (`tracer.model.knobs.register_switch`), where `tracer variants` lists them and `parse_variant`
+            checks them. Two engines whose runtimes share a switch name the same `Knob`. Any other knob
+            is refused, naming the engines that can (`honoured` is the whole list).
         fused_attention: when its attention is one fused op, which never forms the scores and
             probabilities (`tracer.model.points.FUSED_AWAY`): "always", or the choice that fuses it ("" never);
             each trace's not_recorded says it per run.
@@ -83,6 +98,7 @@ class EngineEntry:
     summary: str
     kinds: tuple[str, ...] = ()
     knobs: tuple[str, ...] = ()
+    switches: tuple[Knob, ...] = ()
     fused_attention: str = ""
     local_errors: bool = False
     draft: bool = False
@@ -108,7 +124,8 @@ class EngineEntry:
     no_decode: str = ""
 
     def honours(self, knob: str) -> bool:
-        return knob in self.knobs or (knob in KNOBS and KNOBS[knob].kind in self.kinds)
+        return (knob in self.knobs or any(switch.name == knob for switch in self.switches)
+                or (knob in KNOBS and KNOBS[knob].kind in self.kinds))
 
     @property
     def honoured(self) -> tuple[str, ...]:
@@ -163,13 +180,19 @@ def register(entry: EngineEntry) -> EngineEntry:
     known = ENGINES.get(entry.name)
     if known is not None and known != entry:
         raise TracerError(f"two engines are named {entry.name!r}: {known.module} and {entry.module}")
+    for switch in entry.switches:
+        register_switch(switch)
     ENGINES[entry.name] = entry
     return entry
 
 
 def unregister(name: str) -> None:
-    """Remove an engine a test or a notebook registered (a later look-up may find it again by its entry point)."""
-    ENGINES.pop(name, None)
+    """Remove an engine a test or a notebook registered (a later look-up may find it again by its entry
+    point), and its switches no other registered engine declares."""
+    entry = ENGINES.pop(name, None)
+    for switch in entry.switches if entry else ():
+        if not any(switch in other.switches for other in ENGINES.values()):
+            unregister_switch(switch.name)
 
 
 def registered() -> dict[str, EngineEntry]:
@@ -201,6 +224,23 @@ def find_entry(name: str) -> EngineEntry | None:
             load_entry_point(point)
     return ENGINES.get(name)
 
+
+# ggml's GGML_MAX_N_THREADS: llama.cpp's thread pool has no room for more (100000 segfaulted it).
+MAX_THREADS = 512
+
+
+def _threads(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise ValueError(text)
+    return value
+
+
+# llama.cpp's and candle's thread count: one switch both runtimes have.
+THREADS = Knob("threads", _threads, f"an integer 1..{MAX_THREADS} (ggml's limit), e.g. threads=2",
+               "4, at most the CPU count",
+               "the runtime's thread count (llama.cpp n_threads); results should not depend on it",
+               fixed("threads=1"), kind="runtime", after="flash_attn")
 
 BUILTINS = (
     EngineEntry(
@@ -234,7 +274,12 @@ BUILTINS = (
     EngineEntry(
         "onnx", "tracer.engines.onnx",
         "ONNX Runtime on tracer's cached dynamo export of the model, every point a named graph output",
-        knobs=("dtype", "ort_opt"),
+        knobs=("dtype",),
+        switches=(Knob("ort_opt", choice("disable", "basic", "extended", "layout", "all"),
+                       "disable | basic | extended | layout | all", "all",
+                       "ONNX Runtime's graph optimization level (its fusions change the rounding)",
+                       # None in the default sweep, which runs on reimpl: --variants ort_opt=disable --candidate onnx
+                       fixed(""), kind="runtime", after="preset"),),
         no_decode="tracer's ONNX export is one forward without a cache, with no past-key/value inputs; an "
                   "export with them is not done yet",
         extra="onnx", requires=(("onnxruntime", "onnxruntime"), ("onnx", "onnx"), ("onnxscript", "onnxscript")),
@@ -242,8 +287,13 @@ BUILTINS = (
     EngineEntry(
         "llamacpp", "tracer.engines.llamacpp",
         "llama.cpp (llama-cpp-python) running the model's GGUF, its graph observed through the eval callback",
-        # Its own switches: rope_freq_base, the KV cache type, flash attention, threads, the micro-batch.
-        knobs=("theta", "kv_cache", "flash_attn", "threads", "n_ubatch"),
+        # rope_freq_base; the KV cache type and flash attention, regime knobs the reimplementation emulates too
+        knobs=("theta", "kv_cache", "flash_attn"),
+        switches=(THREADS, Knob("n_ubatch", positive_int, "a positive integer, e.g. n_ubatch=2",
+                                "the whole prompt in one",
+                                "llama.cpp's micro-batch: the prompt computed in pieces of this many tokens, each a "
+                                "graph of its own after the cache the earlier ones filled (other matmul shapes may "
+                                "take other kernels)", fixed("n_ubatch=2"), kind="runtime", after="threads")),
         fused_attention="flash_attn=on, or auto where the backend has it",
         draft=True, greedy="cached", argument="PATH", extra="llamacpp", positions=True, decode=True,
         # no wheel on the index: pip compiles llama.cpp, without AMX (docs/engine-llamacpp.md: in a VM that
@@ -262,7 +312,7 @@ BUILTINS = (
         "model directory, quantized_llama.rs on candle:PATH.gguf; rms_norm (norms), rope/rope_i (q_rope, "
         "k_rope) and softmax_last_dim (probs) composed from 0.4.2's ops",
         # candle's config reader and the notes' porting mistakes, in its own forward
-        knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask", "threads"),
+        knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask"), switches=(THREADS,),
         argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True, decode=True,
         families=("llama",), regime="candle", regime_with_argument=True,
     ),

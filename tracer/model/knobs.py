@@ -5,8 +5,10 @@ A variant is an ordered mapping knob -> value, written on the command line as
 honours, and declares which (by kind) in its registry entry (`tracer.engines.registry`). The
 model-wide knobs are declared here (`MODEL_WIDE`); a knob that undoes one part of a model (Gemma's
 (1 + w) norm, a fused projection's split, a sliding window) is declared by the component that has
-that part (`tracer.model.components`), and applies to exactly the families composed of it. `KNOBS`
-reads both, live (a test may register a family with a component of its own). Config-level knobs
+that part (`tracer.model.components`), and applies to exactly the families composed of it; a switch
+of one runtime (its thread count, its micro-batch) is declared by the engine that runs that runtime
+(`EngineEntry.switches`), which registers it here (`register_switch`) as the engine is registered.
+`KNOBS` reads all three, live (a test may register a family with a component of its own). Config-level knobs
 become a different `LlamaSpec` (`tracer.model.config.apply_overrides`), which the hf engine writes
 into transformers' config too; semantic knobs become steps of the reimplementation (each
 component's `steps`). A knob an engine cannot honour is an error naming the engines that can, never
@@ -38,7 +40,7 @@ KINDS = {
     "config": "the model every PyTorch engine builds (the spec it reads from config.json)",
     "semantic": "one operation of tracer's own forward (the families' porting mistakes among them)",
     "regime": "the number formats: ggml's block formats and CPU arithmetic (tracer.ggml)",
-    "runtime": "a switch of one runtime (ONNX Runtime's optimizer, llama.cpp's threads)",
+    "runtime": "a switch of one runtime, declared by the engine that runs it (`EngineEntry.switches`)",
 }
 
 
@@ -79,7 +81,7 @@ class Knob:
     @property
     def families(self) -> tuple[str, ...] | None:
         """The registered families it applies to, by name (None: every family)."""
-        if self.name in MODEL_WIDE and self.applies is None:
+        if is_whole_model(self.name) and self.applies is None:
             return None
         families = tuple(name for name in registered() if applies_to(self, name))
         return None if families == tuple(registered()) else families  # every family's component
@@ -92,20 +94,9 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
-        raise ValueError(text)
-    return value
-
-
-# ggml's GGML_MAX_N_THREADS: llama.cpp's thread pool has no room for more (100000 segfaulted it).
-MAX_THREADS = 512
-
-
-def _threads(text: str) -> int:
-    value = _positive_int(text)
-    if value > MAX_THREADS:
         raise ValueError(text)
     return value
 
@@ -218,11 +209,6 @@ MODEL_WIDE: dict[str, Knob] = {
         Knob("preset", choice(*PRESET_NAMES), " | ".join(PRESET_NAMES), "none",
              "every candle-0.11 llama.rs choice, or llama.cpp's CPU arithmetic, at once (explicit knobs override it)",
              _llama_only("preset=candle"), applies=llama_graph, kind="semantic"),
-        Knob("ort_opt", choice("disable", "basic", "extended", "layout", "all"),
-             "disable | basic | extended | layout | all", "all",
-             "ONNX Runtime's graph optimization level (its fusions change the rounding)",
-             # None in the default sweep, which runs on reimpl: pass --variants ort_opt=disable with --candidate onnx
-             fixed(""), kind="runtime"),
         Knob("weights", choice(*WEIGHT_FORMATS), " | ".join(WEIGHT_FORMATS), "as loaded",
              "weights in a GGUF block format (the gguf package's quantizers), or gguf: a GGUF file's own tensors "
              "(gguf_file=, else the one the model was converted from)",
@@ -252,10 +238,10 @@ MODEL_WIDE: dict[str, Knob] = {
              "(another order, fast) or f64 (exact), the rest exact and rounded once; candle: candle's vec_dot "
              "(Q4_1 scalar loop, Q8_0 AVX2)",
              fixed("accumulate=f64,weights=q8_0,act_quant=q8_0"), kind="regime"),
-        Knob("layers", _positive_int, "a positive integer, e.g. layers=31", "from config.json",
+        Knob("layers", positive_int, "a positive integer, e.g. layers=31", "from config.json",
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}",
              kind="config"),
-        Knob("head_dim", _positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
+        Knob("head_dim", positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
              "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}", kind="config"),
         Knob("act", choice(*ACTIVATION_VALUES), " | ".join(ACTIVATION_VALUES), "from config.json",
              "another MLP activation than the config's: exact (erf) GELU for Gemma's tanh approximation, or the "
@@ -268,33 +254,61 @@ MODEL_WIDE: dict[str, Knob] = {
         Knob("flash_attn", choice("on", "off", "auto"), "on | off | auto", "auto",
              "llama.cpp's flash attention (auto: on where the backend has it), which fuses scores, softmax and "
              "context", fixed("flash_attn=off"), kind="regime"),
-        Knob("threads", _threads, f"an integer 1..{MAX_THREADS} (ggml's limit), e.g. threads=2",
-             "4, at most the CPU count",
-             "the runtime's thread count (llama.cpp n_threads); results should not depend on it", fixed("threads=1"),
-             kind="runtime"),
-        Knob("n_ubatch", _positive_int, "a positive integer, e.g. n_ubatch=2", "the whole prompt in one",
-             "llama.cpp's micro-batch: the prompt computed in pieces of this many tokens, each a graph of its own "
-             "after the cache the earlier ones filled (other matmul shapes may take other kernels)",
-             fixed("n_ubatch=2"), kind="runtime"),
     )
 }
 
 
-class Catalogue(Mapping):
-    """name -> Knob: the model-wide knobs, then those the registered families' components declare
-    (read live: a test may register a family with a component of its own)."""
+# The switches of the registered engines' runtimes (`tracer.engines.registry.EngineEntry.switches`).
+_SWITCHES: dict[str, Knob] = {}
+_SWITCHES_VERSION = [0]
 
-    _cached: tuple[int, dict[str, Knob]] = (-1, {})
+
+def register_switch(knob: Knob) -> Knob:
+    """A runtime's own switch joins the catalogue (the engine registry calls it for each switch of an
+    engine it registers); a name is one knob, whichever engines name it.
+
+    Raises:
+        TracerError: another knob already has its name.
+    """
+    known = MODEL_WIDE.get(knob.name) or _SWITCHES.get(knob.name) or next(
+        (own for family in registered().values() for own in family.knobs() if own.name == knob.name), None)
+    if known is not None and known is not knob:
+        raise TracerError(f"two knobs are named {knob.name!r}: a runtime switch must have a name of its own")
+    if known is None:
+        _SWITCHES[knob.name] = knob
+        _SWITCHES_VERSION[0] += 1
+    return knob
+
+
+def unregister_switch(name: str) -> None:
+    """Remove a switch no registered engine declares any longer (a test's made-up engine, when it is done)."""
+    if _SWITCHES.pop(name, None) is not None:
+        _SWITCHES_VERSION[0] += 1
+
+
+def is_whole_model(name: str) -> bool:
+    """A knob of the whole model: model-wide, or a runtime's switch (no component declares it)."""
+    return name in MODEL_WIDE or name in _SWITCHES
+
+
+class Catalogue(Mapping):
+    """name -> Knob: the model-wide knobs, those the registered families' components declare and the
+    registered engines' runtime switches, each placed after the knob it names in `after` (read live: a
+    test may register a family with a component of its own)."""
+
+    _cached: tuple[tuple[int, int], dict[str, Knob]] = ((-1, -1), {})
 
     def _table(self) -> dict[str, Knob]:
         version, table = self._cached
-        if version != registry_version():
+        now = (registry_version(), _SWITCHES_VERSION[0])
+        if version != now:
             own = {}
             for family in registered().values():
                 for knob in family.knobs():
                     own.setdefault(knob.name, knob)
-            table = _placed(MODEL_WIDE, [knob for name, knob in own.items() if name not in MODEL_WIDE])
-            self._cached = (registry_version(), table)
+            added = [knob for name, knob in own.items() if name not in MODEL_WIDE]
+            table = _placed(MODEL_WIDE, [*added, *_SWITCHES.values()])
+            self._cached = (now, table)
         return table
 
     def __getitem__(self, name: str) -> Knob:
@@ -413,10 +427,10 @@ def _split_pair(item: str) -> tuple[str, str]:
 
 
 def applies_to(knob: Knob, family: str) -> bool:
-    """A model-wide knob applies where its predicate says (everywhere without one); a component's
-    knob to the families composed of that component."""
+    """A model-wide knob or a runtime's switch applies where its predicate says (everywhere without
+    one); a component's knob to the families composed of that component."""
     row = family_named(family)
-    if knob.name in MODEL_WIDE:
+    if is_whole_model(knob.name):
         return knob.applies is None or knob.applies(row)
     return any(knob.name == own.name for own in row.knobs())
 
