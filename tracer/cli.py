@@ -18,7 +18,7 @@ from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noq
 from tracer.comparison.result import Tolerance
 from tracer.core.allocator import reuse_freed_memory
 from tracer.core.errors import TracerError, did_you_mean, printable
-from tracer.engines.registry import check_engine, engines_honouring, registered
+from tracer.engines.registry import ABSENT, DIFFERS, MATCH, NOT_YET, check_engine, engines_honouring, registered
 from tracer.files.sources import resolve_model
 from tracer.model.config import audit, load_config
 from tracer.model.families import FAMILIES
@@ -164,9 +164,9 @@ def cmd_variants(args) -> int:
 
 
 def cmd_engines(args) -> int:
-    lines = table(("engine", "runtime", "devices", "families"),
-                  [(e.usage, _runtime(e), ", ".join(e.devices), "all" if e.families is None else ", ".join(e.families))
-                   for e in registered().values()])
+    lines = table(("engine", "runtime", "devices"),
+                  [(e.usage, _runtime(e), ", ".join(e.devices)) for e in registered().values()])
+    lines += ["", *_matrix_lines()]
     for entry in registered().values():
         fused = f" but {', '.join(FUSED_AWAY)} under fused attention ({entry.fused_attention})"
         abilities = [("local (teacher-forced) errors", entry.local_errors), ("greedy decoding", entry.logits),
@@ -178,6 +178,27 @@ def cmd_engines(args) -> int:
             lines += wrap(f"  {key:<9}{value}", hang=9)
     print("\n".join(lines))
     return 0
+
+
+def _matrix_lines() -> list[str]:
+    """`tracer engines`' engine × family matrix (each engine's registry entry, cell by cell), then what
+    each cell that is neither a match nor not yet says."""
+    engines = registered().values()
+    lines = table(("engine × family", *FAMILIES), [(e.usage, *(e.cell(family) for family in FAMILIES))
+                                                   for e in engines])
+    lines += wrap(f"{MATCH}: traced point for point · {DIFFERS}: traced, the runtime computes it otherwise by "
+                  f"its own design · {ABSENT}: the runtime has no such model · {NOT_YET}: refused until its cell "
+                  "matches", hang=2)
+    for entry in engines:
+        for family in FAMILIES:
+            difference, refusal = entry.difference(family), entry.refusal(family)
+            if difference is not None:
+                when = f" ({difference.condition})" if difference.condition else ""
+                lines += wrap(f"  {entry.name} × {family}: {DIFFERS} at {difference.point}{when}: {difference.what}",
+                              hang=4)
+            elif entry.cell(family) == ABSENT:
+                lines += wrap(f"  {refusal}", hang=4)
+    return lines
 
 
 def _runtime(entry) -> str:

@@ -1,7 +1,10 @@
 """Every engine × every family, generated from the two tables (`tracer.engines.registry.ENGINES`,
-`tracer.model.families.FAMILIES`) on the tiny models of tests/families.py: each cell is `match` at every
-point the engine records, or one line refusing the family ("the mlx engine does not trace gemma2
-yet") said before anything loads. An engine or a family added later joins the matrix by itself."""
+`tracer.model.families.FAMILIES`) on the tiny models of tests/families.py, each cell held to what its
+engine's entry states (`EngineEntry.cell`): `match` at every point the engine records; a runtime
+difference diverging first at the point it declares, the hints saying it is the runtime's own behaviour;
+or one line refusing the family, said before anything loads ("the mlx engine does not trace gemma2 yet",
+or "the candle engine cannot trace ...: ..." for a family not in that runtime). An engine or a family
+added later, or a cell an engine's entry changes, is tested by itself."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import tracer
 from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, write_tiny_family
 from tracer.core.errors import TracerError
-from tracer.engines.registry import ENGINES
+from tracer.engines.registry import ABSENT, DIFFERS, ENGINES, NOT_YET
 from tracer.model.families import FAMILIES
 
 # Knobs a cell runs an engine with: llama.cpp's exact f32 path (its default f16 KV cache and fused
@@ -62,15 +65,18 @@ def test_cell(engine, family, tiny, monkeypatch):
     if entry.missing_runtime():
         pytest.skip(f"the {engine} runtime is not installed here")
     root, models = tiny
-    supported = entry.families is None or family in entry.families
-    if not supported:
+    cell = entry.cell(family)
+    if cell in (NOT_YET, ABSENT):
         def must_not_load(*args, **kwargs):
             raise AssertionError("an engine loaded before the refusal")
 
         monkeypatch.setattr("tracer.pipeline.run.load_engine", must_not_load)
         with pytest.raises(TracerError) as refused:
             tracer.run(models[family], tokens=TOKENS, candidate=engine, greedy=0, progress=False)
-        assert str(refused.value).startswith(f"the {engine} engine does not trace {family} yet")
+        said = str(refused.value)
+        start = f"the {engine} engine " + (f"does not trace {family} yet" if cell == NOT_YET else
+                                            f"cannot trace {family}: ")
+        assert said == entry.refusal(family) and said.startswith(start) and "\n" not in said and len(said) <= 100
         return
     if entry.argument_required or engine in ARGUMENTS:
         if engine not in ARGUMENTS:
@@ -80,6 +86,13 @@ def test_cell(engine, family, tiny, monkeypatch):
         candidate = engine
     result = tracer.run(models[family], tokens=TOKENS, candidate=candidate, variant=CELL_VARIANTS.get(engine),
                         greedy=2, progress=False)
+    if cell == DIFFERS:
+        difference = entry.difference(family)
+        assert difference.point in {**FAMILIES[family].sub_points(), **FAMILIES[family].model_points()}, difference
+        first = result.first_divergence
+        assert result.verdict == "diverged" and difference.at(first.point), (first, difference)
+        assert difference.what in first.hints[0] and "not a porting mistake" in first.hints[0], first.hints
+        return
     assert result.verdict == "match", (result.first_divergence, result.notes)
     # every point of the reference is compared, or its absence explained by the engine
     unexplained = [p.point for p in result.points if p.missing_on == "candidate" and not p.reason]

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from tracer.comparison.explain import amplification, breakdown, hints
+from tracer.comparison.explain import amplification, breakdown, hints, runtime_hints
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
 from tracer.core.errors import TracerError
 from tracer.model.kv_cache import SlotLayout
@@ -403,10 +403,11 @@ def explain_divergence(first: Divergence, reference: Trace, candidate: Trace, la
     point = first.point
     ref, cand = paired(point, reference, candidate, layout)
     details = breakdown(point, ref, cand, num_heads(reference, first.layer))
+    family, engines = trace_family(reference, candidate), (reference.meta.engine, candidate.meta.engine)
     return dataclasses.replace(
         first, by_position=tuple(details["by_position"]), by_head=_tuple_or_none(details["by_head"]),
         top_channels=_tuple_or_none(details["top_channels"]),
-        hints=tuple(hints(point, details, trace_family(reference, candidate))),
+        hints=tuple(runtime_hints(point, family, engines) + hints(point, details, family)),
     )
 
 

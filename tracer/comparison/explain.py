@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from tracer.engines.registry import ENGINES
 from tracer.model.component import registered
 from tracer.model.points import (
     CONTEXT,
@@ -131,6 +132,20 @@ def hints(point: str, details: dict, family: str | None = None) -> list[str]:
         exact = [i for i, q in enumerate(_quiet(heads)) if q]
         said.append(f"only some heads differ (heads {exact} are exact): the GQA head mapping (kv head repeat order)")
     said += OP_HINTS.get(op_kind(point), [])
+    return said
+
+
+def runtime_hints(point: str, family: str | None, engines: tuple[str | None, ...]) -> list[str]:
+    """Where a side's engine declares a runtime difference on this family at this point
+    (`tracer.engines.registry.Difference`): the runtime's own behaviour, so that a port is not blamed."""
+    said = []
+    for engine in dict.fromkeys(engines):
+        entry = ENGINES.get(engine) if engine else None
+        difference = entry.difference(family or "llama") if entry else None
+        if difference is not None and difference.at(point):
+            when = f", shown by {difference.condition}" if difference.condition else ""
+            said.append(f"the {engine} runtime's own behaviour on {family or 'llama'}, not a porting mistake: "
+                        f"{difference.what}{when} (a runtime difference its engine declares; `tracer engines`)")
     return said
 
 

@@ -330,8 +330,10 @@ def linear_quantized(x, weight):
 
 
 def refuse_family(family: str) -> None:
-    if family != "llama":
-        raise TracerError(f"the candle engine does not trace {family} yet")
+    """A family the entry's cells refuse (the GGUF path reaches here without `tracer.engines.load`'s check)."""
+    refusal = ENGINES["candle"].refusal(family)
+    if refusal:
+        raise TracerError(refusal)
 
 
 def hf_model(model_dir: Path, variant: dict, candle) -> tuple[Shape, dict, object, dict]:

@@ -99,15 +99,15 @@ def check_device(device: str | torch.device) -> torch.device:
 
 
 def check_family_support(engines: tuple[EngineRef, ...], source: ModelSource) -> None:
-    """An engine asked to trace a family it does not trace point for point (the registry's
-    `families`) is refused in one line, before anything loads. The model's config is read only
-    where some engine traces a few families."""
-    restricted = [engine.entry for engine in engines if engine.entry.families is not None]
+    """An engine asked to trace a family it does not trace (its registry entry's cell for that family:
+    not in its runtime, or not yet) is refused in one line, before anything loads. The model's config is
+    read only where some engine refuses some family."""
+    restricted = [engine.entry for engine in engines if not engine.entry.every_family]
     family = family_name(source) if restricted else None
     for entry in restricted:
-        if family is not None and family not in entry.families:
-            raise TracerError(f"the {entry.name} engine does not trace {family} yet "
-                              f"(it traces {', '.join(entry.families)})")
+        refusal = entry.refusal(family) if family is not None else None
+        if refusal:
+            raise TracerError(refusal)
 
 
 def family_name(source: ModelSource) -> str | None:

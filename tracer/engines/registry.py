@@ -5,6 +5,12 @@ An engine is registered (`register(entry)`): the built-ins below, and any other 
 through the entry-point group `tracer.engines` (the entry point's name is the engine's name; loading
 it registers its entry: the object it names is an `EngineEntry`, or a module that registers one).
 
+Each engine states, per model family, what tracing it gives (the engine × family matrix, `tracer
+engines`, tests/unit/test_matrix.py): traced point for point (`families`), traced with a named runtime
+difference (`differences`: what the runtime does on that family by its own design, and the point where it
+first shows), not in that runtime (`absent`: the runtime has no such architecture), or not yet (any other
+family: refused until its cell matches).
+
 An engine argument may carry an argument after a colon: `file:PATH` (a saved trace),
 `llamacpp:PATH.gguf` (another GGUF file than the model's own). It is parsed once, at the edge of a
 run (`parse_engine`), into an `EngineRef` that everything downstream takes.
@@ -29,7 +35,43 @@ from tracer.model.knobs import (
     unregister_switch,
     variant_text,
 )
-from tracer.model.points import FUSED_AWAY
+from tracer.model.points import FUSED_AWAY, split_point
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A family an engine traces whose runtime computes it otherwise than transformers, by the runtime's own
+    design: a run that first diverges at `point` is told it is the runtime's behaviour, not a port's mistake.
+
+    Attributes:
+        family: the family (`tracer.model.families`).
+        point: where it first shows: a sub-point (`self_attn.probs`: in whichever layer) or a model point.
+        condition: when it shows ("a prompt longer than the window"); "" always.
+        what: one line saying what the runtime does ("mlx-lm's gemma2.py has no sliding window").
+    """
+
+    family: str
+    point: str
+    condition: str
+    what: str
+
+    def at(self, point: str) -> bool:
+        """Whether `point` (a recorded point, `model.layers.3.self_attn.probs`) is where it shows."""
+        layer, sub = split_point(point)
+        return (sub if layer is not None else point) == self.point
+
+
+@dataclass(frozen=True)
+class Absent:
+    """A family the runtime has no architecture for ("not in that runtime"): refused in one line, before
+    anything loads, with `why` ("candle-transformers 0.11 has no OLMo-2 model")."""
+
+    family: str
+    why: str
+
+
+# The states of a cell of the engine × family matrix.
+MATCH, DIFFERS, ABSENT, NOT_YET = "match", "differs", "not in runtime", "not yet"
 
 
 @dataclass(frozen=True)
@@ -77,8 +119,12 @@ class EngineEntry:
         isolated: its runtime is native code that may abort (a segfault, a GGML_ASSERT): it runs
             in a child process (`tracer.engines.isolated`), so a crash ends the run with one
             line naming the engine instead of taking tracer down.
-        families: the model families it is known to trace point for point (tests/unit/test_matrix.py
-            holds each to `match`); None: every family. Any other family is refused before loading.
+        families: the model families it traces point for point (tests/unit/test_matrix.py holds each to
+            `match`); None: every family not named in `differences` or `absent`.
+        differences: the families it traces with a runtime difference (`Difference`: the matrix holds each
+            to diverging first at its point, and the run's hints say it is the runtime's own behaviour).
+        absent: the families its runtime has no architecture for (`Absent`). Any family in none of the three
+            is not traced yet: refused before loading, as an absent one is, in one line of its own.
         positions: it takes explicit absolute positions (`record(tokens, recorder, positions=...)`,
             `--position-offset`); the others start at 0 and refuse another start in one line.
         regime: the number-format regime it computes in on a GGUF (`--regime auto`, `--by-layer`): "ggml"
@@ -116,12 +162,49 @@ class EngineEntry:
     offload: bool = False
     isolated: bool = False
     families: tuple[str, ...] | None = None
+    differences: tuple[Difference, ...] = ()
+    absent: tuple[Absent, ...] = ()
     positions: bool = False
     regime: str | None = None
     regime_with_argument: bool = False
     decode: bool = False
     batch: bool = False
     no_decode: str = ""
+
+    def __post_init__(self):
+        named = [*(self.families or ()), *(d.family for d in self.differences), *(a.family for a in self.absent)]
+        twice = sorted({family for family in named if named.count(family) > 1})
+        if twice:
+            raise TracerError(f"the {self.name} engine states the family {twice[0]} more than once (families, "
+                              "differences, absent)")
+
+    def cell(self, family: str) -> str:
+        """Its cell of the engine × family matrix: MATCH, DIFFERS, ABSENT or NOT_YET."""
+        if self.difference(family) is not None:
+            return DIFFERS
+        if any(absent.family == family for absent in self.absent):
+            return ABSENT
+        return MATCH if self.families is None or family in self.families else NOT_YET
+
+    def difference(self, family: str) -> Difference | None:
+        """The runtime difference it declares on `family`, if any."""
+        return next((d for d in self.differences if d.family == family), None)
+
+    @property
+    def every_family(self) -> bool:
+        """It traces every family (no family is refused)."""
+        return self.families is None and not self.absent
+
+    def refusal(self, family: str) -> str | None:
+        """The one line refusing `family` (not in its runtime, or not traced yet); None: it traces it."""
+        cell = self.cell(family)
+        if cell == ABSENT:
+            why = next(absent.why for absent in self.absent if absent.family == family)
+            return f"the {self.name} engine cannot trace {family}: {why}"
+        if cell == NOT_YET:
+            traced = [*(self.families or ()), *(d.family for d in self.differences)]
+            return f"the {self.name} engine does not trace {family} yet (it traces {', '.join(traced)})"
+        return None
 
     def honours(self, knob: str) -> bool:
         return (knob in self.knobs or any(switch.name == knob for switch in self.switches)
