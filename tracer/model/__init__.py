@@ -1,6 +1,7 @@
 """What a model is, as declared parts: the point vocabulary (`points`), the base types (`component`),
 one module per part (`components/`), the families as compositions of them (`families`), the knobs
-(`knobs`), other runtimes' names (`names`) and the config readers (`config`). Importing it never
-loads torch. Importing any of it registers the built-in families first."""
+(`knobs`) and the config readers (`config`); other runtimes' names and switches are theirs
+(`tracer.names`, `tracer.engines.registry`). Importing it never loads torch. Importing any of it
+registers the built-in families first."""
 
 from tracer.model import families  # noqa: F401  (registers the built-in families)

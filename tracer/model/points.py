@@ -3,12 +3,12 @@ point name, the grammar of point names, and what is read off the registered fami
 
 A point is named by the HF module path whose output it is (`model.layers.3.mlp.down_proj`), or
 is a virtual point under its module for a value no module returns (`...self_attn.q_rope`).
-Batch is 1 and dropped. What a point is (its label, layout, op, source, how hf observes it, its
-names in other runtimes) is declared once, by the component that computes it
-(`tracer.model.components`); a family is a composition of components (`tracer.model.families`),
-and its point order, records and ranks are read off it here (`layer_order`, `sub_points`,
-`all_points`, `rank`, `label`, `layout_of`, `source_point`). Code outside the components names
-points by the constants below, never by literals (tests/unit/test_point_names.py holds it).
+Batch is 1 and dropped. What a point is (its label, layout, op, source, how hf observes it) is
+declared once, by the component that computes it (`tracer.model.components`); a family is a
+composition of components (`tracer.model.families`), and its point order, records and ranks are read
+off it here (`layer_order`, `sub_points`, `all_points`, `rank`, `label`, `layout_of`, `source_point`).
+Code outside the components names points by the constants below, never by literals
+(tests/unit/test_point_names.py holds it).
 
 Layouts (T tokens, H query heads, KV kv heads, D head dim):
 - "rows": (T, X), one row per position (hidden states, norms, MLP points, logits);

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tracer.core.errors import TracerError, one_line
-from tracer.model.component import family_named, registry_version
+from tracer.model.component import family_named
 from tracer.model.component import registered as families
 from tracer.model.points import known_model_points, known_sub_points, split_point
 from tracer.names import candle, gguf, hf, llamacpp, mlx, transformer_lens  # noqa: F401  (registers the built-ins)
 from tracer.names.hf import HF
-from tracer.names.vocabulary import Vocabulary, pattern_regex, registered, vocabulary_version
+from tracer.names.vocabulary import Vocabulary, pattern_regex, per_family, registered
 
 # Integer tensors holding the token ids, in tracer's own dump format; each vocabulary adds its runtime's.
 TOKENS = "tokens"
@@ -56,24 +56,25 @@ def aliases(family: str | None = None) -> list[Alias]:
     """Every registered vocabulary's names as aliases, in `family`'s graph; None: over every registered
     family, the first family's alias for a (runtime, name) winning (Llama's, registered first). A name
     written more than once per graph (`Name.writes`) is its dump's alias only where it says `dump`."""
-    key = (registry_version(), vocabulary_version(), family)
-    if key not in _ALIASES:
-        table: dict[tuple[str, str], Alias] = {}
-        for row in [family_named(family)] if family else families().values():
-            for vocabulary in registered().values():
-                if not vocabulary.aliases:
-                    continue
-                for point, names in vocabulary.patterns(row).items():
-                    for name in names:
-                        if name.dump:
-                            table.setdefault((vocabulary.runtime, name.pattern),
-                                             Alias(name.pattern, point, vocabulary.runtime,
-                                                   name.layout or vocabulary.layout, name.qk_order))
-        _ALIASES[key] = list(table.values())
-    return _ALIASES[key]
+    return per_family(_ALIASES, family, lambda: _gathered(family))
 
 
-_ALIASES: dict[tuple, list[Alias]] = {}
+_ALIASES: dict = {}
+
+
+def _gathered(family: str | None) -> list[Alias]:
+    table: dict[tuple[str, str], Alias] = {}
+    for row in [family_named(family)] if family else families().values():
+        for vocabulary in registered().values():
+            if not vocabulary.aliases:
+                continue
+            for point, names in vocabulary.patterns(row).items():
+                for name in names:
+                    if name.dump:
+                        table.setdefault((vocabulary.runtime, name.pattern),
+                                         Alias(name.pattern, point, vocabulary.runtime,
+                                               name.layout or vocabulary.layout, name.qk_order))
+    return list(table.values())
 
 
 def skipped_names() -> dict[str, str]:

@@ -7,7 +7,7 @@ weight rows)."""
 
 from __future__ import annotations
 
-from tracer.model.component import family_named, registry_version
+from tracer.model.component import family_named
 from tracer.model.component import registered as families
 from tracer.model.points import (
     BLOCK_OUT,
@@ -30,7 +30,7 @@ from tracer.model.points import (
     UP_PROJ,
     V_PROJ,
 )
-from tracer.names.vocabulary import Name, Vocabulary, pattern_regex, register, vocabulary_version
+from tracer.names.vocabulary import Name, Vocabulary, pattern_regex, per_family, register
 
 PROJECTION = ("MUL_MAT", "ADD")  # the matmul, and the bias added to it
 
@@ -80,7 +80,7 @@ def ggml_writes(family: str | None = None) -> dict[str, dict[str, str]]:
     return writes
 
 
-_WRITES: dict[tuple, list] = {}  # (versions, family) -> [(regex, op -> point)]: compiled once per registry state
+_WRITES: dict = {}  # family -> [(regex, op -> point)]: compiled once per state of the registries
 
 
 def ggml_write(name: str, op: str, family: str | None = None) -> tuple[bool, str | None]:
@@ -91,10 +91,9 @@ def ggml_write(name: str, op: str, family: str | None = None) -> tuple[bool, str
         >>> ggml_write("Qcur-3", "ROPE"), ggml_write("Qcur-3", "RESHAPE"), ggml_write("l_out-3", "ADD")
         ((True, 'model.layers.3.self_attn.q_rope'), (True, None), (False, None))
     """
-    key = (registry_version(), vocabulary_version(), family)
-    if key not in _WRITES:
-        _WRITES[key] = [(pattern_regex(pattern), ops) for pattern, ops in ggml_writes(family).items()]
-    for regex, ops in _WRITES[key]:
+    compiled = per_family(_WRITES, family, lambda: [(pattern_regex(pattern), ops)
+                                                    for pattern, ops in ggml_writes(family).items()])
+    for regex, ops in compiled:
         match = regex.match(name)
         if match:
             point = ops.get(op)

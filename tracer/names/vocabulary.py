@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 from tracer.core.errors import TracerError
-from tracer.model.component import Family
+from tracer.model.component import Family, registry_version
 from tracer.model.points import layer_point
 
 LAYOUTS = ("THD", "HTD")  # a per-head tensor [T, H, D] or [H, T, D]
@@ -106,9 +106,9 @@ class Vocabulary:
 
     def written(self) -> set[str]:
         """Every name written in it (not `derived`): its points' in every family, and those it skips."""
-        tables = (self.names, *self.families.values())
-        return {named(name).pattern for table in tables for names in table.values() for name in names} | set(
-            self.skipped)
+        names = {named(name).pattern for table in (self.names, *self.families.values())
+                 for each in table.values() for name in each}
+        return names | set(self.skipped)
 
     def patterns(self, family: Family) -> dict[str, tuple[Name, ...]]:
         """`for_family` keyed by folded point (`model.layers.{i}.self_attn.q_proj`, `model.norm`), the points
@@ -151,5 +151,17 @@ def registered() -> dict[str, Vocabulary]:
     return dict(_REGISTRY)
 
 
-def vocabulary_version() -> int:
-    return _VERSION[0]
+T = TypeVar("T")
+_STATE = ("registries",)  # the cache's own key: no family is named by a tuple
+
+
+def per_family(cache: dict, family: str | None, build: Callable[[], T]) -> T:
+    """`build()` once per family while neither the families nor the vocabularies change (what is read off
+    them is cached in `cache`, emptied when either registry changes)."""
+    state = (registry_version(), _VERSION[0])
+    if cache.get(_STATE) != state:
+        cache.clear()
+        cache[_STATE] = state
+    if family not in cache:
+        cache[family] = build()
+    return cache[family]
