@@ -68,6 +68,7 @@ from tracer.model.points import (
     layer_point,
 )
 from tracer.names.aliases import AliasTable
+from tracer.names.gguf import gguf_family
 from tracer.names.llamacpp import ggml_write
 from tracer.traces.layouts import from_interleaved, sub_point
 from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
@@ -279,8 +280,9 @@ KQ_PREFIX = "kq-"
 
 
 def node_point(table: AliasTable, name: str, op: str) -> str | None:
-    """The point a graph node is, from its name and the op that wrote it; None: not a point."""
-    repeated, point = ggml_write(name, op)
+    """The point a graph node is, from its name and the op that wrote it (in the table's family's graph);
+    None: not a point."""
+    repeated, point = ggml_write(name, op, table.family)
     if repeated:
         return point
     if op == "SET_ROWS":  # this step's keys or values written into the layer's cache
@@ -295,8 +297,8 @@ def node_point(table: AliasTable, name: str, op: str) -> str | None:
 class GraphRecorder:
     """The eval callback: answers ask=True from each node's name and op, copies what it wants."""
 
-    def __init__(self, ggml: Ggml):
-        self.ggml, self.table = ggml, AliasTable()
+    def __init__(self, ggml: Ggml, family: str | None = None):
+        self.ggml, self.table = ggml, AliasTable(family=family)  # the family's own graph names (None: any family's)
         self.points: dict[tuple[bytes, int], str | None] = {}  # (name, op) -> point, for every graph alike
         self.active = None  # (recorder, Shape) while recording; None: answer no to everything
         self.cache = False  # whether the cache points are wanted (a decode's forwards)
@@ -495,7 +497,8 @@ class LlamaCppEngine(EngineBase):
         scale = self._meta_float("attention.scale")
         self.kq_scale = float(np.float32(scale) if scale else np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
         self.description = _text(llama_cpp.llama_model_desc, model)
-        self.graph = GraphRecorder(self.ggml)
+        family = gguf_family(_meta_text(model, b"general.architecture"))  # llama.cpp's names for its graph
+        self.graph = GraphRecorder(self.ggml, family.name if family else None)
         self.context, self.context_size, self.flash = None, 0, None
         self.kv_type = self.variant.get("kv_cache", "f16")  # llama.cpp's type_k/type_v (its default: f16)
         self.filled = 0  # KV cells the last decode left filled (cells 0..filled-1, in position order)

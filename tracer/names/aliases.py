@@ -120,6 +120,7 @@ class AliasTable:
 
     def __init__(self, user: dict[str, str | None] | None = None, family: str | None = None):
         user = user or {}
+        self.family = family
         self.ignored = {pattern for pattern, point in user.items() if point is None}
         # A user entry inherits the layout hints of a built-in alias with the same name pattern
         # (Qcur-{i} stays in GGUF order whatever point it is sent to).
