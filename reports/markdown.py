@@ -35,6 +35,7 @@ from tracer.reports.triangulation import (
     letters,
     not_recorded,
     odd_one_text,
+    row_odd_text,
     row_title,
     side_rows,
     triangulation_sentence,
@@ -167,9 +168,10 @@ def triangulation_markdown(summary: Summary) -> str:
         matrix = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
         matrix += ["| " + " | ".join(cell(value) for value in values) + " |" for values in cells]
         missing = [f"- not recorded: {text(line)}" for line in not_recorded(row, marks)]
-        parts.append(f"Agreement at `{row['point']}`{text(row_title(row, marks).removeprefix(row['point']))}; "
-                     f"{text(floor_text(row, summary))}:\n\n" + "\n".join([*matrix, *([""] if missing else []),
-                                                                          *missing]))
+        title = text(row_title(row, marks).removeprefix(row["point"]))
+        judged = text(floor_text(row, summary) + row_odd_text(row, marks))
+        parts.append(f"Agreement at `{row['point']}`{title}; {judged}:\n\n"
+                     + "\n".join([*matrix, *([""] if missing else []), *missing]))
     notes = [f"- {text(note)}" for note in summary.get("notes") or []]
     if notes:
         parts.append("\n".join(notes))

@@ -36,6 +36,7 @@ from tracer.reports.triangulation import (
     letters,
     not_recorded,
     odd_one_text,
+    row_odd_text,
     row_title,
     side_rows,
 )
@@ -137,7 +138,7 @@ def triangulation_lines(s: dict, out_dir=None) -> list[str]:
     if odd:
         lines.append(f"  {odd}")
     for row in s.get("agreement") or []:
-        lines += ["", f"agreement at {row_title(row, marks)}; {floor_text(row, s)}:"]
+        lines += ["", f"agreement at {row_title(row, marks)}; {floor_text(row, s)}{row_odd_text(row, marks)}:"]
         header, cells = agreement_matrix(row, marks)
         lines += [f"  {line}" for line in table(header, cells, width=terminal_width() - 2)]
         lines += [f"  not recorded: {text}" for text in not_recorded(row, marks)]

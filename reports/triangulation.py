@@ -109,6 +109,12 @@ def row_title(row: Summary, marks: dict[str, str]) -> str:
     return row["point"] + "".join(f", {piece}" for piece in what)
 
 
+def row_odd_text(row: Summary, marks: dict[str, str]) -> str:
+    """"; odd one here: C" where the row has one (the verdict line names the first row's only), else ""."""
+    odd = row.get("odd_one")
+    return f"; odd one here: {marks.get(odd, odd)}" if odd else ""
+
+
 def floor_text(row: Summary, summary: Summary) -> str:
     """What judged every pair of the row: the bound and where it comes from."""
     if row.get("floor") == "allclose":

@@ -124,10 +124,12 @@ def triangulate(request: Request) -> Triangulation:
     with progress_stages(TRIANGULATE_STAGES, request.progress):
         request = request.resolved()
         with prepared_reference(request) as prepared:
-            compared = []
+            compared, loads = [], {}
             for number, side in enumerate(request.candidates, 1):
                 stage("load")
+                started = time.perf_counter()
                 engine = load_engine(side.engine, side.variant, prepared.target)
+                loads[f"candidate_{number}_load_s"] = time.perf_counter() - started
                 compared.append(candidate_compared(
                     prepared, engine, command=alone(request.command, side), kept_as=f"candidate-{number}",
                     notes=tuple(stream_notes(prepared.target.stream, side.engine)),
@@ -135,7 +137,7 @@ def triangulate(request: Request) -> Triangulation:
             stage("agreement")
             started = time.perf_counter()
             result = triangulation(prepared.trace, compared, prepared.tolerance, prepared.noise)
-            timings = {**prepared.timings, **{f"candidate_{number}_{key}": value
+            timings = {**prepared.timings, **loads, **{f"candidate_{number}_{key}": value
                                               for number, (one, _) in enumerate(compared, 1)
                                               for key, value in one.timings.items() if key not in prepared.timings},
                        "agreement_s": time.perf_counter() - started}
