@@ -90,6 +90,9 @@ def test_a_candidate_alone_against_the_others_is_the_odd_one(llama_dir):
     assert summary["candidates"][1] == json.loads(tri.results[1].to_json())
     assert summary["agreement"][0]["odd_one"] == "reimpl[theta=500000]"
     assert summary["agreement"][0]["floor"] == "noise" and summary["agreement"][0]["noise"] > 0
+    page = tri._repr_html_()  # the notebook's view: the odd one and a matrix per point shown
+    assert "odd one: B reimpl[theta=500000] at model.layers.0.self_attn.q_rope" in page
+    assert page.count('<table class="tn">') == 3
     # each candidate's own result repeats as its own run: the other candidates left out
     assert tri.results[1].command.endswith("--candidate 'reimpl[theta=500000]'")
     assert tri.results[1].command.count("--candidate") == 1
