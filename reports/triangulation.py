@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from string import ascii_uppercase
 
+from tracer.model.points import FINAL_LOGITS, LOGITS
 from tracer.reports.summary import (
     Summary,
     fmt,
@@ -104,7 +105,7 @@ def row_title(row: Summary, marks: dict[str, str]) -> str:
     first_of = [marks.get(name, name) for name in row.get("first_of") or []]
     whose = ", ".join(first_of[:-1]) + f" and {first_of[-1]}" if len(first_of) > 1 else "".join(first_of)
     what = [f"the first divergence of {whose}"] if first_of else []
-    if row.get("point") in ("lm_head", "final_logits") and not first_of:
+    if row.get("point") in (LOGITS, FINAL_LOGITS) and not first_of:
         what.append("the logits")
     return row["point"] + "".join(f", {piece}" for piece in what)
 

@@ -34,6 +34,7 @@ from tracer.pipeline.request import (
     check_tolerance,
     one_candidate,
     request_of,
+    sweep_candidate,
 )
 from tracer.traces.trace import Trace
 
@@ -227,7 +228,7 @@ def sweep(
     given = DEFAULT_PROMPT if prompt is None and request.get("tokens") is None else prompt
     inputs, placement = request_of("sweep", model, given, request)
     request = Request(inputs, placement, Side.of(reference, reference_variant),
-                      Side.of(one_candidate(candidate, "sweep")),
+                      sweep_candidate(candidate),
                       Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT),
                       Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor, variants=variants,
                       command=command, progress=progress)

@@ -36,6 +36,7 @@ from tracer.pipeline.request import (
     candidate_sides,
     check_tolerance,
     one_candidate,
+    sweep_candidate,
     writable_file,
 )
 from tracer.reports.drawers import start_drawers
@@ -202,7 +203,7 @@ def _runtime_lines(entry) -> list[str]:
 def cmd_sweep(args) -> int:
     inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args, SWEEP_REPORT)
     request = Request(inputs, placement, Side.of(args.reference, args.reference_variant),
-                      Side.of(one_candidate(args.candidate, "sweep")), outputs, greedy=args.greedy,
+                      sweep_candidate(args.candidate), outputs, greedy=args.greedy,
                       noise_floor=not args.no_noise, variants=args.variants, command=_command_line(),
                       progress=args.json != "-")
     from tracer.pipeline import commands  # torch loads only now, every argument checked

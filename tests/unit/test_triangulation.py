@@ -183,5 +183,7 @@ def test_a_candidate_given_twice_and_the_commands_that_take_one(llama_dir):
         tracer.run(llama_dir, candidate=["reimpl[eps=1e-3]", "reimpl[eps=0.001]"], progress=False)
     with pytest.raises(TracerError, match="^tracer sweep takes one --candidate; several: tracer run --candidate A"):
         tracer.sweep(llama_dir, candidate=["hf", "reimpl"], progress=False)
+    with pytest.raises(TracerError, match=r"^tracer sweep runs each variant on a bare candidate: put eps=0.001 in"):
+        tracer.sweep(llama_dir, candidate="reimpl[eps=1e-3]", progress=False)
     with pytest.raises(TracerError, match=r"^knob 'theta' is given twice \(in reimpl\[theta=1\] and in the variant\)$"):
         tracer.run(llama_dir, candidate="reimpl[theta=1]", variant="theta=2", progress=False)

@@ -137,10 +137,11 @@ def triangulate(request: Request) -> Triangulation:
             stage("agreement")
             started = time.perf_counter()
             result = triangulation(prepared.trace, compared, prepared.tolerance, prepared.noise)
-            timings = {**prepared.timings, **loads, **{f"candidate_{number}_{key}": value
-                                              for number, (one, _) in enumerate(compared, 1)
-                                              for key, value in one.timings.items() if key not in prepared.timings},
-                       "agreement_s": time.perf_counter() - started}
+            timings = {**prepared.timings, **loads}
+            for number, (one, _) in enumerate(compared, 1):  # each candidate's own stages, after the shared ones
+                timings |= {f"candidate_{number}_{key}": value for key, value in one.timings.items()
+                            if key not in prepared.timings}
+            timings["agreement_s"] = time.perf_counter() - started
         notes = tuple(dict.fromkeys(note for one, _ in compared for note in one.notes))  # each said once
         result = result.with_context(environment=environment(), command=request.command, timings=timings,
                                      notes=notes)

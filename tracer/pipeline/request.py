@@ -341,6 +341,16 @@ def one_candidate(candidate, command: str):
     return candidate[0]
 
 
+def sweep_candidate(candidate) -> Side:
+    """`tracer sweep`'s one candidate, bare: each variant is the knobs it runs with, so knobs of its own (in
+    brackets) are refused, naming where they go."""
+    side = Side.of(one_candidate(candidate, "sweep"))
+    if side.variant:
+        raise TracerError(f"tracer sweep runs each variant on a bare candidate: put {variant_text(side.variant)} "
+                          "in --variants")
+    return side
+
+
 def check_triangulation(candidates: tuple[Side, ...], inputs: Inputs, regime) -> None:
     """Several candidates traced on one reference run: each one once, on the prompt's forward alone (a
     decode, a batch and a regime view are traced one candidate at a time for now, each said in one line)."""
@@ -422,14 +432,14 @@ def check_regime_run(reference: EngineRef, candidate: EngineRef) -> None:
 
 @dataclass(frozen=True)
 class Request:
-    """One command's request, built once at its edge (the CLI from its flags, the API from its arguments) and checked
-    as it is built, before torch loads: what the model is fed (`inputs`), where it runs (`placement`), where
-    results go (`outputs`), the `reference` side and the `candidate` side (None for a command with one engine:
-    `record`'s is its reference; None too for a triangulation, whose `candidates` are two or more traced on
-    one reference run: `tracer.pipeline.commands.triangulate`), the tolerance, the greedy continuation (None:
-    the default), the noise floor, the number-format `regime` (None, "auto" or its knobs), a sweep's or a
-    diagnosis's `variants` (None: the catalogue's; parsed here), the command line that repeats the run and
-    whether a progress bar shows.
+    """One command's request, built once at its edge (the CLI from its flags, the API from its arguments)
+    and checked as it is built, before torch loads: what the model is fed (`inputs`), where it runs
+    (`placement`), where results go (`outputs`), the `reference` side and the `candidate` side (None for
+    a command with one engine: `record`'s is its reference; None too for a triangulation, whose
+    `candidates` are two or more traced on one reference run, `tracer.pipeline.commands.triangulate`),
+    the tolerance, the greedy continuation (None: the default), the noise floor, the number-format
+    `regime` (None, "auto" or its knobs), a sweep's or a diagnosis's `variants` (None: the catalogue's;
+    parsed here), the command line that repeats the run and whether a progress bar shows.
 
     Every side is checked against what the inputs ask of it (positions, decode, batch), and the regime
     against the sides. What needs the model or torch (the source, the device, offloading, the families
