@@ -82,7 +82,7 @@ CASES = [
     ("diagnose TRACE", "garbage", lambda f: ["diagnose", f], "cannot read trace"),
     ("diagnose TRACE", "folder", lambda f: ["diagnose", f], "folder"),
     ("llamacpp:PATH", "folder.gguf", lambda f: ["run", "--candidate", f"llamacpp:{f}", *MODEL],
-     "a folder, not a GGUF file"),
+     "no config.json, not a model directory"),
     ("llamacpp:PATH", "garbage.gguf", lambda f: ["run", "--candidate", f"llamacpp:{f}", *MODEL], "not a GGUF file"),
     ("llamacpp:PATH", "empty.gguf", lambda f: ["run", "--candidate", f"llamacpp:{f}", *MODEL], "not a GGUF file"),
     ("file:PATH", "garbage", lambda f: ["run", "--candidate", f"file:{f}", *MODEL], "cannot read trace"),

@@ -221,6 +221,8 @@ def load(entry: EngineEntry, source: ModelSource, variant: dict, *, argument: st
         raise TracerError(f"the {entry.name} engine runs in its own process and needs a model path, not a loaded model")
     module = importlib.import_module(entry.module)
     environment = {**getattr(module, "CHILD_ENVIRONMENT", {}), **os.environ}
+    if hasattr(module, "parent_argument"):  # resolved here, so that what it says reaches the user's terminal
+        argument = module.parent_argument(source, argument)
     engine = IsolatedEngine(entry, _child(environment))
     info = engine._call({
         "op": "load", "module": entry.module, "directory": str(source.directory),

