@@ -53,7 +53,8 @@ def llama_writer(path: Path, config: dict, head_dim: int, value_length: int | No
 
 
 def write_tiny_gguf(model_dir: Path, path: Path, *, dtype: str = "f32", value_length: int | None = None) -> Path:
-    """`model_dir` (config.json + model.safetensors) as a GGUF file at `path`.
+    """`model_dir` (config.json + model.safetensors) as a GGUF file at `path`
+    (`tracer.files.hf_to_gguf.write_gguf`, `dtype` f32 or f16).
 
     `value_length` (smaller than the head size) writes value heads that size, attn_v cut to match:
     a corrupt file llama.cpp 0.3.36 loads without complaint and then aborts on when it builds the
@@ -61,6 +62,10 @@ def write_tiny_gguf(model_dir: Path, path: Path, *, dtype: str = "f32", value_le
     """
     import gguf
 
+    from tracer.files.hf_to_gguf import write_gguf
+
+    if value_length is None:  # the file a user's conversion writes (tracer's, as llama.cpp's converter)
+        return write_gguf(model_dir, path, dtype)
     config = json.loads((model_dir / "config.json").read_text())
     weights = load_file(str(model_dir / "model.safetensors"))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

@@ -64,8 +64,8 @@ CASES = [
     ("--model", "blocks.gguf", lambda f: ["run", "--model", f, *MODEL],
      "the metadata says llama.block_count=1000, the file has tensors for 2 blocks"),
     ("--model", "shape.gguf", lambda f: ["run", "--model", f, *MODEL],
-     f"tensor blk.0.ffn_gate.weight has shape ({TINY['intermediate_size']}, {TINY['hidden_size']}), "
-     f"the metadata implies (99, {TINY['hidden_size']})"),
+     f"tensor blk.0.ffn_down.weight has shape ({TINY['hidden_size']}, {TINY['intermediate_size']}), "
+     f"the metadata implies ({TINY['hidden_size']}, 99)"),
     ("--model", "folder.gguf", lambda f: ["run", "--model", f, *MODEL], "not a model directory (no config.json)"),
     ("--model", "folder", lambda f: ["run", "--model", f, *MODEL], "not a model directory (no config.json)"),
     ("--model", "garbage", lambda f: ["run", "--model", f, *MODEL], "unsupported model file"),
