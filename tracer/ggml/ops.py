@@ -124,6 +124,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return torch.cat((y0, y1), dim=-1)  # (1, heads, T, D)
 
 
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              features: frozenset[str] | None = None) -> torch.Tensor:
+    """ggml RoPE, NEOX mode (rotate_pairs with n_offset = n_dims/2: Qwen, Gemma, Phi-3, OLMo-2): pair
+    (x0, x1) = dims (i, i + D/2), HF's own order. Every pair takes FMAs, y0 = fma(x0, c, -(x1*s)) and
+    y1 = fma(x0, s, x1*c): contiguous loads, no vaddsubps tail (measured on Qwen3, head size 12, bit
+    for bit). x (1, heads, T, D), cos/sin (1, T, D/2); `features` unused (every build alike)."""
+    half = x.shape[-1] // 2
+    x0, x1 = x[..., :half].to(F32), x[..., half:].to(F32)  # (1, heads, T, D/2) each
+    c, s = cos[:, None], sin[:, None]  # (1, 1, T, D/2)
+    return torch.cat((fma(x0, c, -(x1 * s)), fma(x0, s, x1 * c)), dim=-1)  # (1, heads, T, D)
+
+
 def rope_fused_pairs(pairs: int, features: frozenset[str]) -> int:
     """How many of a head's `pairs` rotate_pairs computes with FMAs: those in whole vectors of the
     vectorised loop's last, narrowest part (4 pairs on a build that vectorises in 512 bits, whose
@@ -347,8 +359,8 @@ def dot_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, y.transpose(-1, -2))[..., 0, :] if x.shape[-2] == 1 else (x * y).sum(-1)
 
 
-def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml", allowed: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml", allowed: torch.Tensor | None = None,
+                    order=to_interleaved) -> torch.Tensor:
     """llama.cpp's CPU flash attention with an f16 KV cache, picking its path as ggml does (tiled
     from 64 query rows). q (1, H, T, D), k/v (1, KV, S, D) HF order -> (1, H, T, D) f32; `allowed`
     (T, S): the mask below 64 rows (default: causal, the queries the last keys).
@@ -356,10 +368,11 @@ def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml", allowed: t
     `accumulate` other than "ggml": the same algorithm with other sums. Below 64 rows the f16
     accumulator and online softmax stay (every implementation of ggml's kernel keeps them) and only
     the q·k dot products change (f64: exact; f32: plain f32 sums); from 64 rows (f32 accumulators)
-    softmax attention is computed in f64 or f32 and rounded once."""
+    softmax attention is computed in f64 or f32 and rounded once. `order`: (…, D) HF order -> the
+    order llama.cpp holds each head's dims in (`tracer.ggml.strategies.gguf_dims`)."""
     heads = q.shape[1]
-    q_g = to_interleaved(q[0].to(F32), head_dim)  # (H, T, D) GGUF order: the dot products' order
-    k_g = kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads)  # (H, S, D)
+    q_g = order(q[0].to(F32), head_dim)  # (H, T, D) llama.cpp's order: the dot products' order
+    k_g = kv_for_heads(order(k[0].to(F32), head_dim), heads)  # (H, S, D)
     v_h = kv_for_heads(v[0].to(F32), heads)  # (H, S, D): V rows are not permuted
     scale = attention_scale(head_dim)
     tiled = q.shape[2] >= FA_TILE
@@ -599,7 +612,7 @@ def soft_max(scores: torch.Tensor) -> torch.Tensor:
     return (p * (1.0 / total).to(F32)[..., None])[..., :tokens]
 
 
-def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None):
+def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None, order=to_interleaved):
     """llama.cpp's attention without flash attention (llama-graph.cpp build_attn_mha): kq =
     mul_mat(K cache, Q), soft_max_ext(kq, mask, scale), kqv = mul_mat(Vᵀ cache, probabilities).
 
@@ -608,11 +621,11 @@ def attention_unfused(q, k, v, head_dim: int, kv_cache: str, record=None):
     ggml_vec_dot_f16/bf16 for one row or on a build without LLAMAFILE. f32 cache: q·k by
     ggml_vec_dot_f32 (the first tinyBLAS call needs a contiguous Q), the probabilities by tinyBLAS.
     Scores and probabilities are recorded (`record`: names relative to the layer).
-    q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D)."""
+    q (1, H, T, D), k/v (1, KV, T, D) HF order -> (1, H, T, D); `order` as `flash_attention`'s."""
     heads, tokens = q.shape[1], q.shape[2]
     store = {"f16": round_f16, "bf16": round_bf16, "f32": lambda x: x.to(F32)}[kv_cache]
-    q_g = store(to_interleaved(q[0].to(F32), head_dim))[:, :, None, :]  # (H, T, 1, D)
-    k_g = store(kv_for_heads(to_interleaved(k[0].to(F32), head_dim), heads))[:, None]  # (H, 1, T, D)
+    q_g = store(order(q[0].to(F32), head_dim))[:, :, None, :]  # (H, T, 1, D)
+    k_g = store(kv_for_heads(order(k[0].to(F32), head_dim), heads))[:, None]  # (H, 1, T, D)
     dots = {"f16": vec_dot_f16, "bf16": vec_dot_bf16, "f32": vec_dot_f32}[kv_cache]
     if kv_cache == "bf16":
         raw = bf16_mul_mat_dot(k_g, q_g, tokens)  # (H, T, T)

@@ -60,7 +60,7 @@ from tracer.ggml.quants import (
 )
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
 from tracer.model.component import family_named
-from tracer.model.knobs import PRESETS, is_regime, llama_gguf, setting
+from tracer.model.knobs import PRESETS, ggml_graph, is_regime, llama_gguf, setting
 from tracer.model.points import (
     DOWN_PROJ,
     EMBED,
@@ -76,7 +76,7 @@ from tracer.model.points import (
     WEIGHT,
     gguf_permuted,
 )
-from tracer.names.gguf import gguf_tensor_name, hf_tensor_name
+from tracer.names.gguf import gguf_family, gguf_tensor_name, hf_tensor_name
 from tracer.traces.layouts import from_interleaved, to_interleaved
 
 PROJECTIONS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
@@ -84,9 +84,12 @@ PROJECTIONS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 
 # --- weights ----------------------------------------------------------------------------------
 
-def permuted(name: str) -> bool:
-    """A q/k weight, whose rows GGUF holds in RoPE-pair order."""
-    return name.endswith(WEIGHT) and gguf_permuted(name.removesuffix(WEIGHT))
+def permuted(name: str, family: str = "llama") -> bool:
+    """A q/k weight whose rows the family's GGUF holds in RoPE-pair order: llama.cpp's converter permutes
+    them for its "llama" architecture only (Llama, Mistral); Qwen's and Gemma's rotate NEOX-style, rows
+    as in the model."""
+    return (family_named(family).gguf_arch == "llama" and name.endswith(WEIGHT)
+            and gguf_permuted(name.removesuffix(WEIGHT)))
 
 
 def gguf_path(source: dict | None) -> Path:
@@ -113,11 +116,15 @@ def _unpermute_rows(rows: int, head_dim: int) -> torch.Tensor:
 class GGUFWeights(Mapping):
     """HF name -> `Blocks` (every matrix, f32/f16/bf16 ones included: ggml's mul_mat picks its
     kernels by the type) or an f32 tensor (norm vectors), read from a GGUF file as stored:
-    llama.cpp's own numbers. q/k weights get their rows put back in HF order."""
+    llama.cpp's own numbers, named for the family its architecture is (`general.architecture`).
+    Permuted q/k weights get their rows put back in HF order."""
 
     def __init__(self, path: Path):
         self.file = GGUFFile(path)
-        self.names = {name: info for info in self.file.tensors.values() if (name := hf_tensor_name(info.name))}
+        family = gguf_family(self.file.fields.get("general.architecture"))
+        self.family = family.name if family else "llama"
+        self.names = {name: info for info in self.file.tensors.values()
+                      if (name := hf_tensor_name(info.name, self.family))}
         self.head_dim = _head_dim(self.file)
         self.cache: dict[str, object] = {}
 
@@ -144,7 +151,7 @@ class GGUFWeights(Mapping):
                 blocks = Blocks(info.kind, info.shape, held=blocks)
         else:
             blocks = from_gguf_bytes(info.kind, raw, info.shape)
-        if permuted(name):
+        if permuted(name, self.family):
             order = _unpermute_rows(info.shape[0], self.head_dim)
             blocks = blocks.rows(order) if isinstance(blocks, Blocks) else blocks[order]
         return blocks
@@ -205,7 +212,7 @@ def reference_tensor(reference: Mapping, name: str) -> torch.Tensor:
 
 def gguf_rows(weights: GGUFWeights, name: str, rows: int) -> np.ndarray | None:
     """Index of a model's rows in a GGUF's order (q/k rows are permuted there), or None: same order."""
-    if not permuted(name):
+    if not permuted(name, weights.family):
         return None
     return to_interleaved(torch.arange(rows)[None], weights.head_dim)[0].numpy()
 
@@ -227,9 +234,10 @@ def check_same_model(weights: GGUFWeights, reference: Mapping, path: Path) -> No
             raise TracerError(f"{path.name} is not a file of this model: its {info.name} is {tuple(info.shape)}, "
                               f"the model's {name} is {tuple(mine)}")
     missing = [name for name in shapes
-               if name not in weights.names and name != LOGITS + WEIGHT and gguf_tensor_name(name)]
+               if name not in weights.names and name != LOGITS + WEIGHT and gguf_tensor_name(name, weights.family)]
     if missing:
-        raise TracerError(f"{path.name} is not a file of this model: it has no {gguf_tensor_name(missing[0])} for the "
+        raise TracerError(f"{path.name} is not a file of this model: it has no "
+                          f"{gguf_tensor_name(missing[0], weights.family)} for the "
                           f"model's {missing[0]}")
 
 
@@ -404,7 +412,18 @@ def kv_rounding(kv_cache: str, rounding: str):
     return table[kv_cache]
 
 
-def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
+def gguf_dims(family: str):
+    """(…, D) HF order -> the order llama.cpp holds a head's dims in, which its dot products and
+    cache blocks run along: RoPE pairs adjacent for its "llama" architecture (the converter permuted
+    the q/k rows), HF's own order for the NEOX families (Qwen, Gemma, Phi-3, OLMo-2)."""
+    return to_interleaved if family_named(family).gguf_arch == "llama" else _same_dims
+
+
+def _same_dims(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return x
+
+
+def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str, order=to_interleaved):
     """llama.cpp's CPU flash attention. f16 (and f32, which llama.cpp casts to f16 for it): both of
     its paths. bf16 and q8_0: the one-chunk path with an f32 accumulator, Q in the cache's vec-dot
     type; a quantized cache is Hadamard-rotated as llama.cpp rotates it (Q and K before RoPE'd
@@ -414,10 +433,10 @@ def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str):
     def attention(q, k, v, spec, steps, record, visible=None):
         if kv_cache in ("f16", "f32"):
             allowed = None if visible is None else ~visible.blocked()  # (T, S): keys by their positions
-            return ops.flash_attention(q, k, v, spec.head_dim, accumulate, allowed)
+            return ops.flash_attention(q, k, v, spec.head_dim, accumulate, allowed, order)
         heads, dim = q.shape[1], spec.head_dim
-        q_g = to_interleaved(q[0].to(F32), dim)  # (H, T, D) GGUF order
-        k_g = to_interleaved(k[0].to(F32), dim)  # (KV, T, D)
+        q_g = order(q[0].to(F32), dim)  # (H, T, D) llama.cpp's order
+        k_g = order(k[0].to(F32), dim)  # (KV, T, D)
         v_kv = v[0].to(F32)  # (KV, T, D)
         quantized = kv_cache == "q8_0"
         rot_k, rot_v = (ops.rotation_size(dim, True), ops.rotation_size(dim, False)) if quantized else (None, None)
@@ -456,19 +475,19 @@ def _cache_scores(q: torch.Tensor, k: torch.Tensor, kv_cache: str, rounding: str
     return torch.stack(rows)
 
 
-def make_attention_unfused(kv_cache: str):
+def make_attention_unfused(kv_cache: str, order=to_interleaved):
     """llama.cpp's attention with flash attention off (`tracer.ggml.ops.attention_unfused`)."""
     if kv_cache == "q8_0":
         raise TracerError("kv_cache=q8_0 needs flash attention (llama.cpp: a quantized V cache requires flash_attn)")
 
     def attention(q, k, v, spec, steps, record, visible=None):
-        return ops.attention_unfused(q, k, v, spec.head_dim, kv_cache, record)
+        return ops.attention_unfused(q, k, v, spec.head_dim, kv_cache, record, order)
 
     attention.cached = True
     return attention
 
 
-def make_attention_stored(kv_cache: str, rounding: str):
+def make_attention_stored(kv_cache: str, rounding: str, order=to_interleaved):
     """Eager attention on K and V stored in `kv_cache` (transformers' op order otherwise): Q goes to
     K's vec-dot type, and for f16/bf16 the probabilities to V's type before the product, as ggml's
     non-flash mul_mat path converts its second operand."""
@@ -477,8 +496,8 @@ def make_attention_stored(kv_cache: str, rounding: str):
 
     def attention(q, k, v, spec, steps, record, visible=None):
         groups = spec.num_kv_groups
-        qs = _stored_qk(q, store, spec.head_dim)  # (1, H, T, D)
-        ks = steps.repeat_kv(_stored_qk(k, store, spec.head_dim), groups)  # (1, H, T, D)
+        qs = _stored_qk(q, store, spec.head_dim, order)  # (1, H, T, D)
+        ks = steps.repeat_kv(_stored_qk(k, store, spec.head_dim, order), groups)  # (1, H, T, D)
         vs = steps.repeat_kv(store(v.to(F32)), groups)  # (1, H, T, D)
         scores = steps.scale_scores(torch.matmul(qs, ks.transpose(2, 3)), spec.score_scale_dim)  # (1, H, T, T)
         scores = steps.softcap(scores, spec.attn_logit_softcapping)
@@ -491,8 +510,10 @@ def make_attention_stored(kv_cache: str, rounding: str):
     return attention
 
 
-def _stored_qk(x: torch.Tensor, store, head_dim: int) -> torch.Tensor:
-    """Q or K (1, heads, T, D) in the cache format, blocks taken in GGUF's dim order."""
+def _stored_qk(x: torch.Tensor, store, head_dim: int, order=to_interleaved) -> torch.Tensor:
+    """Q or K (1, heads, T, D) in the cache format, blocks taken in llama.cpp's dim order."""
+    if order is _same_dims:
+        return store(x.to(F32))
     return from_interleaved(store(to_interleaved(x.to(F32), head_dim)), head_dim)
 
 
@@ -531,6 +552,12 @@ def check_knobs(knobs: dict) -> None:
                           "(preset=llamacpp); with ops=hf attention is unfused")
 
 
+def rope_ggml(family: str):
+    """llama.cpp's RoPE mode for the family's architecture: normal (pairs adjacent in the GGUF's rows)
+    for its "llama" architecture, NEOX for the others the regime emulates."""
+    return ops.rope if family_named(family).gguf_arch == "llama" else ops.rope_neox
+
+
 def apply_regime(knobs: dict, strategies, spec=None):
     """`strategies` (the forward's `tracer.model.component.Steps`) with the regime knobs' steps put in. The number
     formats (weights, act_quant, kv_cache, accumulate) apply to every family; ggml's own ops
@@ -539,7 +566,8 @@ def apply_regime(knobs: dict, strategies, spec=None):
     if not is_regime(knobs):
         return strategies
     family = spec.family if spec is not None else "llama"
-    if knobs.get("ops") in ("ggml", "candle") and family != "llama":
+    if (knobs.get("ops") == "candle" and family != "llama") or \
+            (knobs.get("ops") == "ggml" and not ggml_graph(family_named(family))):
         raise TracerError(f"ops={knobs['ops']} emulates {'llama.cpp' if knobs['ops'] == 'ggml' else 'candle'}'s "
                           f"Llama forward; this model is a {family} "
                           "(the number-format knobs weights/act_quant/kv_cache apply to it)")
@@ -555,13 +583,13 @@ def apply_regime(knobs: dict, strategies, spec=None):
     kv_cache = knobs.get("kv_cache")
     if knobs.get("ops") == "ggml":
         changes |= {"norm": ops.rms_norm,
-                    "rope": ops.rope if accumulate == "ggml" else ops.rope_exact,
+                    "rope": rope_ggml(family) if accumulate == "ggml" else ops.rope_exact,
                     "rotary": ops.rope_cos_sin, "glu": glu_ggml(accumulate),
-                    "attention": make_attention_ggml(kv_cache or "f32", accumulate, rounding)}
+                    "attention": make_attention_ggml(kv_cache or "f32", accumulate, rounding, gguf_dims(family))}
         if setting(knobs, "flash_attn") == "off":
-            changes["attention"] = make_attention_unfused(kv_cache or "f32")
+            changes["attention"] = make_attention_unfused(kv_cache or "f32", gguf_dims(family))
     elif kv_cache is not None:
-        changes["attention"] = make_attention_stored(kv_cache, rounding)
+        changes["attention"] = make_attention_stored(kv_cache, rounding, gguf_dims(family))
     if kv_cache in ("f16", "bf16"):  # a decode's cache holds K and V as llama.cpp stores them (its cache points)
         changes["cache_store"] = kv_rounding(kv_cache, rounding)
     replaced = strategies.replace(**changes)

@@ -133,10 +133,20 @@ def llama_graph(family: Family) -> bool:
     return family.graph() == family_named("llama").graph()
 
 
+# Families beyond Llama's graph whose llama.cpp graph `tracer.ggml` emulates op for op (ops=ggml) and
+# whose GGUF a regime reads (weights=gguf: `tracer.ggml.strategies.GGUFWeights`).
+GGML_FAMILIES = ("qwen3",)
+
+
+def ggml_graph(family: Family) -> bool:
+    """ops=ggml emulates this family's llama.cpp graph: Llama's, or one of `GGML_FAMILIES`."""
+    return llama_graph(family) or family.name in GGML_FAMILIES
+
+
 def llama_gguf(family: Family) -> bool:
-    """A family whose GGUF llama.cpp writes as a Llama's (its tensor names, q/k rows permuted), which is
-    how a regime reads a GGUF's own tensors (`weights=gguf`)."""
-    return family.gguf_arch == "llama"
+    """A family whose GGUF a regime reads as llama.cpp wrote it (weights=gguf): its tensor names from
+    gguf-py's map for its architecture, q/k rows un-permuted where the converter permuted them (Llama's)."""
+    return family.gguf_arch == "llama" or family.name in GGML_FAMILIES
 
 
 def _llama_only(text: str) -> Callable[[Any], str]:
@@ -232,7 +242,7 @@ MODEL_WIDE: dict[str, Knob] = {
         Knob("ops", choice("hf", "ggml", "candle"), "hf | ggml | candle", "hf",
              "embedding, RMSNorm, RoPE, SwiGLU and (flash) attention as ggml's CPU backend computes them, or "
              "as candle's f32 kernels do (quantized_llama.rs)",
-             fixed("ops=ggml"), applies=llama_graph, kind="regime"),
+             fixed("ops=ggml"), applies=ggml_graph, kind="regime"),
         Knob("accumulate", choice("ggml", "f32", "f64", "candle"), "ggml | f32 | f64 | candle", "ggml",
              "a regime's sums: ggml's own order (bit-exact on x86, slow), or its matmuls by torch's BLAS in f32 "
              "(another order, fast) or f64 (exact), the rest exact and rounded once; candle: candle's vec_dot "

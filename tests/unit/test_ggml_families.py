@@ -1,0 +1,89 @@
+"""llama.cpp's bit-exact regime beyond Llama: a tiny model of a family, converted as a user converts it
+(tracer.files.hf_to_gguf, the writer that matches llama.cpp's converter) and quantized by llama.cpp's own
+quantizer (Q8_0, Q4_K_M), run by llama.cpp (in its child process) and by tracer's reimplementation in
+llama.cpp's regime (`preset=llamacpp,weights=gguf`): every point llama.cpp records, logits included,
+exactly equal; one corrupted block found by the audit and localized to its layer and projection.
+
+Widths are multiples of 256, so that k-quants apply to every projection (a 48-wide model gets only
+fallbacks); head size 64, whose f16 dot products show the order of a head's dims (12 does not).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import tracer
+from tests.audited_gguf import damage_block
+from tests.conftest import TOKENS
+from tests.families import write_tiny_family
+from tests.quantized_gguf import quantize_gguf
+from tracer.engines import isolated
+from tracer.engines.registry import ENGINES
+from tracer.files.hf_to_gguf import write_gguf
+from tracer.files.sources import ModelSource
+
+KQUANT_FAMILY = dict(vocab_size=288, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, head_dim=64)
+REGIME = {"preset": "llamacpp", "weights": "gguf"}
+TYPES = ("Q8_0", "Q4_K_M")
+FAMILIES = ("qwen3",)
+DAMAGED = "blk.1.attn_k.weight"  # one block of it corrupted: found at layer 1's k_proj
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def quantized(request, tmp_path_factory):
+    """(family, model directory, {type: its GGUF}) for one family."""
+    pytest.importorskip("llama_cpp")
+    folder = tmp_path_factory.mktemp(request.param)
+    model = write_tiny_family(folder / "model", request.param, **KQUANT_FAMILY)
+    f32 = write_gguf(model, folder / "F32.gguf", "f32")
+    return request.param, model, {kind: quantize_gguf(f32, folder / f"{kind}.gguf", kind) for kind in TYPES}
+
+
+def _llamacpp(model, gguf) -> tracer.Trace:
+    engine = isolated.load(ENGINES["llamacpp"], ModelSource(model), {}, argument=str(gguf))
+    try:
+        return engine.record(TOKENS)
+    finally:
+        engine.close()
+
+
+def _in_regime(model, gguf, **extra) -> tracer.Trace:
+    return tracer.record(model, TOKENS, engine="reimpl", variant={**REGIME, "gguf_file": str(gguf), **extra},
+                         progress=False)
+
+
+def _distances(reference, candidate) -> list[tuple[str, float]]:
+    """(point, rel_l2) for every point llama.cpp recorded, in the forward's order."""
+    out = []
+    for name in reference.tensors:
+        if name in candidate.tensors:
+            ref, cand = reference[name].double(), candidate[name].double()
+            assert ref.shape == cand.shape, name
+            out.append((name, float((ref - cand).norm() / ref.norm())))
+    return out
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_every_recorded_point_is_exactly_0(quantized, kind):
+    family, model, files = quantized
+    distances = _distances(_in_regime(model, files[kind]), _llamacpp(model, files[kind]))
+    names = [name for name, _ in distances]
+    assert "lm_head" in names and "model.layers.1.mlp.down_proj" in names and len(names) >= 31, names
+    assert [(name, d) for name, d in distances if d != 0] == []
+
+
+def test_a_corrupted_tensor_is_localized(quantized, tmp_path):
+    """The audit names the damaged tensor; the regime takes it requantized from the directory's
+    weights (as `--regime auto` does), so llama.cpp parts from it at that projection, and at
+    nothing before it."""
+    family, model, files = quantized
+    bad = damage_block(files["Q4_K_M"], tmp_path / "bad.gguf", DAMAGED, block=1, quants=3)
+    audit = tracer.audit_gguf(bad, model, progress=False)
+    assert audit.damaged == (DAMAGED,)
+    requantize = DAMAGED.removesuffix(".weight")
+    distances = _distances(_in_regime(model, bad, requantize=requantize), _llamacpp(model, bad))
+    first = next(n for n, (_, d) in enumerate(distances) if d != 0)
+    assert distances[first][0] == "model.layers.1.self_attn.k_proj", distances[first]
+    assert all(d == 0 for _, d in distances[:first])
+    assert first > 10  # all of layer 0 and layer 1's input norm, q_proj before it
