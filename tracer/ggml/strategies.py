@@ -59,7 +59,7 @@ from tracer.ggml.quants import (
     quantize_q8_0,
 )
 from tracer.ggml.vecdot import has_kernel, matmul_blas, matmul_ggml
-from tracer.model.component import family_named
+from tracer.model.component import family_named, registered
 from tracer.model.knobs import PRESETS, ggml_graph, is_regime, llama_gguf, setting
 from tracer.model.points import (
     DOWN_PROJ,
@@ -552,6 +552,10 @@ def check_knobs(knobs: dict) -> None:
                           "(preset=llamacpp); with ops=hf attention is unfused")
 
 
+def _names(applies) -> str:
+    return ", ".join(name for name, row in registered().items() if applies(row))
+
+
 def rope_ggml(family: str):
     """llama.cpp's RoPE mode for the family's architecture: normal (pairs adjacent in the GGUF's rows)
     for its "llama" architecture, NEOX for the others the regime emulates."""
@@ -566,14 +570,14 @@ def apply_regime(knobs: dict, strategies, spec=None):
     if not is_regime(knobs):
         return strategies
     family = spec.family if spec is not None else "llama"
-    if (knobs.get("ops") == "candle" and family != "llama") or \
-            (knobs.get("ops") == "ggml" and not ggml_graph(family_named(family))):
-        raise TracerError(f"ops={knobs['ops']} emulates {'llama.cpp' if knobs['ops'] == 'ggml' else 'candle'}'s "
-                          f"Llama forward; this model is a {family} "
+    if knobs.get("ops") == "candle" and family != "llama":
+        raise TracerError(f"ops=candle emulates candle's Llama forward; this model is a {family} "
                           "(the number-format knobs weights/act_quant/kv_cache apply to it)")
+    if knobs.get("ops") == "ggml" and not ggml_graph(family_named(family)):
+        raise TracerError(f"ops=ggml emulates llama.cpp's graph of {_names(ggml_graph)} only; this model is a "
+                          f"{family}")
     if knobs.get("weights") == "gguf" and not llama_gguf(family_named(family)):  # GGUFWeights' names and rows
-        raise TracerError(f"weights=gguf reads a Llama GGUF (llama.cpp's names, q/k rows permuted); this model "
-                          f"is a {family}")
+        raise TracerError(f"weights=gguf reads the GGUFs of {_names(llama_gguf)}; this model is a {family}")
     rounding, accumulate = setting(knobs, "act_round"), setting(knobs, "accumulate")
     linear = make_linear(setting(knobs, "act_quant"), rounding, accumulate)
     changes = {"weights": weight_format(knobs.get("weights"), knobs.get("gguf_file"), knobs.get("requantize")),
