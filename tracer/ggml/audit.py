@@ -252,7 +252,7 @@ def audit_gguf(path: str | Path, reference: Mapping[str, torch.Tensor], quantize
                                "as they are")
     tallies = {}
     for name, info in weights.names.items():
-        tallies[info.name] = _audit_tensor(weights, name, reference_tensor(reference, name), quantizer)
+        tallies[info.name] = _audit_tensor(weights, name, reference_tensor(reference, name, weights.family), quantizer)
         weights.file.release(info.name)
     rescalable = [t for t in tallies.values() if isinstance(t, _Tally) and LEVELS.get(t.kind, NO_LEVELS).rescaled]
     if sum(t.rescaled for t in rescalable) <= RESCALED_SHARE * sum(t.blocks for t in rescalable):

@@ -180,6 +180,40 @@ def swiglu_f32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 SWIGLU = {"ggml": swiglu, "f32": swiglu_f32, "f64": swiglu_exact}
 
 
+# --- GeGLU and soft-capping (Gemma 2) ------------------------------------------------------------
+
+GELU_COEF_A, SQRT_2_OVER_PI = np.float32(0.044715), np.float32(0.79788456080286535587989211986876)
+
+
+@functools.lru_cache(maxsize=1)
+def gelu_table() -> torch.Tensor:
+    """(65536,) ggml_table_gelu_f16 as f32: for every f16 bit pattern x, f16(ggml_gelu_f32(x)) with
+    ggml_gelu_f32 = 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x))), GCC contracting
+    1.0f + (A*x)*x into one FMA (ggml-cpu.c fills it at init)."""
+    x = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32))  # (65536,)
+    inner = fma(GELU_COEF_A * x, x, torch.ones_like(x))
+    t = libm("tanhf", torch.nan_to_num(SQRT_2_OVER_PI * x * inner))
+    return round_f16((np.float32(0.5) * x) * (1.0 + t))
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_geglu_f32 (GGML_GELU_FP16, vec.h): gelu(gate) from the table at f16(gate), 0 below -10,
+    gate itself from 10 on, times up in f32."""
+    x, g = gate.to(F32), up.to(F32)
+    bits = round_f16(x).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF  # the table's index
+    gelu = torch.where(x <= -10.0, 0.0, torch.where(x >= 10.0, x, gelu_table()[bits]))
+    return gelu * g
+
+
+def softcap_logits(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's final soft-capping in llama.cpp: ggml_scale by 1.0f/cap, ggml_tanh (tanhf), ggml_scale
+    by cap, each in f32."""
+    if cap is None:
+        return x
+    cap32 = np.float32(cap)
+    return libm("tanhf", x.to(F32) * (np.float32(1.0) / cap32)) * cap32
+
+
 # --- attention --------------------------------------------------------------------------------
 
 
@@ -290,7 +324,8 @@ def vec_scale_f16(y: torch.Tensor, v: torch.Tensor, native: int) -> torch.Tensor
 
 
 def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=vec_dot_f16,
-                         allowed: torch.Tensor | None = None, features: frozenset[str] | None = None) -> torch.Tensor:
+                         allowed: torch.Tensor | None = None, features: frozenset[str] | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk with an f16 K/V cache (fewer than 64 query
     rows). q (H, T, D) f32 and k (H, S, D) in GGUF order, v (H, S, D); returns (H, T, D) f32.
     `allowed` (T, S): which keys each query sees (default `causal`: the queries are the last keys);
@@ -299,13 +334,18 @@ def flash_attn_one_chunk(q, k, v, scale: float, contract_sum: bool = True, dot=v
     Q is rounded to f16 and dotted with each key by ggml_vec_dot_f16 (or `dot`); keys are visited in order,
     masked (future) ones skipped; on a new maximum the f16 accumulator is rescaled by expf(M_old - M)
     (`vec_scale_f16`), else the key's weight is expf(s - M); V is accumulated by `vec_mad_f16`,
-    S = fma(S, ms, vs); the output is f32(acc) * (1/S).
+    S = fma(S, ms, vs); the output is f32(acc) * (1/S). `softcap` (Gemma 2): the scale divided by it
+    first (f32), each score then cap·tanhf(score).
     """
     heads, tokens, _ = q.shape
     allowed = causal(tokens, k.shape[1]) if allowed is None else allowed  # (T, S)
     native = native_f16_columns(v.shape[-1], llamacpp_cpu_features() if features is None else features)
     k16, v16 = round_f16(k), round_f16(v)
+    if softcap:
+        scale = np.float32(scale) / np.float32(softcap)
     scores = dot(round_f16(q)[:, :, None, :], k16[:, None, :, :]) * np.float32(scale)  # (H, T, S)
+    if softcap:
+        scores = np.float32(softcap) * libm("tanhf", scores)
     acc = torch.zeros(heads, tokens, v.shape[-1], dtype=F32)  # the f16 accumulator, held in f32
     total = torch.zeros(heads, tokens, dtype=F32)
     seen, raised, scales, weights = online_softmax_factors(scores, allowed)  # (H, T, S) each
@@ -360,7 +400,7 @@ def dot_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml", allowed: torch.Tensor | None = None,
-                    order=to_interleaved) -> torch.Tensor:
+                    order=to_interleaved, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """llama.cpp's CPU flash attention with an f16 KV cache, picking its path as ggml does (tiled
     from 64 query rows). q (1, H, T, D), k/v (1, KV, S, D) HF order -> (1, H, T, D) f32; `allowed`
     (T, S): the mask below 64 rows (default: causal, the queries the last keys).
@@ -369,13 +409,17 @@ def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml", allowed: t
     accumulator and online softmax stay (every implementation of ggml's kernel keeps them) and only
     the q·k dot products change (f64: exact; f32: plain f32 sums); from 64 rows (f32 accumulators)
     softmax attention is computed in f64 or f32 and rounded once. `order`: (…, D) HF order -> the
-    order llama.cpp holds each head's dims in (`tracer.ggml.strategies.gguf_dims`)."""
+    order llama.cpp holds each head's dims in (`tracer.ggml.strategies.gguf_dims`). `scale`: the
+    kernel's kq_scale (default 1/sqrt(head_dim)); `softcap` (Gemma 2) below 64 rows only."""
     heads = q.shape[1]
     q_g = order(q[0].to(F32), head_dim)  # (H, T, D) llama.cpp's order: the dot products' order
     k_g = kv_for_heads(order(k[0].to(F32), head_dim), heads)  # (H, S, D)
     v_h = kv_for_heads(v[0].to(F32), heads)  # (H, S, D): V rows are not permuted
-    scale = attention_scale(head_dim)
+    scale = attention_scale(head_dim) if scale is None else scale
     tiled = q.shape[2] >= FA_TILE
+    if softcap and (tiled or accumulate != "ggml"):
+        raise TracerError("the ggml regime soft-caps attention scores in llama.cpp's one-chunk flash attention "
+                          "only (fewer than 64 query rows, accumulate=ggml)")
     if tiled and q.shape[2] != k.shape[2]:
         raise TracerError("the ggml regime's tiled flash attention (64 or more query rows) runs a prefill only, "
                           "not rows after a KV cache")
@@ -387,6 +431,8 @@ def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml", allowed: t
         run = functools.partial(flash_attn_one_chunk, dot=dot_exact if accumulate == "f64" else dot_f32)
     if not tiled:
         run = functools.partial(run, allowed=allowed)
+    if softcap:
+        run = functools.partial(run, softcap=softcap)
     return run(q_g, k_g, v_h, scale)[None]
 
 

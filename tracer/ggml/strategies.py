@@ -84,6 +84,12 @@ PROJECTIONS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 
 # --- weights ----------------------------------------------------------------------------------
 
+# llama.cpp architectures whose graph scales Q before attention (ggml_scale by f_attention_scale) and
+# soft-caps inside the flash attention: Gemma 2's.
+Q_SCALED_ARCHS = ("gemma2",)
+OFFSET_NORM_ARCHS = ("gemma2", "gemma3")  # the converter stores their norm weights as 1 + w
+
+
 def permuted(name: str, family: str = "llama") -> bool:
     """A q/k weight whose rows the family's GGUF holds in RoPE-pair order: llama.cpp's converter permutes
     them for its "llama" architecture only (Llama, Mistral); Qwen's and Gemma's rotate NEOX-style, rows
@@ -184,7 +190,8 @@ class RequantizedWeights(Mapping):
             return self.weights[name]
         if name not in self.cache:
             info = self.weights.names[name]
-            values = reference_tensor(self.reference, name).to(F32).reshape(info.shape[0], -1)  # (R, C)
+            values = reference_tensor(self.reference, name, self.weights.family).to(F32)
+            values = values.reshape(info.shape[0], -1)  # (R, C)
             order = gguf_rows(self.weights, name, info.shape[0])
             rows = values if order is None else values[torch.from_numpy(order)]
             self.cache[name] = self.weights.decode(name, self.quantizer.quantize(info.kind, rows.numpy()))
@@ -203,10 +210,13 @@ class RequantizedWeights(Mapping):
         return len(self.weights)
 
 
-def reference_tensor(reference: Mapping, name: str) -> torch.Tensor:
-    """A model's tensor for an HF name; the output layer of tied embeddings is the embedding."""
+def reference_tensor(reference: Mapping, name: str, family: str = "llama") -> torch.Tensor:
+    """A model's tensor for an HF name, as llama.cpp's converter stores it: the output layer of tied
+    embeddings is the embedding; a Gemma's norm weights are stored as 1 + w (added in f32)."""
     if name == LOGITS + WEIGHT and name not in reference:
         name = EMBED + WEIGHT
+    if family_named(family).gguf_arch in OFFSET_NORM_ARCHS and name.endswith("norm.weight"):
+        return reference[name].to(F32) + 1
     return reference[name]
 
 
@@ -412,6 +422,8 @@ def kv_rounding(kv_cache: str, rounding: str):
     return table[kv_cache]
 
 
+
+
 def gguf_dims(family: str):
     """(…, D) HF order -> the order llama.cpp holds a head's dims in, which its dot products and
     cache blocks run along: RoPE pairs adjacent for its "llama" architecture (the converter permuted
@@ -431,9 +443,13 @@ def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str, order=to_
     f64."""
 
     def attention(q, k, v, spec, steps, record, visible=None):
+        q, scale = _scaled_queries(q, spec)
         if kv_cache in ("f16", "f32"):
             allowed = None if visible is None else ~visible.blocked()  # (T, S): keys by their positions
-            return ops.flash_attention(q, k, v, spec.head_dim, accumulate, allowed, order)
+            return ops.flash_attention(q, k, v, spec.head_dim, accumulate, allowed, order, scale,
+                                       spec.attn_logit_softcapping)
+        if scale is not None or spec.attn_logit_softcapping:
+            raise TracerError(f"the ggml regime's kv_cache={kv_cache} attention has no Gemma 2 scaling or soft-capping")
         heads, dim = q.shape[1], spec.head_dim
         q_g = order(q[0].to(F32), dim)  # (H, T, D) llama.cpp's order
         k_g = order(k[0].to(F32), dim)  # (KV, T, D)
@@ -460,6 +476,17 @@ def make_attention_ggml(kv_cache: str, accumulate: str, rounding: str, order=to_
     return attention
 
 
+def _scaled_queries(q: torch.Tensor, spec):
+    """Gemma 2's graph scales Q by f_attention_scale (ggml_scale, f32) before attention, whose kq_scale
+    is then 1.0: (Q scaled, 1.0) there, else (Q, None: the kernel's 1/sqrt(head_dim)). The scale is
+    the config's query_pre_attn_scalar^-0.5 in f32, as llama.cpp's 1.0f/sqrtf(head_dim) where the two
+    agree (llama.cpp reads no query_pre_attn_scalar: where they differ, so do the models)."""
+    if family_named(spec.family).gguf_arch not in Q_SCALED_ARCHS:
+        return q, None
+    scale = np.float32(1.0) / np.sqrt(np.float32(spec.score_scale_dim))
+    return q.to(F32) * scale, 1.0
+
+
 def _cache_scores(q: torch.Tensor, k: torch.Tensor, kv_cache: str, rounding: str) -> torch.Tensor:
     """q (H, T, D), k (KV, T, D) GGUF order -> (H, T, T) q·k as the K type's vec_dot computes them:
     Q8_0 (Q quantized by quantize_row_q8_0, ggml_vec_dot_q8_0_q8_0) or bf16 (ggml_vec_dot_bf16)."""
@@ -481,6 +508,9 @@ def make_attention_unfused(kv_cache: str, order=to_interleaved):
         raise TracerError("kv_cache=q8_0 needs flash attention (llama.cpp: a quantized V cache requires flash_attn)")
 
     def attention(q, k, v, spec, steps, record, visible=None):
+        if family_named(spec.family).gguf_arch in Q_SCALED_ARCHS:
+            raise TracerError("the ggml regime's attention without flash attention has no Gemma 2 scaling or "
+                              "soft-capping: flash_attn=on")
         return ops.attention_unfused(q, k, v, spec.head_dim, kv_cache, record, order)
 
     attention.cached = True
@@ -524,8 +554,10 @@ def glu_ggml(accumulate: str):
     swiglu = ops.SWIGLU[accumulate]
 
     def glu(gate: torch.Tensor, up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+        if hidden_act == "gelu_pytorch_tanh":  # Gemma's GeGLU: ggml_geglu_split, its f16 table
+            return ops.geglu(gate, up)
         if hidden_act != "silu":
-            raise TracerError(f"ops=ggml emulates SwiGLU only (hidden_act {hidden_act!r})")
+            raise TracerError(f"ops=ggml emulates SwiGLU and Gemma's GeGLU only (hidden_act {hidden_act!r})")
         return swiglu(gate, up)
 
     return glu
@@ -578,6 +610,9 @@ def apply_regime(knobs: dict, strategies, spec=None):
                           f"{family}")
     if knobs.get("weights") == "gguf" and not llama_gguf(family_named(family)):  # GGUFWeights' names and rows
         raise TracerError(f"weights=gguf reads the GGUFs of {_names(llama_gguf)}; this model is a {family}")
+    if knobs.get("ops") == "ggml" and family_named(family).gguf_arch in Q_SCALED_ARCHS and \
+            knobs.get("weights") != "gguf":  # ggml's norm multiplies by the stored weight, 1 + w in a GGUF
+        raise TracerError(f"ops=ggml on a {family} takes a GGUF's own tensors (its norms hold 1 + w): add weights=gguf")
     rounding, accumulate = setting(knobs, "act_round"), setting(knobs, "accumulate")
     linear = make_linear(setting(knobs, "act_quant"), rounding, accumulate)
     changes = {"weights": weight_format(knobs.get("weights"), knobs.get("gguf_file"), knobs.get("requantize")),
@@ -588,7 +623,7 @@ def apply_regime(knobs: dict, strategies, spec=None):
     if knobs.get("ops") == "ggml":
         changes |= {"norm": ops.rms_norm,
                     "rope": rope_ggml(family) if accumulate == "ggml" else ops.rope_exact,
-                    "rotary": ops.rope_cos_sin, "glu": glu_ggml(accumulate),
+                    "rotary": ops.rope_cos_sin, "glu": glu_ggml(accumulate), "softcap": ops.softcap_logits,
                     "attention": make_attention_ggml(kv_cache or "f32", accumulate, rounding, gguf_dims(family))}
         if setting(knobs, "flash_attn") == "off":
             changes["attention"] = make_attention_unfused(kv_cache or "f32", gguf_dims(family))
