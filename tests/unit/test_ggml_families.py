@@ -15,12 +15,15 @@ import pytest
 import tracer
 from tests.audited_gguf import damage_block
 from tests.conftest import TOKENS
+from tests.cpu_builds import skip_unless_exact_here
 from tests.families import write_tiny_family
 from tests.quantized_gguf import quantize_gguf
 from tracer.engines import isolated
 from tracer.engines.registry import ENGINES
 from tracer.files.hf_to_gguf import write_gguf
 from tracer.files.sources import ModelSource
+from tracer.ggml import ops
+from tracer.ggml.strategies import GGUFWeights, implied_regime
 
 KQUANT_FAMILY = dict(vocab_size=288, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, head_dim=64)
@@ -56,6 +59,7 @@ def _llamacpp(model, gguf) -> tracer.Trace:
 
 
 def _in_regime(model, gguf, **extra) -> tracer.Trace:
+    skip_unless_exact_here(implied_regime(GGUFWeights(gguf).types(), {})[1])
     return tracer.record(model, TOKENS, engine="reimpl", variant={**REGIME, "gguf_file": str(gguf), **extra},
                          progress=False)
 
@@ -105,3 +109,21 @@ def test_a_corrupted_tensor_is_localized(quantized, tmp_path):
     assert distances[first][0] == "model.layers.1.self_attn.k_proj", distances[first]
     assert all(d == 0 for _, d in distances[:first])
     assert first > 10  # all of layer 0 and layer 1's input norm, q_proj before it
+
+
+def test_the_gelu_table_is_ggmls():
+    """Gemma's GeGLU reads ggml's f16 GELU table: the one computed here is the one ggml-cpu fills at
+    init, entry for entry (every f16 input; the build's features do not enter it)."""
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from pathlib import Path
+
+    library = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
+    library.ggml_cpu_init()
+    native = np.frombuffer((ctypes.c_uint16 * 65536).in_dll(library, "ggml_table_gelu_f16"), dtype=np.float16)
+    ours = ops.gelu_table()
+    assert torch.equal(torch.from_numpy(native.astype(np.float32)).nan_to_num(7.0), ours.nan_to_num(7.0))
