@@ -72,37 +72,9 @@ def write_tiny_family(path: Path, family: str, *, seed: int = 0, **overrides) ->
 
 
 def write_tiny_gguf(model_dir: Path, path: Path, *, no_vocab: bool = False) -> Path:
-    """The f32 GGUF llama.cpp would write for a tiny Qwen2 or Qwen3 directory (no tokenizer), by gguf's
-    own writer and tensor-name map; `no_vocab` says so in the file, as llama.cpp needs to load it
-    (token ids are fed directly). Returns the file."""
-    import json
+    """The f32 GGUF llama.cpp's converter writes for a tiny model directory (no tokenizer: the file says
+    "no_vocab", which llama.cpp loads; token ids are fed directly), by tracer's own writer
+    (`tracer.files.hf_to_gguf.write_gguf`). `no_vocab` is kept for the callers that said so. Returns the file."""
+    from tracer.files.hf_to_gguf import write_gguf
 
-    import gguf
-    from safetensors.torch import load_file
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[config["model_type"]]
-    writer = gguf.GGUFWriter(str(path), config["model_type"])
-    writer.add_name(f"tiny {config['model_type']}")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    if "head_dim" in config:
-        writer.add_key_length(config["head_dim"])
-        writer.add_value_length(config["head_dim"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
-    if no_vocab:
-        writer.add_tokenizer_model("no_vocab")
-    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    return write_gguf(Path(model_dir), Path(path), "f32")

@@ -132,7 +132,9 @@ def test_a_model_directory_as_llamacpp_candidate(tmp_path, capsys, monkeypatch):
     gguf = Path(said[0].rsplit(": ", 1)[1])
     assert gguf.is_file() and gguf.is_relative_to(tmp_path / "cache" / "gguf")
     assert "verdict: MATCH" in first.stdout
-    again = hf_to_gguf.converted_gguf(model, tmp_path / "cache")  # the CLI's cache, found again
+    again = hf_to_gguf.converted_gguf(model, tmp_path / "cache")  # the CLI's cache, found again, said once
+    hf_to_gguf.converted_gguf(model, tmp_path / "cache")
     assert again == gguf
-    assert f"(cached) by gguf-py's writer (no convert_hf_to_gguf.py found: ${hf_to_gguf.CONVERTER_ENV}): {gguf}" \
-        in capsys.readouterr().err
+    said = capsys.readouterr().err.splitlines()
+    assert said == [f"tracer: GGUF of tiny (cached) by gguf-py's writer (no convert_hf_to_gguf.py found: "
+                    f"${hf_to_gguf.CONVERTER_ENV}): {gguf}"]

@@ -42,6 +42,7 @@ SCRIPT = "convert_hf_to_gguf.py"
 GGUF_NAME = "model.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 OUTTYPES = ("auto", "f32", "f16", "bf16")
+_SAID: set[Path] = set()
 GEMMA3_DEFAULTS = dict(max_position_embeddings=131072, num_attention_heads=8, rms_norm_eps=1e-6, head_dim=256,
                        num_key_value_heads=4)
 
@@ -85,7 +86,9 @@ def converted_gguf(directory: Path, cache_dir=None, outtype: str = "f32") -> Pat
     cached = (target / GGUF_NAME).is_file()
     build = functools.partial(_build, directory, script=script, outtype=outtype)
     path = cached_build(target, build, progress=False) / GGUF_NAME
-    print(f"tracer: GGUF of {directory.name} {'(cached) ' if cached else ''}by {how}: {path}", file=sys.stderr)
+    if path not in _SAID:  # once per process: a run asks for its candidate's file more than once
+        _SAID.add(path)
+        print(f"tracer: GGUF of {directory.name} {'(cached) ' if cached else ''}by {how}: {path}", file=sys.stderr)
     return path
 
 
