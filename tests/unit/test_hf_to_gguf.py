@@ -138,3 +138,16 @@ def test_a_model_directory_as_llamacpp_candidate(tmp_path, capsys, monkeypatch):
     said = capsys.readouterr().err.splitlines()
     assert said == [f"tracer: GGUF of tiny (cached) by gguf-py's writer (no convert_hf_to_gguf.py found: "
                     f"${hf_to_gguf.CONVERTER_ENV}): {gguf}"]
+
+
+def test_llamacpps_converter_where_the_user_has_it(tmp_path, monkeypatch, capsys):
+    """$TRACER_LLAMACPP_CONVERTER names a llama.cpp checkout: its convert_hf_to_gguf.py writes the file
+    (the same tensors and metadata as tracer's writer), and the line says so."""
+    if not (SOURCE / hf_to_gguf.SCRIPT).is_file():
+        pytest.skip(f"llama.cpp's {hf_to_gguf.SCRIPT} is not here ({SOURCE})")
+    model = write_tiny_llama(tmp_path / "tiny")
+    monkeypatch.setenv(hf_to_gguf.CONVERTER_ENV, str(SOURCE))
+    path = hf_to_gguf.converted_gguf(model, tmp_path / "cache")
+    said = capsys.readouterr().err.splitlines()
+    assert said == [f"tracer: GGUF of tiny by llama.cpp's {(SOURCE / hf_to_gguf.SCRIPT).resolve()}: {path}"]
+    assert _contents(path) == _contents(hf_to_gguf.write_gguf(model, tmp_path / "ours.gguf", "f32"))

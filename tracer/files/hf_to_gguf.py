@@ -144,7 +144,7 @@ def write_gguf(directory: Path, target: Path, outtype: str = "auto") -> Path:
 
     from tracer.files.weights import WeightFiles  # torch: the tensors read
 
-    config = _config(Path(directory))
+    config = _hparams(Path(directory))
     arch, kind = _architecture(config)
     weights = WeightFiles(directory)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
@@ -341,6 +341,18 @@ def _config(directory: Path) -> dict:
     if not isinstance(config, dict):
         raise TracerError(f"{directory / CONFIG_FILE} is not a JSON object")
     return config
+
+
+def _hparams(directory: Path) -> dict:
+    """The config as ModelBase.load_hparams reads it: transformers' config class, its defaults filled in
+    (a Llama's head_dim where config.json has none), else config.json as it is."""
+    config = _config(directory)
+    try:
+        from transformers import AutoConfig  # the converter's own reading of the config: a conversion's only
+
+        return AutoConfig.from_pretrained(directory, trust_remote_code=False).to_dict()
+    except Exception:  # noqa: BLE001 - as the converter, which falls back to config.json on any failure
+        return config
 
 
 def _architecture(config: dict) -> tuple[str, str]:
