@@ -31,12 +31,17 @@ REGIME = {"preset": "llamacpp", "weights": "gguf"}
 TYPES = ("Q8_0", "Q4_K_M")
 # Gemma 2: llama.cpp scales queries by 1/sqrt(head_dim) and reads no query_pre_attn_scalar; the tiny one
 # takes them equal, as the released 2B and 9B have them.
-FAMILIES = {"qwen3": {}, "gemma2": dict(query_pre_attn_scalar=64)}
+# Gemma 3: llama.cpp makes every 6th layer global whatever the config's layer_types (the converter writes
+# no pattern): two sliding layers here, as its default pattern has them.
+FAMILIES = {"qwen3": {}, "gemma2": dict(query_pre_attn_scalar=64),
+            "gemma3": dict(query_pre_attn_scalar=64, layer_types=["sliding_attention"] * 2)}
 # Until llama.cpp's graph nodes are mapped per family (tracer.names.llamacpp), a few of Gemma 2's are
 # recorded under Llama's meaning of a name: llama.cpp's point -> (the reference's point it holds, factor).
 LLAMA_MEANING = {"gemma2": {"model.embed_tokens": ("model.embed_tokens", 1 / 16),  # before the sqrt(256) scale
                             "post_attention_layernorm": ("pre_feedforward_layernorm", 1),  # ffn_norm
-                            "lm_head": ("lm_head.softcap", 1)}}  # result_output: the capped logits
+                            "lm_head": ("lm_head.softcap", 1)},  # result_output: the capped logits
+                 "gemma3": {"model.embed_tokens": ("model.embed_tokens", 1 / 16),
+                            "post_attention_layernorm": ("pre_feedforward_layernorm", 1)}}
 DAMAGED = "blk.1.attn_k.weight"  # one block of it corrupted: found at layer 1's k_proj
 
 

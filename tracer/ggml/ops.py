@@ -92,8 +92,8 @@ def _rope_angles(positions: tuple[int, ...], n_dims: int, base: float,
 def rope_cos_sin(spec, positions: torch.Tensor, dtype: torch.dtype | None, device="cpu",
                  layer_type: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
     """(1, T, D/2) cos and sin for `rope` below at absolute `positions` (T,), from the spec's theta (and
-    linear scaling); f32 whatever `dtype` (ggml computes RoPE in f32), one table for every layer type
-    (Llama has one).
+    linear scaling); f32 whatever `dtype` (ggml computes RoPE in f32); a sliding layer of a model with a
+    local base (Gemma 3) takes that base, as llama.cpp's get_rope_freq_base does.
 
     Raises:
         TracerError: a rope scaling ggml's normal-mode RoPE is not emulated for (llama3: freq factors).
@@ -103,7 +103,9 @@ def rope_cos_sin(spec, positions: torch.Tensor, dtype: torch.dtype | None, devic
         raise TracerError(f"rope_type {scaling.get('rope_type')!r} is not emulated by the ggml regime "
                           "(default, linear)")
     freq_scale = 1.0 / scaling["factor"] if scaling else 1.0
-    cos, sin = _rope_angles(tuple(positions.tolist()), spec.head_dim, float(np.float32(spec.rope_theta)), freq_scale)
+    local = layer_type == "sliding_attention" and spec.rope_local_theta is not None  # Gemma 3's rope.freq_base_swa
+    theta = spec.rope_local_theta if local else spec.rope_theta
+    cos, sin = _rope_angles(tuple(positions.tolist()), spec.head_dim, float(np.float32(theta)), freq_scale)
     return cos[None].to(device), sin[None].to(device)
 
 

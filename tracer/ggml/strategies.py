@@ -85,8 +85,8 @@ PROJECTIONS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 # --- weights ----------------------------------------------------------------------------------
 
 # llama.cpp architectures whose graph scales Q before attention (ggml_scale by f_attention_scale) and
-# soft-caps inside the flash attention: Gemma 2's.
-Q_SCALED_ARCHS = ("gemma2",)
+# soft-caps inside the flash attention where its config caps: Gemma 2's and 3's.
+Q_SCALED_ARCHS = ("gemma2", "gemma3")
 OFFSET_NORM_ARCHS = ("gemma2", "gemma3")  # the converter stores their norm weights as 1 + w
 
 
