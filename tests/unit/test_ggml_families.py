@@ -34,7 +34,8 @@ TYPES = ("Q8_0", "Q4_K_M")
 # Gemma 3: llama.cpp makes every 6th layer global whatever the config's layer_types (the converter writes
 # no pattern): two sliding layers here, as its default pattern has them.
 FAMILIES = {"qwen3": {}, "gemma2": dict(query_pre_attn_scalar=64),
-            "gemma3": dict(query_pre_attn_scalar=64, layer_types=["sliding_attention"] * 2)}
+            "gemma3": dict(query_pre_attn_scalar=64, layer_types=["sliding_attention"] * 2),
+            "olmo2": dict(tie_word_embeddings=False)}  # llama.cpp's OLMo-2 needs an output.weight: not tied
 # Until llama.cpp's graph nodes are mapped per family (tracer.names.llamacpp), a few of Gemma 2's are
 # recorded under Llama's meaning of a name: llama.cpp's point -> (the reference's point it holds, factor).
 LLAMA_MEANING = {"gemma2": {"model.embed_tokens": ("model.embed_tokens", 1 / 16),  # before the sqrt(256) scale
