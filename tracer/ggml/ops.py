@@ -105,7 +105,7 @@ def rope_cos_sin(spec, positions: torch.Tensor, dtype: torch.dtype | None, devic
     freq_scale = 1.0 / scaling["factor"] if scaling else 1.0
     local = layer_type == "sliding_attention" and spec.rope_local_theta is not None  # Gemma 3's rope.freq_base_swa
     theta = spec.rope_local_theta if local else spec.rope_theta
-    cos, sin = _rope_angles(tuple(positions.tolist()), spec.head_dim, float(np.float32(theta)), freq_scale)
+    cos, sin = _rope_angles(tuple(positions.tolist()), spec.rotary_dim, float(np.float32(theta)), freq_scale)
     return cos[None].to(device), sin[None].to(device)
 
 
@@ -131,11 +131,13 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """ggml RoPE, NEOX mode (rotate_pairs with n_offset = n_dims/2: Qwen, Gemma, Phi-3, OLMo-2): pair
     (x0, x1) = dims (i, i + D/2), HF's own order. Every pair takes FMAs, y0 = fma(x0, c, -(x1*s)) and
     y1 = fma(x0, s, x1*c): contiguous loads, no vaddsubps tail (measured on Qwen3, head size 12, bit
-    for bit). x (1, heads, T, D), cos/sin (1, T, D/2); `features` unused (every build alike)."""
-    half = x.shape[-1] // 2
-    x0, x1 = x[..., :half].to(F32), x[..., half:].to(F32)  # (1, heads, T, D/2) each
-    c, s = cos[:, None], sin[:, None]  # (1, 1, T, D/2)
-    return torch.cat((fma(x0, c, -(x1 * s)), fma(x0, s, x1 * c)), dim=-1)  # (1, heads, T, D)
+    for bit). Phi-3's partial rotary: the first R = n_rot dims rotate, pairs (i, i + R/2), the rest pass
+    (ggml copies them). x (1, heads, T, D), cos/sin (1, T, R/2); `features` unused (every build alike)."""
+    half = cos.shape[-1]
+    x0, x1 = x[..., :half].to(F32), x[..., half:2 * half].to(F32)  # (1, heads, T, R/2) each
+    c, s = cos[:, None], sin[:, None]  # (1, 1, T, R/2)
+    rest = x[..., 2 * half:].to(F32)  # (1, heads, T, D - R)
+    return torch.cat((fma(x0, c, -(x1 * s)), fma(x0, s, x1 * c), rest), dim=-1)  # (1, heads, T, D)
 
 
 def rope_fused_pairs(pairs: int, features: frozenset[str]) -> int:

@@ -135,7 +135,7 @@ def llama_graph(family: Family) -> bool:
 
 # Families beyond Llama's graph whose llama.cpp graph `tracer.ggml` emulates op for op (ops=ggml) and
 # whose GGUF a regime reads (weights=gguf: `tracer.ggml.strategies.GGUFWeights`).
-GGML_FAMILIES = ("qwen3", "gemma2", "gemma3", "olmo2")
+GGML_FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "olmo2")
 
 
 def ggml_graph(family: Family) -> bool:
