@@ -36,9 +36,10 @@ TYPES = ("Q8_0", "Q4_K_M")
 FAMILIES = {"qwen3": {}, "gemma2": dict(query_pre_attn_scalar=64),
             "gemma3": dict(query_pre_attn_scalar=64, layer_types=["sliding_attention"] * 2),
             "olmo2": dict(tie_word_embeddings=False),  # llama.cpp's OLMo-2 needs an output.weight: not tied
-            # llama.cpp runs Qwen2 without its sliding window and a Mistral GGUF carries none: both without
+            # llama.cpp runs these without a sliding window (Qwen2's graph has none, a Mistral GGUF carries
+            # none, Phi-3's is "currently disabled"): the tiny models without one, as llama.cpp computes them
             "qwen2": dict(use_sliding_window=False), "mistral": dict(sliding_window=None),
-            "phi3": dict(sliding_window=None)}  # (Phi-3's is llama.cpp's: another test's)
+            "phi3": dict(sliding_window=None)}
 LOCALIZED = ("qwen3", "gemma2", "gemma3", "olmo2")  # the corrupted-tensor test: the families with their own norms
 # Until llama.cpp's graph nodes are mapped per family (tracer.names.llamacpp), a few of Gemma 2's are
 # recorded under Llama's meaning of a name: llama.cpp's point -> (the reference's point it holds, factor).

@@ -597,7 +597,7 @@ def rope_ggml(family: str):
 def apply_regime(knobs: dict, strategies, spec=None):
     """`strategies` (the forward's `tracer.model.component.Steps`) with the regime knobs' steps put in. The number
     formats (weights, act_quant, kv_cache, accumulate) apply to every family; ggml's own ops
-    (ops=ggml, preset=llamacpp) are emulated for llama.cpp's Llama graph only."""
+    (ops=ggml, preset=llamacpp) are emulated for llama.cpp's graphs of the families of `ggml_graph`."""
     check_knobs(knobs)
     if not is_regime(knobs):
         return strategies

@@ -134,7 +134,8 @@ def llama_graph(family: Family) -> bool:
 
 
 # Families beyond Llama's graph whose llama.cpp graph `tracer.ggml` emulates op for op (ops=ggml) and
-# whose GGUF a regime reads (weights=gguf: `tracer.ggml.strategies.GGUFWeights`).
+# whose GGUF a regime reads (weights=gguf: `tracer.ggml.strategies.GGUFWeights`); each checked bit for
+# bit against llama.cpp in tests/unit/test_ggml_families.py.
 GGML_FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "olmo2")
 
 
