@@ -10,12 +10,17 @@ fallbacks); head size 64, whose f16 dot products show the order of a head's dims
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
+import numpy as np
 import pytest
+import torch
 
 import tracer
 from tests.audited_gguf import damage_block
 from tests.conftest import TOKENS
-from tests.cpu_builds import skip_unless_exact_here
+from tests.cpu_builds import AMD_CPU, BUILDS, INTEL_CPU, skip_unless_exact_here
 from tests.families import write_tiny_family
 from tests.quantized_gguf import quantize_gguf
 from tracer.engines import isolated
@@ -134,16 +139,23 @@ def test_a_corrupted_tensor_is_localized(quantized, family, tmp_path):
 def test_the_gelu_table_is_ggmls():
     """Gemma's GeGLU reads ggml's f16 GELU table: the one computed here is the one ggml-cpu fills at
     init, entry for entry (every f16 input; the build's features do not enter it)."""
-    import ctypes
-
-    import numpy as np
-    import torch
-
     llama_cpp = pytest.importorskip("llama_cpp")
-    from pathlib import Path
-
     library = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
     library.ggml_cpu_init()
     native = np.frombuffer((ctypes.c_uint16 * 65536).in_dll(library, "ggml_table_gelu_f16"), dtype=np.float16)
     ours = ops.gelu_table()
     assert torch.equal(torch.from_numpy(native.astype(np.float32)).nan_to_num(7.0), ours.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("build", ["amd", "intel"])
+def test_both_cpu_kinds_take_the_emulated_paths(quantized, build):
+    """The other CPU, through its feature report: on each build every family's files take only paths
+    the regime emulates (no caveat), so the exact comparison above is what holds there. The families'
+    own ops (NEOX RoPE, GeGLU's table, soft-capping's tanhf, the q/k norms) have no feature-dependent
+    path; the kernels they sit between are the Llama ones, checked per CPU in test_ggml_strategies."""
+    flags = set({"amd": AMD_CPU, "intel": INTEL_CPU}[build]["flags"].split())
+    for family in FAMILIES:
+        for path in quantized(family)[1].values():
+            weights = GGUFWeights(path)
+            regime = implied_regime(weights.types(), {}, flags, BUILDS[build], head_dim=weights.head_dim)
+            assert regime == ({"preset": "llamacpp", "weights": "gguf"}, []), (family, path.name)
