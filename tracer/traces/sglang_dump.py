@@ -246,18 +246,31 @@ def _rank_dump(rank: int, records: list[_Record], last: int | None, notes: list[
     named = {name: tensor for _, name, tensor in read if name is not None}
     tensors: dict[str, torch.Tensor] = {}
     dims: dict[str, str] = {}
+    again: dict[str, list[str]] = defaultdict(list)  # name -> the dump's other names for it
+
+    def put(name: str, tensor: torch.Tensor, said: str) -> None:
+        if name in tensors:
+            again[name].append(said)
+        else:
+            tensors[name] = tensor
+
     for record, name, tensor in read:  # in the dump's order, a fused output's parts where it stood
+        said = record.name if record.element is None else f"{record.name}.output.{record.element}"
         if name is None:
             for part, piece in _split_fused(record, tensor, named).items():
-                tensors.setdefault(part, piece)
+                put(part, piece, said)
             continue
-        tensors.setdefault(name, tensor)
+        put(name, tensor, said)
         if record.dims is not None:
             dims[name] = split_of_dims(record.dims, str(record.path), tuple(tensor.shape))
     trace = import_foreign(tensors, {"runtime": "sglang"}, directory, aliases)
     sources = trace.meta.sources or {}
     declared = {point: dims[source["name"]] for point, source in sources.items() if source["name"] in dims}
-    trace.meta = _with_notes(trace.meta, notes)
+    point_of = {source["name"]: point for point, source in sources.items()}
+    duplicates = dict(trace.meta.duplicate_names or {})
+    for name, others in again.items():
+        duplicates.setdefault(point_of.get(name, name), []).extend(others)
+    trace.meta = _with_notes(replace(trace.meta, duplicate_names=duplicates or None), notes)
     size = {record.size for record in records} - {None}
     return RankDump(trace, rank, size.pop() if len(size) == 1 else None, declared, f"{directory} rank {rank}")
 
