@@ -49,11 +49,14 @@ def test_every_point_of_sglangs_llama_dump_is_compared_and_matches(reference, du
 
 def test_one_percent_in_one_ranks_slice_of_a_fused_projection_is_its_part(reference, dump, tmp_path):
     """1 % on rank 1's k slice inside layer 1's fused qkv_proj output: the first divergence is k_proj
-    of layer 1 (not q or v: the per-rank [q, k, v] layout), by rank 1's share of k's norm."""
+    of layer 1 (not q or v: the per-rank [q, k, v] layout), by rank 1's share of k's norm. The rotary
+    outputs come as (T, H/N, D) here, as a backend may hand them out: q's width is the same."""
     def plant(rank, name, tensor):
         if rank == 1 and name == "non_intrusive__model.layers.1.self_attn.qkv_proj.output":
             tensor = tensor.clone()
             tensor[:, 32:48] *= 1.01  # rank 1's [q 32 | k 16 | v 16]: its k
+        if ".rotary_emb.output." in name:
+            tensor = tensor.reshape(tensor.shape[0], -1, 16)  # (T, H/N·D) -> (T, H/N, D)
         return tensor
 
     planted = sglang_llama_dump(reference, tmp_path / "planted", edit=plant)
@@ -116,6 +119,8 @@ def _one_file_dump(folder, value, meta):
     ({"name": "x", "sglang_parallel_info": {"tp_rank": None, "tp_size": 1.5}}, "meta tp_size is 1.5"),
     ({"name": "x", "dims": "t h[tp]"}, r"dims 't h\[tp\]' name 2 axes; the tensor has 1 \(4,\)"),
     ("meta", "its meta is str, not a mapping"),
+    ({"name": "x", "sglang_parallel_info": {"tp_rank": 0, "tp_size": 2, "attn_dp_size": 2}},
+     "sglang_parallel_info attn_dp_size is 2; tracer merges tensor-parallel ranks only"),
 ])
 def test_malformed_metadata_is_one_line(tmp_path, meta, message):
     folder = _one_file_dump(tmp_path / "dump", torch.ones(4), meta)

@@ -67,6 +67,7 @@ _DIM = re.compile(r"^(?P<name>[A-Za-z_]\w*|\([^)]*\))(?:\[(?P<bracket>[^\]]*)\]|
 SQUEEZE = "1"  # a `dims` axis of size 1
 AXES = ("tp", "cp", "ep", "sp", "recompute_pseudo")  # SGLang's ParallelAxis
 QUALIFIERS = ("partial", "natural", "zigzag", "sharded")
+UNMERGED = ("pp_size", "attn_dp_size", "attn_cp_size")  # parallelisms whose ranks are not a tp split
 
 # SGLang's Llama modules whose output is not named as the point (models/llama.py, SGLang 0.5):
 # (module with {i} for the layer, element of a tuple output or None) -> point. {i-1}: the layer
@@ -215,6 +216,10 @@ def sglang_ranks(directory: Path, aliases=None) -> list[RankDump]:
         parallel = meta.get("sglang_parallel_info") or {}
         if not isinstance(parallel, dict):
             raise TracerError(f"{path}: meta sglang_parallel_info is {parallel!r}; expected a mapping")
+        for key in UNMERGED:  # ranks that hold other layers, other requests or other tokens
+            if (_whole(parallel, key, path, 1) or 1) > 1:
+                raise TracerError(f"{path}: sglang_parallel_info {key} is {parallel[key]}; tracer merges "
+                                  "tensor-parallel ranks only")
         rank = _whole(parallel, "tp_rank", path, _whole(meta, "rank", path, 0))
         size = _whole(parallel, "tp_size", path, None)
         module, element = (match.group("module") or "", match.group("element")) if match else (name, None)
@@ -308,8 +313,12 @@ def _split_fused(record: _Record, tensor: torch.Tensor, tensors: dict[str, torch
             raise TracerError(f"{record.path}: {record.name} is {width} wide; gate and up halves need an even width")
         widths = [width // 2] * 2
     else:
-        q = next((tensors[p].shape[-1] for p in (layer_point(layer, Q_ROPE), layer_point(layer, CONTEXT))
-                  if p in tensors), None)
+        tokens = tensor.numel() // width
+
+        def width_of(point: str) -> int | None:  # per token, whatever the layout: (T, H/N·D), (T, H/N, D), ...
+            return tensors[point].numel() // tokens if point in tensors else None
+
+        q = next((w for p in (layer_point(layer, Q_ROPE), layer_point(layer, CONTEXT)) if (w := width_of(p))), None)
         if q is None:
             raise TracerError(f"{record.path}: cannot split {record.name} into q, k, v: the dump holds no "
                               "rotary_emb or attn output of its layer to give q's width")
@@ -317,10 +326,10 @@ def _split_fused(record: _Record, tensor: torch.Tensor, tensors: dict[str, torch
             raise TracerError(f"{record.path}: {record.name} is {width} wide; q is {q}, which leaves no k, v "
                               "of equal width")
         widths = [q, (width - q) // 2, (width - q) // 2]
-        k = tensors.get(layer_point(layer, K_ROPE))
-        if k is not None and k.shape[-1] != widths[1]:
+        k = width_of(layer_point(layer, K_ROPE))
+        if k is not None and k != widths[1]:
             raise TracerError(f"{record.path}: {record.name} splits into q, k, v of {widths}, but rotary k is "
-                              f"{k.shape[-1]} wide")
+                              f"{k} wide")
     parts = tensor.split(widths, dim=-1)  # (T, W) -> (T, w) per part
     return {layer_point(layer, part): piece.contiguous() for part, piece in zip(FUSED[sub], parts)}
 
