@@ -231,10 +231,10 @@ def transformer_lens_4_dump(trace) -> dict[str, torch.Tensor]:
     return dump
 
 
-# SGLang's Llama (sglang/srt/models/llama.py) under its dumper's non-intrusive hooks, module by module
-# in forward order, as (module, inputs, outputs): what each module's forward takes and returns. Each
-# entry is a function of (the trace, the layer, the rank's slicer) -> tensors. Written from SGLang's
-# code, not from tracer's tables.
+# SGLang's Llama (sglang/srt/models/llama.py) under its dumper's non-intrusive hooks: one layer's
+# modules in forward order as (module, inputs, outputs), what each forward takes and returns on one
+# rank (`part` cuts that rank's slice), and the two explicit dumps a user adds with `dims`
+# ("explicit", name, tensor, dims, layer). Written from SGLang's code, not from tracer's tables.
 def _sglang_layer_modules(trace, i: int, part):
     p = f"model.layers.{i}."
 

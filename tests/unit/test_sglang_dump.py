@@ -159,10 +159,10 @@ def test_a_view_outside_its_storage_is_refused(tmp_path):
 
 @pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
 def test_memory_is_bounded_by_the_view_not_its_storage(tmp_path, compression):
-    """A (7, 64) slice of a 32 MiB buffer (torch.save writes the whole storage), stored as torch.save
+    """A (7, 64) slice of a 16 MiB buffer (torch.save writes the whole storage), stored as torch.save
     writes it or deflated: the reader's buffers at their peak hold the slice and a 1 MiB chunk, not
-    the 32 MiB (before: the storage read whole, then copied twice)."""
-    buffer = torch.zeros(131_072, 64)
+    the 16 MiB (before: the storage read whole, then copied)."""
+    buffer = torch.zeros(65_536, 64)
     buffer[1000:1007] = torch.arange(448.0).reshape(7, 64)
     stream = io.BytesIO()
     torch.save({"value": buffer[1000:1007], "meta": {"name": "x"}}, stream)
@@ -176,4 +176,4 @@ def test_memory_is_bounded_by_the_view_not_its_storage(tmp_path, compression):
     finally:
         tracemalloc.stop()
     assert torch.equal(value, torch.arange(448.0).reshape(7, 64))
-    assert peak < 3 << 20, f"reading a 32 MiB storage's (7, 64) view peaked at {peak / 2**20:.1f} MiB"
+    assert peak < 3 << 20, f"reading a 16 MiB storage's (7, 64) view peaked at {peak / 2**20:.1f} MiB"

@@ -320,8 +320,8 @@ def _split_fused(record: _Record, tensor: torch.Tensor, tensors: dict[str, torch
 
         q = next((w for p in (layer_point(layer, Q_ROPE), layer_point(layer, CONTEXT)) if (w := width_of(p))), None)
         if q is None:
-            raise TracerError(f"{record.path}: cannot split {record.name} into q, k, v: the dump holds no "
-                              "rotary_emb or attn output of its layer to give q's width")
+            raise TracerError(f"{record.path}: cannot split {record.name}: no rotary_emb or attn output of "
+                              "its layer gives q's width")
         if (width - q) % 2 or width <= q:
             raise TracerError(f"{record.path}: {record.name} is {width} wide; q is {q}, which leaves no k, v "
                               "of equal width")
