@@ -5,6 +5,7 @@ with today's `dims`), read back point by point; the `dims` grammar; malformed fi
 memory bounded by the tensor a file's view spans."""
 
 import io
+import shutil
 import tracemalloc
 import zipfile
 
@@ -177,3 +178,16 @@ def test_memory_is_bounded_by_the_view_not_its_storage(tmp_path, compression):
         tracemalloc.stop()
     assert torch.equal(value, torch.arange(448.0).reshape(7, 64))
     assert peak < 3 << 20, f"reading a 16 MiB storage's (7, 64) view peaked at {peak / 2**20:.1f} MiB"
+
+
+def test_a_fused_output_whose_widths_the_dump_cannot_give_is_refused(dump, tmp_path):
+    """A dump filtered to leave out layer 0's rotary and attention outputs: its qkv_proj cannot be cut
+    into q, k, v by anything it holds, so the folder is refused rather than the split guessed."""
+    folder = tmp_path / "filtered"
+    shutil.copytree(dump, folder)
+    for path in folder.glob("*model.layers.0.self_attn.*.pt"):
+        if ".rotary_emb.output" in path.name or ".self_attn.attn.output" in path.name:
+            path.unlink()
+    with pytest.raises(TracerError, match=r"cannot split model.layers.0.self_attn.qkv_proj: no rotary_emb or attn "
+                                          r"output of its layer gives q's width"):
+        tracer.compare_files(folder, folder, aliases=ALIASES)
