@@ -122,7 +122,9 @@ class EngineEntry:
         families: the model families it traces point for point (tests/unit/test_matrix.py holds each to
             `match`); None: every family not named in `differences` or `absent`.
         differences: the families it traces with a runtime difference (`Difference`: the matrix holds each
-            to diverging first at its point, and the run's hints say it is the runtime's own behaviour).
+            to diverging first at one of its family's points, and the run's hints say it is the runtime's own
+            behaviour). A family may have several, at different points (Gemma 2 in llama.cpp: its query
+            scale, shown first where `query_pre_attn_scalar` is not the head size, and its GELU).
         absent: the families its runtime has no architecture for (`Absent`). Any family in none of the three
             is not traced yet: refused before loading, as an absent one is, in one line of its own.
         positions: it takes explicit absolute positions (`record(tokens, recorder, positions=...)`,
@@ -172,23 +174,27 @@ class EngineEntry:
     no_decode: str = ""
 
     def __post_init__(self):
-        named = [*(self.families or ()), *(d.family for d in self.differences), *(a.family for a in self.absent)]
+        named = [*(self.families or ()), *{d.family: None for d in self.differences}, *(a.family for a in self.absent)]
         twice = sorted({family for family in named if named.count(family) > 1})
         if twice:
             raise TracerError(f"the {self.name} engine states the family {twice[0]} more than once (families, "
                               "differences, absent)")
+        points = [(d.family, d.point) for d in self.differences]
+        again = next((pair for pair in points if points.count(pair) > 1), None)
+        if again:
+            raise TracerError(f"the {self.name} engine declares two differences on {again[0]} at {again[1]}")
 
     def cell(self, family: str) -> str:
         """Its cell of the engine × family matrix: MATCH, DIFFERS, ABSENT or NOT_YET."""
-        if self.difference(family) is not None:
+        if self.differences_on(family):
             return DIFFERS
         if any(absent.family == family for absent in self.absent):
             return ABSENT
         return MATCH if self.families is None or family in self.families else NOT_YET
 
-    def difference(self, family: str) -> Difference | None:
-        """The runtime difference it declares on `family`, if any."""
-        return next((d for d in self.differences if d.family == family), None)
+    def differences_on(self, family: str) -> tuple[Difference, ...]:
+        """The runtime differences it declares on `family`, in the order declared (none: empty)."""
+        return tuple(d for d in self.differences if d.family == family)
 
     @property
     def every_family(self) -> bool:
@@ -202,7 +208,7 @@ class EngineEntry:
             why = next(absent.why for absent in self.absent if absent.family == family)
             return f"the {self.name} engine cannot trace {family}: {why}"
         if cell == NOT_YET:
-            traced = [*(self.families or ()), *(d.family for d in self.differences)]
+            traced = [*(self.families or ()), *{d.family: None for d in self.differences}]
             return f"the {self.name} engine does not trace {family} yet (it traces {', '.join(traced)})"
         return None
 
