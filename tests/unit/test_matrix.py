@@ -23,12 +23,12 @@ CELL_VARIANTS = {"llamacpp": "kv_cache=f32,flash_attn=off"}
 
 
 def llamacpp_argument(family: str, model_dir, folder) -> str:
-    """The tiny model as the GGUF llama.cpp runs (the writers tests/ has: Llama, Qwen2, Qwen3)."""
+    """The tiny model as the f32 GGUF llama.cpp's converter writes (Llama and Mistral: its "llama" architecture)."""
     from tests.families import write_tiny_gguf as write_family_gguf
     from tests.tiny_gguf import write_tiny_gguf as write_llama_gguf
 
     path = folder / f"{family}.gguf"
-    if family == "llama":
+    if family in ("llama", "mistral"):
         write_llama_gguf(model_dir, path)
     else:
         write_family_gguf(model_dir, path, no_vocab=True)

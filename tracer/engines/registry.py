@@ -35,7 +35,7 @@ from tracer.model.knobs import (
     unregister_switch,
     variant_text,
 )
-from tracer.model.points import FUSED_AWAY, split_point
+from tracer.model.points import FUSED_AWAY, MLP_ACT, PROBS, Q_ROPE, SCORES, split_point
 
 
 @dataclass(frozen=True)
@@ -391,9 +391,27 @@ BUILTINS = (
         install_env='CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" ',
         install_note="compiles llama.cpp without AMX, about 5 minutes on 2 cores",
         requires=(("llama_cpp", "llama-cpp-python"),), isolated=True, regime="ggml",
-        # Qwen2's sliding window (llama.cpp ignores it) and Qwen3's q/k norms (nodes not mapped onto
-        # points yet) keep the other families out until their cells match (tests/unit/test_matrix.py).
-        families=("llama",),
+        # each family's graph in src/models/<arch>.cpp of llama-cpp-python 0.3.36's llama.cpp
+        # (docs/engine-llamacpp.md "Families")
+        families=("llama", "qwen3", "olmo2"),
+        differences=(
+            Difference("qwen2", PROBS, "a prompt longer than the window on a sliding layer",
+                       "llama.cpp's qwen2 graph has no sliding window (src/models/qwen2.cpp: build_attn_inp_kv)"),
+            Difference("mistral", PROBS, "a prompt longer than sliding_window",
+                       "llama.cpp runs Mistral as llama, without a sliding window (the converter writes none)"),
+            Difference("phi3", PROBS, "a prompt longer than sliding_window",
+                       "llama.cpp turns Phi-3's sliding window off (src/models/phi3.cpp: \"Phi SWA is currently "
+                       "disabled\")"),
+            *(Difference(family, SCORES, "query_pre_attn_scalar other than the head size",
+                         "llama.cpp scales the queries by 1/sqrt(head_dim) (27B: 1/sqrt(hidden/heads)); "
+                         "query_pre_attn_scalar is not read") for family in ("gemma2", "gemma3")),
+            *(Difference(family, MLP_ACT, "",
+                         "ggml's CPU GELU is a table of f16 values at the input rounded to f16 "
+                         "(ggml-cpu/vec.h: GGML_GELU_FP16)") for family in ("gemma2", "gemma3")),
+            Difference("gemma3", Q_ROPE, "layer_types other than five sliding layers, then one full",
+                       "llama.cpp takes every sixth layer as full, the others sliding (with their rope theta): "
+                       "the converter writes no pattern"),
+        ),
     ),
     EngineEntry(
         "candle", "tracer.engines.candle",
