@@ -398,19 +398,21 @@ BUILTINS = (
             Difference("qwen2", PROBS, "a prompt longer than the window on a sliding layer",
                        "llama.cpp's qwen2 graph has no sliding window (src/models/qwen2.cpp: build_attn_inp_kv)"),
             Difference("mistral", PROBS, "a prompt longer than sliding_window",
-                       "llama.cpp runs Mistral as llama, without a sliding window (the converter writes none)"),
+                       "llama.cpp runs Mistral as llama, without a sliding window (src/models/llama.cpp; the "
+                       "converter writes none)"),
             Difference("phi3", PROBS, "a prompt longer than sliding_window",
                        "llama.cpp turns Phi-3's sliding window off (src/models/phi3.cpp: \"Phi SWA is currently "
                        "disabled\")"),
             *(Difference(family, SCORES, "query_pre_attn_scalar other than the head size",
                          "llama.cpp scales the queries by 1/sqrt(head_dim) (27B: 1/sqrt(hidden/heads)); "
-                         "query_pre_attn_scalar is not read") for family in ("gemma2", "gemma3")),
+                         f"query_pre_attn_scalar is not read (src/models/{family}.cpp: f_attention_scale)")
+              for family in ("gemma2", "gemma3")),
             *(Difference(family, MLP_ACT, "",
                          "ggml's CPU GELU is a table of f16 values at the input rounded to f16 "
                          "(ggml-cpu/vec.h: GGML_GELU_FP16)") for family in ("gemma2", "gemma3")),
             Difference("gemma3", Q_ROPE, "layer_types other than five sliding layers, then one full",
                        "llama.cpp takes every sixth layer as full, the others sliding (with their rope theta): "
-                       "the converter writes no pattern"),
+                       "the converter writes no pattern (src/models/gemma3.cpp: load_swa_pattern(ml, 6))"),
         ),
     ),
     EngineEntry(
