@@ -350,7 +350,7 @@ BUILTINS = (
         "Apple MLX through mlx-lm on the model directory, its modules' calls recorded (CPU; Metal as mps)",
         knobs=("dtype",), fused_attention="every family but gemma2", devices=("cpu", "mps"), decode=True,
         extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
-        # mlx-lm 0.32's own model files, read line by line (docs/engine-mlx.md: each reproduced on a tiny model)
+        # each difference is a line of mlx-lm 0.32's own model file, cited and reproduced in docs/engine-mlx.md
         families=("llama", "qwen3", "olmo2"),
         differences=(
             Difference("qwen2", Q_ROPE, "a config holding its theta in rope_parameters only (as "
