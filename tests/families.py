@@ -29,7 +29,9 @@ TINY_FAMILIES = {
                               attn_logit_softcapping=20.0, final_logit_softcapping=10.0)),
     "gemma3": ("gemma3_text", dict(head_dim=12, sliding_window=WINDOW, query_pre_attn_scalar=16,
                                    tie_word_embeddings=False,
-                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   # layer_types' period, keyed as the hub's Gemma 3 configs write it (mlx-lm reads it)
+                                   sliding_window_pattern=2)),
     "phi3": ("phi3", dict(sliding_window=WINDOW, tie_word_embeddings=False, partial_rotary_factor=0.5)),
     "olmo2": ("olmo2", dict(tie_word_embeddings=True)),
 }

@@ -2,7 +2,7 @@
 `tracer.model.families.FAMILIES`) on the tiny models of tests/families.py, each cell held to what its
 engine's entry states (`EngineEntry.cell`): `match` at every point the engine records; a runtime
 difference diverging first at the point it declares, the hints saying it is the runtime's own behaviour;
-or one line refusing the family, said before anything loads ("the mlx engine does not trace gemma2 yet",
+or one line refusing the family, said before anything loads ("the ENGINE engine does not trace FAMILY yet",
 or "the candle engine cannot trace ...: ..." for a family not in that runtime). An engine or a family
 added later, or a cell an engine's entry changes, is tested by itself."""
 

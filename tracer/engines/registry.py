@@ -35,7 +35,7 @@ from tracer.model.knobs import (
     unregister_switch,
     variant_text,
 )
-from tracer.model.points import FUSED_AWAY, MLP_ACT, PROBS, Q_ROPE, SCORES, split_point
+from tracer.model.points import CONTEXT, EMBED, FUSED_AWAY, MLP_ACT, PROBS, Q_ROPE, SCORES, split_point
 
 
 @dataclass(frozen=True)
@@ -354,11 +354,26 @@ BUILTINS = (
     EngineEntry(
         "mlx", "tracer.engines.mlx",
         "Apple MLX through mlx-lm on the model directory, its modules' calls recorded (CPU; Metal as mps)",
-        knobs=("dtype",), fused_attention="always", devices=("cpu", "mps"), decode=True,
+        knobs=("dtype",), fused_attention="every family but gemma2", devices=("cpu", "mps"), decode=True,
         extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
-        # mlx-lm's other families differ from transformers' on their own configs (Gemma's embedding
-        # scale taken after its call, windows, fused Phi-3 projections): not traced point for point yet.
-        families=("llama", "qwen3"),
+        # each difference is a line of mlx-lm 0.32's own model file, cited and reproduced in docs/engine-mlx.md
+        families=("llama", "qwen3", "olmo2"),
+        differences=(
+            Difference("qwen2", Q_ROPE, "a config holding its theta in rope_parameters only (as "
+                       "transformers 5 writes it), other than 1e6",
+                       "mlx-lm's qwen2.py reads a top-level rope_theta only, else runs 1e6"),
+            Difference("qwen2", CONTEXT, "a prompt longer than the window, on a config whose theta it reads",
+                       "mlx-lm's qwen2.py has no sliding window: one causal mask for every layer"),
+            Difference("mistral", CONTEXT, "a prompt longer than the window",
+                       "mlx-lm runs Mistral with its llama.py, which slides only the layers a config's layer_types "
+                       "marks: Mistral's sliding_window is never applied"),
+            Difference("gemma2", PROBS, "a prompt longer than the window",
+                       "mlx-lm's gemma2.py has no sliding window: one causal mask for every layer"),
+            Difference("gemma3", EMBED, "an f32 or f16 run where bf16 cannot hold sqrt(hidden_size)",
+                       "mlx-lm's gemma3_text.py scales the embedding by sqrt(hidden_size) rounded to bf16"),
+            Difference("phi3", CONTEXT, "a prompt longer than the window",
+                       "mlx-lm's phi3.py has no sliding window: one causal mask for every layer"),
+        ),
     ),
     EngineEntry(
         "onnx", "tracer.engines.onnx",
