@@ -134,10 +134,13 @@ def test_regime_auto_picks_candles_arithmetic_for_a_gguf_and_none_for_f32(quanti
         resolve("auto", parse_engine("candle"), {}, source)
 
 
-def test_other_families_are_refused_in_one_line_before_loading(candle, tmp_path):
-    model = write_tiny_family(tmp_path / "g", "gemma2")
-    with pytest.raises(TracerError, match=r"^the candle engine does not trace gemma2 yet \(it traces llama\)$"):
-        candle_engine.load(ModelSource(model), {"config": "hf"})
+def test_a_gguf_of_another_family_is_refused_in_one_line_before_loading(candle, tmp_path):
+    from tests.families import write_tiny_gguf
+
+    gguf_file = write_tiny_gguf(write_tiny_family(tmp_path / "q", "qwen2"), tmp_path / "q.gguf", no_vocab=True)
+    with pytest.raises(TracerError, match=r"^candle:PATH.gguf runs quantized_llama.rs; candle's quantized qwen2 is "
+                                          r"not composed yet \(its model directory runs\)$"):
+        candle_engine.load(ModelSource(tmp_path / "q"), {}, argument=str(gguf_file))
 
 
 @pytest.mark.parametrize("system, machine, flags, said", [
