@@ -254,6 +254,8 @@ QWEN3 = ModelFile("qwen3.rs", {
 
 
 def _mistral(read: Read) -> dict:
+    if read["use_flash_attn"]:  # mistral.rs' flash_attn without the feature: `unimplemented!`
+        raise TracerError("candle refused: mistral.rs with use_flash_attn needs candle's CUDA flash-attn feature")
     window = read["sliding_window"]
     _window_note(read, window)
     if read.config.get("tie_word_embeddings"):
