@@ -1,18 +1,23 @@
 """The `candle` engine: candle's own CPU kernels (the `candle-nn` 0.4.2 wheel, candle of March
-2024) running the Llama forward of candle-transformers 0.11, op by op, recorded under tracer's points.
+2024) running candle-transformers 0.11's model files, op by op, recorded under tracer's points.
 
 Two forwards, one per model source (`docs/engine-candle.md`):
 
-- an HF directory (f32 safetensors): `models/llama.rs` — `candle_nn::Linear` without bias
-  (`x.matmul(wᵀ)`), RMSNorm, `rope` (half-split) on HF rows, `repeat_kv` by concatenation,
+- an HF directory (f32 safetensors): its family's model file. `models/llama.rs` — `candle_nn::Linear`
+  without bias (`x.matmul(wᵀ)`), RMSNorm, `rope` (half-split) on HF rows, `repeat_kv` by concatenation,
   unfused attention (matmul, /sqrt(D), a u8 causal mask through `where_cond` with −inf, softmax,
   matmul; no mask for one token), SwiGLU, tied or untied `lm_head`. config.json is read as candle
   0.11's serde `LlamaConfig` reads it (`tracer.model.config.read_candle`: theta 10000 when it sits only
-  under `rope_parameters`), unless the variant says `config=hf`.
+  under `rope_parameters`), unless the variant says `config=hf`. The other families' files (qwen2.rs,
+  qwen3.rs, mistral.rs, gemma2.rs, gemma3.rs, phi3.rs, olmo2.rs) are the same forward with what each
+  file adds (`Shape`: biases, q/k norms, Gemma's norms, scaled embeddings and soft-caps, Phi-3's fused
+  projections and partial rotary, OLMo-2's post-norms, each file's window), their config.json read as
+  the file's serde `Config` (`tracer.engines.candle_models`).
 - a GGUF file (`candle:PATH.gguf`): `models/quantized_llama.rs` — `QTensor.matmul_t` on the file's
   own tensors (activations quantized to the weight's vec-dot type, then candle's vec_dot kernels),
   `rope_i` on the GGUF's permuted q/k rows, the embedding from the dequantized `token_embd`, the
   tied `lm_head` a quantized matmul on it. Settings come from the GGUF's metadata, as there.
+  A GGUF of another architecture is refused in one line (its quantized_*.rs is not composed).
 
 0.4.2 has no fused `rms_norm`, `rope`, `rope_i` or `softmax_last_dim` (0.11 has them); each is
 composed from candle's own ops in the order 0.11's CPU kernel computes (`COMPOSED`). Points come

@@ -412,7 +412,7 @@ BUILTINS = (
                        "candle's gemma3.rs scales scores by 1/sqrt(head_dim), never by query_pre_attn_scalar "
                        "(gemma3.rs:263)"),
             Difference("phi3", PROBS, "a prompt longer than the window",
-                       "candle's phi3.rs reads no sliding_window: its mask is causal only (phi3.rs:392)"),
+                       "candle's phi3.rs reads no sliding_window: its mask is causal only (phi3.rs:393)"),
         ),
         regime_with_argument=True,
     ),
