@@ -5,6 +5,8 @@ the same dict that is saved as summary.json, so a report can be rebuilt from tha
 
 - `write_report(result, out_dir)`: the report folder (summary.json, points.csv, curve.png,
   heatmap.png, breakdown.png when there is one, report.html, summary.md), written atomically.
+  A `Triangulation`'s folder holds its own summary.json, report.html and summary.md, and each
+  candidate's report in `candidate-N/`.
 - `curve_figure(summary)` / `layer_heatmap_figure(summary)` / `breakdown_figure(summary)`:
   matplotlib figures (Agg); `plot(result, kind)` picks one by name (what `Result.plot` calls).
 - `result_html(result)` / `trace_html(trace)`: the scoped HTML fragments Jupyter shows.
@@ -38,13 +40,15 @@ _EXPORTS = {
     "result_html": "notebook",
     "sweep_html": "notebook",
     "trace_html": "notebook",
+    "triangulation_html": "notebook",
     "write_report": "write",
 }
 
 __all__ = sorted(_EXPORTS)
 # What a value's methods render through (`tracer.core.renderers`): Result.plot / _repr_html_,
-# Trace._repr_html_, Sweep.table / plot / _repr_html_. Each loads its submodule when first called.
-RENDERED = ("plot", "result_html", "trace_html", "sweep_frame", "sweep_figure", "sweep_html")
+# Trace._repr_html_, Sweep.table / plot / _repr_html_, Triangulation._repr_html_. Each loads its submodule when
+# first called.
+RENDERED = ("plot", "result_html", "trace_html", "sweep_frame", "sweep_figure", "sweep_html", "triangulation_html")
 
 
 def __getattr__(name: str):

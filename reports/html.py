@@ -33,7 +33,21 @@ from tracer.reports.summary import (
     verdict_sentence,
 )
 from tracer.reports.table import display_rows, has_local, key_rows
-from tracer.reports.template import CSS, ENV, PAGE, SCRIPT
+from tracer.reports.template import CSS, ENV, PAGE, SCRIPT, TRIANGULATION_PAGE
+from tracer.reports.triangulation import (
+    SUBDIR,
+    agreement_matrix,
+    candidate_text,
+    floor_text,
+    is_triangulation,
+    letters,
+    not_recorded,
+    odd_one_text,
+    row_title,
+    side_rows,
+    triangulation_sentence,
+    triangulation_title,
+)
 
 FIGURE_CAPTIONS = {
     "curve.png": "Error per block output (log scale). Top: relative L2 against each point's tolerance; "
@@ -46,6 +60,7 @@ FIGURE_CAPTIONS = {
 }
 
 _PAGE = ENV.from_string(PAGE)
+_TRIANGULATION = ENV.from_string(TRIANGULATION_PAGE)
 
 
 def render_html(result, images: Mapping[str, bytes] | None = None) -> str:
@@ -64,9 +79,42 @@ def render_html(result, images: Mapping[str, bytes] | None = None) -> str:
         The page as a string: no external resources, scripts optional.
     """
     summary = as_summary(result)
+    if is_triangulation(summary):
+        return render_triangulation_html(summary)
     if images is None:
         images = report_images(summary)
     return _PAGE.render(page_context(summary, images))
+
+
+def render_triangulation_html(summary: Summary, *, links: bool = False) -> str:
+    """A triangulation's page (its summary dict): every side, each candidate against the reference (`links`: with
+    a link to its own report, `candidate-N/report.html`, as a report folder holds them), the odd one, and one
+    agreement matrix per point shown."""
+    marks, candidates = letters(summary), summary.get("candidates") or []
+    sides = [{"letter": letter, "name": name, "what": what,
+              "against": candidate_text(candidates[number - 1]) if number else "",
+              "link": f"{SUBDIR.format(number)}/report.html" if links and number else None}
+             for number, (letter, name, what) in enumerate(side_rows(summary))]  # 0: the reference
+    rows = []
+    for row in summary.get("agreement") or []:
+        header, cells = agreement_matrix(row, marks)
+        rows.append({"point": row["point"], "rest": row_title(row, marks).removeprefix(row["point"]),
+                     "floor": floor_text(row, summary), "odd": row.get("odd_one"), "header": header,
+                     "cells": [[{"text": value, "css": "differ" if value.endswith("✗") else
+                                 "agree" if value.endswith("✓") else "blank" if not value else ""}
+                                for value in values] for values in cells],
+                     "missing": not_recorded(row, marks)})
+    verdict = str(summary.get("verdict") or "error")
+    return _TRIANGULATION.render(
+        css=CSS, verdict=verdict if verdict in ("match", "diverged") else "error", verdict_label=verdict.upper(),
+        title=triangulation_title(summary), sentence=triangulation_sentence(summary), odd=odd_one_text(summary),
+        tolerance=tolerance_text(summary), sides=sides, rows=rows,
+        notes=[str(note) for note in summary.get("notes") or []], command=summary.get("command"),
+        model=summary.get("model") or "?", prompt=summary.get("prompt"),
+        tokens=", ".join(map(str, summary.get("tokens") or [])),
+        environment=sorted((str(k), str(v)) for k, v in (summary.get("environment") or {}).items()),
+        timings=[(str(k).removesuffix("_s"), fmt_seconds(v)) for k, v in (summary.get("timings") or {}).items()],
+        tracer_version=summary.get("tracer_version") or "?")
 
 
 def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:

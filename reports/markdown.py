@@ -26,6 +26,21 @@ from tracer.reports.summary import (
     tolerance_text,
     verdict_sentence,
 )
+from tracer.reports.triangulation import (
+    SUBDIR,
+    agreement_matrix,
+    candidate_text,
+    floor_text,
+    is_triangulation,
+    letters,
+    not_recorded,
+    odd_one_text,
+    row_odd_text,
+    row_title,
+    side_rows,
+    triangulation_sentence,
+    triangulation_title,
+)
 
 
 def text(value) -> str:
@@ -50,8 +65,10 @@ def fenced(body: str, lang: str = "") -> str:
 
 
 def markdown_summary(result) -> str:
-    """The Markdown summary of a Result (or its summary dict)."""
+    """The Markdown summary of a Result, a Triangulation or its summary dict."""
     summary = as_summary(result)
+    if is_triangulation(summary):
+        return triangulation_markdown(summary)
     verdict = str(summary.get("verdict") or "error").upper()
     parts = [
         f"### tracer: {verdict} — {text(comparison_title(summary))}",
@@ -129,3 +146,38 @@ def coarse_table(summary: Summary) -> str:
         lines.append(f"| `{p['point']}` | {fmt(p.get('max_abs'))} | {fmt(p.get('max_ref'))} | "
                      f"{fmt(p.get('rel_l2'))} | {status} |")
     return "<details><summary>coarse curve</summary>\n\n" + "\n".join(lines) + "\n\n</details>"
+
+
+def triangulation_markdown(summary: Summary) -> str:
+    """A triangulation's summary.md: each candidate against the reference, the odd one, an agreement matrix per
+    point shown, the command; each candidate's own summary.md is in its folder (`candidate-N/`)."""
+    marks, candidates = letters(summary), summary.get("candidates") or []
+    verdict = str(summary.get("verdict") or "error").upper()
+    parts = [f"### tracer: {verdict} — {text(triangulation_title(summary))}", text(triangulation_sentence(summary))]
+    odd = odd_one_text(summary)
+    if odd:
+        parts.append(f"**{text(odd)}**")
+    lines = ["| | side | | against the reference | own report |", "|---|---|---|---|---|"]
+    for number, (letter, name, what) in enumerate(side_rows(summary)):  # 0: the reference
+        against = "" if not number else candidate_text(candidates[number - 1])
+        report = "" if not number else f"`{SUBDIR.format(number)}/summary.md`"
+        lines.append(f"| {letter} | {inline_code(cell(name))} | {cell(what)} | {cell(against)} | {report} |")
+    parts.append(f"Criterion: {text(tolerance_text(summary))}\n\n" + "\n".join(lines))
+    for row in summary.get("agreement") or []:
+        header, cells = agreement_matrix(row, marks)
+        matrix = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+        matrix += ["| " + " | ".join(cell(value) for value in values) + " |" for values in cells]
+        missing = [f"- not recorded: {text(line)}" for line in not_recorded(row, marks)]
+        title = text(row_title(row, marks).removeprefix(row["point"]))
+        judged = text(floor_text(row, summary) + row_odd_text(row, marks))
+        parts.append(f"Agreement at `{row['point']}`{title}; {judged}:\n\n"
+                     + "\n".join([*matrix, *([""] if missing else []), *missing]))
+    notes = [f"- {text(note)}" for note in summary.get("notes") or []]
+    if notes:
+        parts.append("\n".join(notes))
+    if summary.get("command"):
+        parts.append("Reproduce:\n\n" + fenced(str(summary["command"]), "sh"))
+    env = summary.get("environment") or {}
+    if env:
+        parts.append(text(" · ".join(f"{k} {v}" for k, v in env.items())))
+    return "\n\n".join(parts) + "\n"

@@ -1,4 +1,5 @@
-"""Jupyter: the HTML fragments `Result._repr_html_` and `Trace._repr_html_` return, and `.plot()`.
+"""Jupyter: the HTML fragments `Result._repr_html_`, `Trace._repr_html_`, `Sweep._repr_html_` and
+`Triangulation._repr_html_` return, and `.plot()`.
 
 A notebook page is shared with other cells and other libraries, so a fragment here is not the
 report page: its CSS is scoped under one class (`.tracer-nb`), it sets no fonts or colours outside
@@ -32,6 +33,16 @@ from tracer.reports.summary import (
 from tracer.reports.sweep_rows import sweep_cells, sweep_rows
 from tracer.reports.table import display_rows, has_local
 from tracer.reports.template import ENV
+from tracer.reports.triangulation import (
+    agreement_matrix,
+    candidate_text,
+    floor_text,
+    letters,
+    odd_one_text,
+    row_title,
+    side_rows,
+    triangulation_sentence,
+)
 
 # Every selector starts with the scope class: nothing here can restyle the rest of the notebook.
 CSS = """
@@ -230,6 +241,39 @@ def sweep_html(sweep, *, figure: bool = True) -> str:
     return SWEEP.render(css=CSS, rows=rows, reference=side_label(summary.get("reference")),
                         model=summary.get("model"), prompt=summary.get("prompt"),
                         tolerance=tolerance_text(summary), figure=image)
+
+
+# --- Triangulation ------------------------------------------------------------------------------
+
+TRIANGULATION = ENV.from_string("""<div class="tracer-nb">
+<style>{{ css | safe }}</style>
+<div class="tn-banner {{ verdict }}"><span class="tn-verdict">{{ verdict | upper }}</span>{{ sentence }}\
+{% if odd %}<p>{{ odd }}</p>{% endif %}</div>
+<table class="tn">
+{% for letter, name, what, against in sides %}<tr><td><b>{{ letter }}</b></td><td><code>{{ name }}</code></td>\
+<td>{{ what }}</td><td>{{ against }}</td></tr>
+{% endfor %}</table>
+{% for title, floor, header, cells in rows %}<p>at <code>{{ title }}</code> <span class="tn-muted">· {{ floor }}\
+</span></p>
+<table class="tn"><tr>{% for head in header %}<th>{{ head }}</th>{% endfor %}</tr>
+{% for values in cells %}<tr>{% for value in values %}<td class="num">{{ value }}</td>{% endfor %}</tr>{% endfor %}
+</table>
+{% endfor %}
+<p class="tn-muted"><code>tri["mlx"]</code> one candidate's <code>Result</code> · <code>.to_dict()</code></p>
+</div>""")
+
+
+def triangulation_html(triangulation) -> str:
+    """The notebook view of a triangulation (a `Triangulation` or its dict): the sides, each candidate against
+    the reference, the odd one and the agreement matrices, as the report page shows them."""
+    summary = as_summary(triangulation)
+    marks, candidates = letters(summary), summary.get("candidates") or []
+    sides = [(letter, name, what, candidate_text(candidates[number - 1]) if number else "")
+             for number, (letter, name, what) in enumerate(side_rows(summary))]  # 0: the reference
+    rows = [(row_title(row, marks), floor_text(row, summary), *agreement_matrix(row, marks))
+            for row in summary.get("agreement") or []]
+    return TRIANGULATION.render(css=CSS, verdict=summary.get("verdict"), sentence=triangulation_sentence(summary),
+                                odd=odd_one_text(summary), sides=sides, rows=rows)
 
 
 # --- Trace --------------------------------------------------------------------------------------

@@ -28,6 +28,18 @@ from tracer.reports.summary import (
     worst_point,
 )
 from tracer.reports.sweep_rows import greedy_note, sweep_cells, sweep_rows
+from tracer.reports.triangulation import (
+    agreement_matrix,
+    candidate_text,
+    floor_text,
+    is_triangulation,
+    letters,
+    not_recorded,
+    odd_one_text,
+    row_odd_text,
+    row_title,
+    side_rows,
+)
 
 MAX_WIDTH = 100  # never wider, even on a wider terminal: the output is pasted into issues and logs
 MIN_WIDTH = 40
@@ -106,8 +118,36 @@ def column_widths(cells: list[list[str]], width: int) -> list[int]:
 
 
 def terminal_summary(result, out_dir=None) -> str:
-    """The lines `tracer run` and `tracer compare` print; `result` is a Result or its dict."""
-    return wrapped(summary_lines(result.to_dict() if hasattr(result, "to_dict") else result, out_dir))
+    """The lines `tracer run` and `tracer compare` print; `result` is a Result, a Triangulation or its dict."""
+    s = result.to_dict() if hasattr(result, "to_dict") else result
+    return wrapped(triangulation_lines(s, out_dir) if is_triangulation(s) else summary_lines(s, out_dir))
+
+
+def triangulation_lines(s: dict, out_dir=None) -> list[str]:
+    """A triangulation: the sides by letter, each candidate against the reference, the odd one, and an
+    agreement matrix per point shown (`tracer.reports.triangulation`)."""
+    marks, candidates = letters(s), s.get("candidates") or []
+    on = f" on {s['model']}" if s.get("model") else ""
+    lines = [f"tracer: {s['reference']['label']} vs {len(candidates)} candidates{on}"]
+    lines += [f"  {letter}  {name} ({what})" for letter, name, what in side_rows(s)]
+    lines.append(f"  {input_label(s)}")
+    lines.append(f"verdict: {s['verdict'].upper()}  ({len(candidates)} candidates, each against the reference; "
+                 f"criterion {tolerance_text(s)})")
+    lines += [f"  {marks[name]}: {candidate_text(one)}" for name, one in zip(s["sides"][1:], candidates)]
+    odd = odd_one_text(s)
+    if odd:
+        lines.append(f"  {odd}")
+    for row in s.get("agreement") or []:
+        lines += ["", f"agreement at {row_title(row, marks)}; {floor_text(row, s)}{row_odd_text(row, marks)}:"]
+        header, cells = agreement_matrix(row, marks)
+        lines += [f"  {line}" for line in table(header, cells, width=terminal_width() - 2)]
+        lines += [f"  not recorded: {text}" for text in not_recorded(row, marks)]
+    if s.get("notes"):
+        lines.append("")
+    lines += [f"note: {note}" for note in s.get("notes") or []]
+    if out_dir is not None:
+        lines.append(f"report: {out_dir}/report.html")
+    return lines
 
 
 def summary_lines(s: dict, out_dir=None) -> list[str]:

@@ -15,10 +15,11 @@ from pathlib import Path
 from tracer.core.errors import TracerError
 from tracer.core.folders import replaceable_folder
 from tracer.reports.drawers import report_images
-from tracer.reports.html import render_html
+from tracer.reports.html import render_html, render_triangulation_html
 from tracer.reports.markdown import markdown_summary
 from tracer.reports.summary import Summary, as_summary
 from tracer.reports.table import write_points_csv
+from tracer.reports.triangulation import SUBDIR, is_triangulation
 
 # summary.json is always written: it is how a folder is recognised as a tracer report.
 FORMATS = ("csv", "png", "html", "md")
@@ -29,7 +30,9 @@ def write_report(result, out_dir, *, formats=None) -> Path:
     """Write a report folder for a Result (or its summary dict) and return its path.
 
     Args:
-        result: a `Result` (anything with `.to_dict()`) or the summary dict itself.
+        result: a `Result` or a `Triangulation` (anything with `.to_dict()`) or the summary dict itself; a
+            triangulation's folder holds its own summary.json, report.html and summary.md, and each candidate's
+            report in `candidate-N/`.
         out_dir: the folder to create. An existing tracer report there (it holds summary.json)
             is replaced as a whole; an existing folder with other content is refused.
         formats: which files to write besides summary.json, from "csv" (points.csv), "png"
@@ -46,6 +49,8 @@ def write_report(result, out_dir, *, formats=None) -> Path:
     """
     summary = as_summary(result)
     chosen = check_formats(formats)
+    if is_triangulation(summary):
+        return write_folder(out_dir, MARKER, lambda folder: write_triangulation_files(summary, folder, chosen))
     return write_folder(out_dir, MARKER, lambda folder: write_files(summary, folder, chosen))
 
 
@@ -99,6 +104,20 @@ def write_files(summary: Summary, folder: Path, formats: tuple[str, ...]) -> Non
         (folder / "report.html").write_text(render_html(summary, images), encoding="utf-8")
     if "md" in formats:
         (folder / "summary.md").write_text(markdown_summary(summary), encoding="utf-8")
+
+
+def write_triangulation_files(summary: Summary, folder: Path, formats: tuple[str, ...]) -> None:
+    """A triangulation's folder: its summary.json, report.html and summary.md, and each candidate's own report
+    (against the reference, every file a run writes) in `candidate-N/`."""
+    (folder / MARKER).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if "html" in formats:
+        (folder / "report.html").write_text(render_triangulation_html(summary, links=True), encoding="utf-8")
+    if "md" in formats:
+        (folder / "summary.md").write_text(markdown_summary(summary), encoding="utf-8")
+    for number, candidate in enumerate(summary.get("candidates") or [], 1):
+        own = folder / SUBDIR.format(number)
+        own.mkdir()
+        write_files(candidate, own, formats)
 
 
 def replace_folder(new: Path, out: Path) -> None:

@@ -5,13 +5,13 @@
     >>> result.first_divergence.point
     'model.layers.0.self_attn.q_rope'
 
-`record` (model, tokens -> Trace), `compare` (Trace, Trace -> Result), `run` (both, plus
-greedy continuations and the report folder), `sweep` (many variants against one reference),
-`diagnose` (which known mistake a foreign trace looks like), `compare_files` (two saved
-traces, any runtime's names), `audit_gguf` (a GGUF's tensors against the model's own) and
-`quality` (llama-perplexity's KL-divergence figures over a text, and where the loss is made) are
-the API; the CLI maps onto them. Names load on first use, so `import tracer` (and `tracer
-variants`) does not pay for torch.
+`record` (model, tokens -> Trace), `compare` (Trace, Trace -> Result), `run` (both, plus greedy
+continuations and the report folder; several candidates on one reference run: a `Triangulation`),
+`sweep` (many variants against one reference), `diagnose` (which known mistake a foreign trace
+looks like), `compare_files` (two saved traces, any runtime's names), `audit_gguf` (a GGUF's
+tensors against the model's own) and `quality` (llama-perplexity's KL-divergence figures over a
+text, and where the loss is made) are the API; the CLI maps onto them. Names load on first use, so
+`import tracer` (and `tracer variants`) does not pay for torch.
 """
 
 import importlib
@@ -26,7 +26,7 @@ _EXPORTS = {
     "quality": _API, "compare": "tracer.comparison.diff", "Quality": "tracer.pipeline.corpus",
     "Result": _RESULT, "PointDiff": _RESULT, "Tolerance": _RESULT, "Sweep": _RESULT, "SweepRow": _RESULT,
     "Diagnosis": _RESULT, "Divergence": _RESULT, "LogitsSummary": _RESULT, "Greedy": _RESULT,
-    "RegimeView": _RESULT, "WeightAudit": "tracer.ggml.audit",
+    "RegimeView": _RESULT, "Triangulation": _RESULT, "AgreementRow": _RESULT, "WeightAudit": "tracer.ggml.audit",
     "Trace": _TRACE, "TraceMeta": _TRACE, "TracerError": "tracer.core.errors",
     "default_model_path": "tracer.files.sources",
 }

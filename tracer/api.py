@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from tracer.arguments import run_command
-from tracer.comparison.result import Diagnosis, Result, Sweep, Tolerance
+from tracer.comparison.result import Diagnosis, Result, Sweep, Tolerance, Triangulation
 from tracer.core.errors import TracerError
 from tracer.files.sources import resolve_source
 from tracer.ggml.audit import WeightAudit
@@ -30,8 +30,11 @@ from tracer.pipeline.request import (
     Placement,
     Request,
     Side,
+    candidate_sides,
     check_tolerance,
+    one_candidate,
     request_of,
+    sweep_candidate,
 )
 from tracer.traces.trace import Trace
 
@@ -88,7 +91,7 @@ def run(
     prompt: str | None = DEFAULT_PROMPT,
     *,
     reference: str = "hf",
-    candidate: str = "reimpl",
+    candidate: str | list[str] = "reimpl",
     variant=None,
     reference_variant=None,
     atol: float | None = None,
@@ -100,7 +103,7 @@ def run(
     command: str | None = None,
     progress: bool = True,
     **request,
-) -> Result:
+) -> Result | Triangulation:
     """Trace a reference and a candidate on the same tokens and localize the first divergence.
 
     The keywords naming the request's input and placement (tokens, max_tokens, chat, system,
@@ -111,8 +114,12 @@ def run(
         model: as in `record` (None: the bundled SmolLM2-135M-Instruct).
         prompt: the text to run; ignored when `tokens` is given.
         tokens: token ids, for models without a tokenizer.
-        reference, candidate: engines ("hf", "reimpl", "file:PATH", ...; see `tracer engines`).
-        variant, reference_variant: knobs for each side, e.g. "theta=10000".
+        reference, candidate: engines ("hf", "reimpl", "file:PATH", ...; see `tracer engines`). Either may carry
+            its own knobs as its label writes them: "llamacpp:m.gguf[kv_cache=f32,flash_attn=off]".
+            `candidate` a list of two or more: a triangulation, every one of them against one reference run and
+            against each other (docs/explain.md, "Triangulation"), each with its knobs in brackets; returns a
+            `Triangulation`. Not with `decode`, `batch` or `regime` yet (one line says so).
+        variant, reference_variant: knobs for each side, e.g. "theta=10000" (`variant`: a lone candidate's).
         atol, rtol: elementwise tolerance replacing the default relative-L2 criterion.
         greedy: greedy tokens to generate on both sides (0: none; default 20, or 0 for prompts
             over 128 tokens, where each step reruns the whole prompt on both sides).
@@ -148,7 +155,9 @@ def run(
     rows, so memory stays bounded (SmolLM2 at 2048 tokens: under 4 GB resident).
 
     Returns:
-        A `Result`; `bool(result)` is True when every point is within tolerance.
+        A `Result`; `bool(result)` is True when every point is within tolerance. For several candidates a
+        `Triangulation`: each one's `Result`, the agreement table and the odd one; `bool()` is True when every
+        candidate matches the reference.
 
     Example:
         >>> result = tracer.run(variant="theta=10000", greedy=0, progress=False)
@@ -157,9 +166,10 @@ def run(
     """
     check_tolerance(atol, rtol)
     inputs, placement = request_of("run", model, prompt, request)
-    asked = Request(inputs, placement, Side.of(reference, reference_variant), Side.of(candidate, variant),
+    one, several = candidate_sides(candidate, variant)
+    asked = Request(inputs, placement, Side.of(reference, reference_variant), one,
                     Outputs(report=None if out is None else str(out)), Tolerance(atol=atol, rtol=rtol), greedy=greedy,
-                    noise_floor=noise_floor, regime=regime, command=command, progress=progress)
+                    noise_floor=noise_floor, regime=regime, command=command, progress=progress, candidates=several)
     if command is None and (model is None or isinstance(model, (str, os.PathLike))):  # a model object has no line
         asked = dataclasses.replace(asked, command=run_command(asked))
     return commands.run(asked)
@@ -217,7 +227,8 @@ def sweep(
     check_tolerance(atol, rtol)
     given = DEFAULT_PROMPT if prompt is None and request.get("tokens") is None else prompt
     inputs, placement = request_of("sweep", model, given, request)
-    request = Request(inputs, placement, Side.of(reference, reference_variant), Side.of(candidate),
+    request = Request(inputs, placement, Side.of(reference, reference_variant),
+                      sweep_candidate(candidate),
                       Outputs(report=None if out is None else str(out), kind=SWEEP_REPORT),
                       Tolerance(atol=atol, rtol=rtol), greedy=greedy, noise_floor=noise_floor, variants=variants,
                       command=command, progress=progress)
@@ -310,7 +321,7 @@ def quality(text: str | None = None, model=None, *, text_file: str | Path | None
         raise TracerError("give a text (text=, text_file=) or token ids (tokens=)")
     inputs = Inputs(model, prompt=text, tokens=tokens)
     request = Request(inputs, Placement(device, stream, offload, max_memory), Side.of(reference, reference_variant),
-                      Side.of(candidate, variant), command=command, progress=progress)
+                      Side.of(one_candidate(candidate, "quality"), variant), command=command, progress=progress)
     return commands.quality(request, ctx=ctx, chunks=chunks, by_layer=by_layer,
                             text_name=text_name or ("<tokens>" if text is None else "<text>"))
 

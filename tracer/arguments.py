@@ -63,6 +63,15 @@ class _Prompts(argparse.Action):
                                                                     values])
 
 
+class _Candidates(argparse.Action):
+    """--candidate, repeatable: the first one given replaces the default, the next ones join it (a list: several
+    are `tracer run`'s triangulation; `tracer.pipeline.request.one_candidate` refuses them elsewhere)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*given, values] if isinstance(given, list) else [values])
+
+
 def _parent() -> argparse.ArgumentParser:
     return argparse.ArgumentParser(add_help=False)
 
@@ -220,7 +229,7 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
                   _report(DEFAULT_SWEEP_OUT), _json("sweep"))
     swp.add_argument("--variants", action="extend", nargs="+", metavar="K=V[,K=V]",
                      help="variants to run (several, or one argument with ';' between them; default: one per knob)")
-    swp.add_argument("--candidate", default="reimpl",
+    swp.add_argument("--candidate", default="reimpl", action=_Candidates,
                      help="engine the variants run on: reimpl | hf | ..., see `tracer engines` (default reimpl)")
     swp.add_argument("--greedy", type=int, default=0, help="greedy tokens per variant, each a forward (default 0)")
 
@@ -232,7 +241,7 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     corpus = qual.add_mutually_exclusive_group(required=True)
     corpus.add_argument("--text", type=Path, metavar="FILE", help="the text, a UTF-8 file (llama-perplexity's -f)")
     corpus.add_argument("--tokens", action=_Once, help=TOKENS_HELP)
-    qual.add_argument("--candidate", default="reimpl",
+    qual.add_argument("--candidate", default="reimpl", action=_Candidates,
                       help="candidate engine: reimpl | hf | llamacpp:PATH.gguf | ..., see `tracer engines` "
                            "(default reimpl)")
     qual.add_argument("-c", "--ctx", type=int, default=DEFAULT_CTX,
@@ -256,8 +265,11 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
 def _run_candidate() -> argparse.ArgumentParser:
     """`tracer run`'s own flags: the candidate, its regime, the greedy continuation."""
     parent = _parent()
-    parent.add_argument("--candidate", default="reimpl",
-                        help="candidate engine: reimpl | hf | file:PATH | ..., see `tracer engines` (default reimpl)")
+    parent.add_argument("--candidate", default="reimpl", action=_Candidates,
+                        help="candidate engine: reimpl | hf | file:PATH | ..., see `tracer engines` (default reimpl); "
+                             "given several times, all of them on one reference run, who agrees with whom at each "
+                             "one's first divergence (each with its own knobs: 'llamacpp[kv_cache=f32]'; "
+                             "docs/explain.md, Triangulation)")
     parent.add_argument("--regime", metavar="auto|K=V[,K=V]",
                         help="compare in a number-format regime: auto (the one the candidate's runtime and model file "
                              "imply: llama.cpp's CPU arithmetic on its GGUF, a 16-bit dtype) or knobs such as "
@@ -322,9 +334,11 @@ def run_command(request: Request) -> str:
         "chat": inputs.chat, "system": inputs.system,
         "max_tokens": inputs.max_tokens if inputs.tokens is None else None,
         "position_offset": inputs.position_offset, "decode": inputs.decode, "batch": inputs.batch,
-        "reference": str(request.reference.engine), "candidate": str(request.candidate.engine),
+        "reference": str(request.reference.engine),
+        # a lone candidate's knobs on --variant, as before; a triangulation's each in its own brackets
+        "candidate": [side.text for side in request.candidates] or str(request.candidate.engine),
         "reference_variant": [variant_text(request.reference.variant)] if request.reference.variant else [],
-        "variant": [variant_text(request.candidate.variant)] if request.candidate.variant else [],
+        "variant": [variant_text(request.candidate.variant)] if request.candidate and request.candidate.variant else [],
         "atol": tolerance.atol, "rtol": tolerance.rtol,
         "greedy": request.greedy if request.greedy != GREEDY_STEPS else None, "no_noise": not request.noise_floor,
         "device": placement.device, "stream": placement.stream, "no_stream": placement.stream is False,

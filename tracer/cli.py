@@ -33,7 +33,10 @@ from tracer.pipeline.request import (
     Placement,
     Request,
     Side,
+    candidate_sides,
     check_tolerance,
+    one_candidate,
+    sweep_candidate,
     writable_file,
 )
 from tracer.reports.drawers import start_drawers
@@ -81,10 +84,10 @@ def outputs_of(args, kind: tuple[str, str] = RUN_REPORT) -> Outputs:
 def cmd_run(args) -> int:
     inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args)
     check_tolerance(args.atol, args.rtol)
-    request = Request(inputs, placement, Side.of(args.reference, args.reference_variant),
-                      Side.of(args.candidate, args.variant), outputs, Tolerance(atol=args.atol, rtol=args.rtol),
-                      greedy=args.greedy, noise_floor=not args.no_noise, regime=args.regime,
-                      command=_command_line(), progress=args.json != "-")
+    one, several = candidate_sides(args.candidate, args.variant)
+    request = Request(inputs, placement, Side.of(args.reference, args.reference_variant), one, outputs,
+                      Tolerance(atol=args.atol, rtol=args.rtol), greedy=args.greedy, noise_floor=not args.no_noise,
+                      regime=args.regime, command=_command_line(), progress=args.json != "-", candidates=several)
     if outputs.report is not None:
         start_drawers()  # forked while this is one thread with no torch: matplotlib loads beside the run
     from tracer.pipeline import commands  # torch loads only now, every argument checked
@@ -114,7 +117,8 @@ def cmd_compare(args) -> int:
 
 
 def _exit_code(result, args) -> int:
-    """1 for a divergence when asked (porting CI); 2 stays for user errors."""
+    """1 for a divergence when asked (porting CI): a triangulation's verdict is "diverged" when any candidate
+    diverges from the reference, whichever side is the odd one; 2 stays for user errors."""
     return 1 if args.fail_on_divergence and result.verdict == "diverged" else 0
 
 
@@ -220,7 +224,7 @@ def _runtime_lines(entry) -> list[str]:
 def cmd_sweep(args) -> int:
     inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args, SWEEP_REPORT)
     request = Request(inputs, placement, Side.of(args.reference, args.reference_variant),
-                      Side.of(args.candidate), outputs, greedy=args.greedy,
+                      sweep_candidate(args.candidate), outputs, greedy=args.greedy,
                       noise_floor=not args.no_noise, variants=args.variants, command=_command_line(),
                       progress=args.json != "-")
     from tracer.pipeline import commands  # torch loads only now, every argument checked
@@ -271,7 +275,8 @@ def cmd_quality(args) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise TracerError(f"cannot read text file {args.text}: {getattr(exc, 'strerror', None) or exc}") from None
     request = Request(Inputs(model=args.model, prompt=text, tokens=args.tokens), placement,
-                      Side.of(args.reference, args.reference_variant), Side.of(args.candidate, args.variant),
+                      Side.of(args.reference, args.reference_variant),
+                      Side.of(one_candidate(args.candidate, "quality"), args.variant),
                       command=_command_line(), progress=args.json != "-" and args.markdown != "-")
     from tracer.pipeline import commands  # torch loads only now, every argument checked
     from tracer.reports.quality import quality_markdown, quality_text  # jinja2, for Markdown: quality's only

@@ -1,5 +1,5 @@
 """Every example users read runs: the docstring examples of the package (doctest) and the Python
-blocks of README.md, on the bundled SmolLM2, in a scratch folder."""
+blocks of README.md and docs/explain.md, on the bundled SmolLM2, in a scratch folder."""
 
 from __future__ import annotations
 
@@ -38,16 +38,21 @@ def test_docstring_examples_run(name, default_model, tmp_path, monkeypatch):
     assert runner.failures == 0, f"{runner.failures} failing example(s) in {name} (see the output above)"
 
 
-def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+# The pages whose Python blocks are examples to run as written (docs/explain.md: the triangulation's).
+PAGES = ("README.md", "docs/explain.md")
 
 
-def test_readme_has_python_examples():
-    assert readme_python_blocks()
+def python_blocks(page: str = "README.md") -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_python_blocks_run(index, default_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("page", PAGES)
+def test_the_pages_have_python_examples(page):
+    assert python_blocks(page)
+
+
+@pytest.mark.parametrize(("page", "index"), [(page, i) for page in PAGES for i in range(len(python_blocks(page)))])
+def test_python_blocks_run(page, index, default_model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code = readme_python_blocks()[index]
-    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__example__"})
+    code = python_blocks(page)[index]
+    exec(compile(code, f"{page} python block {index}", "exec"), {"__name__": "__example__"})

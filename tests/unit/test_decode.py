@@ -52,7 +52,7 @@ def test_the_correct_cache_matches_at_every_step_and_point(llama_dir):
     assert [step.reference_pick for step in result.steps[:-1]] == [step.tokens[0] for step in result.steps[1:]]
     assert all(step.candidate_pick == step.reference_pick for step in result.steps)
     summary = result.to_dict()
-    assert summary["contract"] == CONTRACT_VERSION == 3 and len(summary["steps"]) == STEPS + 1
+    assert summary["contract"] == CONTRACT_VERSION >= 3 and len(summary["steps"]) == STEPS + 1
     # the candidate (reimpl) reran every step on the reference's inputs and cache: it makes no error of its own
     assert all(step.local is False and set(step.layer_status) == {"match"} for step in result.steps)
     assert max(v for step in result.steps for v in step.layer_max_local_rel_l2) < 1e-6

@@ -373,6 +373,23 @@ def _(tmp):
     return run_args(tmp, m, "--candidate", "llamacp"), lambda: tracer.run(m, tokens=TOKENS, candidate="llamacp")
 
 
+@row("a variant beside several candidates",
+     r"--variant with 2 candidates: put each one's knobs in it, e\.g\. 'llamacpp\[kv_cache=f32\]'")
+def _(tmp):
+    m = model(tmp)
+    return (run_args(tmp, m, "--candidate", "hf", "--candidate", "reimpl", "--variant", "theta=1"),
+            lambda: tracer.run(m, tokens=TOKENS, candidate=["hf", "reimpl"], variant="theta=1"))
+
+
+@row("sweep with two candidates",
+     r"tracer sweep takes one --candidate; several: tracer run --candidate A --candidate B")
+def _(tmp):
+    m = model(tmp)
+    args = ["sweep", "--model", str(m), "--tokens", TOKEN_ARG, "--candidate", "hf", "--candidate", "reimpl",
+            "--out", str(tmp / "report")]
+    return args, lambda: tracer.sweep(m, tokens=TOKENS, candidate=["hf", "reimpl"])
+
+
 @row("reference file that is not a trace", r"cannot read trace .*/notes\.txt: .*")
 def _(tmp):
     m = model(tmp)

@@ -171,24 +171,34 @@ def compare_points(reference: Trace, candidate: Trace, tolerance: Tolerance,
         if extra not in order:
             order.append(extra)
     order = _execution_order(order, reference, candidate)
-    results = []
-    for point in order:
-        in_ref, in_cand = point in reference, point in candidate
-        if compared and point in compared:
-            results.append(compared[point])
-            continue
-        if in_ref and in_cand:
-            pair = paired(point, reference, candidate, layout)
-            if isinstance(pair, str):  # two cache layouts that cannot be reconciled: said, not compared
-                results.append(PointDiff(point, layer_of(point), None, missing_on="neither", reason=pair))
-            else:
-                results.append(compare_point(point, *pair, tolerance, (noise or {}).get(point)))
-            continue
-        missing_on = "both" if not (in_ref or in_cand) else ("candidate" if in_ref else "reference")
-        reason = candidate.not_recorded.get(point) or reference.not_recorded.get(point)
-        shape = tuple(reference[point].shape) if in_ref else tuple(candidate[point].shape) if in_cand else None
-        results.append(PointDiff(point, layer_of(point), shape, missing_on=missing_on, reason=reason))
-    return results
+    return [compared[point] if compared and point in compared
+            else point_diff(point, reference, candidate, tolerance, noise, layout) for point in order]
+
+
+def point_diff(point: str, reference: Trace, candidate: Trace, tolerance: Tolerance,
+               noise: dict[str, float] | None, layout: SlotLayout) -> PointDiff:
+    """One point of two traces compared (read in `layout`), or why it is not: a side did not record it, or
+    the two sides' cache layouts cannot be reconciled."""
+    in_ref, in_cand = point in reference, point in candidate
+    if in_ref and in_cand:
+        pair = paired(point, reference, candidate, layout)
+        if isinstance(pair, str):  # two cache layouts that cannot be reconciled: said, not compared
+            return PointDiff(point, layer_of(point), None, missing_on="neither", reason=pair)
+        return compare_point(point, *pair, tolerance, (noise or {}).get(point))
+    missing_on = "both" if not (in_ref or in_cand) else ("candidate" if in_ref else "reference")
+    reason = candidate.not_recorded.get(point) or reference.not_recorded.get(point)
+    shape = tuple(reference[point].shape) if in_ref else tuple(candidate[point].shape) if in_cand else None
+    return PointDiff(point, layer_of(point), shape, missing_on=missing_on, reason=reason)
+
+
+def compare_at(points, reference: Trace, candidate: Trace, tolerance: Tolerance,
+               noise: dict[str, float] | None = None) -> dict[str, PointDiff]:
+    """Only `points` of two traces, each compared as `compare` compares it (layouts aligned, caches read in
+    one slot layout, judged against `noise` at that point): two of a triangulation's candidates at the
+    points its agreement table shows."""
+    reference, candidate, _ = align(reference, candidate)
+    layout = slot_layout(reference, candidate)
+    return {point: point_diff(point, reference, candidate, tolerance, noise, layout) for point in points}
 
 
 def tokens_cached(trace: Trace) -> int | None:

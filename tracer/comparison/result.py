@@ -1,5 +1,6 @@
 """What comparisons produce, as values: `Tolerance`, `PointDiff`, `Result` with its parts (`Divergence`,
-`LogitsSummary`, `Greedy`, `RegimeView` and its `WeightAudit`), `SweepRow`, `Sweep`, `Diagnosis`. The
+`LogitsSummary`, `Greedy`, `RegimeView` and its `WeightAudit`), `SweepRow`, `Sweep`, `Diagnosis`, and a
+`Triangulation` (several candidates' `Result`s on one reference, with their `AgreementRow`s). The
 functions that compute them live apart (`tracer.comparison.diff` compares two traces, `tracer.pipeline.run` runs
 engines), as Polygraphy keeps `struct.py` apart from `compare.py`.
 
@@ -27,8 +28,9 @@ DEFAULT_REL_L2 = 1e-4
 # On SmolLM2 the f32-vs-f64 noise bounds eager-vs-sdpa at every point (ratio at most 0.98).
 NOISE_FACTOR = 10.0
 # The version of summary.json's contract (docs/design.md): 2 added the decode steps (`step`, `steps`), 3 each
-# step's local errors and status per layer (`layer_max_local_rel_l2`, `layer_status`, `local`, `inherited_from`).
-CONTRACT_VERSION = 3
+# step's local errors and status per layer (`layer_max_local_rel_l2`, `layer_status`, `local`, `inherited_from`),
+# 4 the triangulation (`kind` "triangulation": several candidates on one reference run, `Triangulation.to_dict`).
+CONTRACT_VERSION = 4
 NOISE_FLOOR = 1e-6
 
 
@@ -420,6 +422,108 @@ class Result:
     def _repr_html_(self) -> str:
         """Jupyter's view: verdict, first divergence, curve, the diverging block (scoped CSS)."""
         return render("result_html", self)
+
+
+@dataclass(frozen=True)
+class PairAgreement:
+    """Two sides of a triangulation at one point (`AgreementRow`): the rel_l2 of the second against the first,
+    and whether it is within the row's bound; `agree` None where the pair was not compared (`reason` says why:
+    a side did not record the point)."""
+
+    sides: tuple[str, str]
+    rel_l2: float | None
+    agree: bool | None
+    reason: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"sides": list(self.sides), "rel_l2": self.rel_l2, "agree": self.agree, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class AgreementRow:
+    """Who agrees with whom at one point of a triangulation (`tracer.comparison.triangulation`): a candidate's
+    first divergence from the reference, or the logits. Every pair of sides that recorded the point is judged
+    by one bound, `threshold`, the one each candidate was held to against the reference there: `floor` says
+    which ("noise": `noise_factor` × the reference's f64 rounding noise at the point, `noise`; "fixed": the
+    fixed rel_l2 bound, no noise measured there; "allclose": the elementwise atol/rtol, no rel_l2 bound).
+    `odd_one`: the one side that disagrees with every other while all the others agree with each other."""
+
+    point: str
+    layer: int | None
+    first_of: tuple[str, ...]  # the candidates whose first divergence from the reference this point is
+    sides: tuple[str, ...]  # the sides that recorded it, the reference first
+    threshold: float | None
+    floor: str  # "noise" | "fixed" | "allclose"
+    noise: float | None
+    pairs: tuple[PairAgreement, ...]
+    odd_one: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"point": self.point, "layer": self.layer, "first_of": list(self.first_of), "sides": list(self.sides),
+                "threshold": self.threshold, "floor": self.floor, "noise": self.noise,
+                "pairs": [pair.to_dict() for pair in self.pairs], "odd_one": self.odd_one}
+
+
+@dataclass(frozen=True)
+class Triangulation:
+    """Several candidates traced in one run on one reference run (`tracer.run(candidate=[A, B, ...])`): each
+    candidate's `Result` against the reference, and at each one's first divergence and at the logits who agrees
+    with whom (`agreement`). `odd_one` is the first row's odd one, if any: {"side", "role" ("reference" or
+    "candidate"), "point"}; the reference there may be the wrong side (docs/explain.md, "Triangulation").
+
+    `bool(triangulation)`: every candidate matches the reference (what `--fail-on-divergence` exits 1 on
+    when it does not, the reference odd one out included: something disagrees either way).
+
+    Example:
+        >>> tri = tracer.run(reference="reimpl", reference_variant="theta=10000", candidate=["hf", "reimpl"],
+        ...                  greedy=0, progress=False)
+        >>> tri.odd_one["role"], tri.odd_one["point"]
+        ('reference', 'model.layers.0.self_attn.q_rope')
+    """
+
+    results: tuple[Result, ...]  # one per candidate, in the order given
+    sides: tuple[str, ...]  # how the agreement table names each side: the reference, then each candidate
+    agreement: tuple[AgreementRow, ...]
+    odd_one: dict | None = None
+    environment: dict = field(default_factory=dict)
+    command: str | None = None
+    timings: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def verdict(self) -> str:
+        return "match" if all(self.results) else "diverged"
+
+    def __bool__(self) -> bool:
+        return self.verdict == "match"
+
+    def __getitem__(self, side: str) -> Result:
+        """A candidate's `Result` by the name the table gives it (`sides`)."""
+        if side not in self.sides[1:]:
+            raise KeyError(side)
+        return self.results[self.sides.index(side) - 1]
+
+    def with_context(self, **context) -> Triangulation:
+        return dataclasses.replace(self, **context)
+
+    def to_dict(self) -> dict:
+        first = self.results[0]
+        return json_safe({
+            "tracer_version": __version__, "contract": CONTRACT_VERSION, "kind": "triangulation",
+            "verdict": self.verdict, "model": first.model, "prompt": first.prompt, "tokens": first.tokens,
+            "token_texts": first.token_texts, "chat": first.chat, "reference": first.reference,
+            "sides": list(self.sides), "tolerance": first.tolerance.to_dict(),
+            "candidates": [result.to_dict() for result in self.results],
+            "agreement": [row.to_dict() for row in self.agreement], "odd_one": self.odd_one,
+            "environment": self.environment, "command": self.command, "timings": self.timings,
+            "notes": list(self.notes),
+        })
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def _repr_html_(self) -> str:
+        return render("triangulation_html", self)
 
 
 @dataclass(frozen=True)

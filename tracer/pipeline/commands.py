@@ -7,7 +7,9 @@ placement, checked against every engine it names) and hands its `target` to ever
 nothing resolves or checks it again.
 
 - `run`: the reference prepared, one candidate compared, then its decode steps, its batch's rows and its
-  regime view where the request asks for them, and the report folder.
+  regime view where the request asks for them, and the report folder; with several candidates, `triangulate`.
+- `triangulate`: the reference prepared once, every candidate compared with it, then with each other at
+  the points that tell who is the odd one (`tracer.comparison.triangulation`).
 - `sweep`: the reference prepared once, every variant of the candidate compared with it (`sweep_row`).
 - `diagnose`: an observed trace against the reference, and the variant catalogue ranked by resemblance.
 - `record`: one engine's trace.
@@ -19,14 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Callable
 
 from tracer.comparison.fingerprint import resemblance
 from tracer.comparison.perplexity import Statistics, chunk_tokens, mean_and_uncertainty
-from tracer.comparison.result import Diagnosis, Result, Sweep, SweepRow, Tolerance
+from tracer.comparison.result import Diagnosis, Result, Sweep, SweepRow, Tolerance, Triangulation
 from tracer.comparison.steps import compare_steps, with_steps
+from tracer.comparison.triangulation import triangulation
 from tracer.core.errors import TracerError
 from tracer.core.progress import progress_stages, stage
 from tracer.engines.base import Engine, at_positions, environment
@@ -54,9 +58,10 @@ from tracer.pipeline.decode import compare_decoded, decoded_tokens, reference_de
 from tracer.pipeline.reference_cache import folder_state
 from tracer.pipeline.regime_view import check_regime_decode, compare_in_regime
 from tracer.pipeline.regime_view import resolve as resolve_regime
-from tracer.pipeline.request import Inputs, Outputs, Placement, Request
+from tracer.pipeline.request import Inputs, Outputs, Placement, Request, Side
 from tracer.pipeline.run import (
     Prepared,
+    candidate_compared,
     candidate_engine,
     candidate_loader,
     check_tokens,
@@ -71,14 +76,18 @@ from tracer.traces.shards import load_shards
 from tracer.traces.trace import Trace, import_foreign
 
 RUN_STAGES = ("load", "reference", "noise floor", "candidate", "greedy", "decode", "batch", "regime", "report")
+TRIANGULATE_STAGES = ("load", "reference", "noise floor", "candidate", "greedy", "agreement", "report")
 SWEEP_STAGES = ("load", "reference", "noise floor", "decode", "candidate", "report")
 DIAGNOSE_STAGES = ("load", "reference", "noise floor", "decode", "candidate")
 
 
-def run(request: Request) -> Result:
+def run(request: Request) -> Result | Triangulation:
     """`tracer run`: trace the request's reference and candidate on the same tokens and localize the first
     divergence (`tracer.api.run` says what each part of the request does). After the reference, each stage
-    reads what it does from the run's request, which the prepared reference holds."""
+    reads what it does from the run's request, which the prepared reference holds. A request with several
+    candidates is a triangulation (`triangulate`)."""
+    if request.candidates:
+        return triangulate(request)
     candidate, inputs = request.candidate, request.inputs
     with progress_stages(RUN_STAGES, request.progress):
         request = request.resolved()  # in the bar's "load" stage: a GGUF converted on first use takes seconds
@@ -105,6 +114,58 @@ def run(request: Request) -> Result:
             stage("report")
             write_report(result, request.outputs.report)
         return result
+
+
+def triangulate(request: Request) -> Triangulation:
+    """`tracer run --candidate A --candidate B ...`: the reference prepared once, each of the request's
+    `candidates` compared with it as `run` compares one (its own `Result`), then the candidates with each other
+    at each one's first divergence and at the logits (`tracer.comparison.triangulation`): who agrees with whom,
+    and which side, the reference included, is the odd one."""
+    with progress_stages(TRIANGULATE_STAGES, request.progress):
+        request = request.resolved()
+        with prepared_reference(request) as prepared:
+            compared, loads = [], {}
+            for number, side in enumerate(request.candidates, 1):
+                stage("load")
+                started = time.perf_counter()
+                engine = load_engine(side.engine, side.variant, prepared.target)
+                loads[f"candidate_{number}_load_s"] = time.perf_counter() - started
+                compared.append(candidate_compared(
+                    prepared, engine, command=alone(request.command, side), kept_as=f"candidate-{number}",
+                    notes=tuple(stream_notes(prepared.target.stream, side.engine)),
+                    config_audit=config_audit(prepared.source, side.variant)))
+            stage("agreement")
+            started = time.perf_counter()
+            result = triangulation(prepared.trace, compared, prepared.tolerance, prepared.noise)
+            timings = {**prepared.timings, **loads}
+            for number, (one, _) in enumerate(compared, 1):  # each candidate's own stages, after the shared ones
+                timings |= {f"candidate_{number}_{key}": value for key, value in one.timings.items()
+                            if key not in prepared.timings}
+            timings["agreement_s"] = time.perf_counter() - started
+        notes = tuple(dict.fromkeys(note for one, _ in compared for note in one.notes))  # each said once
+        result = result.with_context(environment=environment(), command=request.command, timings=timings,
+                                     notes=notes)
+        if request.outputs.report is not None:
+            from tracer.reports import write_report  # matplotlib and pandas: only a report folder needs them
+
+            stage("report")
+            write_report(result, request.outputs.report)
+        return result
+
+
+def alone(command: str | None, side: Side) -> str | None:
+    """A triangulation's command line as the line that repeats one of its candidates' comparisons alone: every
+    --candidate given replaced by that side's (its own report's "repeat this run", its trace's `record` line)."""
+    if command is None:
+        return None
+    words, kept = shlex.split(command), []
+    while words:
+        word = words.pop(0)
+        if word == "--candidate" and words:
+            words.pop(0)
+        elif not word.startswith("--candidate="):
+            kept.append(word)
+    return shlex.join([*kept, "--candidate", side.text])
 
 
 def sweep(request: Request) -> Sweep:

@@ -33,7 +33,7 @@ from tracer.engines.offload import Offload, parse_max_memory
 from tracer.engines.registry import EngineEntry, EngineRef, engine_with_knobs, registered
 from tracer.files.sources import check_source
 from tracer.files.tokenizer import check_prompt
-from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant
+from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
 from tracer.pipeline import streamed
 from tracer.pipeline.catalogue import parse_variants
 
@@ -276,6 +276,10 @@ def check_greedy(greedy, name: str = "--greedy") -> None:
     whole_number(greedy, name, minimum=0)
 
 
+# An engine argument carrying its own knobs, as a side's label writes them: "llamacpp:m.gguf[kv_cache=f32]"
+OWN_KNOBS = re.compile(r"^(?P<engine>[^\[]+)\[(?P<knobs>[^\]]*=[^\]]*)\]$")
+
+
 @dataclass(frozen=True)
 class Side:
     """One side of a run, parsed and checked once: its engine (`EngineRef`, its runtime installed) and
@@ -287,12 +291,82 @@ class Side:
     @classmethod
     def of(cls, engine: str | EngineRef, variant=None) -> Side:
         """`engine` ("hf", "file:PATH", ...) and `variant` ("theta=10000", a dict) parsed and checked
-        (`tracer.engines.registry.engine_with_knobs`)."""
-        return cls(*engine_with_knobs(engine, variant))
+        (`tracer.engines.registry.engine_with_knobs`). The engine may carry knobs of its own as its label
+        writes them, `ENGINE[K=V,...]` (each of a triangulation's candidates its own); `variant` adds to
+        them, a knob in both being given twice."""
+        own = OWN_KNOBS.match(engine) if isinstance(engine, str) else None
+        if own is None:
+            return cls(*engine_with_knobs(engine, variant))
+        knobs, added = parse_variant(own["knobs"]), parse_variant(variant)
+        twice = sorted(set(knobs) & set(added))
+        if twice:
+            raise TracerError(f"knob {twice[0]!r} is given twice (in {engine} and in the variant)")
+        return cls(*engine_with_knobs(own["engine"], {**knobs, **added}))
+
+    @property
+    def text(self) -> str:
+        """The side as one engine argument, its knobs in brackets (what `Side.of` reads back)."""
+        return f"{self.engine}[{variant_text(self.variant)}]" if self.variant else str(self.engine)
 
     @property
     def entry(self) -> EngineEntry:
         return self.engine.entry
+
+
+def candidate_sides(candidate, variant=None) -> tuple[Side | None, tuple[Side, ...]]:
+    """A run's candidates, as (the candidate, ()) or, for two or more, (None, a triangulation's candidates).
+
+    `candidate` is one engine argument, or a list of them; `variant` is the knobs of a lone candidate.
+    Several candidates each carry their own knobs (`ENGINE[K=V,...]`, `Side.of`): a variant given beside
+    them is refused, since whose it is would be a guess."""
+    if not isinstance(candidate, (list, tuple)):
+        return Side.of(candidate, variant), ()
+    if not candidate:
+        raise TracerError("an empty list of candidates")
+    if len(candidate) == 1:
+        return Side.of(candidate[0], variant), ()
+    if parse_variant(variant):
+        raise TracerError(f"--variant with {len(candidate)} candidates: put each one's knobs in it, "
+                          "e.g. 'llamacpp[kv_cache=f32]'")
+    return None, tuple(Side.of(engine) for engine in candidate)
+
+
+def one_candidate(candidate, command: str):
+    """The one candidate of a command that takes one (`sweep`'s variants run on it, `quality` scores it); a list of
+    them (one is fine) is refused beyond one, naming where several go."""
+    if not isinstance(candidate, (list, tuple)):
+        return candidate
+    if len(candidate) != 1:
+        raise TracerError(f"tracer {command} takes one --candidate; several: tracer run --candidate A --candidate B")
+    return candidate[0]
+
+
+def sweep_candidate(candidate) -> Side:
+    """`tracer sweep`'s one candidate, bare: each variant is the knobs it runs with, so knobs of its own (in
+    brackets) are refused, naming where they go."""
+    side = Side.of(one_candidate(candidate, "sweep"))
+    if side.variant:
+        raise TracerError(f"tracer sweep runs each variant on a bare candidate: put {variant_text(side.variant)} "
+                          "in --variants")
+    return side
+
+
+def check_triangulation(candidates: tuple[Side, ...], inputs: Inputs, regime) -> None:
+    """Several candidates traced on one reference run: each one once, on the prompt's forward alone (a
+    decode, a batch and a regime view are traced one candidate at a time for now, each said in one line)."""
+    if len(candidates) < 2:
+        raise TracerError(f"a triangulation takes two candidates or more, got {len(candidates)}")
+    texts = [side.text for side in candidates]
+    twice = next((text for text in texts if texts.count(text) > 1), None)
+    if twice is not None:
+        raise TracerError(f"candidate {twice} is given twice")
+    n = len(candidates)
+    if inputs.decode:
+        raise TracerError(f"--decode with {n} candidates is not traced yet; decode one candidate at a time")
+    if inputs.batch > 1:
+        raise TracerError(f"--batch with {n} candidates is not traced yet; run a batch one candidate at a time")
+    if regime is not None:
+        raise TracerError(f"--regime with {n} candidates: each regime is its own reference; run one at a time")
 
 
 def check_positions(offset: int, *sides: Side) -> None:
@@ -361,10 +435,11 @@ class Request:
     """One command's request, built once at its edge (the CLI from its flags, the API from its arguments)
     and checked as it is built, before torch loads: what the model is fed (`inputs`), where it runs
     (`placement`), where results go (`outputs`), the `reference` side and the `candidate` side (None for
-    a command with one engine: `record`'s is its reference), the tolerance, the greedy continuation (None:
-    the default), the noise floor, the number-format `regime` (None, "auto" or its knobs), a sweep's or a
-    diagnosis's `variants` (None: the catalogue's; parsed here), the command line that repeats the run and
-    whether a progress bar shows.
+    a command with one engine: `record`'s is its reference; None too for a triangulation, whose
+    `candidates` are two or more traced on one reference run, `tracer.pipeline.commands.triangulate`),
+    the tolerance, the greedy continuation (None: the default), the noise floor, the number-format
+    `regime` (None, "auto" or its knobs), a sweep's or a diagnosis's `variants` (None: the catalogue's;
+    parsed here), the command line that repeats the run and whether a progress bar shows.
 
     Every side is checked against what the inputs ask of it (positions, decode, batch), and the regime
     against the sides. What needs the model or torch (the source, the device, offloading, the families
@@ -384,6 +459,7 @@ class Request:
     variants: tuple[dict, ...] | None = None
     command: str | None = None
     progress: bool = True
+    candidates: tuple[Side, ...] = ()  # a triangulation's candidates (`candidate` is then None)
     target: LoadTarget | None = None  # set by `resolved()`
     notes: tuple[str, ...] = ()  # what resolving chose by itself (weights streamed by size), said in the result
     resolve_s: float = 0.0  # how long resolving took (a GGUF converted on first use): part of the run's load time
@@ -391,13 +467,17 @@ class Request:
     def __post_init__(self):
         if self.target is not None:
             return  # a resolved request: its values were checked when it was built, before `resolved()`
+        if self.candidates:  # before what each engine can do: a triangulation's own limits are said first
+            if self.candidate is not None:
+                raise TracerError("a request has one candidate or a triangulation's candidates, not both")
+            check_triangulation(self.candidates, self.inputs, self.regime)
         sides = self.sides
         check_positions(self.inputs.position_offset, *sides)
         check_decode(self.inputs.decode, *sides)
         check_batch(self.inputs.batch, *sides)
         check_greedy(self.greedy)
         object.__setattr__(self, "regime", regime_knobs(self.regime))
-        if self.regime is not None:
+        if self.regime is not None and not self.candidates:
             check_regime_run(self.reference.engine, self.candidate.engine)
             if self.inputs.batch > 1:
                 raise TracerError("--batch with --regime: a regime's own steps run one prompt; run them apart")
@@ -406,8 +486,8 @@ class Request:
 
     @property
     def sides(self) -> tuple[Side, ...]:
-        """The reference, then the candidate where there is one."""
-        return (self.reference,) if self.candidate is None else (self.reference, self.candidate)
+        """The reference, then the candidate where there is one (a triangulation's candidates in order)."""
+        return (self.reference, *([] if self.candidate is None else [self.candidate]), *self.candidates)
 
     def resolved(self) -> Request:
         """This request with what its engines load resolved once (`tracer.engines.load.resolve_target`: the

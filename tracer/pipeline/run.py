@@ -272,6 +272,16 @@ def compare_candidate(prepared: Prepared, engine: Engine, *, command: str | None
     """Record `engine` on the prepared tokens (or take its `trace` of them, already recorded) and
     compare it with the reference: the `Result`, with local errors (unless `local` is False),
     greedy continuations and the run's context attached."""
+    return candidate_compared(prepared, engine, command=command, notes=notes, config_audit=config_audit, trace=trace,
+                              local=local)[0]
+
+
+def candidate_compared(prepared: Prepared, engine: Engine, *, command: str | None = None,
+                       notes: tuple[str, ...] = (), config_audit: dict | None = None, trace: Trace | None = None,
+                       local: bool = True, kept_as: str | None = None) -> tuple[Result, Trace]:
+    """`compare_candidate`, and the candidate's trace. `kept_as`: the candidate is one of several compared with
+    each other afterwards (a triangulation): its whole trace is kept, under that name where the run spills,
+    rather than judged as it comes and kept in part."""
     check_tokens(prepared.ids, engine, prepared.position_offset)
     timings = dict(prepared.timings)
     together = prepared.lockstep if prepared.lockstep is not None and prepared.lockstep.engine is engine else None
@@ -283,10 +293,10 @@ def compare_candidate(prepared: Prepared, engine: Engine, *, command: str | None
         if together is not None:  # run in the reference's pass
             trace, compared = together.candidate, together.compared
         elif trace is None:
-            recorder = prepared.sink("candidate")
+            recorder = prepared.sink(kept_as or "candidate")
             # A long run's candidate is judged as it comes; an isolated engine's child writes its points
             # straight into the spill folder instead, which that would not save.
-            if recorder is not None and not engine.entry.isolated:
+            if recorder is not None and not engine.entry.isolated and kept_as is None:
                 recorder = compared = ErrorRecorder(prepared.trace, prepared.tolerance, prepared.noise, errors,
                                                     store=recorder)
             trace = engine.record(prepared.ids, recorder,
@@ -302,7 +312,7 @@ def compare_candidate(prepared: Prepared, engine: Engine, *, command: str | None
         prompt=prepared.prompt, chat=prepared.chat, greedy=continuations,
         token_texts=[detokenize([t]) for t in prepared.ids] if prepared.ids and detokenize(prepared.ids[:1]) else None,
         environment=environment(), command=command, timings=timings, config_audit=config_audit,
-    )
+    ), trace
 
 
 def local_errors(engine: Engine, reference: Trace) -> dict[str, float] | None:
