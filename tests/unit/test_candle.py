@@ -134,13 +134,31 @@ def test_regime_auto_picks_candles_arithmetic_for_a_gguf_and_none_for_f32(quanti
         resolve("auto", parse_engine("candle"), {}, source)
 
 
-def test_a_gguf_of_another_family_is_refused_in_one_line_before_loading(candle, tmp_path):
+def test_a_gguf_of_a_family_without_its_quantized_file_is_refused_in_one_line(candle, tmp_path):
     from tests.families import write_tiny_gguf
 
-    gguf_file = write_tiny_gguf(write_tiny_family(tmp_path / "q", "qwen2"), tmp_path / "q.gguf", no_vocab=True)
-    with pytest.raises(TracerError, match=r"^candle:PATH.gguf runs quantized_llama.rs; candle's quantized qwen2 is "
-                                          r"not composed yet \(its model directory runs\)$"):
+    gguf_file = write_tiny_gguf(write_tiny_family(tmp_path / "q", "qwen3"), tmp_path / "q.gguf", no_vocab=True)
+    with pytest.raises(TracerError, match=r"^candle:PATH.gguf runs quantized_llama.rs or quantized_qwen2.rs; candle's "
+                                          r"quantized qwen3 is not composed yet \(its model directory runs\)$"):
         candle_engine.load(ModelSource(tmp_path / "q"), {}, argument=str(gguf_file))
+
+
+def test_quantized_qwen2_rs_on_an_f32_gguf_matches_transformers_at_every_point(candle, tmp_path):
+    """quantized_qwen2.rs: q/k/v biases, `rope` on llama.cpp's unpermuted Qwen2 rows, head_dim from the
+    embedding; its GGUF carries no window, so a prompt within the HF model's window."""
+    from tests.families import WINDOW, write_tiny_gguf
+
+    model = write_tiny_family(tmp_path / "q", "qwen2")
+    gguf_file = write_tiny_gguf(model, tmp_path / "q.gguf", no_vocab=True)
+    tokens = TOKENS[:WINDOW]
+    candidate = candle_engine.load(ModelSource(model), {}, argument=str(gguf_file)).record(tokens)
+    assert candidate.meta.candle["forward"] == "quantized_qwen2.rs"
+    result = tracer.compare(tracer.record(model, tokens, engine="hf"), candidate)
+    assert result.verdict == "match" and len(candidate.tensors) == len(all_points(3, "qwen2"))
+    assert max(p.rel_l2 for p in result.points if p.recorded) < 1e-5
+    with pytest.raises(TracerError, match=r"^candle's regime emulates quantized_llama.rs; a qwen2 GGUF's file is not "
+                                          r"emulated yet \(run it without --regime\)$"):
+        tracer.run(model, tokens=tokens, candidate=f"candle:{gguf_file}", regime="auto", greedy=0, progress=False)
 
 
 @pytest.mark.parametrize("system, machine, flags, said", [

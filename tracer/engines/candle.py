@@ -17,7 +17,8 @@ Two forwards, one per model source (`docs/engine-candle.md`):
   own tensors (activations quantized to the weight's vec-dot type, then candle's vec_dot kernels),
   `rope_i` on the GGUF's permuted q/k rows, the embedding from the dequantized `token_embd`, the
   tied `lm_head` a quantized matmul on it. Settings come from the GGUF's metadata, as there.
-  A GGUF of another architecture is refused in one line (its quantized_*.rs is not composed).
+  A Qwen2 GGUF runs `models/quantized_qwen2.rs` (q/k/v biases, `rope` on its unpermuted rows); a GGUF of
+  another architecture is refused in one line (its quantized_*.rs is not composed).
 
 0.4.2 has no fused `rms_norm`, `rope`, `rope_i` or `softmax_last_dim` (0.11 has them); each is
 composed from candle's own ops in the order 0.11's CPU kernel computes (`COMPOSED`). Points come
@@ -122,6 +123,10 @@ READABLE_TYPES = {"f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", 
 # (quantized_llama.rs by their GGUF names, `tracer.names.gguf.gguf_tensor_name`, gguf's TensorNameMap).
 LAYER_WEIGHTS = (INPUT_NORM, Q_PROJ, K_PROJ, V_PROJ, O_PROJ, POST_ATTENTION_NORM, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 NORMS = (INPUT_NORM, POST_ATTENTION_NORM)
+# The GGUF architectures (llama.cpp's names) candle:PATH.gguf runs, and the file of candle-transformers 0.11 that
+# runs each: quantized_llama.rs, and quantized_qwen2.rs (quantized_llama.rs with q/k/v biases and `rope` on the
+# unpermuted rows). quantized_qwen3.rs runs candle_nn's fused CPU flash attention, not composed here.
+GGUF_FILES = {"llama": "quantized_llama.rs", "qwen2": "quantized_qwen2.rs"}
 
 # --- the machine ---------------------------------------------------------------------------------
 
@@ -580,9 +585,10 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     file = GGUFFile(path)  # the metadata first: a family candle's Llama cannot run loads nothing
     architecture = str(file.fields.get("general.architecture", "llama"))  # llama.cpp's architecture names
     refuse_family(architecture)
-    if architecture != "llama":
-        raise TracerError(f"candle:PATH.gguf runs quantized_llama.rs; candle's quantized {architecture} is not "
-                          "composed yet (its model directory runs)")
+    if architecture not in GGUF_FILES:
+        raise TracerError(f"candle:PATH.gguf runs quantized_llama.rs or quantized_qwen2.rs; candle's quantized "
+                          f"{architecture} is not composed yet (its model directory runs)")
+    source = GGUF_FILES[architecture]
     unreadable = sorted({info.kind for info in file.tensors.values()} - READABLE_TYPES)
     if unreadable:
         raise TracerError(f"candle-nn 0.4.2 cannot read {', '.join(t.upper() for t in unreadable)} tensors "
@@ -590,33 +596,41 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     tensors, meta = candle.utils.load_gguf(str(path))
 
     def number(key: str, default=None):
-        value = meta.get(f"llama.{key}", default)
+        value = meta.get(f"{architecture}.{key}", default)
         if value is None:
-            raise TracerError(f"{path.name}: no llama.{key} in the GGUF metadata (quantized_llama.rs needs it)")
+            raise TracerError(f"{path.name}: no {architecture}.{key} in the GGUF metadata ({source} needs it)")
         return value
 
     def tensor(name: str):
         if name not in tensors:
-            raise TracerError(f"{path.name}: no tensor {name} (quantized_llama.rs would fail the same way)")
+            raise TracerError(f"{path.name}: no tensor {name} ({source} would fail the same way)")
         return tensors[name]
 
     heads, hidden = int(number("attention.head_count")), int(number("embedding_length"))
-    head_dim = int(number("rope.dimension_count", hidden // heads))
+    qwen2 = architecture == "qwen2"
+    # quantized_qwen2.rs: head_dim = embedding_length / head_count, no rope.dimension_count read; the kv heads and
+    # the context length required (`md_get` bails), rotated by `rope` on llama.cpp's unpermuted Qwen2 rows
+    head_dim = hidden // heads if qwen2 else int(number("rope.dimension_count", hidden // heads))
+    kv_heads = int(number("attention.head_count_kv", None if qwen2 else heads))
+    context = int(number("context_length", None if qwen2 else 4096))
     theta = float(variant.get("theta", number("rope.freq_base", 10000.0)))
     eps = float(variant.get("eps", np.float32(number("attention.layer_norm_rms_epsilon"))))
     embed = tensor(gguf_tensor_name(EMBED + WEIGHT))
     weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensor(gguf_tensor_name(FINAL_NORM + WEIGHT)).dequantize(),
-                     # tied: quantized_llama.rs takes token_embd
+                     # tied: both files take token_embd
                      LOGITS: tensors.get(gguf_tensor_name(LOGITS + WEIGHT), embed)}
     layers = int(number("block_count"))
+    biases = frozenset({Q_PROJ, K_PROJ, V_PROJ}) if qwen2 else frozenset()  # quantized_qwen2.rs: attn_{q,k,v}.bias
     for i in range(layers):
         weights[i] = {point: tensor(gguf_tensor_name(layer_point(i, point) + WEIGHT)) for point in LAYER_WEIGHTS}
         for norm in NORMS:
             weights[i][norm] = weights[i][norm].dequantize()
-    shape = Shape(layers, heads, int(number("attention.head_count_kv", heads)), head_dim, hidden, embed.shape[0],
-                  int(number("context_length", 4096)), eps, candle_inv_freq(theta, head_dim),
-                  variant.get("rope", "interleaved"), True, variant.get("kv_repeat", "interleave"),
-                  variant.get("mask", "where"))
+        for point in biases:
+            weights[i][point + BIAS] = tensor(gguf_tensor_name(layer_point(i, point) + BIAS)).dequantize()
+    shape = Shape(layers, heads, kv_heads, head_dim, hidden, embed.shape[0], context, eps,
+                  candle_inv_freq(theta, head_dim), variant.get("rope", "half" if qwen2 else "interleaved"),
+                  not qwen2, variant.get("kv_repeat", "interleave"), variant.get("mask", "where"), file=source,
+                  biases=biases)
     types = sorted({str(t.ggml_dtype) for t in tensors.values()})
     return shape, weights, linear_quantized, {"gguf_types": types, "rope_theta": theta, "rms_norm_eps": eps}
 
@@ -758,7 +772,7 @@ class CandleEngine(EngineBase):
                 notes.append(K_QUANT_CAVEAT.format(types=", ".join(k_quants)))
         return self.meta(
             tokens, "float32", {}, num_layers=self.num_layers, runtime=runtime(),
-            candle={"forward": "quantized_llama.rs" if self.gguf else self.shape.file, "composed": composed(self.shape),
+            candle={"forward": self.shape.file, "composed": composed(self.shape),
                     "rope_theta": facts["rope_theta"], "rms_norm_eps": facts["rms_norm_eps"],
                     "threads": self.forward.candle.utils.get_num_threads(),
                     **({"gguf_types": facts["gguf_types"]} if self.gguf else {"config_reader": facts["reader"]})},

@@ -319,14 +319,18 @@ def apply_ops(steps):
 # --- the regime a candle run implies -------------------------------------------------------------
 
 
-def implied_regime(weight_types: dict[str, str]) -> tuple[dict, list[str]]:
+def implied_regime(weight_types: dict[str, str], architecture: str = "llama") -> tuple[dict, list[str]]:
     """The reimpl variant reproducing candle's quantized_llama.rs on these GGUF tensor types, and
-    what of it is not bit-exact.
+    what of it is not bit-exact. A GGUF of another architecture (`general.architecture`: quantized_qwen2.rs,
+    its q/k rows unpermuted and biased) is not emulated: refused in one line.
 
     Example:
         >>> implied_regime({"model.layers.0.self_attn.q_proj.weight": "q4_1"})
         ({'preset': 'candle-q', 'weights': 'gguf'}, [])
     """
+    if architecture != "llama":
+        raise TracerError(f"candle's regime emulates quantized_llama.rs; a {architecture} GGUF's file is not "
+                          "emulated yet (run it without --regime)")
     caveats = []
     for kind in sorted(set(weight_types.values()) - EXACT_WEIGHT_TYPES):
         names = [name for name, t in weight_types.items() if t == kind]
