@@ -129,3 +129,10 @@ def test_llama_rs_config_knobs_are_refused_on_another_file(candle, tmp_path):
     with pytest.raises(TracerError, match=r"^config= changes how llama.rs reads config.json; candle's olmo2.rs "
                                           r"reads its own Config$"):
         candle_engine.load(ModelSource(model), {"config": "hf"})
+
+
+def test_mistral_reads_an_absent_window_as_none_where_transformers_takes_4096():
+    config = config_of("mistral")
+    del config["sliding_window"]
+    built, notes, _ = MODEL_FILES["mistral"].read(config)
+    assert built["windows"] == () and any("(transformers: 4096)" in note for note in notes)

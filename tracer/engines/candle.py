@@ -210,11 +210,13 @@ class Shape:
 
 
 class Cache:
-    """candle-transformers' KV cache, as both forwards keep it (llama.rs' `Cache.kvs`, quantized_llama.rs'
-    `LayerWeights.kv_cache`): per layer the keys after RoPE and the values, (1, KV, S, D), each step's
-    own concatenated after them along S (`Tensor::cat(&[cache_k, &k], 2)`): every token in position order
-    (llama.rs has no window), the layout such a cache is compared in (`tracer.model.kv_cache`); `position`
-    is the `index_pos` the next forward is called with (the length of what the cache holds)."""
+    """candle-transformers' KV cache, as the forwards keep it (llama.rs' `Cache.kvs`, quantized_llama.rs'
+    `LayerWeights.kv_cache`, the other files' `kv_cache` and qwen3.rs' `ConcatKvCache`): per layer the keys
+    after RoPE and the values, (1, KV, S, D), each step's own concatenated after them along S
+    (`Tensor::cat(&[cache_k, &k], 2)`): every token in position order (a windowed file's mask covers the
+    prompt's own keys only, never what is cached), the layout such a cache is compared in
+    (`tracer.model.kv_cache`); `position` is the `index_pos` the next forward is called with (the length of
+    what the cache holds). gemma3.rs' rotating cache of its sliding layers is not this (refused)."""
 
     def __init__(self, num_layers: int):
         self.kvs: list[tuple[object, object] | None] = [None] * num_layers

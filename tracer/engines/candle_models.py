@@ -258,6 +258,8 @@ def _mistral(read: Read) -> dict:
         raise TracerError("candle refused: mistral.rs with use_flash_attn needs candle's CUDA flash-attn feature")
     window = read["sliding_window"]
     _window_note(read, window)
+    if "sliding_window" not in read.config:  # Option<usize>: absent is no window
+        read.notes.append("candle's mistral.rs reads an absent sliding_window as no window (transformers: 4096)")
     if read.config.get("tie_word_embeddings"):
         read.notes.append("candle's mistral.rs always loads lm_head.weight: tie_word_embeddings is not read")
     read.no_rope_scaling()
