@@ -30,7 +30,7 @@ from tracer.model.points import K_PROJ, O_PROJ, Q_PROJ, V_PROJ
 
 OPTION = object()  # an `Option<T>` field: absent or null reads as None
 
-# candle_nn::Activation's serde names -> how the engine computes it (`tracer.engines.candle.ACTIVATIONS`).
+# candle_nn::Activation's serde names -> how the engine computes it (`tracer.engines.candle.Forward.activation`).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "newgelu": "gelu_tanh",
                "gelupytorchtanh": "gelu_tanh", "gelu": "gelu_erf", "relu": "relu"}
 # The rest of the enum, which this engine does not compose: refused by name rather than run otherwise.
@@ -68,7 +68,8 @@ def _u32(key: str, value) -> int:
 
 def _activation(key: str, value) -> str:
     if value in OTHER_ACTIVATIONS:
-        raise TracerError(f"the candle engine composes silu, gelu and tanh-GELU; config.json's {key} is {value!r}")
+        raise TracerError(f"the candle engine composes silu, relu, gelu and tanh-GELU; config.json's {key} is "
+                          f"{value!r}")
     if value not in ACTIVATIONS:
         raise TracerError(f"candle 0.11 cannot parse config.json: unknown variant {value!r} for `{key}`")
     return ACTIVATIONS[value]

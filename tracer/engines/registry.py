@@ -64,7 +64,7 @@ class Difference:
 @dataclass(frozen=True)
 class Absent:
     """A family the runtime has no architecture for ("not in that runtime"): refused in one line, before
-    anything loads, with `why` ("candle-transformers 0.11 has no OLMo-2 model")."""
+    anything loads, with `why` (the runtime's own words for it: "<runtime version> has no <family> model")."""
 
     family: str
     why: str
