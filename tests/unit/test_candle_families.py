@@ -136,3 +136,13 @@ def test_mistral_reads_an_absent_window_as_none_where_transformers_takes_4096():
     del config["sliding_window"]
     built, notes, _ = MODEL_FILES["mistral"].read(config)
     assert built["windows"] == () and any("(transformers: 4096)" in note for note in notes)
+
+
+def test_phi3_reads_longrope_from_a_top_level_rope_scaling_only():
+    factors = {"short_factor": [1.0] * 3, "long_factor": [2.0] * 3}
+    config = config_of("phi3")
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "longrope", **factors}
+    built, notes, _ = MODEL_FILES["phi3"].read(config)
+    assert built["longrope"] is None and any("rotates unscaled" in note for note in notes)
+    built, _, _ = MODEL_FILES["phi3"].read({**config, "rope_scaling": {"type": "longrope", **factors}})
+    assert built["longrope"]["long_factor"] == [2.0] * 3

@@ -340,7 +340,10 @@ def _phi3(read: Read) -> dict:
     if read.config.get("sliding_window") is not None:
         read.notes.append("candle's phi3.rs reads no sliding_window: every layer attends to the whole prefix")
     scaling = read["rope_scaling"]
-    if scaling is None:
+    if scaling is None and _rope_parameters(read.config).get("rope_type") == "longrope":
+        read.notes.append("candle's phi3.rs reads its longrope from a top-level rope_scaling only: this config.json "
+                          "keeps it under rope_parameters (as transformers 5 writes it), so RoPE rotates unscaled")
+    elif scaling is None:
         read.no_rope_scaling()
     else:
         read.notes.append("candle's phi3.rs rotates positions before original_max_position_embeddings with the short "
