@@ -393,7 +393,8 @@ BUILTINS = (
         "candle", "tracer.engines.candle",
         "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's model files on the model "
         "directory (llama.rs, qwen2.rs, qwen3.rs, mistral.rs, gemma2.rs, gemma3.rs, phi3.rs, olmo2.rs) and "
-        "quantized_llama.rs on candle:PATH.gguf; its fused kernels 0.4.2 lacks composed from 0.4.2's ops",
+        "quantized_llama.rs or quantized_qwen2.rs on candle:PATH.gguf; its fused kernels 0.4.2 lacks composed "
+        "from 0.4.2's ops",
         # candle's config reader and the notes' porting mistakes, in its own forward
         knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask"), switches=(THREADS,),
         argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True, decode=True,
@@ -403,8 +404,8 @@ BUILTINS = (
                        "candle's qwen2.rs masks every layer to sliding_window + 1 keys, whatever use_sliding_window "
                        "and max_window_layers say (qwen2.rs:307)"),
             Difference("mistral", PROBS, "a prompt longer than the window",
-                       "candle's mistral.rs keeps sliding_window + 1 keys (`j + sliding_window < i` masked, "
-                       "mistral.rs:406), transformers sliding_window"),
+                       "candle's mistral.rs keeps sliding_window + 1 keys where transformers keeps sliding_window "
+                       "(`j + sliding_window < i` masked, mistral.rs:406)"),
             Difference("gemma2", SCORES, "query_pre_attn_scalar other than head_dim",
                        "candle's gemma2.rs scales scores by 1/sqrt(head_dim), never by query_pre_attn_scalar "
                        "(gemma2.rs:240)"),
