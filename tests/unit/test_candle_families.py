@@ -146,3 +146,14 @@ def test_phi3_reads_longrope_from_a_top_level_rope_scaling_only():
     assert built["longrope"] is None and any("rotates unscaled" in note for note in notes)
     built, _, _ = MODEL_FILES["phi3"].read({**config, "rope_scaling": {"type": "longrope", **factors}})
     assert built["longrope"]["long_factor"] == [2.0] * 3
+
+
+def test_gemma2_without_a_final_cap_says_why_its_capped_logits_are_missing(candle, tmp_path):
+    model = write_tiny_family(tmp_path / "g", "gemma2", query_pre_attn_scalar=12)
+    config = model / "config.json"
+    config.write_text(config.read_text().replace('"final_logit_softcapping": 10.0,', ""))  # transformers: 30
+    tokens = TOKENS[:WINDOW]
+    result = tracer.compare(tracer.record(model, tokens, engine="hf"),
+                            candle_engine.load(ModelSource(model), {}).record(tokens))
+    missing = {p.point: p.reason for p in result.points if p.missing_on == "candidate"}
+    assert list(missing) == ["lm_head.softcap"] and "transformers caps at 30" in missing["lm_head.softcap"]

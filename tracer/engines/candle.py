@@ -772,8 +772,13 @@ class CandleEngine(EngineBase):
             k_quants = [t for t in facts["gguf_types"] if t.lower().endswith("k")]
             if k_quants:
                 notes.append(K_QUANT_CAVEAT.format(types=", ".join(k_quants)))
+        # gemma2.rs reads an absent final_logit_softcapping as no cap, where transformers caps at 30: its logits are
+        # the uncapped ones, and the capped point transformers records does not exist here
+        uncapped = {FINAL_LOGITS: f"candle's {self.shape.file} applies no final soft-cap: config.json has no "
+                                  "final_logit_softcapping (transformers caps at 30)"} \
+            if self.shape.file == "gemma2.rs" and self.shape.final_softcap is None else {}
         return self.meta(
-            tokens, "float32", {}, num_layers=self.num_layers, runtime=runtime(),
+            tokens, "float32", uncapped, num_layers=self.num_layers, runtime=runtime(),
             candle={"forward": self.shape.file, "composed": composed(self.shape),
                     "rope_theta": facts["rope_theta"], "rms_norm_eps": facts["rms_norm_eps"],
                     "threads": self.forward.candle.utils.get_num_threads(),
