@@ -195,13 +195,12 @@ def _matrix_lines() -> list[str]:
                   "matches", hang=2)
     for entry in engines:
         for family in FAMILIES:
-            difference, refusal = entry.difference(family), entry.refusal(family)
-            if difference is not None:
+            for difference in entry.differences_on(family):
                 when = f" ({difference.condition})" if difference.condition else ""
                 lines += wrap(f"  {entry.name} × {family}: {DIFFERS} at {difference.point}{when}: {difference.what}",
                               hang=4)
-            elif entry.cell(family) == ABSENT:
-                lines += wrap(f"  {refusal}", hang=4)
+            if entry.cell(family) == ABSENT:
+                lines += wrap(f"  {entry.refusal(family)}", hang=4)
     return lines
 
 

@@ -141,11 +141,11 @@ def runtime_hints(point: str, family: str | None, engines: tuple[str | None, ...
     said = []
     for engine in dict.fromkeys(engines):
         entry = ENGINES.get(engine) if engine else None
-        difference = entry.difference(family or "llama") if entry else None
-        if difference is not None and difference.at(point):
-            when = f", shown by {difference.condition}" if difference.condition else ""
-            said.append(f"the {engine} runtime's own behaviour on {family or 'llama'}, not a porting mistake: "
-                        f"{difference.what}{when} (a runtime difference its engine declares; `tracer engines`)")
+        for difference in entry.differences_on(family or "llama") if entry else ():
+            if difference.at(point):
+                when = f", shown by {difference.condition}" if difference.condition else ""
+                said.append(f"the {engine} runtime's own behaviour on {family or 'llama'}, not a porting mistake: "
+                            f"{difference.what}{when} (a runtime difference its engine declares; `tracer engines`)")
     return said
 
 

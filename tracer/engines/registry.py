@@ -35,7 +35,7 @@ from tracer.model.knobs import (
     unregister_switch,
     variant_text,
 )
-from tracer.model.points import FUSED_AWAY, PROBS, SCORES, split_point
+from tracer.model.points import FUSED_AWAY, MLP_ACT, PROBS, Q_ROPE, SCORES, split_point
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,9 @@ class EngineEntry:
         families: the model families it traces point for point (tests/unit/test_matrix.py holds each to
             `match`); None: every family not named in `differences` or `absent`.
         differences: the families it traces with a runtime difference (`Difference`: the matrix holds each
-            to diverging first at its point, and the run's hints say it is the runtime's own behaviour).
+            to diverging first at one of its family's points, and the run's hints say it is the runtime's own
+            behaviour). A family may have several, at different points (Gemma 2 in llama.cpp: its query
+            scale, shown first where `query_pre_attn_scalar` is not the head size, and its GELU).
         absent: the families its runtime has no architecture for (`Absent`). Any family in none of the three
             is not traced yet: refused before loading, as an absent one is, in one line of its own.
         positions: it takes explicit absolute positions (`record(tokens, recorder, positions=...)`,
@@ -172,23 +174,27 @@ class EngineEntry:
     no_decode: str = ""
 
     def __post_init__(self):
-        named = [*(self.families or ()), *(d.family for d in self.differences), *(a.family for a in self.absent)]
+        named = [*(self.families or ()), *{d.family: None for d in self.differences}, *(a.family for a in self.absent)]
         twice = sorted({family for family in named if named.count(family) > 1})
         if twice:
             raise TracerError(f"the {self.name} engine states the family {twice[0]} more than once (families, "
                               "differences, absent)")
+        points = [(d.family, d.point) for d in self.differences]
+        again = next((pair for pair in points if points.count(pair) > 1), None)
+        if again:
+            raise TracerError(f"the {self.name} engine declares two differences on {again[0]} at {again[1]}")
 
     def cell(self, family: str) -> str:
         """Its cell of the engine × family matrix: MATCH, DIFFERS, ABSENT or NOT_YET."""
-        if self.difference(family) is not None:
+        if self.differences_on(family):
             return DIFFERS
         if any(absent.family == family for absent in self.absent):
             return ABSENT
         return MATCH if self.families is None or family in self.families else NOT_YET
 
-    def difference(self, family: str) -> Difference | None:
-        """The runtime difference it declares on `family`, if any."""
-        return next((d for d in self.differences if d.family == family), None)
+    def differences_on(self, family: str) -> tuple[Difference, ...]:
+        """The runtime differences it declares on `family`, in the order declared (none: empty)."""
+        return tuple(d for d in self.differences if d.family == family)
 
     @property
     def every_family(self) -> bool:
@@ -202,7 +208,7 @@ class EngineEntry:
             why = next(absent.why for absent in self.absent if absent.family == family)
             return f"the {self.name} engine cannot trace {family}: {why}"
         if cell == NOT_YET:
-            traced = [*(self.families or ()), *(d.family for d in self.differences)]
+            traced = [*(self.families or ()), *{d.family: None for d in self.differences}]
             return f"the {self.name} engine does not trace {family} yet (it traces {', '.join(traced)})"
         return None
 
@@ -385,9 +391,29 @@ BUILTINS = (
         install_env='CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" ',
         install_note="compiles llama.cpp without AMX, about 5 minutes on 2 cores",
         requires=(("llama_cpp", "llama-cpp-python"),), isolated=True, regime="ggml",
-        # Qwen2's sliding window (llama.cpp ignores it) and Qwen3's q/k norms (nodes not mapped onto
-        # points yet) keep the other families out until their cells match (tests/unit/test_matrix.py).
-        families=("llama",),
+        # each family's graph in src/models/<arch>.cpp of llama-cpp-python 0.3.36's llama.cpp
+        # (docs/engine-llamacpp.md "Families")
+        families=("llama", "qwen3", "olmo2"),
+        differences=(
+            Difference("qwen2", PROBS, "a prompt longer than the window on a sliding layer",
+                       "llama.cpp's qwen2 graph has no sliding window (src/models/qwen2.cpp: build_attn_inp_kv)"),
+            Difference("mistral", PROBS, "a prompt longer than sliding_window",
+                       "llama.cpp runs Mistral as llama, without a sliding window (src/models/llama.cpp; the "
+                       "converter writes none)"),
+            Difference("phi3", PROBS, "a prompt longer than sliding_window",
+                       "llama.cpp turns Phi-3's sliding window off (src/models/phi3.cpp: \"Phi SWA is currently "
+                       "disabled\")"),
+            *(Difference(family, SCORES, "query_pre_attn_scalar other than the head size",
+                         "llama.cpp scales the queries by 1/sqrt(head_dim) (27B: 1/sqrt(hidden/heads)); "
+                         f"query_pre_attn_scalar is not read (src/models/{family}.cpp: f_attention_scale)")
+              for family in ("gemma2", "gemma3")),
+            *(Difference(family, MLP_ACT, "",
+                         "ggml's CPU GELU is a table of f16 values at the input rounded to f16 "
+                         "(ggml-cpu/vec.h: GGML_GELU_FP16)") for family in ("gemma2", "gemma3")),
+            Difference("gemma3", Q_ROPE, "layer_types other than five sliding layers, then one full",
+                       "llama.cpp takes every sixth layer as full, the others sliding (with their rope theta): "
+                       "the converter writes no pattern (src/models/gemma3.cpp: load_swa_pattern(ml, 6))"),
+        ),
     ),
     EngineEntry(
         "candle", "tracer.engines.candle",
