@@ -138,8 +138,9 @@ def test_a_gguf_of_a_family_without_its_quantized_file_is_refused_in_one_line(ca
     from tests.families import write_tiny_gguf
 
     gguf_file = write_tiny_gguf(write_tiny_family(tmp_path / "q", "qwen3"), tmp_path / "q.gguf", no_vocab=True)
-    with pytest.raises(TracerError, match=r"^candle:PATH.gguf runs quantized_llama.rs or quantized_qwen2.rs; candle's "
-                                          r"quantized qwen3 is not composed yet \(its model directory runs\)$"):
+    with pytest.raises(TracerError, match=r"^candle:PATH.gguf runs quantized_llama.rs, quantized_qwen2.rs or "
+                                          r"quantized_phi3.rs; candle's quantized qwen3 is not composed yet \(its "
+                                          r"model directory runs\)$"):
         candle_engine.load(ModelSource(tmp_path / "q"), {}, argument=str(gguf_file))
 
 
@@ -159,6 +160,26 @@ def test_quantized_qwen2_rs_on_an_f32_gguf_matches_transformers_at_every_point(c
     with pytest.raises(TracerError, match=r"^candle's regime emulates quantized_llama.rs; a qwen2 GGUF's file is not "
                                           r"emulated yet \(run it without --regime\)$"):
         tracer.run(model, tokens=tokens, candidate=f"candle:{gguf_file}", regime="auto", greedy=0, progress=False)
+
+
+def test_quantized_phi3_rs_runs_fused_projections_and_refuses_a_partial_rotary_head(candle, tmp_path):
+    """quantized_phi3.rs: attn_qkv and ffn_up (gate | up) as they are, `rope` over the whole head with a
+    table of rope.dimension_count dims (theta 10000): a Phi-3 rotating every dim matches transformers at
+    every point; one rotating half of them is candle's own refusal."""
+    from tests.families import write_tiny_gguf
+
+    model = write_tiny_family(tmp_path / "p", "phi3", partial_rotary_factor=1.0, sliding_window=None)
+    gguf_file = write_tiny_gguf(model, tmp_path / "p.gguf", no_vocab=True)
+    candidate = candle_engine.load(ModelSource(model), {}, argument=str(gguf_file)).record(TOKENS)
+    assert candidate.meta.candle["forward"] == "quantized_phi3.rs"
+    result = tracer.compare(tracer.record(model, TOKENS, engine="hf"), candidate)
+    assert result.verdict == "match" and list(candidate.tensors) == all_points(3, "phi3")
+    assert max(p.rel_l2 for p in result.points if p.recorded) < 1e-5
+    half = write_tiny_family(tmp_path / "h", "phi3")  # partial_rotary_factor 0.5
+    with pytest.raises(TracerError, match=r"^candle refused: inconsistent last dim size in rope \(quantized_phi3.rs "
+                                          r"rotates the whole head of 12 with a table of rope.dimension_count = 6"):
+        candle_engine.load(ModelSource(half), {}, argument=str(write_tiny_gguf(half, tmp_path / "h.gguf",
+                                                                                  no_vocab=True)))
 
 
 @pytest.mark.parametrize("system, machine, flags, said", [

@@ -17,8 +17,9 @@ Two forwards, one per model source (`docs/engine-candle.md`):
   own tensors (activations quantized to the weight's vec-dot type, then candle's vec_dot kernels),
   `rope_i` on the GGUF's permuted q/k rows, the embedding from the dequantized `token_embd`, the
   tied `lm_head` a quantized matmul on it. Settings come from the GGUF's metadata, as there.
-  A Qwen2 GGUF runs `models/quantized_qwen2.rs` (q/k/v biases, `rope` on its unpermuted rows); a GGUF of
-  another architecture is refused in one line (its quantized_*.rs is not composed).
+  A Qwen2 GGUF runs `models/quantized_qwen2.rs` (q/k/v biases, `rope` on its unpermuted rows), a Phi-3
+  GGUF `models/quantized_phi3.rs` (fused qkv and gate_up, theta 10000); a GGUF of another architecture is
+  refused in one line (its quantized_*.rs is not composed).
 
 0.4.2 has no fused `rms_norm`, `rope`, `rope_i` or `softmax_last_dim` (0.11 has them); each is
 composed from candle's own ops in the order 0.11's CPU kernel computes (`COMPOSED`). Points come
@@ -124,9 +125,12 @@ READABLE_TYPES = {"f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", 
 LAYER_WEIGHTS = (INPUT_NORM, Q_PROJ, K_PROJ, V_PROJ, O_PROJ, POST_ATTENTION_NORM, GATE_PROJ, UP_PROJ, DOWN_PROJ)
 NORMS = (INPUT_NORM, POST_ATTENTION_NORM)
 # The GGUF architectures (llama.cpp's names) candle:PATH.gguf runs, and the file of candle-transformers 0.11 that
-# runs each: quantized_llama.rs, and quantized_qwen2.rs (quantized_llama.rs with q/k/v biases and `rope` on the
-# unpermuted rows). quantized_qwen3.rs runs candle_nn's fused CPU flash attention, not composed here.
-GGUF_FILES = {"llama": "quantized_llama.rs", "qwen2": "quantized_qwen2.rs"}
+# runs each: quantized_llama.rs; quantized_qwen2.rs (quantized_llama.rs with q/k/v biases and `rope` on the
+# unpermuted rows); quantized_phi3.rs (fused qkv and gate_up, `rope` on the unpermuted rows, theta 10000 whatever
+# the metadata says). quantized_qwen3.rs runs candle_nn's fused CPU flash attention, not composed here.
+GGUF_FILES = {"llama": "quantized_llama.rs", "qwen2": "quantized_qwen2.rs", "phi3": "quantized_phi3.rs"}
+# quantized_phi3.rs' tensors: attn_qkv and ffn_up (gate | up) fused, as phi3.rs' directory holds them.
+PHI3_GGUF_WEIGHTS = (INPUT_NORM, QKV_PROJ, O_PROJ, POST_ATTENTION_NORM, GATE_UP_PROJ, DOWN_PROJ)
 
 # --- the machine ---------------------------------------------------------------------------------
 
@@ -588,8 +592,8 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     architecture = str(file.fields.get("general.architecture", "llama"))  # llama.cpp's architecture names
     refuse_family(architecture)
     if architecture not in GGUF_FILES:
-        raise TracerError(f"candle:PATH.gguf runs quantized_llama.rs or quantized_qwen2.rs; candle's quantized "
-                          f"{architecture} is not composed yet (its model directory runs)")
+        raise TracerError(f"candle:PATH.gguf runs quantized_llama.rs, quantized_qwen2.rs or quantized_phi3.rs; "
+                          f"candle's quantized {architecture} is not composed yet (its model directory runs)")
     source = GGUF_FILES[architecture]
     unreadable = sorted({info.kind for info in file.tensors.values()} - READABLE_TYPES)
     if unreadable:
@@ -603,38 +607,55 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
             raise TracerError(f"{path.name}: no {architecture}.{key} in the GGUF metadata ({source} needs it)")
         return value
 
-    def tensor(name: str):
+    def tensor(point: str):
+        name = gguf_tensor_name(point, architecture)  # llama.cpp's architecture names are tracer's families here
         if name not in tensors:
             raise TracerError(f"{path.name}: no tensor {name} ({source} would fail the same way)")
         return tensors[name]
 
     heads, hidden = int(number("attention.head_count")), int(number("embedding_length"))
-    qwen2 = architecture == "qwen2"
-    # quantized_qwen2.rs: head_dim = embedding_length / head_count, no rope.dimension_count read; the kv heads and
-    # the context length required (`md_get` bails), rotated by `rope` on llama.cpp's unpermuted Qwen2 rows
-    head_dim = hidden // heads if qwen2 else int(number("rope.dimension_count", hidden // heads))
-    kv_heads = int(number("attention.head_count_kv", None if qwen2 else heads))
-    context = int(number("context_length", None if qwen2 else 4096))
-    theta = float(variant.get("theta", number("rope.freq_base", 10000.0)))
+    llama, qwen2, phi3 = (architecture == name for name in ("llama", "qwen2", "phi3"))
+    # quantized_qwen2.rs and quantized_phi3.rs: head_dim = embedding_length / head_count, the kv heads and the
+    # context length required (`md_get` bails), `rope` on llama.cpp's unpermuted rows
+    head_dim = int(number("rope.dimension_count", hidden // heads)) if llama else hidden // heads
+    kv_heads = int(number("attention.head_count_kv", heads if llama else None))
+    context = int(number("context_length", 4096 if llama else None))
+    notes = []
+    if phi3:
+        # precomput_freqs_cis(rope_dim, max_seq_len, 10_000.): rope.freq_base is not read; `rope` takes the head
+        rope_dim = int(number("rope.dimension_count"))
+        number("feed_forward_length")  # gate | up's split, as ffn_up's halves
+        if rope_dim != head_dim:
+            raise TracerError(f"candle refused: inconsistent last dim size in rope (quantized_phi3.rs rotates the "
+                              f"whole head of {head_dim} with a table of rope.dimension_count = {rope_dim} dims)")
+        base = meta.get("phi3.rope.freq_base")
+        if base is not None and float(base) != 10000.0:
+            notes.append(f"candle's quantized_phi3.rs rotates with theta 10000: the GGUF's rope.freq_base "
+                         f"({float(base):g}) is not read")
+        theta = float(variant.get("theta", 10000.0))
+    else:
+        theta = float(variant.get("theta", number("rope.freq_base", 10000.0)))
     eps = float(variant.get("eps", np.float32(number("attention.layer_norm_rms_epsilon"))))
-    embed = tensor(gguf_tensor_name(EMBED + WEIGHT))
-    weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensor(gguf_tensor_name(FINAL_NORM + WEIGHT)).dequantize(),
-                     # tied: both files take token_embd
-                     LOGITS: tensors.get(gguf_tensor_name(LOGITS + WEIGHT), embed)}
+    embed = tensor(EMBED + WEIGHT)
+    # tied: quantized_llama.rs and quantized_qwen2.rs take token_embd; quantized_phi3.rs requires output.weight
+    output = tensor(LOGITS + WEIGHT) if phi3 else tensors.get(gguf_tensor_name(LOGITS + WEIGHT, architecture), embed)
+    weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensor(FINAL_NORM + WEIGHT).dequantize(), LOGITS: output}
     layers = int(number("block_count"))
     biases = frozenset({Q_PROJ, K_PROJ, V_PROJ}) if qwen2 else frozenset()  # quantized_qwen2.rs: attn_{q,k,v}.bias
+    points = PHI3_GGUF_WEIGHTS if phi3 else LAYER_WEIGHTS
     for i in range(layers):
-        weights[i] = {point: tensor(gguf_tensor_name(layer_point(i, point) + WEIGHT)) for point in LAYER_WEIGHTS}
+        weights[i] = {point: tensor(layer_point(i, point) + WEIGHT) for point in points}
         for norm in NORMS:
             weights[i][norm] = weights[i][norm].dequantize()
         for point in biases:
-            weights[i][point + BIAS] = tensor(gguf_tensor_name(layer_point(i, point) + BIAS)).dequantize()
+            weights[i][point + BIAS] = tensor(layer_point(i, point) + BIAS).dequantize()
     shape = Shape(layers, heads, kv_heads, head_dim, hidden, embed.shape[0], context, eps,
-                  candle_inv_freq(theta, head_dim), variant.get("rope", "half" if qwen2 else "interleaved"),
-                  not qwen2, variant.get("kv_repeat", "interleave"), variant.get("mask", "where"), file=source,
-                  biases=biases)
+                  candle_inv_freq(theta, head_dim), variant.get("rope", "interleaved" if llama else "half"),
+                  llama, variant.get("kv_repeat", "interleave"), variant.get("mask", "where"), file=source,
+                  biases=biases, fused=phi3)
     types = sorted({str(t.ggml_dtype) for t in tensors.values()})
-    return shape, weights, linear_quantized, {"gguf_types": types, "rope_theta": theta, "rms_norm_eps": eps}
+    return shape, weights, linear_quantized, {"gguf_types": types, "rope_theta": theta, "rms_norm_eps": eps,
+                                              "notes": notes}
 
 
 # --- the engine ----------------------------------------------------------------------------------
