@@ -138,10 +138,13 @@ def test_a_gguf_of_a_family_without_its_quantized_file_is_refused_in_one_line(ca
     from tests.families import write_tiny_gguf
 
     gguf_file = write_tiny_gguf(write_tiny_family(tmp_path / "q", "qwen3"), tmp_path / "q.gguf", no_vocab=True)
-    with pytest.raises(TracerError, match=r"^candle:PATH.gguf runs quantized_llama.rs, quantized_qwen2.rs or "
-                                          r"quantized_phi3.rs; candle's quantized qwen3 is not composed yet \(its "
-                                          r"model directory runs\)$"):
+    with pytest.raises(TracerError, match=r"^candle runs no qwen3 GGUF yet \(quantized_qwen3.rs is not composed\); "
+                                          r"its model directory runs$"):
         candle_engine.load(ModelSource(tmp_path / "q"), {}, argument=str(gguf_file))
+    gguf_file = write_tiny_gguf(write_tiny_family(tmp_path / "o", "olmo2"), tmp_path / "o.gguf", no_vocab=True)
+    with pytest.raises(TracerError, match=r"^candle-transformers 0.11 has no quantized_olmo2.rs: candle runs the "
+                                          r"model directory of olmo2 only$"):
+        candle_engine.load(ModelSource(tmp_path / "o"), {}, argument=str(gguf_file))
 
 
 def test_quantized_qwen2_rs_on_an_f32_gguf_matches_transformers_at_every_point(candle, tmp_path):
@@ -157,8 +160,8 @@ def test_quantized_qwen2_rs_on_an_f32_gguf_matches_transformers_at_every_point(c
     result = tracer.compare(tracer.record(model, tokens, engine="hf"), candidate)
     assert result.verdict == "match" and len(candidate.tensors) == len(all_points(3, "qwen2"))
     assert max(p.rel_l2 for p in result.points if p.recorded) < 1e-5
-    with pytest.raises(TracerError, match=r"^candle's regime emulates quantized_llama.rs; a qwen2 GGUF's file is not "
-                                          r"emulated yet \(run it without --regime\)$"):
+    with pytest.raises(TracerError, match=r"^candle's regime emulates quantized_llama.rs only: run this qwen2 GGUF "
+                                          r"without --regime$"):
         tracer.run(model, tokens=tokens, candidate=f"candle:{gguf_file}", regime="auto", greedy=0, progress=False)
 
 
@@ -176,8 +179,8 @@ def test_quantized_phi3_rs_runs_fused_projections_and_refuses_a_partial_rotary_h
     assert result.verdict == "match" and list(candidate.tensors) == all_points(3, "phi3")
     assert max(p.rel_l2 for p in result.points if p.recorded) < 1e-5
     half = write_tiny_family(tmp_path / "h", "phi3")  # partial_rotary_factor 0.5
-    with pytest.raises(TracerError, match=r"^candle refused: inconsistent last dim size in rope \(quantized_phi3.rs "
-                                          r"rotates the whole head of 12 with a table of rope.dimension_count = 6"):
+    with pytest.raises(TracerError, match=r"^candle refused: inconsistent last dim size in rope \(head 12, "
+                                          r"rope.dimension_count 6: quantized_phi3.rs\)$"):
         candle_engine.load(ModelSource(half), {}, argument=str(write_tiny_gguf(half, tmp_path / "h.gguf",
                                                                                   no_vocab=True)))
 

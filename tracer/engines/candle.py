@@ -129,6 +129,9 @@ NORMS = (INPUT_NORM, POST_ATTENTION_NORM)
 # unpermuted rows); quantized_phi3.rs (fused qkv and gate_up, `rope` on the unpermuted rows, theta 10000 whatever
 # the metadata says). quantized_qwen3.rs runs candle_nn's fused CPU flash attention, not composed here.
 GGUF_FILES = {"llama": "quantized_llama.rs", "qwen2": "quantized_qwen2.rs", "phi3": "quantized_phi3.rs"}
+# candle-transformers 0.11's GGUF files this engine does not compose: quantized_qwen3.rs (candle_nn's fused CPU flash
+# attention on interleaved caches) and quantized_gemma3.rs.
+GGUF_NOT_COMPOSED = ("qwen3", "gemma3")
 # quantized_phi3.rs' tensors: attn_qkv and ffn_up (gate | up) fused, as phi3.rs' directory holds them.
 PHI3_GGUF_WEIGHTS = (INPUT_NORM, QKV_PROJ, O_PROJ, POST_ATTENTION_NORM, GATE_UP_PROJ, DOWN_PROJ)
 
@@ -591,9 +594,12 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     file = GGUFFile(path)  # the metadata first: a family candle's Llama cannot run loads nothing
     architecture = str(file.fields.get("general.architecture", "llama"))  # llama.cpp's architecture names
     refuse_family(architecture)
+    if architecture in GGUF_NOT_COMPOSED:
+        raise TracerError(f"candle runs no {architecture} GGUF yet (quantized_{architecture}.rs is not composed); its "
+                          "model directory runs")
     if architecture not in GGUF_FILES:
-        raise TracerError(f"candle:PATH.gguf runs quantized_llama.rs, quantized_qwen2.rs or quantized_phi3.rs; "
-                          f"candle's quantized {architecture} is not composed yet (its model directory runs)")
+        raise TracerError(f"candle-transformers 0.11 has no quantized_{architecture}.rs: candle runs the model "
+                          f"directory of {architecture} only")
     source = GGUF_FILES[architecture]
     unreadable = sorted({info.kind for info in file.tensors.values()} - READABLE_TYPES)
     if unreadable:
@@ -626,8 +632,9 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
         rope_dim = int(number("rope.dimension_count"))
         number("feed_forward_length")  # gate | up's split, as ffn_up's halves
         if rope_dim != head_dim:
-            raise TracerError(f"candle refused: inconsistent last dim size in rope (quantized_phi3.rs rotates the "
-                              f"whole head of {head_dim} with a table of rope.dimension_count = {rope_dim} dims)")
+            # quantized_phi3.rs rotates the whole head with a table of rope.dimension_count dims: candle_nn's rope bails
+            raise TracerError(f"candle refused: inconsistent last dim size in rope (head {head_dim}, "
+                              f"rope.dimension_count {rope_dim}: quantized_phi3.rs)")
         base = meta.get("phi3.rope.freq_base")
         if base is not None and float(base) != 10000.0:
             notes.append(f"candle's quantized_phi3.rs rotates with theta 10000: the GGUF's rope.freq_base "
@@ -716,8 +723,7 @@ class CandleEngine(EngineBase):
         self.first_position(tokens, at_positions(offset, len(tokens)).get("positions"))  # from 0 only
         if self.shape.file == "gemma3.rs" and any(self.shape.windows):
             # candle_nn's RotatingKvCache on gemma3.rs' sliding layers keeps their last sliding_window keys only
-            raise TracerError("--decode with candle on gemma3: gemma3.rs' rotating cache of its sliding layers is not "
-                              "composed yet")
+            raise TracerError("--decode with candle on gemma3: its sliding layers' rotating cache is not composed yet")
         cache = Cache(self.num_layers)
 
         def forward(ids: list[int], start: int) -> tuple[Trace, torch.Tensor]:

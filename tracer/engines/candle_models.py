@@ -68,8 +68,7 @@ def _u32(key: str, value) -> int:
 
 def _activation(key: str, value) -> str:
     if value in OTHER_ACTIVATIONS:
-        raise TracerError(f"the candle engine composes silu, relu, gelu and tanh-GELU; config.json's {key} is "
-                          f"{value!r}")
+        raise TracerError(f"the candle engine composes silu, relu, gelu and tanh-GELU; {key} is {value!r}")
     if value not in ACTIVATIONS:
         raise TracerError(f"candle 0.11 cannot parse config.json: unknown variant {value!r} for `{key}`")
     return ACTIVATIONS[value]

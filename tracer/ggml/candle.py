@@ -329,8 +329,8 @@ def implied_regime(weight_types: dict[str, str], architecture: str = "llama") ->
         ({'preset': 'candle-q', 'weights': 'gguf'}, [])
     """
     if architecture != "llama":
-        raise TracerError(f"candle's regime emulates quantized_llama.rs; a {architecture} GGUF's file is not "
-                          "emulated yet (run it without --regime)")
+        raise TracerError(f"candle's regime emulates quantized_llama.rs only: run this {architecture} GGUF without "
+                          "--regime")
     caveats = []
     for kind in sorted(set(weight_types.values()) - EXACT_WEIGHT_TYPES):
         names = [name for name, t in weight_types.items() if t == kind]
