@@ -165,6 +165,25 @@ def test_quantized_qwen2_rs_on_an_f32_gguf_matches_transformers_at_every_point(c
         tracer.run(model, tokens=tokens, candidate=f"candle:{gguf_file}", regime="auto", greedy=0, progress=False)
 
 
+def test_quantized_gemma3_rs_computes_gemma_3_with_a_silu_mlp(candle, tmp_path):
+    """quantized_gemma3.rs: embeddings × sqrt(hidden), rms_norm on llama.cpp's stored (1 + w) sandwich and q/k
+    norms, the local table on its sliding layers; its MLP is SiLU where Gemma's is tanh GELU
+    (`candle_nn::ops::silu(&gate)`): on a model where gemma3.rs' own differences do not apply, everything before
+    layer 0's activation matches and the activation is where it diverges, said in the notes."""
+    from tests.families import WINDOW, write_tiny_gguf
+
+    model = write_tiny_family(tmp_path / "g", "gemma3", query_pre_attn_scalar=12, tie_word_embeddings=True,
+                              layer_types=["sliding_attention"] * 3)
+    gguf_file = write_tiny_gguf(model, tmp_path / "g.gguf", no_vocab=True)
+    tokens = TOKENS[:WINDOW]
+    candidate = candle_engine.load(ModelSource(model), {}, argument=str(gguf_file)).record(tokens)
+    result = tracer.compare(tracer.record(model, tokens, engine="hf"), candidate)
+    assert result.first_divergence.point == layer_point(0, "mlp.act")
+    before = result.points[:[p.point for p in result.points].index(layer_point(0, "mlp.act"))]
+    assert len(before) > 15 and max(p.rel_l2 for p in before if p.recorded) < 1e-5
+    assert any("MLP with SiLU" in note for note in candidate.meta.notes)
+
+
 def test_quantized_phi3_rs_runs_fused_projections_and_refuses_a_partial_rotary_head(candle, tmp_path):
     """quantized_phi3.rs: attn_qkv and ffn_up (gate | up) as they are, `rope` over the whole head with a
     table of rope.dimension_count dims (theta 10000): a Phi-3 rotating every dim matches transformers at

@@ -18,8 +18,9 @@ Two forwards, one per model source (`docs/engine-candle.md`):
   `rope_i` on the GGUF's permuted q/k rows, the embedding from the dequantized `token_embd`, the
   tied `lm_head` a quantized matmul on it. Settings come from the GGUF's metadata, as there.
   A Qwen2 GGUF runs `models/quantized_qwen2.rs` (q/k/v biases, `rope` on its unpermuted rows), a Phi-3
-  GGUF `models/quantized_phi3.rs` (fused qkv and gate_up, theta 10000); a GGUF of another architecture is
-  refused in one line (its quantized_*.rs is not composed).
+  GGUF `models/quantized_phi3.rs` (fused qkv and gate_up, theta 10000), a Gemma 3 GGUF
+  `models/quantized_gemma3.rs` (Gemma 3's blocks with a SiLU MLP); a GGUF of another architecture is
+  refused in one line.
 
 0.4.2 has no fused `rms_norm`, `rope`, `rope_i` or `softmax_last_dim` (0.11 has them); each is
 composed from candle's own ops in the order 0.11's CPU kernel computes (`COMPOSED`). Points come
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -58,7 +60,7 @@ from tracer.files.sources import ModelSource, check_gguf_header
 from tracer.ggml.candle import candle_inv_freq, rope_angles
 from tracer.ggml.ops import cpu_flags
 from tracer.model.component import family_of
-from tracer.model.components.block import PRE_NORM
+from tracer.model.components.block import PRE_NORM, SANDWICH
 from tracer.model.components.rope import rope_inv_freq
 from tracer.model.config import RESAVES, load_config, variant_spec
 from tracer.model.points import (
@@ -127,11 +129,16 @@ NORMS = (INPUT_NORM, POST_ATTENTION_NORM)
 # The GGUF architectures (llama.cpp's names) candle:PATH.gguf runs, and the file of candle-transformers 0.11 that
 # runs each: quantized_llama.rs; quantized_qwen2.rs (quantized_llama.rs with q/k/v biases and `rope` on the
 # unpermuted rows); quantized_phi3.rs (fused qkv and gate_up, `rope` on the unpermuted rows, theta 10000 whatever
-# the metadata says). quantized_qwen3.rs runs candle_nn's fused CPU flash attention, not composed here.
-GGUF_FILES = {"llama": "quantized_llama.rs", "qwen2": "quantized_qwen2.rs", "phi3": "quantized_phi3.rs"}
-# candle-transformers 0.11's GGUF files this engine does not compose: quantized_qwen3.rs (candle_nn's fused CPU flash
-# attention on interleaved caches) and quantized_gemma3.rs.
-GGUF_NOT_COMPOSED = ("qwen3", "gemma3")
+# the metadata says); quantized_gemma3.rs (`gemma3_gguf`).
+GGUF_FILES = {"llama": "quantized_llama.rs", "qwen2": "quantized_qwen2.rs", "phi3": "quantized_phi3.rs",
+              "gemma3": "quantized_gemma3.rs"}
+# candle-transformers 0.11's GGUF file this engine does not compose: quantized_qwen3.rs (candle_nn's fused CPU flash
+# attention on interleaved caches).
+GGUF_NOT_COMPOSED = ("qwen3",)
+# quantized_gemma3.rs' tensors: Gemma's sandwich norms and per-head q/k norms (llama.cpp stores each as 1 + w, so the
+# file's plain rms_norm multiplies by what transformers' (1 + w) is), gate, up and down.
+GEMMA3_GGUF_WEIGHTS = (*(p for pair in SANDWICH for p in pair), Q_PROJ, K_PROJ, V_PROJ, O_PROJ, Q_NORM, K_NORM,
+                       GATE_PROJ, UP_PROJ, DOWN_PROJ)
 # quantized_phi3.rs' tensors: attn_qkv and ffn_up (gate | up) fused, as phi3.rs' directory holds them.
 PHI3_GGUF_WEIGHTS = (INPUT_NORM, QKV_PROJ, O_PROJ, POST_ATTENTION_NORM, GATE_UP_PROJ, DOWN_PROJ)
 
@@ -619,6 +626,8 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
             raise TracerError(f"{path.name}: no tensor {name} ({source} would fail the same way)")
         return tensors[name]
 
+    if architecture == "gemma3":
+        return gemma3_gguf(path, variant, tensors, meta, number, tensor, source)
     heads, hidden = int(number("attention.head_count")), int(number("embedding_length"))
     llama, qwen2, phi3 = (architecture == name for name in ("llama", "qwen2", "phi3"))
     # quantized_qwen2.rs and quantized_phi3.rs: head_dim = embedding_length / head_count, the kv heads and the
@@ -660,6 +669,46 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
                   candle_inv_freq(theta, head_dim), variant.get("rope", "interleaved" if llama else "half"),
                   llama, variant.get("kv_repeat", "interleave"), variant.get("mask", "where"), file=source,
                   biases=biases, fused=phi3)
+    types = sorted({str(t.ggml_dtype) for t in tensors.values()})
+    return shape, weights, linear_quantized, {"gguf_types": types, "rope_theta": theta, "rms_norm_eps": eps,
+                                              "notes": notes}
+
+
+def gemma3_gguf(path: Path, variant: dict, tensors: dict, meta: dict, number, tensor, source: str):
+    """quantized_gemma3.rs on a Gemma 3 GGUF: its `gemma3.*` metadata (key_length, sliding_window required;
+    sliding_window_type 6, rope.freq_base 1e6, rope.local_freq_base 1e4 when absent), embeddings × sqrt(hidden),
+    candle_nn's rms_norm on the stored (1 + w) sandwich and per-head q/k norms, f32 RoPE tables (the local one on
+    every layer but each sliding_window_type-th, masked to sliding_window + 1 keys), scores by 1/sqrt(key_length),
+    no soft-caps, and a SiLU MLP."""
+    heads, hidden, head_dim = (int(number(key)) for key in ("attention.head_count", "embedding_length",
+                                                            "attention.key_length"))
+    layers, window = int(number("block_count")), int(number("attention.sliding_window"))
+    pattern = int(number("attention.sliding_window_type", 6))
+    theta = float(variant.get("theta", number("rope.freq_base", 1e6)))
+    local_theta = float(number("rope.local_freq_base", 1e4))
+    eps = float(variant.get("eps", np.float32(number("attention.layer_norm_rms_epsilon"))))
+    notes = ["candle's quantized_gemma3.rs computes the MLP with SiLU (`candle_nn::ops::silu`), not Gemma's tanh "
+             "GELU; it applies no soft-cap and scales scores by 1/sqrt(key_length)"]
+    swa = meta.get("gemma3.rope.freq_base_swa")
+    if "gemma3.rope.local_freq_base" not in meta and swa is not None:
+        notes.append(f"candle's quantized_gemma3.rs reads rope.local_freq_base (absent: 10000); the GGUF's "
+                     f"rope.freq_base_swa ({float(swa):g}), which llama.cpp writes, is not read")
+    if "gemma3.attention.sliding_window_type" not in meta:
+        notes.append(f"candle's quantized_gemma3.rs makes every layer but each 6th sliding (no "
+                     f"attention.sliding_window_type in the GGUF), masked to sliding_window + 1 = {window + 1} keys")
+    embed = tensor(EMBED + WEIGHT)
+    weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensor(FINAL_NORM + WEIGHT).dequantize(),
+                     LOGITS: tensors.get(gguf_tensor_name(LOGITS + WEIGHT, "gemma3"), embed)}  # tied: token_embd
+    for i in range(layers):
+        weights[i] = {point: tensor(layer_point(i, point) + WEIGHT) for point in GEMMA3_GGUF_WEIGHTS}
+        for point in (*(p for pair in SANDWICH for p in pair), Q_NORM, K_NORM):
+            weights[i][point] = weights[i][point].dequantize()
+    shape = Shape(layers, heads, int(number("attention.head_count_kv")), head_dim, hidden, embed.shape[0], 131072,
+                  eps, candle_inv_freq(theta, head_dim), variant.get("rope", "half"), False,
+                  variant.get("kv_repeat", "interleave"), variant.get("mask", "where"), file=source,
+                  qk_norm="per_head", placement=SANDWICH, embed_scale=math.sqrt(hidden),
+                  windows=tuple(window if (i + 1) % pattern else None for i in range(layers)),
+                  local_inv_freq=candle_inv_freq(local_theta, head_dim))  # MAX_SEQ_LEN 131072 rows
     types = sorted({str(t.ggml_dtype) for t in tensors.values()})
     return shape, weights, linear_quantized, {"gguf_types": types, "rope_theta": theta, "rms_norm_eps": eps,
                                               "notes": notes}
