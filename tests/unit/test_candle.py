@@ -134,17 +134,25 @@ def test_regime_auto_picks_candles_arithmetic_for_a_gguf_and_none_for_f32(quanti
         resolve("auto", parse_engine("candle"), {}, source)
 
 
-def test_a_gguf_of_a_family_without_its_quantized_file_is_refused_in_one_line(candle, tmp_path):
+def test_a_gguf_of_a_family_without_a_quantized_file_is_refused_in_one_line(candle, tmp_path):
     from tests.families import write_tiny_gguf
 
-    gguf_file = write_tiny_gguf(write_tiny_family(tmp_path / "q", "qwen3"), tmp_path / "q.gguf", no_vocab=True)
-    with pytest.raises(TracerError, match=r"^candle runs no qwen3 GGUF yet \(quantized_qwen3.rs is not composed\); "
-                                          r"its model directory runs$"):
-        candle_engine.load(ModelSource(tmp_path / "q"), {}, argument=str(gguf_file))
     gguf_file = write_tiny_gguf(write_tiny_family(tmp_path / "o", "olmo2"), tmp_path / "o.gguf", no_vocab=True)
     with pytest.raises(TracerError, match=r"^candle-transformers 0.11 has no quantized_olmo2.rs: candle runs the "
                                           r"model directory of olmo2 only$"):
         candle_engine.load(ModelSource(tmp_path / "o"), {}, argument=str(gguf_file))
+
+
+def test_quantized_qwen3_rs_matches_transformers_by_its_standard_attention_and_says_so(candle, tmp_path):
+    from tests.families import write_tiny_gguf
+
+    model = write_tiny_family(tmp_path / "q", "qwen3")
+    gguf_file = write_tiny_gguf(model, tmp_path / "q.gguf", no_vocab=True)
+    candidate = candle_engine.load(ModelSource(model), {}, argument=str(gguf_file)).record(TOKENS)
+    result = tracer.compare(tracer.record(model, TOKENS, engine="hf"), candidate)
+    assert result.verdict == "match" and sorted(candidate.tensors) == sorted(all_points(3, "qwen3"))
+    assert max(p.rel_l2 for p in result.points if p.recorded) < 1e-5
+    assert any("quantized_qwen3.rs runs candle_nn's fused CPU flash attention" in n for n in candidate.meta.notes)
 
 
 def test_quantized_qwen2_rs_on_an_f32_gguf_matches_transformers_at_every_point(candle, tmp_path):

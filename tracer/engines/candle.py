@@ -17,10 +17,10 @@ Two forwards, one per model source (`docs/engine-candle.md`):
   own tensors (activations quantized to the weight's vec-dot type, then candle's vec_dot kernels),
   `rope_i` on the GGUF's permuted q/k rows, the embedding from the dequantized `token_embd`, the
   tied `lm_head` a quantized matmul on it. Settings come from the GGUF's metadata, as there.
-  A Qwen2 GGUF runs `models/quantized_qwen2.rs` (q/k/v biases, `rope` on its unpermuted rows), a Phi-3
-  GGUF `models/quantized_phi3.rs` (fused qkv and gate_up, theta 10000), a Gemma 3 GGUF
-  `models/quantized_gemma3.rs` (Gemma 3's blocks with a SiLU MLP); a GGUF of another architecture is
-  refused in one line.
+  A Qwen2 GGUF runs `models/quantized_qwen2.rs` (q/k/v biases, `rope` on its unpermuted rows), a Qwen3
+  GGUF `models/quantized_qwen3.rs` (per-head q/k norms), a Phi-3 GGUF `models/quantized_phi3.rs` (fused
+  qkv and gate_up, theta 10000), a Gemma 3 GGUF `models/quantized_gemma3.rs` (Gemma 3's blocks with a
+  SiLU MLP); a GGUF of an architecture with no quantized file is refused in one line.
 
 0.4.2 has no fused `rms_norm`, `rope`, `rope_i` or `softmax_last_dim` (0.11 has them); each is
 composed from candle's own ops in the order 0.11's CPU kernel computes (`COMPOSED`). Points come
@@ -53,7 +53,7 @@ from safetensors.torch import load_file
 
 from tracer.core.errors import TracerError
 from tracer.engines.base import EngineBase, at_positions, decode_steps
-from tracer.engines.candle_models import MODEL_FILES
+from tracer.engines.candle_models import MODEL_FILES, flash_note
 from tracer.engines.registry import ENGINES
 from tracer.files.gguffile import GGUFFile
 from tracer.files.sources import ModelSource, check_gguf_header
@@ -129,12 +129,11 @@ NORMS = (INPUT_NORM, POST_ATTENTION_NORM)
 # The GGUF architectures (llama.cpp's names) candle:PATH.gguf runs, and the file of candle-transformers 0.11 that
 # runs each: quantized_llama.rs; quantized_qwen2.rs (quantized_llama.rs with q/k/v biases and `rope` on the
 # unpermuted rows); quantized_phi3.rs (fused qkv and gate_up, `rope` on the unpermuted rows, theta 10000 whatever
-# the metadata says); quantized_gemma3.rs (`gemma3_gguf`).
-GGUF_FILES = {"llama": "quantized_llama.rs", "qwen2": "quantized_qwen2.rs", "phi3": "quantized_phi3.rs",
-              "gemma3": "quantized_gemma3.rs"}
-# candle-transformers 0.11's GGUF file this engine does not compose: quantized_qwen3.rs (candle_nn's fused CPU flash
-# attention on interleaved caches).
-GGUF_NOT_COMPOSED = ("qwen3",)
+# the metadata says); quantized_qwen3.rs (per-head q/k norms; its fused CPU flash attention as qwen3.rs', composed by
+# its standard path: `candle_models.QWEN3_FLASH`); quantized_gemma3.rs (`gemma3_gguf`).
+GGUF_FILES = {"llama": "quantized_llama.rs", "qwen2": "quantized_qwen2.rs", "qwen3": "quantized_qwen3.rs",
+              "phi3": "quantized_phi3.rs", "gemma3": "quantized_gemma3.rs"}
+QWEN3_GGUF_FLASH = flash_note("quantized_qwen3.rs", "its \"standard matmul attention\", off the CPU")
 # quantized_gemma3.rs' tensors: Gemma's sandwich norms and per-head q/k norms (llama.cpp stores each as 1 + w, so the
 # file's plain rms_norm multiplies by what transformers' (1 + w) is), gate, up and down.
 GEMMA3_GGUF_WEIGHTS = (*(p for pair in SANDWICH for p in pair), Q_PROJ, K_PROJ, V_PROJ, O_PROJ, Q_NORM, K_NORM,
@@ -601,9 +600,6 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     file = GGUFFile(path)  # the metadata first: a family candle's Llama cannot run loads nothing
     architecture = str(file.fields.get("general.architecture", "llama"))  # llama.cpp's architecture names
     refuse_family(architecture)
-    if architecture in GGUF_NOT_COMPOSED:
-        raise TracerError(f"candle runs no {architecture} GGUF yet (quantized_{architecture}.rs is not composed); its "
-                          "model directory runs")
     if architecture not in GGUF_FILES:
         raise TracerError(f"candle-transformers 0.11 has no quantized_{architecture}.rs: candle runs the model "
                           f"directory of {architecture} only")
@@ -629,10 +625,12 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     if architecture == "gemma3":
         return gemma3_gguf(path, variant, tensors, meta, number, tensor, source)
     heads, hidden = int(number("attention.head_count")), int(number("embedding_length"))
-    llama, qwen2, phi3 = (architecture == name for name in ("llama", "qwen2", "phi3"))
-    # quantized_qwen2.rs and quantized_phi3.rs: head_dim = embedding_length / head_count, the kv heads and the
-    # context length required (`md_get` bails), `rope` on llama.cpp's unpermuted rows
-    head_dim = int(number("rope.dimension_count", hidden // heads)) if llama else hidden // heads
+    llama, qwen2, qwen3, phi3 = (architecture == name for name in ("llama", "qwen2", "qwen3", "phi3"))
+    # quantized_qwen2.rs, quantized_qwen3.rs and quantized_phi3.rs: head_dim = embedding_length / head_count (Qwen3:
+    # attention.key_length), the kv heads and the context length required (`md_get` bails), `rope` on llama.cpp's
+    # unpermuted rows
+    head_dim = int(number("rope.dimension_count", hidden // heads)) if llama else \
+        int(number("attention.key_length")) if qwen3 else hidden // heads
     kv_heads = int(number("attention.head_count_kv", heads if llama else None))
     context = int(number("context_length", 4096 if llama else None))
     notes = []
@@ -649,8 +647,10 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
             notes.append(f"candle's quantized_phi3.rs rotates with theta 10000: the GGUF's rope.freq_base "
                          f"({float(base):g}) is not read")
         theta = float(variant.get("theta", 10000.0))
-    else:
-        theta = float(variant.get("theta", number("rope.freq_base", 10000.0)))
+    else:  # quantized_qwen3.rs requires it
+        theta = float(variant.get("theta", number("rope.freq_base", None if qwen3 else 10000.0)))
+    if qwen3:
+        notes.append(QWEN3_GGUF_FLASH)
     eps = float(variant.get("eps", np.float32(number("attention.layer_norm_rms_epsilon"))))
     embed = tensor(EMBED + WEIGHT)
     # tied: quantized_llama.rs and quantized_qwen2.rs take token_embd; quantized_phi3.rs requires output.weight
@@ -658,17 +658,17 @@ def gguf_model(path: Path, variant: dict, candle) -> tuple[Shape, dict, object, 
     weights: dict = {EMBED: embed.dequantize(), FINAL_NORM: tensor(FINAL_NORM + WEIGHT).dequantize(), LOGITS: output}
     layers = int(number("block_count"))
     biases = frozenset({Q_PROJ, K_PROJ, V_PROJ}) if qwen2 else frozenset()  # quantized_qwen2.rs: attn_{q,k,v}.bias
-    points = PHI3_GGUF_WEIGHTS if phi3 else LAYER_WEIGHTS
+    points = PHI3_GGUF_WEIGHTS if phi3 else (*LAYER_WEIGHTS, Q_NORM, K_NORM) if qwen3 else LAYER_WEIGHTS
     for i in range(layers):
         weights[i] = {point: tensor(layer_point(i, point) + WEIGHT) for point in points}
-        for norm in NORMS:
+        for norm in (*NORMS, Q_NORM, K_NORM) if qwen3 else NORMS:
             weights[i][norm] = weights[i][norm].dequantize()
         for point in biases:
             weights[i][point + BIAS] = tensor(layer_point(i, point) + BIAS).dequantize()
     shape = Shape(layers, heads, kv_heads, head_dim, hidden, embed.shape[0], context, eps,
-                  candle_inv_freq(theta, head_dim), variant.get("rope", "interleaved" if llama else "half"),
+                  candle_inv_freq(theta, head_dim, f64=qwen3), variant.get("rope", "interleaved" if llama else "half"),
                   llama, variant.get("kv_repeat", "interleave"), variant.get("mask", "where"), file=source,
-                  biases=biases, fused=phi3)
+                  biases=biases, fused=phi3, qk_norm="per_head" if qwen3 else None)
     types = sorted({str(t.ggml_dtype) for t in tensors.values()})
     return shape, weights, linear_quantized, {"gguf_types": types, "rope_theta": theta, "rms_norm_eps": eps,
                                               "notes": notes}

@@ -239,11 +239,15 @@ def _qwen3(read: Read) -> dict:
             "qk_norm": "per_head", "lm_head": _lm_head_from_config(read)}
 
 
-# qwen3.rs' `forward` on a CPU without the flash-attn feature (`forward_cpu_flash_attn`) calls candle_nn's fused
-# CPU flash attention, which 0.4.2 lacks and whose online softmax is not composed here.
-QWEN3_FLASH = ("candle's qwen3.rs runs candle_nn's fused CPU flash attention on a CPU (an online softmax: no "
-               "scores or probs exist there); composed here is its standard path (`forward_standard_attn`, what it "
-               "runs on a GPU without flash-attn): matmul, scale, additive causal mask, softmax_last_dim, matmul")
+def flash_note(file: str, standard: str) -> str:
+    """What a file that calls candle_nn's fused CPU flash attention on a CPU (qwen3.rs' `forward_cpu_flash_attn`,
+    quantized_qwen3.rs) is composed by: 0.4.2 lacks the kernel, and its online softmax is not composed here."""
+    return (f"candle's {file} runs candle_nn's fused CPU flash attention on a CPU (an online softmax: no scores or "
+            f"probs exist there); composed here is its standard path ({standard}): matmul, scale, additive causal "
+            "mask, softmax_last_dim, matmul")
+
+
+QWEN3_FLASH = flash_note("qwen3.rs", "`forward_standard_attn`, what it runs on a GPU without flash-attn")
 
 
 QWEN3 = ModelFile("qwen3.rs", {

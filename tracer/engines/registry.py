@@ -419,8 +419,8 @@ BUILTINS = (
         "candle", "tracer.engines.candle",
         "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's model files on the model "
         "directory (llama.rs, qwen2.rs, qwen3.rs, mistral.rs, gemma2.rs, gemma3.rs, phi3.rs, olmo2.rs) and "
-        "quantized_llama.rs, quantized_qwen2.rs, quantized_phi3.rs or quantized_gemma3.rs on candle:PATH.gguf; "
-        "its fused kernels 0.4.2 lacks composed from 0.4.2's ops",
+        "quantized_llama.rs, quantized_qwen2.rs, quantized_qwen3.rs, quantized_phi3.rs or quantized_gemma3.rs "
+        "on candle:PATH.gguf; its fused kernels 0.4.2 lacks composed from 0.4.2's ops",
         # candle's config reader and the notes' porting mistakes, in its own forward
         knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask"), switches=(THREADS,),
         argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True, decode=True,
