@@ -64,7 +64,7 @@ class Difference:
 @dataclass(frozen=True)
 class Absent:
     """A family the runtime has no architecture for ("not in that runtime"): refused in one line, before
-    anything loads, with `why` ("candle-transformers 0.11 has no OLMo-2 model")."""
+    anything loads, with `why` (the runtime's own words for it: "<runtime version> has no <family> model")."""
 
     family: str
     why: str
@@ -432,13 +432,31 @@ BUILTINS = (
     ),
     EngineEntry(
         "candle", "tracer.engines.candle",
-        "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's Llama: llama.rs on the "
-        "model directory, quantized_llama.rs on candle:PATH.gguf; rms_norm (norms), rope/rope_i (q_rope, "
-        "k_rope) and softmax_last_dim (probs) composed from 0.4.2's ops",
+        "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's model files on the model "
+        "directory (llama.rs, qwen2.rs, qwen3.rs, mistral.rs, gemma2.rs, gemma3.rs, phi3.rs, olmo2.rs) and "
+        "quantized_llama.rs, quantized_qwen2.rs, quantized_qwen3.rs, quantized_phi3.rs or quantized_gemma3.rs "
+        "on candle:PATH.gguf; its fused kernels 0.4.2 lacks composed from 0.4.2's ops",
         # candle's config reader and the notes' porting mistakes, in its own forward
         knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask"), switches=(THREADS,),
         argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True, decode=True,
-        families=("llama",), regime="candle", regime_with_argument=True,
+        families=("llama", "qwen3", "olmo2"), regime="candle",
+        differences=(
+            Difference("qwen2", PROBS, "a prompt longer than the window",
+                       "candle's qwen2.rs masks every layer to sliding_window + 1 keys, whatever use_sliding_window "
+                       "and max_window_layers say (qwen2.rs:307)"),
+            Difference("mistral", PROBS, "a prompt longer than the window",
+                       "candle's mistral.rs keeps sliding_window + 1 keys where transformers keeps sliding_window "
+                       "(`j + sliding_window < i` masked, mistral.rs:406)"),
+            Difference("gemma2", SCORES, "query_pre_attn_scalar other than head_dim",
+                       "candle's gemma2.rs scales scores by 1/sqrt(head_dim), never by query_pre_attn_scalar "
+                       "(gemma2.rs:240)"),
+            Difference("gemma3", SCORES, "query_pre_attn_scalar other than head_dim",
+                       "candle's gemma3.rs scales scores by 1/sqrt(head_dim), never by query_pre_attn_scalar "
+                       "(gemma3.rs:263)"),
+            Difference("phi3", PROBS, "a prompt longer than the window",
+                       "candle's phi3.rs reads no sliding_window: its mask is causal only (phi3.rs:393)"),
+        ),
+        regime_with_argument=True,
     ),
 )
 for builtin in BUILTINS:

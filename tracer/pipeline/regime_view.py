@@ -141,7 +141,7 @@ def runtime_regime(regime: str, weights, variant: dict) -> tuple[dict, list[str]
     if regime == "candle":
         from tracer.ggml.candle import implied_regime  # numba, for candle's kernels: a regime's only
 
-        return implied_regime(weights.types())
+        return implied_regime(weights.types(), str(weights.file.fields.get("general.architecture", "llama")))
     raise ValueError(f"no regime {regime!r} (an engine entry's regime is ggml, candle or None)")
 
 
