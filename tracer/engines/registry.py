@@ -450,9 +450,14 @@ BUILTINS = (
             Difference("gemma2", SCORES, "query_pre_attn_scalar other than head_dim",
                        "candle's gemma2.rs scales scores by 1/sqrt(head_dim), never by query_pre_attn_scalar "
                        "(gemma2.rs:240)"),
+            Difference("gemma2", PROBS, "a prompt longer than the window",
+                       "candle's gemma2.rs windows every layer (gemma2.rs:398), to sliding_window + 1 keys"),
             Difference("gemma3", SCORES, "query_pre_attn_scalar other than head_dim",
                        "candle's gemma3.rs scales scores by 1/sqrt(head_dim), never by query_pre_attn_scalar "
                        "(gemma3.rs:263)"),
+            Difference("gemma3", PROBS, "a prompt longer than the window",
+                       "candle's gemma3.rs slides layers by its own pattern (gemma3.rs:448), to sliding_window + 1 "
+                       "keys"),
             Difference("phi3", PROBS, "a prompt longer than the window",
                        "candle's phi3.rs reads no sliding_window: its mask is causal only (phi3.rs:393)"),
         ),
