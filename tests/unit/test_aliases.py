@@ -83,7 +83,7 @@ def test_rename_lists_unknown_names_and_says_why_known_ones_are_skipped():
     renamed = rename(tensors, AliasTable())
     assert list(renamed.tensors) == ["model.layers.0.mlp.down_proj"]
     assert renamed.unknown == ["my_custom_thing"]
-    assert "before the 1/sqrt(head_dim) scale" in renamed.skipped["kq-0"]
+    assert "before the scale its softmax applies" in renamed.skipped["kq-0"]
     assert "before the norm weight" in renamed.skipped["blocks.0.ln1.hook_normalized"]
 
 
