@@ -257,6 +257,8 @@ def cmd_diagnose(args) -> int:
                         for rank, entry in enumerate(result.ranking[:5], 1)])
         if result.best:
             lines.append(f"your trace behaves most like {result.best['variant']}")
+        elif result.ranking:
+            lines.append("no planted mistake reproduces it: the closest ones change nothing on this model")
         print(wrapped(lines))
     return 0
 

@@ -625,7 +625,11 @@ class Diagnosis:
 
     @property
     def best(self) -> dict | None:
-        return self.ranking[0] if self.ranking else None
+        """The closest variant, or None where it changes nothing on this model (its own verdict
+        is match) while the observed trace diverged: then no planted mistake reproduces it."""
+        if not self.ranking or (self.ranking[0]["verdict"] == "match" and self.observed.verdict == "diverged"):
+            return None
+        return self.ranking[0]
 
     def to_dict(self) -> dict:
         return json_safe({"observed": self.observed.to_dict(), "ranking": list(self.ranking)})
