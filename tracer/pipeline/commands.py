@@ -314,7 +314,7 @@ def record(request: Request) -> Trace | list[Trace]:
                           f"the {side.engine} engine cannot")
     with progress_stages(("load", "record"), request.progress):
         request = request.resolved()
-        target = request.target
+        target, inputs = request.target, request.inputs  # resolved: a model without a tokenizer gets default ids
         runner = load_engine(side.engine, side.variant, target)
         ids, chat_info = token_ids(target.source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
         check_tokens(ids, runner, inputs.position_offset)
