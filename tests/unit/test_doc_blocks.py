@@ -161,3 +161,11 @@ def test_the_hook_recipe_without_its_copy_is_what_safetensors_refuses(user_model
     assert copying in source
     with pytest.raises(RuntimeError, match="share memory"):
         run_block(source.replace(copying, ".contiguous()"), tmp_path, model=model, token_ids=TOKENS)
+
+
+def test_the_pages_name_the_ids_a_model_without_a_tokenizer_is_fed():
+    from tracer.pipeline.request import DEFAULT_TOKENS
+
+    ids = ",".join(map(str, DEFAULT_TOKENS))
+    assert f"no tokenizer: {ids})" in (ROOT / "README.md").read_text()
+    assert f"`{ids}`" in (ROOT / "docs" / "trace-format.md").read_text()
