@@ -214,9 +214,11 @@ def divergence_sentence(first: Mapping) -> str:
     if n is not None:
         upstream += f" over {n} point" + ("" if n == 1 else "s")
     how = "exactly" if exact else "at rounding level"
+    gap = first.get("unseen") or []
+    between = f" ({len(gap)} points between them not recorded)" if gap else ""
     return (
         f"Everything up to {last} agrees {how} ({upstream}); "
-        f"the first divergence is {first['point']}: {numbers}"
+        f"the first divergence is {first['point']}{between}: {numbers}"
     )
 
 
@@ -452,7 +454,10 @@ def divergence_facts(summary: Summary) -> list[tuple[str, str]]:
         facts.append(("error made there", f"rel_l2 {fmt(local)}{over} (local: its block rerun on the "
                                           f"reference's inputs{cache})"))
     n = first.get("upstream_points")
-    if first.get("last_agreeing"):
+    if first.get("unseen"):
+        unseen = first["unseen"]
+        facts.append(("error it inherits", f"unknown: not recorded before it: {', '.join(unseen)}"))
+    elif first.get("last_agreeing"):
         upstream = number(first.get("upstream_max_rel_l2"))
         over = f"over the {n} point{'' if n == 1 else 's'} before it"
         facts.append(("error it inherits", f"none (rel_l2 = 0 {over})" if upstream == 0 else
