@@ -23,6 +23,7 @@ from tracer.comparison.perplexity import (
     exact_kld,
     nearest_int,
     percentile,
+    scored_slice,
     scored_targets,
     stored_log_probs,
     token_figures,
@@ -182,6 +183,59 @@ def test_where_the_loss_is_made_by_a_wrong_theta(theta_quality):
     assert 0.8 < layers.sum_of_shares < 1.3  # about additive: recorded as measured, not forced to 1
     # reimpl is its own emulation, and hf and reimpl agree bitwise on this model
     assert layers.emulated_kld == pytest.approx(layers.total_kld, rel=1e-6) and layers.floor_kld < 1e-9
+
+
+def test_each_layers_share_is_its_swap_computed_apart_over_every_chunk(theta_quality, soft_model, tokens):
+    """Each share recomputed without tracer's model: transformers' Llama as the reference and, with the
+    wrong base, as the candidate; block i swapped by a hook that runs the candidate's block on the
+    reference's input; KL(P_ref ‖ P_swapped) over the scored half of every chunk, over the candidate's
+    whole KLD. A share taken from one chunk alone would differ (the chunks' KLDs differ by far more)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def load(theta=None):
+        config = AutoConfig.from_pretrained(soft_model)
+        if theta is not None:
+            config.rope_parameters["rope_theta"] = theta
+        return AutoModelForCausalLM.from_pretrained(soft_model, config=config, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+
+    reference, candidate = load(), load(theta=500.0)
+    inv_freq = candidate.model.rotary_emb.inv_freq
+    assert float(inv_freq[1]) == pytest.approx(500.0 ** (-2 / 16))  # head_dim 16: the wrong base took
+
+    def kl(p_logits, q_logits):  # (R, V) -> (R,) in f64
+        log_p, log_q = F.log_softmax(p_logits.double(), -1), F.log_softmax(q_logits.double(), -1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    def swap(i):
+        def hook(module, args, kwargs, output):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            positions = torch.arange(hidden.shape[1])[None]
+            own = candidate.model.layers[i](*args, **{**kwargs, "position_embeddings":
+                                                     candidate.model.rotary_emb(hidden, positions)})
+            return own
+        return reference.model.layers[i].register_forward_hook(hook, with_kwargs=True)
+
+    rows, layers = scored_slice(CTX), reference.config.num_hidden_layers
+    whole, swapped, per_chunk = [], {i: [] for i in range(layers)}, []
+    with torch.no_grad():
+        for start in range(0, len(tokens) - CTX + 1, CTX):
+            ids = torch.tensor([tokens[start:start + CTX]])
+            base = reference(ids, use_cache=False).logits[0, rows]
+            whole.append(kl(base, candidate(ids, use_cache=False).logits[0, rows]))
+            per_chunk.append(float(whole[-1].mean()))
+            for i in range(layers):
+                handle = swap(i)
+                try:
+                    swapped[i].append(kl(base, reference(ids, use_cache=False).logits[0, rows]))  # no cache: one pass
+                finally:
+                    handle.remove()
+    total = float(torch.cat(whole).mean())
+    assert len(per_chunk) == 4 and max(per_chunk) > 1.5 * min(per_chunk)  # one chunk alone would not do
+    shares = {s.component: s.share for s in theta_quality.layers.shares}
+    assert theta_quality.layers.total_kld == pytest.approx(total, rel=1e-5)
+    for i in range(layers):
+        assert shares[f"model.layers.{i}"] == pytest.approx(float(torch.cat(swapped[i]).mean()) / total, rel=1e-5)
 
 
 def test_the_same_model_on_both_sides_loses_nothing(soft_model, tokens):
