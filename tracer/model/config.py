@@ -33,7 +33,7 @@ from typing import Callable
 
 from tracer.core.errors import TracerError
 from tracer.model.component import family_named, family_of
-from tracer.model.knobs import check_family, setting
+from tracer.model.knobs import KNOBS, check_family, setting
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -695,6 +695,25 @@ def apply_overrides(spec: LlamaSpec, knobs: dict) -> LlamaSpec:
         if name in SPEC_OVERRIDES:
             spec = SPEC_OVERRIDES[name](spec, value)
     return spec
+
+
+def unchanging_knobs(config: dict, knobs: dict) -> dict:
+    """The knobs of `knobs` that change nothing on the model of this config.json dict: a config-level
+    knob set to the model's own value (theta=10000 where rope_theta is 10000), or a knob set to its
+    default. Said in a run's notes: its verdict says nothing of the mistake the knob plants."""
+    try:
+        spec = read_config(config, knobs)
+    except TracerError:  # a reader the run refuses says so itself
+        return {}
+    same = {}
+    for name, value in knobs.items():
+        knob = KNOBS.get(name)
+        if name in SPEC_OVERRIDES:
+            if SPEC_OVERRIDES[name](spec, value) == spec:
+                same[name] = value
+        elif knob is not None and knob.default_value is not None and value == knob.default_value:
+            same[name] = value
+    return same
 
 
 def variant_spec(config: dict, knobs: dict) -> LlamaSpec:
