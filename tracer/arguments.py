@@ -244,9 +244,9 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     qual.add_argument("--candidate", default="reimpl", action=_Candidates,
                       help="candidate engine: reimpl | hf | llamacpp:PATH.gguf | ..., see `tracer engines` "
                            "(default reimpl)")
-    qual.add_argument("-c", "--ctx", type=int, default=DEFAULT_CTX,
-                      help=f"tokens per chunk, the second half of each scored (llama-perplexity's -c; "
-                           f"default {DEFAULT_CTX})")
+    qual.add_argument("-c", "--ctx", type=int,
+                      help=f"tokens per chunk, the second half of each scored (llama-perplexity's -c; default "
+                           f"{DEFAULT_CTX}, halved until a shorter text fills two chunks, said in a note)")
     qual.add_argument("--chunks", type=int, help="evaluate at most N chunks (default: all the text fills)")
     qual.add_argument("--by-layer", action="store_true",
                       help="also say where the loss is made: each block (and the embedding, final norm, lm_head) "

@@ -21,6 +21,7 @@ from tracer.comparison.perplexity import (
     Statistics,
     chunk_tokens,
     exact_kld,
+    fitting_ctx,
     nearest_int,
     percentile,
     scored_slice,
@@ -129,7 +130,7 @@ def test_chunks_as_llama_perplexity_cuts_them():
     assert len(chunk_tokens(tokens, 64, bos=None, limit=3)) == 3
 
 
-@pytest.mark.parametrize("count, ctx, message", [(255, 128, "has 255 tokens; a context of 128 needs at least 256"),
+@pytest.mark.parametrize("count, ctx, message", [(255, 128, "has 255 tokens; -c 128 needs at least 256"),
                                                  (300, 3, "at least 4 tokens")])
 def test_too_few_tokens_or_too_small_a_context_is_refused(count, ctx, message):
     with pytest.raises(TracerError, match=message):
@@ -280,11 +281,19 @@ def test_a_tokenizer_that_adds_bos_starts_every_chunk_with_it(soft_model, tmp_pa
     assert q.chunks == 2 and q.statistics.count == 2 * SCORED
 
 
+def test_without_c_a_short_text_takes_the_largest_context_it_fills_twice_and_says_so(soft_model, tokens):
+    """130 tokens fill no two chunks of 512 (llama-perplexity's -c): 64 is the largest power of two they do."""
+    q = tracer.quality(tokens=tokens, model=soft_model, progress=False)
+    assert len(tokens) == 130 and q.ctx == 64 and q.chunks == 2
+    assert q.notes[0] == "-c 64: the text's 130 tokens fill no two chunks of 512, the default (pass -c to choose)"
+    assert fitting_ctx(2048, 512) == 512 and fitting_ctx(1023, 512) == 256 and fitting_ctx(7, 512) == 4
+
+
 # --- mistakes ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["-c", "128"], "has 130 tokens; a context of 128 needs at least 256"),
+    (["-c", "128"], "has 130 tokens; -c 128 needs at least 256"),
     (["-c", "2"], "-c/--ctx must be at least 4, got 2"),
     (["-c", "32", "--chunks", "0"], "--chunks must be at least 1, got 0"),
     (["-c", "32", "--candidate", "file:nothing.safetensors"], "the file engine cannot give logits"),

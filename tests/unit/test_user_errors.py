@@ -215,7 +215,7 @@ def _(tmp):
 
 
 @row("config.json key of the wrong type",
-     r"config\.json key 'num_attention_heads' must be a positive integer, got \"4\"")
+     r"config\.json: num_attention_heads must be a positive integer, got \"4\"")
 def _(tmp):
     m = edit_config(model(tmp), lambda c: c.update(num_attention_heads="4"))
     return run_args(tmp, m), both(m, tmp)
@@ -245,7 +245,7 @@ def bad_value_row(key: str, value, expected: str) -> None:
     written = json.dumps(value)
 
     @row(f"config.json {key}: {written}",
-         rf"config\.json key '{key}' must be {re.escape(expected)}, got {re.escape(written)}")
+         rf"config\.json: {key} must be {re.escape(expected)}, got {re.escape(written)}")
     def _(tmp):
         m = edit_config(model(tmp), lambda c: c.update({key: value}))
         return run_args(tmp, m), both(m, tmp)
@@ -259,28 +259,28 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 
 @row("config.json rope_parameters.rope_theta: -1.0",
-     r"config\.json key 'rope_parameters\.rope_theta' must be a positive finite number, got -1\.0")
+     r"config\.json: rope_parameters\.rope_theta must be a positive finite number, got -1\.0")
 def _(tmp):
     m = model(tmp, rope_format="v5", rope_theta=-1.0)
     return run_args(tmp, m), both(m, tmp)
 
 
 @row("config.json rope_scaling linear without factor",
-     r"config\.json key 'rope_scaling' lacks the key 'factor' that rope_type 'linear' requires")
+     r"config\.json: rope_scaling lacks 'factor', which rope_type 'linear' requires")
 def _(tmp):
     m = model(tmp, rope_scaling={"rope_type": "linear"})
     return run_args(tmp, m), both(m, tmp)
 
 
 @row("config.json rope_parameters llama3 without factor",
-     r"config\.json key 'rope_parameters' lacks the key 'factor' that rope_type 'llama3' requires")
+     r"config\.json: rope_parameters lacks 'factor', which rope_type 'llama3' requires")
 def _(tmp):
     m = model(tmp, rope_format="v5", rope_scaling={k: v for k, v in LLAMA3.items() if k != "factor"})
     return run_args(tmp, m), both(m, tmp)
 
 
 @row("config.json value only candle reads, under config=candle",
-     r"config\.json key 'rope_theta' must be a positive finite number, got \"abc\"")
+     r"config\.json: rope_theta must be a positive finite number, got \"abc\"")
 def _(tmp):
     # transformers takes theta from rope_parameters and never reads the top-level key; candle reads only it.
     m = edit_config(model(tmp, rope_format="v5"), lambda c: c.update(rope_theta="abc"))
@@ -546,6 +546,8 @@ def test_user_error_is_one_line_exit_2_and_writes_nothing(name, outcomes):
     lines = screen_lines(outcome.stderr)
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert lines[0].startswith(ERROR_PREFIX)
+    # within a terminal's width, the user's own paths aside (here a test folder's, 40 characters)
+    assert len(lines[0].replace(str(outcome.folder), "DIR")) <= 100, lines[0]
     message = lines[0].removeprefix(ERROR_PREFIX)
     assert re.fullmatch(case.message, message), message
     assert outcome.after == outcome.before  # no report, no partial trace, no temporary folder, nothing

@@ -140,7 +140,7 @@ def read_hf(config: dict) -> LlamaSpec:
     heads = _required(config, "num_attention_heads")
     hidden = _required(config, "hidden_size")
     if reads.divisible_heads and hidden % heads:  # `validate_architecture`, even when head_dim is given
-        raise TracerError(f"config.json key 'hidden_size' must be a multiple of num_attention_heads ({heads}), "
+        raise TracerError(f"config.json: hidden_size must be a multiple of num_attention_heads ({heads}), "
                           f"got {hidden}")
     head_dim = _given(config, "head_dim", reads.head_dim)  # null: derived, as in transformers
     head_dim = _derived_head_dim(hidden, heads) if head_dim is None else _positive_int("head_dim", head_dim, even=True)
@@ -200,8 +200,7 @@ def _hf_rope(config: dict, params: dict | None = None, container: str = "rope_pa
     container = container if "rope_type" in params or "type" in params else "rope_scaling"
     for name in HF_ROPE_REQUIRED.get(rope_type, ()):
         if name not in scaling:
-            raise TracerError(f"config.json key {container!r} lacks the key {name!r} that rope_type "
-                              f"{rope_type!r} requires")
+            raise TracerError(f"config.json: {container} lacks {name!r}, which rope_type {rope_type!r} requires")
     if rope_type in ("llama3", "yarn", "longrope"):  # transformers' `standardize_rope_params` default
         if original_max is not None:  # Phi-3 keeps the pretraining length at top level, and it wins
             scaling["original_max_position_embeddings"] = original_max
@@ -240,7 +239,7 @@ def _as_written(value) -> str:
 
 
 def _refuse(key: str, value, expected: str) -> TracerError:
-    return TracerError(f"config.json key {key!r} must be {expected}, got {_as_written(value)}")
+    return TracerError(f"config.json: {key} must be {expected}, got {_as_written(value)}")
 
 
 def _required(config: dict, key: str) -> int:
@@ -494,7 +493,7 @@ def gemma3_extras(config: dict) -> dict:
     local_theta, local_scaling = _hf_rope({}, local, "rope_parameters.sliding_attention",
                                           config.get("rope_local_base_freq", 10_000.0))
     if local_scaling is not None:
-        raise TracerError("config.json key 'rope_parameters.sliding_attention' scales the local RoPE; "
+        raise TracerError("config.json: rope_parameters.sliding_attention scales the local RoPE; "
                           "tracer's reimplementation scales the global one only")
     pattern = _positive_int("sliding_window_pattern", config.get("sliding_window_pattern", 6))
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
