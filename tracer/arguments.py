@@ -11,7 +11,7 @@ import re
 import shlex
 from pathlib import Path
 
-from tracer.core.errors import TracerError, did_you_mean
+from tracer.core.errors import TracerError, did_you_mean, unknown_name
 from tracer.model.families import FAMILIES
 from tracer.model.knobs import variant_text
 from tracer.pipeline.request import DEFAULT_CTX, DEFAULT_PROMPT, GREEDY_STEPS, Request
@@ -28,9 +28,11 @@ class _Parser(argparse.ArgumentParser):
     commands: dict[str, argparse.ArgumentParser] | None = None  # the top parser's sub-commands
 
     def error(self, message):
-        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        choice = re.search(r"^argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)$", message)
         if choice:
-            message += did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+            argument, given, choices = choice.group(1), choice.group(2), re.findall(r"'([^']*)'", choice.group(3))
+            message = unknown_name("command", given, choices, "`tracer --help`") if argument == "command" else \
+                f"{argument}: invalid choice {given!r}; choose from {', '.join(choices)}" + did_you_mean(given, choices)
         raise TracerError(message)
 
     def parse_args(self, args=None, namespace=None):

@@ -17,7 +17,7 @@ from pathlib import Path
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
 from tracer.comparison.result import Tolerance
 from tracer.core.allocator import reuse_freed_memory
-from tracer.core.errors import TracerError, did_you_mean, printable
+from tracer.core.errors import TracerError, printable, unknown_name
 from tracer.engines.registry import ABSENT, DIFFERS, MATCH, NOT_YET, check_engine, engines_honouring, registered
 from tracer.files.sources import resolve_model
 from tracer.model.config import audit, load_config
@@ -142,8 +142,7 @@ def cmd_record(args) -> int:
 
 def cmd_variants(args) -> int:
     if args.family is not None and args.family not in FAMILIES:
-        raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}"
-                          + did_you_mean(args.family, FAMILIES))
+        raise TracerError(unknown_name("family", args.family, FAMILIES, "`tracer variants`"))
     knobs = knobs_for(args.family) if args.family else list(KNOBS.values())
     rows = [(k.name, k.accepted, ", ".join(engines_honouring(k.name))) for k in knobs]
     only = {k.name: "" if k.families is None or args.family else f" · {', '.join(k.families)} only" for k in knobs}

@@ -24,7 +24,7 @@ import torch
 
 from tracer.comparison.explain import amplification, breakdown, hints, runtime_hints
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
-from tracer.core.errors import TracerError
+from tracer.core.errors import TracerError, ids_text
 from tracer.model.kv_cache import SlotLayout
 from tracer.model.points import (
     CACHE_POINTS,
@@ -452,7 +452,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     tolerance = tolerance or Tolerance()
     ref_tokens, cand_tokens = reference.tokens, candidate.tokens
     if ref_tokens is not None and cand_tokens is not None and list(ref_tokens) != list(cand_tokens):
-        raise TracerError(f"the traces were recorded on different token ids: {ref_tokens} vs {cand_tokens}")
+        raise TracerError(f"the traces ran other token ids: {ids_text(ref_tokens)} vs {ids_text(cand_tokens)}")
     starts = [trace.meta.position_offset or 0 for trace in (reference, candidate) if trace.meta.engine != "file"]
     if len(set(starts)) > 1:  # a dump from another runtime says no position: taken as it is
         raise TracerError(f"the traces were recorded at different positions: from {starts[0]} vs from {starts[1]}")

@@ -291,7 +291,7 @@ def _load(model_dir, variant: dict, offload=None, stream_to: torch.device | None
                           + (f"; {len(missing) - 1} more missing" if len(missing) > 1 else ""))
     if info.get("mismatched_keys"):
         name, file_shape, model_shape = sorted(info["mismatched_keys"])[0]
-        raise TracerError(f"shape mismatch for {name}: expected {tuple(model_shape)}, file has {tuple(file_shape)}")
+        raise TracerError(f"shape mismatch, {name}: file {tuple(file_shape)}, model {tuple(model_shape)}")
     model.tracer_unused_tensors = sorted(info.get("unexpected_keys") or [])
     return model.eval()
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tracer.core.errors import TracerError
+from tracer.core.errors import TracerError, did_you_mean
 from tracer.model.component import family_named, family_of
 from tracer.model.knobs import KNOBS, check_family, setting
 
@@ -119,7 +119,8 @@ def load_config(model_dir: str | Path) -> dict:
     except FileNotFoundError:
         raise TracerError(f"not a model directory (no config.json): {model_dir}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TracerError(f"config.json is not valid JSON: {path} ({exc})") from None
+        where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise TracerError(f"not valid JSON{where}: {path}") from None
     except OSError as exc:  # unreadable: permissions, a folder named config.json, an I/O error
         raise TracerError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not isinstance(config, dict):
@@ -281,7 +282,12 @@ def _boolean(key: str, value) -> bool:
 
 def _choice(key: str, value, names: frozenset, what: str) -> str:
     if not isinstance(value, str) or value not in names:
-        raise _refuse(key, value, f"{what} ({', '.join(sorted(names))})")
+        listed = ", ".join(sorted(names))
+        if len(listed) <= 70:
+            raise _refuse(key, value, f"{what} ({listed})")
+        # transformers' activations would run the line past a terminal's width: the closest one instead
+        raise TracerError(f"config.json: {key} must be {what}, got {_as_written(value)}"
+                          + did_you_mean(str(value), names))
     return value
 
 

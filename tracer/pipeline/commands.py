@@ -310,8 +310,7 @@ def record(request: Request) -> Trace | list[Trace]:
     steps, or as a batch of rows (one trace per row, each at its real positions)."""
     inputs, side = request.inputs, request.reference
     if request.placement.stream and not side.entry.stream:
-        raise TracerError(f"stream is for the engines that read weights block by block (hf, reimpl); "
-                          f"the {side.engine} engine cannot")
+        raise TracerError(f"--stream: only hf and reimpl read weights block by block, not {side.engine}")
     with progress_stages(("load", "record"), request.progress):
         request = request.resolved()
         target, inputs = request.target, request.inputs  # resolved: a model without a tokenizer gets default ids

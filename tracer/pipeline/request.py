@@ -329,8 +329,8 @@ def candidate_sides(candidate, variant=None) -> tuple[Side | None, tuple[Side, .
     if len(candidate) == 1:
         return Side.of(candidate[0], variant), ()
     if parse_variant(variant):
-        raise TracerError(f"--variant with {len(candidate)} candidates: put each one's knobs in it, "
-                          "e.g. 'llamacpp[kv_cache=f32]'")
+        raise TracerError(f"--variant with {len(candidate)} candidates: give each its own, e.g. "
+                          "'llamacpp[kv_cache=f32]'")
     return None, tuple(Side.of(engine) for engine in candidate)
 
 
