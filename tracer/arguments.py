@@ -98,7 +98,7 @@ def _positions() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--position-offset", type=int, default=0, metavar="P",
                         help="the first token's absolute position (default 0): RoPE at far positions, on the engines "
-                             "that take positions (`tracer engines` lists them)")
+                             "that take positions (`tracer engines`: their \"can\" line names --position-offset)")
     return parent
 
 
@@ -106,8 +106,8 @@ def _decode() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--decode", type=int, default=0, metavar="N",
                         help="after the prompt, decode N tokens one at a time, each engine with its own KV cache, "
-                             "every point of every step recorded (`tracer engines` lists the engines that decode; "
-                             "docs/decode.md)")
+                             "every point of every step recorded (`tracer engines`: the engines whose \"can\" line "
+                             "names --decode; docs/decode.md)")
     return parent
 
 
@@ -190,7 +190,8 @@ def _verdict_exit() -> argparse.ArgumentParser:
 
 def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     """The whole `tracer` parser; `commands_out`, when given, receives each sub-command's parser by name."""
-    parser = _Parser(prog="tracer", description="Find where a Llama port diverges from transformers.")
+    parser = _Parser(prog="tracer",
+                     description="Find where a port of a language model diverges from transformers, layer by layer.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     subs = {} if commands_out is None else commands_out
     parser.commands = subs  # whose flags a typo is compared with

@@ -173,7 +173,8 @@ def cmd_engines(args) -> int:
     for entry in registered().values():
         fused = f" but {', '.join(FUSED_AWAY)} under fused attention ({entry.fused_attention})"
         abilities = [("local (teacher-forced) errors", entry.local_errors), ("greedy decoding", entry.logits),
-                     ("a cached draft", entry.draft), ("streamed weights", entry.stream)]
+                     ("a cached draft", entry.draft), ("streamed weights", entry.stream),
+                     ("--decode", entry.decode), ("--position-offset", entry.positions), ("--batch", entry.batch)]
         lines += ["", *wrap(f"{entry.usage}: {entry.summary}"), *_runtime_lines(entry)]
         for key, value in (("knobs", ", ".join(entry.honoured) or "none"),
                            ("records", f"every point{fused if entry.fused_attention else ''}"),

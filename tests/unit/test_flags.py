@@ -78,3 +78,20 @@ def test_a_bad_value_of_every_flag_is_one_line_naming_it(command, flag, tmp_path
 def test_a_mistyped_flag_is_one_line_naming_the_flag_meant(command, flag, tmp_path, monkeypatch, capsys):
     line = refused([command, *NEEDS.get(command, []), flag + "x"], tmp_path, monkeypatch, capsys)
     assert line.endswith(f"did you mean {flag}?"), line
+
+
+def test_a_help_that_points_at_tracer_engines_is_what_tracer_engines_shows(capsys):
+    """`--decode` and `--position-offset` send the reader to `tracer engines`' "can" lines: each names
+    the flag for exactly the engines whose registry entry takes it."""
+    from tracer.engines.registry import registered
+
+    pointing = {flag: action.help for parser in commands().values() for action in parser._actions  # noqa: SLF001
+                for flag in action.option_strings if "names " + flag in (action.help or "")}
+    assert set(pointing) == {"--decode", "--position-offset"}
+    assert main(["engines"]) == 0
+    out = capsys.readouterr().out
+    blocks = {block.split(": ", 1)[0]: " ".join(block.split()) for block in out.split("\n\n")[2:]}
+    for flag, attribute in (("--decode", "decode"), ("--position-offset", "positions")):
+        shown = {entry.usage for entry in registered().values() if flag in blocks[entry.usage].split(" can ")[1]}
+        assert shown == {entry.usage for entry in registered().values() if getattr(entry, attribute)}
+        assert shown  # some engine takes it
