@@ -116,6 +116,11 @@ def test_the_numpy_and_torch_dumps_match(user_model, tmp_path):
     result = tracer.compare_files(reference, tmp_path / "port.safetensors")
     assert result.verdict == "match"
     assert {p.point for p in result.points if p.recorded} >= {"model.layers.0.mlp.down_proj", "lm_head"}
+    # transformers' own activation module is named as such, not left to an aliases file that would mis-map it
+    assert ("candidate: model.layers.0.mlp.act_fn, model.layers.1.mlp.act_fn, model.layers.2.mlp.act_fn not "
+            "compared: transformers' activation module, act(gate_proj) alone; tracer's mlp.act is "
+            "act(gate_proj)·up_proj") in result.notes
+    assert not any("match no alias" in note for note in result.notes), result.notes
 
     (tmp_path / "port.safetensors").unlink()
     run_block(code(page, "import json\nimport numpy"), tmp_path, token_ids=TOKENS,
