@@ -68,3 +68,24 @@ def test_the_dump_recipe_and_every_next_step_it_prints(user_files, tmp_path, cap
     diagnosis = capsys.readouterr().out
     assert "observed: diverged, first divergence model.layers.1.mlp.down_proj" in diagnosis
     assert "your trace behaves most like" not in diagnosis, diagnosis  # noise in a weight is no planted mistake
+
+
+def printed_commands(summary: str) -> list[str]:
+    """The commands a summary.md tells its reader to run: its Reproduce block and its Next list."""
+    reproduce = re.findall(r"Reproduce:\n\n```sh\n(.*?)\n```", summary)
+    return reproduce + re.findall(r"^- .*: `(tracer [^`]*)`$", summary.split("\nNext:\n")[-1], flags=re.M)
+
+
+@pytest.mark.parametrize("extra", [["--decode", "2"], ["--batch", "2"]])
+def test_every_command_a_run_prints_runs_as_printed(user_files, tmp_path, extra):
+    """A planted mistake on the user's model, decoded or batched: the report's commands (repeat it; every
+    planted mistake side by side) run, in the folder the report was written from."""
+    (tmp_path / "my-model").symlink_to(user_files["my-model"])
+    first = ["tracer", "run", "--model", "my-model", "--variant", "theta=500", *extra]
+    with contextlib.chdir(tmp_path), mock.patch.object(sys, "argv", first):
+        assert main(first[1:]) == 0
+    steps = printed_commands((tmp_path / "tracer-report" / "summary.md").read_text())
+    assert steps == [shlex.join(first), "tracer sweep --model my-model"]
+    for step in steps[1:]:
+        with contextlib.chdir(tmp_path), mock.patch.object(sys, "argv", shlex.split(step)):
+            assert main(shlex.split(step)[1:]) == 0, step  # the first is the run itself
