@@ -478,6 +478,13 @@ def _(tmp):
     return run_args(tmp, m), api_run(m, tmp)
 
 
+@row("a config without model_type",
+     r"transformers cannot read .*/config\.json: no model_type \(\"llama\" for a Llama\)")
+def _(tmp):
+    m = edit_config(model(tmp), lambda c: c.pop("model_type"))
+    return run_args(tmp, m), api_run(m, tmp)
+
+
 ROWS_BY_NAME = {r.name: r for r in ROWS}
 
 

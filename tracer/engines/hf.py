@@ -233,7 +233,10 @@ def _load(model_dir, variant: dict, offload=None, stream_to: torch.device | None
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
     # default (hidden_size 4096); our readers name the file or the key in one line first, before
     # transformers is even imported (seconds a user's typo does not need to wait).
-    family = family_named(read_hf(load_config(model_dir)).family)
+    file_config = load_config(model_dir)
+    family = family_named(read_hf(file_config).family)
+    if "model_type" not in file_config:  # tracer reads it as a Llama; transformers refuses it at length
+        raise TracerError(f"transformers cannot read {model_dir}/config.json: no model_type (\"llama\" for a Llama)")
     check_weight_files(model_dir)
     import transformers  # transformers: 0.5 s, when a model loads
     from transformers import AutoConfig  # transformers: 0.5 s, when a model loads
