@@ -23,7 +23,7 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
-from tracer.core.errors import TracerError, did_you_mean
+from tracer.core.errors import TracerError, unknown_name
 from tracer.model.knobs import (
     KNOBS,
     Knob,
@@ -508,8 +508,7 @@ def parse_engine(engine: str | EngineRef) -> EngineRef:
     base, colon, argument = engine.partition(":")
     entry = find_entry(base)
     if entry is None:
-        raise TracerError(f"unknown engine {engine!r}; engines: {', '.join(e.usage for e in registered().values())}"
-                          + did_you_mean(base, ENGINES))
+        raise TracerError(unknown_name("engine", base, registered(), "`tracer engines`"))
     if colon and entry.argument is None:
         raise TracerError(f"the {base} engine takes no argument after ':' (got {engine!r})")
     if colon and not argument:

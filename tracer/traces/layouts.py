@@ -275,10 +275,23 @@ def fix_notes(fixes: Fixes) -> list[str]:
     return notes
 
 
+# Modules of transformers' own models (a forward-hook dump names them) whose output is no point of tracer's,
+# with what they compute: an aliases file mapping them to a point would compare different things.
+HF_MODULES_WITHOUT_POINT = {
+    "mlp.act_fn": "transformers' activation module, act(gate_proj) alone; tracer's mlp.act is act(gate_proj)·up_proj",
+}
+
+
 def name_notes(trace: Trace, side: str) -> list[str]:
-    """A dump's names that mapped to no point, or to a point another name already took."""
+    """A dump's names that mapped to no point, or to a point another name already took; transformers' own
+    modules without a point said as such (no aliases file could map them)."""
     notes = []
     unknown = trace.meta.unknown_names or []
+    own = {module: [name for name in unknown if name.endswith("." + module)] for module in HF_MODULES_WITHOUT_POINT}
+    for module, names in own.items():
+        if names:
+            notes.append(f"{side}: {_some(names, 3)} not compared: {HF_MODULES_WITHOUT_POINT[module]}")
+    unknown = [name for name in unknown if not any(name in names for names in own.values())]
     if unknown:
         notes.append(f"{side}: {len(unknown)} tensor names match no alias and were not compared: {_some(unknown, 5)} "
                      f"(map them with an aliases file, see docs/trace-format.md)")
