@@ -309,15 +309,24 @@ def name_notes(trace: Trace, side: str) -> list[str]:
 def duplicate_notes(trace: Trace, side: str, limit: int = 3) -> list[str]:
     """Names that reach a point another name already gave: one note per point when few; one in all
     when many (a TransformerLens 4 cache names most points two or three times, the same tensor)."""
-    duplicates = trace.meta.duplicate_names or {}
-    used = {point: trace.meta.sources[point]["name"] for point in duplicates}
+    differs = trace.meta.differing_names or {}
+    used = {point: trace.meta.sources[point]["name"] for point in trace.meta.duplicate_names or {}}
+    # a duplicate whose tensor is not the compared one's is said one by one, however many: it may hide a fault
+    differing = [f"{side}: {name} gives {point} too, but not {used[point]}'s tensor "
+                 f"({'another shape' if diff is None else f'max|diff| {diff:.3g}'}): only {used[point]}'s is compared"
+                 for point, names in differs.items() for name, diff in names.items()]
+    duplicates = {point: kept for point, names in (trace.meta.duplicate_names or {}).items()
+                  if (kept := [name for name in names if name not in differs.get(point, {})])}
+    if not duplicates:
+        return differing
     if len(duplicates) <= limit:
-        return [f"{side}: {', '.join(names)} also name {point}; compared {used[point]}"
-                for point, names in duplicates.items()]
+        return differing + [f"{side}: {point} is given by {used[point]} (compared) and by {', '.join(names)} too"
+                            for point, names in duplicates.items()]
     point, names = next(iter(duplicates.items()))
     count = sum(len(names) for names in duplicates.values())
-    return [f"{side}: {count} more names for {len(duplicates)} points already named (e.g. {', '.join(names)} for "
-            f"{point}, compared {used[point]}); each point compared once, under the first name in the file"]
+    return differing + [f"{side}: {count} more names for {len(duplicates)} points already named (e.g. "
+                        f"{', '.join(names)} for {point}, compared {used[point]}); each point compared once, under "
+                        "the first name in the file"]
 
 
 def missing_notes(reference: Trace, candidate: Trace) -> list[str]:
