@@ -454,7 +454,9 @@ def layer_heatmap_figure(summary) -> Figure:
             ax.set_title(title, loc="left", color="#444444", fontsize=8.5)
         heat_colorbar(fig, axes, image, by_bound)
         fig.suptitle(figure_title(fig, comparison_title(summary)), fontsize=11, fontweight="bold")
-        fig.supxlabel(heat_legend(summary, by_bound), fontsize=8, color="#444444")
+        # wrapped to the figure's width (about 15 characters an inch at this size): one panel is narrower
+        legend = textwrap.fill(heat_legend(summary, by_bound), width=int(15 * fig.get_figwidth()))
+        fig.supxlabel(legend, fontsize=8, color="#444444")
     return fig
 
 

@@ -58,6 +58,11 @@ FIGURE_CAPTIONS = {
     "breakdown.png": "The first divergence broken down per token position (and per head for "
                      "attention points): where inside the tensor the error sits.",
 }
+# The heatmap of a run without local errors (a saved trace, an engine that cannot rerun a block): one panel.
+TOTAL_HEATMAP_CAPTION = ("Every point of every layer, coloured by its error over its own tolerance: the error "
+                         "it has, what it inherits included (the error each op makes alone was not measured: "
+                         "no block was rerun on the reference's inputs). Blue: in tolerance; yellow: near it; "
+                         "red: out.")
 
 _PAGE = ENV.from_string(PAGE)
 _TRIANGULATION = ENV.from_string(TRIANGULATION_PAGE)
@@ -120,7 +125,7 @@ def render_triangulation_html(summary: Summary, *, links: bool = False) -> str:
 def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
     verdict = str(summary.get("verdict") or "error")
     rows = display_rows(summary)
-    figures = figure_entries(images) if summary.get("points") else []
+    figures = figure_entries(images, summary) if summary.get("points") else []
     audit = audit_context(summary.get("config_audit"))
     regime = regime_lines(summary)
     greedy = greedy_context(summary)
@@ -207,10 +212,13 @@ def reader_context(name, entry: Mapping) -> dict:
     }
 
 
-def figure_entries(images: Mapping[str, bytes]) -> list[dict]:
+def figure_entries(images: Mapping[str, bytes], summary: Mapping | None = None) -> list[dict]:
+    """The figures as the page embeds them, each with its caption (the heatmap's says which panels it has)."""
+    local = any(p.get("local_rel_l2") is not None for p in (summary or {}).get("points") or [])
     entries = []
     for name, png in images.items():
-        caption = FIGURE_CAPTIONS.get(name, name)
+        caption = TOTAL_HEATMAP_CAPTION if name == "heatmap.png" and summary is not None and not local \
+            else FIGURE_CAPTIONS.get(name, name)
         entries.append({
             "name": name,
             "uri": "data:image/png;base64," + base64.b64encode(png).decode("ascii"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Mapping
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any
 
 from tracer.model.knobs import variant_text
@@ -121,12 +121,19 @@ def short_prompt(summary: Summary, limit: int = 48) -> str | None:
     return prompt if len(prompt) <= limit else prompt[: limit - 1] + "…"
 
 
-def input_label(summary: Summary) -> str:
-    """"'The capital of France is' (5 tokens)", or "5 tokens" when only ids were given."""
-    n = len(summary.get("tokens") or [])
-    count = f"{n} token" + ("" if n == 1 else "s")
-    prompt = short_prompt(summary)
-    return count if prompt is None else f"'{prompt}' ({count})"
+def input_label(summary: Summary, limit: int = 48) -> str:
+    """What the run was fed: "'The capital of France is' (5 tokens)", "token ids 1,17,5 (3 tokens)"
+    when ids were given, "batch of 2 rows (5, 1 tokens)" for a batch (each row, not the first alone)."""
+    rows = summary.get("batch") or []
+    if len(rows) > 1:
+        return f"batch of {len(rows)} rows ({', '.join(str(len(row['tokens'])) for row in rows)} tokens)"
+    tokens = summary.get("tokens") or []
+    count = f"{len(tokens)} token" + ("" if len(tokens) == 1 else "s")
+    prompt = short_prompt(summary, limit)
+    if prompt is not None:
+        return f"'{prompt}'{' through the chat template' if summary.get('chat') else ''} ({count})"
+    ids = ",".join(map(str, tokens))
+    return f"token ids {ids if len(ids) <= limit else ids[:limit - 3] + '...'} ({count})" if tokens else count
 
 
 def comparison_title(summary: Summary) -> str:
@@ -207,9 +214,11 @@ def divergence_sentence(first: Mapping) -> str:
     if n is not None:
         upstream += f" over {n} point" + ("" if n == 1 else "s")
     how = "exactly" if exact else "at rounding level"
+    gap = first.get("unseen") or []
+    between = f" ({len(gap)} points between them not recorded)" if gap else ""
     return (
         f"Everything up to {last} agrees {how} ({upstream}); "
-        f"the first divergence is {first['point']}: {numbers}"
+        f"the first divergence is {first['point']}{between}: {numbers}"
     )
 
 
@@ -402,7 +411,7 @@ def next_steps(summary: Summary) -> list[tuple[str, str]]:
                       "side by side", shlex.join(["tracer", "sweep", *inputs])))
         return steps
     if words[1:2] == ["compare"] and len(words) > 3:
-        trace = words[3]
+        trace, model = words[3], reference_model(summary)
     elif (flag_value(words, "--candidate") or "").startswith("file:"):
         trace = flag_value(words, "--candidate").removeprefix("file:")
     else:
@@ -414,6 +423,13 @@ def next_steps(summary: Summary) -> list[tuple[str, str]]:
                   "resemblance to the trace", shlex.join(["tracer", "diagnose", trace]
                                                           + (["--model", model] if model else []))))
     return steps
+
+
+def reference_model(summary: Summary) -> str | None:
+    """The model a compare's reference trace was recorded on, where that folder is here to load (the
+    trace names it as `--model` was given): `tracer diagnose` needs it, its default being SmolLM2."""
+    model = summary.get("model")
+    return model if model and Path(model, "config.json").is_file() else None
 
 
 def divergence_facts(summary: Summary) -> list[tuple[str, str]]:
@@ -438,7 +454,10 @@ def divergence_facts(summary: Summary) -> list[tuple[str, str]]:
         facts.append(("error made there", f"rel_l2 {fmt(local)}{over} (local: its block rerun on the "
                                           f"reference's inputs{cache})"))
     n = first.get("upstream_points")
-    if first.get("last_agreeing"):
+    if first.get("unseen"):
+        unseen = first["unseen"]
+        facts.append(("error it inherits", f"unknown: not recorded before it: {', '.join(unseen)}"))
+    elif first.get("last_agreeing"):
         upstream = number(first.get("upstream_max_rel_l2"))
         over = f"over the {n} point{'' if n == 1 else 's'} before it"
         facts.append(("error it inherits", f"none (rel_l2 = 0 {over})" if upstream == 0 else

@@ -155,10 +155,9 @@ def summary_lines(s: dict, out_dir=None) -> list[str]:
     lines = [f"tracer: {s['reference']['label']} vs {s['candidate']['label']}{on}"]
     lines += [f"  {role} runtime: {runtime_text(s[role])}" for role in ("reference", "candidate")
               if runtime_text(s.get(role))]
-    if s.get("prompt") is not None:
-        prompt = s["prompt"] if len(s["prompt"]) <= 80 else s["prompt"][:77] + "..."
-        chat = " through the chat template" if s.get("chat") else ""
-        lines.append(f"  prompt {prompt!r}{chat} ({len(s['tokens'])} tokens)")
+    if s.get("prompt") is not None or s.get("tokens"):
+        fed = input_label(s, limit=80)
+        lines.append(f"  prompt {fed}" if fed.startswith("'") else f"  {fed}")
     if s["verdict"] == "error":
         return lines + [f"verdict: ERROR  {s['error']}"]
     recorded = [p for p in s["points"] if p["recorded"]]

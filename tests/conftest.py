@@ -132,7 +132,7 @@ def default_model():
 SLOW_UNIT_FILES = {"test_user_errors.py", "test_matrix.py", "test_onnx.py", "test_packaging.py", "test_cache.py",
                    "test_cache_concurrency.py", "test_llamacpp.py", "test_jupyter.py", "test_compare_cli.py",
                    "test_lint.py", "test_regime_audit.py", "test_hf_to_gguf.py", "test_ggml_families.py",
-                   "test_ggml_formats.py", "test_quality_llamacpp.py", "test_catalogue.py"}
+                   "test_ggml_formats.py", "test_quality_llamacpp.py", "test_catalogue.py", "test_recipes.py"}
 
 
 # The files that take longest, longest first, as a fresh clone runs them (an empty cache: the files

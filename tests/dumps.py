@@ -229,3 +229,100 @@ def transformer_lens_4_dump(trace) -> dict[str, torch.Tensor]:
             shape = next((shape for key, shape in stand_ins.items() if name.endswith(key)), (1, tokens, hidden))
             dump[name] = torch.full(shape, 0.5)
     return dump
+
+
+# SGLang's Llama (sglang/srt/models/llama.py) under its dumper's non-intrusive hooks: one layer's
+# modules in forward order as (module, inputs, outputs), what each forward takes and returns on one
+# rank (`part` cuts that rank's slice), and the two explicit dumps a user adds with `dims`
+# ("explicit", name, tensor, dims, layer). Written from SGLang's code, not from tracer's tables.
+def _sglang_layer_modules(trace, i: int, part):
+    p = f"model.layers.{i}."
+
+    def heads(point):
+        return part(trace[p + point], 0).transpose(0, 1).flatten(1)  # (H/N, T, D) -> (T, H/N·D)
+
+    residual_in = trace["model.embed_tokens"] if i == 0 else trace[f"model.layers.{i - 1}"]
+    norm_in = trace["model.embed_tokens"] if i == 0 else trace[f"model.layers.{i - 1}.mlp.down_proj"]
+    qkv = torch.cat([part(trace[p + f"self_attn.{x}_proj"], -1) for x in "qkv"], dim=-1)  # [q_r, k_r, v_r]
+    gate_up = torch.cat([part(trace[p + f"mlp.{x}_proj"], -1) for x in ("gate", "up")], dim=-1)  # [gate_r, up_r]
+    # layer 0's input norm has no residual yet and hands out one tensor; later ones (normed, residual)
+    input_norm = ((trace[p + "input_layernorm"],) if i == 0 else (trace[p + "input_layernorm"], residual_in))
+    return [
+        (p + "input_layernorm", (norm_in,) if i == 0 else (norm_in, residual_in), input_norm),
+        (p + "self_attn.qkv_proj", (trace[p + "input_layernorm"],), (qkv,)),
+        (p + "self_attn.rotary_emb", (torch.arange(qkv.shape[0]), part(trace[p + "self_attn.q_proj"], -1),
+                                      part(trace[p + "self_attn.k_proj"], -1)),
+         (heads("self_attn.q_rope"), heads("self_attn.k_rope"))),
+        ("explicit", f"layers.{i}.attn_scores", part(trace[p + "self_attn.scores"], 0)[None], "1 h[tp] t s", i),
+        ("explicit", f"layers.{i}.attn_probs", part(trace[p + "self_attn.probs"], 0), "h[tp] t s # dp:=attn_dp", i),
+        (p + "self_attn.attn", (heads("self_attn.q_rope"),), (part(trace[p + "self_attn.context"], -1),)),
+        (p + "self_attn.o_proj", (part(trace[p + "self_attn.context"], -1),), (trace[p + "self_attn.o_proj"],)),
+        (p + "self_attn", (trace[p + "input_layernorm"],), (trace[p + "self_attn.o_proj"],)),
+        (p + "post_attention_layernorm", (trace[p + "self_attn.o_proj"], residual_in),
+         (trace[p + "post_attention_layernorm"], trace[p + "resid_mid"])),
+        (p + "mlp.gate_up_proj", (trace[p + "post_attention_layernorm"],), (gate_up,)),
+        (p + "mlp.act_fn", (gate_up,), (part(trace[p + "mlp.act"], -1),)),
+        (p + "mlp.down_proj", (part(trace[p + "mlp.act"], -1),), (trace[p + "mlp.down_proj"],)),
+        (p + "mlp", (trace[p + "post_attention_layernorm"],), (trace[p + "mlp.down_proj"],)),
+        (p[:-1], (norm_in,), (trace[p + "mlp.down_proj"], trace[p + "resid_mid"])),  # (mlp output, residual)
+    ]
+
+
+def sglang_llama_dump(trace, folder: Path, ranks: int = 2, edit=None) -> Path:
+    """A dump of `trace`'s forward as SGLang's dumper writes it for its own Llama at TP=`ranks`
+    (non-intrusive mode "all", plus two explicit `dumper.dump` calls with `dims`): one file per tensor
+    and rank named by its tags, `{"value", "meta"}` with `sglang_parallel_info`, saved by torch.save.
+    Each rank's tensors are the trace's sliced as SGLang's parallel layers shard them: column-parallel
+    outputs (fused qkv_proj [q_r, k_r, v_r], gate_up_proj [gate_r, up_r]), attention over its heads,
+    row-parallel outputs all-reduced (whole), logits of the last position only.
+    `edit(rank, name, tensor)` may return a changed tensor."""
+    folder.mkdir(parents=True, exist_ok=True)
+    layers = trace.meta.num_layers
+    tokens = torch.tensor(trace.tokens)
+    for rank in range(ranks):
+        def part(tensor, axis, rank=rank):
+            return tensor.chunk(ranks, dim=axis)[rank].contiguous()
+
+        index = 0
+
+        def dump(name, value, **extra):
+            nonlocal index
+            index += 1
+            if edit is not None:
+                value = edit(rank, name, value)
+            tags = {"step": 0, "rank": rank, "dump_index": index, "name": name}
+            meta = {**tags, "recompute_status": "disabled", **{k: v for k, v in extra.items() if k == "layer_id"},
+                    "world_rank": rank, "world_size": ranks,
+                    "sglang_parallel_info": {"tp_rank": rank, "tp_size": ranks, "pp_rank": 0, "pp_size": 1},
+                    **{k: v for k, v in extra.items() if k != "layer_id"}}
+            file_tags = {**tags, **{k: v for k, v in extra.items() if k == "layer_id"}}
+            torch.save({"value": value, "meta": meta}, folder / ("___".join(f"{k}={v}" for k, v in file_tags.items())
+                                                                  + ".pt"))
+
+        def module(name, inputs, outputs, layer=None):
+            ctx = {} if layer is None else {"layer_id": layer}
+            for n, value in enumerate(inputs):
+                dump(f"non_intrusive__{name}.inputs.{n}".replace("__.", "__"), value, **ctx)
+            # a tuple with one tensor (a parallel linear's (output, None)) is dumped as that tensor
+            for n, value in enumerate(outputs):
+                dump(f"non_intrusive__{name}.output" + (f".{n}" if len(outputs) > 1 else ""), value, **ctx)
+
+        for core, value in (("input_ids", tokens), ("positions", torch.arange(len(tokens))),
+                            ("seq_lens", torch.tensor([len(tokens)]))):
+            dump(core, value)
+        module("", (tokens, torch.arange(len(tokens))), ())  # the root's inputs: input_ids, positions
+        module("model.embed_tokens", (tokens,), (trace["model.embed_tokens"],))
+        for i in range(layers):
+            for entry in _sglang_layer_modules(trace, i, part):
+                if entry[0] == "explicit":
+                    dump(entry[1], entry[2], layer_id=entry[4], dims=entry[3])
+                else:
+                    module(*entry, layer=i)
+        last = f"model.layers.{layers - 1}"
+        module("model.norm", (trace[f"{last}.mlp.down_proj"], trace[f"{last}.resid_mid"]),
+               (trace["model.norm"], trace[last]))
+        module("model", (tokens,), (trace["model.norm"],))
+        module("logits_processor", (tokens, trace["model.norm"]), ())
+        dump("non_intrusive__logits_processor.output.next_token_logits", trace["lm_head"][-1:])
+        dump("non_intrusive__output.next_token_logits", trace["lm_head"][-1:])
+    return folder

@@ -29,7 +29,9 @@ TINY_FAMILIES = {
                               attn_logit_softcapping=20.0, final_logit_softcapping=10.0)),
     "gemma3": ("gemma3_text", dict(head_dim=12, sliding_window=WINDOW, query_pre_attn_scalar=16,
                                    tie_word_embeddings=False,
-                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   # layer_types' period, keyed as the hub's Gemma 3 configs write it (mlx-lm reads it)
+                                   sliding_window_pattern=2)),
     "phi3": ("phi3", dict(sliding_window=WINDOW, tie_word_embeddings=False, partial_rotary_factor=0.5)),
     "olmo2": ("olmo2", dict(tie_word_embeddings=True)),
 }
@@ -71,10 +73,34 @@ def write_tiny_family(path: Path, family: str, *, seed: int = 0, **overrides) ->
     return Path(path)
 
 
+# llama.cpp's OLMo-2 loads only with an output matrix of its own (src/models/olmo2.cpp: `output` required);
+# the converter writes none for tied embeddings, so a tied tiny OLMo-2 gets the embeddings as its output
+# (real OLMo-2 checkpoints are untied)
+UNTIED_OUTPUT = ("olmo2",)
+MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json's model_type -> tracer family where they differ
+
+
 def write_tiny_gguf(model_dir: Path, path: Path, *, no_vocab: bool = False) -> Path:
     """The f32 GGUF llama.cpp's converter writes for a tiny model directory (no tokenizer: the file says
     "no_vocab", which llama.cpp loads; token ids are fed directly), by tracer's own writer
-    (`tracer.files.hf_to_gguf.write_gguf`). `no_vocab` is kept for the callers that said so. Returns the file."""
+    (`tracer.files.hf_to_gguf.write_gguf`, the same tensors and metadata as convert_hf_to_gguf.py). A tied
+    OLMo-2 (`UNTIED_OUTPUT`) gets its embeddings as an output matrix first. `no_vocab` is kept for the
+    callers that said so. Returns the file."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     from tracer.files.hf_to_gguf import write_gguf
 
-    return write_gguf(Path(model_dir), Path(path), "f32")
+    model_dir, path = Path(model_dir), Path(path)
+    config = json.loads((model_dir / "config.json").read_text())
+    if MODEL_TYPES.get(config["model_type"], config["model_type"]) in UNTIED_OUTPUT:
+        tensors = load_file(str(model_dir / "model.safetensors"))
+        if "lm_head.weight" not in tensors:
+            untied = path.parent / f"{path.stem}-untied"
+            shutil.copytree(model_dir, untied, dirs_exist_ok=True)
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+            save_file(tensors, str(untied / "model.safetensors"), metadata={"format": "pt"})
+            model_dir = untied
+    return write_gguf(model_dir, path, "f32")

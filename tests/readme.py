@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import re
 import shlex
+import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -38,5 +40,5 @@ def run_recipe(title: str, folder: Path, files: dict[str, Path]) -> None:
             continue
         words = shlex.split(line)
         assert words[0] == "tracer", line
-        with contextlib.chdir(folder):
+        with contextlib.chdir(folder), mock.patch.object(sys, "argv", words):  # the report's command lines
             assert main(words[1:]) == 0, line

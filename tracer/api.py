@@ -22,7 +22,6 @@ from tracer.pipeline import commands
 from tracer.pipeline.corpus import Quality
 from tracer.pipeline.regime_view import audit_weights
 from tracer.pipeline.request import (
-    DEFAULT_CTX,
     DEFAULT_PROMPT,
     SWEEP_REPORT,
     Inputs,
@@ -269,7 +268,7 @@ def diagnose(trace, model=None, *, variants=None, decode: int = 0, device: str =
 
 def quality(text: str | None = None, model=None, *, text_file: str | Path | None = None, tokens=None,
             reference: str = "hf", candidate: str = "reimpl", variant=None, reference_variant=None,
-            ctx: int = DEFAULT_CTX, chunks: int | None = None, by_layer: bool = False, device: str = "cpu",
+            ctx: int | None = None, chunks: int | None = None, by_layer: bool = False, device: str = "cpu",
             stream: bool = False, offload: str | Path | None = None, max_memory=None, command: str | None = None,
             progress: bool = True) -> Quality:
     """How much a candidate loses against a reference over a text, in llama-perplexity's terms.
@@ -285,7 +284,8 @@ def quality(text: str | None = None, model=None, *, text_file: str | Path | None
         model: as in `run` (None: the bundled SmolLM2-135M-Instruct); its tokenizer reads the text.
         reference, candidate: engines that run the model ("hf", "reimpl", "llamacpp:F16.gguf", ...).
         variant, reference_variant: knobs for each side, e.g. "theta=10000".
-        ctx: tokens per chunk (llama-perplexity's -c, default 512); the text needs 2·ctx tokens.
+        ctx: tokens per chunk (llama-perplexity's -c); the text needs 2·ctx tokens. None: 512, halved until
+            the text fills two chunks (a note says so).
         chunks: evaluate at most this many chunks (llama-perplexity's --chunks).
         by_layer: also say where the loss is made: each component (embedding, every block, final
             norm, lm_head) of the candidate alone inside the reference's forward (`tracer.pipeline.attribution`).

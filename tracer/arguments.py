@@ -11,7 +11,7 @@ import re
 import shlex
 from pathlib import Path
 
-from tracer.core.errors import TracerError, did_you_mean
+from tracer.core.errors import TracerError, did_you_mean, unknown_name
 from tracer.model.families import FAMILIES
 from tracer.model.knobs import variant_text
 from tracer.pipeline.request import DEFAULT_CTX, DEFAULT_PROMPT, GREEDY_STEPS, Request
@@ -28,9 +28,11 @@ class _Parser(argparse.ArgumentParser):
     commands: dict[str, argparse.ArgumentParser] | None = None  # the top parser's sub-commands
 
     def error(self, message):
-        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        choice = re.search(r"^argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)$", message)
         if choice:
-            message += did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+            argument, given, choices = choice.group(1), choice.group(2), re.findall(r"'([^']*)'", choice.group(3))
+            message = unknown_name("command", given, choices, "`tracer --help`") if argument == "command" else \
+                f"{argument}: invalid choice {given!r}; choose from {', '.join(choices)}" + did_you_mean(given, choices)
         raise TracerError(message)
 
     def parse_args(self, args=None, namespace=None):
@@ -96,7 +98,7 @@ def _positions() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--position-offset", type=int, default=0, metavar="P",
                         help="the first token's absolute position (default 0): RoPE at far positions, on the engines "
-                             "that take positions (`tracer engines` lists them)")
+                             "that take positions (`tracer engines`: their \"can\" line names --position-offset)")
     return parent
 
 
@@ -104,8 +106,8 @@ def _decode() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--decode", type=int, default=0, metavar="N",
                         help="after the prompt, decode N tokens one at a time, each engine with its own KV cache, "
-                             "every point of every step recorded (`tracer engines` lists the engines that decode; "
-                             "docs/decode.md)")
+                             "every point of every step recorded (`tracer engines`: the engines whose \"can\" line "
+                             "names --decode; docs/decode.md)")
     return parent
 
 
@@ -188,7 +190,8 @@ def _verdict_exit() -> argparse.ArgumentParser:
 
 def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     """The whole `tracer` parser; `commands_out`, when given, receives each sub-command's parser by name."""
-    parser = _Parser(prog="tracer", description="Find where a Llama port diverges from transformers.")
+    parser = _Parser(prog="tracer",
+                     description="Find where a port of a language model diverges from transformers, layer by layer.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     subs = {} if commands_out is None else commands_out
     parser.commands = subs  # whose flags a typo is compared with
@@ -244,9 +247,9 @@ def build_parser(commands_out: dict | None = None) -> argparse.ArgumentParser:
     qual.add_argument("--candidate", default="reimpl", action=_Candidates,
                       help="candidate engine: reimpl | hf | llamacpp:PATH.gguf | ..., see `tracer engines` "
                            "(default reimpl)")
-    qual.add_argument("-c", "--ctx", type=int, default=DEFAULT_CTX,
-                      help=f"tokens per chunk, the second half of each scored (llama-perplexity's -c; "
-                           f"default {DEFAULT_CTX})")
+    qual.add_argument("-c", "--ctx", type=int,
+                      help=f"tokens per chunk, the second half of each scored (llama-perplexity's -c; default "
+                           f"{DEFAULT_CTX}, halved until a shorter text fills two chunks, said in a note)")
     qual.add_argument("--chunks", type=int, help="evaluate at most N chunks (default: all the text fills)")
     qual.add_argument("--by-layer", action="store_true",
                       help="also say where the loss is made: each block (and the embedding, final norm, lm_head) "

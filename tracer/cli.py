@@ -17,7 +17,7 @@ from pathlib import Path
 from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
 from tracer.comparison.result import Tolerance
 from tracer.core.allocator import reuse_freed_memory
-from tracer.core.errors import TracerError, did_you_mean, printable
+from tracer.core.errors import TracerError, printable, unknown_name
 from tracer.engines.registry import ABSENT, DIFFERS, MATCH, NOT_YET, check_engine, engines_honouring, registered
 from tracer.files.sources import resolve_model
 from tracer.model.config import audit, load_config
@@ -142,8 +142,7 @@ def cmd_record(args) -> int:
 
 def cmd_variants(args) -> int:
     if args.family is not None and args.family not in FAMILIES:
-        raise TracerError(f"unknown family {args.family!r}; families: {', '.join(FAMILIES)}"
-                          + did_you_mean(args.family, FAMILIES))
+        raise TracerError(unknown_name("family", args.family, FAMILIES, "`tracer variants`"))
     knobs = knobs_for(args.family) if args.family else list(KNOBS.values())
     rows = [(k.name, k.accepted, ", ".join(engines_honouring(k.name))) for k in knobs]
     only = {k.name: "" if k.families is None or args.family else f" · {', '.join(k.families)} only" for k in knobs}
@@ -174,7 +173,8 @@ def cmd_engines(args) -> int:
     for entry in registered().values():
         fused = f" but {', '.join(FUSED_AWAY)} under fused attention ({entry.fused_attention})"
         abilities = [("local (teacher-forced) errors", entry.local_errors), ("greedy decoding", entry.logits),
-                     ("a cached draft", entry.draft), ("streamed weights", entry.stream)]
+                     ("a cached draft", entry.draft), ("streamed weights", entry.stream),
+                     ("--decode", entry.decode), ("--position-offset", entry.positions), ("--batch", entry.batch)]
         lines += ["", *wrap(f"{entry.usage}: {entry.summary}"), *_runtime_lines(entry)]
         for key, value in (("knobs", ", ".join(entry.honoured) or "none"),
                            ("records", f"every point{fused if entry.fused_attention else ''}"),
@@ -195,13 +195,12 @@ def _matrix_lines() -> list[str]:
                   "matches", hang=2)
     for entry in engines:
         for family in FAMILIES:
-            difference, refusal = entry.difference(family), entry.refusal(family)
-            if difference is not None:
+            for difference in entry.differences_on(family):
                 when = f" ({difference.condition})" if difference.condition else ""
                 lines += wrap(f"  {entry.name} × {family}: {DIFFERS} at {difference.point}{when}: {difference.what}",
                               hang=4)
-            elif entry.cell(family) == ABSENT:
-                lines += wrap(f"  {refusal}", hang=4)
+            if entry.cell(family) == ABSENT:
+                lines += wrap(f"  {entry.refusal(family)}", hang=4)
     return lines
 
 
@@ -257,6 +256,8 @@ def cmd_diagnose(args) -> int:
                         for rank, entry in enumerate(result.ranking[:5], 1)])
         if result.best:
             lines.append(f"your trace behaves most like {result.best['variant']}")
+        elif result.ranking:
+            lines.append("no planted mistake reproduces it: the closest ones change nothing on this model")
         print(wrapped(lines))
     return 0
 

@@ -24,8 +24,8 @@ FIRST_DIVERGENCE = {
 MATCH = ["attn=sdpa", "mask=where", "logits=last", "config=candle", "preset=candle"]
 LOAD_ERRORS = {
     "layers=31": "missing tensor model.layers.30.input_layernorm.weight (expected shape (576,))",
-    "head_dim=32": "shape mismatch for model.layers.0.self_attn.q_proj.weight: expected (288, 576), "
-                   "file has (576, 576)",
+    "head_dim=32": "shape mismatch, model.layers.0.self_attn.q_proj.weight: file (576, 576), "
+                   "model (288, 576)",
 }
 
 

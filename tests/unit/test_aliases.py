@@ -83,7 +83,7 @@ def test_rename_lists_unknown_names_and_says_why_known_ones_are_skipped():
     renamed = rename(tensors, AliasTable())
     assert list(renamed.tensors) == ["model.layers.0.mlp.down_proj"]
     assert renamed.unknown == ["my_custom_thing"]
-    assert "before the 1/sqrt(head_dim) scale" in renamed.skipped["kq-0"]
+    assert "before the scale its softmax applies" in renamed.skipped["kq-0"]
     assert "before the norm weight" in renamed.skipped["blocks.0.ln1.hook_normalized"]
 
 
@@ -91,6 +91,23 @@ def test_two_names_for_one_point_keep_the_first_and_say_so():
     renamed = rename({"blocks.1.attn.o_proj": torch.ones(2), "blocks.1.attn": torch.zeros(2)}, AliasTable())
     assert renamed.sources["model.layers.1.self_attn.o_proj"]["name"] == "blocks.1.attn.o_proj"
     assert renamed.duplicates == {"model.layers.1.self_attn.o_proj": ["blocks.1.attn"]}
+    assert renamed.differing == {"model.layers.1.self_attn.o_proj": {"blocks.1.attn": 1.0}}
+
+
+def test_a_duplicate_that_is_not_the_compared_tensor_is_said_with_its_difference(tmp_path):
+    """A forward-hook dump names the MLP's output twice (the module and the down_proj that returns it):
+    the same tensor in a correct forward, said quietly; a fault in the one not compared is said as such."""
+    from tracer.traces.layouts import name_notes
+
+    output = torch.arange(12.0).reshape(1, 3, 4)
+    point = "model.layers.0.mlp.down_proj"
+    for down_proj, said in (
+            (output.clone(), f"{point} is given by model.layers.0.mlp (compared) and by {point} too"),
+            (output * 1.01, f"{point} gives {point} too, but not model.layers.0.mlp's tensor (max|diff| 0.11): "
+                            "only model.layers.0.mlp's is compared")):
+        path = tmp_path / "dump.safetensors"  # safetensors writes its names sorted: the module's comes first
+        save_file({point: down_proj, "model.layers.0.mlp": output}, str(path))
+        assert name_notes(Trace.load(path), "candidate") == [f"candidate: {said}"]
 
 
 def test_user_mapping_file_extends_and_overrides(tmp_path):

@@ -134,10 +134,82 @@ def test_regime_auto_picks_candles_arithmetic_for_a_gguf_and_none_for_f32(quanti
         resolve("auto", parse_engine("candle"), {}, source)
 
 
-def test_other_families_are_refused_in_one_line_before_loading(candle, tmp_path):
-    model = write_tiny_family(tmp_path / "g", "gemma2")
-    with pytest.raises(TracerError, match=r"^the candle engine does not trace gemma2 yet \(it traces llama\)$"):
-        candle_engine.load(ModelSource(model), {"config": "hf"})
+def test_a_gguf_of_a_family_without_a_quantized_file_is_refused_in_one_line(candle, tmp_path):
+    from tests.families import write_tiny_gguf
+
+    gguf_file = write_tiny_gguf(write_tiny_family(tmp_path / "o", "olmo2"), tmp_path / "o.gguf", no_vocab=True)
+    with pytest.raises(TracerError, match=r"^candle-transformers 0.11 has no quantized_olmo2.rs: candle runs the "
+                                          r"model directory of olmo2 only$"):
+        candle_engine.load(ModelSource(tmp_path / "o"), {}, argument=str(gguf_file))
+
+
+def test_quantized_qwen3_rs_matches_transformers_by_its_standard_attention_and_says_so(candle, tmp_path):
+    from tests.families import write_tiny_gguf
+
+    model = write_tiny_family(tmp_path / "q", "qwen3")
+    gguf_file = write_tiny_gguf(model, tmp_path / "q.gguf", no_vocab=True)
+    candidate = candle_engine.load(ModelSource(model), {}, argument=str(gguf_file)).record(TOKENS)
+    result = tracer.compare(tracer.record(model, TOKENS, engine="hf"), candidate)
+    assert result.verdict == "match" and sorted(candidate.tensors) == sorted(all_points(3, "qwen3"))
+    assert max(p.rel_l2 for p in result.points if p.recorded) < 1e-5
+    assert any("quantized_qwen3.rs runs candle_nn's fused CPU flash attention" in n for n in candidate.meta.notes)
+
+
+def test_quantized_qwen2_rs_on_an_f32_gguf_matches_transformers_at_every_point(candle, tmp_path):
+    """quantized_qwen2.rs: q/k/v biases, `rope` on llama.cpp's unpermuted Qwen2 rows, head_dim from the
+    embedding; its GGUF carries no window, so a prompt within the HF model's window."""
+    from tests.families import WINDOW, write_tiny_gguf
+
+    model = write_tiny_family(tmp_path / "q", "qwen2")
+    gguf_file = write_tiny_gguf(model, tmp_path / "q.gguf", no_vocab=True)
+    tokens = TOKENS[:WINDOW]
+    candidate = candle_engine.load(ModelSource(model), {}, argument=str(gguf_file)).record(tokens)
+    assert candidate.meta.candle["forward"] == "quantized_qwen2.rs"
+    result = tracer.compare(tracer.record(model, tokens, engine="hf"), candidate)
+    assert result.verdict == "match" and len(candidate.tensors) == len(all_points(3, "qwen2"))
+    assert max(p.rel_l2 for p in result.points if p.recorded) < 1e-5
+    with pytest.raises(TracerError, match=r"^candle's regime emulates quantized_llama.rs only: run this qwen2 GGUF "
+                                          r"without --regime$"):
+        tracer.run(model, tokens=tokens, candidate=f"candle:{gguf_file}", regime="auto", greedy=0, progress=False)
+
+
+def test_quantized_gemma3_rs_computes_gemma_3_with_a_silu_mlp(candle, tmp_path):
+    """quantized_gemma3.rs: embeddings × sqrt(hidden), rms_norm on llama.cpp's stored (1 + w) sandwich and q/k
+    norms, the local table on its sliding layers; its MLP is SiLU where Gemma's is tanh GELU
+    (`candle_nn::ops::silu(&gate)`): on a model where gemma3.rs' own differences do not apply, everything before
+    layer 0's activation matches and the activation is where it diverges, said in the notes."""
+    from tests.families import WINDOW, write_tiny_gguf
+
+    model = write_tiny_family(tmp_path / "g", "gemma3", query_pre_attn_scalar=12, tie_word_embeddings=True,
+                              layer_types=["sliding_attention"] * 3)
+    gguf_file = write_tiny_gguf(model, tmp_path / "g.gguf", no_vocab=True)
+    tokens = TOKENS[:WINDOW]
+    candidate = candle_engine.load(ModelSource(model), {}, argument=str(gguf_file)).record(tokens)
+    result = tracer.compare(tracer.record(model, tokens, engine="hf"), candidate)
+    assert result.first_divergence.point == layer_point(0, "mlp.act")
+    before = result.points[:[p.point for p in result.points].index(layer_point(0, "mlp.act"))]
+    assert len(before) > 15 and max(p.rel_l2 for p in before if p.recorded) < 1e-5
+    assert any("MLP with SiLU" in note for note in candidate.meta.notes)
+
+
+def test_quantized_phi3_rs_runs_fused_projections_and_refuses_a_partial_rotary_head(candle, tmp_path):
+    """quantized_phi3.rs: attn_qkv and ffn_up (gate | up) as they are, `rope` over the whole head with a
+    table of rope.dimension_count dims (theta 10000): a Phi-3 rotating every dim matches transformers at
+    every point; one rotating half of them is candle's own refusal."""
+    from tests.families import write_tiny_gguf
+
+    model = write_tiny_family(tmp_path / "p", "phi3", partial_rotary_factor=1.0, sliding_window=None)
+    gguf_file = write_tiny_gguf(model, tmp_path / "p.gguf", no_vocab=True)
+    candidate = candle_engine.load(ModelSource(model), {}, argument=str(gguf_file)).record(TOKENS)
+    assert candidate.meta.candle["forward"] == "quantized_phi3.rs"
+    result = tracer.compare(tracer.record(model, TOKENS, engine="hf"), candidate)
+    assert result.verdict == "match" and list(candidate.tensors) == all_points(3, "phi3")
+    assert max(p.rel_l2 for p in result.points if p.recorded) < 1e-5
+    half = write_tiny_family(tmp_path / "h", "phi3")  # partial_rotary_factor 0.5
+    with pytest.raises(TracerError, match=r"^candle refused: inconsistent last dim size in rope \(head 12, "
+                                          r"rope.dimension_count 6: quantized_phi3.rs\)$"):
+        candle_engine.load(ModelSource(half), {}, argument=str(write_tiny_gguf(half, tmp_path / "h.gguf",
+                                                                                  no_vocab=True)))
 
 
 @pytest.mark.parametrize("system, machine, flags, said", [

@@ -12,7 +12,7 @@ finds is not this test's business), or when its error is a documented refusal, w
   knob says that this model has nothing for it to change, or that it cannot apply here
   (`ring_index=fill changes nothing here: this model's config has no sliding window`); or
 - for a config knob (one that makes the config disagree with the weights: `layers`, `head_dim`), the one
-  line the load gives, naming the weight (`missing tensor ...`, `shape mismatch for ....weight`): that
+  line the load gives, naming the weight (`missing tensor ...`, `shape mismatch, ....weight`): that
   error is what the knob reproduces.
 
 Anything else fails the cell: an exception out of the sweep (a crash, a traceback), an error naming a
@@ -46,7 +46,7 @@ from tracer.model.knobs import KNOBS, knobs_for, llama_gguf, parse_variant, vari
 PROMPT = [3, 4, 5, 6, 7, 8]  # longer than the window: windows, rings and masks have something to do
 ROWS = [PROMPT, [9, 10, 11]]  # a padded batch: the second row left-padded
 DECODE, GREEDY = 2, 3
-LOAD_ERROR = re.compile(r"^(missing tensor|shape mismatch for) \S+\.(weight|bias)\b")
+LOAD_ERROR = re.compile(r"^(missing tensor|shape mismatch,) \S+\.(weight|bias)\b")
 
 
 def refusal(variant: dict, error: str) -> bool:

@@ -84,7 +84,7 @@ def test_aliases_file_maps_a_ports_own_names(files, capsys):
     (lambda tmp, ref: ["compare", str(ref), str(ref), "--aliases", str(tmp / "missing.json")],
      "cannot read aliases file"),
     (lambda tmp, ref: ["compare", str(ref), str(save_dump(candle_dump(tracer.Trace.load(ref)), tmp / "x.safetensors",
-                                                            [3, 3, 3]))], "different token ids"),
+                                                            [3, 3, 3]))], "ran other token ids"),
 ])
 def test_user_errors_exit_2_with_one_line(files, capsys, setup, message):
     _, ref, _, tmp = files

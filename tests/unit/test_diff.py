@@ -76,7 +76,7 @@ def test_shape_mismatch_names_the_point_and_both_shapes():
 
 
 def test_different_tokens_refuse_to_compare():
-    with pytest.raises(TracerError, match="different token ids"):
+    with pytest.raises(TracerError, match="ran other token ids"):
         compare(trace({"x": torch.ones(1)}), trace({"x": torch.ones(1)}, tokens=[9]))
 
 
@@ -100,7 +100,7 @@ def test_the_first_divergence_is_a_value_whose_dict_is_its_piece_of_the_json():
     assert list(result.to_dict()["first_divergence"]) == [
         "point", "layer", "shape", "max_abs", "max_ref", "rel_l2", "cosine", "noise", "threshold", "local_rel_l2",
         "index", "localized_by", "last_agreeing", "upstream_points", "upstream_max_rel_l2", "by_position", "by_head",
-        "top_channels", "hints"]
+        "top_channels", "hints", "unseen"]
     assert result.to_dict()["first_divergence"]["shape"] == [3, 4]
     assert first.brief() == {"point": "model.norm", "layer": None, "rel_l2": first.rel_l2, "max_abs": 11.0,
                              "max_ref": 11.0}

@@ -14,7 +14,17 @@ from tests.drifted_engine import DIFFERENCE, ENTRY, RUNTIME_THETA
 from tests.families import write_tiny_family
 from tracer.cli import main
 from tracer.core.errors import TracerError
-from tracer.engines.registry import ABSENT, DIFFERS, MATCH, NOT_YET, Absent, EngineEntry, register, unregister
+from tracer.engines.registry import (
+    ABSENT,
+    DIFFERS,
+    MATCH,
+    NOT_YET,
+    Absent,
+    Difference,
+    EngineEntry,
+    register,
+    unregister,
+)
 from tracer.model.points import Q_ROPE, layer_point
 
 
@@ -34,13 +44,24 @@ def models(tmp_path_factory):
 def test_the_entry_states_each_cell():
     assert [ENTRY.cell(family) for family in ("llama", "olmo2", "gemma2")] == [DIFFERS, ABSENT, NOT_YET]
     assert EngineEntry("plain", __name__, "every family").cell("olmo2") == MATCH
-    assert ENTRY.difference("llama") == DIFFERENCE and ENTRY.difference("gemma2") is None
+    assert ENTRY.differences_on("llama") == (DIFFERENCE,) and ENTRY.differences_on("gemma2") == ()
     assert DIFFERENCE.at(layer_point(2, Q_ROPE)) and not DIFFERENCE.at(layer_point(2, "self_attn.k_rope"))
 
 
 def test_a_family_stated_twice_is_refused():
     with pytest.raises(TracerError, match="^the twice engine states the family olmo2 more than once"):
         EngineEntry("twice", __name__, "", families=("olmo2",), absent=(Absent("olmo2", "none"),))
+    with pytest.raises(TracerError, match="^the twice engine states the family llama more than once"):
+        EngineEntry("twice", __name__, "", families=("llama",), differences=(DIFFERENCE,))
+
+
+def test_a_family_may_differ_at_several_points_once_each():
+    other = Difference("llama", "self_attn.probs", "a long prompt", "another way")
+    entry = EngineEntry("two", __name__, "", families=(), differences=(DIFFERENCE, other))
+    assert entry.cell("llama") == DIFFERS and entry.differences_on("llama") == (DIFFERENCE, other)
+    assert entry.refusal("gemma2") == "the two engine does not trace gemma2 yet (it traces llama)"
+    with pytest.raises(TracerError, match="^the again engine declares two differences on llama at self_attn.q_rope$"):
+        EngineEntry("again", __name__, "", differences=(DIFFERENCE, DIFFERENCE))
 
 
 def test_a_declared_difference_is_the_runtimes_own_behaviour(drifted, models):

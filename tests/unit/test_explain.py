@@ -89,3 +89,26 @@ def test_next_token_accuracy_counts_argmax_hits_on_the_text():
     meta = TraceMeta(engine="x", variant={}, tokens=[0, 2, 3])
     summary = tracer.compare(Trace({"lm_head": logits}, meta), Trace({"lm_head": logits}, meta)).logits
     assert summary.next_token_accuracy == {"reference": 0.5, "candidate": 0.5}
+
+
+def test_a_dump_without_the_rope_points_says_it_cannot_tell_where_the_error_starts(llama_dir):
+    """A wrong RoPE base in a dump that lacks q_rope through context (a forward-hook dump has none of
+    them): the first recorded divergence is o_proj, but nothing shows the error was made there."""
+    from reports.summary import divergence_facts
+
+    reference = tracer.record(llama_dir, TOKENS, engine="hf", progress=False)
+    candidate = tracer.record(llama_dir, TOKENS, engine="reimpl", variant="theta=500", progress=False)
+    gap = ("q_rope", "k_rope", "scores", "probs", "context")
+    dump = {name: t for name, t in candidate.tensors.items() if not name.endswith(gap)} | \
+        {"tokens": torch.tensor(TOKENS)}
+    first = tracer.compare_files(reference, dump).first_divergence
+    assert first.point == "model.layers.0.self_attn.o_proj" and first.upstream_max_rel_l2 == 0
+    assert first.unseen == tuple(f"model.layers.0.self_attn.{name}" for name in gap)
+    assert not any("weights" in hint for hint in first.hints), first.hints
+    named = ", ".join(f"self_attn.{name}" for name in gap)
+    assert any(hint.startswith(f"the 5 points before it ({named}) are not recorded") for hint in first.hints)
+    inherits = dict(divergence_facts({"first_divergence": first.to_dict()}))["error it inherits"]
+    assert inherits.startswith("unknown") and "model.layers.0.self_attn.q_rope" in inherits
+
+    whole = tracer.compare_files(reference, candidate).first_divergence  # with them: made at q_rope
+    assert whole.point == "model.layers.0.self_attn.q_rope" and whole.unseen == ()

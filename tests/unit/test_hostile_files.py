@@ -68,7 +68,7 @@ CASES = [
      f"the metadata implies ({TINY['hidden_size']}, 99)"),
     ("--model", "folder.gguf", lambda f: ["run", "--model", f, *MODEL], "not a model directory (no config.json)"),
     ("--model", "folder", lambda f: ["run", "--model", f, *MODEL], "not a model directory (no config.json)"),
-    ("--model", "garbage", lambda f: ["run", "--model", f, *MODEL], "unsupported model file"),
+    ("--model", "garbage", lambda f: ["run", "--model", f, *MODEL], "not a model (a folder with config.json"),
     ("--model", "bad-config", lambda f: ["run", "--model", f, *MODEL], "config.json"),
     ("--prompt-file", "folder", lambda f: ["run", "--prompt-file", f], "cannot read prompt file"),
     ("--prompt-file", "bad-utf8", lambda f: ["run", "--prompt-file", f], "cannot read prompt file"),

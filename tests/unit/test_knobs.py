@@ -189,8 +189,8 @@ def test_preset_expands_and_explicit_knobs_win():
 
 @pytest.mark.parametrize("variant, message", [
     ("layers=3", r"missing tensor model\.layers\.2\.input_layernorm\.weight \(expected shape \(64,\)\)"),
-    ("head_dim=8", r"shape mismatch for model\.layers\.0\.self_attn\.q_proj\.weight: expected \(32, 64\), "
-                   r"file has \(64, 64\)"),
+    ("head_dim=8", r"shape mismatch, model\.layers\.0\.self_attn\.q_proj\.weight: file \(64, 64\), "
+                   r"model \(32, 64\)"),
 ])
 def test_config_and_weights_that_disagree_are_one_line_naming_the_tensor(tiny_llama, variant, message):
     with pytest.raises(TracerError, match=message) as info:
@@ -220,3 +220,19 @@ def test_cli_run_ends_with_verdict_error_on_a_load_mismatch(tiny_llama, capsys):
     payload = json.loads(out)
     assert payload["verdict"] == "error" and "model.layers.2.input_layernorm.weight" in payload["error"]
     assert err.strip().splitlines()[-1].startswith("tracer: error: missing tensor model.layers.2")
+
+
+def test_a_knob_that_changes_nothing_on_the_model_is_said_to(llama_dir):
+    """theta=10000 on a model whose rope_theta is 10000 plants nothing: its MATCH says nothing of the
+    wrong-base mistake, and the run says so; a knob that does change the model gets no such note."""
+    from tracer.model.config import unchanging_knobs
+
+    config = json.loads((llama_dir / "config.json").read_text())
+    assert config["rope_theta"] == 10000.0 and config["rms_norm_eps"] == 1e-5
+    knobs = {"theta": 10000.0, "eps": 1e-3, "rope": "half", "mask": "none"}
+    assert unchanging_knobs(config, knobs) == {"theta": 10000.0, "rope": "half"}
+    result = tracer.run(llama_dir, tokens=TOKENS, variant="theta=10000", greedy=0, progress=False)
+    assert result.verdict == "match"
+    assert "candidate: theta=10000 changes nothing on this model (its own value already)" in result.notes
+    result = tracer.run(llama_dir, tokens=TOKENS, variant="theta=500", greedy=0, progress=False)
+    assert not any("changes nothing" in note for note in result.notes)

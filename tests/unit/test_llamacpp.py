@@ -18,12 +18,16 @@ import torch
 
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
+from tests.families import write_tiny_family
+from tests.families import write_tiny_gguf as write_family_gguf
 from tests.tiny_gguf import write_tiny_gguf
+from tracer.comparison.diff import rel_l2_by_point
 from tracer.core.errors import TracerError
 from tracer.engines import isolated
 from tracer.engines.registry import ENGINES, check_runtime
 from tracer.files.sources import ModelSource
-from tracer.model.points import all_points
+from tracer.model.families import FAMILIES
+from tracer.model.points import MLP_ACT, Q_NORM, Q_ROPE, all_points, layer_point
 from tracer.pipeline.greedy import continuation
 
 EXACT = {"flash_attn": "off", "kv_cache": "f32", "threads": 1}
@@ -130,6 +134,24 @@ def test_theta_changes_rope_and_nothing_upstream(tiny, exact, llamacpp):
     assert all(torch.equal(exact[1][p], theta[p]) for p in upstream)
     assert result.first_divergence.point == "model.layers.0.self_attn.q_rope"
     assert theta.meta.variant == {**EXACT, "theta": 500.0}
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_past_its_query_scale_differs_first_at_ggmls_gelu(family, llamacpp, tmp_path):
+    """With the one query scale llama.cpp takes (query_pre_attn_scalar = head_dim), every point of the
+    first layer before the MLP's activation agrees at rounding level (Gemma 2's soft-capped scores,
+    Gemma 3's q/k norms, both sandwich norms), the activation differs by ggml's f16 GELU table, and in
+    Gemma 3 layer 1, full in the config, is sliding in llama.cpp (its theta too)."""
+    model = write_tiny_family(tmp_path / family, family, query_pre_attn_scalar=12)
+    gguf = write_family_gguf(model, tmp_path / f"{family}.gguf", no_vocab=True)
+    engine = llamacpp.load(ModelSource(model), EXACT, argument=str(gguf))
+    errors = rel_l2_by_point(tracer.record(model, TOKENS, engine="hf", progress=False), engine.record(TOKENS))
+    order = list(FAMILIES[family].sub_points())
+    before = order[:order.index(MLP_ACT)]
+    assert max(errors[layer_point(0, sub)] for sub in before) < ROUNDING, errors
+    assert 1e-4 < errors[layer_point(0, MLP_ACT)] < 1e-3  # measured 2.8e-4 (Gemma 2), 3.6e-4 (Gemma 3)
+    if family == "gemma3":  # rope theta 10000 where transformers takes 1e6: far beyond what layer 0 left
+        assert errors[layer_point(1, Q_NORM)] < 1e-3 and errors[layer_point(1, Q_ROPE)] > 0.1
 
 
 def test_last_layer_with_the_last_output_row_only_is_compared_on_that_row(tiny, llamacpp):

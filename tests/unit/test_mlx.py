@@ -1,12 +1,17 @@
-"""The mlx engine on tiny random Llamas: mlx-lm's own forward, recorded through its module calls."""
+"""The mlx engine on tiny random models: mlx-lm's own forward, recorded through its module calls (Llamas; the
+other families where mlx-lm's own code differs from transformers', beside what tests/unit/test_matrix.py holds)."""
 
+import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import tracer
 from tests.conftest import TOKENS
+from tests.families import WINDOW, write_tiny_family
 from tracer import TracerError
 from tracer.engines.load import resolve_and_load
 from tracer.model.points import all_points, layer_point
@@ -147,3 +152,63 @@ def test_a_loaded_model_is_refused(mlx, model):
 
     with pytest.raises(TracerError, match="pass a path, not a loaded model"):
         tracer.record(LlamaForCausalLM.from_pretrained(model), TOKENS, engine="mlx")
+
+
+# ----------------------------------------------------------------------------- other families
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    """Factory: family_dir(family, **config overrides) -> a tiny model of that family, written once per module."""
+    root, written = tmp_path_factory.mktemp("families"), {}
+
+    def make(family: str, **overrides) -> Path:
+        key = f"{family}-{len(written)}" if overrides else family
+        if overrides or family not in written:
+            written[key] = write_tiny_family(root / key, family, **overrides)
+        return written[key]
+
+    return make
+
+
+def traced(model: Path, tokens: list[int]):
+    return tracer.compare(tracer.record(model, tokens, engine="hf"), tracer.record(model, tokens, engine="mlx"))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "phi3"])
+def test_a_window_mlx_lm_never_applies_changes_nothing_within_it(mlx, family_dir, family):
+    """mlx-lm runs these families without their sliding window (the matrix holds the longer prompt to the
+    declared point): a prompt no longer than the window attends to the same keys, so every point matches."""
+    assert traced(family_dir(family), TOKENS[:WINDOW]).verdict == "match"
+
+
+def test_qwen2s_window_is_the_difference_behind_its_theta(mlx, family_dir):
+    """With the theta mlx-lm runs (1e6), a tiny Qwen2 matches up to its first sliding layer (max_window_layers
+    1: layer 1), where mlx-lm's qwen2.py, which has no window, attends to every key; within the window, all match."""
+    model = family_dir("qwen2", rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    result = traced(model, TOKENS)
+    assert result.first_divergence.point == "model.layers.1.self_attn.context", result.first_divergence
+    assert all(not p.diverged for p in result.points if p.point.startswith("model.layers.0."))
+    assert traced(model, TOKENS[:WINDOW]).verdict == "match"
+
+
+def test_gemma3s_embedding_differs_by_mlx_lms_bf16_rounding_of_its_scale(mlx, family_dir):
+    reference = tracer.record(family_dir("gemma3"), TOKENS, engine="hf")
+    candidate = tracer.record(family_dir("gemma3"), TOKENS, engine="mlx")
+    scale = 48 ** 0.5  # sqrt(hidden_size): bf16 holds 6.9375, not 6.9282
+    rounded = torch.tensor(scale).bfloat16().item()
+    assert rounded != scale
+    torch.testing.assert_close(candidate["model.embed_tokens"], reference["model.embed_tokens"] * (rounded / scale),
+                               rtol=1e-6, atol=0)
+
+
+def test_mlx_lms_own_forward_failing_is_one_line_naming_its_source_line(mlx, family_dir, tmp_path):
+    """A Gemma 3 config without sliding_window_pattern (transformers 5 writes only `_sliding_window_pattern`)
+    runs mlx-lm's default period of 6, whose global layer a 3-layer model lacks: mlx-lm indexes past it."""
+    model = shutil.copytree(family_dir("gemma3"), tmp_path / "gemma3")
+    config = json.loads((model / "config.json").read_text())
+    del config["sliding_window_pattern"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TracerError, match=r"^mlx-lm's forward failed in gemma3_text\.py:\d+ \(IndexError: "
+                                          r"list index out of range\)$"):
+        tracer.record(model, TOKENS, engine="mlx")

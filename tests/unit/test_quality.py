@@ -21,8 +21,10 @@ from tracer.comparison.perplexity import (
     Statistics,
     chunk_tokens,
     exact_kld,
+    fitting_ctx,
     nearest_int,
     percentile,
+    scored_slice,
     scored_targets,
     stored_log_probs,
     token_figures,
@@ -128,7 +130,7 @@ def test_chunks_as_llama_perplexity_cuts_them():
     assert len(chunk_tokens(tokens, 64, bos=None, limit=3)) == 3
 
 
-@pytest.mark.parametrize("count, ctx, message", [(255, 128, "has 255 tokens; a context of 128 needs at least 256"),
+@pytest.mark.parametrize("count, ctx, message", [(255, 128, "has 255 tokens; -c 128 needs at least 256"),
                                                  (300, 3, "at least 4 tokens")])
 def test_too_few_tokens_or_too_small_a_context_is_refused(count, ctx, message):
     with pytest.raises(TracerError, match=message):
@@ -184,6 +186,59 @@ def test_where_the_loss_is_made_by_a_wrong_theta(theta_quality):
     assert layers.emulated_kld == pytest.approx(layers.total_kld, rel=1e-6) and layers.floor_kld < 1e-9
 
 
+def test_each_layers_share_is_its_swap_computed_apart_over_every_chunk(theta_quality, soft_model, tokens):
+    """Each share recomputed without tracer's model: transformers' Llama as the reference and, with the
+    wrong base, as the candidate; block i swapped by a hook that runs the candidate's block on the
+    reference's input; KL(P_ref ‖ P_swapped) over the scored half of every chunk, over the candidate's
+    whole KLD. A share taken from one chunk alone would differ (the chunks' KLDs differ by far more)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def load(theta=None):
+        config = AutoConfig.from_pretrained(soft_model)
+        if theta is not None:
+            config.rope_parameters["rope_theta"] = theta
+        return AutoModelForCausalLM.from_pretrained(soft_model, config=config, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+
+    reference, candidate = load(), load(theta=500.0)
+    inv_freq = candidate.model.rotary_emb.inv_freq
+    assert float(inv_freq[1]) == pytest.approx(500.0 ** (-2 / 16))  # head_dim 16: the wrong base took
+
+    def kl(p_logits, q_logits):  # (R, V) -> (R,) in f64
+        log_p, log_q = F.log_softmax(p_logits.double(), -1), F.log_softmax(q_logits.double(), -1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    def swap(i):
+        def hook(module, args, kwargs, output):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            positions = torch.arange(hidden.shape[1])[None]
+            own = candidate.model.layers[i](*args, **{**kwargs, "position_embeddings":
+                                                     candidate.model.rotary_emb(hidden, positions)})
+            return own
+        return reference.model.layers[i].register_forward_hook(hook, with_kwargs=True)
+
+    rows, layers = scored_slice(CTX), reference.config.num_hidden_layers
+    whole, swapped, per_chunk = [], {i: [] for i in range(layers)}, []
+    with torch.no_grad():
+        for start in range(0, len(tokens) - CTX + 1, CTX):
+            ids = torch.tensor([tokens[start:start + CTX]])
+            base = reference(ids, use_cache=False).logits[0, rows]
+            whole.append(kl(base, candidate(ids, use_cache=False).logits[0, rows]))
+            per_chunk.append(float(whole[-1].mean()))
+            for i in range(layers):
+                handle = swap(i)
+                try:
+                    swapped[i].append(kl(base, reference(ids, use_cache=False).logits[0, rows]))  # no cache: one pass
+                finally:
+                    handle.remove()
+    total = float(torch.cat(whole).mean())
+    assert len(per_chunk) == 4 and max(per_chunk) > 1.5 * min(per_chunk)  # one chunk alone would not do
+    shares = {s.component: s.share for s in theta_quality.layers.shares}
+    assert theta_quality.layers.total_kld == pytest.approx(total, rel=1e-5)
+    for i in range(layers):
+        assert shares[f"model.layers.{i}"] == pytest.approx(float(torch.cat(swapped[i]).mean()) / total, rel=1e-5)
+
+
 def test_the_same_model_on_both_sides_loses_nothing(soft_model, tokens):
     q = tracer.quality(tokens=tokens, model=soft_model, ctx=CTX, progress=False)
     assert q.exact_kld.value < 1e-9 and abs(q.statistics.kld.value) < 1e-5
@@ -226,11 +281,19 @@ def test_a_tokenizer_that_adds_bos_starts_every_chunk_with_it(soft_model, tmp_pa
     assert q.chunks == 2 and q.statistics.count == 2 * SCORED
 
 
+def test_without_c_a_short_text_takes_the_largest_context_it_fills_twice_and_says_so(soft_model, tokens):
+    """130 tokens fill no two chunks of 512 (llama-perplexity's -c): 64 is the largest power of two they do."""
+    q = tracer.quality(tokens=tokens, model=soft_model, progress=False)
+    assert len(tokens) == 130 and q.ctx == 64 and q.chunks == 2
+    assert q.notes[0] == "-c 64: the text's 130 tokens fill no two chunks of 512, the default (pass -c to choose)"
+    assert fitting_ctx(2048, 512) == 512 and fitting_ctx(1023, 512) == 256 and fitting_ctx(7, 512) == 4
+
+
 # --- mistakes ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["-c", "128"], "has 130 tokens; a context of 128 needs at least 256"),
+    (["-c", "128"], "has 130 tokens; -c 128 needs at least 256"),
     (["-c", "2"], "-c/--ctx must be at least 4, got 2"),
     (["-c", "32", "--chunks", "0"], "--chunks must be at least 1, got 0"),
     (["-c", "32", "--candidate", "file:nothing.safetensors"], "the file engine cannot give logits"),

@@ -637,14 +637,25 @@ def test_the_first_screen_states_the_error_made_and_inherited_and_what_to_run_ne
     ("tracer run --model m.gguf --candidate llamacpp --regime auto --prompt 'a b'",
      ["tracer record --engine llamacpp --model m.gguf --prompt 'a b' -o candidate.safetensors",
       "tracer diagnose candidate.safetensors --model m.gguf"]),
-    ("tracer compare ref.safetensors port.safetensors", ["tracer diagnose port.safetensors"]),
+    ("tracer compare ref.safetensors port.safetensors", ["tracer diagnose port.safetensors"]),  # its model is not here
     ("tracer run --candidate file:dump.safetensors", ["tracer diagnose dump.safetensors"]),
 ])
 def test_a_port_that_diverges_is_told_how_to_find_the_mistake_that_reproduces_it(command, expected):
-    summary = make_summary("diverged") | {"command": command}
+    summary = make_summary("diverged") | {"command": command, "model": "no-such-folder"}
     summary["candidate"] = {"engine": "llamacpp", "variant": {}, "label": "llamacpp"}
     steps = [step for _, step in next_steps(summary)]
     assert steps == [command, *expected]
+
+
+def test_a_compare_tells_diagnose_the_model_its_reference_was_recorded_on(tiny_llama, tmp_path, monkeypatch):
+    """The reference trace names its model as `--model` was given: `tracer diagnose` needs it, its
+    default being SmolLM2, and gets it where that folder is here."""
+    tiny_llama("my-model")
+    monkeypatch.chdir(tmp_path)
+    summary = make_summary("diverged") | {"command": "tracer compare ref.safetensors port.safetensors",
+                                          "model": "my-model"}
+    summary["candidate"] = {"engine": "file", "variant": {}, "label": "my-port (file)"}
+    assert next_steps(summary)[-1][1] == "tracer diagnose port.safetensors --model my-model"
 
 
 def test_the_points_table_is_collapsed_to_what_matters_and_whole_behind_a_disclosure():

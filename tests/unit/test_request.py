@@ -72,7 +72,7 @@ REFUSED = [
     (["run", "--model", ""], "--model is empty"),
     (["run", "--model", "{tmp}/folder"], "not a model directory (no config.json)"),
     (["run", "--model", "{tmp}/nothing-here"], "model path not found"),
-    (["run", "--model", "{tmp}/file"], "unsupported model file"),
+    (["run", "--model", "{tmp}/file"], "not a model (a folder with config.json"),
     (["run", "--offload", "{tmp}/file"], "--offload {tmp}/file: a file is there, not a folder"),
     (["run", "--prompt-file", "{tmp}/folder"], "cannot read prompt file"),
     (["run", "--variant", "theta=1,theta=2"], "knob 'theta' is given twice"),

@@ -56,7 +56,7 @@ def test_resolve_wrong_file_type(tmp_path):
     with pytest.raises(TracerError) as err:
         sources.resolve_model(weights)
     assert str(err.value) == (
-        "unsupported model file (expected a directory with config.json or a .gguf file): "
+        "not a model (a folder with config.json, or a .gguf file): "
         f"{weights}"
     )
 

@@ -167,7 +167,7 @@ def test_the_api_line_repeats_each_candidate_with_its_knobs(llama_dir):
 
 @pytest.mark.parametrize(("keywords", "message"), [
     ({"variant": "theta=10000"},
-     "--variant with 2 candidates: put each one's knobs in it, e.g. 'llamacpp[kv_cache=f32]'"),
+     "--variant with 2 candidates: give each its own, e.g. 'llamacpp[kv_cache=f32]'"),
     ({"decode": 2}, "--decode with 2 candidates is not traced yet; decode one candidate at a time"),
     ({"batch": 2}, "--batch with 2 candidates is not traced yet; run a batch one candidate at a time"),
     ({"regime": "auto"}, "--regime with 2 candidates: each regime is its own reference; run one at a time"),

@@ -26,7 +26,6 @@ from tests.conftest import TOKENS, write_tiny_llama
 from tests.warm_cli import Started, run_cli
 from tracer.cli import main
 from tracer.core.errors import TracerError
-from tracer.model.config import HF_ACTIVATIONS
 from tracer.model.knobs import KNOBS
 
 TOKEN_ARG = ",".join(map(str, TOKENS))
@@ -112,7 +111,7 @@ def _(tmp):
     return run_args(tmp, m, "--variant", "zzz=1"), api_run(m, tmp, variant="zzz=1")
 
 
-@row("knob value typo", r"bad value 'interleave' for knob 'rope'; expected half \| interleaved; "
+@row("knob value typo", r"bad value 'interleave' for knob 'rope'; "
                         r"did you mean interleaved\?")
 def _(tmp):
     m = model(tmp)
@@ -124,12 +123,12 @@ def _(tmp):
     return run_args(tmp, model(tmp), "--variantt", "theta=10000"), None
 
 
-@row("command typo", r"argument command: invalid choice: 'rnu' \(choose from .*\); did you mean run\?")
+@row("command typo", r"unknown command 'rnu'; did you mean run\?")
 def _(tmp):
     return ["rnu"], None
 
 
-@row("family typo", r"unknown family 'lama'; families: llama, .*; did you mean llama\?")
+@row("family typo", r"unknown family 'lama'; did you mean llama\?")
 def _(tmp):
     return ["variants", "--family", "lama"], None
 
@@ -152,7 +151,7 @@ def _(tmp):
 
 
 @row("model path is some other file",
-     r"unsupported model file \(expected a directory with config\.json or a \.gguf file\): .*/notes\.txt")
+     r"not a model \(a folder with config\.json, or a \.gguf file\): .*/notes\.txt")
 def _(tmp):
     (tmp / "notes.txt").write_text("hello")
     return run_args(tmp, tmp / "notes.txt"), api_run(tmp / "notes.txt", tmp)
@@ -194,7 +193,7 @@ def both(m: Path, tmp: Path, **kwargs) -> list[Callable[[], object]]:
 # call goes through both loaders.
 
 
-@row("config.json not JSON", r"config\.json is not valid JSON: .*/model/config\.json \(.*\)")
+@row("config.json not JSON", r"not valid JSON \(line 1, column \d+\): .*/model/config\.json")
 def _(tmp):
     m = model(tmp)
     (m / "config.json").write_text('{"hidden_size": 64,')
@@ -215,7 +214,7 @@ def _(tmp):
 
 
 @row("config.json key of the wrong type",
-     r"config\.json key 'num_attention_heads' must be a positive integer, got \"4\"")
+     r"config\.json: num_attention_heads must be a positive integer, got \"4\"")
 def _(tmp):
     m = edit_config(model(tmp), lambda c: c.update(num_attention_heads="4"))
     return run_args(tmp, m), both(m, tmp)
@@ -236,7 +235,7 @@ BAD_CONFIG_VALUES = [
     ("head_dim", 0, "an even positive integer (RoPE rotates pairs)"),
     ("tie_word_embeddings", "no", "true or false"),  # bool("no") is True: it read as a tied model
     ("attention_bias", "false", "true or false"),
-    ("hidden_act", "swishy", f"an activation transformers knows ({', '.join(sorted(HF_ACTIVATIONS))})"),
+    ("hidden_act", "zzz", "an activation transformers knows"),  # a typo of one: tests/unit/test_config.py
     ("rope_scaling", "linear", "an object or null"),
 ]
 
@@ -245,7 +244,7 @@ def bad_value_row(key: str, value, expected: str) -> None:
     written = json.dumps(value)
 
     @row(f"config.json {key}: {written}",
-         rf"config\.json key '{key}' must be {re.escape(expected)}, got {re.escape(written)}")
+         rf"config\.json: {key} must be {re.escape(expected)}, got {re.escape(written)}")
     def _(tmp):
         m = edit_config(model(tmp), lambda c: c.update({key: value}))
         return run_args(tmp, m), both(m, tmp)
@@ -259,28 +258,28 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 
 @row("config.json rope_parameters.rope_theta: -1.0",
-     r"config\.json key 'rope_parameters\.rope_theta' must be a positive finite number, got -1\.0")
+     r"config\.json: rope_parameters\.rope_theta must be a positive finite number, got -1\.0")
 def _(tmp):
     m = model(tmp, rope_format="v5", rope_theta=-1.0)
     return run_args(tmp, m), both(m, tmp)
 
 
 @row("config.json rope_scaling linear without factor",
-     r"config\.json key 'rope_scaling' lacks the key 'factor' that rope_type 'linear' requires")
+     r"config\.json: rope_scaling lacks 'factor', which rope_type 'linear' requires")
 def _(tmp):
     m = model(tmp, rope_scaling={"rope_type": "linear"})
     return run_args(tmp, m), both(m, tmp)
 
 
 @row("config.json rope_parameters llama3 without factor",
-     r"config\.json key 'rope_parameters' lacks the key 'factor' that rope_type 'llama3' requires")
+     r"config\.json: rope_parameters lacks 'factor', which rope_type 'llama3' requires")
 def _(tmp):
     m = model(tmp, rope_format="v5", rope_scaling={k: v for k, v in LLAMA3.items() if k != "factor"})
     return run_args(tmp, m), both(m, tmp)
 
 
 @row("config.json value only candle reads, under config=candle",
-     r"config\.json key 'rope_theta' must be a positive finite number, got \"abc\"")
+     r"config\.json: rope_theta must be a positive finite number, got \"abc\"")
 def _(tmp):
     # transformers takes theta from rope_parameters and never reads the top-level key; candle reads only it.
     m = edit_config(model(tmp, rope_format="v5"), lambda c: c.update(rope_theta="abc"))
@@ -305,7 +304,7 @@ def _(tmp):
 
 
 @row("tensor shape mismatch",
-     r"shape mismatch for model\.layers\.1\.self_attn\.q_proj\.weight: expected \(64, 64\), file has \(60, 64\)")
+     r"shape mismatch, model\.layers\.1\.self_attn\.q_proj\.weight: file \(60, 64\), model \(64, 64\)")
 def _(tmp):
     def shrink(tensors):
         tensors["model.layers.1.self_attn.q_proj.weight"] = tensors["model.layers.1.self_attn.q_proj.weight"][:60]
@@ -361,20 +360,20 @@ def _(tmp):
     return run_args(tmp, model(tmp), "--prompt-file", str(tmp / "prompt.txt"), tokens=None), None
 
 
-@row("unknown engine", r"unknown engine 'jax'; engines: hf, reimpl, file:PATH(, [\w:\[\]]+)*")
+@row("unknown engine", r"unknown engine 'jax' \(`tracer engines` lists them\)")
 def _(tmp):
     m = model(tmp)
     return run_args(tmp, m, "--candidate", "jax"), lambda: tracer.run(m, tokens=TOKENS, candidate="jax")
 
 
-@row("engine typo", r"unknown engine 'llamacp'; engines: hf, .*; did you mean llamacpp\?")
+@row("engine typo", r"unknown engine 'llamacp'; did you mean llamacpp\?")
 def _(tmp):
     m = model(tmp)
     return run_args(tmp, m, "--candidate", "llamacp"), lambda: tracer.run(m, tokens=TOKENS, candidate="llamacp")
 
 
 @row("a variant beside several candidates",
-     r"--variant with 2 candidates: put each one's knobs in it, e\.g\. 'llamacpp\[kv_cache=f32\]'")
+     r"--variant with 2 candidates: give each its own, e\.g\. 'llamacpp\[kv_cache=f32\]'")
 def _(tmp):
     m = model(tmp)
     return (run_args(tmp, m, "--candidate", "hf", "--candidate", "reimpl", "--variant", "theta=1"),
@@ -399,7 +398,7 @@ def _(tmp):
 
 
 @row("reference trace on other token ids",
-     r"trace .*/trace\.safetensors was recorded on tokens \[1, 17, 5, 42, 8, 63, 3\], not \[1, 2, 3\]")
+     r"trace .*/trace\.safetensors ran 7 ids 1,17,5,42,8,\.\.\., not 3 ids 1,2,3")
 def _(tmp):
     m = model(tmp)
     trace = saved_trace(tmp)
@@ -423,7 +422,7 @@ def _(tmp):
 
 
 @row("compare: traces on different token ids",
-     r"the traces were recorded on different token ids: \[1, 17, 5, 42, 8, 63, 3\] vs \[1, 2, 3\]")
+     r"the traces ran other token ids: 7 ids 1,17,5,42,8,\.\.\. vs 3 ids 1,2,3")
 def _(tmp):
     a, b = saved_trace(tmp), saved_trace(tmp, [1, 2, 3], "other.safetensors")
     args = ["compare", str(a), str(b), "--out", str(tmp / "report")]
@@ -464,7 +463,7 @@ def _(tmp):
 
 
 @row("record --stream on the onnx engine",
-     r"stream is for the engines that read weights block by block \(hf, reimpl\); the onnx engine cannot")
+     r"--stream: only hf and reimpl read weights block by block, not onnx")
 def _(tmp):
     m = model(tmp)
     args = ["record", "--engine", "onnx", "--stream", "--model", str(m), "--tokens", TOKEN_ARG,
@@ -476,6 +475,13 @@ def _(tmp):
      r"transformers cannot read .*/config\.json: Validation error for field 'use_cache': .*expected bool, got str.*")
 def _(tmp):
     m = edit_config(model(tmp), lambda c: c.update(use_cache="yes"))
+    return run_args(tmp, m), api_run(m, tmp)
+
+
+@row("a config without model_type",
+     r"transformers cannot read .*/config\.json: no model_type \(\"llama\" for a Llama\)")
+def _(tmp):
+    m = edit_config(model(tmp), lambda c: c.pop("model_type"))
     return run_args(tmp, m), api_run(m, tmp)
 
 
@@ -546,6 +552,9 @@ def test_user_error_is_one_line_exit_2_and_writes_nothing(name, outcomes):
     lines = screen_lines(outcome.stderr)
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert lines[0].startswith(ERROR_PREFIX)
+    # within a terminal's width, the user's own paths aside (here a test folder's, 40 characters), except
+    # where another library's own message is quoted whole
+    assert len(lines[0].replace(str(outcome.folder), "DIR")) <= 100 or name in QUOTING, lines[0]
     message = lines[0].removeprefix(ERROR_PREFIX)
     assert re.fullmatch(case.message, message), message
     assert outcome.after == outcome.before  # no report, no partial trace, no temporary folder, nothing
@@ -557,6 +566,9 @@ def test_user_error_is_one_line_exit_2_and_writes_nothing(name, outcomes):
         assert snapshot(outcome.folder) == outcome.before
 
 
+# Rows whose message quotes another library's (safetensors', transformers') in full: cut, it would lose
+# what the library found.
+QUOTING = {"truncated safetensors", "garbage safetensors", "a config value only transformers checks"}
 JSON_ROWS = [r.name for r in ROWS if r.name.startswith(("unknown knob", "missing model path", "truncated safetensors",
                                                          "tensor shape mismatch", "compare:", "empty prompt"))]
 

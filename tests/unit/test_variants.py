@@ -14,7 +14,7 @@ def test_parse_pairs_lists_and_dicts():
 
 @pytest.mark.parametrize("text, message", [
     ("thetta=10000", r"^unknown knob 'thetta' \(`tracer variants` lists every knob\); did you mean theta\?$"),
-    ("rope=interleave", r"expected half \| interleaved; did you mean interleaved\?$"),
+    ("rope=interleave", r"for knob 'rope'; did you mean interleaved\?$"),
     ("theta=abc", r"bad value 'abc' for knob 'theta'; expected a positive number"),
     ("theta=-5", r"bad value '-5' for knob 'theta'"),
     ("attn=flash", r"bad value 'flash' for knob 'attn'; expected eager \| sdpa"),

@@ -24,7 +24,7 @@ import torch
 
 from tracer.comparison.explain import amplification, breakdown, hints, runtime_hints
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
-from tracer.core.errors import TracerError
+from tracer.core.errors import TracerError, ids_text
 from tracer.model.kv_cache import SlotLayout
 from tracer.model.points import (
     CACHE_POINTS,
@@ -393,11 +393,13 @@ def first_divergence(points: list[PointDiff]) -> Divergence | None:
         return None
     p = points[index]
     upstream = [q for q in points[:index] if q.recorded]
+    after = next((i + 1 for i in range(index - 1, -1, -1) if points[i].recorded), 0)  # past the last agreeing
+    unseen = () if p.local_rel_l2 is not None else tuple(q.point for q in points[after:index])
     return Divergence(
         p.point, p.layer, p.shape, max_abs=p.max_abs, max_ref=p.max_ref, rel_l2=p.rel_l2, cosine=p.cosine,
         noise=p.noise, threshold=p.threshold, local_rel_l2=p.local_rel_l2, index=index, localized_by=localized_by,
         last_agreeing=upstream[-1].point if upstream else None, upstream_points=len(upstream),
-        upstream_max_rel_l2=max((q.rel_l2 for q in upstream), default=None),
+        upstream_max_rel_l2=max((q.rel_l2 for q in upstream), default=None), unseen=unseen,
     )
 
 
@@ -417,7 +419,7 @@ def explain_divergence(first: Divergence, reference: Trace, candidate: Trace, la
     return dataclasses.replace(
         first, by_position=tuple(details["by_position"]), by_head=_tuple_or_none(details["by_head"]),
         top_channels=_tuple_or_none(details["top_channels"]),
-        hints=tuple(runtime_hints(point, family, engines) + hints(point, details, family)),
+        hints=tuple(runtime_hints(point, family, engines) + hints(point, details, family, unseen=first.unseen)),
     )
 
 
@@ -450,7 +452,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     tolerance = tolerance or Tolerance()
     ref_tokens, cand_tokens = reference.tokens, candidate.tokens
     if ref_tokens is not None and cand_tokens is not None and list(ref_tokens) != list(cand_tokens):
-        raise TracerError(f"the traces were recorded on different token ids: {ref_tokens} vs {cand_tokens}")
+        raise TracerError(f"the traces ran other token ids: {ids_text(ref_tokens)} vs {ids_text(cand_tokens)}")
     starts = [trace.meta.position_offset or 0 for trace in (reference, candidate) if trace.meta.engine != "file"]
     if len(set(starts)) > 1:  # a dump from another runtime says no position: taken as it is
         raise TracerError(f"the traces were recorded at different positions: from {starts[0]} vs from {starts[1]}")

@@ -93,9 +93,10 @@ def _quiet(values: list[float]) -> list[bool]:
     return [math.isfinite(v) and v <= QUIET * top for v in values]
 
 
-def hints(point: str, details: dict, family: str | None = None) -> list[str]:
+def hints(point: str, details: dict, family: str | None = None, unseen: tuple[str, ...] = ()) -> list[str]:
     """Short sentences an expert would say on seeing this signature (on a model of `family`: its own
-    features first, `tracer.model.families.Family.hints`)."""
+    features first, `tracer.model.families.Family.hints`). `unseen`: the points before it that were not
+    recorded: the error may start at any of them, so nothing is said of this op's own kind."""
     said = family_hints(point, family)
     positions, heads = details.get("by_position") or [], details.get("by_head")
     quiet = _quiet(positions)
@@ -131,8 +132,20 @@ def hints(point: str, details: dict, family: str | None = None) -> list[str]:
     if heads and any(_quiet(heads)) and not all(_quiet(heads)):
         exact = [i for i, q in enumerate(_quiet(heads)) if q]
         said.append(f"only some heads differ (heads {exact} are exact): the GQA head mapping (kv head repeat order)")
-    said += OP_HINTS.get(op_kind(point), [])
+    if unseen:
+        said.append(f"the {len(unseen)} point{'s' if len(unseen) > 1 else ''} before it "
+                    f"({', '.join(short_names(unseen))}) {'are' if len(unseen) > 1 else 'is'} not recorded: "
+                    "the error may start at any of them; record them to see where")
+    else:
+        said += OP_HINTS.get(op_kind(point), [])
     return said
+
+
+def short_names(points: tuple[str, ...], most: int = 6) -> list[str]:
+    """Points without their layer prefix where they share one layer ("q_rope", not the whole path)."""
+    layers = {split_point(p)[0] for p in points}
+    names = [split_point(p)[1] for p in points] if len(layers) == 1 and None not in layers else list(points)
+    return names[:most] + ([f"{len(names) - most} more"] if len(names) > most else [])
 
 
 def runtime_hints(point: str, family: str | None, engines: tuple[str | None, ...]) -> list[str]:
@@ -141,11 +154,11 @@ def runtime_hints(point: str, family: str | None, engines: tuple[str | None, ...
     said = []
     for engine in dict.fromkeys(engines):
         entry = ENGINES.get(engine) if engine else None
-        difference = entry.difference(family or "llama") if entry else None
-        if difference is not None and difference.at(point):
-            when = f", shown by {difference.condition}" if difference.condition else ""
-            said.append(f"the {engine} runtime's own behaviour on {family or 'llama'}, not a porting mistake: "
-                        f"{difference.what}{when} (a runtime difference its engine declares; `tracer engines`)")
+        for difference in entry.differences_on(family or "llama") if entry else ():
+            if difference.at(point):
+                when = f", shown by {difference.condition}" if difference.condition else ""
+                said.append(f"the {engine} runtime's own behaviour on {family or 'llama'}, not a porting mistake: "
+                            f"{difference.what}{when} (a runtime difference its engine declares; `tracer engines`)")
     return said
 
 

@@ -43,6 +43,15 @@ STATISTICS_MIN_COUNT = 100  # llama-perplexity prints no final statistics for fe
 MIN_CTX = 4  # the smallest context with a scored token past its first half
 
 
+def fitting_ctx(tokens: int, default: int) -> int:
+    """The context a run given none takes: `default` where the text fills two chunks of it (llama-perplexity's
+    minimum), else the largest power of two that does (at least `MIN_CTX`; a shorter text is refused)."""
+    ctx = default
+    while 2 * ctx > tokens and ctx // 2 >= MIN_CTX:
+        ctx //= 2
+    return ctx
+
+
 # --- chunks -------------------------------------------------------------------------------------
 
 
@@ -61,8 +70,8 @@ def chunk_tokens(tokens: list[int], n_ctx: int, bos: int | None, limit: int | No
     if n_ctx < MIN_CTX:
         raise TracerError(f"the context must be at least {MIN_CTX} tokens (half of it is scored), got {n_ctx}")
     if len(tokens) < 2 * n_ctx:
-        raise TracerError(f"the text has {len(tokens)} tokens; a context of {n_ctx} needs at least {2 * n_ctx} "
-                          f"(llama-perplexity's minimum): give a longer text or a smaller -c")
+        raise TracerError(f"the text has {len(tokens)} tokens; -c {n_ctx} needs at least {2 * n_ctx} "
+                          f"(llama-perplexity's minimum)")
     count = len(tokens) // n_ctx if limit is None else min(limit, len(tokens) // n_ctx)
     chunks = []
     for i in range(count):

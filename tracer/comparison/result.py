@@ -162,6 +162,9 @@ class Divergence:
     by_head: tuple[float, ...] | None = None  # max |diff| per head, for points that have heads
     top_channels: tuple[dict, ...] | None = None  # {"channel", "max_abs"}, the worst channels first
     hints: tuple[str, ...] = ()  # what an expert would suspect on seeing these breakdowns
+    # The points between the last agreeing one and it that were not recorded, where its own error is not
+    # measured (no local rerun): the error may start at any of them, so what it inherits is unknown.
+    unseen: tuple[str, ...] = ()
 
     def brief(self) -> dict:
         """Where and how large, for a view told beside the main one (the raw f32 view of a regime,
@@ -179,7 +182,7 @@ class Divergence:
             "by_position": list(self.by_position),
             "by_head": None if self.by_head is None else list(self.by_head),
             "top_channels": None if self.top_channels is None else list(self.top_channels),
-            "hints": list(self.hints),
+            "hints": list(self.hints), "unseen": list(self.unseen),
         }
 
 
@@ -625,7 +628,11 @@ class Diagnosis:
 
     @property
     def best(self) -> dict | None:
-        return self.ranking[0] if self.ranking else None
+        """The closest variant, or None where it changes nothing on this model (its own verdict
+        is match) while the observed trace diverged: then no planted mistake reproduces it."""
+        if not self.ranking or (self.ranking[0]["verdict"] == "match" and self.observed.verdict == "diverged"):
+            return None
+        return self.ranking[0]
 
     def to_dict(self) -> dict:
         return json_safe({"observed": self.observed.to_dict(), "ranking": list(self.ranking)})

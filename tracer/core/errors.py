@@ -17,6 +17,20 @@ def one_line(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def unknown_name(what: str, name: str, names, listed_by: str) -> str:
+    """"unknown engine 'llamacp'; did you mean llamacpp?" for a typo, else where the names are listed:
+    a list of them all would run the one line past a terminal's width."""
+    close = did_you_mean(name, names)
+    return f"unknown {what} {name!r}" + (close or f" ({listed_by} lists them)")
+
+
+def ids_text(ids) -> str:
+    """Token ids in an error line: the first few and how many ("7 ids 1,17,5,42,8,..."), never a long list."""
+    ids = list(ids)
+    shown = ",".join(map(str, ids[:5])) + (",..." if len(ids) > 5 else "")
+    return f"{len(ids)} id{'' if len(ids) == 1 else 's'} {shown}"
+
+
 def printable(text: str) -> str:
     """`text` with every character a terminal would not print as itself escaped (a path holding a record
     separator or a newline stays on one line, as a one-line error must)."""

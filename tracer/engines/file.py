@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracer.core.errors import TracerError
+from tracer.core.errors import TracerError, ids_text
 from tracer.engines.base import EngineBase
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
@@ -25,8 +25,8 @@ class FileEngine(EngineBase):
         recorded = self.trace.tokens
         if recorded is not None and tokens and list(recorded) != list(tokens):
             if self.path is None:  # two traces compared as they are
-                raise TracerError(f"the traces were recorded on different token ids: {list(tokens)} vs {recorded}")
-            raise TracerError(f"trace {self.path} was recorded on tokens {recorded}, not {list(tokens)}")
+                raise TracerError(f"the traces ran other token ids: {ids_text(tokens)} vs {ids_text(recorded)}")
+            raise TracerError(f"trace {self.path} ran {ids_text(recorded)}, not {ids_text(tokens)}")
         return self.trace
 
 

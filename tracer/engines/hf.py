@@ -233,7 +233,10 @@ def _load(model_dir, variant: dict, offload=None, stream_to: torch.device | None
     # transformers would answer a damaged file with a traceback, and a missing key with a silent
     # default (hidden_size 4096); our readers name the file or the key in one line first, before
     # transformers is even imported (seconds a user's typo does not need to wait).
-    family = family_named(read_hf(load_config(model_dir)).family)
+    file_config = load_config(model_dir)
+    family = family_named(read_hf(file_config).family)
+    if "model_type" not in file_config:  # tracer reads it as a Llama; transformers refuses it at length
+        raise TracerError(f"transformers cannot read {model_dir}/config.json: no model_type (\"llama\" for a Llama)")
     check_weight_files(model_dir)
     import transformers  # transformers: 0.5 s, when a model loads
     from transformers import AutoConfig  # transformers: 0.5 s, when a model loads
@@ -291,7 +294,7 @@ def _load(model_dir, variant: dict, offload=None, stream_to: torch.device | None
                           + (f"; {len(missing) - 1} more missing" if len(missing) > 1 else ""))
     if info.get("mismatched_keys"):
         name, file_shape, model_shape = sorted(info["mismatched_keys"])[0]
-        raise TracerError(f"shape mismatch for {name}: expected {tuple(model_shape)}, file has {tuple(file_shape)}")
+        raise TracerError(f"shape mismatch, {name}: file {tuple(file_shape)}, model {tuple(model_shape)}")
     model.tracer_unused_tensors = sorted(info.get("unexpected_keys") or [])
     return model.eval()
 

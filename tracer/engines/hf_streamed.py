@@ -90,8 +90,8 @@ def _sources(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
         if source is None:
             raise TracerError(f"missing tensor {name} (expected shape {tuple(parameter.shape)})")
         if tuple(shapes[source]) != tuple(parameter.shape):
-            raise TracerError(f"shape mismatch for {name}: expected {tuple(parameter.shape)}, "
-                              f"file has {tuple(shapes[source])}")
+            raise TracerError(f"shape mismatch, {name}: file {tuple(shapes[source])}, "
+                              f"model {tuple(parameter.shape)}")
         sources[name] = source
     return sources
 

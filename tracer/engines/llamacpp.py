@@ -9,13 +9,17 @@ node first, so asking for few nodes keeps the graph in few large pieces. The dat
 at once (ggml reuses the memory for later nodes) and brought to tracer's layout:
 
 - names map onto points through the alias table (`tracer.names.aliases.AliasTable`: the ggml names
-  llama.cpp's vocabulary declares, `tracer.names.llamacpp`); a name written more than once in one graph
-  (`Qcur-3`: the matmul, a reshape that is a view of it, the RoPE) is told apart by the op that wrote it
-  (`tracer.names.llamacpp.ggml_write`, from the same declarations): the matmul is `q_proj`, the RoPE
-  `q_rope`, the reshape no point. Nodes are keyed by what they are, never by name alone;
-- `kq-{i}` (q·kᵀ before the scale) becomes `scores` times llama.cpp's kq_scale, the same f32
-  product its soft_max_ext takes; `scores` and `probs` keep the T keys of the prompt (the KV
-  cache is padded to 256 cells) and, past `ATTENTION_ROWS` tokens, their last query rows;
+  llama.cpp's vocabulary declares for the GGUF's family, `tracer.names.llamacpp`); a name written more
+  than once in one graph (`Qcur-3`: the matmul, a reshape that is a view of it, the RoPE) is told apart
+  by the op that wrote it (`tracer.names.llamacpp.ggml_write`, from the same declarations): the matmul
+  is `q_proj`, the RoPE `q_rope`, the reshape no point. Nodes are keyed by what they are, never by name
+  alone. An unnamed node goes by its op and first source ("MUL_MAT(blk.3.attn_output.weight)"), a name
+  written without its layer inside a layer takes the layer of the nodes before it (`GraphRecorder.named`);
+- the scores are what llama.cpp's softmax takes (`kq-{i}`, q·kᵀ; after Gemma 2's soft-cap,
+  `kq_scaled_2-{i}`) times the scale that softmax applies (its op parameter: 1/sqrt(head_dim), or 1
+  where the graph scaled q first), the same f32 product soft_max_ext computes; `scores` and `probs`
+  keep the T keys of the prompt (the KV cache is padded to 256 cells) and, past `ATTENTION_ROWS`
+  tokens, their last query rows;
 - q/k come out in GGUF's order where llama.cpp rotates adjacent pairs (rope type NORM: the
   converter permuted the q/k weight rows): `tracer.traces.layouts.from_interleaved` puts them back;
 - in the last layer llama.cpp keeps only the output rows (`inp_out_ids`) from `ffn_inp` on. The
@@ -39,6 +43,7 @@ import importlib.metadata
 import math
 import os
 import re
+import struct
 import sys
 import weakref
 from dataclasses import dataclass
@@ -53,24 +58,28 @@ from tracer.engines.base import EngineBase, decode_steps
 from tracer.engines.registry import ENGINES
 from tracer.files.hf_to_gguf import converted_gguf
 from tracer.files.sources import DEFAULT_GGUF, ModelSource, bundled_gguf, check_gguf_header
+from tracer.model.component import family_named
 from tracer.model.knobs import setting, variant_text
 from tracer.model.points import (
     CACHE_K,
     CACHE_POINTS,
     CACHE_V,
     FUSED_AWAY,
+    K_NORM,
     K_PROJ,
     K_ROPE,
     PROBS,
+    Q_NORM,
     Q_PROJ,
     Q_ROPE,
     SCORES,
     all_points,
     layer_point,
+    split_point,
 )
 from tracer.names.aliases import AliasTable
 from tracer.names.gguf import gguf_family
-from tracer.names.llamacpp import ggml_write
+from tracer.names.llamacpp import GGML, ggml_write, unnamed
 from tracer.traces.layouts import from_interleaved, sub_point
 from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
@@ -193,20 +202,27 @@ class Shape:
     tokens: int
     head_dim: int
     interleaved: bool  # q/k in GGUF's permuted order (rope type NORM)
-    kq_scale: float
     keys: int  # cells of the KV cache filled after this forward (the cache's first ones, in position order)
 
 
 def rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
-    """(1, 1, T, C) -> (T, C): hidden states, projections, logits."""
-    _leading_ones(array, 2)
-    return torch.from_numpy(np.array(array[0, 0]))
+    """(1, 1, T, C), or per head (1, T, heads, D) -> (T, C): hidden states, projections, logits."""
+    return torch.from_numpy(np.array(token_rows(array, shape)))
 
 
 def qk_rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
-    """q_proj / k_proj: (T, heads·D), per head back from GGUF's order where llama.cpp has it."""
-    _leading_ones(array, 2)
-    return _unpermuted(array[0, 0], shape)
+    """q/k projections and norms: (T, heads·D), per head back from GGUF's order where llama.cpp has it."""
+    return _unpermuted(token_rows(array, shape), shape)
+
+
+def token_rows(array: np.ndarray, shape: Shape) -> np.ndarray:
+    """A node's rows as (rows, C): a 2-D node (1, 1, rows, C) as it lies (llama.cpp keeps fewer rows than
+    tokens after `inp_out_ids`), a per-head one (1, T, heads, D) with its heads merged (Qwen3's q/k norms).
+    A 2-D node never has more rows than tokens, a per-head one with one token has its heads there."""
+    _leading_ones(array, 1)
+    if array.shape[1] == 1 and array.shape[2] <= shape.tokens:
+        return array[0, 0]
+    return array[0].reshape(array.shape[1], -1)  # (T, heads, D) -> (T, heads·D); copies a strided view
 
 
 def qk_heads(array: np.ndarray, shape: Shape) -> torch.Tensor:
@@ -241,9 +257,9 @@ def attention(array: np.ndarray, shape: Shape, scale: float | None = None) -> to
     return torch.from_numpy(np.multiply(kept, np.float32(scale), dtype=np.float32))
 
 
-def scores(array: np.ndarray, shape: Shape) -> torch.Tensor:
-    """kq (q·kᵀ) times kq_scale: what llama.cpp's soft_max_ext computes first, in f32."""
-    return attention(array, shape, shape.kq_scale)
+def softmax_scale(node: GgmlTensor) -> float:
+    """The scale a SOFT_MAX node multiplies its input by (ggml_soft_max_ext's first op parameter, an f32)."""
+    return struct.unpack("<f", struct.pack("<i", node.op_params[0]))[0]
 
 
 def _leading_ones(array: np.ndarray, count: int) -> None:
@@ -256,8 +272,11 @@ def cache_heads(cache: np.ndarray, shape: Shape, transposed: bool) -> torch.Tens
     """A layer's K or V cache (cells, KV·D) as it lies in memory (a transposed V cache: (KV·D,
     cells)) -> (KV, S, D) of its first S cells, keys in HF's half-split order, copied once in the
     cache's own type. A cleared unified cache fills its cells in order (one sequence): every token in
-    position order, the layout a cache without a window is compared in (`tracer.model.kv_cache`). A
-    SWA cache, whose cells only its cell table maps to positions, is never met: Llama GGUFs have none."""
+    position order, the layout a cache without a window is compared in (`tracer.model.kv_cache`). So
+    does a sliding layer's SWA cache (Gemma 2/3) until its cells wrap (llama.cpp reuses a masked cell only
+    when its search from the head comes round, past the cache's 256 or more cells): read so, it keeps every
+    token, which the comparison lays out as the window's ring; once wrapped it holds fewer cells than
+    tokens, and the comparison says it cannot pair it."""
     held = cache[:, :shape.keys].T if transposed else cache[:shape.keys]  # (S, KV·D)
     rows_ = _unpermuted(held, shape)  # (S, KV·D), one copy
     return rows_.unflatten(1, (-1, shape.head_dim)).transpose(0, 1)  # (KV, S, D)
@@ -271,13 +290,18 @@ def joined(point: str, parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, dim=1 if sub_point(point) in (Q_ROPE, K_ROPE) else 0)
 
 
-# sub-point -> reader; anything else is (T, C) rows
+# sub-point -> reader; anything else is (T, C) rows. Scores are kept unscaled until their softmax is read.
 READERS: dict[str, Callable[[np.ndarray, Shape], torch.Tensor]] = {
-    Q_PROJ: qk_rows, K_PROJ: qk_rows, Q_ROPE: qk_heads, K_ROPE: qk_heads, SCORES: scores, PROBS: attention,
+    Q_PROJ: qk_rows, K_PROJ: qk_rows, Q_NORM: qk_rows, K_NORM: qk_rows, Q_ROPE: qk_heads, K_ROPE: qk_heads,
+    SCORES: attention, PROBS: attention,
 }
 
-# Names the alias table calls not comparable as they are, which this engine brings to a point.
+# q·kᵀ as llama.cpp names it, which the alias table calls not comparable as it is (its softmax scales it):
+# the scores of a family whose graph names no other node its softmax takes.
 KQ_PREFIX = "kq-"
+LAYER_SUFFIX = re.compile(r"-(\d+)$")
+GRAPH_NAMED = re.compile(r"node_\d+$")  # what ggml calls a node llama.cpp left unnamed, by its place in the graph
+UNNAMED_DEPTH = 4  # sources followed to name an unnamed node ("ADD(GET_ROWS(MUL_MAT(blk.2.attn_output.weight)))")
 
 
 def node_point(table: AliasTable, name: str, op: str) -> str | None:
@@ -289,10 +313,26 @@ def node_point(table: AliasTable, name: str, op: str) -> str | None:
     if op == "SET_ROWS":  # this step's keys or values written into the layer's cache
         cache = CACHE_NAME.match(name)
         return layer_point(int(cache[2]), CACHE_K if cache[1] == "k" else CACHE_V) if cache else None
-    if name.startswith(KQ_PREFIX) and name[len(KQ_PREFIX):].isdigit():
+    if name.startswith(KQ_PREFIX) and name[len(KQ_PREFIX):].isdigit() and kq_is_scores(table.family):
         return layer_point(int(name[len(KQ_PREFIX):]), SCORES)
     resolved = table.resolve(name)
     return resolved.point if resolved else None
+
+
+@functools.lru_cache(maxsize=None)
+def kq_is_scores(family: str | None) -> bool:
+    """Whether q·kᵀ (`kq-{i}`) is what the family's softmax takes: unless its vocabulary names another node
+    (Gemma 2's soft-capped `kq_scaled_2-{i}`)."""
+    return family is None or SCORES not in GGML.families.get(family, {})
+
+
+@functools.lru_cache(maxsize=None)
+def unindexed_names(family: str | None) -> frozenset[str]:
+    """Names the family's graph writes without their layer inside a layer ("ffn_post_norm")."""
+    if family is None:
+        return frozenset()
+    return frozenset(name.pattern.removesuffix("-{i}") for names in GGML.for_family(family_named(family)).values()
+                     for name in names if name.unindexed)
 
 
 class GraphRecorder:
@@ -300,7 +340,10 @@ class GraphRecorder:
 
     def __init__(self, ggml: Ggml, family: str | None = None):
         self.ggml, self.table = ggml, AliasTable(family=family)  # the family's own graph names (None: any family's)
-        self.points: dict[tuple[bytes, int], str | None] = {}  # (name, op) -> point, for every graph alike
+        self.unindexed = unindexed_names(family)
+        self.points: dict[tuple[str, int], str | None] = {}  # (name, op) -> point, for every graph alike
+        self.layer = 0  # the layer of the last node whose name says one (for names written without it)
+        self.scores: dict[int, torch.Tensor] = {}  # layer -> its scores, unscaled, until its softmax is read
         self.active = None  # (recorder, Shape) while recording; None: answer no to everything
         self.cache = False  # whether the cache points are wanted (a decode's forwards)
         self.pending: str | None = None
@@ -317,6 +360,7 @@ class GraphRecorder:
         probabilities are not recorded (each holds its own rows against the keys cached so far)."""
         self.active, self.error, self.pending, self.cache = (recorder, shape), None, None, cache
         self.seen_ops, self.partial, self.parts, self.split = set(), {}, {}, split
+        self.layer, self.scores = 0, {}
 
     def stop(self, flush: bool = True) -> None:
         """Recording ends: in micro-batches, each point's rows joined go to the recorder now (unless
@@ -344,12 +388,29 @@ class GraphRecorder:
             self.partial[point] = self.names[point]
         recorder(point, value[None])  # recorders take a batch dimension
 
+    def named(self, node: GgmlTensor, depth: int = 0) -> str:
+        """A node's name: its own; an unnamed one (ggml calls it `node_N`) its op and first source's
+        (`tracer.names.llamacpp.unnamed`);
+        a name the family's graph writes without its layer, with the layer of the last node that says one
+        (the graph's nodes come in the order llama.cpp built them, layer by layer)."""
+        name = node.name.decode(errors="replace")
+        if not name or GRAPH_NAMED.match(name):
+            source = GgmlTensor.from_address(node.src[0]) if node.src[0] and depth < UNNAMED_DEPTH else None
+            return unnamed(self.ggml.op_name(node.op), self.named(source, depth + 1) if source else "")
+        if depth == 0:
+            layer = LAYER_SUFFIX.search(name)
+            if layer:
+                self.layer = int(layer.group(1))
+            elif name in self.unindexed:
+                return f"{name}-{self.layer}"
+        return name
+
     def ask(self, address: int) -> bool:
         node = GgmlTensor.from_address(address)
-        key = (node.name, node.op)
+        key = (self.named(node), node.op)
         self.seen_ops.add(node.op)
         if key not in self.points:
-            self.points[key] = node_point(self.table, node.name.decode(errors="replace"), self.ggml.op_name(node.op))
+            self.points[key] = node_point(self.table, key[0], self.ggml.op_name(node.op))
         self.pending = self.points[key]
         if self.pending is not None and self.split and sub_point(self.pending) in (SCORES, PROBS):
             self.pending = None  # SPLIT_REASON
@@ -378,6 +439,14 @@ class GraphRecorder:
         if node.type == GGML_BF16:
             value = value.view(torch.bfloat16)
         self.names[point] = node.name.decode()
+        layer = split_point(point)[0]
+        if sub_point(point) == SCORES:  # scaled once its softmax says by how much
+            self.scores[layer] = value
+            return
+        if sub_point(point) == PROBS and layer in self.scores:
+            scale = np.float32(softmax_scale(node))
+            self.keep(layer_point(layer, SCORES),
+                      torch.from_numpy(np.multiply(self.scores.pop(layer).numpy(), scale, dtype=np.float32)))
         self.keep(point, value)
 
 
@@ -500,12 +569,11 @@ class LlamaCppEngine(EngineBase):
         heads = llama_cpp.llama_model_n_head(model)
         self.head_dim = self._meta_int("attention.key_length") or llama_cpp.llama_model_n_embd(model) // heads
         self.interleaved = llama_cpp.llama_model_rope_type(model) == ROPE_NORM
-        # llama.cpp's kq_scale: the model's attention.scale, else 1.0f/sqrtf(head_dim), both in f32
-        scale = self._meta_float("attention.scale")
-        self.kq_scale = float(np.float32(scale) if scale else np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
         self.description = _text(llama_cpp.llama_model_desc, model)
         family = gguf_family(_meta_text(model, b"general.architecture"))  # llama.cpp's names for its graph
-        self.graph = GraphRecorder(self.ggml, family.name if family else None)
+        self.family = family.name if family else None
+        self.graph = GraphRecorder(self.ggml, self.family)
+        self.final_softcap = bool(self._meta_float("final_logit_softcapping"))  # Gemma's capped logits
         self.context, self.context_size, self.flash = None, 0, None
         self.kv_type = self.variant.get("kv_cache", "f16")  # llama.cpp's type_k/type_v (its default: f16)
         self.filled = 0  # KV cells the last decode left filled (cells 0..filled-1, in position order)
@@ -564,7 +632,7 @@ class LlamaCppEngine(EngineBase):
                               "it cannot record")
         recorder = recorder if recorder is not None else TraceRecorder()
         held = 0 if clear else self.filled
-        shape = Shape(len(tokens), self.head_dim, self.interleaved, self.kq_scale, held + len(tokens))
+        shape = Shape(len(tokens), self.head_dim, self.interleaved, held + len(tokens))
         split = len(tokens) > int(self.variant.get("n_ubatch", len(tokens)))
         self.graph.start(recorder, shape, cache, split)
         try:
@@ -675,7 +743,8 @@ class LlamaCppEngine(EngineBase):
 
     def _not_recorded(self, recorded) -> dict[str, str]:
         """Every point of the vocabulary the graph did not show, with why."""
-        missing = [p for p in all_points(self.num_layers) if p not in recorded]
+        missing = [p for p in all_points(self.num_layers, self.family or "llama", final_softcap=self.final_softcap)
+                   if p not in recorded]
         fused = FUSED_AWAY if self.flash else ()
         split = (SCORES, PROBS) if self.graph.split else ()
         return {p: FLASH_REASON if sub_point(p) in fused else SPLIT_REASON if sub_point(p) in split else ABSENT_REASON

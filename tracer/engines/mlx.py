@@ -1,19 +1,20 @@
 """The `mlx` engine: Apple's MLX running the model through mlx-lm, recorded under tracer's points.
 
 mlx-lm builds the model from the same directory (`config.json` read by its own `ModelArgs`,
-safetensors weights) and runs its own Llama forward (`mlx_lm/models/llama.py`). MLX has no hooks,
-so recording swaps the class of each observed module instance for a subclass whose `__call__`
-records what goes in and out, and swaps it back on exit (even when the forward raises): the model
-tree, its parameter paths and every other instance stay untouched, and nothing is left behind.
-mlx-lm's module paths are HF's (`model.layers.3.self_attn.q_proj`), so they are the point names.
+safetensors weights) and runs its own forward of the family (`mlx_lm/models/llama.py`, `gemma2.py`, ...).
+MLX has no hooks, so recording swaps the class of each observed module instance for a subclass whose
+`__call__` (or method) records what goes in and out, and swaps it back on exit (even when the forward
+raises): the model tree, its parameter paths and every other instance stay untouched, and nothing is left
+behind. mlx-lm's module paths are HF's (`model.layers.3.self_attn.q_proj`), so they are the point names.
 
-What each observed call gives (`layer_calls`, read off the family's points): module outputs, plus
-three points that are module *inputs*: the context (input of `o_proj`), `resid_mid` (input of
-`post_attention_layernorm`) and `act(gate) * up` (input of `down_proj`). mlx-lm calls one RoPE module twice per layer,
-queries then keys, in the (B, H, T, D) layout of the q_rope / k_rope points. Attention is one
-fused call (`mx.fast.scaled_dot_product_attention`): scores and probabilities never exist as
-arrays, and are "not recorded". The logits are the model's output (`embed_tokens.as_linear`
-for tied embeddings, `lm_head` otherwise).
+What each observed call gives (`planned_calls`, read off the family's points and mlx-lm's names for them in
+`tracer.names.mlx`): module outputs, module inputs where hf takes one (`resid_mid`, `act(gate) * up`), and
+mlx-lm's own calls: its RoPE module, called twice per layer (queries then keys, (B, H, T, D) as the
+q_rope / k_rope points), the context (o_proj's input), the logits (the head's call; the model's output is
+the soft-capped logits), Gemma's embedding after its sqrt(hidden) scale (the input of the first block's
+first norm), and Gemma 2's scores and probabilities (the input and output of `mx.softmax` in its unfused
+attention). Every other family runs attention as one fused call (`mx.fast.scaled_dot_product_attention`):
+scores and probabilities never exist as arrays, and are "not recorded".
 
 MLX is lazy: the recorded arrays are collected during the forward and evaluated together with
 the logits in one `mx.eval`, then handed to the recorder one by one as torch tensors.
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import sys
+import traceback
 from collections import deque
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -40,20 +43,21 @@ from tracer.model.component import family_named
 from tracer.model.config import NON_FORWARD_KEYS, read_hf
 from tracer.model.knobs import setting
 from tracer.model.kv_cache import ring_slots
-from tracer.model.points import CACHE_K, CACHE_V, LOGITS, fused_away, layer_point, model_point_records, sub_points
+from tracer.model.points import (
+    CACHE_K,
+    CACHE_V,
+    FUSED_AWAY,
+    layer_point,
+    model_point_records,
+    split_point,
+    sub_points,
+)
 from tracer.names.mlx import MLX
+from tracer.names.vocabulary import Name
 from tracer.traces.trace import Trace, TraceRecorder
-
-# mlx-lm's module paths are HF's; what each observed call gives is read off the family's points
-# (`layer_calls`): a module's output where hf observes that module's output, the input of the module hf
-# takes an input from, and the point's name in mlx-lm's vocabulary where mlx-lm differs (`tracer.names.mlx`:
-# its RoPE module, called twice; the context, the input of o_proj). A point mlx-lm observes per head,
-# (B, T, H, D), is held as (B, T, H*D), as hf merges it.
-PER_HEAD = "output:(T, H, D)"
 
 FUSED = ("mlx-lm runs attention as one fused call (mx.fast.scaled_dot_product_attention): "
          "scores and probabilities never exist as arrays")
-UNOBSERVABLE = fused_away(FUSED)
 
 DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}  # knob value -> mlx.core dtype name
 DEVICES = {"cpu": "cpu", "mps": "gpu"}  # torch device type -> MLX device (mps: Metal on Apple silicon)
@@ -73,10 +77,12 @@ class MLXEngine(EngineBase):
         self.model, self.config, self.variant, self.label, self.device = model, config, variant, label, device
         self.spec = read_hf(config)  # what transformers reads: the positions the reference has
         self.family = self.spec.family
+        self.final_softcap = self.spec.final_logit_softcapping is not None  # the reference has capped logits
         self.stream = getattr(mx, DEVICES[device.type])
         self.num_layers = len(model.layers)
         self.dtype = setting(variant, "dtype")
         self.vocab_size, self.max_positions = model.args.vocab_size, self.spec.max_position_embeddings
+        self.layouts = traced_layouts(self.family)
 
     def record(self, tokens: list[int], recorder=None, *, positions=None) -> Trace:
         """Every point mlx-lm's forward exposes; `recorder` (default in memory) may spill to disk."""
@@ -103,15 +109,17 @@ class MLXEngine(EngineBase):
 
     def _recorded(self, tokens: list[int], recorder, cache: list | None = None) -> torch.Tensor:
         """One forward (after what `cache` holds, if any) with every point handed to `recorder`, and
-        each layer's cache contents after it; returns the logits (1, T, V)."""
+        each layer's cache contents after it; returns the model's output, the logits (1, T, V)."""
         import mlx.core as mx  # mlx, an optional runtime: loaded where it runs
 
         recorded: deque[tuple[str, object]] = deque()
-        per_head = per_head_points(self.family)
-        with recording_calls(self.model, self.family,
-                             lambda name, array: recorded.append((name, flat_heads(name, array, per_head)))):
+
+        def record(name: str, array) -> None:
+            layout = self.layouts.get(split_point(name)[1])
+            recorded.append((name, layout(array) if layout else array))
+
+        with recording_calls(self.model, self.family, record, final_softcap=self.final_softcap):
             logits = self._forward(tokens, cache)
-        recorded.append((LOGITS, logits))
         rings = {}  # a rotating cache's points -> (tokens it took, its slots): laid out as the ring
         for i, layer in enumerate(cache or ()):
             keys, values = cache_contents(layer)  # (1, KV, S, D) each: slices taken now, this step's contents
@@ -119,18 +127,18 @@ class MLXEngine(EngineBase):
             recorded.extend(zip(points, (keys, values)))
             if getattr(layer, "max_size", None):
                 rings |= dict.fromkeys(points, (layer.offset, layer.max_size))
-        mx.eval([array for _, array in recorded])  # one evaluation of the whole lazy graph
+        mx.eval([logits, *(array for _, array in recorded)])  # one evaluation of the whole lazy graph
         out = to_torch(logits)
         while recorded:  # each MLX array let go once the recorder holds its copy
             name, array = recorded.popleft()
-            tensor = out if name == LOGITS else to_torch(array)
+            tensor = out if array is logits else to_torch(array)
             if name in rings:
                 tensor = ring_slots(tensor[0], *rings[name])[None]  # (1, KV, min(S, W), D) in the ring's slots
             recorder(name, tensor)
         return out
 
     def _meta(self, tokens: list[int], offset: int | None = None):
-        not_recorded = per_layer(self.num_layers, UNOBSERVABLE)
+        not_recorded = per_layer(self.num_layers, fused_points(self.family))
         return self.meta(tokens, TORCH_DTYPES[self.dtype], not_recorded, num_layers=self.num_layers,
                          runtime=runtime(), unused_config_keys=unread_config_keys(self.config, type(self.model.args)),
                          position_offset=offset)
@@ -142,7 +150,20 @@ class MLXEngine(EngineBase):
         import mlx.core as mx  # mlx, an optional runtime: loaded where it runs
 
         with mx.stream(self.stream):
-            return self.model(mx.array([tokens]), cache=cache)  # (1, T, V), lazy
+            try:
+                return self.model(mx.array([tokens]), cache=cache)  # (1, T, V), lazy
+            except TracerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mlx-lm's own code: an IndexError, a shape ValueError...
+                raise TracerError(f"mlx-lm's forward failed in {runtime_line(exc)} ({type(exc).__name__}: "
+                                  f"{one_line(exc, 40)})") from None
+
+
+def runtime_line(exc: BaseException) -> str:
+    """Where in mlx-lm's code `exc` was raised (its innermost frame there), `gemma3_text.py:195`."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    frame = next((f for f in reversed(frames) if "mlx_lm" in Path(f.filename).parts), frames[-1])
+    return f"{Path(frame.filename).name}:{frame.lineno}"
 
 
 def cache_contents(cache) -> tuple:
@@ -159,14 +180,33 @@ def cache_contents(cache) -> tuple:
     return cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
 
 
-def per_head_points(family: str) -> tuple[str, ...]:
-    """The family's points a module returns per head, (B, T, H, D) (Qwen3's q/k norms)."""
-    return tuple("." + sub for sub, point in sub_points(family).items() if point.observed == PER_HEAD)
+def traced_layouts(family: str) -> dict:
+    """Sub-point -> how an mlx-lm array of it becomes tracer's layout, where it differs: a point observed per
+    head, (B, T, H, D) (Qwen3's q/k norms) or (B, H, T, D) (Gemma 3's), held as (B, T, H*D) as hf merges it;
+    an unfused attention's scores and probabilities, which mlx-lm computes per kv head and repeat
+    (B, KV, R, T, S), held as (B, H, T, S), head h = kv * R + r (transformers' repeat_kv order)."""
+    layouts = {sub: fn for sub, point in sub_points(family).items() if (fn := PER_HEAD.get(point.observed))}
+    return layouts | dict.fromkeys(FUSED_AWAY, merged_kv_heads)
 
 
-def flat_heads(name: str, array, per_head: tuple[str, ...]):
-    """A per-head point (B, T, H, D) as tracer holds it, (B, T, H*D); any other array as it is."""
-    return array.reshape(*array.shape[:-2], -1) if per_head and name.endswith(per_head) else array
+def merged_kv_heads(array):
+    if array.ndim != 5:
+        return array
+    batch, kv, repeats, *rest = array.shape
+    return array.reshape(batch, kv * repeats, *rest)  # (B, KV, R, T, S) -> (B, H, T, S)
+
+
+PER_HEAD = {  # hf's observation of a per-head point -> its merge, (B, T, H*D)
+    "output:(T, H, D)": lambda array: array.reshape(*array.shape[:-2], -1),  # (B, T, H, D) -> (B, T, H*D)
+    "output:(H, T, D)": lambda array: array.transpose(0, 2, 1, 3).reshape(  # (B, H, T, D) -> (B, T, H*D)
+        array.shape[0], array.shape[2], -1),
+}
+
+
+def fused_points(family: str) -> dict[str, str]:
+    """The family's attention points mlx-lm never forms (its fused attention), each with why."""
+    named = MLX.for_family(family_named(family))
+    return {sub: FUSED for sub in FUSED_AWAY if sub not in named}
 
 
 def to_torch(array) -> torch.Tensor:
@@ -189,82 +229,162 @@ def unread_config_keys(config: dict, args_class) -> list[str]:
 # ----------------------------------------------------------------------------- recording
 
 
-def layer_calls(family: str) -> dict[str, list[tuple[str | None, str | None]]]:
-    """Observed module (relative to `model.layers.{i}`) -> one (input point, output point) per call, in
-    call order, None where that side of the call is not a point: read off `family`'s points."""
-    calls: dict[str, list[list[str | None]]] = {}
+Pair = tuple[str | None, str | None]  # a call's (input point, output point); None: that side is no point
 
-    def put(module: str, call: int, side: str, sub: str) -> None:
-        slots = calls.setdefault(module, [])
+
+def planned_calls(model, family: str, final_softcap: bool = False) -> dict[str, list[Pair]]:
+    """Call (`tracer.names.mlx`: a module path, a module's method, mlx.core's function in a module, the
+    model "") -> one (input point, output point) per call, in call order, read off `family`'s points:
+    mlx-lm's own name for a point where it has one (the first of its names the model has), else the
+    module's output, or the input of the module hf takes the point from. The soft-capped logits are
+    planned where the reference caps them (`final_softcap`)."""
+    modules = dict(model.named_modules())
+    own = MLX.for_family(family_named(family))
+    plan: dict[str, list[list[str | None]]] = {}
+
+    def put(path: str, call: int, side: str, point: str) -> None:
+        slots = plan.setdefault(path, [])
         slots += [[None, None] for _ in range(call + 1 - len(slots))]
-        slots[call][0 if side == "input" else 1] = sub
+        slots[call][0 if side == "input" else 1] = point
 
-    own_names = MLX.for_family(family_named(family))
-    for sub, point in sub_points(family).items():
-        own = own_names.get(sub, (None,))[0]
-        if own is not None:
-            put(own.pattern, own.call, own.side, sub)
-        elif point.observed.startswith("output"):
-            put(sub, 0, "output", sub)
-        elif point.observed.startswith("input:"):
-            put(point.observed.removeprefix("input:"), 0, "input", sub)
-        # the recording attention function's other points (scores, probs): fused away in mlx-lm
-    return {module: [tuple(pair) for pair in pairs] for module, pairs in calls.items()}
+    def put_named(names: tuple[Name, ...], point: str, layer: int | None) -> None:
+        paths = [name.pattern if layer is None else layer_point(layer, name.pattern) for name in names]
+        found = next((i for i, path in enumerate(paths) if call_target(path, modules)), None)
+        if found is None:
+            raise TracerError(f"mlx-lm built a model without {paths[0]}: the mlx engine cannot record {point}")
+        put(paths[found], names[found].call, names[found].side, point)
 
-
-def observed_calls(model, family: str) -> dict[str, list[tuple[str | None, str | None]]]:
-    """Module path -> its (input point, output point) per call, for every observed module of `model`."""
-    calls = {point: [(None, point)] for point, record in model_point_records(family, False).items()
-             if record.observed == "output" and point != LOGITS}  # the logits: the model's own output
+    for point, record in model_point_records(family, final_softcap).items():
+        if point in own:
+            put_named(own[point], point, None)
+        elif record.observed == "output":
+            put(point, 0, "output", point)
     for i in range(len(model.layers)):
-        for sub, points in layer_calls(family).items():
-            calls[layer_point(i, sub)] = [tuple(None if p is None else layer_point(i, p) for p in pair)
-                                          for pair in points]
-    return calls
+        for sub, record in sub_points(family).items():
+            point = layer_point(i, sub)
+            if sub in own:
+                put_named(own[sub], point, i)
+            elif record.observed.startswith("output"):
+                put(point, 0, "output", point)
+            elif record.observed.startswith("input:"):
+                put(layer_point(i, record.observed.removeprefix("input:")), 0, "input", point)
+            # else the attention's scores and probabilities, fused away (`fused_points`)
+    return {path: [tuple(pair) for pair in pairs] for path, pairs in plan.items()}
+
+
+FUNCTIONS = ".mx."  # `self_attn.mx.softmax`: mlx.core's softmax as the module's own code calls it
+
+
+def call_target(path: str, modules: dict) -> tuple[str, str] | None:
+    """(module path, what of it is called: "__call__", a method's name, or "mx.<function>") for a call
+    path; None where the model has no such call."""
+    if path in modules:
+        return path, "__call__"
+    module, functions, function = path.partition(FUNCTIONS)
+    if functions and module in modules:
+        return module, "mx." + function
+    module, _, method = path.rpartition(".")
+    if module in modules and callable(getattr(modules[module], method, None)):
+        return module, method
+    return None
 
 
 @contextmanager
-def recording_calls(model, family: str, record):
-    """Swap every observed module's class for a recording subclass; restore all of them on exit."""
+def recording_calls(model, family: str, record, *, final_softcap: bool = False):
+    """Swap every observed module's class for a recording subclass, and the `mx` a model file calls
+    mlx.core's functions through for one that records the planned ones; restore all of them on exit."""
     modules = dict(model.named_modules())
-    calls = observed_calls(model, family)
-    missing = [path for path in calls if path not in modules]
-    if missing:
-        raise TracerError(f"mlx-lm built a model without {missing[0]}: not the Llama layout the mlx engine records")
-    plan = {id(modules[path]): (path, iter(points)) for path, points in calls.items()}
-    if len(plan) < len(calls):
+    watched: dict[str, dict[str, object]] = {}  # module path -> what of it is recorded -> its calls' pairs
+    for path, pairs in planned_calls(model, family, final_softcap).items():
+        module, member = call_target(path, modules)
+        watched.setdefault(module, {})[member] = iter(pairs)
+    if len({id(modules[path]) for path in watched}) < len(watched):
         raise TracerError("mlx-lm shares one module between two observed paths: their calls cannot be told apart")
-    swapped = []
-    try:
-        for path in calls:
+    running: list[tuple[str, dict]] = []  # the recording modules whose call is under way, innermost last
+    with ExitStack() as restore:
+        functions: dict[str, set[str]] = {}  # model file -> the mlx.core functions its modules' calls record
+        for path, members in watched.items():
+            names = {member.removeprefix("mx.") for member in members if member.startswith("mx.")}
+            if names:
+                functions.setdefault(type(modules[path]).__module__, set()).update(names)
+        for file, names in functions.items():
+            restore.enter_context(_recording_functions(sys.modules[file], names, running, record))
+        for path, members in watched.items():
             module = modules[path]
             original = type(module)
-            module.__class__ = _recording_class(original, plan, record)
-            swapped.append((module, original))
+            module.__class__ = _recording_class(original, path, members, running, record)
+            restore.callback(setattr, module, "__class__", original)
         yield
-    finally:
-        for module, original in swapped:
-            module.__class__ = original
 
 
-def _recording_class(original: type, plan: dict, record) -> type:
-    """A subclass of `original` whose call records its planned input and output points."""
+def _record_call(what: str, calls, record, call, args, kwargs):
+    """One call of `what`, its planned input and output points recorded."""
+    pair = next(calls, None)
+    if pair is None:
+        raise TracerError(f"mlx-lm called {what} more often than the family's forward does; the mlx engine "
+                          "cannot tell which point each call is")
+    input_point, output_point = pair
+    if input_point is not None:
+        record(input_point, args[0])
+    output = call(*args, **kwargs)
+    if output_point is not None:
+        record(output_point, output)
+    return output
+
+
+def _recording_class(original: type, path: str, members: dict, running: list, record) -> type:
+    """A subclass of `original` whose call, and each planned method, records its planned points; its
+    call is marked running while under way, for the mlx.core functions it calls (`_recording_functions`)."""
 
     def __call__(self, *args, **kwargs):
-        path, points = plan[id(self)]
-        pair = next(points, None)
-        if pair is None:
-            raise TracerError(f"mlx-lm called {path} more often than its Llama forward does; the mlx engine "
-                              "cannot tell which point each call is")
-        input_point, output_point = pair
-        if input_point is not None:
-            record(input_point, args[0])
-        output = original.__call__(self, *args, **kwargs)
-        if output_point is not None:
-            record(output_point, output)
-        return output
+        running.append((path, members))
+        try:
+            if "__call__" not in members:
+                return original.__call__(self, *args, **kwargs)
+            return _record_call(path or "the model", members["__call__"], record,
+                                lambda *a, **k: original.__call__(self, *a, **k), args, kwargs)
+        finally:
+            running.pop()
 
-    return type(f"Recording{original.__name__}", (original,), {"__call__": __call__})
+    def method(name: str):
+        def recorded(self, *args, **kwargs):
+            return _record_call(f"{path}.{name}", members[name], record,
+                                lambda *a, **k: getattr(original, name)(self, *a, **k), args, kwargs)
+        return recorded
+
+    own = {name: method(name) for name in members if name != "__call__" and not name.startswith("mx.")}
+    return type(f"Recording{original.__name__}", (original,), {"__call__": __call__, **own})
+
+
+@contextmanager
+def _recording_functions(file, names: set[str], running: list, record):
+    """`file`'s (an mlx-lm model module's) `mx` swapped for mlx.core with the functions `names` recorded: a
+    call of one is recorded under the innermost running module that plans it (any other call runs as is)."""
+    core = file.mx
+
+    def recording(name: str):
+        function = getattr(core, name)
+
+        def called(*args, **kwargs):
+            path, members = running[-1] if running else ("", {})
+            calls = members.get(f"mx.{name}")
+            if calls is None:
+                return function(*args, **kwargs)
+            return _record_call(f"{path}{FUNCTIONS}{name}", calls, record, function, args, kwargs)
+        return called
+
+    class Core:  # mlx.core, but for `names`
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+    proxy = Core()
+    for name in names:
+        setattr(proxy, name, recording(name))
+    file.mx = proxy
+    try:
+        yield
+    finally:
+        file.mx = core
 
 
 # ----------------------------------------------------------------------------- loading

@@ -39,8 +39,7 @@ def parse_max_memory(text: str | dict | None) -> dict | None:
         device, equals, size = part.partition("=")
         device = device.strip()
         if not equals or not (device in ("cpu", "mps") or device.isdigit()) or not _SIZE.match(size):
-            raise TracerError(f"--max-memory {text!r}: expected DEVICE=SIZE[,DEVICE=SIZE], DEVICE cpu, mps or a "
-                              "GPU index, SIZE such as 500MiB or 20GiB")
+            raise TracerError(f"--max-memory {text!r}: expected DEVICE=SIZE[,...], DEVICE cpu, mps or a GPU index")
         key = int(device) if device.isdigit() else device
         if key in caps:
             raise TracerError(f"--max-memory {text!r}: device {device} is given twice")

@@ -23,7 +23,7 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
-from tracer.core.errors import TracerError, did_you_mean
+from tracer.core.errors import TracerError, unknown_name
 from tracer.model.knobs import (
     KNOBS,
     Knob,
@@ -35,7 +35,7 @@ from tracer.model.knobs import (
     unregister_switch,
     variant_text,
 )
-from tracer.model.points import FUSED_AWAY, split_point
+from tracer.model.points import CONTEXT, EMBED, FUSED_AWAY, MLP_ACT, PROBS, Q_ROPE, SCORES, split_point
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Difference:
 @dataclass(frozen=True)
 class Absent:
     """A family the runtime has no architecture for ("not in that runtime"): refused in one line, before
-    anything loads, with `why` ("candle-transformers 0.11 has no OLMo-2 model")."""
+    anything loads, with `why` (the runtime's own words for it: "<runtime version> has no <family> model")."""
 
     family: str
     why: str
@@ -122,7 +122,9 @@ class EngineEntry:
         families: the model families it traces point for point (tests/unit/test_matrix.py holds each to
             `match`); None: every family not named in `differences` or `absent`.
         differences: the families it traces with a runtime difference (`Difference`: the matrix holds each
-            to diverging first at its point, and the run's hints say it is the runtime's own behaviour).
+            to diverging first at one of its family's points, and the run's hints say it is the runtime's own
+            behaviour). A family may have several, at different points (Gemma 2 in llama.cpp: its query
+            scale, shown first where `query_pre_attn_scalar` is not the head size, and its GELU).
         absent: the families its runtime has no architecture for (`Absent`). Any family in none of the three
             is not traced yet: refused before loading, as an absent one is, in one line of its own.
         positions: it takes explicit absolute positions (`record(tokens, recorder, positions=...)`,
@@ -172,23 +174,27 @@ class EngineEntry:
     no_decode: str = ""
 
     def __post_init__(self):
-        named = [*(self.families or ()), *(d.family for d in self.differences), *(a.family for a in self.absent)]
+        named = [*(self.families or ()), *{d.family: None for d in self.differences}, *(a.family for a in self.absent)]
         twice = sorted({family for family in named if named.count(family) > 1})
         if twice:
             raise TracerError(f"the {self.name} engine states the family {twice[0]} more than once (families, "
                               "differences, absent)")
+        points = [(d.family, d.point) for d in self.differences]
+        again = next((pair for pair in points if points.count(pair) > 1), None)
+        if again:
+            raise TracerError(f"the {self.name} engine declares two differences on {again[0]} at {again[1]}")
 
     def cell(self, family: str) -> str:
         """Its cell of the engine × family matrix: MATCH, DIFFERS, ABSENT or NOT_YET."""
-        if self.difference(family) is not None:
+        if self.differences_on(family):
             return DIFFERS
         if any(absent.family == family for absent in self.absent):
             return ABSENT
         return MATCH if self.families is None or family in self.families else NOT_YET
 
-    def difference(self, family: str) -> Difference | None:
-        """The runtime difference it declares on `family`, if any."""
-        return next((d for d in self.differences if d.family == family), None)
+    def differences_on(self, family: str) -> tuple[Difference, ...]:
+        """The runtime differences it declares on `family`, in the order declared (none: empty)."""
+        return tuple(d for d in self.differences if d.family == family)
 
     @property
     def every_family(self) -> bool:
@@ -202,7 +208,7 @@ class EngineEntry:
             why = next(absent.why for absent in self.absent if absent.family == family)
             return f"the {self.name} engine cannot trace {family}: {why}"
         if cell == NOT_YET:
-            traced = [*(self.families or ()), *(d.family for d in self.differences)]
+            traced = [*(self.families or ()), *{d.family: None for d in self.differences}]
             return f"the {self.name} engine does not trace {family} yet (it traces {', '.join(traced)})"
         return None
 
@@ -348,11 +354,26 @@ BUILTINS = (
     EngineEntry(
         "mlx", "tracer.engines.mlx",
         "Apple MLX through mlx-lm on the model directory, its modules' calls recorded (CPU; Metal as mps)",
-        knobs=("dtype",), fused_attention="always", devices=("cpu", "mps"), decode=True,
+        knobs=("dtype",), fused_attention="every family but gemma2", devices=("cpu", "mps"), decode=True,
         extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
-        # mlx-lm's other families differ from transformers' on their own configs (Gemma's embedding
-        # scale taken after its call, windows, fused Phi-3 projections): not traced point for point yet.
-        families=("llama", "qwen3"),
+        # each difference is a line of mlx-lm 0.32's own model file, cited and reproduced in docs/engine-mlx.md
+        families=("llama", "qwen3", "olmo2"),
+        differences=(
+            Difference("qwen2", Q_ROPE, "a config holding its theta in rope_parameters only (as "
+                       "transformers 5 writes it), other than 1e6",
+                       "mlx-lm's qwen2.py reads a top-level rope_theta only, else runs 1e6"),
+            Difference("qwen2", CONTEXT, "a prompt longer than the window, on a config whose theta it reads",
+                       "mlx-lm's qwen2.py has no sliding window: one causal mask for every layer"),
+            Difference("mistral", CONTEXT, "a prompt longer than the window",
+                       "mlx-lm runs Mistral with its llama.py, which slides only the layers a config's layer_types "
+                       "marks: Mistral's sliding_window is never applied"),
+            Difference("gemma2", PROBS, "a prompt longer than the window",
+                       "mlx-lm's gemma2.py has no sliding window: one causal mask for every layer"),
+            Difference("gemma3", EMBED, "an f32 or f16 run where bf16 cannot hold sqrt(hidden_size)",
+                       "mlx-lm's gemma3_text.py scales the embedding by sqrt(hidden_size) rounded to bf16"),
+            Difference("phi3", CONTEXT, "a prompt longer than the window",
+                       "mlx-lm's phi3.py has no sliding window: one causal mask for every layer"),
+        ),
     ),
     EngineEntry(
         "onnx", "tracer.engines.onnx",
@@ -385,19 +406,62 @@ BUILTINS = (
         install_env='CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" ',
         install_note="compiles llama.cpp without AMX, about 5 minutes on 2 cores",
         requires=(("llama_cpp", "llama-cpp-python"),), isolated=True, regime="ggml",
-        # Qwen2's sliding window (llama.cpp ignores it) and Qwen3's q/k norms (nodes not mapped onto
-        # points yet) keep the other families out until their cells match (tests/unit/test_matrix.py).
-        families=("llama",),
+        # each family's graph in src/models/<arch>.cpp of llama-cpp-python 0.3.36's llama.cpp
+        # (docs/engine-llamacpp.md "Families")
+        families=("llama", "qwen3", "olmo2"),
+        differences=(
+            Difference("qwen2", PROBS, "a prompt longer than the window on a sliding layer",
+                       "llama.cpp's qwen2 graph has no sliding window (src/models/qwen2.cpp: build_attn_inp_kv)"),
+            Difference("mistral", PROBS, "a prompt longer than sliding_window",
+                       "llama.cpp runs Mistral as llama, without a sliding window (src/models/llama.cpp; the "
+                       "converter writes none)"),
+            Difference("phi3", PROBS, "a prompt longer than sliding_window",
+                       "llama.cpp turns Phi-3's sliding window off (src/models/phi3.cpp: \"Phi SWA is currently "
+                       "disabled\")"),
+            *(Difference(family, SCORES, "query_pre_attn_scalar other than the head size",
+                         "llama.cpp scales the queries by 1/sqrt(head_dim) (27B: 1/sqrt(hidden/heads)); "
+                         f"query_pre_attn_scalar is not read (src/models/{family}.cpp: f_attention_scale)")
+              for family in ("gemma2", "gemma3")),
+            *(Difference(family, MLP_ACT, "",
+                         "ggml's CPU GELU is a table of f16 values at the input rounded to f16 "
+                         "(ggml-cpu/vec.h: GGML_GELU_FP16)") for family in ("gemma2", "gemma3")),
+            Difference("gemma3", Q_ROPE, "layer_types other than five sliding layers, then one full",
+                       "llama.cpp takes every sixth layer as full, the others sliding (with their rope theta): "
+                       "the converter writes no pattern (src/models/gemma3.cpp: load_swa_pattern(ml, 6))"),
+        ),
     ),
     EngineEntry(
         "candle", "tracer.engines.candle",
-        "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's Llama: llama.rs on the "
-        "model directory, quantized_llama.rs on candle:PATH.gguf; rms_norm (norms), rope/rope_i (q_rope, "
-        "k_rope) and softmax_last_dim (probs) composed from 0.4.2's ops",
+        "candle's own CPU kernels (candle-nn 0.4.2) running candle-transformers 0.11's model files on the model "
+        "directory (llama.rs, qwen2.rs, qwen3.rs, mistral.rs, gemma2.rs, gemma3.rs, phi3.rs, olmo2.rs) and "
+        "quantized_llama.rs, quantized_qwen2.rs, quantized_qwen3.rs, quantized_phi3.rs or quantized_gemma3.rs "
+        "on candle:PATH.gguf; its fused kernels 0.4.2 lacks composed from 0.4.2's ops",
         # candle's config reader and the notes' porting mistakes, in its own forward
         knobs=("theta", "eps", "rope", "config", "resave", "kv_repeat", "mask"), switches=(THREADS,),
         argument="PATH", extra="candle", requires=(("candle", "candle-nn"),), isolated=True, decode=True,
-        families=("llama",), regime="candle", regime_with_argument=True,
+        families=("llama", "qwen3", "olmo2"), regime="candle",
+        differences=(
+            Difference("qwen2", PROBS, "a prompt longer than the window",
+                       "candle's qwen2.rs masks every layer to sliding_window + 1 keys, whatever use_sliding_window "
+                       "and max_window_layers say (qwen2.rs:307)"),
+            Difference("mistral", PROBS, "a prompt longer than the window",
+                       "candle's mistral.rs keeps sliding_window + 1 keys where transformers keeps sliding_window "
+                       "(`j + sliding_window < i` masked, mistral.rs:406)"),
+            Difference("gemma2", SCORES, "query_pre_attn_scalar other than head_dim",
+                       "candle's gemma2.rs scales scores by 1/sqrt(head_dim), never by query_pre_attn_scalar "
+                       "(gemma2.rs:240)"),
+            Difference("gemma2", PROBS, "a prompt longer than the window",
+                       "candle's gemma2.rs windows every layer (gemma2.rs:398), to sliding_window + 1 keys"),
+            Difference("gemma3", SCORES, "query_pre_attn_scalar other than head_dim",
+                       "candle's gemma3.rs scales scores by 1/sqrt(head_dim), never by query_pre_attn_scalar "
+                       "(gemma3.rs:263)"),
+            Difference("gemma3", PROBS, "a prompt longer than the window",
+                       "candle's gemma3.rs slides layers by its own pattern (gemma3.rs:448), to sliding_window + 1 "
+                       "keys"),
+            Difference("phi3", PROBS, "a prompt longer than the window",
+                       "candle's phi3.rs reads no sliding_window: its mask is causal only (phi3.rs:393)"),
+        ),
+        regime_with_argument=True,
     ),
 )
 for builtin in BUILTINS:
@@ -444,8 +508,7 @@ def parse_engine(engine: str | EngineRef) -> EngineRef:
     base, colon, argument = engine.partition(":")
     entry = find_entry(base)
     if entry is None:
-        raise TracerError(f"unknown engine {engine!r}; engines: {', '.join(e.usage for e in registered().values())}"
-                          + did_you_mean(base, ENGINES))
+        raise TracerError(unknown_name("engine", base, registered(), "`tracer engines`"))
     if colon and entry.argument is None:
         raise TracerError(f"the {base} engine takes no argument after ':' (got {engine!r})")
     if colon and not argument:

@@ -113,9 +113,7 @@ def check_source(source: str | os.PathLike) -> Path:
         return path
     if path.suffix.lower() == ".gguf" and path.is_file():
         return path
-    raise TracerError(
-        f"unsupported model file (expected a directory with config.json or a .gguf file): {path}"
-    )
+    raise TracerError(f"not a model (a folder with config.json, or a .gguf file): {path}")
 
 
 def default_model_path(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:

@@ -248,12 +248,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x / m * weight.to(F32)
 
 
-def candle_inv_freq(theta: float, head_dim: int) -> np.ndarray:
+def candle_inv_freq(theta: float, head_dim: int, *, f64: bool = False, factors=None) -> np.ndarray:
     """(D/2,) f32: `(0..D).step_by(2).map(|i| 1f32 / theta.powf(i as f32 / D as f32))`, libm's powf
-    as Rust's f32::powf calls it."""
-    base = np.float32(theta)
-    return np.array([np.float32(1.0) / np.float32(powf(float(base), float(np.float32(i) / np.float32(head_dim))))
-                     for i in range(0, head_dim, 2)], dtype=np.float32)
+    as Rust's f32::powf calls it (llama.rs, mistral.rs, quantized_llama.rs). `f64`: the other model files'
+    `1f32 / theta.powf(i as f64 / D as f64) as f32` (qwen2.rs, gemma2.rs, phi3.rs, ...), libm's pow in f64
+    (Python's float power calls it) rounded to f32. `factors` (f32, one per pair): phi3.rs' longrope
+    table, `f / theta.powf(..) as f32`, as long as the shorter of the two (Rust's `zip`)."""
+    pairs = range(0, head_dim, 2)
+    if f64:
+        powers = [np.float32(float(theta) ** (i / head_dim)) for i in pairs]
+    else:
+        base = np.float32(theta)
+        powers = [np.float32(powf(float(base), float(np.float32(i) / np.float32(head_dim)))) for i in pairs]
+    numerators = [np.float32(1.0)] * len(powers) if factors is None else [np.float32(f) for f in factors]
+    return np.array([n / p for n, p in zip(numerators, powers)], dtype=np.float32)
 
 
 def rope_angles(inv_freq: np.ndarray, positions) -> np.ndarray:
@@ -311,14 +319,18 @@ def apply_ops(steps):
 # --- the regime a candle run implies -------------------------------------------------------------
 
 
-def implied_regime(weight_types: dict[str, str]) -> tuple[dict, list[str]]:
+def implied_regime(weight_types: dict[str, str], architecture: str = "llama") -> tuple[dict, list[str]]:
     """The reimpl variant reproducing candle's quantized_llama.rs on these GGUF tensor types, and
-    what of it is not bit-exact.
+    what of it is not bit-exact. A GGUF of another architecture (`general.architecture`: quantized_qwen2.rs,
+    its q/k rows unpermuted and biased) is not emulated: refused in one line.
 
     Example:
         >>> implied_regime({"model.layers.0.self_attn.q_proj.weight": "q4_1"})
         ({'preset': 'candle-q', 'weights': 'gguf'}, [])
     """
+    if architecture != "llama":
+        raise TracerError(f"candle's regime emulates quantized_llama.rs only: run this {architecture} GGUF without "
+                          "--regime")
     caveats = []
     for kind in sorted(set(weight_types.values()) - EXACT_WEIGHT_TYPES):
         names = [name for name, t in weight_types.items() if t == kind]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
 
-from tracer.core.errors import TracerError
+from tracer.core.errors import TracerError, unknown_name
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def family_named(name: str | None) -> Family:
     """
     family = _REGISTRY.get(name or "llama")
     if family is None:
-        raise TracerError(f"unknown family {name!r}; families: {', '.join(_REGISTRY)}")
+        raise TracerError(unknown_name("family", name, _REGISTRY, "`tracer variants`"))
     return family
 
 

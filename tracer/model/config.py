@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tracer.core.errors import TracerError
+from tracer.core.errors import TracerError, did_you_mean
 from tracer.model.component import family_named, family_of
-from tracer.model.knobs import check_family, setting
+from tracer.model.knobs import KNOBS, check_family, setting
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -119,7 +119,8 @@ def load_config(model_dir: str | Path) -> dict:
     except FileNotFoundError:
         raise TracerError(f"not a model directory (no config.json): {model_dir}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TracerError(f"config.json is not valid JSON: {path} ({exc})") from None
+        where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise TracerError(f"not valid JSON{where}: {path}") from None
     except OSError as exc:  # unreadable: permissions, a folder named config.json, an I/O error
         raise TracerError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not isinstance(config, dict):
@@ -140,7 +141,7 @@ def read_hf(config: dict) -> LlamaSpec:
     heads = _required(config, "num_attention_heads")
     hidden = _required(config, "hidden_size")
     if reads.divisible_heads and hidden % heads:  # `validate_architecture`, even when head_dim is given
-        raise TracerError(f"config.json key 'hidden_size' must be a multiple of num_attention_heads ({heads}), "
+        raise TracerError(f"config.json: hidden_size must be a multiple of num_attention_heads ({heads}), "
                           f"got {hidden}")
     head_dim = _given(config, "head_dim", reads.head_dim)  # null: derived, as in transformers
     head_dim = _derived_head_dim(hidden, heads) if head_dim is None else _positive_int("head_dim", head_dim, even=True)
@@ -200,8 +201,7 @@ def _hf_rope(config: dict, params: dict | None = None, container: str = "rope_pa
     container = container if "rope_type" in params or "type" in params else "rope_scaling"
     for name in HF_ROPE_REQUIRED.get(rope_type, ()):
         if name not in scaling:
-            raise TracerError(f"config.json key {container!r} lacks the key {name!r} that rope_type "
-                              f"{rope_type!r} requires")
+            raise TracerError(f"config.json: {container} lacks {name!r}, which rope_type {rope_type!r} requires")
     if rope_type in ("llama3", "yarn", "longrope"):  # transformers' `standardize_rope_params` default
         if original_max is not None:  # Phi-3 keeps the pretraining length at top level, and it wins
             scaling["original_max_position_embeddings"] = original_max
@@ -240,7 +240,7 @@ def _as_written(value) -> str:
 
 
 def _refuse(key: str, value, expected: str) -> TracerError:
-    return TracerError(f"config.json key {key!r} must be {expected}, got {_as_written(value)}")
+    return TracerError(f"config.json: {key} must be {expected}, got {_as_written(value)}")
 
 
 def _required(config: dict, key: str) -> int:
@@ -282,7 +282,12 @@ def _boolean(key: str, value) -> bool:
 
 def _choice(key: str, value, names: frozenset, what: str) -> str:
     if not isinstance(value, str) or value not in names:
-        raise _refuse(key, value, f"{what} ({', '.join(sorted(names))})")
+        listed = ", ".join(sorted(names))
+        if len(listed) <= 70:
+            raise _refuse(key, value, f"{what} ({listed})")
+        # transformers' activations would run the line past a terminal's width: the closest one instead
+        raise TracerError(f"config.json: {key} must be {what}, got {_as_written(value)}"
+                          + did_you_mean(str(value), names))
     return value
 
 
@@ -494,7 +499,7 @@ def gemma3_extras(config: dict) -> dict:
     local_theta, local_scaling = _hf_rope({}, local, "rope_parameters.sliding_attention",
                                           config.get("rope_local_base_freq", 10_000.0))
     if local_scaling is not None:
-        raise TracerError("config.json key 'rope_parameters.sliding_attention' scales the local RoPE; "
+        raise TracerError("config.json: rope_parameters.sliding_attention scales the local RoPE; "
                           "tracer's reimplementation scales the global one only")
     pattern = _positive_int("sliding_window_pattern", config.get("sliding_window_pattern", 6))
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
@@ -695,6 +700,25 @@ def apply_overrides(spec: LlamaSpec, knobs: dict) -> LlamaSpec:
         if name in SPEC_OVERRIDES:
             spec = SPEC_OVERRIDES[name](spec, value)
     return spec
+
+
+def unchanging_knobs(config: dict, knobs: dict) -> dict:
+    """The knobs of `knobs` that change nothing on the model of this config.json dict: a config-level
+    knob set to the model's own value (theta=10000 where rope_theta is 10000), or a knob set to its
+    default. Said in a run's notes: its verdict says nothing of the mistake the knob plants."""
+    try:
+        spec = read_config(config, knobs)
+    except TracerError:  # a reader the run refuses says so itself
+        return {}
+    same = {}
+    for name, value in knobs.items():
+        knob = KNOBS.get(name)
+        if name in SPEC_OVERRIDES:
+            if SPEC_OVERRIDES[name](spec, value) == spec:
+                same[name] = value
+        elif knob is not None and knob.default_value is not None and value == knob.default_value:
+            same[name] = value
+    return same
 
 
 def variant_spec(config: dict, knobs: dict) -> LlamaSpec:

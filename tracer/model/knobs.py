@@ -425,8 +425,9 @@ def parse_variant(spec: str | dict | None) -> dict[str, Any]:
         try:
             variant[name] = knob.parse(text)
         except ValueError:
-            raise TracerError(f"bad value {text!r} for knob {name!r}; expected {knob.accepted}"
-                              + did_you_mean(text, knob.values or ())) from None
+            raise TracerError(f"bad value {text!r} for knob {name!r}; "
+                              + (did_you_mean(text, knob.values or ()).removeprefix("; ")
+                                 or f"expected {knob.accepted}")) from None
     return variant
 
 

@@ -24,9 +24,9 @@ cache every token in position order. Each engine reads its runtime's cache into 
 - mlx: mlx-lm's `KVCache`, its filled slots; a `RotatingKVCache` on a sliding layer in temporal order,
   then `ring_slots` (its own slots are not the rule's after a prompt longer than W);
 - candle: llama.rs' keys and values concatenated step by step, every token (Llama only: no window);
-- llamacpp: the first S cells of llama.cpp's unified cache, filled in order from a cleared cache (Llama
-  GGUFs only: no window). Its SWA cache is not read: which cell holds which position is its cell table,
-  not the tensor.
+- llamacpp: the first S cells of llama.cpp's unified cache, filled in order from a cleared cache; on a
+  sliding layer (Gemma 2/3 GGUFs) its SWA cache's, in order too until its cells wrap (which cell holds
+  which position is then its cell table, not the tensor: not compared).
 
 A ring and a cache that keeps every token (a port without the window, or one that keeps the whole
 sequence and masks it) are two layouts of the same keys: where one comparison meets both, the whole one

@@ -21,7 +21,7 @@ adjacent; the activations come out permuted the same way).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tracer.core.errors import TracerError, one_line
@@ -205,6 +205,8 @@ class Renamed:
     unknown: list[str]  # names no alias matches
     skipped: dict[str, str]  # known names without a point -> why
     duplicates: dict[str, list[str]]  # point -> the other names that also mapped to it (not used)
+    # point -> {a duplicate whose tensor is not the compared one's: max|diff| to it, or None (another shape)}
+    differing: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
 
 def rename(tensors: dict, table: AliasTable) -> Renamed:
@@ -221,6 +223,14 @@ def rename(tensors: dict, table: AliasTable) -> Renamed:
             continue
         if resolved.point in out.tensors:
             out.duplicates.setdefault(resolved.point, []).append(name)
+            kept = out.tensors[resolved.point]
+            # one point, one tensor in a correct forward (a module and the child that returns its output);
+            # where a dump's two differ, the one not compared could hide a fault: measured, said
+            if kept.shape != tensor.shape:
+                out.differing.setdefault(resolved.point, {})[name] = None
+            elif not kept.equal(tensor):
+                difference = (tensor.double() - kept.double()).abs().max()
+                out.differing.setdefault(resolved.point, {})[name] = float(difference)
             continue
         alias = resolved.alias
         out.tensors[resolved.point] = tensor

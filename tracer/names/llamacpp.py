@@ -3,7 +3,14 @@
 tensors as [T, H, D]. A name written more than once in one graph is told apart by the op that wrote it
 (`ggml_write`): `Qcur-3` is the matmul (q_proj, `ADD` where there is a bias), a reshape that is a view of it
 (no point) and the RoPE (q_rope, in GGUF's interleaved order: llama.cpp's converter permutes the q/k
-weight rows)."""
+weight rows).
+
+Not every node a point is gets a name: most families' graphs leave the attention's output product
+unnamed (only llama.cpp's llama graph calls it `attn_out-{i}`), Phi-3's graph its residual add, Gemma's
+the raw logits before the soft-cap. Such a node is named by its op and its first source, recursively
+(`unnamed`): the product with `blk.3.attn_output.weight` is "MUL_MAT(blk.3.attn_output.weight)". A name
+written without its layer inside a layer (Gemma 2's and OLMo-2's `ffn_post_norm`) is `Name(...,
+unindexed=True)`."""
 
 from __future__ import annotations
 
@@ -14,25 +21,52 @@ from tracer.model.points import (
     CONTEXT,
     DOWN_PROJ,
     EMBED,
+    FINAL_LOGITS,
     FINAL_NORM,
     GATE_PROJ,
+    GATE_UP_PROJ,
     INPUT_NORM,
+    K_NORM,
     K_PROJ,
     K_ROPE,
     LOGITS,
     MLP_ACT,
     O_PROJ,
     POST_ATTENTION_NORM,
+    POST_FF_NORM,
+    PRE_FF_NORM,
     PROBS,
+    Q_NORM,
     Q_PROJ,
     Q_ROPE,
+    QKV_PROJ,
     RESID_MID,
+    SCORES,
     UP_PROJ,
     V_PROJ,
 )
 from tracer.names.vocabulary import Name, Vocabulary, pattern_regex, per_family, register
 
 PROJECTION = ("MUL_MAT", "ADD")  # the matmul, and the bias added to it
+
+
+def unnamed(op: str, source: str) -> str:
+    """The name an unnamed graph node goes by: its op and its first source's name (itself named so if
+    unnamed), e.g. "MUL_MAT(blk.3.attn_output.weight)" for the product with that weight."""
+    return f"{op}({source})"
+
+
+# The attention's output product, which every graph but llama's leaves unnamed (the weight names its layer).
+OUTPUT_PRODUCT = unnamed("MUL_MAT", "blk.{i}.attn_output.weight")
+# Gemma's raw logits before the soft-cap: the product with the output matrix (a tied one is token_embd).
+RAW_LOGITS = (Name("result_output", writes=("MUL_MAT",), dump=False), unnamed("MUL_MAT", "output.weight"),
+              unnamed("MUL_MAT", "token_embd.weight"))
+# Gemma's soft-capped logits: the last scale of scale(1/cap) -> tanh -> scale(cap).
+CAPPED_LOGITS = (Name("result_output", writes=("SCALE",)),)
+# Gemma's graphs: the embeddings scaled by sqrt(hidden) (ggml_scale), the attention output normed before the
+# residual add, whose sum is `sa_out`, then the MLP's pre- and post-norms.
+GEMMA = {EMBED: ("inp_scaled",), POST_ATTENTION_NORM: ("attn_post_norm-{i}",), RESID_MID: ("sa_out-{i}",),
+         PRE_FF_NORM: ("ffn_norm-{i}",), LOGITS: RAW_LOGITS, FINAL_LOGITS: CAPPED_LOGITS}
 
 GGML = register(Vocabulary(
     "ggml", "llama.cpp's graph node names", "THD",
@@ -42,23 +76,40 @@ GGML = register(Vocabulary(
         Q_PROJ: (Name("Qcur-{i}", writes=PROJECTION, dump=False),),
         K_PROJ: (Name("Kcur-{i}", writes=PROJECTION, dump=False),),
         V_PROJ: (Name("Vcur-{i}", writes=PROJECTION),),
+        Q_NORM: ("Qcur_normed-{i}",),  # Qwen3's and Gemma 3's per head, OLMo-2's over the whole projection
+        K_NORM: ("Kcur_normed-{i}",),
         Q_ROPE: (Name("Qcur-{i}", qk_order="interleaved", writes=("ROPE",)),),
         K_ROPE: (Name("Kcur-{i}", qk_order="interleaved", writes=("ROPE",)),),
         PROBS: ("kq_soft_max-{i}",),
         CONTEXT: ("kqv_out-{i}",),
-        O_PROJ: ("attn_out-{i}",),
+        O_PROJ: ("attn_out-{i}", OUTPUT_PRODUCT),
         RESID_MID: ("ffn_inp-{i}",),
         POST_ATTENTION_NORM: ("ffn_norm-{i}",),
+        POST_FF_NORM: ("ffn_post_norm-{i}",),
         GATE_PROJ: ("ffn_gate-{i}",),
         UP_PROJ: ("ffn_up-{i}",),
-        MLP_ACT: ("ffn_swiglu-{i}", "ffn_gate_par-{i}"),  # older builds wrote silu(gate)·up as ffn_gate_par
+        # older builds wrote silu(gate)·up as ffn_gate_par; Gemma's GELU-gated MLP writes ffn_geglu
+        MLP_ACT: ("ffn_swiglu-{i}", "ffn_gate_par-{i}", "ffn_geglu-{i}"),
         DOWN_PROJ: ("ffn_out-{i}",),
         BLOCK_OUT: ("l_out-{i}",),
         FINAL_NORM: ("result_norm",),
         LOGITS: ("result_output",),
     },
+    families={
+        "gemma2": {**GEMMA, SCORES: ("kq_scaled_2-{i}",),  # after the soft-cap's last scale
+                   POST_FF_NORM: (Name("ffn_post_norm-{i}", unindexed=True),)},
+        "gemma3": GEMMA,
+        "olmo2": {POST_ATTENTION_NORM: ("attn_post_norm-{i}",),
+                  POST_FF_NORM: (Name("ffn_post_norm-{i}", unindexed=True),)},
+        # q, k, v are views of one fused product (wqkv); the MLP's up product is gate and up fused, halved
+        # by the GLU; the residual add after the attention is unnamed (GET_ROWS first in the last layer)
+        "phi3": {QKV_PROJ: ("wqkv-{i}",), GATE_UP_PROJ: ("ffn_up-{i}",),
+                 RESID_MID: (unnamed("ADD", OUTPUT_PRODUCT), unnamed("ADD", unnamed("GET_ROWS", OUTPUT_PRODUCT)))},
+    },
     skipped={
-        "kq-{i}": "llama.cpp's q·kᵀ before the 1/sqrt(head_dim) scale (tracer's scores are scaled)",
+        "kq-{i}": "llama.cpp's q·kᵀ before the scale its softmax applies (tracer's scores are scaled)",
+        "kq_scaled_1-{i}": "Gemma 2's scores divided by the soft-cap, before the tanh",
+        "kq_tanh-{i}": "Gemma 2's tanh of the scores over the soft-cap",
         "norm-{i}": "llama.cpp's RMS-normalized input before the norm weight",
         "ffn_silu-{i}": "llama.cpp's silu(gate) before the product with up",
         "kqv-{i}": "llama.cpp's per-head attention output before the heads are merged (use kqv_out)",
@@ -97,5 +148,5 @@ def ggml_write(name: str, op: str, family: str | None = None) -> tuple[bool, str
         match = regex.match(name)
         if match:
             point = ops.get(op)
-            return True, point.replace("{i}", match.group(1)) if point else None
+            return True, point.replace("{i}", match.group(1)) if point and match.groups() else point
     return False, None

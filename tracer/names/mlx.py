@@ -1,19 +1,38 @@
 """mlx-lm's names: its module paths are HF's (`model.layers.3.self_attn.q_proj`), so a point's own name is
-its module's; these are the points mlx-lm gives otherwise, as a call of one of its modules (relative to a
-layer): its RoPE module, called twice per layer (queries, then keys), and the context, the input of
-o_proj. The mlx engine reads them (`tracer.engines.mlx.layer_calls`); a dump of mlx-lm's modules uses
-HF's paths, so they map no dump's tensors."""
+its module's output; these are the points mlx-lm gives otherwise. A name is a call: of a module (`call`: which
+of its calls, `side`: its input or output), of a module's method (`model.embed_tokens.as_linear`), of
+mlx.core's function inside a module's call (`self_attn.mx.softmax`), or of the model itself (""). A
+sub-point's name is relative to its layer; a point with two names takes the first the model has.
+
+- q/k after RoPE: mlx-lm's RoPE module, called twice per layer (queries, then keys); the context: the input
+  of o_proj; the logits: the head's own call (an untied `lm_head`, else the embedding's `as_linear`), and
+  the soft-capped logits the model's output.
+- Gemma 2 and 3 scale the embedding after mlx-lm's embedding call (`h = h * hidden_size**0.5`), so the
+  embedding point is what the first block takes (the input of its first norm); Gemma 2's attention is
+  unfused (soft-capped scores, then `mx.softmax`), so its scores and probabilities are the softmax's input
+  and output.
+
+The mlx engine reads them (`tracer.engines.mlx.planned_calls`); a dump of mlx-lm's modules uses HF's paths,
+so they map no dump's tensors."""
 
 from __future__ import annotations
 
-from tracer.model.points import CONTEXT, K_ROPE, O_PROJ, Q_ROPE
+from tracer.model.points import CONTEXT, EMBED, FINAL_LOGITS, K_ROPE, LOGITS, O_PROJ, PROBS, Q_ROPE, SCORES
 from tracer.names.vocabulary import Name, Vocabulary, register
 
 ROPE_MODULE = "self_attn.rope"  # mlx-lm's `Attention.rope` (transformers has no such module)
+SOFTMAX = "self_attn.mx.softmax"  # mlx.core's softmax as an unfused attention calls it
+MODEL = ""  # the model's own call
+# Gemma: the embedding after mlx-lm's sqrt(hidden) scale, the first block's input, which its first norm takes
+SCALED_EMBEDDING = Name("model.layers.0.input_layernorm", side="input")
 
 MLX = register(Vocabulary(
-    "mlx", "mlx-lm's module calls where they are not HF's module outputs", "HTD",
+    "mlx", "mlx-lm's calls where they are not HF's module outputs", "HTD",
     names={Q_ROPE: (Name(ROPE_MODULE, call=0),), K_ROPE: (Name(ROPE_MODULE, call=1),),
-           CONTEXT: (Name(O_PROJ, side="input"),)},
+           CONTEXT: (Name(O_PROJ, side="input"),),
+           LOGITS: (Name("lm_head"), Name("model.embed_tokens.as_linear")), FINAL_LOGITS: (Name(MODEL),)},
+    families={"gemma2": {EMBED: (SCALED_EMBEDDING,), SCORES: (Name(SOFTMAX, side="input"),),
+                         PROBS: (Name(SOFTMAX),)},
+              "gemma3": {EMBED: (SCALED_EMBEDDING,)}},
     aliases=False,
 ))

@@ -38,6 +38,9 @@ class Name:
             same name is the one a dump keeps).
         call: which call of a module gives the point (mlx-lm's RoPE module: queries 0, keys 1).
         side: "output" or "input" of that call.
+        unindexed: the runtime writes the name without its layer (`pattern` less its "-{i}": llama.cpp's
+            `cb(cur, "ffn_post_norm", -1)` inside a layer); its engine reads the layer off the nodes around
+            it (a dump of such names, one tensor per name, matches no pattern: said unknown).
     """
 
     pattern: str
@@ -47,6 +50,7 @@ class Name:
     dump: bool = True
     call: int = 0
     side: str = "output"
+    unindexed: bool = False
 
 
 # point -> its names: a bare string is a `Name` with nothing more to say

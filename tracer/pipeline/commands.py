@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from tracer.comparison.fingerprint import resemblance
-from tracer.comparison.perplexity import Statistics, chunk_tokens, mean_and_uncertainty
+from tracer.comparison.perplexity import Statistics, chunk_tokens, fitting_ctx, mean_and_uncertainty
 from tracer.comparison.result import Diagnosis, Result, Sweep, SweepRow, Tolerance, Triangulation
 from tracer.comparison.steps import compare_steps, with_steps
 from tracer.comparison.triangulation import triangulation
@@ -58,7 +58,7 @@ from tracer.pipeline.decode import compare_decoded, decoded_tokens, reference_de
 from tracer.pipeline.reference_cache import folder_state
 from tracer.pipeline.regime_view import check_regime_decode, compare_in_regime
 from tracer.pipeline.regime_view import resolve as resolve_regime
-from tracer.pipeline.request import Inputs, Outputs, Placement, Request, Side
+from tracer.pipeline.request import DEFAULT_CTX, Inputs, Outputs, Placement, Request, Side
 from tracer.pipeline.run import (
     Prepared,
     candidate_compared,
@@ -310,11 +310,10 @@ def record(request: Request) -> Trace | list[Trace]:
     steps, or as a batch of rows (one trace per row, each at its real positions)."""
     inputs, side = request.inputs, request.reference
     if request.placement.stream and not side.entry.stream:
-        raise TracerError(f"stream is for the engines that read weights block by block (hf, reimpl); "
-                          f"the {side.engine} engine cannot")
+        raise TracerError(f"--stream: only hf and reimpl read weights block by block, not {side.engine}")
     with progress_stages(("load", "record"), request.progress):
         request = request.resolved()
-        target = request.target
+        target, inputs = request.target, request.inputs  # resolved: a model without a tokenizer gets default ids
         runner = load_engine(side.engine, side.variant, target)
         ids, chat_info = token_ids(target.source, inputs.text, inputs.tokens, chat=inputs.chat, system=inputs.system)
         check_tokens(ids, runner, inputs.position_offset)
@@ -338,10 +337,11 @@ def record(request: Request) -> Trace | list[Trace]:
         return trace
 
 
-def quality(request: Request, *, ctx: int, chunks: int | None = None, by_layer: bool = False,
+def quality(request: Request, *, ctx: int | None, chunks: int | None = None, by_layer: bool = False,
             text_name: str | None = None) -> Quality:
     """`tracer quality`: the request's text (`inputs.prompt`, or its token ids) cut into llama-perplexity's
-    chunks of `ctx` tokens (at most `chunks`), each through both engines, scored as llama-perplexity scores
+    chunks of `ctx` tokens (None: `DEFAULT_CTX`, or less where the text is short: said in the notes; at most
+    `chunks`), each through both engines, scored as llama-perplexity scores
     it; `by_layer`: also where the loss is made (`tracer.pipeline.attribution`). What quality cannot do is
     refused before the model resolves (`tracer.pipeline.corpus.check_quality`)."""
     check_quality(request, ctx, chunks)
@@ -351,6 +351,7 @@ def quality(request: Request, *, ctx: int, chunks: int | None = None, by_layer: 
         started = time.perf_counter() - request.resolve_s  # the load time counts resolving the model too
 
         ids, bos = text_tokens(target.source, inputs)
+        given, ctx = ctx, fitting_ctx(len(ids), DEFAULT_CTX) if ctx is None else ctx
         windows = chunk_tokens(ids, ctx, bos, chunks)
         engines = {role: load_side(side, role, target, windows, ctx)
                    for role, side in (("reference", reference), ("candidate", candidate))}
@@ -376,7 +377,9 @@ def quality(request: Request, *, ctx: int, chunks: int | None = None, by_layer: 
             reference=side_summary(reference), candidate=side_summary(candidate),
             model=target.source.name, text=text_name, tokens=len(ids), bos=bos, ctx=ctx, chunks=len(windows),
             statistics=statistics, exact_kld=exact_mean, lines=tuple(lines), layers=layers, timings=timings,
-            notes=tuple(quality_notes(len(ids), ctx, len(windows), statistics.count, bos, inputs)),
+            notes=(*([f"-c {ctx}: the text's {len(ids)} tokens fill no two chunks of {DEFAULT_CTX}, the default "
+                        "(pass -c to choose)"] if given is None and ctx != DEFAULT_CTX else []),
+                   *quality_notes(len(ids), ctx, len(windows), statistics.count, bos, inputs)),
             command=request.command, environment=environment())
 
 

@@ -141,7 +141,7 @@ def runtime_regime(regime: str, weights, variant: dict) -> tuple[dict, list[str]
     if regime == "candle":
         from tracer.ggml.candle import implied_regime  # numba, for candle's kernels: a regime's only
 
-        return implied_regime(weights.types())
+        return implied_regime(weights.types(), str(weights.file.fields.get("general.architecture", "llama")))
     raise ValueError(f"no regime {regime!r} (an engine entry's regime is ggml, candle or None)")
 
 
@@ -295,7 +295,9 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
             view = compare_decoded(view, in_regime, engine, decode)
         cost = regime_cost(prepared.trace, in_regime.trace)
     timings |= {f"regime_{name}": seconds for name, seconds in view.timings.items() if name != "candidate_s"}
-    notes = []  # the view, the raw verdict and the caveats: reports word them from `Result.regime`
+    # the view, the raw verdict and the caveats: reports word them from `Result.regime`; what the request
+    # says of its inputs and placement (default ids, streaming) holds for both views
+    notes = list(prepared.request.notes) if prepared.request is not None else []
     if raw.greedy:
         notes.append("greedy continuations: the f32 reference's against the candidate's (the regime decodes none)")
     return view.with_context(

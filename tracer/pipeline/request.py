@@ -32,7 +32,7 @@ from tracer.core.folders import replaceable_folder
 from tracer.engines.offload import Offload, parse_max_memory
 from tracer.engines.registry import EngineEntry, EngineRef, engine_with_knobs, registered
 from tracer.files.sources import check_source
-from tracer.files.tokenizer import check_prompt
+from tracer.files.tokenizer import TOKENIZER_FILE, check_prompt
 from tracer.model.knobs import PRESETS, format_knob_value, knobs_of_kind, parse_variant, variant_text
 from tracer.pipeline import streamed
 from tracer.pipeline.catalogue import parse_variants
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from tracer.engines.load import LoadTarget
 
 DEFAULT_PROMPT = "The capital of France is"
+# What a model without a tokenizer (a `save_pretrained` folder of the model alone) is fed in place of
+# the default prompt: ids below 64, which every vocabulary has; the run's notes say so.
+DEFAULT_TOKENS = (1, 17, 5, 42, 8, 63, 3)
 GREEDY_STEPS = 20  # greedy tokens a run decodes by default (`tracer.pipeline.greedy.default_steps`)
 DEFAULT_CTX = 512  # `tracer quality`'s tokens per chunk: llama-perplexity's default -c
 DEVICE_FORM = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
@@ -326,8 +329,8 @@ def candidate_sides(candidate, variant=None) -> tuple[Side | None, tuple[Side, .
     if len(candidate) == 1:
         return Side.of(candidate[0], variant), ()
     if parse_variant(variant):
-        raise TracerError(f"--variant with {len(candidate)} candidates: put each one's knobs in it, "
-                          "e.g. 'llamacpp[kv_cache=f32]'")
+        raise TracerError(f"--variant with {len(candidate)} candidates: give each its own, e.g. "
+                          "'llamacpp[kv_cache=f32]'")
     return None, tuple(Side.of(engine) for engine in candidate)
 
 
@@ -507,4 +510,20 @@ class Request:
         if placement.stream is None:
             stream, notes = streamed.resolve(None, target.source)
             target = dataclasses.replace(target, stream=stream)
-        return dataclasses.replace(self, target=target, notes=tuple(notes), resolve_s=time.perf_counter() - started)
+        inputs, fed = default_input(self.inputs, target.source)
+        return dataclasses.replace(self, inputs=inputs, target=target, notes=(*fed, *notes),
+                                   resolve_s=time.perf_counter() - started)
+
+
+def default_input(inputs: Inputs, source) -> tuple[Inputs, list[str]]:
+    """`inputs`, with `DEFAULT_TOKENS` in place of the default prompt where the model has no tokenizer to
+    read it with (and the note that says so); a prompt the user gave still needs one."""
+    folder = None if source.loaded else source.directory
+    given = inputs.tokens is not None or inputs.chat or \
+        any(row != DEFAULT_PROMPT for row in inputs.rows or (inputs.prompt,))
+    if given or (folder is not None and (Path(folder) / TOKENIZER_FILE).is_file()):
+        return inputs, []
+    name = "the loaded model" if folder is None else Path(folder).name
+    ids = ",".join(map(str, DEFAULT_TOKENS))
+    return dataclasses.replace(inputs, prompt=None, tokens=DEFAULT_TOKENS), [
+        f"{name} has no {TOKENIZER_FILE}: fed the default token ids {ids} (--tokens to choose)"]

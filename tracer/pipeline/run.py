@@ -37,8 +37,8 @@ from tracer.engines.reimpl import from_parts
 from tracer.files.sources import ModelSource
 from tracer.files.tokenizer import chat_text, chat_tokens, detokenize, tokenize
 from tracer.files.weights import WeightFiles, read_weights
-from tracer.model.config import audit
-from tracer.model.knobs import setting
+from tracer.model.config import audit, unchanging_knobs
+from tracer.model.knobs import setting, variant_text
 from tracer.pipeline import greedy, lockstep, reference_cache
 from tracer.pipeline.lockstep import Lockstep
 from tracer.pipeline.noise_floor import NOISE_TOKENS, estimate_noise
@@ -308,11 +308,26 @@ def candidate_compared(prepared: Prepared, engine: Engine, *, command: str | Non
         continuations = greedy_comparison(prepared, engine, prepared.tolerance)
     detokenize = prepared.detokenize
     return result.with_context(
-        notes=(*notes, *prepared.notes, *trace_notes(prepared.trace, trace)),
+        notes=(*notes, *prepared.notes, *unchanging_notes(prepared, engine), *trace_notes(prepared.trace, trace)),
         prompt=prepared.prompt, chat=prepared.chat, greedy=continuations,
         token_texts=[detokenize([t]) for t in prepared.ids] if prepared.ids and detokenize(prepared.ids[:1]) else None,
         environment=environment(), command=command, timings=timings, config_audit=config_audit,
     ), trace
+
+
+def unchanging_notes(prepared: Prepared, engine: Engine) -> list[str]:
+    """A knob of either side that changes nothing on this model, said: a match then tells nothing of
+    the mistake the knob plants."""
+    source = prepared.source
+    if source is None:
+        return []
+    config = source.config()
+    notes = []
+    for role, variant in (("reference", prepared.variant), ("candidate", engine.variant)):
+        same = unchanging_knobs(config, variant or {})
+        if same:
+            notes.append(f"{role}: {variant_text(same)} changes nothing on this model (its own value already)")
+    return notes
 
 
 def local_errors(engine: Engine, reference: Trace) -> dict[str, float] | None:

@@ -259,7 +259,7 @@ def check_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor]) -> None:
         if name not in shapes:
             raise TracerError(f"missing tensor {name} (expected shape {shape})")
         if shapes[name] != shape:
-            raise TracerError(f"shape mismatch for {name}: expected {shape}, file has {shapes[name]}")
+            raise TracerError(f"shape mismatch, {name}: file {shapes[name]}, model {shape}")
 
 
 def prepare_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,

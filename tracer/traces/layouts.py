@@ -275,10 +275,23 @@ def fix_notes(fixes: Fixes) -> list[str]:
     return notes
 
 
+# Modules of transformers' own models (a forward-hook dump names them) whose output is no point of tracer's,
+# with what they compute: an aliases file mapping them to a point would compare different things.
+HF_MODULES_WITHOUT_POINT = {
+    "mlp.act_fn": "transformers' activation module, act(gate_proj) alone; tracer's mlp.act is act(gate_proj)·up_proj",
+}
+
+
 def name_notes(trace: Trace, side: str) -> list[str]:
-    """A dump's names that mapped to no point, or to a point another name already took."""
+    """A dump's names that mapped to no point, or to a point another name already took; transformers' own
+    modules without a point said as such (no aliases file could map them)."""
     notes = []
     unknown = trace.meta.unknown_names or []
+    own = {module: [name for name in unknown if name.endswith("." + module)] for module in HF_MODULES_WITHOUT_POINT}
+    for module, names in own.items():
+        if names:
+            notes.append(f"{side}: {_some(names, 3)} not compared: {HF_MODULES_WITHOUT_POINT[module]}")
+    unknown = [name for name in unknown if not any(name in names for names in own.values())]
     if unknown:
         notes.append(f"{side}: {len(unknown)} tensor names match no alias and were not compared: {_some(unknown, 5)} "
                      f"(map them with an aliases file, see docs/trace-format.md)")
@@ -296,15 +309,24 @@ def name_notes(trace: Trace, side: str) -> list[str]:
 def duplicate_notes(trace: Trace, side: str, limit: int = 3) -> list[str]:
     """Names that reach a point another name already gave: one note per point when few; one in all
     when many (a TransformerLens 4 cache names most points two or three times, the same tensor)."""
-    duplicates = trace.meta.duplicate_names or {}
-    used = {point: trace.meta.sources[point]["name"] for point in duplicates}
+    differs = trace.meta.differing_names or {}
+    used = {point: trace.meta.sources[point]["name"] for point in trace.meta.duplicate_names or {}}
+    # a duplicate whose tensor is not the compared one's is said one by one, however many: it may hide a fault
+    differing = [f"{side}: {name} gives {point} too, but not {used[point]}'s tensor "
+                 f"({'another shape' if diff is None else f'max|diff| {diff:.3g}'}): only {used[point]}'s is compared"
+                 for point, names in differs.items() for name, diff in names.items()]
+    duplicates = {point: kept for point, names in (trace.meta.duplicate_names or {}).items()
+                  if (kept := [name for name in names if name not in differs.get(point, {})])}
+    if not duplicates:
+        return differing
     if len(duplicates) <= limit:
-        return [f"{side}: {', '.join(names)} also name {point}; compared {used[point]}"
-                for point, names in duplicates.items()]
+        return differing + [f"{side}: {point} is given by {used[point]} (compared) and by {', '.join(names)} too"
+                            for point, names in duplicates.items()]
     point, names = next(iter(duplicates.items()))
     count = sum(len(names) for names in duplicates.values())
-    return [f"{side}: {count} more names for {len(duplicates)} points already named (e.g. {', '.join(names)} for "
-            f"{point}, compared {used[point]}); each point compared once, under the first name in the file"]
+    return differing + [f"{side}: {count} more names for {len(duplicates)} points already named (e.g. "
+                        f"{', '.join(names)} for {point}, compared {used[point]}); each point compared once, under "
+                        "the first name in the file"]
 
 
 def missing_notes(reference: Trace, candidate: Trace) -> list[str]:

@@ -75,6 +75,8 @@ class TraceMeta:
         unknown_names: tensor names that map to no point.
         skipped_names: tensor name -> why it was left out.
         duplicate_names: point -> the other names that mapped onto it.
+        differing_names: point -> {a duplicate name whose tensor differs from the compared one: its max|diff|
+            to it, None where its shape differs}.
 
     extra: keys tracer does not know (a foreign runtime's metadata, a newer tracer's keys), kept
         and written back as they came.
@@ -116,6 +118,7 @@ class TraceMeta:
     unknown_names: list[str] | None = None
     skipped_names: dict[str, str] | None = None
     duplicate_names: dict[str, list[str]] | None = None
+    differing_names: dict[str, dict[str, float | None]] | None = None
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -308,6 +311,7 @@ def import_foreign(tensors: dict[str, torch.Tensor], header: dict[str, str], pat
     unread = {key: text for key, text in header.items() if key not in META_KEYS and key != "qk_order"}
     meta = TraceMeta(engine="file", file=str(path), **read, sources=renamed.sources, unknown_names=renamed.unknown,
                      skipped_names=renamed.skipped, duplicate_names=renamed.duplicates,
+                     differing_names=renamed.differing or None,
                      num_layers=max(layers) + 1 if layers else None, extra=unread)
     return Trace(renamed.tensors, meta)
 
