@@ -421,9 +421,9 @@ def flash_attention(q, k, v, head_dim: int, accumulate: str = "ggml", allowed: t
     v_h = kv_for_heads(v[0].to(F32), heads)  # (H, S, D): V rows are not permuted
     scale = attention_scale(head_dim) if scale is None else scale
     tiled = q.shape[2] >= FA_TILE
-    if softcap and (tiled or accumulate != "ggml"):
+    if softcap and tiled:
         raise TracerError("the ggml regime soft-caps attention scores in llama.cpp's one-chunk flash attention "
-                          "only (fewer than 64 query rows, accumulate=ggml)")
+                          "only (fewer than 64 query rows)")
     if tiled and q.shape[2] != k.shape[2]:
         raise TracerError("the ggml regime's tiled flash attention (64 or more query rows) runs a prefill only, "
                           "not rows after a KV cache")
