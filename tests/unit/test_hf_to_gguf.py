@@ -1,8 +1,9 @@
 """A model directory as a GGUF (tracer.files.hf_to_gguf): gguf-py's writer against llama.cpp's own
 convert_hf_to_gguf.py, family by family, and `--candidate llamacpp` on a directory.
 
-llama.cpp's converter is the one in llama-cpp-python's source distribution (vendor/llama.cpp, the
-0.3.36 the suite installs); without that source the comparison skips, saying so.
+llama.cpp's converter is the one in llama-cpp-python's source distribution (vendor/llama.cpp of the
+0.3.36 the suite installs, unpacked where $LLAMACPP_SOURCE says); without it the comparison skips,
+saying so (docs/measured.md has the comparison's figures).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.families import TINY_FAMILIES, write_tiny_family
 from tracer.core.errors import TracerError
 from tracer.files import hf_to_gguf
 
-SOURCE = Path(os.environ.get("LLAMACPP_SOURCE", "/tmp/amd-src/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+SOURCE = Path(os.environ.get("LLAMACPP_SOURCE", "llama.cpp-source-not-given"))
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,8 +41,8 @@ def _contents(path: Path) -> tuple[dict, dict]:
 def pairs(tmp_path_factory):
     """family -> (llama.cpp's file, tracer's file) for each tiny family, f32 and the converter's default."""
     if not (SOURCE / hf_to_gguf.SCRIPT).is_file():
-        pytest.skip(f"llama.cpp's {hf_to_gguf.SCRIPT} is not here ({SOURCE}): llama-cpp-python's source "
-                    "is not unpacked")
+        pytest.skip(f"llama.cpp's {hf_to_gguf.SCRIPT} is not here ({SOURCE}): set $LLAMACPP_SOURCE to the "
+                    "vendor/llama.cpp of llama-cpp-python's unpacked source")
     pytest.importorskip("gguf")
     folder = tmp_path_factory.mktemp("hf_to_gguf")
     jobs, out = [], {}

@@ -150,16 +150,17 @@ def write_gguf(directory: Path, target: Path, outtype: str = "auto") -> Path:
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     ftype = _file_type(gguf, weights, outtype)
     writer = gguf.GGUFWriter(str(target), arch)
+    # tensors go by their GGUF names (gguf-py's map), where the converter tests the HF ones: the same tensors
     for name in weights:
-        if kind == "gemma2" and name == "lm_head.weight":  # Gemma2Model.filter_tensors: llama.cpp ties it
-            continue
-        tensor = weights[name]
-        tensor = tensor.float() if tensor.dtype not in (torch.float16, torch.float32) else tensor
         new_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if new_name is None:
             raise TracerError(f"{directory.name}: tensor {name} has no GGUF name in llama.cpp's {arch}")
-        tensor = _transformed(kind, config, name, tensor)
-        if kind == "gemma3" and name.endswith("embed_tokens.weight"):
+        if kind == "gemma2" and new_name == "output.weight":  # Gemma2Model.filter_tensors: llama.cpp ties it
+            continue
+        tensor = weights[name]
+        tensor = tensor.float() if tensor.dtype not in (torch.float16, torch.float32) else tensor
+        tensor = _transformed(kind, config, new_name, tensor)
+        if kind == "gemma3" and new_name == "token_embd.weight":
             tensor = tensor[:_vocabulary_rows(Path(directory), tensor.shape[0])]
         data = tensor.numpy()
         qtype = (gguf.GGMLQuantizationType.F32 if data.ndim <= 1 or new_name.endswith("_norm.weight")
@@ -175,13 +176,13 @@ def write_gguf(directory: Path, target: Path, outtype: str = "auto") -> Path:
     return Path(target)
 
 
-def _transformed(kind: str, config: dict, name: str, tensor):
-    if kind == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+def _transformed(kind: str, config: dict, gguf_name: str, tensor):
+    if kind == "llama" and gguf_name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
         # LlamaModel.permute: each head's rows (n_head, 2, D/2) -> (n_head, D/2, 2), RoPE pairs adjacent
-        heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+        heads = config["num_attention_heads"] if "attn_q." in gguf_name else config["num_key_value_heads"]
         return (tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, *tensor.shape[1:])
                 .swapaxes(1, 2).reshape(tensor.shape))
-    if kind in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+    if kind in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
         return tensor + 1  # Gemma's RMSNorm scales by (1 + w): llama.cpp stores the sum
     return tensor
 
@@ -350,7 +351,7 @@ def _hparams(directory: Path) -> dict:
     try:
         from transformers import AutoConfig  # the converter's own reading of the config: a conversion's only
 
-        return AutoConfig.from_pretrained(directory, trust_remote_code=False).to_dict()
+        return AutoConfig.from_pretrained(directory).to_dict()
     except Exception:  # noqa: BLE001 - as the converter, which falls back to config.json on any failure
         return config
 
