@@ -18,6 +18,8 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 import torch  # noqa: E402 - after the thread count is set
 from safetensors.torch import save_file
 
+from tracer.core.errors import TracerError
+
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0)
 
@@ -155,3 +157,15 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
     rank = {name: n for n, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order
+
+
+@pytest.fixture(scope="module")
+def candle():
+    """candle's runtime where it runs here (candle-nn's package on a platform its engine takes), else a skip."""
+    pytest.importorskip("candle")
+    from tracer.engines import candle as candle_engine  # the engine module: only the candle tests load it
+
+    try:
+        candle_engine.check_platform()
+    except TracerError as exc:
+        pytest.skip(str(exc))

@@ -17,15 +17,6 @@ from tracer.files.sources import ModelSource
 from tracer.model.points import all_points, layer_point
 
 
-@pytest.fixture(scope="module")
-def candle():
-    pytest.importorskip("candle")
-    try:
-        candle_engine.check_platform()
-    except TracerError as exc:
-        pytest.skip(str(exc))
-
-
 def record(model, variant=None, argument=None):
     """The engine built in this process (the child-process path is tested once, below)."""
     return candle_engine.load(ModelSource(model), variant or {}, argument=argument).record(TOKENS)

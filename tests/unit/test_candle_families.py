@@ -16,15 +16,6 @@ from tracer.files.sources import ModelSource
 from tracer.model.points import layer_point
 
 
-@pytest.fixture(scope="module")
-def candle():
-    pytest.importorskip("candle")
-    try:
-        candle_engine.check_platform()
-    except TracerError as exc:
-        pytest.skip(str(exc))
-
-
 def config_of(family: str, **overrides) -> dict:
     """config.json as transformers 5 writes it for the tiny model of `family`."""
     return family_config(family, **overrides).to_dict()

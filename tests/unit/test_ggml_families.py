@@ -46,23 +46,6 @@ FAMILIES = {"qwen3": {}, "gemma2": dict(query_pre_attn_scalar=64),
             "qwen2": dict(use_sliding_window=False), "mistral": dict(sliding_window=None),
             "phi3": dict(sliding_window=None)}
 LOCALIZED = ("qwen3", "gemma2", "gemma3", "olmo2")  # the corrupted-tensor test: the families with their own norms
-# Gemma 3: llama.cpp makes every 6th layer global whatever the config's layer_types (the converter writes
-# no pattern): two sliding layers here, as its default pattern has them.
-FAMILIES = {"qwen3": {}, "gemma2": dict(query_pre_attn_scalar=64),
-            "gemma3": dict(query_pre_attn_scalar=64, layer_types=["sliding_attention"] * 2),
-            "olmo2": dict(tie_word_embeddings=False),  # llama.cpp's OLMo-2 needs an output.weight: not tied
-            # llama.cpp runs these without a sliding window (Qwen2's graph has none, a Mistral GGUF carries
-            # none, Phi-3's is "currently disabled"): the tiny models without one, as llama.cpp computes them
-            "qwen2": dict(use_sliding_window=False), "mistral": dict(sliding_window=None),
-            "phi3": dict(sliding_window=None)}
-LOCALIZED = ("qwen3", "gemma2", "gemma3", "olmo2")  # the corrupted-tensor test: the families with their own norms
-# Until llama.cpp's graph nodes are mapped per family (tracer.names.llamacpp), a few of Gemma 2's are
-# recorded under Llama's meaning of a name: llama.cpp's point -> (the reference's point it holds, factor).
-LLAMA_MEANING = {"gemma2": {"model.embed_tokens": ("model.embed_tokens", 1 / 16),  # before the sqrt(256) scale
-                            "post_attention_layernorm": ("pre_feedforward_layernorm", 1),  # ffn_norm
-                            "lm_head": ("lm_head.softcap", 1)},  # result_output: the capped logits
-                 "gemma3": {"model.embed_tokens": ("model.embed_tokens", 1 / 16),
-                            "post_attention_layernorm": ("pre_feedforward_layernorm", 1)}}
 DAMAGED = "blk.1.attn_k.weight"  # one block of it corrupted: found at layer 1's k_proj
 
 
