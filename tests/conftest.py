@@ -134,7 +134,11 @@ def default_model():
 SLOW_UNIT_FILES = {"test_user_errors.py", "test_matrix.py", "test_onnx.py", "test_packaging.py", "test_cache.py",
                    "test_cache_concurrency.py", "test_llamacpp.py", "test_jupyter.py", "test_compare_cli.py",
                    "test_lint.py", "test_regime_audit.py", "test_hf_to_gguf.py", "test_ggml_families.py",
-                   "test_ggml_formats.py", "test_quality_llamacpp.py", "test_catalogue.py", "test_recipes.py"}
+                   "test_ggml_formats.py", "test_quality_llamacpp.py", "test_catalogue.py", "test_recipes.py",
+                   # the native runtimes' children (llama.cpp, candle) and llama.cpp's quantizer
+                   "test_llamacpp_decode.py", "test_candle.py", "test_candle_families.py", "test_triangulation.py",
+                   "test_regime_view.py", "test_runtime_decode.py", "test_audit.py", "test_ggml_kquants.py",
+                   "test_ggml_candle_kernels.py"}
 
 
 # The files that take longest, longest first, as a fresh clone runs them (an empty cache: the files

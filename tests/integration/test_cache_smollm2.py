@@ -37,7 +37,10 @@ from tracer.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
-RUN = ["run", "--reference", "hf", "--candidate", "reimpl", "--greedy", "0", "--no-noise", "--no-report"]
+# The cheapest command that resolves the default model (and so converts it): what is tested is the
+# conversion under a kill and a race, which every command shares (`tracer.files.sources.resolve_model`);
+# that hf and reimpl agree on the converted model is every other integration test's first step.
+RUN = ["config"]
 CONVERTING = "tracer: converting SmolLM2-135M-Instruct.Q4_1.gguf to f32"
 
 
@@ -82,10 +85,8 @@ def test_killed_conversion_then_two_racing_runs_both_succeed_with_one_conversion
 
     first, second = start_run(cache, tmp_path / "a.json"), start_run(cache, tmp_path / "b.json")
     (result_a, err_a), (result_b, err_b) = finish(first, tmp_path / "a.json"), finish(second, tmp_path / "b.json")
-    for result in (result_a, result_b):
-        assert result["verdict"] == "match"  # hf and reimpl on the converted model agree (docs/design.md)
-        assert result["model"] == str(cache / DEFAULT_DIRNAME)
+    for result in (result_a, result_b):  # each read the converted model's config.json
+        assert result["readers"]["hf"]["error"] is None and "num_hidden_layers" in result["readers"]["hf"]["reads"]
     assert [CONVERTING in err for err in (err_a, err_b)].count(True) == 1
     assert (cache / DEFAULT_DIRNAME / COMPLETE_MARKER).is_file()
-    # beside the conversion, the reference's noise floor and greedy continuation (tracer.pipeline.reference_cache)
-    assert sorted(p.name for p in cache.iterdir()) == sorted([f".{DEFAULT_DIRNAME}.lock", DEFAULT_DIRNAME, "reference"])
+    assert sorted(p.name for p in cache.iterdir()) == sorted([f".{DEFAULT_DIRNAME}.lock", DEFAULT_DIRNAME])

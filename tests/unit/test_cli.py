@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import TOKENS
 from tracer.cli import main
 
@@ -16,6 +18,7 @@ def run_cli(*args):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow  # the console entry point in a fresh process
 def test_run_json_stdout_is_one_object_and_report_is_written(tiny_llama, tmp_path):
     model = tiny_llama()
     code, out, err = run_cli("run", "--model", str(model), "--tokens", TOKEN_ARG, "--variant", "theta=500",

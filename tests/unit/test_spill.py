@@ -116,6 +116,7 @@ def test_a_long_runs_candidate_keeps_the_points_holding_inf(monkeypatch, tmp_pat
     assert len(written["candidate"]) < len(written["reference"]) / 2
 
 
+@pytest.mark.slow  # llama.cpp's child
 def test_a_long_run_on_an_isolated_engine_finds_what_the_short_one_finds(tiny_llama, monkeypatch, tmp_path):
     """llama.cpp's child writes a long run's points into the spill folder itself, in ggml's names
     (`meta.sources`), and the whole trace is aligned and compared from there."""
