@@ -5,6 +5,9 @@ the JSON and the reports say of it."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +22,11 @@ from tracer.model.points import (
     TOP_K_WEIGHTS,
     layer_point,
 )
+from tracer.reports import markdown_summary, render_html
+from tracer.reports.figures import routing_figure
+from tracer.reports.routing_map import STATUS
+from tracer.reports.summary import figure_names, fmt
+from tracer.reports.terminal import terminal_summary
 
 TOKENS, HIDDEN, EXPERTS, K, LAYERS = 7, 64, 4, 2, 2
 
@@ -186,3 +194,60 @@ def test_a_dense_comparison_has_no_routing(router):
     dense = Trace({layer_point(0, POST_ATTENTION_NORM): x}, TraceMeta(engine="test", variant={}, tokens=[1] * 7))
     result = compare(dense, dense)
     assert result.routing is None and result.to_dict()["routing"] is None
+
+
+@pytest.fixture(scope="module")
+def structural_summary(router):
+    """A compared pair with one structural flip (layer 1, token 3), as its summary dict."""
+    ref_layers, cand_layers = structural_pair(router)
+    return compare(trace(ref_layers), trace(cand_layers)).to_dict(), ref_layers, cand_layers
+
+
+def boundary_margins(layer: dict[str, torch.Tensor]) -> list[float]:
+    """The reference's k-th minus (k+1)-th score per token, computed here apart from the diff."""
+    top = layer[ROUTER_SCORES].double().topk(K + 1, dim=-1).values
+    return (top[:, K - 1] - top[:, K]).tolist()
+
+
+def test_the_summary_line_and_the_markdown_table_carry_the_routing(structural_summary):
+    summary, ref_layers, cand_layers = structural_summary
+    line = ("routing: 92.9% of 14 token-layers agree; first structural flip: layer 1 token 3, experts {0,2} -> "
+            "{0,3}, margin 0.3 >> error 3e-06")
+    assert line in terminal_summary(summary).replace("\n      ", " ")
+    weights = ref_layers[1][TOP_K_WEIGHTS][3], cand_layers[1][TOP_K_WEIGHTS][3]
+    reference_weights = dict(zip(ref_layers[1][TOP_K_INDEX][3].tolist(), weights[0].tolist()))
+    candidate_weights = dict(zip(cand_layers[1][TOP_K_INDEX][3].tolist(), weights[1].tolist()))
+    shared = abs(reference_weights[0] - candidate_weights[0])  # expert 0, picked by both: renormalized apart
+    markdown = markdown_summary(summary)
+    assert f"| 1 | 85.7% of 7 | 1 | 0 | 1 | 0 | {fmt(shared)} |" in markdown
+    assert "| 0 | 100% of 7 | 0 | 0 | 0 | 0 | 0 |" in markdown and "  1 `···S···`" in markdown
+
+
+def test_the_html_map_holds_each_margin_and_marks_the_structural_flip(structural_summary):
+    summary, ref_layers, _ = structural_summary
+    page = render_html(summary, images={})
+    section = page.split('<h2 id="routing">')[1].split("</table>")[0]
+    rows = section.split('<tr data-layer="')[1:]
+    assert len(rows) == LAYERS
+    for row, layer in zip(rows, ref_layers):
+        cells = re.findall(r'<td class="(\w+)( first)?"[^>]*>([^<]*)</td>', row)
+        assert [text for _, _, text in cells] == [fmt(m) for m in boundary_margins(layer)]
+    cells = re.findall(r'<td class="(\w+)( first)?"[^>]*>([^<]*)</td>', rows[1])
+    assert cells[3] == (STRUCTURAL, " first", "0.3") and {c[0] for i, c in enumerate(cells) if i != 3} == {"agree"}
+
+
+def test_the_routing_figure_draws_each_cell_s_status(structural_summary):
+    summary, _, _ = structural_summary
+    assert "routing.png" in figure_names(summary)
+    drawn = routing_figure(summary).axes[0].images[0].get_array()
+    expected = np.zeros((LAYERS, TOKENS))
+    expected[1, 3] = list(STATUS).index(STRUCTURAL)
+    assert np.array_equal(np.asarray(drawn), expected)
+
+
+def test_a_dense_report_shows_no_routing(router):
+    dense = Trace({layer_point(0, POST_ATTENTION_NORM): router[0][0]},
+                  TraceMeta(engine="test", variant={}, tokens=[1] * TOKENS))
+    summary = compare(dense, dense).to_dict()
+    assert "routing.png" not in figure_names(summary)
+    assert "routing" not in markdown_summary(summary) and 'id="routing"' not in render_html(summary, images={})

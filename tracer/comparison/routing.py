@@ -34,6 +34,7 @@ import torch
 
 from tracer.comparison.result import NOISE_FACTOR, NOISE_FLOOR, Divergence, json_safe
 from tracer.core.errors import TracerError
+from tracer.core.renderers import render
 from tracer.model.points import (
     POST_ATTENTION_NORM,
     PRE_FF_NORM,
@@ -86,25 +87,12 @@ class Flip:
     error: float | None  # the error reaching the router's selection at this token
 
     def text(self) -> str:
-        """"layer 1 token 3, experts {0,2} -> {0,3}, margin 0.21 >> error 1e-06"."""
-        sets = f"experts {_set_text(self.reference)} -> {_set_text(self.candidate)}"
-        if self.margin is None:
-            return f"layer {self.layer} token {self.token}, {sets}"
-        relation = ">>" if self.kind == STRUCTURAL else "<="
-        return f"layer {self.layer} token {self.token}, {sets}, margin {self.margin:.3g} {relation} " \
-               f"error {_error_text(self.error)}"
+        """"layer 1 token 3, experts {0,2} -> {0,3}, margin 0.3 >> error 3e-06" (phrased by the reports)."""
+        return render("flip_text", self.to_dict())
 
     def to_dict(self) -> dict:
         return {"layer": self.layer, "token": self.token, "kind": self.kind, "reference": list(self.reference),
                 "candidate": list(self.candidate), "margin": self.margin, "error": self.error}
-
-
-def _set_text(experts: tuple[int, ...]) -> str:
-    return "{" + ",".join(map(str, sorted(experts))) + "}"
-
-
-def _error_text(error: float | None) -> str:
-    return "unknown" if error is None else f"{error:.1g}"
 
 
 @dataclass(frozen=True)
@@ -182,8 +170,8 @@ class RoutingDiff:
 
     def text(self) -> str:
         """The summary line: "routing: 100% of 14 token-layers agree", with the flips and the first
-        structural one."""
-        return routing_text(self.to_dict())
+        structural one (phrased by the reports, from `to_dict`)."""
+        return render("routing_line", {"routing": self.to_dict()})
 
     def note(self) -> str | None:
         """What the error measure could not tell, where it is weaker than the router's input."""
@@ -198,31 +186,6 @@ class RoutingDiff:
             "first_structural": None if first is None else {**first.to_dict(), "inherits": self.inherits},
             "layers": [layer.to_dict() for layer in self.layers], "flips": [flip.to_dict() for flip in self.flips],
         })
-
-
-def routing_text(routing: dict) -> str:
-    """The routing summary line from `RoutingDiff.to_dict()` (the reports read the summary only)."""
-    tokens, agree = routing["tokens"], routing["agreement"]
-    share = f"{100 * agree:.3g}%" if agree < 1 else "100%"
-    line = f"routing: {share} of {tokens} token-layers agree"
-    said = [f"{routing[key]} {what}" + ("" if routing[key] == 1 else "s")
-            for key, what in (("near_ties", "near-tie flip"), ("order_only", "order-only difference"),
-                              ("unjudged", "unjudged flip")) if routing.get(key)]
-    if said:
-        line += f" ({', '.join(said)})"
-    first = routing.get("first_structural")
-    if first:
-        line += f"; first structural flip: {flip_text(first)}"
-        if first.get("inherits"):
-            line += f" (inherits the first divergence at {first['inherits']}, upstream of the router)"
-    if routing.get("weight_max_abs") is not None:
-        line += f"; weights on shared picks max|diff| {routing['weight_max_abs']:.2g}"
-    return line
-
-
-def flip_text(flip: dict) -> str:
-    return Flip(**{key: flip[key] for key in ("layer", "token", "kind", "margin", "error")},
-                reference=tuple(flip["reference"]), candidate=tuple(flip["candidate"])).text()
 
 
 def routed_layers(reference: Trace, candidate: Trace) -> list[int]:
