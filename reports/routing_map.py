@@ -23,7 +23,7 @@ STATUS = {
     "structural": ("#ef9a9a", "S", "other experts by a margin no error reaching the router explains"),
     "unjudged": ("#eeeeee", "?", "other experts; no selection scores recorded to judge the margin"),
 }
-MAX_TOKENS = {"html": 256, "markdown": 64}
+MAX_TOKENS = {"html": 256, "notebook": 32, "markdown": 64}
 
 
 def routing_line(summary: Summary) -> str | None:

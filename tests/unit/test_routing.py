@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tracer import Trace, TraceMeta, compare
+from tracer import Trace, TraceMeta, compare, reports
 from tracer.comparison.diff import INTEGER_POINT
 from tracer.comparison.routing import NEAR_TIE, NEAR_TIE_FACTOR, ORDER, STRUCTURAL, routing_diff
 from tracer.model.points import (
@@ -251,3 +251,10 @@ def test_a_dense_report_shows_no_routing(router):
     summary = compare(dense, dense).to_dict()
     assert "routing.png" not in figure_names(summary)
     assert "routing" not in markdown_summary(summary) and 'id="routing"' not in render_html(summary, images={})
+
+
+def test_the_notebook_view_and_plot_carry_the_routing(structural_summary):
+    summary, _, _ = structural_summary
+    view = reports.result_html(summary, figure=False)
+    assert "routing: layers × tokens" in view and 'class="structural first"' in view
+    assert reports.plot(summary, "routing").axes[0].images[0].get_array()[1, 3] == list(STATUS).index(STRUCTURAL)

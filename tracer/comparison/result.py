@@ -423,8 +423,9 @@ class Result:
         return pd.DataFrame([p.to_dict() for p in self.points]).set_index("point")
 
     def plot(self, kind: str = "curve"):
-        """A matplotlib Figure: "curve" (per-layer error), "heatmap" (layer × sub-point) or
-        "breakdown" (the first divergence per position and head). Shown inline in Jupyter."""
+        """A matplotlib Figure: "curve" (per-layer error), "heatmap" (layer × sub-point), "breakdown" (the
+        first divergence per position and head) or "routing" (a mixture of experts' layer × token routing
+        map). Shown inline in Jupyter."""
         return render("plot", self, kind)
 
     def _repr_html_(self) -> str:
