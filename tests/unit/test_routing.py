@@ -174,7 +174,10 @@ def test_compare_carries_the_routing_diff_and_leaves_the_ids_to_it(router):
     assert not index.recorded and index.rel_l2 is None and index.reason == INTEGER_POINT
     assert result.routing.first_structural.token == 3 and result.verdict == "diverged"
     routing = result.to_dict()["routing"]
-    assert routing["structural"] == 1 and routing["tokens"] == 14 and routing["agreement"] == pytest.approx(13 / 14)
+    assert routing["structural"] == routing["flips"] == 1 and routing["tokens"] == 14
+    assert routing["agreement"] == pytest.approx(13 / 14) and routing["error_source"] == "input"
+    first = {key: value for key, value in routing["first_structural"].items() if key != "inherits"}
+    assert routing["flipped"] == [first]
     assert routing["first_structural"]["layer"] == 1 and routing["first_structural"]["candidate"] == [3, 0]
     assert routing["layers"][1]["status"][3] == STRUCTURAL
     assert routing["layers"][1]["margin"][3] == pytest.approx(0.3, rel=1e-5)

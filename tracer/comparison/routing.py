@@ -184,7 +184,7 @@ class RoutingDiff:
             **self.counts(), "agreement": self.agreement, "near_tie_factor": NEAR_TIE_FACTOR,
             "error_source": self.error_source, "weight_max_abs": self.weight_max_abs,
             "first_structural": None if first is None else {**first.to_dict(), "inherits": self.inherits},
-            "layers": [layer.to_dict() for layer in self.layers], "flips": [flip.to_dict() for flip in self.flips],
+            "layers": [layer.to_dict() for layer in self.layers], "flipped": [flip.to_dict() for flip in self.flips],
         })
 
 
