@@ -5,6 +5,7 @@ the JSON and the reports say of it."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 
 from tracer import Trace, TraceMeta, compare, reports
 from tracer.comparison.diff import INTEGER_POINT
-from tracer.comparison.routing import NEAR_TIE, NEAR_TIE_FACTOR, ORDER, STRUCTURAL, routing_diff
+from tracer.comparison.routing import NEAR_TIE, NEAR_TIE_FACTOR, ORDER, STRUCTURAL, UNJUDGED, routing_diff
 from tracer.model.points import (
     POST_ATTENTION_NORM,
     ROUTER_LOGITS,
@@ -64,7 +65,7 @@ def test_identical_routing_agrees_everywhere(router):
     assert diff.counts() == {"tokens": LAYERS * TOKENS, "agree": LAYERS * TOKENS, "order_only": 0, "flips": 0,
                              "near_ties": 0, "structural": 0, "unjudged": 0}
     assert diff.text() == "routing: 100% of 14 token-layers agree; weights on shared picks max|diff| 0"
-    assert diff.error_source == "input" and diff.layers[0].input == layer_point(0, POST_ATTENTION_NORM)
+    assert diff.error_source == "input" and diff.layers[0].error_at == layer_point(0, POST_ATTENTION_NORM)
 
 
 def near_tied_router(x: torch.Tensor, token: int, gap: float):
@@ -141,6 +142,34 @@ def test_an_exact_tie_is_a_near_tie_even_without_any_error(router):
     (flip,) = diff.flips
     assert flip.margin == 0 and flip.kind == NEAR_TIE and bool(diff)
     assert diff.layers[0].margin[5] == 0  # the map's margin at the boundary
+
+
+def test_a_tie_flipped_before_the_first_divergence_is_said_beside_it(router):
+    x, w = router[0]
+    logits = x @ w.T
+    logits[5] = torch.tensor([2.0, 1.0, 1.0, -1.0])
+    reference = {**routed(x, logits), "mlp.experts": x.clone()}
+    candidate = {**reference, TOP_K_INDEX: reference[TOP_K_INDEX].clone(), "mlp.experts": x.clone()}
+    candidate[TOP_K_INDEX][5, 1] = 2 if int(reference[TOP_K_INDEX][5, 1]) == 1 else 1
+    candidate["mlp.experts"][5] += 1.0  # token 5 went to another expert: its output differs
+    result = compare(trace([reference]), trace([candidate]))
+    assert result.first_divergence.point == layer_point(0, "mlp.experts") and bool(result.routing)
+    assert any(note.startswith("the first divergence model.layers.0.mlp.experts follows 1 near-tie routing flip(s), "
+                               "the first at layer 0 token 5") for note in result.notes)
+
+
+def test_without_the_router_s_input_a_flip_where_the_logits_diverge_is_unjudged(router):
+    ref_layers, cand_layers = structural_pair(router)
+    for layers in (ref_layers, cand_layers):
+        for layer in layers:
+            del layer[POST_ATTENTION_NORM]
+    result = compare(trace(ref_layers), trace(cand_layers))
+    routing = result.routing
+    assert routing.error_source == "logits" and routing.layers[1].error_at == layer_point(1, ROUTER_LOGITS)
+    assert [flip.kind for flip in routing.flips] == [UNJUDGED] and routing.first_structural is None
+    assert "(1 unjudged flip)" in routing.text() and routing.note() in result.notes
+    alone = routing_diff(trace(ref_layers), trace(cand_layers))  # no verdicts given: judged by the logits' error
+    assert alone.flips[0].error == pytest.approx(math.log(0.6 / 0.1), rel=1e-5) and alone.flips[0].kind == NEAR_TIE
 
 
 def test_order_only_differences_are_counted_apart_from_flips(router):

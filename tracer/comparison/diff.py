@@ -475,7 +475,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     if first:
         first = explain_divergence(first, reference, candidate, layout)
     family = trace_family(reference, candidate)
-    routing = routing_diff(reference, candidate, family, first)
+    routing = routing_diff(reference, candidate, family, first, frozenset(p.point for p in points if p.diverged))
     return Result(
         verdict="diverged" if first else "match",
         points=tuple(points),

@@ -21,8 +21,10 @@ the house's noise floor, nor below the unit roundoff of the router logits' coars
 the router's linear map as `e_t · max_e |l_t,e|` on the reference's logits. The candidate's own scores
 cannot serve: a flip by itself moves the two swapped scores by at least half the margin, so the scores'
 error always "explains" the flip, a wrong router's included. Where the input is not recorded on both
-sides the error is taken at the router's logits, and without logits at the selection scores themselves;
-`RoutingDiff.error_source` and its note say which, and what that weaker measure cannot tell.
+sides the error is taken at the router's logits, and without logits at the selection scores themselves:
+there the measured error is the router's own output's and may hold its fault, so a layer's flips are judged
+only where that point stays within its tolerance (`diverged`), and are unjudged where it diverges.
+`RoutingDiff.error_source` and its note say which measure was used.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ AGREE, ORDER, NEAR_TIE, STRUCTURAL, UNJUDGED = "agree", "order", "near_tie", "st
 # How the error reaching the router was measured, strongest first (`RoutingDiff.error_source`).
 SOURCES = {
     "input": "the router's input, carried through its logits",
-    "logits": "the router's logits (its input is not recorded on both sides): an error in the router's own "
-              "matrix counts as noise here; the logits' rel_l2 judges it",
+    "logits": "the router's logits (its input is not recorded on both sides): its flips are judged only where "
+              "the logits stay within their tolerance, and unjudged where they diverge",
     "scores": "the selection scores themselves (neither the router's input nor its logits recorded on both "
-              "sides): every flip the candidate's scores explain counts as a near-tie",
+              "sides): its flips are judged only where the scores stay within their tolerance, and unjudged "
+              "where they diverge",
 }
 
 
@@ -104,7 +107,7 @@ class LayerRouting:
     status: tuple[str, ...]  # per token: AGREE | ORDER | NEAR_TIE | STRUCTURAL | UNJUDGED
     margin: tuple[float | None, ...]  # per token, the reference's k-th minus (k+1)-th selection score
     error: tuple[float | None, ...]  # per token, the error reaching the router's selection
-    input: str | None  # the point the router's input error was measured at (None: not measured there)
+    error_at: str | None  # the point the error reaching the router was measured at (None: nowhere)
     weight_max_abs: float | None  # max |w_c - w_r| over the experts both picked (None: weights not on both)
     weight_max_ref: float | None  # max |w_r| there
 
@@ -123,7 +126,8 @@ class LayerRouting:
     def to_dict(self) -> dict:
         return {"layer": self.layer, "k": self.k, "tokens": self.tokens, "agreement": self.agreement,
                 "flips": self.tokens - self.count(AGREE, ORDER), "near_ties": self.count(NEAR_TIE),
-                "structural": self.count(STRUCTURAL), "order_only": self.count(ORDER), "input": self.input,
+                "structural": self.count(STRUCTURAL), "order_only": self.count(ORDER),
+                "error_at": self.error_at,
                 "weight_max_abs": self.weight_max_abs, "weight_max_ref": self.weight_max_ref,
                 "status": list(self.status), "margin": list(self.margin), "error": list(self.error)}
 
@@ -195,17 +199,20 @@ def routed_layers(reference: Trace, candidate: Trace) -> list[int]:
 
 
 def routing_diff(reference: Trace, candidate: Trace, family: str | None = None,
-                 first: Divergence | None = None) -> RoutingDiff | None:
+                 first: Divergence | None = None, diverged: frozenset[str] = frozenset()) -> RoutingDiff | None:
     """Compare the routing of two traces that carry routing points; None where they do not both.
 
     Args:
         family: the traced family (orders the points: where the router's input is, what is upstream of it).
         first: the comparison's first divergence; a structural flip downstream of it inherits it.
+        diverged: the points the comparison found diverged. Where the router's input is not recorded on both
+            sides and the point the error is measured at instead (the logits, the scores) diverged, that
+            error may be the router's own fault: the layer's flips are unjudged, not called noise.
     """
     layers = routed_layers(reference, candidate)
     if not layers:
         return None
-    compared = [_layer(layer, reference, candidate, family) for layer in layers]
+    compared = [_layer(layer, reference, candidate, family, diverged) for layer in layers]
     # the weakest measure any layer had is the one said
     source = max((source for _, _, source in compared if source is not None), key=list(SOURCES).index,
                  default="scores")
@@ -225,7 +232,7 @@ def _upstream(point: str, layer: int, family: str | None) -> bool:
     return at < layer or (at == layer and rank(point, family) < rank(layer_point(layer, ROUTER_LOGITS), family))
 
 
-def _layer(layer: int, reference: Trace, candidate: Trace, family: str | None):
+def _layer(layer: int, reference: Trace, candidate: Trace, family: str | None, diverged: frozenset[str]):
     """(LayerRouting, its flips, the error source) of one layer."""
     ref_index, cand_index = reference[layer_point(layer, TOP_K_INDEX)], candidate[layer_point(layer, TOP_K_INDEX)]
     if ref_index.shape[0] != cand_index.shape[0]:
@@ -239,7 +246,8 @@ def _layer(layer: int, reference: Trace, candidate: Trace, family: str | None):
     same_order = same_set & (ref_index == cand_index).all(-1) if ref_index.shape == cand_index.shape else same_set
     k = ref_index.shape[-1]
     margin = _boundary_margin(selection, k) if selection is not None else None  # (T,)
-    error, source, inp = _router_error(layer, reference, candidate, family)  # (T,) or None
+    error, source, at = _router_error(layer, reference, candidate, family)  # (T,) or None
+    judged = source == "input" or at not in diverged  # a weaker measure that diverged may hold the fault
     overturned = _overturned(selection, ref_set, cand_set) if selection is not None else None  # (T,)
     status, flips = [], []
     for token in range(ref_index.shape[0]):
@@ -251,13 +259,14 @@ def _layer(layer: int, reference: Trace, candidate: Trace, family: str | None):
             continue
         gap = None if overturned is None else float(overturned[token])
         err = None if error is None else float(error[token])
-        kind = UNJUDGED if gap is None or err is None else NEAR_TIE if gap <= NEAR_TIE_FACTOR * err else STRUCTURAL
+        kind = UNJUDGED if gap is None or err is None or not judged else \
+            NEAR_TIE if gap <= NEAR_TIE_FACTOR * err else STRUCTURAL
         status.append(kind)
         flips.append(Flip(layer, token, kind, tuple(map(int, ref_index[token])), tuple(map(int, cand_index[token])),
                           gap, err))
     weights = _weight_error(layer, reference, candidate, ref_set & cand_set, experts)
     return (LayerRouting(layer, k, tuple(status), _floats(margin, len(status)), _floats(error, len(status)),
-                         inp, *weights), flips, source if selection is not None else None)
+                         at, *weights), flips, source if selection is not None else None)
 
 
 def _floats(values: torch.Tensor | None, n: int) -> tuple[float | None, ...]:
@@ -299,8 +308,8 @@ def _overturned(selection: torch.Tensor, ref_set: torch.Tensor, cand_set: torch.
 
 
 def _router_error(layer: int, reference: Trace, candidate: Trace, family: str | None):
-    """(per token the error reaching the router's selection (T,), its source, the input point), measured as
-    strongly as the traces allow (the module's docstring)."""
+    """(per token the error reaching the router's selection (T,), its source, the point it was measured at),
+    measured as strongly as the traces allow (the module's docstring)."""
     logits = layer_point(layer, ROUTER_LOGITS)
     ref_logits, cand_logits = _tensor(reference, logits), _tensor(candidate, logits)
     floor = _floor(ref_logits, cand_logits)
@@ -312,12 +321,12 @@ def _router_error(layer: int, reference: Trace, candidate: Trace, family: str | 
         return relative.clamp(min=floor) * scale, "input", inp
     if ref_logits is not None and cand_logits is not None and ref_logits.shape == cand_logits.shape:
         ref, cand = _rows(ref_logits), _rows(cand_logits)  # (T, E) each
-        return torch.maximum((cand - ref).abs().amax(-1), floor * ref.abs().amax(-1)), "logits", None
-    ref, cand = _first_of(reference, layer, (ROUTER_SELECTION, ROUTER_SCORES)), \
-        _first_of(candidate, layer, (ROUTER_SELECTION, ROUTER_SCORES))
-    if ref is None or cand is None or ref.shape != cand.shape:
-        return None, "scores", None
-    return (cand - ref).abs().amax(-1), "scores", None
+        return torch.maximum((cand - ref).abs().amax(-1), floor * ref.abs().amax(-1)), "logits", logits
+    for point in (layer_point(layer, ROUTER_SELECTION), layer_point(layer, ROUTER_SCORES)):
+        ref, cand = _tensor(reference, point), _tensor(candidate, point)
+        if ref is not None and cand is not None and ref.shape == cand.shape:
+            return (_rows(cand) - _rows(ref)).abs().amax(-1), "scores", point
+    return None, "scores", None
 
 
 def _router_input(layer: int, reference: Trace, candidate: Trace, family: str | None) -> str | None:
