@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from tracer.model.knobs import format_knob_value
 from tracer.reports.drawers import report_images
-from tracer.reports.routing_map import routing_map_html
+from tracer.reports.routing_map import routing_facts, routing_map_html
 from tracer.reports.step_map import step_map_html
 from tracer.reports.summary import (
     Summary,
@@ -154,7 +154,7 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
         "sentence": verdict_sentence(summary),
         "notes": [str(note) for note in summary.get("notes") or []],
         "hints": hints(summary),
-        "facts": divergence_facts(summary) + outcome_facts(summary),
+        "facts": divergence_facts(summary) + routing_facts(summary) + outcome_facts(summary),
         "steps": next_steps(summary),
         "curve": next((fig for fig in figures if fig["name"] == "curve.png"), None),
         "figures": [fig for fig in figures if fig["name"] != "curve.png"],

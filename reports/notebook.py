@@ -25,7 +25,7 @@ from tracer.reports.figures import (
     layer_heatmap_figure,
     routing_figure,
 )
-from tracer.reports.routing_map import routing_map_html
+from tracer.reports.routing_map import routing_facts, routing_map_html
 from tracer.reports.step_map import step_map_html
 from tracer.reports.summary import (
     Summary,
@@ -145,7 +145,7 @@ def result_html(result, *, figure: bool = True) -> str:
     summary = as_summary(result)
     verdict = str(summary.get("verdict") or "error")
     rows, title, open_rows = focus_rows(summary)
-    outputs = divergence_facts(summary) + outcome_facts(summary)
+    outputs = divergence_facts(summary) + routing_facts(summary) + outcome_facts(summary)
     curve = None
     if figure and summary.get("points"):
         curve = "data:image/png;base64," + base64.b64encode(figure_png(curve_figure(summary))).decode("ascii")

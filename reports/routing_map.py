@@ -50,6 +50,12 @@ def routing_line(summary: Summary) -> str | None:
     return line
 
 
+def routing_facts(summary: Summary) -> list[tuple[str, str]]:
+    """The routing as a fact beside the first divergence on the page's first screen (none without routing)."""
+    line = routing_line(summary)
+    return [("routing", line.removeprefix("routing: "))] if line else []
+
+
 def flip_text(flip: dict) -> str:
     """"layer 1 token 3, experts {0,2} -> {0,3}, margin 0.3 >> error 3e-06"."""
     sets = f"experts {expert_set(flip['reference'])} -> {expert_set(flip['candidate'])}"

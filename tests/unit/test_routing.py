@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tracer import Trace, TraceMeta, compare, reports
-from tracer.comparison.diff import INTEGER_POINT
+from tracer.comparison.diff import INTEGER_POINT, ErrorRecorder
 from tracer.comparison.routing import NEAR_TIE, NEAR_TIE_FACTOR, ORDER, STRUCTURAL, UNJUDGED, routing_diff
 from tracer.model.points import (
     POST_ATTENTION_NORM,
@@ -28,6 +28,7 @@ from tracer.reports.figures import routing_figure
 from tracer.reports.routing_map import STATUS
 from tracer.reports.summary import figure_names, fmt
 from tracer.reports.terminal import terminal_summary
+from tracer.traces.spill import DiskRecorder
 
 TOKENS, HIDDEN, EXPERTS, K, LAYERS = 7, 64, 4, 2, 2
 
@@ -258,6 +259,7 @@ def test_the_summary_line_and_the_markdown_table_carry_the_routing(structural_su
 def test_the_html_map_holds_each_margin_and_marks_the_structural_flip(structural_summary):
     summary, ref_layers, _ = structural_summary
     page = render_html(summary, images={})
+    assert "<th>routing</th><td>92.9% of 14 token-layers agree; first structural flip: layer 1 token 3" in page
     section = page.split('<h2 id="routing">')[1].split("</table>")[0]
     rows = section.split('<tr data-layer="')[1:]
     assert len(rows) == LAYERS
@@ -290,3 +292,18 @@ def test_the_notebook_view_and_plot_carry_the_routing(structural_summary):
     view = reports.result_html(summary, figure=False)
     assert "routing: layers × tokens" in view and 'class="structural first"' in view
     assert reports.plot(summary, "routing").axes[0].images[0].get_array()[1, 3] == list(STATUS).index(STRUCTURAL)
+
+
+def test_a_long_run_s_candidate_keeps_the_routing_points_for_the_diff(router, tmp_path):
+    ref_layers, cand_layers = structural_pair(router)
+    reference = trace(ref_layers)
+    recorder = ErrorRecorder(reference, store=DiskRecorder(tmp_path))
+    for name, tensor in trace(cand_layers).tensors.items():
+        recorder(name, tensor[None])  # as a forward records: with its batch axis
+    candidate = Trace(recorder.tensors, trace(cand_layers).meta)
+    norm = layer_point(1, POST_ATTENTION_NORM)
+    assert norm in candidate and norm not in recorder.store.files  # compared as it came, not kept
+    assert {layer_point(1, sub) for sub in (TOP_K_INDEX, ROUTER_SCORES, ROUTER_LOGITS)} <= set(recorder.store.files)
+    diff = routing_diff(reference, candidate)
+    assert diff.error_source == "logits" and diff.counts()["flips"] == 1
+    assert torch.equal(candidate[layer_point(1, TOP_K_INDEX)], cand_layers[1][TOP_K_INDEX])
