@@ -83,7 +83,7 @@ class Flip:
 
     layer: int
     token: int
-    kind: str  # NEAR_TIE | STRUCTURAL | UNJUDGED (no selection scores recorded)
+    kind: str  # NEAR_TIE | STRUCTURAL | UNJUDGED (no selection scores, or no error measured apart from the router's)
     reference: tuple[int, ...]  # the reference's experts, in its top-k order
     candidate: tuple[int, ...]
     margin: float | None  # the reference's selection gap the candidate's picks overturn
@@ -134,12 +134,13 @@ class LayerRouting:
 
 @dataclass(frozen=True)
 class RoutingDiff:
-    """Two traces' routing compared (`routing_diff`). `bool(diff)`: no structural flip.
+    """Two traces' routing compared (`routing_diff`). `bool(diff)`: no structural flip (near-ties are noise;
+    unjudged flips are counted and said, never called either).
 
-    Example:
+    Example (tests/unit/test_routing.py's structural pair: layer 1 token 3 sent to expert 3, not 2):
         >>> diff = routing_diff(reference, candidate)
-        >>> bool(diff), diff.counts()["near_ties"], diff.text()
-        (True, 1, 'routing: 92.9% of 14 token-layers agree (1 near-tie flip)')
+        >>> bool(diff), diff.first_structural.token, diff.counts()["structural"], diff.agreement
+        (False, 3, 1, 0.9285714285714286)
     """
 
     layers: tuple[LayerRouting, ...]
