@@ -38,6 +38,8 @@ _EXPORTS = {
     "write_sweep_report": "sweep",
     "report_images": "drawers",
     "result_html": "notebook",
+    "routing_line": "routing_map",
+    "flip_text": "routing_map",
     "sweep_html": "notebook",
     "trace_html": "notebook",
     "triangulation_html": "notebook",
@@ -46,9 +48,10 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 # What a value's methods render through (`tracer.core.renderers`): Result.plot / _repr_html_,
-# Trace._repr_html_, Sweep.table / plot / _repr_html_, Triangulation._repr_html_. Each loads its submodule when
-# first called.
-RENDERED = ("plot", "result_html", "trace_html", "sweep_frame", "sweep_figure", "sweep_html", "triangulation_html")
+# Trace._repr_html_, Sweep.table / plot / _repr_html_, Triangulation._repr_html_, RoutingDiff.text and
+# Flip.text. Each loads its submodule when first called.
+RENDERED = ("plot", "result_html", "trace_html", "sweep_frame", "sweep_figure", "sweep_html", "triangulation_html",
+            "routing_line", "flip_text")
 
 
 def __getattr__(name: str):

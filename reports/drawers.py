@@ -27,7 +27,7 @@ from tracer.reports.summary import as_summary, figure_names
 
 # A drawer draws its figures in well under a second; past this it is stuck.
 SECONDS = 20
-GROUPS = (("curve.png", "breakdown.png"), ("heatmap.png",))  # each drawer's figures (about equal time)
+GROUPS = (("curve.png", "breakdown.png"), ("heatmap.png", "routing.png"))  # each drawer's figures (about equal time)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from tracer.model.points import (
     layer_point,
     split_point,
 )
+from tracer.reports.routing_map import STATUS, routing_line
 from tracer.reports.summary import (
     FIGURES,
     Summary,
@@ -673,9 +674,64 @@ def draw_bars(ax, values: np.ndarray, labels: list[str]) -> None:
     ax.grid(axis="x", visible=False)
 
 
+ROUTING_LABELS = 400  # cells up to which the routing map writes each margin in its cell
+
+
+def routing_figure(summary) -> Figure:
+    """The routing map of a mixture of experts: one row per layer, one cell per token, coloured by what the
+    candidate picked there (the reference's experts, the same in another order, others on a near-tie, others
+    structurally), each cell labelled with the reference's margin between its k-th and (k+1)-th selection
+    score where the map is small enough to read; the first structural flip outlined.
+
+    Args:
+        summary: a `Result` or its summary dict, with routing points (`routing`).
+    Returns:
+        A Figure on an Agg canvas; `fig.axes[0].images[0].get_array()` holds each cell's status as its
+        index in `tracer.reports.routing_map.STATUS`, per (layer, token).
+    """
+    summary = as_summary(summary)
+    routing = summary.get("routing") or {}
+    layers = routing.get("layers") or []
+    tokens = max((len(layer.get("status") or []) for layer in layers), default=0)
+    codes = list(STATUS)
+    grid = np.full((len(layers), tokens), np.nan)  # (layers, tokens): status index
+    for row, layer in enumerate(layers):
+        grid[row, :len(layer.get("status") or [])] = [codes.index(status) for status in layer.get("status") or []]
+    with matplotlib.rc_context({**STYLE, "axes.grid": False}):
+        fig = new_figure((min(14.0, max(6.0, 0.45 * tokens + 2.5)), min(12.0, max(2.6, 0.4 * len(layers) + 1.8))))
+        if not layers:
+            return empty_figure(fig, summary)
+        ax = fig.subplots()
+        cmap = ListedColormap([colour for colour, _, _ in STATUS.values()])
+        ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=-0.5, vmax=len(codes) - 0.5, aspect="auto",
+                  interpolation="nearest")
+        if grid.size <= ROUTING_LABELS:
+            for row, layer in enumerate(layers):
+                for token, margin in enumerate(layer.get("margin") or []):
+                    ax.text(token, row, fmt(margin), ha="center", va="center", fontsize=6.5, color="#222222")
+        first = routing.get("first_structural")
+        if first:
+            row = next(i for i, layer in enumerate(layers) if layer["layer"] == first["layer"])
+            ax.add_patch(Rectangle((first["token"] - 0.5, row - 0.5), 1, 1, fill=False, ec="#222222", lw=2))
+        ax.set_yticks(range(len(layers)), [str(layer["layer"]) for layer in layers])
+        step = max(1, math.ceil(tokens / 40))
+        ax.set_xticks(range(0, tokens, step))
+        ax.set_xlabel("token")
+        ax.set_ylabel("layer")
+        present = [code for code in codes if np.any(grid == codes.index(code))]
+        ax.legend(handles=[Rectangle((0, 0), 1, 1, fc=STATUS[code][0], ec="#888888",
+                                     label=code.replace("_", "-")) for code in present],
+                  loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7.5, frameon=False)
+        fig.suptitle(figure_title(fig, comparison_title(summary)), fontsize=11, fontweight="bold")
+        fig.supxlabel(textwrap.fill(routing_line(summary) or "", width=int(15 * fig.get_figwidth())), fontsize=8,
+                      color="#444444")
+    return fig
+
+
 def draw_images(summary, names: tuple[str, ...] = FIGURES) -> dict[str, bytes]:
     """PNG bytes by file name of those of `names` the summary has (a breakdown only where the first
     divergence carries one), in the report's order; a failed run's figures say why."""
     summary = as_summary(summary)
-    draw = {"curve.png": curve_figure, "breakdown.png": breakdown_figure, "heatmap.png": layer_heatmap_figure}
+    draw = {"curve.png": curve_figure, "breakdown.png": breakdown_figure, "heatmap.png": layer_heatmap_figure,
+            "routing.png": routing_figure}
     return {name: figure_png(draw[name](summary)) for name in figure_names(summary) if name in names}

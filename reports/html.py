@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from tracer.model.knobs import format_knob_value
 from tracer.reports.drawers import report_images
+from tracer.reports.routing_map import routing_facts, routing_map_html
 from tracer.reports.step_map import step_map_html
 from tracer.reports.summary import (
     Summary,
@@ -57,6 +58,10 @@ FIGURE_CAPTIONS = {
                    "inherits included. Blue: in tolerance; yellow: near it; red: out.",
     "breakdown.png": "The first divergence broken down per token position (and per head for "
                      "attention points): where inside the tensor the error sits.",
+    "routing.png": "Which experts each token went to, layer by layer: the same as the reference's, the same in "
+                   "another order, others on a near-tie (noise), or others structurally (the router or its inputs "
+                   "are wrong). Each cell's number: the reference's margin between its k-th and (k+1)-th "
+                   "selection score.",
 }
 # The heatmap of a run without local errors (a saved trace, an engine that cannot rerun a block): one panel.
 TOTAL_HEATMAP_CAPTION = ("Every point of every layer, coloured by its error over its own tolerance: the error "
@@ -130,7 +135,9 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
     regime = regime_lines(summary)
     greedy = greedy_context(summary)
     step_map = step_map_html(summary)  # rendered (and escaped) by its own template
+    routing_map = routing_map_html(summary)  # as is this one
     sections = [("verdict", "verdict"), *([("decode-steps", "decode steps")] if step_map else []),
+                *([("routing", "routing")] if routing_map else []),
                 *([("regime", "regime view")] if regime else []),
                 *([("figures", "figures")] if len(figures) > 1 else []), *([("points", "points")] if rows else []),
                 *([("audit", "config audit")] if audit else []), *([("greedy", "greedy")] if greedy else []),
@@ -147,12 +154,13 @@ def page_context(summary: Summary, images: Mapping[str, bytes]) -> dict:
         "sentence": verdict_sentence(summary),
         "notes": [str(note) for note in summary.get("notes") or []],
         "hints": hints(summary),
-        "facts": divergence_facts(summary) + outcome_facts(summary),
+        "facts": divergence_facts(summary) + routing_facts(summary) + outcome_facts(summary),
         "steps": next_steps(summary),
         "curve": next((fig for fig in figures if fig["name"] == "curve.png"), None),
         "figures": [fig for fig in figures if fig["name"] != "curve.png"],
         "audit": audit,
         "step_map": step_map,
+        "routing_map": routing_map,
         "regime": regime,
         "regime_cost": [(where, fmt(cost)) for where, cost in regime_cost_by_layer(summary)],
         "tolerance": tolerance_text(summary),

@@ -10,6 +10,7 @@ import html
 import re
 
 from tracer.model.points import is_coarse
+from tracer.reports.routing_map import routing_markdown
 from tracer.reports.step_map import step_map_markdown
 from tracer.reports.summary import (
     Summary,
@@ -80,6 +81,9 @@ def markdown_summary(result) -> str:
     listed += [f"- {text(note)}" for note in summary.get("notes") or []]
     if listed:
         parts.insert(2, "\n".join(listed))
+    routing = routing_markdown(summary)
+    if routing:
+        parts.append(routing)
     differences = audit_differences(summary.get("config_audit"))
     if differences:
         parts.append(differences)

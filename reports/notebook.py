@@ -17,7 +17,15 @@ from matplotlib.figure import Figure
 
 from tracer.core.errors import TracerError
 from tracer.model.points import EMBED, folded, is_coarse, layer_of, rank
-from tracer.reports.figures import breakdown_figure, curve_figure, figure_png, has_breakdown, layer_heatmap_figure
+from tracer.reports.figures import (
+    breakdown_figure,
+    curve_figure,
+    figure_png,
+    has_breakdown,
+    layer_heatmap_figure,
+    routing_figure,
+)
+from tracer.reports.routing_map import routing_facts, routing_map_html
 from tracer.reports.step_map import step_map_html
 from tracer.reports.summary import (
     Summary,
@@ -82,6 +90,8 @@ RESULT = ENV.from_string("""<div class="tracer-nb">
 {% endif %}
 {% if curve %}<img src="{{ curve }}" alt="per-layer error curve">{% endif %}
 {% if step_map %}<details open><summary>decode steps × layers</summary>{{ step_map | safe }}</details>{% endif %}
+{% if routing_map %}<details open><summary>routing: layers × tokens</summary>{{ routing_map | safe }}</details>\
+{% endif %}
 {% if rows %}
 <details{% if open_rows %} open{% endif %}><summary>{{ rows_title }}</summary>
 <table class="tn">
@@ -135,7 +145,7 @@ def result_html(result, *, figure: bool = True) -> str:
     summary = as_summary(result)
     verdict = str(summary.get("verdict") or "error")
     rows, title, open_rows = focus_rows(summary)
-    outputs = divergence_facts(summary) + outcome_facts(summary)
+    outputs = divergence_facts(summary) + routing_facts(summary) + outcome_facts(summary)
     curve = None
     if figure and summary.get("points"):
         curve = "data:image/png;base64," + base64.b64encode(figure_png(curve_figure(summary))).decode("ascii")
@@ -147,6 +157,7 @@ def result_html(result, *, figure: bool = True) -> str:
         rows=rows, rows_title=title, open_rows=open_rows, points_count=len(summary.get("points") or []),
         has_breakdown=has_breakdown(summary), has_local=has_local(summary),
         step_map=step_map_html(summary, "notebook"),
+        routing_map=routing_map_html(summary, "notebook"),
     )
 
 
@@ -165,11 +176,13 @@ def focus_rows(summary: Summary) -> tuple[list[dict], str, bool]:
     return coarse, f"coarse points ({len(coarse)}): embeddings, every block output, norm, logits", False
 
 
-FIGURES = {"curve": curve_figure, "heatmap": layer_heatmap_figure, "breakdown": breakdown_figure}
+FIGURES = {"curve": curve_figure, "heatmap": layer_heatmap_figure, "breakdown": breakdown_figure,
+           "routing": routing_figure}
 
 
 def plot(result, kind: str = "curve"):
-    """A matplotlib Figure of a Result: "curve" (per-layer error), "heatmap" or "breakdown".
+    """A matplotlib Figure of a Result: "curve" (per-layer error), "heatmap", "breakdown" or "routing" (a
+    mixture of experts' layer × token routing map).
 
     Figures are built without pyplot (no global state); in a notebook they display as the
     cell's value, like any figure.
@@ -182,6 +195,8 @@ def plot(result, kind: str = "curve"):
     summary = as_summary(result)
     if kind == "breakdown" and not has_breakdown(summary):
         raise TracerError("this result has no per-position or per-head breakdown of a first divergence")
+    if kind == "routing" and not summary.get("routing"):
+        raise TracerError("this result has no routing: its traces carry no mixture-of-experts routing points")
     show_figures_inline()
     return FIGURES[kind](summary)
 

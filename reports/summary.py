@@ -42,12 +42,14 @@ def breakdowns(summary: Summary) -> dict[str, list]:
     return {key: list(first[key]) for key in ("by_position", "by_head") if first.get(key)}
 
 
-FIGURES = ("curve.png", "heatmap.png", "breakdown.png")  # a report's figures, in its order
+FIGURES = ("curve.png", "heatmap.png", "breakdown.png", "routing.png")  # a report's figures, in its order
 
 
 def figure_names(summary: Summary) -> tuple[str, ...]:
-    """The figures a report of `summary` has: the breakdown only where the first divergence carries one."""
-    return tuple(name for name in FIGURES if name != "breakdown.png" or breakdowns(summary))
+    """The figures a report of `summary` has: the breakdown only where the first divergence carries one, the
+    routing map only where the traces carried routing points."""
+    has = {"breakdown.png": bool(breakdowns(summary)), "routing.png": bool(summary.get("routing"))}
+    return tuple(name for name in FIGURES if has.get(name, True))
 
 
 def points(summary: Summary) -> list[dict]:

@@ -179,6 +179,11 @@ content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-sr
 {{ step_map | safe }}
 {% endif %}
 
+{% if routing_map %}
+<h2 id="routing">Routing: layers × tokens</h2>
+{{ routing_map | safe }}
+{% endif %}
+
 {% if regime %}
 <h2 id="regime">Regime view</h2>
 <ul class="regime">{% for line in regime %}<li>{{ line }}</li>{% endfor %}</ul>

@@ -13,6 +13,7 @@ import shutil
 import textwrap
 from collections.abc import Sequence
 
+from tracer.reports.routing_map import routing_line
 from tracer.reports.summary import (
     fmt,
     greedy_text,
@@ -175,6 +176,9 @@ def summary_lines(s: dict, out_dir=None) -> list[str]:
             lines.append("  every recorded point is bitwise identical")
         elif worst:
             lines.append(f"  largest error: {worst['point']} rel_l2 {fmt(worst['rel_l2'])}")
+    routing = routing_line(s)
+    if routing:
+        lines.append(f"  {routing}")
     lines += [f"  {line}" for line in regime_lines(s)]
     if s.get("first_nonfinite"):
         lines.append(f"  {nonfinite_text(s['first_nonfinite'])}")

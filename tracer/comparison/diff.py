@@ -24,6 +24,7 @@ import torch
 
 from tracer.comparison.explain import amplification, breakdown, hints, runtime_hints
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
+from tracer.comparison.routing import ROUTING, routing_diff, routing_notes
 from tracer.core.errors import TracerError, ids_text
 from tracer.model.kv_cache import SlotLayout
 from tracer.model.points import (
@@ -44,6 +45,8 @@ from tracer.traces.trace import Trace, kept
 
 CHUNK = 1 << 14  # values per chunk: 64 kB of f32, in cache, and below torch's parallel grain (32768)
 BORDERLINE = 1e-4  # rel_l2 this close (relative) to its threshold is recomputed in f64
+# An integer point (the experts a router picked) is compared by the routing diff, never by rel_l2.
+INTEGER_POINT = "integer ids: the routing diff compares them"
 
 
 def outside(tolerance: Tolerance, diff: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -96,6 +99,8 @@ def _nan_max(a: float, b: float) -> float:
 
 def compare_point(point: str, ref: torch.Tensor, cand: torch.Tensor, tolerance: Tolerance,
                   noise: float | None = None) -> PointDiff:
+    if not (ref.is_floating_point() and cand.is_floating_point()):  # ids, not values: no rel_l2 measures them
+        return PointDiff(point, layer_of(point), tuple(ref.shape), missing_on="neither", reason=INTEGER_POINT)
     if tuple(ref.shape) != tuple(cand.shape):
         raise TracerError(f"shape mismatch at {point}: reference {tuple(ref.shape)}, candidate {tuple(cand.shape)}")
     r_all = compared_entries(point, ref).reshape(-1)
@@ -289,8 +294,8 @@ class ErrorRecorder:
 
     def _read_again(self, diff: PointDiff) -> bool:
         """Will `compare` read this point's tensor (logits, NaN/Inf scan, the first divergence's breakdown)?"""
-        if diff.point in (LOGITS, FINAL_LOGITS) or not _finite_metrics(diff):
-            return True
+        if diff.point in (LOGITS, FINAL_LOGITS) or not _finite_metrics(diff) or split_point(diff.point)[1] in ROUTING:
+            return True  # (the routing points, (T, E) at most, are what the routing diff reads)
         if not diff.diverged:
             return False
         judged = dataclasses.replace(diff, local_rel_l2=self.local.get(diff.point)) if self.local else diff
@@ -469,6 +474,8 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
     first = first_divergence(points)
     if first:
         first = explain_divergence(first, reference, candidate, layout)
+    family = trace_family(reference, candidate)
+    routing = routing_diff(reference, candidate, family, first, frozenset(p.point for p in points if p.diverged))
     return Result(
         verdict="diverged" if first else "match",
         points=tuple(points),
@@ -479,10 +486,12 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         candidate=side(candidate),
         model=reference.meta.model,
         tokens=ref_tokens or cand_tokens,
-        notes=(*layout_notes, *layout.notes(), *logits_note(reference, candidate)),
+        notes=(*layout_notes, *layout.notes(), *logits_note(reference, candidate),
+               *routing_notes(routing, first, family)),
         # A point whose metrics are all finite holds no NaN or Inf on either side: only the rest is scanned.
         first_nonfinite=first_nonfinite([p.point for p in points if not _finite_metrics(p)], reference, candidate),
-        amplification=tuple(_amplification(points, trace_family(reference, candidate))),
+        amplification=tuple(_amplification(points, family)),
+        routing=routing,
     )
 
 

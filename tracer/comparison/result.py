@@ -29,8 +29,9 @@ DEFAULT_REL_L2 = 1e-4
 NOISE_FACTOR = 10.0
 # The version of summary.json's contract (docs/design.md): 2 added the decode steps (`step`, `steps`), 3 each
 # step's local errors and status per layer (`layer_max_local_rel_l2`, `layer_status`, `local`, `inherited_from`),
-# 4 the triangulation (`kind` "triangulation": several candidates on one reference run, `Triangulation.to_dict`).
-CONTRACT_VERSION = 4
+# 4 the triangulation (`kind` "triangulation": several candidates on one reference run, `Triangulation.to_dict`),
+# 5 the routing diff of a mixture of experts (`routing`, `tracer.comparison.routing.RoutingDiff.to_dict`).
+CONTRACT_VERSION = 5
 NOISE_FLOOR = 1e-6
 
 
@@ -372,6 +373,10 @@ class Result:
     # `first_divergence` show (None: the first row's prompt run alone, where everything matched or it diverged).
     batch: tuple[BatchRow, ...] = ()
     row: int | None = None
+    # Traces carrying a mixture of experts' routing points: which experts each token went to on each side, every
+    # flip a near-tie or structural: a `tracer.comparison.routing.RoutingDiff` (its module, which imports this
+    # one, holds the value beside the diff, as `tracer.ggml.audit` holds `WeightAudit`); None where they carry none.
+    routing: object | None = None
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -386,7 +391,7 @@ class Result:
         return dataclasses.replace(self, verdict=shown.verdict, points=shown.points,
                                    first_divergence=shown.first_divergence, logits=shown.logits,
                                    first_nonfinite=shown.first_nonfinite, amplification=shown.amplification,
-                                   **attached)
+                                   routing=shown.routing, **attached)
 
     @property
     def not_recorded(self) -> list[PointDiff]:
@@ -405,7 +410,7 @@ class Result:
             "config_audit": self.config_audit,
             "view": "raw" if self.regime is None else "regime", "regime": dict_or_none(self.regime),
             "step": self.step, "steps": [step.to_dict() for step in self.steps],
-            "row": self.row, "batch": [row.to_dict() for row in self.batch],
+            "row": self.row, "batch": [row.to_dict() for row in self.batch], "routing": dict_or_none(self.routing),
         })
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -418,8 +423,9 @@ class Result:
         return pd.DataFrame([p.to_dict() for p in self.points]).set_index("point")
 
     def plot(self, kind: str = "curve"):
-        """A matplotlib Figure: "curve" (per-layer error), "heatmap" (layer × sub-point) or
-        "breakdown" (the first divergence per position and head). Shown inline in Jupyter."""
+        """A matplotlib Figure: "curve" (per-layer error), "heatmap" (layer × sub-point), "breakdown" (the
+        first divergence per position and head) or "routing" (a mixture of experts' layer × token routing
+        map). Shown inline in Jupyter."""
         return render("plot", self, kind)
 
     def _repr_html_(self) -> str:

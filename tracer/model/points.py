@@ -57,6 +57,14 @@ GATE_PROJ = "mlp.gate_proj"
 UP_PROJ = "mlp.up_proj"
 MLP_ACT = "mlp.act"
 DOWN_PROJ = "mlp.down_proj"
+# A mixture-of-experts MLP's routing (docs/moe.md): the router's logits (T, E), the scores over all experts
+# (T, E), the scores top-k picks from where a selection bias is added (T, E), the picked experts (T, k) int64 in
+# top-k's order, and their routing weights (T, k), aligned with them.
+ROUTER_LOGITS = "mlp.gate"
+ROUTER_SCORES = "mlp.gate.scores"
+ROUTER_SELECTION = "mlp.gate.selection"
+TOP_K_INDEX = "mlp.gate.top_k_index"
+TOP_K_WEIGHTS = "mlp.gate.top_k_weights"
 
 # What a layer's KV cache holds after a forward with a cache (`--decode`): every slot's keys (after RoPE)
 # and values, (KV, S, D). Recorded only by a cached run, ranked right after the keys they hold.
