@@ -4,12 +4,12 @@ Two readers of the same file, because a port reads it its own way:
 
 - `read_hf` follows how transformers 5 reads the `config.json` of each family tracer traces
   (`tracer.model.families`; `LlamaConfig`, `Qwen2Config`, `Gemma2Config`, ... and
-  `RotaryEmbeddingConfigMixin.standardize_rope_params`): `rope_theta` from `rope_parameters`
-  (transformers 5 files) or top level (transformers 4 files), default 10000; `head_dim` default
-  hidden/heads; kv heads default to the query heads. Each family's own defaults and keys (Qwen's
-  32 kv heads, Gemma's `hidden_activation` and soft-caps, Mistral's 4096-token window when the key
-  is absent, ...) are one `FamilyConfig` row of `FAMILY_CONFIGS`. A `model_type` tracer does not
-  trace is one line naming it and the supported ones.
+  `RotaryEmbeddingConfigMixin.standardize_rope_params`, `hf_rope` here): the sizes every family
+  shares, with the family's defaults (`FamilyConfig`: Qwen's 32 kv heads, Gemma's `hidden_activation`,
+  ...); `head_dim` default hidden/heads; kv heads default to the query heads. Everything else a family
+  reads (windows, soft-caps, biases, how its configs write RoPE) its components read
+  (`Component.config_fields`, `Component.read_config`), into `LlamaSpec.extra`: nothing here names a
+  family's key. A `model_type` tracer does not trace is one line naming it and the supported ones.
 - `read_candle` follows candle 0.11's serde `LlamaConfig` + `into_config`: 13 keys, `rope_theta`
   defaults to 10000, `rope_scaling` only as Llama-3 parameters; `rope_parameters`, `head_dim`
   (always hidden/heads), biases (always none) and `hidden_act` (always silu) are ignored. It reads
@@ -19,7 +19,8 @@ Two readers of the same file, because a port reads it its own way:
 reader sees it. `audit` says, per reader, what it read, defaulted and ignored, and where the
 readers disagree. Keys a reader skips are listed in `LlamaSpec.unused_keys`: nothing silently.
 A value a reader reads is checked (type, range, relation to the other keys) by one checker per
-kind of value, shared by both readers: a malformed value is one TracerError naming the key.
+kind of value (`FIELD_CHECKS`, `check`), shared by both readers and the components: a malformed value
+is one TracerError naming the key.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 A family is a short declaration that states only how it differs from its parent, as transformers'
 modular files do (Gemma 2 = Llama with (1 + w) norms, scaled embeddings, sandwich norms and
 soft-capping). Its point order and records (`tracer.model.points`), its tensor shapes
-(`Family.weight_shapes`), the knobs that apply to it (its components', `tracer.model.knobs`) and how
-hf observes it are read off the composition; other runtimes' names for its points are each runtime's own
-(`tracer.names`).
+(`Family.weight_shapes`), the knobs that apply to it (its components', `tracer.model.knobs`), the
+config keys it reads (its components' `config_fields` and `read_config`) and how hf observes it are
+read off the composition; other runtimes' names for its points are each runtime's own (`tracer.names`).
 `register` adds a family: a test's made-up family with a component of its own is one component
 module and one declaration, and nothing here changes. No torch here.
 

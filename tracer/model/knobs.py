@@ -3,14 +3,16 @@
 A variant is an ordered mapping knob -> value, written on the command line as
 `theta=10000,attn=sdpa`. This module only parses and validates; each engine applies the knobs it
 honours, and declares which (by kind) in its registry entry (`tracer.engines.registry`). The
-model-wide knobs are declared here (`MODEL_WIDE`); a knob that undoes one part of a model (Gemma's
-(1 + w) norm, a fused projection's split, a sliding window) is declared by the component that has
-that part (`tracer.model.components`), and applies to exactly the families composed of it; a switch
+model-wide knobs are declared here (`MODEL_WIDE`: the dtype, the shared sizes, the readers, the
+number formats); a knob that undoes one part of a model (attention's mask and kv repeat, RoPE's
+pairing, Gemma's (1 + w) norm, a fused projection's split, a sliding window) is declared by the
+component that has that part (`tracer.model.components`), and applies to exactly the families composed
+of it (every family, for attention's and RoPE's); a switch
 of one runtime (its thread count, its micro-batch) is declared by the engine that runs that runtime
 (`EngineEntry.switches`), which registers it here (`register_switch`) as the engine is registered.
 `KNOBS` reads all three, live (a test may register a family with a component of its own). Config-level knobs
-become a different `LlamaSpec` (`tracer.model.config.apply_overrides`), which the hf engine writes
-into transformers' config too; semantic knobs become steps of the reimplementation (each
+become a different `LlamaSpec` (`Knob.spec_change`, applied by `tracer.model.config.apply_overrides`),
+which the hf engine writes into transformers' config too; semantic knobs become steps of the reimplementation (each
 component's `steps`). A knob an engine cannot honour is an error naming the engines that can, never
 silently ignored. No torch here: `tracer variants` starts fast.
 """

@@ -1,6 +1,8 @@
 """Self-attention and its parts: the q/k/v projections (separate or fused), the q/k norm (none, per
 head, per head after the transpose, over the whole projection), RoPE (`tracer.model.components.rope`),
-the attention core (scores, probabilities, context; a sliding window; soft-capping) and o_proj.
+the attention core (scores, probabilities, context; a sliding window; soft-capping) and o_proj; the
+config fields each reads (the window and layer types each family's way, the soft-caps, the biases,
+`query_pre_attn_scalar`) and the attention core's knobs (attn, kv_repeat, mask, attn_math).
 
 Mirrors transformers 5.25's eager attention op by op (`modeling_llama.py`, and the families'
 `modeling_<family>.py`). Attention takes absolute positions (its RoPE tables, `Positions`) and an
