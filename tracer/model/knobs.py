@@ -205,8 +205,6 @@ MODEL_WIDE: dict[str, Knob] = {
         Knob("bias", choice("keep", "ignore"), "keep | ignore", "keep",
              "candle's linear_no_bias drops projection biases", fixed("bias=ignore"), kind="config",
              spec_change=_no_biases),
-        Knob("logits", choice("all", "last"), "all | last", "all",
-             "candle computes lm_head on the last position only", fixed("logits=last"), kind="semantic"),
         Knob("config", choice("hf", "candle"), "hf | candle", "hf",
              "which reader parses config.json (candle 0.11: 13 keys, see `tracer config`)",
              _llama_only("config=candle"), applies=llama_graph, kind="config"),

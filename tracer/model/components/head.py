@@ -9,7 +9,7 @@ from typing import Callable
 from tracer.core.lazy import F, torch
 from tracer.model.component import Component, Point
 from tracer.model.components.attention import SOFTCAPS
-from tracer.model.knobs import setting
+from tracer.model.knobs import Knob, choice, fixed, setting
 from tracer.model.points import FINAL_LOGITS, FINAL_NORM, LOGITS, WEIGHT
 
 
@@ -32,6 +32,9 @@ def _by_rows(linear: Callable, h: torch.Tensor, weight) -> torch.Tensor:
 
 
 LOGIT_STEPS = {"all": logits_all, "last": logits_last}
+LOGITS_KNOB = Knob("logits", choice("all", "last"), "all | last", "all",
+                   "candle computes lm_head on the last position only", fixed("logits=last"), kind="semantic",
+                   after="bias")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Head(Component):
     final_logit_softcapping, `tracer.model.components.attention.SoftCap`)."""
 
     softcap: Component | None = None
+    knobs = (LOGITS_KNOB,)
     spec_fields = {"final_logit_softcapping": None}  # no cap where the config sets none
 
     def parts(self) -> tuple[Component, ...]:
