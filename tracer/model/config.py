@@ -121,8 +121,8 @@ class LlamaSpec:
 
 
 def _same(a, b) -> bool:
-    """Equal as values, bool and number told apart (an attention_bias of 0 is not False's value here)."""
-    return a == b and type(a) is type(b) or (a is None and b is None)
+    """Equal values of one type (a bias of 0 is not False, a window of 1.0 not 1)."""
+    return type(a) is type(b) and a == b
 
 
 def load_config(model_dir: str | Path) -> dict:
