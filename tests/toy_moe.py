@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from tracer.core.lazy import F, torch
 from tracer.model.component import Component, ConfigField, Point
-from tracer.model.components.attention import Attention
+from tracer.model.components.attention import Attention, EveryLayerWindow
 from tracer.model.components.mlp import activation
-from tracer.model.config import REQUIRED, ROPE_KEYS, FamilyConfig, every_layer_window, rope_fields
+from tracer.model.config import REQUIRED, FamilyConfig
 from tracer.model.families import LLAMA
 from tracer.model.knobs import Knob, choice, fixed, setting
 
@@ -107,6 +107,5 @@ class SparseMoE(Component):
 MIXTRAL = LLAMA.derive(
     name="mixtral", title="Mixtral (a test's toy)", model_types=("mixtral",), architecture="MixtralForCausalLM",
     adds="a sparse mixture-of-experts MLP: a router and top-k gated experts",
-    attention=Attention(window=True), mlp=SparseMoE(),
-    config=FamilyConfig(lambda config: {**rope_fields(config), **every_layer_window(config, None)},
-                        {**ROPE_KEYS, "sliding_window": None}, kv_heads=8, rms_norm_eps=1e-5, max_positions=131072))
+    attention=Attention(window=EveryLayerWindow()), mlp=SparseMoE(),
+    config=FamilyConfig(kv_heads=8, rms_norm_eps=1e-5, max_positions=131072))

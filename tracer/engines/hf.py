@@ -11,7 +11,6 @@ a change a family's config cannot express (Qwen2's q/k/v biases are not configur
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import os
@@ -351,22 +350,16 @@ def _refuse_qkv_bias(config, spec: LlamaSpec) -> None:
                       "(the reimpl engine can: --candidate reimpl)")
 
 
-def _write_extra(config, spec: LlamaSpec) -> None:
-    """The config fields a family's own components declare: attributes of the same names."""
-    for key, value in spec.extra.items():
-        setattr(config, key, value)
-
-
-# LlamaSpec field -> how transformers' config of the family holds it (default: the attribute of that name).
+# spec value -> how transformers' config of the family holds it (default: the attribute of that name,
+# a component's fields included: a mixture of experts' num_experts_per_tok).
 _CONFIG_WRITERS = {"rope_theta": _write_rope, "rope_scaling": _write_rope, "rope_local_theta": _write_local_rope,
-                   "hidden_act": _write_activation, "num_hidden_layers": _write_layers, "qkv_bias": _refuse_qkv_bias,
-                   "extra": _write_extra}
+                   "hidden_act": _write_activation, "num_hidden_layers": _write_layers, "qkv_bias": _refuse_qkv_bias}
 
 
 def write_spec(config, file_spec: LlamaSpec, spec: LlamaSpec) -> None:
-    """Write into transformers' `config` every field where `spec` differs from its own reading."""
-    for field in dataclasses.fields(spec):
-        value = getattr(spec, field.name)
-        if field.compare and value != getattr(file_spec, field.name):
-            writer = _CONFIG_WRITERS.get(field.name)
-            writer(config, spec) if writer else setattr(config, field.name, value)
+    """Write into transformers' `config` every value where `spec` differs from its own reading."""
+    read = file_spec.values()
+    for name, value in spec.values().items():
+        if value != read.get(name):
+            writer = _CONFIG_WRITERS.get(name)
+            writer(config, spec) if writer else setattr(config, name, value)

@@ -57,19 +57,47 @@ class Point:
 
 @dataclass(frozen=True)
 class ConfigField:
-    """A config.json key a component reads: its default (`tracer.model.config.REQUIRED`: none) and its
-    kind of value ("positive_int", "positive_number", "bool"), checked as the readers check theirs."""
+    """A config.json key a component reads: its default when the key is absent
+    (`tracer.model.config.REQUIRED`: none, the key must be there) and its kind of value, which names the
+    shared checker that checks it (`tracer.model.config.FIELD_CHECKS`: "positive_int", "positive_number",
+    "bool", "optional_number", "optional_positive_int"; "": its component's `read_config` checks it). Without
+    a `read_config` of its component, the checked value becomes the spec attribute of the same name
+    (`spec.num_local_experts`)."""
 
     key: str
     default: Any
-    kind: str = "positive_int"  # "positive_int" | "positive_number" | "bool"
+    kind: str = "positive_int"
 
 
 class Component:
-    """A part of a model. Subclasses are frozen dataclasses overriding what they declare."""
+    """A part of a model. Subclasses are frozen dataclasses overriding what they declare.
+
+    How a family reads its config.json (as mlx-lm's per-model `ModelArgs.from_dict`): beyond the sizes
+    every family shares (`tracer.model.config.LlamaSpec`), each component declares the keys it reads
+    (`config_fields`: key, default, kind), the spec attributes its forward reads with their value where no
+    config sets them (`spec_fields`: no window, no cap, no bias), and, where a value needs logic
+    (Qwen's use_sliding_window with max_window_layers, Gemma 3's nested rope_parameters), a
+    `read_config` that returns the spec values itself. `tracer.model.config.read_hf` merges what the
+    family's components read into the spec's `extra`; `spec.sliding_window` reads it back.
+    """
 
     knobs: tuple = ()  # the `tracer.model.knobs.Knob` records of the porting mistakes it can make
     config_fields: tuple[ConfigField, ...] = ()
+    # spec attribute -> its value in a model whose config does not set it (the feature off); the same
+    # in every component that declares it (`spec_field_defaults`)
+    spec_fields: dict[str, Any] = {}
+    # spec attribute -> spec -> its value, computed each time it is read (`spec.rotary_dim`: it follows
+    # a head_dim knob)
+    spec_properties: dict[str, Callable] = {}
+
+    def read_config(self, config: dict) -> dict | None:
+        """The spec values it reads from config.json, checked (shared ones such as rope_theta included);
+        None: each of its `config_fields` as declared (`tracer.model.config.read_fields`).
+
+        Raises:
+            TracerError: a value transformers would refuse, naming the key.
+        """
+        return None
 
     def parts(self) -> tuple[Component, ...]:
         """The components inside this one (attention's projections, q/k norm, RoPE)."""
@@ -142,7 +170,8 @@ class Family:
         adds: one line, what it adds over Llama (`tracer variants`, docs/families.md).
         embedding, norm, attention, mlp, block, head: its components (`tracer.model.components`);
             `norm` is its RMSNorm flavour, which every norm of the model uses.
-        config: how transformers reads its config.json (`tracer.model.config.FamilyConfig`).
+        config: the defaults transformers gives the shared sizes in this family
+            (`tracer.model.config.FamilyConfig`); what else it reads, its components declare.
         gguf_arch: llama.cpp's architecture name, which keys gguf's `TensorNameMap`.
         hints: point (or sub-point) -> what this family does there that a port gets wrong.
     """
@@ -209,6 +238,7 @@ class Family:
         return tuple(seen.values())
 
     def config_fields(self) -> tuple[ConfigField, ...]:
+        """The config.json keys its components read, in the order the forward runs them."""
         return tuple(f for component in self.all_components() for f in component.config_fields)
 
     def steps(self, knobs: dict, spec) -> dict[str, Any]:
@@ -236,6 +266,35 @@ def unregister(name: str) -> None:
 
 def registry_version() -> int:
     return _VERSION[0]
+
+
+_SPEC_FIELDS: list = [-1, {}, {}]  # registry version, then the two tables read off it
+
+
+def spec_field_defaults() -> dict[str, Any]:
+    """spec attribute -> its value where no config sets it, as the registered families' components
+    declare them (`Component.spec_fields`): what `spec.sliding_window` reads on a Llama, or on a spec
+    built without a family's reading (candle's reader, a GGUF's sizes)."""
+    return _spec_tables()[0]
+
+
+def spec_properties() -> dict[str, Callable]:
+    """spec attribute -> how it is computed from the spec (`Component.spec_properties`)."""
+    return _spec_tables()[1]
+
+
+def _spec_tables() -> tuple[dict, dict]:
+    if _SPEC_FIELDS[0] != _VERSION[0]:
+        defaults: dict[str, Any] = {}
+        properties: dict[str, Callable] = {}
+        for family in _REGISTRY.values():
+            for component in family.all_components():
+                for name, off in component.spec_fields.items():
+                    defaults.setdefault(name, off)
+                for name, compute in component.spec_properties.items():
+                    properties.setdefault(name, compute)
+        _SPEC_FIELDS[:] = [_VERSION[0], defaults, properties]
+    return _SPEC_FIELDS[1], _SPEC_FIELDS[2]
 
 
 def registered() -> dict[str, Family]:

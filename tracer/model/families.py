@@ -3,9 +3,9 @@
 A family is a short declaration that states only how it differs from its parent, as transformers'
 modular files do (Gemma 2 = Llama with (1 + w) norms, scaled embeddings, sandwich norms and
 soft-capping). Its point order and records (`tracer.model.points`), its tensor shapes
-(`Family.weight_shapes`), the knobs that apply to it (its components', `tracer.model.knobs`) and how
-hf observes it are read off the composition; other runtimes' names for its points are each runtime's own
-(`tracer.names`).
+(`Family.weight_shapes`), the knobs that apply to it (its components', `tracer.model.knobs`), the
+config keys it reads (its components' `config_fields` and `read_config`) and how hf observes it are
+read off the composition; other runtimes' names for its points are each runtime's own (`tracer.names`).
 `register` adds a family: a test's made-up family with a component of its own is one component
 module and one declaration, and nothing here changes. No torch here.
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tracer.model import config
 from tracer.model.component import (
+    ConfigField,
     Family,
     family_named,
     family_of,
@@ -26,7 +26,17 @@ from tracer.model.component import (
     registered,
     unregister,
 )
-from tracer.model.components.attention import Attention, FusedQKV, PerHeadNorm, WholeNorm
+from tracer.model.components.attention import (
+    Attention,
+    EveryLayerWindow,
+    FusedQKV,
+    LaterLayersWindow,
+    PatternWindow,
+    PerHeadNorm,
+    SeparateQKV,
+    SoftCap,
+    WholeNorm,
+)
 from tracer.model.components.block import POST_NORM, PRE_NORM, SANDWICH, Block
 from tracer.model.components.embedding import Embedding, ScaledEmbedding
 from tracer.model.components.head import Head
@@ -75,21 +85,24 @@ _WINDOW = ("sliding-window attention: a query sees only the last sliding_window 
            "(window=ignore attends to the whole prefix, visible once the prompt is longer than the window)")
 _QK_NORM = ("per-head RMSNorm of q and k over each head's D values, before RoPE "
             "(qk_norm=drop forgets it; OLMo-2 norms the whole projection instead)")
-_LLAMA_KEYS = {**config.ROPE_KEYS, "attention_bias": False, "mlp_bias": False}
+# The config keys some families' components read as written (the others' values need logic: their
+# components read them, `Component.read_config`).
+ATTENTION_BIAS = ConfigField("attention_bias", False, "bool")  # q/k/v and o_proj biases
+MLP_BIAS = ConfigField("mlp_bias", False, "bool")
+QUERY_PRE_ATTN_SCALAR = ConfigField("query_pre_attn_scalar", 256, "positive_number")  # Gemma's score scale
 _GEMMA_CONFIG = dict(kv_heads=4, head_dim=256, tied=True, activation=("hidden_activation", "gelu_pytorch_tanh"),
                      divisible_heads=True)
 
 LLAMA = Family(
     "llama", "Llama", ("llama",), "LlamaForCausalLM", "the reference design: pre-norm RMSNorm, RoPE, GQA, SwiGLU",
-    embedding=Embedding(), norm=RMSNorm(), attention=Attention(), mlp=GatedMLP(), block=Block(PRE_NORM), head=Head(),
-    config=FamilyConfig(config.llama_extras, _LLAMA_KEYS, divisible_heads=True))
+    embedding=Embedding(), norm=RMSNorm(), attention=Attention(fields=(ATTENTION_BIAS,)),
+    mlp=GatedMLP(fields=(MLP_BIAS,)), block=Block(PRE_NORM), head=Head(), config=FamilyConfig(divisible_heads=True))
 
 QWEN2 = LLAMA.derive(
     name="qwen2", title="Qwen2 / Qwen2.5", model_types=("qwen2",), architecture="Qwen2ForCausalLM", gguf_arch="qwen2",
     adds="q/k/v biases (no o_proj bias); optional sliding window on the layers from max_window_layers on",
-    attention=Attention(window=True),
-    config=FamilyConfig(config.qwen2_extras, {**config.ROPE_KEYS, **config.QWEN_WINDOW_KEYS}, kv_heads=32,
-                        max_positions=32768),
+    attention=Attention(projections=SeparateQKV(bias=True), window=LaterLayersWindow()), mlp=GatedMLP(),
+    config=FamilyConfig(kv_heads=32, max_positions=32768),
     hints={**_on((Q_PROJ, K_PROJ, V_PROJ), "Qwen2 always has q/k/v biases, whatever the config says (bias=ignore "
                                            "drops them, as candle's linear_no_bias would)"),
            PROBS: "Qwen2 " + _WINDOW})
@@ -97,29 +110,26 @@ QWEN2 = LLAMA.derive(
 QWEN3 = LLAMA.derive(
     name="qwen3", title="Qwen3", model_types=("qwen3",), architecture="Qwen3ForCausalLM", gguf_arch="qwen3",
     adds="per-head q/k RMSNorm before RoPE; head_dim from the config (default 128)",
-    attention=Attention(qk_norm=PerHeadNorm(), window=True),
-    config=FamilyConfig(config.qwen3_extras, {**config.ROPE_KEYS, "attention_bias": False,
-                                              **config.QWEN_WINDOW_KEYS}, kv_heads=32, head_dim=128,
-                        max_positions=32768),
+    attention=Attention(qk_norm=PerHeadNorm(), window=LaterLayersWindow(), fields=(ATTENTION_BIAS,)),
+    mlp=GatedMLP(), config=FamilyConfig(kv_heads=32, head_dim=128, max_positions=32768),
     hints={**_on((Q_NORM, K_NORM), "Qwen3 applies a " + _QK_NORM), PROBS: "Qwen3 " + _WINDOW})
 
 MISTRAL = LLAMA.derive(
     name="mistral", title="Mistral", model_types=("mistral",), architecture="MistralForCausalLM",
     adds="sliding window on every layer (transformers defaults sliding_window to 4096 when the key is absent)",
-    attention=Attention(window=True),
-    config=FamilyConfig(config.mistral_extras, {**config.ROPE_KEYS, "sliding_window": 4096}, kv_heads=8,
-                        max_positions=131072),
+    attention=Attention(window=EveryLayerWindow(4096)), mlp=GatedMLP(),
+    config=FamilyConfig(kv_heads=8, max_positions=131072),
     hints={PROBS: "Mistral " + _WINDOW + "; transformers reads an absent sliding_window as 4096"})
 
 GEMMA2 = LLAMA.derive(
     name="gemma2", title="Gemma 2", model_types=("gemma2",), architecture="Gemma2ForCausalLM", gguf_arch="gemma2",
     adds="(1 + w) RMSNorm, scaled embeddings, pre- and post-norms around both sublayers, attention and "
          "final-logit soft-capping, query_pre_attn_scalar, GeGLU (tanh), sliding window on alternate layers",
-    embedding=ScaledEmbedding(), norm=GemmaRMSNorm(), block=Block(SANDWICH), head=Head(softcap=True),
-    attention=Attention(window=True, softcap=True),
-    config=FamilyConfig(config.gemma2_extras, {**config.ROPE_KEYS, **config.GEMMA_KEYS, "attn_logit_softcapping": 50.0,
-                                               "final_logit_softcapping": 30.0, "use_bidirectional_attention": None},
-                        max_positions=8192, **_GEMMA_CONFIG),
+    embedding=ScaledEmbedding(), norm=GemmaRMSNorm(), block=Block(SANDWICH), mlp=GatedMLP(),
+    head=Head(softcap=SoftCap("final_logit_softcapping", 30.0)),
+    attention=Attention(window=PatternWindow(pattern=2), softcap=SoftCap("attn_logit_softcapping", 50.0),
+                        fields=(ATTENTION_BIAS, QUERY_PRE_ATTN_SCALAR)),
+    config=FamilyConfig(max_positions=8192, **_GEMMA_CONFIG),
     hints={**_on(_GEMMA_NORMS, _GEMMA_NORM), EMBED: _GEMMA_EMBED, MLP_ACT: _GEGLU,
            SCORES: "Gemma 2 soft-caps attention scores, cap·tanh(scores/cap) with attn_logit_softcapping, and "
                    "scales by query_pre_attn_scalar^-0.5 (softcap=drop forgets the cap)",
@@ -131,13 +141,11 @@ GEMMA3 = GEMMA2.derive(
     gguf_arch="gemma3",
     adds="Gemma 2's norms and embeddings, per-head q/k norms, local layers with their own RoPE base "
          "(rope_local_base_freq), a global layer every sliding_window_pattern layers, no soft-capping",
-    attention=Attention(qk_norm=PerHeadNorm(heads_first=True), rope=Rope(local=True), window=True, softcap=True),
-    config=FamilyConfig(config.gemma3_extras, {"rope_parameters": None, "rope_theta": 1e6,
-                                               "rope_local_base_freq": 10_000.0, "rope_scaling": None,
-                                               **config.GEMMA_KEYS, "sliding_window_pattern": 6,
-                                               "attn_logit_softcapping": None, "final_logit_softcapping": None,
-                                               "use_bidirectional_attention": False},
-                        max_positions=131072, **_GEMMA_CONFIG),
+    attention=Attention(qk_norm=PerHeadNorm(heads_first=True), rope=Rope(local=True, theta=1e6),
+                        window=PatternWindow(pattern=6, pattern_key="sliding_window_pattern", bidirectional=False),
+                        softcap=SoftCap("attn_logit_softcapping"), fields=(ATTENTION_BIAS, QUERY_PRE_ATTN_SCALAR)),
+    head=Head(softcap=SoftCap("final_logit_softcapping")),
+    config=FamilyConfig(max_positions=131072, **_GEMMA_CONFIG),
     hints={**_on(_GEMMA_NORMS, _GEMMA_NORM), EMBED: _GEMMA_EMBED, MLP_ACT: _GEGLU,
            **_on((Q_NORM, K_NORM), "Gemma 3 applies a " + _QK_NORM + "; its q/k norms are (1 + w) norms too"),
            **_on((Q_ROPE, K_ROPE), "Gemma 3's local (sliding) layers rotate with rope_local_base_freq (10000), its "
@@ -152,10 +160,8 @@ PHI3 = LLAMA.derive(
     name="phi3", title="Phi-3", model_types=("phi3",), architecture="Phi3ForCausalLM", gguf_arch="phi3",
     adds="fused qkv_proj and gate_up_proj, partial rotary (partial_rotary_factor), longrope scaling, "
          "optional sliding window on every layer",
-    attention=Attention(projections=FusedQKV(), window=True), mlp=GatedMLP(fused=True),
-    config=FamilyConfig(config.phi3_extras, {**config.ROPE_KEYS, "partial_rotary_factor": 1.0,
-                                             "original_max_position_embeddings": 4096, "sliding_window": None},
-                        rms_norm_eps=1e-5, max_positions=4096),
+    attention=Attention(projections=FusedQKV(), rope=Rope(scaling_key="rope_scaling"), window=EveryLayerWindow()),
+    mlp=GatedMLP(fused=True), config=FamilyConfig(rms_norm_eps=1e-5, max_positions=4096),
     hints={**_on((Q_ROPE, K_ROPE), "Phi-3 splits its fused qkv_proj output as q | k | v with H·D, KV·D, KV·D "
                                    "columns (qkv_split reorders it), and rotates only the first "
                                    "partial_rotary_factor·D dims"),
@@ -166,8 +172,9 @@ OLMO2 = LLAMA.derive(
     name="olmo2", title="OLMo-2", model_types=("olmo2",), architecture="Olmo2ForCausalLM", gguf_arch="olmo2",
     adds="post-norms instead of pre-norms (norm of each sublayer's output, before the residual add), "
          "q/k RMSNorm over the whole projection, weight applied in f32",
-    norm=Olmo2RMSNorm(), block=Block(POST_NORM), attention=Attention(qk_norm=WholeNorm(), rope=Rope(precision="f32")),
-    config=FamilyConfig(config.olmo2_extras, {**config.ROPE_KEYS, "attention_bias": False}, rms_norm_eps=1e-5),
+    norm=Olmo2RMSNorm(), block=Block(POST_NORM), mlp=GatedMLP(),
+    attention=Attention(qk_norm=WholeNorm(), rope=Rope(precision="f32"), fields=(ATTENTION_BIAS,)),
+    config=FamilyConfig(rms_norm_eps=1e-5),
     hints={**_on((Q_NORM, K_NORM), "OLMo-2 norms q and k over the whole projection (H·D values), not per head, "
                                    "before RoPE (qk_norm=drop forgets it)"),
            **_on((POST_ATTENTION_NORM, POST_FF_NORM), "OLMo-2 norms each sublayer's output before the residual add "

@@ -3,14 +3,16 @@
 A variant is an ordered mapping knob -> value, written on the command line as
 `theta=10000,attn=sdpa`. This module only parses and validates; each engine applies the knobs it
 honours, and declares which (by kind) in its registry entry (`tracer.engines.registry`). The
-model-wide knobs are declared here (`MODEL_WIDE`); a knob that undoes one part of a model (Gemma's
-(1 + w) norm, a fused projection's split, a sliding window) is declared by the component that has
-that part (`tracer.model.components`), and applies to exactly the families composed of it; a switch
+model-wide knobs are declared here (`MODEL_WIDE`: the dtype, the shared sizes, the readers, the
+number formats); a knob that undoes one part of a model (attention's mask and kv repeat, RoPE's
+pairing, Gemma's (1 + w) norm, a fused projection's split, a sliding window) is declared by the
+component that has that part (`tracer.model.components`), and applies to exactly the families composed
+of it (every family, for attention's and RoPE's); a switch
 of one runtime (its thread count, its micro-batch) is declared by the engine that runs that runtime
 (`EngineEntry.switches`), which registers it here (`register_switch`) as the engine is registered.
 `KNOBS` reads all three, live (a test may register a family with a component of its own). Config-level knobs
-become a different `LlamaSpec` (`tracer.model.config.apply_overrides`), which the hf engine writes
-into transformers' config too; semantic knobs become steps of the reimplementation (each
+become a different `LlamaSpec` (`Knob.spec_change`, applied by `tracer.model.config.apply_overrides`),
+which the hf engine writes into transformers' config too; semantic knobs become steps of the reimplementation (each
 component's `steps`). A knob an engine cannot honour is an error naming the engines that can, never
 silently ignored. No torch here: `tracer variants` starts fast.
 """
@@ -22,11 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tracer.core.errors import TracerError, did_you_mean
-from tracer.model.component import Family, family_named, registered, registry_version
+from tracer.model.component import Family, family_named, registered, registry_version, spec_field_defaults
 from tracer.model.points import MLP_ACT
 
 DTYPES = ("f32", "bf16", "f16", "f64")
-ACTIVATION_VALUES = ("silu", "gelu", "gelu_tanh", "relu")  # tracer.model.config.ACT_NAMES maps them to transformers'
+ACTIVATION_VALUES = ("silu", "gelu", "gelu_tanh", "relu")
+# `act` knob value -> transformers' activation name (gelu_tanh is transformers' gelu_pytorch_tanh)
+ACT_NAMES = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 
 
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -64,6 +68,9 @@ class Knob:
     display: Callable[[Any], str] | None = None
     # A component's knob: the knob it follows in the catalogue (`tracer variants`, a sweep's order); "": last.
     after: str = ""
+    # A config-level knob: (spec, value) -> the spec the variant builds (`tracer.model.config.apply_overrides`);
+    # None: the knob changes no spec.
+    spec_change: Callable[[Any, Any], Any] | None = None
 
     @property
     def values(self) -> tuple[str, ...] | None:
@@ -155,8 +162,11 @@ def _llama_only(text: str) -> Callable[[Any], str]:
     return when(lambda spec: llama_graph(family_named(spec.family)), text)
 
 
-# transformers' Gemma 2 has no sdpa path (it cannot soft-cap), nor has the fused kernel
-_sdpa = when(lambda spec: spec.attn_logit_softcapping is None, "attn=sdpa")
+def _no_biases(spec, value: str):
+    """bias=ignore: every projection bias a component reads off the spec (the attributes named *_bias) off."""
+    if value == "keep":
+        return spec
+    return spec.replace(**{name: False for name in spec_field_defaults() if name.endswith("_bias")})
 
 
 def _file_path(text: str) -> str:
@@ -185,32 +195,16 @@ MODEL_WIDE: dict[str, Knob] = {
     for knob in (
         Knob("theta", _positive_float, "a positive number, e.g. theta=10000", "from config.json",
              "rope_theta silently 10000 (candle's serde default)",
-             lambda spec: "theta=10000" if spec.rope_theta != 10_000 else "theta=500000", kind="config"),
+             lambda spec: "theta=10000" if spec.rope_theta != 10_000 else "theta=500000", kind="config",
+             spec_change=lambda spec, value: spec.replace(rope_theta=value)),
         Knob("eps", _positive_float, "a positive number, e.g. eps=1e-6", "from config.json",
-             "a wrong rms_norm_eps", fixed("eps=1e-3"), kind="config"),
-        Knob("attn", choice("eager", "sdpa"), "eager | sdpa", "eager",
-             "the attention implementation (sdpa fuses scores and softmax)", _sdpa, kind="config"),
+             "a wrong rms_norm_eps", fixed("eps=1e-3"), kind="config",
+             spec_change=lambda spec, value: spec.replace(rms_norm_eps=value)),
         Knob("dtype", choice(*DTYPES), " | ".join(DTYPES), "f32",
              "the load dtype", fixed("dtype=bf16"), kind="config"),
-        Knob("rope", choice("half", "interleaved"), "half | interleaved", "half",
-             "candle rope_i (adjacent pairs, the GGUF convention) on HF-layout weights", fixed("rope=interleaved"),
-             kind="semantic"),
-        Knob("rope_scaling", choice("keep", "drop"), "keep | drop", "keep",
-             "Llama-3 rope_scaling lost (candle reading a transformers 5 config)", fixed("rope_scaling=drop"),
-             kind="config"),
-        Knob("kv_repeat", choice("interleave", "tile"), "interleave | tile", "interleave",
-             "GQA head order: tile (torch.cat / .repeat) instead of HF repeat_kv", fixed("kv_repeat=tile"),
-             kind="semantic"),
-        Knob("mask", choice("additive", "where", "none"), "additive | where | none", "additive",
-             "HF's min-float add vs candle's masked_fill -inf; none forgets the causal mask", fixed("mask=none"),
-             kind="semantic"),
-        Knob("attn_math", choice("hf", "candle"), "hf | candle", "hf",
-             "candle's attention: q, k, v upcast to f32 throughout, scores divided by sqrt(D)",
-             fixed("attn_math=candle"), kind="semantic"),
         Knob("bias", choice("keep", "ignore"), "keep | ignore", "keep",
-             "candle's linear_no_bias drops projection biases", fixed("bias=ignore"), kind="config"),
-        Knob("logits", choice("all", "last"), "all | last", "all",
-             "candle computes lm_head on the last position only", fixed("logits=last"), kind="semantic"),
+             "candle's linear_no_bias drops projection biases", fixed("bias=ignore"), kind="config",
+             spec_change=_no_biases),
         Knob("config", choice("hf", "candle"), "hf | candle", "hf",
              "which reader parses config.json (candle 0.11: 13 keys, see `tracer config`)",
              _llama_only("config=candle"), applies=llama_graph, kind="config"),
@@ -251,13 +245,15 @@ MODEL_WIDE: dict[str, Knob] = {
              fixed("accumulate=f64,weights=q8_0,act_quant=q8_0"), kind="regime"),
         Knob("layers", positive_int, "a positive integer, e.g. layers=31", "from config.json",
              "num_hidden_layers and the weights disagree", lambda spec: f"layers={spec.num_hidden_layers + 1}",
-             kind="config"),
+             kind="config", spec_change=lambda spec, value: spec.replace(num_hidden_layers=value)),
         Knob("head_dim", positive_int, "a positive integer, e.g. head_dim=32", "from config.json",
-             "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}", kind="config"),
+             "head_dim and the weights disagree", lambda spec: f"head_dim={spec.head_dim // 2}", kind="config",
+             spec_change=lambda spec, value: spec.replace(head_dim=value)),
         Knob("act", choice(*ACTIVATION_VALUES), " | ".join(ACTIVATION_VALUES), "from config.json",
              "another MLP activation than the config's: exact (erf) GELU for Gemma's tanh approximation, or the "
              "reverse", when(lambda spec: spec.hidden_act == "gelu_pytorch_tanh", "act=gelu"),
-             expected=f"layers.0.{MLP_ACT}", kind="config"),
+             expected=f"layers.0.{MLP_ACT}", kind="config",
+             spec_change=lambda spec, value: spec.replace(hidden_act=ACT_NAMES[value])),
         Knob("kv_cache", choice(*KV_CACHE_TYPES), " | ".join(KV_CACHE_TYPES), "f16 (llamacpp), f32 (reimpl)",
              "the KV cache's storage type (llama.cpp type_k/type_v; f16 by default): keys and values rounded "
              "before attention, which then computes as ggml does with that type", fixed("kv_cache=f32"),

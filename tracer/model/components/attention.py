@@ -1,6 +1,8 @@
 """Self-attention and its parts: the q/k/v projections (separate or fused), the q/k norm (none, per
 head, per head after the transpose, over the whole projection), RoPE (`tracer.model.components.rope`),
-the attention core (scores, probabilities, context; a sliding window; soft-capping) and o_proj.
+the attention core (scores, probabilities, context; a sliding window; soft-capping) and o_proj; the
+config fields each reads (the window and layer types each family's way, the soft-caps, the biases,
+`query_pre_attn_scalar`) and the attention core's knobs (attn, kv_repeat, mask, attn_math).
 
 Mirrors transformers 5.25's eager attention op by op (`modeling_llama.py`, and the families'
 `modeling_<family>.py`). Attention takes absolute positions (its RoPE tables, `Positions`) and an
@@ -19,9 +21,10 @@ from dataclasses import dataclass, field
 from tracer.core.errors import TracerError
 from tracer.core.lazy import F, torch
 from tracer.model import kv_cache
-from tracer.model.component import Component, Point
+from tracer.model.component import Component, ConfigField, Point
 from tracer.model.components import padding
 from tracer.model.components.rope import Rope
+from tracer.model.config import check, given, refuse
 from tracer.model.knobs import KNOBS, Knob, choice, fixed, setting, when
 from tracer.model.points import (
     BIAS,
@@ -163,7 +166,7 @@ def attention_eager(q, k, v, spec, steps, record, visible: Visible | None = None
     work = steps.attention_dtype or in_dtype
     q, k, v = q.to(work), k.to(work), v.to(work)
     k, v = steps.repeat_kv(k, spec.num_kv_groups), steps.repeat_kv(v, spec.num_kv_groups)  # (1, H, S, D)
-    scores = steps.scale_scores(torch.matmul(q, k.transpose(2, 3)), spec.score_scale_dim)  # (1, H, T, S)
+    scores = steps.scale_scores(torch.matmul(q, k.transpose(2, 3)), score_scale_dim(spec))  # (1, H, T, S)
     scores = steps.softcap(scores, spec.attn_logit_softcapping)
     record(SCORES, scores)
     probs = F.softmax(steps.mask(scores, visible), dim=-1, dtype=torch.float32).to(work)
@@ -175,7 +178,7 @@ def attention_sdpa(q, k, v, spec, steps, record, visible: Visible | None = None)
     """torch's fused kernel with its own causal mask (an explicit one for a window or a cache);
     scores and probs never exist as tensors."""
     k, v = steps.repeat_kv(k, spec.num_kv_groups), steps.repeat_kv(v, spec.num_kv_groups)  # (1, H, S, D)
-    scale = spec.score_scale_dim ** -0.5
+    scale = score_scale_dim(spec) ** -0.5
     square = visible is None or (visible.window is None and visible.real is None
                                  and visible.keys.shape[0] == visible.queries.shape[0])
     if square:
@@ -192,9 +195,41 @@ ATTN_MATH = {"hf": (scale_multiply, None), "candle": (scale_divide, "float32")}
 # Knobs the fused sdpa kernel cannot take: it masks and scales inside.
 EAGER_ONLY = ("mask", "attn_math")
 
+# The attention core's porting mistakes (every family's: every family has attention).
+ATTN = Knob("attn", choice("eager", "sdpa"), "eager | sdpa", "eager",
+            "the attention implementation (sdpa fuses scores and softmax)",
+            # transformers' Gemma 2 has no sdpa path (it cannot soft-cap), nor has the fused kernel
+            when(lambda spec: spec.attn_logit_softcapping is None, "attn=sdpa"), kind="config", after="eps")
+KV_REPEAT = Knob("kv_repeat", choice("interleave", "tile"), "interleave | tile", "interleave",
+                 "GQA head order: tile (torch.cat / .repeat) instead of HF repeat_kv", fixed("kv_repeat=tile"),
+                 kind="semantic", after="yarn_mscale")
+MASK = Knob("mask", choice("additive", "where", "none"), "additive | where | none", "additive",
+            "HF's min-float add vs candle's masked_fill -inf; none forgets the causal mask", fixed("mask=none"),
+            kind="semantic", after="kv_repeat")
+ATTN_MATH_KNOB = Knob("attn_math", choice("hf", "candle"), "hf | candle", "hf",
+                      "candle's attention: q, k, v upcast to f32 throughout, scores divided by sqrt(D)",
+                      fixed("attn_math=candle"), kind="semantic", after="mask")
+CORE_KNOBS = (ATTN, KV_REPEAT, MASK, ATTN_MATH_KNOB)
+
+
+def layer_type(spec, layer: int) -> str:
+    """"full_attention" or "sliding_attention": the config's layer_types, repeated (None: all full)."""
+    types = spec.layer_types
+    return types[layer % len(types)] if types else "full_attention"
+
+
+def window_of(spec, layer: int) -> int | None:
+    """The sliding window of one layer; None where it attends to the whole prefix."""
+    return spec.sliding_window if layer_type(spec, layer) == "sliding_attention" else None
+
+
+def score_scale_dim(spec) -> int | float:
+    """What scores are scaled by the -0.5 power of: head_dim, or Gemma's query_pre_attn_scalar."""
+    return spec.head_dim if spec.query_pre_attn_scalar is None else spec.query_pre_attn_scalar
+
 
 def window_of_layer(spec, layer: int) -> int | None:
-    return spec.window(layer)
+    return window_of(spec, layer)
 
 
 def window_ignored(spec, layer: int) -> int | None:
@@ -251,7 +286,13 @@ QKV_SPLIT = Knob("qkv_split", _qkv_order, "an order of q, k, v, e.g. qkv_split=k
 
 @dataclass(frozen=True)
 class SeparateQKV(Component):
-    """q_proj, k_proj, v_proj (biases where the config says so)."""
+    """q_proj, k_proj, v_proj (biases where the config says so); `bias`: q/k/v biases whatever the
+    config says, and none on o_proj (Qwen2Attention: bias=True always)."""
+
+    bias: bool = False
+
+    def read_config(self, config: dict) -> dict:
+        return {"qkv_bias": True} if self.bias else {}
 
     def points(self, source: str) -> tuple[Point, ...]:
         return (Point(Q_PROJ, "q_proj", "merged", "projection", "query projection", source, gguf_permuted=True),
@@ -392,6 +433,114 @@ class WholeNorm(PerHeadNorm):
         return {"qk_heads": qk_norm_whole}
 
 
+# --- which layers slide, and how far: read from the config each family's way -----------------------
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def read_layer_types(config: dict, default: list[str]) -> tuple[str, ...]:
+    """`layer_types` as written (one per layer), else the family's pattern."""
+    types = config.get("layer_types")
+    if types is None:
+        return tuple(default)
+    layers = config["num_hidden_layers"]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
+        raise refuse("layer_types", types, f"a list of {layers} of {', '.join(LAYER_TYPES)}")
+    return tuple(types)
+
+
+def _window_field(default: int | None) -> ConfigField:
+    return ConfigField("sliding_window", default, "optional_positive_int")  # null: no window
+
+
+@dataclass(frozen=True)
+class EveryLayerWindow(Component):
+    """Mistral, Phi-3: one window on every layer, when there is one (`default`: transformers' value
+    when the key is absent, Mistral's 4096; null is no window)."""
+
+    default: int | None = None
+
+    @property
+    def knobs(self) -> tuple:
+        return (WINDOW, *kv_cache.WINDOW_KNOBS)
+
+    @property
+    def config_fields(self) -> tuple[ConfigField, ...]:
+        return (_window_field(self.default),)
+
+    def read_config(self, config: dict) -> dict:
+        window = check("optional_positive_int", "sliding_window", config.get("sliding_window", self.default))
+        return {"sliding_window": window,
+                "layer_types": None if window is None else ("sliding_attention",) * config["num_hidden_layers"]}
+
+
+@dataclass(frozen=True)
+class LaterLayersWindow(EveryLayerWindow):
+    """Qwen2/3: `sliding_window` only with `use_sliding_window`, on the layers from `max_window_layers` on
+    (or as `layer_types` says)."""
+
+    default: int | None = 4096
+    config_fields = (ConfigField("use_sliding_window", False, "bool"), _window_field(4096),
+                     ConfigField("max_window_layers", 28), ConfigField("layer_types", None, ""))
+
+    def read_config(self, config: dict) -> dict:
+        use = check("bool", "use_sliding_window", config.get("use_sliding_window", False))
+        window = check("optional_positive_int", "sliding_window", config.get("sliding_window", 4096)) if use else None
+        first = check("positive_int", "max_window_layers", config.get("max_window_layers", 28))
+        pattern = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                   for i in range(config["num_hidden_layers"])]
+        types = read_layer_types(config, pattern)
+        return {"sliding_window": window, "layer_types": types if "sliding_attention" in types else None}
+
+
+@dataclass(frozen=True)
+class PatternWindow(EveryLayerWindow):
+    """Gemma: a window (default 4096) on every layer but each `pattern`-th (Gemma 2: 2, alternate layers;
+    `pattern_key`: read from the config, Gemma 3's sliding_window_pattern, default 6), or as `layer_types`
+    says. Gemma's `use_bidirectional_attention` (EmbeddingGemma, `bidirectional` its default) makes an
+    encoder, no causal LM: refused."""
+
+    default: int | None = 4096
+    pattern: int = 2
+    pattern_key: str | None = None
+    bidirectional: bool | None = None
+
+    @property
+    def config_fields(self) -> tuple[ConfigField, ...]:
+        pattern = (ConfigField(self.pattern_key, self.pattern),) if self.pattern_key else ()
+        return (_window_field(self.default), ConfigField("layer_types", None, ""), *pattern,
+                ConfigField("use_bidirectional_attention", self.bidirectional, "bool"))
+
+    def read_config(self, config: dict) -> dict:
+        if check("bool", "use_bidirectional_attention", given(config, "use_bidirectional_attention", False)):
+            raise TracerError("a Gemma with use_bidirectional_attention (an embedding model) is not traced: it is "
+                              "no causal LM")
+        pattern = self.pattern
+        if self.pattern_key:
+            pattern = check("positive_int", self.pattern_key, config.get(self.pattern_key, self.pattern))
+        types = read_layer_types(config, ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                          for i in range(config["num_hidden_layers"])])
+        window = check("optional_positive_int", "sliding_window", config.get("sliding_window", self.default))
+        return {"sliding_window": window, "layer_types": types}
+
+
+@dataclass(frozen=True)
+class SoftCap(Component):
+    """Gemma's soft-capping, cap·tanh(x/cap), with the cap config.json's `key` holds (`default` when the
+    key is absent; null: no cap): attention scores (attn_logit_softcapping) or final logits."""
+
+    key: str = "attn_logit_softcapping"
+    default: float | None = None
+
+    @property
+    def knobs(self) -> tuple:
+        return (SOFTCAP,)
+
+    @property
+    def config_fields(self) -> tuple[ConfigField, ...]:
+        return (ConfigField(self.key, self.default, "optional_number"),)
+
+
 # --- attention ---------------------------------------------------------------------------------------
 
 WINDOW = Knob("window", choice("keep", "ignore"), "keep | ignore", "keep",
@@ -422,28 +571,42 @@ class Attention(Component):
     Attributes:
         projections: SeparateQKV() or FusedQKV().
         qk_norm: None, PerHeadNorm(), PerHeadNorm(heads_first=True) or WholeNorm().
-        rope: its RoPE (`Rope`: precision, local base).
-        window: its configs may restrict attention to a sliding window on some layers.
-        softcap: its configs may soft-cap the scores (Gemma 2).
+        rope: its RoPE (`Rope`: precision, local base, how its config writes it).
+        window: how its configs restrict attention to a sliding window on some layers (None: never):
+            EveryLayerWindow, LaterLayersWindow (Qwen), PatternWindow (Gemma).
+        softcap: its configs may soft-cap the scores (`SoftCap`: Gemma 2's attn_logit_softcapping).
+        fields: the other config keys it reads as written (attention_bias; Gemma's query_pre_attn_scalar).
     """
 
     projections: Component = field(default_factory=SeparateQKV)
     qk_norm: Component | None = None
     rope: Rope = field(default_factory=Rope)
-    window: bool = False
-    softcap: bool = False
+    window: Component | None = None
+    softcap: Component | None = None
+    fields: tuple[ConfigField, ...] = ()
+
+    # What the forward reads off the spec, where the family's config does not set it.
+    spec_fields = {"attention_bias": False, "qkv_bias": False, "sliding_window": None, "layer_types": None,
+                   "query_pre_attn_scalar": None, "attn_logit_softcapping": None}
+    spec_properties = {"layer_type": lambda spec: lambda layer: layer_type(spec, layer),
+                       "window": lambda spec: lambda layer: window_of(spec, layer),
+                       "score_scale_dim": score_scale_dim}
+
+    @property
+    def config_fields(self) -> tuple[ConfigField, ...]:
+        return self.fields
 
     @property
     def knobs(self) -> tuple:
-        return (WINDOW,) * self.window + (SOFTCAP,) * self.softcap + kv_cache.CACHE_KNOBS + \
-            kv_cache.WINDOW_KNOBS * self.window + padding.KNOBS
+        return CORE_KNOBS + kv_cache.CACHE_KNOBS + padding.KNOBS
 
     @property
     def output(self) -> str:
         return O_PROJ
 
     def parts(self) -> tuple[Component, ...]:
-        return tuple(part for part in (self.projections, self.qk_norm, self.rope) if part is not None)
+        return tuple(part for part in (self.projections, self.qk_norm, self.rope, self.window, self.softcap)
+                     if part is not None)
 
     def points(self, source: str) -> tuple[Point, ...]:
         """Its points in execution order, the projections reading `source`."""
@@ -506,7 +669,7 @@ class Attention(Component):
         q, k, v = steps.project(x, run)  # (1, T, H*D), (1, T, KV*D) x2
         q, k = steps.qk_heads(q, k, run)  # (1, H, T, D), (1, KV, T, D)
         v = heads_first(v, spec.head_dim)  # (1, KV, T, D)
-        cos, sin = run.positions.tables(spec.layer_type(run.index))  # (1, T, R) each
+        cos, sin = run.positions.tables(layer_type(spec, run.index))  # (1, T, R) each
         unrotated = k
         q, k = steps.rope(q, cos, sin), steps.rope(k, cos, sin)
         run.record(Q_ROPE, q)

@@ -8,8 +8,8 @@ from typing import Callable
 
 from tracer.core.lazy import F, torch
 from tracer.model.component import Component, Point
-from tracer.model.components.attention import SOFTCAP, SOFTCAPS
-from tracer.model.knobs import setting
+from tracer.model.components.attention import SOFTCAPS
+from tracer.model.knobs import Knob, choice, fixed, setting
 from tracer.model.points import FINAL_LOGITS, FINAL_NORM, LOGITS, WEIGHT
 
 
@@ -32,22 +32,27 @@ def _by_rows(linear: Callable, h: torch.Tensor, weight) -> torch.Tensor:
 
 
 LOGIT_STEPS = {"all": logits_all, "last": logits_last}
+LOGITS_KNOB = Knob("logits", choice("all", "last"), "all | last", "all",
+                   "candle computes lm_head on the last position only", fixed("logits=last"), kind="semantic",
+                   after="bias")
 
 
 @dataclass(frozen=True)
 class Head(Component):
-    """Final norm and lm_head; `softcap`: its configs may soft-cap the final logits (Gemma 2)."""
+    """Final norm and lm_head; `softcap`: its configs may soft-cap the final logits (Gemma's
+    final_logit_softcapping, `tracer.model.components.attention.SoftCap`)."""
 
-    softcap: bool = False
+    softcap: Component | None = None
+    knobs = (LOGITS_KNOB,)
+    spec_fields = {"final_logit_softcapping": None}  # no cap where the config sets none
 
-    @property
-    def knobs(self) -> tuple:
-        return (SOFTCAP,) if self.softcap else ()
+    def parts(self) -> tuple[Component, ...]:
+        return () if self.softcap is None else (self.softcap,)
 
     def points(self, family) -> tuple[Point, ...]:
         points = (Point(FINAL_NORM, "norm", "rows", "norm", "final RMSNorm", ""),
                   Point(LOGITS, "logits", "rows", "logits", "logits: the lm_head projection", ""))
-        if self.softcap:  # what the model returns: a field of its output, not a module's
+        if self.softcap is not None:  # what the model returns: a field of its output, not a module's
             points += (Point(FINAL_LOGITS, "capped logits", "rows", "softcap",
                              "final logits soft-capped, cap·tanh(logits/cap) (Gemma)", LOGITS, "model:logits"),)
         return points

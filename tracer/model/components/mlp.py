@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tracer.core.lazy import F, torch
-from tracer.model.component import Component, Point
+from tracer.model.component import Component, ConfigField, Point
 from tracer.model.knobs import Knob, choice, fixed, setting
 from tracer.model.points import BIAS, DOWN_PROJ, GATE_PROJ, GATE_UP_PROJ, MLP_ACT, UP_PROJ, WEIGHT
 
@@ -58,9 +58,16 @@ GATE_UP = Knob("gate_up", choice("gate_up", "up_gate"), "gate_up | up_gate", "ga
 
 @dataclass(frozen=True)
 class GatedMLP(Component):
-    """down(act(gate(x)) · up(x)); `fused`: one gate_up_proj, the gate first (Phi-3)."""
+    """down(act(gate(x)) · up(x)); `fused`: one gate_up_proj, the gate first (Phi-3); `fields`: the config
+    keys it reads as written (Llama's mlp_bias)."""
 
     fused: bool = False
+    fields: tuple[ConfigField, ...] = ()
+    spec_fields = {"mlp_bias": False}  # no biases where the config sets none
+
+    @property
+    def config_fields(self) -> tuple[ConfigField, ...]:
+        return self.fields
 
     @property
     def knobs(self) -> tuple:

@@ -26,7 +26,8 @@ from typing import Callable
 
 from tracer.core.errors import TracerError
 from tracer.core.lazy import torch
-from tracer.model.component import Component
+from tracer.model.component import Component, ConfigField
+from tracer.model.config import DEFAULT_ROPE_THETA, check, given, hf_rope, json_object, refuse
 from tracer.model.knobs import Knob, choice, fixed, setting
 from tracer.model.points import Q_ROPE
 
@@ -39,7 +40,7 @@ def rope_inv_freq(spec, layer_type: str = "full_attention", num_tokens: int = 1,
     reading of it, a knob's). Gemma 3's sliding layers use their own base (`rope_local_theta`) without
     scaling; longrope picks its factors and dynamic NTK its base by the sequence length `num_tokens`
     (the last position + 1), as transformers' `dynamic_rope_update` does."""
-    dim, local = spec.rotary_dim, layer_type == SLIDING and spec.rope_local_theta is not None
+    dim, local = rotary_dim(spec), layer_type == SLIDING and spec.rope_local_theta is not None
     base = spec.rope_local_theta if local else spec.rope_theta
     scaling = None if local else spec.rope_scaling if scaling == "config" else scaling
     kind = "default" if scaling is None else scaling["rope_type"]
@@ -231,7 +232,21 @@ class Positions:
 ROPE_LOCAL = Knob("rope_local", choice("local", "global"), "local | global", "local",
                   "Gemma 3's local (sliding) layers given the global RoPE base instead of rope_local_base_freq",
                   fixed("rope_local=global"),
-                  expected=f"{Q_ROPE} of the first local layer (layer 0)", kind="config", after="window")
+                  expected=f"{Q_ROPE} of the first local layer (layer 0)", kind="config", after="window",
+                  spec_change=lambda spec, value: spec.replace(rope_local_theta=spec.rope_theta)
+                  if value == "global" else spec)
+ROPE_PAIRS = Knob("rope", choice("half", "interleaved"), "half | interleaved", "half",
+                  "candle rope_i (adjacent pairs, the GGUF convention) on HF-layout weights",
+                  fixed("rope=interleaved"), kind="semantic", after="dtype")
+ROPE_SCALING = Knob("rope_scaling", choice("keep", "drop"), "keep | drop", "keep",
+                    "Llama-3 rope_scaling lost (candle reading a transformers 5 config)", fixed("rope_scaling=drop"),
+                    kind="config", after="rope",
+                    spec_change=lambda spec, value: spec.replace(rope_scaling=None) if value == "drop" else spec)
+
+
+def rotary_dim(spec) -> int:
+    """How many of each head's dims RoPE rotates (all but with Phi-3's partial rotary)."""
+    return int(spec.head_dim * spec.partial_rotary_factor)
 
 
 def rope_type(spec) -> str:
@@ -327,19 +342,51 @@ def _misreading(knobs: dict, spec) -> Callable | None:
 
 @dataclass(frozen=True)
 class Rope(Component):
-    """RoPE as attention applies it.
+    """RoPE as attention applies it, and how its configs write it.
 
     Attributes:
         precision: "model" (cos/sin cast to the model dtype) or "f32" (rotate in f32, cast back: OLMo-2).
-        local: its sliding layers rotate with their own base (Gemma 3's rope_local_base_freq).
+        local: its sliding layers rotate with their own base (Gemma 3's rope_local_base_freq; transformers 5
+            nests both bases in rope_parameters, by layer type).
+        theta: rope_theta when the config gives none (Gemma 3: 1e6).
+        scaling_key: where its configs keep the scaling first: "rope_parameters" (transformers 5; 4's
+            rope_theta and rope_scaling read too), or "rope_scaling" (Phi-3: "su" and "yarn" are longrope,
+            partial_rotary_factor, the pretraining length 4096 at top level).
     """
 
     precision: str = "model"
     local: bool = False
+    theta: float = DEFAULT_ROPE_THETA
+    scaling_key: str = "rope_parameters"
+
+    # What the forward reads off the spec beyond rope_theta and rope_scaling, where the config sets none.
+    spec_fields = {"rope_local_theta": None, "partial_rotary_factor": 1.0}
+    spec_properties = {"rotary_dim": rotary_dim}
 
     @property
     def knobs(self) -> tuple:
-        return ((ROPE_LOCAL,) if self.local else ()) + SCALING_KNOBS
+        return (ROPE_PAIRS, ROPE_SCALING) + ((ROPE_LOCAL,) if self.local else ()) + SCALING_KNOBS
+
+    @property
+    def config_fields(self) -> tuple[ConfigField, ...]:
+        """Its keys; `read_config` checks them (the rope parameters are one check, `hf_rope`)."""
+        if self.local:
+            return (ConfigField("rope_parameters", None, ""), ConfigField("rope_theta", self.theta, ""),
+                    ConfigField("rope_local_base_freq", 10_000.0, ""), ConfigField("rope_scaling", None, ""))
+        fields = (ConfigField("rope_parameters", None, ""), ConfigField("rope_theta", self.theta, ""),
+                  ConfigField("rope_scaling", None, ""), ConfigField("original_max_position_embeddings", None, ""))
+        if self.scaling_key == "rope_scaling":  # Phi-3's pretraining length and partial rotary
+            fields = (*fields[:3], ConfigField("partial_rotary_factor", 1.0, ""),
+                      ConfigField("original_max_position_embeddings", 4096, ""))
+        return fields
+
+    def read_config(self, config: dict) -> dict:
+        if self.local:
+            return _local_rope(config, self.theta)
+        if self.scaling_key == "rope_scaling":
+            return _phi3_rope(config)
+        theta, scaling = hf_rope(config, original_max=_top_level_original_max(config))
+        return {"rope_theta": theta, "rope_scaling": scaling}
 
     def steps(self, knobs: dict, spec) -> dict:
         misread = _misreading(knobs, spec)
@@ -347,6 +394,55 @@ class Rope(Component):
         rope = ROPES[setting(knobs, "rope")]
         if self.precision == "f32":
             rope = rotated_in_f32(rope)
-        if spec is not None and spec.rotary_dim < spec.head_dim:
+        if spec is not None and rotary_dim(spec) < spec.head_dim:
             rope = partial_rotary(rope)
         return {"rope": rope, "rotary": rotary, "rope_cast": self.precision == "model"}
+
+
+# --- how configs write RoPE ---------------------------------------------------------------------------
+
+
+def _top_level_original_max(config: dict) -> int | None:
+    """A top-level `original_max_position_embeddings` wins over the rope parameters' own (llama3, yarn,
+    longrope), in every family whose rope parameters are one dict: each `_compute_<type>_parameters`
+    calls `standardize_rope_params` again once the config holds it as an attribute."""
+    value = config.get("original_max_position_embeddings")
+    return None if value is None else check("positive_int", "original_max_position_embeddings", value)
+
+
+def _local_rope(config: dict, default_theta: float) -> dict:
+    """Gemma 3: a global RoPE (rope_theta, default 1e6, with any scaling) and a local one for the sliding
+    layers (rope_local_base_freq, default 10000); transformers 5 nests both in rope_parameters."""
+    params = json_object("rope_parameters", config.get("rope_parameters"))
+    nested = "full_attention" in params or "sliding_attention" in params
+    full = json_object("rope_parameters.full_attention", params.get("full_attention")) if nested else params
+    local = json_object("rope_parameters.sliding_attention", params.get("sliding_attention")) if nested else {}
+    theta, scaling = hf_rope(config, full, "rope_parameters.full_attention" if nested else "rope_parameters",
+                             default_theta)
+    local_theta, local_scaling = hf_rope({}, local, "rope_parameters.sliding_attention",
+                                         config.get("rope_local_base_freq", 10_000.0))
+    if local_scaling is not None:
+        raise TracerError("config.json: rope_parameters.sliding_attention scales the local RoPE; "
+                          "tracer's reimplementation scales the global one only")
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta}
+
+
+def _phi3_rope(config: dict) -> dict:
+    """Phi-3: `rope_scaling` replaces `rope_parameters` ("su" and "yarn" are longrope), the pretraining
+    length `original_max_position_embeddings` at top level wins, and `partial_rotary_factor` may sit at
+    top level or with the rope parameters."""
+    params = dict(json_object("rope_scaling", config.get("rope_scaling"))
+                  or json_object("rope_parameters", config.get("rope_parameters")))
+    if params.get("rope_type", params.get("type")) in ("su", "yarn"):
+        params["rope_type"] = "longrope"
+        params.pop("type", None)
+    original = check("positive_int", "original_max_position_embeddings",
+                     config.get("original_max_position_embeddings", 4096))
+    theta, scaling = hf_rope({**config, "rope_scaling": None}, params, original_max=original)
+    factor = check("positive_number", "partial_rotary_factor",
+                   params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    head_dim = given(config, "head_dim", None) or config["hidden_size"] // config["num_attention_heads"]
+    if factor > 1 or int(head_dim * factor) % 2:  # RoPE rotates pairs of the first head_dim·factor dims
+        raise refuse("partial_rotary_factor", factor, f"at most 1, rotating an even number of the {head_dim} "
+                                                      "dims of a head")
+    return {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": factor}
