@@ -49,9 +49,12 @@ def test_hf_and_reimpl_batches_agree_bitwise_and_rows_have_their_prompts_shapes(
         assert ours.points == alone.points and ours.tokens == ROWS[row]
         assert all(ours[p].shape == alone[p].shape for p in alone.points)  # the padding cut off every point
         assert all(torch.equal(ours[p], theirs[p]) for p in theirs.points), row
-    # the batch shape alone moves the reference's rounding on the padded rows (other matmul shapes), a little
+    # the batch shape alone moves the reference's rounding on the padded rows (other matmul shapes), a little;
+    # the unpadded row keeps its own shapes, bitwise so on one thread (more threads may split a batch's
+    # matmul otherwise than one row's)
     gaps = [max(rel_l2_by_point(hf.record(ids), row).values()) for ids, row in zip(ROWS, hf_rows)]
-    assert gaps[0] == 0.0 and 0.0 < max(gaps) < 1e-5
+    assert gaps[0] == 0.0 if torch.get_num_threads() == 1 else gaps[0] < 1e-6
+    assert 0.0 < max(gaps) < 1e-5
 
 
 def test_a_batch_of_one_is_the_unbatched_forward_bitwise(llama_dir):
@@ -70,7 +73,9 @@ def test_a_padded_batch_matches_row_by_row(llama_dir):
     assert [(row.row, row.padding, row.verdict) for row in result.batch] == [
         (0, 0, "match"), (1, 4, "match"), (2, 1, "match"), (3, 5, "match")]
     assert all(row.points == result.batch[0].points > 30 for row in result.batch)
-    assert result.batch[0].batch_floor == 0.0 and result.batch[1].batch_floor > 0.0  # the unpadded row: same shapes
+    assert result.batch[1].batch_floor > 0.0
+    # the unpadded row: its own shapes, bitwise on one thread (see the test above)
+    assert result.batch[0].batch_floor == 0.0 if torch.get_num_threads() == 1 else result.batch[0].batch_floor < 1e-6
     summary = result.to_dict()
     assert summary["row"] is None and summary["batch"][3]["tokens"] == TOKENS[2:4]
     assert any(note.startswith("batch: 4 rows left-padded to 7 tokens") for note in result.notes)
@@ -101,7 +106,9 @@ def test_one_prompt_repeated_and_record_by_rows(llama_dir, tmp_path, capsys):
                  "-o", str(tmp_path / "t.safetensors")]) == 0
     saved = [Trace.load(tmp_path / f"t.row{row}.safetensors") for row in range(3)]
     assert all(trace.tokens == [1, 17, 5] for trace in saved)
-    assert all(torch.equal(saved[0][p], saved[2][p]) for p in saved[0].points)  # no padding: the same rows
+    # no padding: the same rows (bitwise on one thread; more threads may round a batch's rows apart)
+    same = torch.equal if torch.get_num_threads() == 1 else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert all(same(saved[0][p], saved[2][p]) for p in saved[0].points)
 
 
 def test_how_a_batch_is_given_and_what_is_refused(llama_dir):
