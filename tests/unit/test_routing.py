@@ -145,16 +145,40 @@ def test_an_exact_tie_is_a_near_tie_even_without_any_error(router):
     assert diff.layers[0].margin[5] == 0  # the map's margin at the boundary
 
 
-def test_a_tie_flipped_before_the_first_divergence_is_said_beside_it(router):
+def tie_flipped_at_token_5(router, moved_token: int):
+    """A reference and a candidate whose router swaps an exact tie at layer 0 token 5; the experts' output
+    moved by 1.0 at `moved_token`, and the next layer's input (the flip carried on by attention) at 5 and 6."""
     x, w = router[0]
     logits = x @ w.T
     logits[5] = torch.tensor([2.0, 1.0, 1.0, -1.0])
     reference = {**routed(x, logits), "mlp.experts": x.clone()}
     candidate = {**reference, TOP_K_INDEX: reference[TOP_K_INDEX].clone(), "mlp.experts": x.clone()}
     candidate[TOP_K_INDEX][5, 1] = 2 if int(reference[TOP_K_INDEX][5, 1]) == 1 else 1
-    candidate["mlp.experts"][5] += 1.0  # token 5 went to another expert: its output differs
-    result = compare(trace([reference]), trace([candidate]))
+    candidate["mlp.experts"][moved_token] += 1.0
+    after = {POST_ATTENTION_NORM: x.clone()}
+    moved = {POST_ATTENTION_NORM: x.clone()}
+    moved[POST_ATTENTION_NORM][5:] += 1.0
+    return trace([reference, after]), trace([candidate, moved])
+
+
+def test_past_a_near_tie_flip_only_the_tokens_before_it_are_judged(router):
+    """Token 5 went to another expert on a tie: its rows from there on are the flip's, not a fault."""
+    result = compare(*tie_flipped_at_token_5(router, moved_token=5))
+    assert result.verdict == "match" and bool(result.routing) and result.routing.counts()["near_ties"] == 1
+    experts = next(p for p in result.points if p.point == layer_point(0, "mlp.experts"))
+    later = next(p for p in result.points if p.point == layer_point(1, POST_ATTENTION_NORM))
+    for judged in (experts, later):
+        assert judged.recorded and judged.rel_l2 == 0.0 and judged.shape == (TOKENS, HIDDEN)
+        assert judged.reason == "judged on tokens 0-4: a near-tie flip at layer 0 token 5 sent it to other experts"
+    weights = layer_point(0, TOP_K_WEIGHTS)  # the first point past the flip: aligned by slot, now other experts'
+    assert f"routing: a near-tie flip at layer 0 token 5 sent that token to other experts on a noise-level " \
+           f"margin; from {weights} on, 3 points are judged on the tokens before it and 0 not at all" in result.notes
+
+
+def test_a_divergence_before_the_flipped_token_is_still_found_and_said_beside_the_flip(router):
+    result = compare(*tie_flipped_at_token_5(router, moved_token=2))
     assert result.first_divergence.point == layer_point(0, "mlp.experts") and bool(result.routing)
+    assert result.first_divergence.rel_l2 > 0.1  # the moved row 2 alone, within tokens 0-4
     assert any(note.startswith("the first divergence model.layers.0.mlp.experts follows 1 near-tie routing flip(s), "
                                "the first at layer 0 token 5") for note in result.notes)
 

@@ -24,7 +24,7 @@ import torch
 
 from tracer.comparison.explain import amplification, breakdown, hints, runtime_hints
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
-from tracer.comparison.routing import ROUTING, routing_diff, routing_notes
+from tracer.comparison.routing import NEAR_TIE, ROUTING, RoutingDiff, routing_diff, routing_notes
 from tracer.core.errors import TracerError, ids_text
 from tracer.model.kv_cache import SlotLayout
 from tracer.model.points import (
@@ -32,7 +32,9 @@ from tracer.model.points import (
     FINAL_LOGITS,
     LOGITS,
     Q_ROPE,
+    TOP_K_INDEX,
     causal_allowed,
+    has_head_axis,
     is_causal,
     layer_of,
     layer_point,
@@ -471,11 +473,16 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
                           f"candidate: {len(candidate)}{said}); see docs/trace-format.md for the names tracer reads")
     if local:
         points = [dataclasses.replace(p, local_rel_l2=local.get(p.point)) if p.recorded else p for p in points]
+    family = trace_family(reference, candidate)
     first = first_divergence(points)
+    routing = routing_diff(reference, candidate, family, first, frozenset(p.point for p in points if p.diverged))
+    near_tie_notes = []
+    if routing is not None and first is not None:
+        points = judged_before_near_ties(points, routing, reference, candidate, tolerance, noise, layout)
+        first = first_divergence(points)
+        near_tie_notes = near_tie_note(points)
     if first:
         first = explain_divergence(first, reference, candidate, layout)
-    family = trace_family(reference, candidate)
-    routing = routing_diff(reference, candidate, family, first, frozenset(p.point for p in points if p.diverged))
     return Result(
         verdict="diverged" if first else "match",
         points=tuple(points),
@@ -487,12 +494,80 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         model=reference.meta.model,
         tokens=ref_tokens or cand_tokens,
         notes=(*layout_notes, *layout.notes(), *logits_note(reference, candidate),
-               *routing_notes(routing, first, family)),
+               *routing_notes(routing, first, family), *near_tie_notes),
         # A point whose metrics are all finite holds no NaN or Inf on either side: only the rest is scanned.
         first_nonfinite=first_nonfinite([p.point for p in points if not _finite_metrics(p)], reference, candidate),
         amplification=tuple(_amplification(points, family)),
         routing=routing,
     )
+
+
+def judged_before_near_ties(points: list[PointDiff], routing: RoutingDiff, reference: Trace, candidate: Trace,
+                            tolerance: Tolerance, noise: dict[str, float] | None,
+                            layout: SlotLayout) -> list[PointDiff]:
+    """The points past a near-tie routing flip judged on the tokens before it only.
+
+    A near-tie flip at layer L, token t sends t to other experts on a margin within the noise (docs/moe.md):
+    from there on, every row from t is the flip's consequence, not an op's error (attention carries it to the
+    later tokens; a causal model keeps the earlier ones out of it). Such points are judged on their rows
+    before t (`PointDiff.reason` says so), and not at all where no row comes before t: never called a
+    divergence, never called a match on rows that went elsewhere.
+    """
+    where = {p.point: n for n, p in enumerate(points)}  # execution order, as compared
+    cuts = [(where[layer_point(flip.layer, TOP_K_INDEX)], flip.token) for flip in routing.flips
+            if flip.kind == NEAR_TIE and layer_point(flip.layer, TOP_K_INDEX) in where]
+    if not cuts:
+        return points
+    judged = []
+    for at, p in enumerate(points):
+        tokens = [token for after, token in cuts if after < at]
+        if not tokens or not p.recorded:
+            judged.append(p)
+            continue
+        cut = min(tokens)
+        flip = next(f for f in routing.flips if f.kind == NEAR_TIE and f.token == cut)
+        why = f"a near-tie flip at layer {flip.layer} token {cut} sent it to other experts"
+        pair = paired(p.point, reference, candidate, layout) if p.point in reference and p.point in candidate \
+            else "not held"
+        rows = None if isinstance(pair, str) else before_token(p.point, *pair, cut, len(reference.tokens or ()))
+        if rows is None:
+            judged.append(PointDiff(p.point, p.layer, p.shape, missing_on="neither",
+                                    reason=f"not judged: {why}"))
+            continue
+        within = compare_point(p.point, *rows, tolerance, (noise or {}).get(p.point))
+        judged.append(dataclasses.replace(within, shape=p.shape, local_rel_l2=p.local_rel_l2,
+                                          reason=f"judged on tokens 0-{cut - 1}: {why}"))
+    return judged
+
+
+def near_tie_note(points: list[PointDiff]) -> list[str]:
+    """What `judged_before_near_ties` left out, in one note (none when it left nothing out)."""
+    partly = [p for p in points if p.recorded and (p.reason or "").startswith("judged on tokens")]
+    unjudged = [p for p in points if not p.recorded and (p.reason or "").startswith("not judged: a near-tie")]
+    if not partly and not unjudged:
+        return []
+    first = (partly or unjudged)[0]
+    flip = first.reason.split(": ", 1)[1].removesuffix(" sent it to other experts")
+    return [f"routing: {flip} sent that token to other experts on a noise-level margin; from {first.point} on, "
+            f"{len(partly)} points are judged on the tokens before it and {len(unjudged)} not at all"]
+
+
+def before_token(point: str, ref: torch.Tensor, cand: torch.Tensor, cut: int, tokens: int):
+    """Both sides' rows of the tokens before `cut` ((T, X): rows; (H, T, D): axis 1; (H, Q, T) attention: the
+    query rows of those tokens and their keys), or None where none comes before it or the token axis is not
+    the prompt's."""
+    if cut <= 0:
+        return None
+    if is_causal(point):
+        queries, keys = ref.shape[-2:]
+        first_query = keys - queries  # a long prompt keeps its last query rows only
+        if keys != tokens or cut <= first_query:
+            return None
+        return tuple(x[..., :cut - first_query, :cut] for x in (ref, cand))
+    axis = 1 if has_head_axis(point) else 0
+    if ref.dim() <= axis or ref.shape[axis] != tokens:
+        return None
+    return tuple(x.narrow(axis, 0, cut) for x in (ref, cand))
 
 
 def _finite_metrics(p: PointDiff) -> bool:
