@@ -20,6 +20,7 @@ Layouts (T tokens, H query heads, KV kv heads, D head dim):
 
 from __future__ import annotations
 
+import functools
 import re
 
 from tracer.model.component import Point, family_named, registered, registry_version
@@ -90,6 +91,7 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)(?:\.(.+))?$")
 _FOLDED_RE = re.compile(r"^model\.layers\.(\d+|\{i\})(?:\.(.+))?$")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # names repeat: a comparison splits each of ~500 points thousands of times
 def split_point(point: str) -> tuple[int | None, str]:
     """`model.layers.3.self_attn.q_rope` -> (3, "self_attn.q_rope"); `model.layers.3` -> (3, "");
     a point outside the blocks -> (None, point)."""
