@@ -101,10 +101,10 @@ def _nan_max(a: float, b: float) -> float:
 
 def compare_point(point: str, ref: torch.Tensor, cand: torch.Tensor, tolerance: Tolerance,
                   noise: float | None = None) -> PointDiff:
-    if not (ref.is_floating_point() and cand.is_floating_point()):  # ids, not values: no rel_l2 measures them
-        return PointDiff(point, layer_of(point), tuple(ref.shape), missing_on="neither", reason=INTEGER_POINT)
     if tuple(ref.shape) != tuple(cand.shape):
         raise TracerError(f"shape mismatch at {point}: reference {tuple(ref.shape)}, candidate {tuple(cand.shape)}")
+    if not (ref.is_floating_point() and cand.is_floating_point()):  # ids, not values: no rel_l2 measures them
+        return PointDiff(point, layer_of(point), tuple(ref.shape), missing_on="neither", reason=INTEGER_POINT)
     r_all = compared_entries(point, ref).reshape(-1)
     c_all = compared_entries(point, cand).reshape(-1)
     sums = _sums(r_all, c_all, _metric_dtype(r_all, c_all), tolerance)

@@ -37,8 +37,11 @@ class Point:
             "" for the embeddings).
         observed: how the hf engine sees it: "output" (the module's output), "output:(T, H, D)" or
             "output:(H, T, D)" (per head, merged into (T, H·D)), "output:(T, X)" (a module that drops
-            the batch), "input:MODULE" (the first input of that module under the layer), "attention"
-            (the recording attention function), "model:FIELD" (a field of the whole model's output).
+            the batch), "output[i]:(T, X)" (the i-th value returned by the module the point is a virtual
+            point under: a router's top-k indices), "within:MODULE:WHAT" (a value computed inside that
+            module's forward, `tracer.hooks.within`), "input:MODULE" (the first input of that module under
+            the layer), "attention" (the recording attention function), "model:FIELD" (a field of the whole
+            model's output).
         gguf_permuted: its last axis holds q/k RoPE pairs, which GGUF's converter permutes.
     """
 
@@ -60,13 +63,16 @@ class ConfigField:
     """A config.json key a component reads: its default when the key is absent
     (`tracer.model.config.REQUIRED`: none, the key must be there) and its kind of value, which names the
     shared checker that checks it (`tracer.model.config.FIELD_CHECKS`: "positive_int", "positive_number",
-    "bool", "optional_number", "optional_positive_int"; "": its component's `read_config` checks it). Without
-    a `read_config` of its component, the checked value becomes the spec attribute of the same name
-    (`spec.num_local_experts`)."""
+    "bool", "optional_number", "optional_positive_int", "layers": a list of layer indices; "": its
+    component's `read_config` checks it). Without a `read_config` of its component, the checked value
+    becomes the spec attribute of the same name (`spec.num_local_experts`). `aliases`: other keys
+    transformers reads as this one (its config's `attribute_map`: Qwen3-MoE's `num_experts` is its
+    `num_local_experts`)."""
 
     key: str
     default: Any
     kind: str = "positive_int"
+    aliases: tuple[str, ...] = ()
 
 
 class Component:
@@ -106,6 +112,14 @@ class Component:
     def weights(self, spec) -> dict[str, tuple[int, ...]]:
         """Its weights (HF names, relative to the layer for a block's part) and their shapes."""
         return {}
+
+    def records_on(self, spec, layer: int, point: str) -> bool:
+        """Whether it records its point `point` in block `layer` (a mixture of experts' dense layers do not route)."""
+        return True
+
+    def layer_weights(self, spec, layer: int) -> dict[str, tuple[int, ...]]:
+        """Its weights in one layer: `weights`, unless its layers differ (a mixture of experts' dense layers)."""
+        return self.weights(spec)
 
     def steps(self, knobs: dict, spec) -> dict[str, Callable]:
         """Its strategy slots for a variant's knobs (presets expanded): slot name -> function."""
@@ -224,10 +238,10 @@ class Family:
         """Its points outside the blocks in execution order (the capped logits where its head can cap)."""
         return self._model_points
 
-    def layer_weights(self, spec) -> dict[str, tuple[int, ...]]:
-        """One block's tensors (names relative to the layer) with their shapes."""
+    def layer_weights(self, spec, layer: int = 0) -> dict[str, tuple[int, ...]]:
+        """Block `layer`'s tensors (names relative to the layer) with their shapes."""
         return {name: shape for component in (self.block, self.attention, self.mlp)
-                for each in component.all_parts() for name, shape in each.weights(spec).items()}
+                for each in component.all_parts() for name, shape in each.layer_weights(spec, layer).items()}
 
     def knobs(self) -> tuple:
         """The knobs its components declare (the model-wide ones are not listed here)."""

@@ -173,7 +173,7 @@ def read_hf(config: dict) -> LlamaSpec:
     # RoPE's base and scaling are shared sizes, read by the family's `Rope` (Gemma 3 nests them, Phi-3 renames)
     spec = LlamaSpec(**shared, rope_theta=extra.pop("rope_theta", DEFAULT_ROPE_THETA),
                      rope_scaling=extra.pop("rope_scaling", None), family=family.name, extra=extra)
-    used = set(hf_fields(family.name))
+    used = set(hf_fields(family.name)) | {key for declared in family.config_fields() for key in declared.aliases}
     return spec.replace(unused_keys=tuple(sorted(k for k in config if k not in used and k not in NON_FORWARD_KEYS)))
 
 
@@ -188,12 +188,14 @@ def component_fields(config: dict, family) -> dict:
 
 
 def read_fields(config: dict, fields) -> dict:
-    """Declared config fields (`ConfigField`) as written, or their defaults, each checked by its kind."""
+    """Declared config fields (`ConfigField`) as written (under their key or one of its aliases, as
+    transformers reads them), or their defaults, each checked by its kind."""
     values = {}
     for declared in fields:
-        if declared.default is REQUIRED and declared.key not in config:
+        key = next((k for k in (declared.key, *declared.aliases) if k in config), declared.key)
+        if declared.default is REQUIRED and key not in config:
             raise TracerError(f"config.json lacks the required key {declared.key!r}")
-        values[declared.key] = check(declared.kind, declared.key, config.get(declared.key, declared.default))
+        values[declared.key] = check(declared.kind, key, config.get(key, declared.default))
     return values
 
 
@@ -328,10 +330,19 @@ def _optional(checker):
     return lambda key, value: None if value is None else checker(key, value)
 
 
+def _layer_list(key: str, value) -> tuple[int, ...]:
+    """Layer indices (null: none), e.g. Qwen2-MoE's `mlp_only_layers`."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value):
+        raise refuse(key, value, "a list of layer indices")
+    return tuple(value)
+
+
 # A declared config field's kind -> its checker (`ConfigField.kind`), the one each kind of value has.
 FIELD_CHECKS = {"positive_int": _positive_int, "positive_number": _positive_number, "bool": _boolean,
                 "optional_positive_int": _optional(_positive_int),
-                "optional_number": _optional(_positive_number)}
+                "optional_number": _optional(_positive_number), "layers": _layer_list}
 
 
 def check(kind: str, key: str, value):

@@ -58,14 +58,16 @@ GATE_PROJ = "mlp.gate_proj"
 UP_PROJ = "mlp.up_proj"
 MLP_ACT = "mlp.act"
 DOWN_PROJ = "mlp.down_proj"
-# A mixture-of-experts MLP's routing (docs/moe.md): the router's logits (T, E), the scores over all experts
-# (T, E), the scores top-k picks from where a selection bias is added (T, E), the picked experts (T, k) int64 in
-# top-k's order, and their routing weights (T, k), aligned with them.
-ROUTER_LOGITS = "mlp.gate"
-ROUTER_SCORES = "mlp.gate.scores"
-ROUTER_SELECTION = "mlp.gate.selection"
-TOP_K_INDEX = "mlp.gate.top_k_index"
-TOP_K_WEIGHTS = "mlp.gate.top_k_weights"
+# A mixture of experts' MLP (`tracer.model.components.moe`): the router's steps, the experts, the shared expert.
+ROUTER_LOGITS = "mlp.gate"  # (T, E), the router's logits
+ROUTER_SCORES = "mlp.gate.scores"  # (T, E) f32, softmax or sigmoid of the logits
+ROUTER_SELECTION = "mlp.gate.selection"  # (T, E), the scores top-k picks from where a selection bias is added
+TOP_K_INDEX = "mlp.gate.top_k_index"  # (T, k) int64, the picked experts in top-k's order
+TOP_K_WEIGHTS = "mlp.gate.top_k_weights"  # (T, k), the routing weights applied to them
+SHARED_EXPERT = "mlp.shared_expert"  # (T, C), the shared expert's output after its gate
+EXPERTS = "mlp.experts"  # (T, C), the routed experts' weighted sum
+# Points holding integers: never judged by rel_l2; the routing diff compares them (`tracer.comparison.routing`).
+INTEGER_POINTS = (TOP_K_INDEX,)
 
 # What a layer's KV cache holds after a forward with a cache (`--decode`): every slot's keys (after RoPE)
 # and values, (KV, S, D). Recorded only by a cached run, ranked right after the keys they hold.
@@ -99,6 +101,11 @@ def split_point(point: str) -> tuple[int | None, str]:
     if match is None:
         return None, point
     return int(match.group(1)), match.group(2) or ""
+
+
+def is_integer_point(point: str) -> bool:
+    """A point whose values are integers (the experts a router picks): judged by the routing diff."""
+    return split_point(point)[1] in INTEGER_POINTS
 
 
 def layer_of(point: str) -> int | None:
@@ -177,13 +184,16 @@ def model_points(final_softcap: bool = False, family: str | None = None) -> tupl
     return tuple(model_point_records(family, final_softcap))
 
 
-def all_points(num_layers: int, family: str | None = "llama", *, final_softcap: bool = False) -> list[str]:
+def all_points(num_layers: int, family: str | None = "llama", *, final_softcap: bool = False,
+               spec=None) -> list[str]:
     """Every point of a model with `num_layers` blocks, in execution order; `final_softcap`: its
-    config soft-caps the logits (Gemma 2), which adds the capped logits."""
+    config soft-caps the logits (Gemma 2), which adds the capped logits; `spec`: only the points each
+    layer records (a mixture of experts' dense layers record no routing points; None: every point)."""
     first, *last = model_points(final_softcap, family)
     names = [first]
+    mlp = family_named(family).mlp
     for i in range(num_layers):
-        names += [layer_point(i, sub) for sub in sub_points(family)]
+        names += [layer_point(i, sub) for sub in sub_points(family) if spec is None or mlp.records_on(spec, i, sub)]
     return names + last
 
 
