@@ -500,4 +500,6 @@ def _finite_metrics(p: PointDiff) -> bool:
 
 
 def _amplification(points: list[PointDiff], family: str | None = None) -> list[dict]:
-    return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None}, family=family)
+    # integer points (compared exactly: no cosine) have no relative error to amplify
+    return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None
+                          and p.cosine is not None}, family=family)
