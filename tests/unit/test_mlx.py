@@ -265,6 +265,17 @@ def test_mlx_lms_routing_matches_transformers_token_for_token(family, moe_traces
         assert all(layer_point(i, "mlp.shared_expert") in candidate for i in range(3))
 
 
+def test_a_dense_layer_beside_sparse_ones_records_the_dense_mlps_points(mlx, family_dir):
+    """Qwen3-MoE's mlp_only_layers, which mlx-lm's qwen3_moe.py reads: layer 1 is a gated MLP on both sides."""
+    model = with_hub_keys(family_dir("qwen3_moe", mlp_only_layers=[1]), "qwen3_moe")
+    reference, candidate = (tracer.record(model, TOKENS, engine=engine) for engine in ("hf", "mlx"))
+    layer1 = [point for point in candidate.points if point.startswith("model.layers.1.mlp")]
+    assert layer1 == [point for point in reference.points if point.startswith("model.layers.1.mlp")]
+    assert layer1 == [f"model.layers.1.mlp{sub}" for sub in (".gate_proj", ".up_proj", ".act", ".down_proj", "")]
+    result = tracer.compare(reference, candidate)
+    assert result.verdict == "match" and result.routing.counts()["agree"] == result.routing.counts()["tokens"] == 14
+
+
 def test_argpartitions_order_is_laid_out_as_top_k_returns_it(moe_traces, monkeypatch):
     """mlx-lm's qwen3_moe.py takes the last k of an ascending argpartition: left as it comes, every token's picks
     are the reverse of torch.topk's, an order-only difference on every token-layer, and a comparison of the
