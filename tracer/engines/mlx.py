@@ -16,6 +16,12 @@ first norm), and Gemma 2's scores and probabilities (the input and output of `mx
 attention). Every other family runs attention as one fused call (`mx.fast.scaled_dot_product_attention`):
 scores and probabilities never exist as arrays, and are "not recorded".
 
+A mixture of experts' routing (`mlx_lm/models/{mixtral,qwen2_moe,qwen3_moe,olmoe}.py`): the router's logits are
+its `gate`'s output, the scores its `mx.softmax` over every expert (Mixtral's softmax is over the k picked
+logits only: never formed), the picked experts `switch_mlp`'s second argument; the weights, the experts' sum and
+Qwen2-MoE's gated shared expert are arithmetic on `switch_mlp`'s output, recorded by handing that output on as a
+`Following` proxy. argpartition leaves the picks in no order: they are laid out in top-k's (`in_top_k_order`).
+
 MLX is lazy: the recorded arrays are collected during the forward and evaluated together with
 the logits in one `mx.eval`, then handed to the recorder one by one as torch tensors.
 """
@@ -46,18 +52,13 @@ from tracer.model.kv_cache import ring_slots
 from tracer.model.points import (
     CACHE_K,
     CACHE_V,
-    DOWN_PROJ,
     EXPERTS,
     FUSED_AWAY,
-    GATE_PROJ,
-    MLP_ACT,
     ROUTER_LOGITS,
     ROUTER_SCORES,
-    ROUTER_SELECTION,
     SHARED_EXPERT,
     TOP_K_INDEX,
     TOP_K_WEIGHTS,
-    UP_PROJ,
     layer_point,
     model_point_records,
     split_point,
@@ -129,7 +130,8 @@ class MLXEngine(EngineBase):
             layout = self.layouts.get(split_point(name)[1])
             recorded.append((name, layout(array) if layout else array))
 
-        with recording_calls(self.model, self.family, record, final_softcap=self.final_softcap) as planned:
+        with recording_calls(self.model, self.family, record, final_softcap=self.final_softcap,
+                             spec=self.spec) as planned:
             logits = self._forward(tokens, cache)
         got = {name for name, _ in recorded}
         missing = [point for point in planned if point not in got]
@@ -288,17 +290,18 @@ def unread_config_keys(config: dict, args_class) -> list[str]:
 Sides = dict[str, str]  # one call's sides (`Name.side`: "input", "output", "input[1]", "output*", ...) -> point
 
 
-def planned_calls(model, family: str, final_softcap: bool = False) -> dict[str, list[Sides]]:
+def planned_calls(model, family: str, final_softcap: bool = False, spec=None) -> dict[str, list[Sides]]:
     """Call (`tracer.names.mlx`: a module path, a module's method, mlx.core's function in a module, the
     model "") -> what each of its calls gives (side -> point), in call order, read off `family`'s points:
     mlx-lm's own name for a point where it has one (the first of its names the model has), else the
     module's output, or the input of the module hf takes the point from. The soft-capped logits are
-    planned where the reference caps them (`final_softcap`). A layer's MLP points are those of the MLP
-    mlx-lm built there (`mlp_points`: a mixture of experts' dense layers have no router). A point planned
-    nowhere is one mlx-lm never forms (`unseen_points`), or an error."""
+    planned where the reference caps them (`final_softcap`). A layer's points are those the family records
+    there on `spec` (the config read as transformers reads it: a mixture of experts' dense layers have no
+    router; None: every point). A point planned nowhere is one mlx-lm never forms (`unseen_points`), or an
+    error."""
     modules = dict(model.named_modules())
     own = MLX.for_family(family_named(family))
-    unseen = unseen_points(family)
+    unseen, mlp = unseen_points(family), family_named(family).mlp
     plan: dict[str, list[Sides]] = {}
 
     def put(path: str, call: int, side: str, point: str) -> None:
@@ -319,7 +322,9 @@ def planned_calls(model, family: str, final_softcap: bool = False) -> dict[str, 
         elif record.observed == "output":
             put(point, 0, "output", point)
     for i in range(len(model.layers)):
-        for sub, record in mlp_points(sub_points(family), modules, i).items():
+        for sub, record in sub_points(family).items():
+            if spec is not None and not mlp.records_on(spec, i, sub):
+                continue  # (a dense layer's router, a sparse layer's gated MLP)
             point = layer_point(i, sub)
             if sub in own:
                 put_named(own[sub], point, i)
@@ -334,25 +339,7 @@ def planned_calls(model, family: str, final_softcap: bool = False) -> dict[str, 
     return plan
 
 
-# A mixture of experts' MLP: its sparse layers' points, and those of the dense MLP beside them (Qwen2-MoE's and
-# Qwen3-MoE's mlp_only_layers), one set per layer as mlx-lm built it.
-SPARSE_POINTS = frozenset((ROUTER_LOGITS, ROUTER_SCORES, ROUTER_SELECTION, TOP_K_INDEX, TOP_K_WEIGHTS, EXPERTS,
-                           SHARED_EXPERT))
 PICKS = (TOP_K_INDEX, TOP_K_WEIGHTS)  # laid out together (`in_top_k_order`)
-DENSE_POINTS = frozenset((GATE_PROJ, UP_PROJ, MLP_ACT, DOWN_PROJ))
-SWITCH = "switch_mlp"  # mlx-lm's routed experts (SwitchGLU), in every sparse block
-
-
-def mlp_points(points: dict, modules: dict, layer: int) -> dict:
-    """The family's sub-points (`points`) that layer `layer` of mlx-lm's model computes: a family with both a
-    sparse and a dense MLP has, at each layer, the points of the one mlx-lm built there (the sparse one runs a
-    `switch_mlp`)."""
-    if not (SPARSE_POINTS & set(points) and DENSE_POINTS & set(points)):
-        return points
-    prefix = layer_point(layer, "")
-    sparse = any(path.startswith(prefix) and path.endswith(f".{SWITCH}") for path in modules)
-    other = DENSE_POINTS if sparse else SPARSE_POINTS
-    return {sub: record for sub, record in points.items() if sub not in other}
 
 
 def unseen_points(family: str) -> dict[str, str]:
@@ -378,12 +365,12 @@ def call_target(path: str, modules: dict) -> tuple[str, str] | None:
 
 
 @contextmanager
-def recording_calls(model, family: str, record, *, final_softcap: bool = False):
+def recording_calls(model, family: str, record, *, final_softcap: bool = False, spec=None):
     """Swap every observed module's class for a recording subclass, and the `mx` a model file calls
     mlx.core's functions through for one that records the planned ones; restore all of them on exit."""
     modules = dict(model.named_modules())
     watched: dict[str, dict[str, object]] = {}  # module path -> what of it is recorded -> its calls' sides
-    plan = planned_calls(model, family, final_softcap)
+    plan = planned_calls(model, family, final_softcap, spec)
     for path, calls in plan.items():
         module, member = call_target(path, modules)
         watched.setdefault(module, {})[member] = iter(calls)
