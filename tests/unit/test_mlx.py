@@ -302,6 +302,15 @@ def test_qwen2_moes_norm_topk_prob_is_not_read_the_experts_agree_the_weights_dif
     assert layer0.count("agree") == len(TOKENS) and 0.1 < layer0.weight_max_abs < 0.5
 
 
+def test_qwen2_moes_window_is_never_applied_by_mlx_lm(mlx, family_dir):
+    """use_sliding_window: transformers slides Qwen2-MoE's even layers below max_window_layers (layer 0 here);
+    mlx-lm's qwen2_moe.py has one causal mask. Fused attention: the context is the first point after it."""
+    model = family_dir("qwen2_moe", **MOE["qwen2_moe"], use_sliding_window=True, sliding_window=WINDOW)
+    result = tracer.run(model, tokens=TOKENS, candidate="mlx", greedy=0, progress=False)
+    assert result.first_divergence.point == "model.layers.0.self_attn.context"
+    assert "no sliding window" in result.first_divergence.hints[0]
+
+
 def test_mlx_lms_qwen3_moe_cannot_load_the_config_transformers_5_writes(mlx, family_dir):
     """transformers 5 writes num_local_experts and rope_parameters; mlx-lm's qwen3_moe.py requires num_experts
     and rope_theta: its own error, in one line."""

@@ -391,6 +391,9 @@ BUILTINS = (
             Difference("qwen2_moe", Q_ROPE, "a config holding its theta in rope_parameters only (as "
                        "transformers 5 writes it), other than 1e6",
                        "mlx-lm's qwen2_moe.py reads a top-level rope_theta only, else runs 1e6"),
+            Difference("qwen2_moe", CONTEXT, "use_sliding_window, a prompt longer than the window, on a config "
+                       "whose theta it reads",
+                       "mlx-lm's qwen2_moe.py has no sliding window: one causal mask for every layer"),
             Difference("qwen2_moe", TOP_K_WEIGHTS, "norm_topk_prob true",
                        "mlx-lm's qwen2_moe.py reads no norm_topk_prob: the top-k weights are never renormalized"),
         ),
