@@ -101,7 +101,13 @@ def test_tracer_engines_shows_every_cell(drifted, capsys, monkeypatch):
     assert main(["engines"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("engine × family"))
-    row = next(line for line in lines[lines.index(header):] if line.startswith("drifted "))
-    assert " ".join(row.split()[1:]) == " ".join(ENTRY.cell(family) for family in header.split()[3:])
+    start = next(i for i, line in enumerate(lines) if i > lines.index(header) and line.startswith("drifted "))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" "))
+    families = header.split()[3:]
+    # twelve families wrap their cells in 100 columns: each cell is read down its column, under its family
+    edges = [header.index(f"  {family}") + 2 for family in families] + [None]
+    cells = [" ".join(line[a:b].strip() for line in lines[start:end] if line[a:b].strip())
+             for a, b in zip(edges, edges[1:])]
+    assert cells == [ENTRY.cell(family) for family in families]
     assert "  drifted × llama: differs at self_attn.q_rope: its RoPE base is 500 whatever rope_theta says" in lines
     assert "  the drifted engine cannot trace olmo2: this runtime has no OLMo-2 model" in lines
