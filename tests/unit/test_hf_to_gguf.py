@@ -37,6 +37,10 @@ def _contents(path: Path) -> tuple[dict, dict]:
     return meta, tensors
 
 
+# the tiny families tracer's writer writes (it has none for a mixture of experts yet)
+WRITTEN = [family for family in TINY_FAMILIES if TINY_FAMILIES[family][0] in hf_to_gguf.FAMILIES]
+
+
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     """family -> (llama.cpp's file, tracer's file) for each tiny family, f32 and the converter's default."""
@@ -46,7 +50,7 @@ def pairs(tmp_path_factory):
     pytest.importorskip("gguf")
     folder = tmp_path_factory.mktemp("hf_to_gguf")
     jobs, out = [], {}
-    for family in TINY_FAMILIES:
+    for family in WRITTEN:
         model = write_tiny_family(folder / family, family)
         if family == "gemma3":  # Gemma3Model counts the tokenizer's tokens to cut the embedding: 97 of them
             vocab = {f"t{n}": n for n in range(97)}
@@ -66,7 +70,7 @@ def pairs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("outtype", ["f32", "auto"])
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("family", WRITTEN)
 def test_tracers_writer_writes_what_llamacpps_converter_writes(pairs, family, outtype):
     theirs, ours = (_contents(path) for path in pairs[family, outtype])
     assert ours[0] == theirs[0]  # every metadata key, its type and value
