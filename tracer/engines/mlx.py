@@ -227,6 +227,7 @@ def picked_ids(array):
     return batch_rows(array).astype(mx.int64)
 
 
+PICKS = (TOP_K_INDEX, TOP_K_WEIGHTS)  # laid out together (`in_top_k_order`)
 ROUTED = {ROUTER_LOGITS: batch_rows, ROUTER_SCORES: batch_rows, TOP_K_INDEX: picked_ids,
           TOP_K_WEIGHTS: picked_weights, EXPERTS: batch_rows, SHARED_EXPERT: batch_rows}
 
@@ -337,9 +338,6 @@ def planned_calls(model, family: str, final_softcap: bool = False, spec=None) ->
             elif sub not in FUSED_AWAY:  # (the attention's scores and probabilities: `fused_points`)
                 raise TracerError(f"the mlx engine has no call of mlx-lm's {family} model for {point}")
     return plan
-
-
-PICKS = (TOP_K_INDEX, TOP_K_WEIGHTS)  # laid out together (`in_top_k_order`)
 
 
 def unseen_points(family: str) -> dict[str, str]:
