@@ -9,6 +9,7 @@ scales where every feature shows (Gemma's norm weights are offsets around 0, the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -80,6 +81,22 @@ def write_tiny_family(path: Path, family: str, *, seed: int = 0, **overrides) ->
     finally:
         if was:
             hf_logging.enable_progress_bar()
+    return Path(path)
+
+
+# The keys the hub's configs (written by transformers 4) carry where transformers 5 writes others: Qwen3-MoE's
+# expert count as num_experts (5: num_local_experts) and its theta at the top level (5: in rope_parameters).
+# mlx-lm 0.32's qwen3_moe.py requires both, and cannot load a config without them (docs/engine-mlx.md).
+HUB_KEYS = {"qwen3_moe": lambda config: {"num_experts": config["num_local_experts"],
+                                         "rope_theta": config["rope_parameters"]["rope_theta"]}}
+
+
+def with_hub_keys(path: Path, family: str) -> Path:
+    """The model at `path` with the keys the hub's configs of `family` carry added to its config.json (the
+    values transformers 5 wrote under its own keys, which transformers reads alike)."""
+    file = Path(path) / "config.json"
+    config = json.loads(file.read_text())
+    file.write_text(json.dumps({**config, **HUB_KEYS[family](config)}, indent=2))
     return Path(path)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import tracer
 from tests.conftest import TOKENS
-from tests.families import TINY_FAMILIES, write_tiny_family
+from tests.families import TINY_FAMILIES, with_hub_keys, write_tiny_family
 from tracer.core.errors import TracerError
 from tracer.engines.registry import ABSENT, DIFFERS, ENGINES, NOT_YET
 from tracer.model.families import FAMILIES
@@ -41,6 +41,14 @@ def file_argument(family: str, model_dir, folder) -> str:
     tracer.record(model_dir, TOKENS, engine="hf", progress=False).save(path)
     return str(path)
 
+
+# Cells whose runtime cannot load the tiny model every other cell of the family runs, and the model they run
+# instead (docs/engine-mlx.md): mlx-lm's qwen2_moe.py makes every layer sparse (it reads no mlp_only_layers), and
+# its qwen3_moe.py requires the keys the hub's configs carry (num_experts, a top-level rope_theta).
+CELL_MODELS = {("mlx", "qwen2_moe"): lambda folder: write_tiny_family(folder / "mlx-qwen2_moe", "qwen2_moe",
+                                                                      mlp_only_layers=[]),
+               ("mlx", "qwen3_moe"): lambda folder: with_hub_keys(write_tiny_family(folder / "mlx-qwen3_moe",
+                                                                                    "qwen3_moe"), "qwen3_moe")}
 
 # How a cell names an engine that takes an argument (`engine:ARGUMENT`); the others run bare.
 ARGUMENTS = {"llamacpp": llamacpp_argument, "file": file_argument}
@@ -84,7 +92,8 @@ def test_cell(engine, family, tiny, monkeypatch):
         candidate = f"{engine}:{ARGUMENTS[engine](family, models[family], root)}"
     else:
         candidate = engine
-    result = tracer.run(models[family], tokens=TOKENS, candidate=candidate, variant=CELL_VARIANTS.get(engine),
+    model = CELL_MODELS[engine, family](root) if (engine, family) in CELL_MODELS else models[family]
+    result = tracer.run(model, tokens=TOKENS, candidate=candidate, variant=CELL_VARIANTS.get(engine),
                         greedy=2, progress=False)
     if cell == DIFFERS:
         differences = entry.differences_on(family)

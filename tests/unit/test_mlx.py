@@ -11,7 +11,7 @@ import torch
 
 import tracer
 from tests.conftest import TOKENS
-from tests.families import WINDOW, write_tiny_family
+from tests.families import HUB_KEYS, WINDOW, with_hub_keys, write_tiny_family
 from tracer import TracerError
 from tracer.engines.load import resolve_and_load
 from tracer.model.points import all_points, layer_point
@@ -212,3 +212,125 @@ def test_mlx_lms_own_forward_failing_is_one_line_naming_its_source_line(mlx, fam
     with pytest.raises(TracerError, match=r"^mlx-lm's forward failed in gemma3_text\.py:\d+ \(IndexError: "
                                           r"list index out of range\)$"):
         tracer.record(model, TOKENS, engine="mlx")
+
+
+# ----------------------------------------------------------------------------- mixtures of experts
+
+# family -> the tiny model on which mlx-lm runs what transformers runs: Mixtral without a window (mlx-lm's
+# mixtral.py has none), Qwen2-MoE with every layer sparse (its qwen2_moe.py reads no mlp_only_layers) and the theta
+# it runs (it reads no rope_parameters), Qwen3-MoE with the keys the hub's configs carry (its qwen3_moe.py
+# requires num_experts and a top-level rope_theta)
+MOE = {"mixtral": dict(sliding_window=None),
+       "qwen2_moe": dict(mlp_only_layers=[], rope_parameters={"rope_theta": 1e6, "rope_type": "default"}),
+       "qwen3_moe": {}, "olmoe": {}}
+
+
+@pytest.fixture(scope="module")
+def moe_traces(tmp_path_factory):
+    """family -> (its tiny model as in MOE, the hf trace, the mlx trace), each recorded once per module."""
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    root, traces = tmp_path_factory.mktemp("moe"), {}
+
+    def make(family: str):
+        if family not in traces:
+            model = write_tiny_family(root / family, family, **MOE[family])
+            model = with_hub_keys(model, family) if family in HUB_KEYS else model
+            traces[family] = (model, *(tracer.record(model, TOKENS, engine=engine) for engine in ("hf", "mlx")))
+        return traces[family]
+
+    return make
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_mlx_lms_routing_matches_transformers_token_for_token(family, moe_traces):
+    """Every point mlx-lm forms matches, and it sends every token of every layer to the reference's experts, in
+    the reference's order (mlx-lm's argpartition order laid out by weight), with the same weights."""
+    _, reference, candidate = moe_traces(family)
+    result, layers = tracer.compare(reference, candidate), range(candidate.meta.num_layers)
+    assert result.verdict == "match", result.first_divergence
+    counts = result.routing.counts()
+    assert counts["tokens"] == len(layers) * len(TOKENS) and counts["agree"] == counts["tokens"]
+    assert counts["flips"] == counts["order_only"] == 0 and result.routing.weight_max_abs < 1e-6
+    for layer in layers:
+        index = candidate[layer_point(layer, "mlp.gate.top_k_index")]
+        assert index.dtype == torch.int64 and index.shape == (len(TOKENS), 2)
+        assert torch.equal(index, reference[layer_point(layer, "mlp.gate.top_k_index")])
+    unseen = {p.point for p in result.points if p.missing_on == "candidate"}
+    said = {point for point in candidate.not_recorded if not point.endswith(FUSED)}
+    assert unseen == said | {layer_point(i, sub) for i in layers for sub in FUSED}
+    # Mixtral's softmax is over the picked logits only: its scores over every expert are the one point unseen
+    assert said == ({layer_point(i, "mlp.gate.scores") for i in layers} if family == "mixtral" else set())
+    if family == "qwen2_moe":  # the shared expert after its sigmoid gate, recorded as the operand of mlx-lm's `+`
+        assert all(layer_point(i, "mlp.shared_expert") in candidate for i in layers)
+
+
+def test_a_dense_layer_beside_sparse_ones_records_the_dense_mlps_points(mlx, family_dir):
+    """Qwen3-MoE's mlp_only_layers, which mlx-lm's qwen3_moe.py reads: layer 1 is a gated MLP on both sides."""
+    model = with_hub_keys(family_dir("qwen3_moe", mlp_only_layers=[1]), "qwen3_moe")
+    reference, candidate = (tracer.record(model, TOKENS, engine=engine) for engine in ("hf", "mlx"))
+    layer1 = [point for point in candidate.points if point.startswith("model.layers.1.mlp")]
+    assert layer1 == [point for point in reference.points if point.startswith("model.layers.1.mlp")]
+    assert layer1 == [f"model.layers.1.mlp{sub}" for sub in (".gate_proj", ".up_proj", ".act", ".down_proj", "")]
+    result = tracer.compare(reference, candidate)
+    # layer 0 sparse, layer 1 dense: one layer's tokens routed
+    assert result.verdict == "match" and result.routing.counts()["agree"] == result.routing.counts()["tokens"] == 7
+
+
+def test_argpartitions_order_is_laid_out_as_top_k_returns_it(moe_traces, monkeypatch):
+    """mlx-lm's qwen3_moe.py takes the last k of an ascending argpartition: left as it comes, every token's picks
+    are the reverse of torch.topk's, an order-only difference on every token-layer, and a comparison of the
+    weights slot by slot pairs one expert's weight with another's."""
+    model, reference, _ = moe_traces("qwen3_moe")
+    monkeypatch.setattr("tracer.engines.mlx.in_top_k_order", lambda tensors: None)
+    raw = tracer.record(model, TOKENS, engine="mlx")
+    result = tracer.compare(reference, raw)
+    counts = result.routing.counts()
+    assert counts["order_only"] == counts["tokens"] == raw.meta.num_layers * len(TOKENS) and counts["flips"] == 0
+    assert torch.equal(raw["model.layers.0.mlp.gate.top_k_index"],
+                       reference["model.layers.0.mlp.gate.top_k_index"].flip(-1))
+    assert result.first_divergence.point == "model.layers.0.mlp.gate.top_k_weights"
+
+
+def test_qwen2_moes_norm_topk_prob_is_not_read_the_experts_agree_the_weights_differ(mlx, family_dir):
+    """norm_topk_prob true: transformers renormalizes the k weights, mlx-lm's qwen2_moe.py never does. The
+    declared difference shows first, at layer 0's weights, while every token goes to the same experts."""
+    model = family_dir("qwen2_moe", **MOE["qwen2_moe"], norm_topk_prob=True)
+    result = tracer.run(model, tokens=TOKENS, candidate="mlx", greedy=0, progress=False)
+    assert result.first_divergence.point == "model.layers.0.mlp.gate.top_k_weights"
+    assert "norm_topk_prob" in result.first_divergence.hints[0]
+    layer0 = result.routing.layers[0]
+    assert layer0.count("agree") == len(TOKENS) and 0.1 < layer0.weight_max_abs < 0.5
+
+
+def test_qwen2_moes_window_is_never_applied_by_mlx_lm(mlx, family_dir):
+    """use_sliding_window: transformers slides Qwen2-MoE's even layers below max_window_layers (layer 0 here);
+    mlx-lm's qwen2_moe.py has one causal mask. Fused attention: the context is the first point after it."""
+    model = family_dir("qwen2_moe", **MOE["qwen2_moe"], use_sliding_window=True, sliding_window=WINDOW)
+    result = tracer.run(model, tokens=TOKENS, candidate="mlx", greedy=0, progress=False)
+    assert result.first_divergence.point == "model.layers.0.self_attn.context"
+    assert "no sliding window" in result.first_divergence.hints[0]
+
+
+def test_mlx_lms_qwen3_moe_cannot_load_the_config_transformers_5_writes(mlx, family_dir):
+    """transformers 5 writes num_local_experts and rope_parameters; mlx-lm's qwen3_moe.py requires num_experts
+    and rope_theta: its own error, in one line."""
+    with pytest.raises(TracerError, match=r"^mlx-lm cannot load .*missing 2 required positional arguments: "
+                                          r"'num_experts' and 'rope_theta'$"):
+        tracer.record(family_dir("qwen3_moe"), TOKENS, engine="mlx")
+
+
+def test_an_operation_mlx_lms_code_takes_off_the_plan_is_an_error_not_a_point_left_out(mlx):
+    import mlx.core as mx
+
+    from tracer.engines.mlx import Following
+
+    recorded = {}
+    outputs = Following(mx.ones((1, 3, 2, 4)), {"*": "weights", "*.sum": "experts"}, recorded.__setitem__, "switch_mlp")
+    summed = (outputs * mx.full((1, 3, 2, 1), 0.5)).sum(axis=-2)
+    assert isinstance(summed, mx.array) and set(recorded) == {"weights", "experts"}
+    assert summed.tolist() == [[[1.0] * 4] * 3]
+    with pytest.raises(TracerError, match=r"applied '\+' to the output of switch_mlp, where the mlx engine "
+                                          r"expected \* then \*\.sum"):
+        Following(mx.ones((1, 3, 2, 4)), {"*": "weights", "*.sum": "experts"}, recorded.__setitem__,
+                  "switch_mlp") + 1

@@ -16,6 +16,12 @@ first norm), and Gemma 2's scores and probabilities (the input and output of `mx
 attention). Every other family runs attention as one fused call (`mx.fast.scaled_dot_product_attention`):
 scores and probabilities never exist as arrays, and are "not recorded".
 
+A mixture of experts' routing (`mlx_lm/models/{mixtral,qwen2_moe,qwen3_moe,olmoe}.py`): the router's logits are
+its `gate`'s output, the scores its `mx.softmax` over every expert (Mixtral's softmax is over the k picked
+logits only: never formed), the picked experts `switch_mlp`'s second argument; the weights, the experts' sum and
+Qwen2-MoE's gated shared expert are arithmetic on `switch_mlp`'s output, recorded by handing that output on as a
+`Following` proxy. argpartition leaves the picks in no order: they are laid out in top-k's (`in_top_k_order`).
+
 MLX is lazy: the recorded arrays are collected during the forward and evaluated together with
 the logits in one `mx.eval`, then handed to the recorder one by one as torch tensors.
 """
@@ -46,13 +52,19 @@ from tracer.model.kv_cache import ring_slots
 from tracer.model.points import (
     CACHE_K,
     CACHE_V,
+    EXPERTS,
     FUSED_AWAY,
+    ROUTER_LOGITS,
+    ROUTER_SCORES,
+    SHARED_EXPERT,
+    TOP_K_INDEX,
+    TOP_K_WEIGHTS,
     layer_point,
     model_point_records,
     split_point,
     sub_points,
 )
-from tracer.names.mlx import MLX
+from tracer.names.mlx import MLX, UNSEEN
 from tracer.names.vocabulary import Name
 from tracer.traces.trace import Trace, TraceRecorder
 
@@ -118,8 +130,14 @@ class MLXEngine(EngineBase):
             layout = self.layouts.get(split_point(name)[1])
             recorded.append((name, layout(array) if layout else array))
 
-        with recording_calls(self.model, self.family, record, final_softcap=self.final_softcap):
+        with recording_calls(self.model, self.family, record, final_softcap=self.final_softcap,
+                             spec=self.spec) as planned:
             logits = self._forward(tokens, cache)
+        got = {name for name, _ in recorded}
+        missing = [point for point in planned if point not in got]
+        if missing:  # mlx-lm's code took another path than its model file's (a point left unrecorded otherwise)
+            raise TracerError(f"mlx-lm's forward never gave {missing[0]} (the mlx engine's plan for its "
+                              f"{self.family} model; {len(missing)} point(s) in all)")
         rings = {}  # a rotating cache's points -> (tokens it took, its slots): laid out as the ring
         for i, layer in enumerate(cache or ()):
             keys, values = cache_contents(layer)  # (1, KV, S, D) each: slices taken now, this step's contents
@@ -128,17 +146,19 @@ class MLXEngine(EngineBase):
             if getattr(layer, "max_size", None):
                 rings |= dict.fromkeys(points, (layer.offset, layer.max_size))
         mx.eval([logits, *(array for _, array in recorded)])  # one evaluation of the whole lazy graph
+        routed = {name: to_torch(array) for name, array in recorded if split_point(name)[1] in PICKS}
+        in_top_k_order(routed)
         out = to_torch(logits)
         while recorded:  # each MLX array let go once the recorder holds its copy
             name, array = recorded.popleft()
-            tensor = out if array is logits else to_torch(array)
+            tensor = out if array is logits else routed[name] if name in routed else to_torch(array)
             if name in rings:
                 tensor = ring_slots(tensor[0], *rings[name])[None]  # (1, KV, min(S, W), D) in the ring's slots
             recorder(name, tensor)
         return out
 
     def _meta(self, tokens: list[int], offset: int | None = None):
-        not_recorded = per_layer(self.num_layers, fused_points(self.family))
+        not_recorded = per_layer(self.num_layers, {**fused_points(self.family), **unseen_points(self.family)})
         return self.meta(tokens, TORCH_DTYPES[self.dtype], not_recorded, num_layers=self.num_layers,
                          runtime=runtime(), unused_config_keys=unread_config_keys(self.config, type(self.model.args)),
                          position_offset=offset)
@@ -186,7 +206,46 @@ def traced_layouts(family: str) -> dict:
     an unfused attention's scores and probabilities, which mlx-lm computes per kv head and repeat
     (B, KV, R, T, S), held as (B, H, T, S), head h = kv * R + r (transformers' repeat_kv order)."""
     layouts = {sub: fn for sub, point in sub_points(family).items() if (fn := PER_HEAD.get(point.observed))}
-    return layouts | dict.fromkeys(FUSED_AWAY, merged_kv_heads)
+    return layouts | dict.fromkeys(FUSED_AWAY, merged_kv_heads) | ROUTED
+
+
+def batch_rows(array):
+    """A routing point as mlx-lm forms it, (B, T, X), or (T, X) where its block flattens the tokens first
+    (OLMoE's), as (1, T, X): one row per token, under the batch axis every recorded point has."""
+    return array.reshape(1, -1, array.shape[-1])
+
+
+def picked_weights(array):
+    """The operand mlx-lm multiplies the picked experts' outputs (.., k, C) by: the weights (.., k, 1) -> (1, T, k)."""
+    return array.reshape(1, -1, array.shape[-2])
+
+
+def picked_ids(array):
+    """mlx-lm's picked experts, uint32 (.., k) as argpartition gives them -> int64 (1, T, k), the point's dtype."""
+    import mlx.core as mx  # mlx, an optional runtime: loaded where it runs
+
+    return batch_rows(array).astype(mx.int64)
+
+
+PICKS = (TOP_K_INDEX, TOP_K_WEIGHTS)  # laid out together (`in_top_k_order`)
+ROUTED = {ROUTER_LOGITS: batch_rows, ROUTER_SCORES: batch_rows, TOP_K_INDEX: picked_ids,
+          TOP_K_WEIGHTS: picked_weights, EXPERTS: batch_rows, SHARED_EXPERT: batch_rows}
+
+
+def in_top_k_order(tensors: dict) -> None:
+    """Each layer's picked experts and their weights (`tensors`, point -> torch (1, T, k), in place) laid out in
+    the point's order, descending weight, each weight moved with its expert. mlx-lm picks by
+    `argpartition`, which leaves the k picks in no order (`qwen3_moe.py` takes the last k of an ascending
+    partition: on the CPU build they come smallest first); its block sums over them, so their order is no part
+    of what it computes, and a comparison slot by slot would pair one expert's weight with another's. A
+    permutation of mlx-lm's own arrays: no value is recomputed, and ties keep mlx-lm's order (stable)."""
+    for point in [point for point in tensors if split_point(point)[1] == TOP_K_INDEX]:
+        weights_point = layer_point(split_point(point)[0], TOP_K_WEIGHTS)
+        if weights_point not in tensors:
+            continue
+        order = tensors[weights_point].float().argsort(dim=-1, descending=True, stable=True)  # (1, T, k)
+        tensors[point] = tensors[point].gather(-1, order)
+        tensors[weights_point] = tensors[weights_point].gather(-1, order)
 
 
 def merged_kv_heads(array):
@@ -229,23 +288,27 @@ def unread_config_keys(config: dict, args_class) -> list[str]:
 # ----------------------------------------------------------------------------- recording
 
 
-Pair = tuple[str | None, str | None]  # a call's (input point, output point); None: that side is no point
+Sides = dict[str, str]  # one call's sides (`Name.side`: "input", "output", "input[1]", "output*", ...) -> point
 
 
-def planned_calls(model, family: str, final_softcap: bool = False) -> dict[str, list[Pair]]:
+def planned_calls(model, family: str, final_softcap: bool = False, spec=None) -> dict[str, list[Sides]]:
     """Call (`tracer.names.mlx`: a module path, a module's method, mlx.core's function in a module, the
-    model "") -> one (input point, output point) per call, in call order, read off `family`'s points:
+    model "") -> what each of its calls gives (side -> point), in call order, read off `family`'s points:
     mlx-lm's own name for a point where it has one (the first of its names the model has), else the
     module's output, or the input of the module hf takes the point from. The soft-capped logits are
-    planned where the reference caps them (`final_softcap`)."""
+    planned where the reference caps them (`final_softcap`). A layer's points are those the family records
+    there on `spec` (the config read as transformers reads it: a mixture of experts' dense layers have no
+    router; None: every point). A point planned nowhere is one mlx-lm never forms (`unseen_points`), or an
+    error."""
     modules = dict(model.named_modules())
     own = MLX.for_family(family_named(family))
-    plan: dict[str, list[list[str | None]]] = {}
+    unseen, mlp = unseen_points(family), family_named(family).mlp
+    plan: dict[str, list[Sides]] = {}
 
     def put(path: str, call: int, side: str, point: str) -> None:
         slots = plan.setdefault(path, [])
-        slots += [[None, None] for _ in range(call + 1 - len(slots))]
-        slots[call][0 if side == "input" else 1] = point
+        slots += [{} for _ in range(call + 1 - len(slots))]
+        slots[call][side] = point
 
     def put_named(names: tuple[Name, ...], point: str, layer: int | None) -> None:
         paths = [name.pattern if layer is None else layer_point(layer, name.pattern) for name in names]
@@ -261,15 +324,25 @@ def planned_calls(model, family: str, final_softcap: bool = False) -> dict[str, 
             put(point, 0, "output", point)
     for i in range(len(model.layers)):
         for sub, record in sub_points(family).items():
+            if spec is not None and not mlp.records_on(spec, i, sub):
+                continue  # (a dense layer's router, a sparse layer's gated MLP)
             point = layer_point(i, sub)
             if sub in own:
                 put_named(own[sub], point, i)
+            elif sub in unseen:
+                continue  # never an array in mlx-lm (the trace's not_recorded says why)
             elif record.observed.startswith("output"):
                 put(point, 0, "output", point)
             elif record.observed.startswith("input:"):
                 put(layer_point(i, record.observed.removeprefix("input:")), 0, "input", point)
-            # else the attention's scores and probabilities, fused away (`fused_points`)
-    return {path: [tuple(pair) for pair in pairs] for path, pairs in plan.items()}
+            elif sub not in FUSED_AWAY:  # (the attention's scores and probabilities: `fused_points`)
+                raise TracerError(f"the mlx engine has no call of mlx-lm's {family} model for {point}")
+    return plan
+
+
+def unseen_points(family: str) -> dict[str, str]:
+    """The family's points mlx-lm never forms as arrays (not its fused attention's), each with why."""
+    return UNSEEN.get(family, {})
 
 
 FUNCTIONS = ".mx."  # `self_attn.mx.softmax`: mlx.core's softmax as the module's own code calls it
@@ -290,14 +363,15 @@ def call_target(path: str, modules: dict) -> tuple[str, str] | None:
 
 
 @contextmanager
-def recording_calls(model, family: str, record, *, final_softcap: bool = False):
+def recording_calls(model, family: str, record, *, final_softcap: bool = False, spec=None):
     """Swap every observed module's class for a recording subclass, and the `mx` a model file calls
     mlx.core's functions through for one that records the planned ones; restore all of them on exit."""
     modules = dict(model.named_modules())
-    watched: dict[str, dict[str, object]] = {}  # module path -> what of it is recorded -> its calls' pairs
-    for path, pairs in planned_calls(model, family, final_softcap).items():
+    watched: dict[str, dict[str, object]] = {}  # module path -> what of it is recorded -> its calls' sides
+    plan = planned_calls(model, family, final_softcap, spec)
+    for path, calls in plan.items():
         module, member = call_target(path, modules)
-        watched.setdefault(module, {})[member] = iter(pairs)
+        watched.setdefault(module, {})[member] = iter(calls)
     if len({id(modules[path]) for path in watched}) < len(watched):
         raise TracerError("mlx-lm shares one module between two observed paths: their calls cannot be told apart")
     running: list[tuple[str, dict]] = []  # the recording modules whose call is under way, innermost last
@@ -314,22 +388,67 @@ def recording_calls(model, family: str, record, *, final_softcap: bool = False):
             original = type(module)
             module.__class__ = _recording_class(original, path, members, running, record)
             restore.callback(setattr, module, "__class__", original)
-        yield
+        yield [point for calls in plan.values() for sides in calls for point in sides.values()]
 
 
 def _record_call(what: str, calls, record, call, args, kwargs):
-    """One call of `what`, its planned input and output points recorded."""
-    pair = next(calls, None)
-    if pair is None:
+    """One call of `what`, its planned sides recorded: its arguments, its output, and what mlx-lm's code
+    then does with the output (`Following`)."""
+    sides = next(calls, None)
+    if sides is None:
         raise TracerError(f"mlx-lm called {what} more often than the family's forward does; the mlx engine "
                           "cannot tell which point each call is")
-    input_point, output_point = pair
-    if input_point is not None:
-        record(input_point, args[0])
+    for side, point in sides.items():
+        if side.startswith("input"):
+            record(point, args[int(side.removeprefix("input").strip("[]") or 0)])  # "input[1]": the second
     output = call(*args, **kwargs)
-    if output_point is not None:
-        record(output_point, output)
-    return output
+    if "output" in sides:
+        record(sides["output"], output)
+    after = {side.removeprefix("output"): point for side, point in sides.items()
+             if side.startswith("output") and side != "output"}
+    return Following(output, after, record, what) if after else output
+
+
+class Following:
+    """A call's output handed on to mlx-lm's code, which records what that code's next operations on it take or
+    give, as planned (`steps`: "*" the operand it is multiplied by, "*.sum" that product's `.sum(...)`,
+    "*.sum+" the operand added to that sum -> a point each). mlx-lm's MoE blocks form the routing weights,
+    the experts' sum and the gated shared expert as arithmetic on `switch_mlp`'s output, never as a call:
+    `y = (y * scores[..., None]).sum(axis=-2)`, then `y + shared_expert_output` (Qwen2-MoE). Every other
+    attribute is the array's (`dtype`, `shape`); another operation while a step is pending is an error, never
+    a point left unrecorded."""
+
+    def __init__(self, array, steps: dict[str, str], record, what: str):
+        self._array, self._steps, self._record, self._what = array, steps, record, what
+
+    def _then(self, step: str, value, result):
+        """`result` of the step `step` (its operand or its result `value` recorded), handed on with the steps
+        after it."""
+        if step not in self._steps and not any(key.startswith(step) for key in self._steps):
+            raise TracerError(f"mlx-lm's code applied {step!r} to the output of {self._what}, where the mlx engine "
+                              f"expected {' then '.join(sorted(self._steps, key=len))}: it cannot record "
+                              f"{', '.join(self._steps.values())}")
+        if step in self._steps:
+            self._record(self._steps[step], value)
+        after = {key.removeprefix(step): point for key, point in self._steps.items()
+                 if key.startswith(step) and key != step}
+        return Following(result, after, self._record, self._what) if after else result
+
+    def __mul__(self, other):
+        return self._then("*", other, self._array * other)
+
+    def __add__(self, other):
+        return self._then("+", other, self._array + other)
+
+    def sum(self, *args, **kwargs):
+        result = self._array.sum(*args, **kwargs)
+        return self._then(".sum", result, result)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or callable(getattr(self._array, name)):
+            raise TracerError(f"mlx-lm's code called {name} on the output of {self._what}, where the mlx engine "
+                              f"expected {' then '.join(sorted(self._steps, key=len))}")
+        return getattr(self._array, name)
 
 
 def _recording_class(original: type, path: str, members: dict, running: list, record) -> type:

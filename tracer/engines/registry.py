@@ -35,7 +35,17 @@ from tracer.model.knobs import (
     unregister_switch,
     variant_text,
 )
-from tracer.model.points import CONTEXT, EMBED, FUSED_AWAY, MLP_ACT, PROBS, Q_ROPE, SCORES, split_point
+from tracer.model.points import (
+    CONTEXT,
+    EMBED,
+    FUSED_AWAY,
+    MLP_ACT,
+    PROBS,
+    Q_ROPE,
+    SCORES,
+    TOP_K_WEIGHTS,
+    split_point,
+)
 
 
 @dataclass(frozen=True)
@@ -360,7 +370,7 @@ BUILTINS = (
         knobs=("dtype",), fused_attention="every family but gemma2", devices=("cpu", "mps"), decode=True,
         extra="mlx", requires=(("mlx", "mlx"), ("mlx_lm", "mlx-lm")),
         # each difference is a line of mlx-lm 0.32's own model file, cited and reproduced in docs/engine-mlx.md
-        families=("llama", "qwen3", "olmo2"),
+        families=("llama", "qwen3", "olmo2", "qwen3_moe", "olmoe"),
         differences=(
             Difference("qwen2", Q_ROPE, "a config holding its theta in rope_parameters only (as "
                        "transformers 5 writes it), other than 1e6",
@@ -376,6 +386,16 @@ BUILTINS = (
                        "mlx-lm's gemma3_text.py scales the embedding by sqrt(hidden_size) rounded to bf16"),
             Difference("phi3", CONTEXT, "a prompt longer than the window",
                        "mlx-lm's phi3.py has no sliding window: one causal mask for every layer"),
+            Difference("mixtral", CONTEXT, "a prompt longer than sliding_window",
+                       "mlx-lm's mixtral.py has no sliding window: one causal mask for every layer"),
+            Difference("qwen2_moe", Q_ROPE, "a config holding its theta in rope_parameters only (as "
+                       "transformers 5 writes it), other than 1e6",
+                       "mlx-lm's qwen2_moe.py reads a top-level rope_theta only, else runs 1e6"),
+            Difference("qwen2_moe", CONTEXT, "use_sliding_window, a prompt longer than the window, on a config "
+                       "whose theta it reads",
+                       "mlx-lm's qwen2_moe.py has no sliding window: one causal mask for every layer"),
+            Difference("qwen2_moe", TOP_K_WEIGHTS, "norm_topk_prob true",
+                       "mlx-lm's qwen2_moe.py reads no norm_topk_prob: the top-k weights are never renormalized"),
         ),
     ),
     EngineEntry(

@@ -37,7 +37,9 @@ class Name:
         dump: a dump keeping one tensor per name keeps this point under it (False: another write of the
             same name is the one a dump keeps).
         call: which call of a module gives the point (mlx-lm's RoPE module: queries 0, keys 1).
-        side: "output" or "input" of that call.
+        side: "output" or "input" of that call; "input[1]" its second argument; "output*", "output*.sum",
+            "output*.sum+": what the runtime's code then does with the output, the operand it is multiplied by,
+            that product's sum, the operand added to that sum (mlx-lm's MoE blocks, `tracer.engines.mlx.Following`).
         unindexed: the runtime writes the name without its layer (`pattern` less its "-{i}": llama.cpp's
             `cb(cur, "ffn_post_norm", -1)` inside a layer); its engine reads the layer off the nodes around
             it (a dump of such names, one tensor per name, matches no pattern: said unknown).
