@@ -188,8 +188,10 @@ def _matrix_lines() -> list[str]:
     """`tracer engines`' engine × family matrix (each engine's registry entry, cell by cell), then what
     each cell that is neither a match nor not yet says."""
     engines = registered().values()
-    lines = table(("engine × family", *FAMILIES), [(e.usage, *(e.cell(family) for family in FAMILIES))
-                                                   for e in engines])
+    lines = []
+    for group in _family_groups(engines):  # as many families side by side as the terminal holds
+        lines += table(("engine × family", *group), [(e.usage, *(e.cell(family) for family in group))
+                                                     for e in engines])
     lines += wrap(f"{MATCH}: traced point for point · {DIFFERS}: traced, the runtime computes it otherwise by "
                   f"its own design · {ABSENT}: the runtime has no such model · {NOT_YET}: refused until its cell "
                   "matches", hang=2)
@@ -202,6 +204,22 @@ def _matrix_lines() -> list[str]:
             if entry.cell(family) == ABSENT:
                 lines += wrap(f"  {entry.refusal(family)}", hang=4)
     return lines
+
+
+def _family_groups(engines) -> list[list[str]]:
+    """The families in registration order, cut into groups whose columns fit the terminal's width beside
+    the engines' column (a cell's longest word never wraps)."""
+    width, first = terminal_width(), max(len("engine × family"), *(len(e.usage) for e in engines))
+    groups, used = [[]], first
+    for family in FAMILIES:
+        words = [family, *(word for e in engines for word in e.cell(family).split())]
+        column = 2 + max(map(len, words))
+        if groups[-1] and used + column > width:
+            groups.append([])
+            used = first
+        groups[-1].append(family)
+        used += column
+    return groups
 
 
 def _runtime(entry) -> str:

@@ -18,6 +18,7 @@ from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, WINDOW, family_config, write_tiny_family
 from tracer import TracerError
 from tracer.cli import main
+from tracer.comparison.diff import INTEGER_POINT
 from tracer.engines.load import resolve_and_load
 from tracer.model.config import load_config, read_hf
 from tracer.model.families import FAMILIES
@@ -141,12 +142,16 @@ def test_tracer_run_matches_with_every_point_on_both_sides(tiny, family, capsys)
     assert summary["verdict"] == "match", summary["first_divergence"]
     points = summary["points"]
     assert [p["point"] for p in points] == expected_points(tiny[family])
-    assert all(p["recorded"] and p["missing_on"] is None for p in points)
-    assert max(p["rel_l2"] for p in points) == 0.0  # bitwise: the same ops in the same order and dtypes
+    # an integer point (the experts a router picks) is the routing diff's: every token routed alike
+    ids = [p for p in points if is_integer_point(p["point"])]
+    assert all(p["missing_on"] == "neither" and p["reason"] == INTEGER_POINT for p in ids)
+    assert summary.get("routing") is None if not ids else summary["routing"]["agreement"] == 1.0
+    values = [p for p in points if not is_integer_point(p["point"])]
+    assert all(p["recorded"] and p["missing_on"] is None for p in values)
+    assert max(p["rel_l2"] for p in values) == 0.0  # bitwise: the same ops in the same order and dtypes
     # the noise floor (an f64 run) and the local errors (each block on the reference's inputs) exist everywhere
-    # (an integer point, the experts a router picks, is compared exactly: it has no noise floor)
-    assert all((p["noise"] is not None or is_integer_point(p["point"])) and p["local_rel_l2"] == 0.0 for p in points)
-    assert 0 < max(p["noise"] for p in points if p["noise"] is not None) < 1e-5
+    assert all(p["noise"] is not None and p["local_rel_l2"] == 0.0 for p in values)
+    assert 0 < max(p["noise"] for p in values) < 1e-5
     assert summary["greedy"]["same_prefix"] == 2
 
 

@@ -46,8 +46,10 @@ def ours(name: str) -> bool:
 def runtime_vocabulary() -> dict[str, str]:
     """Every name a runtime's vocabulary writes down that is not also transformers' (hf's vocabulary is
     transformers' own names) -> the runtime."""
+    transformers = HF.written()
     return {name: vocabulary.runtime for vocabulary in vocabularies().values() if vocabulary is not HF
-            for name in vocabulary.written() if not ours(name)}
+            for name in vocabulary.written()
+            if not ours(name) and name not in transformers and layer_point("{i}", name) not in transformers}
 
 
 def switch_names() -> set[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from tracer.core.errors import TracerError, one_line
 from tracer.model.component import family_named
 from tracer.model.component import registered as families
-from tracer.model.points import known_model_points, known_sub_points, split_point
+from tracer.model.points import known_model_points, known_sub_points, model_point_records, split_point, sub_points
 from tracer.names import candle, gguf, hf, llamacpp, mlx, transformer_lens  # noqa: F401  (registers the built-ins)
 from tracer.names.hf import HF
 from tracer.names.vocabulary import Vocabulary, pattern_regex, per_family, registered
@@ -139,7 +139,7 @@ class AliasTable:
         first; then a point's own name (HF module paths, also MLX's mlx-lm: a family whose MLP output is
         the `mlp` module's is not renamed by Llama's `mlp` alias); then the built-in aliases."""
         for index, (regex, alias) in enumerate(self._compiled):
-            if index == self._users and is_point(name):
+            if index == self._users and self._own_point(name):
                 return Resolved(name, name, Alias(name, name, HF.runtime, HF.layout))
             match = regex.match(name)
             if match:
@@ -148,6 +148,15 @@ class AliasTable:
         if is_point(name):
             return Resolved(name, name, Alias(name, name, HF.runtime, HF.layout))
         return None
+
+    def _own_point(self, name: str) -> bool:
+        """A point's own name, before the built-in aliases: a point of the table's family; without a family,
+        a point no built-in alias also names (`model.layers.3.mlp` is a mixture of experts' MLP output, and
+        transformers' dense MLP module, whose output is down_proj's: dense unless the family says otherwise)."""
+        layer, sub = split_point(name)
+        if self.family is not None:
+            return name in model_point_records(self.family) if layer is None else sub in sub_points(self.family)
+        return is_point(name) and not any(regex.match(name) for regex, _ in self._compiled[self._users:])
 
     def skip_reason(self, name: str) -> str | None:
         """Why a known name is not compared (None: not a known name)."""
