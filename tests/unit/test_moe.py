@@ -15,7 +15,9 @@ from tests.families import write_tiny_family
 from tracer.cli import main
 from tracer.comparison.diff import INTEGER_POINT, compare
 from tracer.core.errors import TracerError
+from tracer.engines.load import resolve_and_load
 from tracer.model.config import load_config, read_hf
+from tracer.model.knobs import parse_variant
 from tracer.model.points import (
     EXPERTS,
     GATE_PROJ,
@@ -28,6 +30,7 @@ from tracer.model.points import (
     all_points,
     layer_point,
 )
+from tracer.pipeline.run import local_errors, routed_errors
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 ROUTING = (ROUTER_LOGITS, ROUTER_SCORES, TOP_K_INDEX, TOP_K_WEIGHTS, EXPERTS, MLP)
@@ -140,3 +143,44 @@ def test_tracer_variants_lists_the_moe_knobs(capsys):
     assert "shared_gate" not in out  # Qwen2-MoE's alone
     assert main(["variants", "--family", "qwen2_moe"]) == 0
     assert f"first divergence layers.0.{SHARED_EXPERT}" in capsys.readouterr().out
+
+
+# (family, knob, what is wrong): the experts rerun on the reference's inputs and its routing tell a wrong router
+# (they match there) from wrong experts (they still diverge); bf16 router weights must not round the given ones
+FORCED = [
+    ("mixtral", "moe_scoring=sigmoid", "router"),
+    ("qwen3_moe", "norm_topk=ignore", "router"),
+    ("mixtral", "router_dtype=bf16", "router"),
+    ("mixtral", "expert_gate_up=up_gate", "expert"),
+]
+
+
+@pytest.mark.parametrize(("family", "variant", "wrong"), FORCED)
+def test_the_experts_on_the_reference_routing_tell_a_wrong_router_from_a_wrong_expert(models, family, variant,
+                                                                                       wrong):
+    model, reference = models[family]
+    engine = resolve_and_load("reimpl", model, parse_variant(variant), progress=False)
+    local, routed = local_errors(engine, reference), routed_errors(engine, reference)
+    result = compare(reference, engine.record(TOKENS), local=local, routed=routed)
+    experts = next(p for p in result.points if p.point == layer_point(0, EXPERTS))
+    assert experts.local_rel_l2 > 1e-3  # on its own routing the layer's experts diverge either way
+    assert experts.routed_local_rel_l2 == routed[experts.point]
+    said = [h for h in result.first_divergence.hints if h.startswith("wrong ")]
+    if wrong == "router":  # on the reference's routing they are hf's experts, bit for bit
+        assert result.first_divergence.point.startswith(layer_point(0, ROUTER_LOGITS))
+        assert routed[layer_point(0, EXPERTS)] == routed[layer_point(0, MLP)] == routed[layer_point(0, "")] == 0.0
+        assert len(said) == 1 and said[0].startswith("wrong router:")
+    else:  # the same error as on its own routing (the picks agree at layer 0): the experts' own
+        assert result.first_divergence.point == layer_point(0, EXPERTS)
+        assert experts.routed_local_rel_l2 == experts.local_rel_l2 > experts.threshold
+        assert len(said) == 1 and said[0].startswith("wrong expert:")
+    assert result.to_dict()["points"][result.points.index(experts)]["routed_local_rel_l2"] == routed[experts.point]
+
+
+def test_the_routed_run_reaches_the_points_after_the_routing_of_the_sparse_layers_only(models):
+    """Qwen2-MoE's layer 1 is dense: nothing there is routed; layer 0's points after its routing are (the
+    shared expert too, which the routing does not change); a correct port's are exact."""
+    model, reference = models["qwen2_moe"]
+    routed = routed_errors(resolve_and_load("reimpl", model, {}, progress=False), reference)
+    assert routed == dict.fromkeys([layer_point(0, EXPERTS), layer_point(0, SHARED_EXPERT), layer_point(0, MLP),
+                                    layer_point(0, "")], 0.0)

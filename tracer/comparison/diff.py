@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from tracer.comparison.explain import amplification, breakdown, hints, runtime_hints
+from tracer.comparison.explain import amplification, breakdown, hints, routed_hints, runtime_hints
 from tracer.comparison.result import Divergence, LogitsSummary, PointDiff, Result, Tolerance
 from tracer.comparison.routing import NEAR_TIE, ROUTING, RoutingDiff, routing_diff, routing_notes
 from tracer.core.errors import TracerError, ids_text
@@ -444,7 +444,7 @@ def side(trace: Trace) -> dict:
 
 def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = None,
             noise: dict[str, float] | None = None, local: dict[str, float] | None = None,
-            compared: dict[str, PointDiff] | None = None) -> Result:
+            compared: dict[str, PointDiff] | None = None, routed: dict[str, float] | None = None) -> Result:
     """Diff two traces point by point; name the first divergence and explain it.
 
     Args:
@@ -455,6 +455,9 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
             local error leaves the floor, and `amplification` ranks ops by error gain.
         compared: per point, the `PointDiff` a long run's candidate recorder judged as it came
             (`ErrorRecorder` with a store, given the same tolerance and noise); not judged again.
+        routed: per point of a MoE layer after its routing, the rel_l2 the candidate introduces on the
+            reference's inputs and routing (`tracer.pipeline.run.routed_errors`); the first divergence at a
+            router or its experts then says whether the router or the experts are wrong.
     """
     tolerance = tolerance or Tolerance()
     ref_tokens, cand_tokens = reference.tokens, candidate.tokens
@@ -473,6 +476,9 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
                           f"candidate: {len(candidate)}{said}); see docs/trace-format.md for the names tracer reads")
     if local:
         points = [dataclasses.replace(p, local_rel_l2=local.get(p.point)) if p.recorded else p for p in points]
+    if routed:
+        points = [dataclasses.replace(p, routed_local_rel_l2=routed.get(p.point)) if p.recorded else p
+                  for p in points]
     family = trace_family(reference, candidate)
     first = first_divergence(points)
     routing = routing_diff(reference, candidate, family, first, frozenset(p.point for p in points if p.diverged))
@@ -483,6 +489,7 @@ def compare(reference: Trace, candidate: Trace, tolerance: Tolerance | None = No
         near_tie_notes = near_tie_note(points)
     if first:
         first = explain_divergence(first, reference, candidate, layout)
+        first = dataclasses.replace(first, hints=(*routed_hints(first.point, points), *first.hints))
     return Result(
         verdict="diverged" if first else "match",
         points=tuple(points),
@@ -536,6 +543,7 @@ def judged_before_near_ties(points: list[PointDiff], routing: RoutingDiff, refer
             continue
         within = compare_point(p.point, *rows, tolerance, (noise or {}).get(p.point))
         judged.append(dataclasses.replace(within, shape=p.shape, local_rel_l2=p.local_rel_l2,
+                                          routed_local_rel_l2=p.routed_local_rel_l2,
                                           reason=f"judged on tokens 0-{cut - 1}: {why}"))
     return judged
 

@@ -15,10 +15,14 @@ from tracer.engines.registry import ENGINES
 from tracer.model.component import registered
 from tracer.model.points import (
     CONTEXT,
+    EXPERTS,
+    MLP,
     Q_PROJ,
+    ROUTER_LOGITS,
     causal_allowed,
     has_head_axis,
     is_causal,
+    layer_point,
     op_kind,
     source_point,
     split_point,
@@ -139,6 +143,30 @@ def hints(point: str, details: dict, family: str | None = None, unseen: tuple[st
     else:
         said += OP_HINTS.get(op_kind(point), [])
     return said
+
+
+def routed_hints(point: str, points) -> list[str]:
+    """Where the first divergence is a MoE layer's router (`mlp.gate*`) or its experts (`mlp.experts`, `mlp`):
+    "wrong router" when that layer's experts, rerun on the reference's inputs and its routing, match
+    (`PointDiff.routed_local_rel_l2` within the point's threshold), "wrong expert" when they still diverge.
+    `points`: the comparison's `PointDiff`s. Nothing where the routed run was not made (an engine that cannot
+    be forced: the routing diff alone judges the router)."""
+    layer, sub = split_point(point)
+    if layer is None or not (sub == ROUTER_LOGITS or sub.startswith(ROUTER_LOGITS + ".") or sub in (EXPERTS, MLP)):
+        return []
+    experts = next((p for p in points if p.point == layer_point(layer, EXPERTS)), None)
+    if experts is None or experts.routed_local_rel_l2 is None or experts.threshold is None:
+        return []
+    error, bound = experts.routed_local_rel_l2, experts.threshold
+    measured = f"{EXPERTS} rel_l2 {error:.2g}, threshold {bound:.2g}"
+    if error <= bound:
+        return [f"wrong router: rerun on the reference's inputs and its routing (its picked experts and their "
+                f"weights), layer {layer}'s experts match ({measured}); the router sends the tokens elsewhere or "
+                "weighs them otherwise (the routing diff says which)"]
+    both = sub not in (EXPERTS, MLP)
+    return [f"wrong expert: rerun on the reference's inputs and its routing, layer {layer}'s experts still "
+            f"diverge ({measured}): the experts compute wrongly (their weights, gate/up order, activation)"
+            + ("; the router diverges before them too: both are wrong" if both else "")]
 
 
 def short_names(points: tuple[str, ...], most: int = 6) -> list[str]:

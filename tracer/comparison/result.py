@@ -96,6 +96,8 @@ class PointDiff:
     noise: float | None = None  # rel_l2 that f32 rounding alone makes here
     local_rel_l2: float | None = None  # rel_l2 introduced here, on the reference's inputs
     threshold: float | None = None  # the rel_l2 bound this point was judged against
+    # a MoE layer's points after its routing: rel_l2 introduced here on the reference's inputs and routing
+    routed_local_rel_l2: float | None = None
 
     @property
     def recorded(self) -> bool:
@@ -112,6 +114,7 @@ class PointDiff:
             "cosine": json_number(self.cosine),
             "diverged": self.diverged, "noise": json_number(self.noise), "threshold": json_number(self.threshold),
             "local_rel_l2": json_number(self.local_rel_l2),
+            "routed_local_rel_l2": json_number(self.routed_local_rel_l2),
             **({"reason": self.reason} if self.reason else {}),
         }
 

@@ -32,7 +32,7 @@ DEVICES = ("cpu", "cuda", "mps")
 class Engine(Protocol):
     """What the pipeline asks of an engine.
 
-    `draft` exists where `entry.draft`, `local_trace` where `entry.local_errors` (and
+    `draft` exists where `entry.draft`, `local_trace` and `routed_trace` where `entry.local_errors` (and
     `local_step_trace` where it also has `entry.decode`), `op_trace` on
     the reimplementation (the engine a number-format regime runs on); `logits` returns None where
     `entry.logits` is False. A `recorder` is any `record(name, tensor)` callable with `tensors`:
@@ -69,6 +69,10 @@ class Engine(Protocol):
 
     def op_trace(self, reference: Trace, recorder=None) -> Trace:
         """Its points with every op fed the reference's values of its inputs."""
+
+    def routed_trace(self, reference: Trace, recorder=None) -> tuple[Trace, list[int]]:
+        """Where `entry.local_errors`: `local_trace` with a mixture of experts' experts on the reference's
+        routing (its picked experts and their weights), and the layers whose routing was so given."""
 
     def local_step_trace(self, step: Trace, before: Trace | None, prefilled: int, recorder=None) -> Trace:
         """Where `entry.local_errors` and `entry.decode`: a decode step's points with every block fed the

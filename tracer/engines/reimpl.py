@@ -13,7 +13,7 @@ from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.components.rope import rope_type
 from tracer.model.kv_cache import KVCache, ring_slot
-from tracer.reimpl.forced_runs import cached_step_points, op_forced_points, teacher_forced_points
+from tracer.reimpl.forced_runs import cached_step_points, op_forced_points, routed_points, teacher_forced_points
 from tracer.reimpl.forward import Model
 from tracer.traces.trace import Trace, TraceMeta, TraceRecorder
 
@@ -80,6 +80,12 @@ class ReimplEngine(EngineBase):
         """Every block rerun on the reference's input to that block (`tracer.reimpl.forced_runs`)."""
         return Trace(teacher_forced_points(self.model, reference, recorder),
                      self._meta(reference.tokens, reference.meta.position_offset))
+
+    def routed_trace(self, reference: Trace, recorder=None) -> tuple[Trace, list[int]]:
+        """The local run with each MoE layer's experts on the reference's routing, and the layers so forced
+        (`tracer.reimpl.forced_runs.routed_points`)."""
+        tensors, layers = routed_points(self.model, reference, recorder)
+        return Trace(tensors, self._meta(reference.tokens, reference.meta.position_offset)), layers
 
     def local_step_trace(self, step: Trace, before: Trace | None, prefilled: int, recorder=None) -> Trace:
         """A decode step rerun on the reference's inputs and on its cache before the step (`before`'s;

@@ -43,6 +43,7 @@ from tracer.pipeline import greedy, lockstep, reference_cache
 from tracer.pipeline.lockstep import Lockstep
 from tracer.pipeline.noise_floor import NOISE_TOKENS, estimate_noise
 from tracer.pipeline.request import Request, Side
+from tracer.reimpl.forced_runs import after_routing, routes
 from tracer.traces.spill import SPILL_TOKENS, spill_folder
 from tracer.traces.trace import ATTENTION_ROWS, Trace
 
@@ -287,6 +288,8 @@ def candidate_compared(prepared: Prepared, engine: Engine, *, command: str | Non
     together = prepared.lockstep if prepared.lockstep is not None and prepared.lockstep.engine is engine else None
     with timed(timings, "local_s"):
         errors = (together.local if together is not None else local_errors(engine, prepared.trace)) if local else None
+        # (a streamed run's local errors come from its lockstep pass, which does not force the routing)
+        routed = routed_errors(engine, prepared.trace) if local and together is None else None
     compared = None
     with timed(timings, "candidate_s"):
         stage("candidate")
@@ -301,7 +304,7 @@ def candidate_compared(prepared: Prepared, engine: Engine, *, command: str | Non
                                                     store=recorder)
             trace = engine.record(prepared.ids, recorder,
                                   **at_positions(prepared.position_offset, len(prepared.ids)))
-    result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=errors,
+    result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=errors, routed=routed,
                      compared=compared.diffs if compared is not None else None)
     with timed(timings, "greedy_s"):
         stage("greedy")
@@ -339,6 +342,18 @@ def local_errors(engine: Engine, reference: Trace) -> dict[str, float] | None:
     errors = ErrorRecorder(reference)
     engine.local_trace(reference, errors)
     return errors.rel_l2
+
+
+def routed_errors(engine: Engine, reference: Trace) -> dict[str, float] | None:
+    """Per point of a MoE layer recorded after its routing (`mlp.experts`, `mlp`, the block's output), the
+    rel_l2 the engine introduces there given the reference's inputs and the reference's routing
+    (`tracer.reimpl.forced_runs.routed_points`): the experts' own error. None for engines that cannot
+    rerun a block on foreign inputs, and where the reference carries no routing."""
+    if not engine.entry.local_errors or not routes(reference):
+        return None
+    errors = ErrorRecorder(reference)
+    _, layers = engine.routed_trace(reference, errors)
+    return {name: errors.rel_l2[name] for name in after_routing(errors.names, layers) if name in errors.rel_l2}
 
 
 def greedy_comparison(prepared: Prepared, engine: Engine, tolerance: Tolerance) -> Greedy | None:

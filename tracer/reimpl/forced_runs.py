@@ -7,15 +7,22 @@ run is inherited from upstream. An injected fault in one block is then local to 
 though every later block inherits it. A decode step's cache is an input like a block's: the step
 rerun on the reference's cache (`cached_step_points`) tells the error the step makes from the one
 it inherits from the cache written at earlier steps.
+
+In a mixture of experts the local run still routes by the candidate's own router, so the experts'
+local error mixes a wrong router (tokens sent to other experts, or weighted otherwise) with wrong
+experts. `routed_points` reruns it with every MoE layer's experts on the reference's routing (its
+picked experts and their weights): the experts' points then carry the experts' own error.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
 from tracer.core.errors import TracerError
 from tracer.model.kv_cache import KVCache
-from tracer.model.points import CACHE_K, CACHE_V, layer_point
+from tracer.model.points import CACHE_K, CACHE_V, TOP_K_INDEX, TOP_K_WEIGHTS, layer_point, split_point
 from tracer.reimpl.forward import Model
 from tracer.reimpl.unit_runs import TeacherForced
 from tracer.traces.trace import Trace, TraceRecorder
@@ -104,3 +111,52 @@ def op_forced_points(model: Model, reference: Trace, recorder=None):
     forcing = ForcingRecorder(reference, recorder)
     model.forward(torch.tensor(reference.tokens), forcing, positions=trace_positions(reference))
     return forcing.tensors
+
+
+def routes(reference: Trace) -> bool:
+    """Whether the reference carries a MoE layer's routing as its experts read it (picks and weights)."""
+    subs = {split_point(name)[1] for name in reference.points}
+    return TOP_K_INDEX in subs and TOP_K_WEIGHTS in subs
+
+
+class GivenRouting:
+    """The MoE component's `routing` step that hands each layer's experts the reference's routing: its
+    `mlp.gate.top_k_weights` (in the reference's own dtype, as its experts multiplied by them) and
+    `mlp.gate.top_k_index`. A layer whose routing the reference lacks, or holds in another shape, keeps the
+    candidate's own; `forced` lists the layers given the reference's."""
+
+    def __init__(self, reference: Trace):
+        self.reference = reference
+        self.forced: list[int] = []
+
+    def __call__(self, top: torch.Tensor, picked: torch.Tensor, run) -> tuple[torch.Tensor, torch.Tensor]:
+        index, weights = (self.reference[name] if name in self.reference else None
+                          for name in (layer_point(run.index, TOP_K_INDEX), layer_point(run.index, TOP_K_WEIGHTS)))
+        if index is None or weights is None or index.shape != picked.shape or weights.shape != top.shape:
+            return top, picked
+        self.forced.append(run.index)
+        return weights.to(top.device), index.to(picked.device)  # (T, k) each
+
+
+@torch.inference_mode()
+def routed_points(model: Model, reference: Trace, recorder=None) -> tuple[dict, list[int]]:
+    """`teacher_forced_points` with each MoE layer's experts on the reference's routing (the router still
+    runs and records its own). A layer whose experts still diverge here computes them wrongly; one whose
+    experts match here and not in the local run routes wrongly. Returns the points and the layers forced."""
+    given = GivenRouting(reference)
+    forced = copy.copy(model)  # the same weights and spec; only the routing step differs
+    forced.steps = model.steps.replace(routing=given)
+    return teacher_forced_points(forced, reference, recorder), given.forced
+
+
+def after_routing(names: list[str], layers: list[int]) -> list[str]:
+    """Of points in recording order, those of `layers` recorded after the layer's `mlp.gate.top_k_weights`
+    (the experts' sum, the shared expert, the MLP's and the block's outputs): the points its routing reaches."""
+    routed, layer = [], None
+    for name in names:
+        at, sub = split_point(name)
+        if sub == TOP_K_WEIGHTS:
+            layer = at if at in layers else None
+        elif at is not None and at == layer:
+            routed.append(name)
+    return routed

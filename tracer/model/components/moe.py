@@ -167,6 +167,12 @@ def route_topk_first(flat: torch.Tensor, run, moe) -> tuple[torch.Tensor, torch.
     return top.to(logits.dtype) if moe.cast_weights else top, picked, logits
 
 
+def own_routing(top: torch.Tensor, picked: torch.Tensor, run) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts run on the router's own weights and picks (a forced run gives others:
+    `tracer.reimpl.forced_runs.GivenRouting`)."""
+    return top, picked
+
+
 # --- the experts' steps ------------------------------------------------------------------------
 
 
@@ -339,6 +345,7 @@ class SparseMoE(Component):
         after = setting(knobs, "moe_softmax") == "after_topk"
         return {**(_DENSE.steps(knobs, spec) if self.dense_layers else {}),
                 "route": route_topk_first if after else route_scores_first,
+                "routing": own_routing,
                 "router_logits": router_logits_bf16 if setting(knobs, "router_dtype") == "bf16" else router_logits_f32,
                 "router_f32": setting(knobs, "router_dtype") == "f32",
                 "scoring": sigmoid_scores if setting(knobs, "moe_scoring") == "sigmoid" else softmax_scores,
@@ -360,6 +367,7 @@ class SparseMoE(Component):
         top, picked, _ = run.steps.route(flat, run, self)  # (T, k) each
         run.record(TOP_K_INDEX, picked[None])
         run.record(TOP_K_WEIGHTS, top[None])
+        top, picked = run.steps.routing(top, picked, run)  # (T, k) each: the router's, or a forced run's
         out = routed_experts(flat, top, picked, run, self)  # (T, C)
         run.record(EXPERTS, out[None])
         if shared is not None:
