@@ -94,6 +94,9 @@ class SinkAttention(Attention):
     def steps(self, knobs: dict, spec) -> dict:
         if setting(knobs, "attn") == "sdpa":
             raise TracerError("attn=sdpa cannot take gpt-oss's attention sinks, nor can transformers' sdpa")
+        for knob in ("ops", "kv_cache"):  # the regimes' attentions (llama.cpp's, emulated) have no sinks yet
+            if knobs.get(knob) is not None and setting(knobs, "sinks") == "keep":
+                raise TracerError(f"{knob}={knobs[knob]}: tracer's emulation of that attention has no sinks yet")
         return {**super().steps(knobs, spec), "sinks": setting(knobs, "sinks") == "keep"}
 
     def forward(self, x: torch.Tensor, run) -> torch.Tensor:
