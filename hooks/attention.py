@@ -88,8 +88,9 @@ def eager_recording(record: Recorder, names: dict[nn.Module, str], cached: bool 
 
     One function for every family tracer traces: theirs differ only in Gemma's soft-cap (the
     `softcap` argument, applied before the mask; `scores` is recorded after it) and in the scaling
-    the attention module passes (Gemma's query_pre_attn_scalar). Sliding windows arrive in the mask,
-    which transformers builds with the mask function registered under the same name.
+    the attention module passes (Gemma's query_pre_attn_scalar); gpt-oss's sinks (`s_aux`) run its own
+    function (`sinks_recorded`). Sliding windows arrive in the mask, which transformers builds with the
+    mask function registered under the same name.
     """
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):

@@ -79,7 +79,8 @@ def test_each_knob_diverges_first_where_its_mistake_is(model, variant, point, hi
 def test_the_config_is_read_as_transformers_reads_it(model):
     config = load_config(model[0])
     spec = read_hf(config)
-    assert (spec.num_local_experts, spec.num_experts_per_tok, spec.swiglu_limit, spec.swiglu_alpha) == (4, 2, 1.0, 1.702)
+    assert (spec.num_local_experts, spec.num_experts_per_tok) == (4, 2)
+    assert (spec.swiglu_limit, spec.swiglu_alpha) == (1.0, 1.702)  # the tests' clamp; gpt-oss's alpha by default
     assert spec.layer_types == ("sliding_attention", "full_attention") and spec.sliding_window == WINDOW
     assert spec.attention_bias and spec.rope_scaling["rope_type"] == "yarn"
     bare = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
