@@ -9,11 +9,13 @@ mask) under a fresh name, switches the model to it, and undoes all three on exit
 from __future__ import annotations
 
 import itertools
+import sys
 from contextlib import contextmanager
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -49,18 +51,54 @@ def record_qk(record: Recorder, layer: int, query, key, value, cached: bool) -> 
     record(layer_point(layer, CACHE_V), value)  # (1, KV, S, D)
 
 
+class _ScoresSeen(TorchFunctionMode):
+    """Inside a model's own eager attention function: its scores, the first product with q·kᵀ (the first
+    matmul's result), as it forms them."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = self.scores = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if self.qk is None and name == "matmul":
+            self.qk = out
+        elif self.scores is None and self.qk is not None and name in ("mul", "__mul__"):
+            if any(arg is self.qk for arg in args):
+                self.scores = out
+        return out
+
+
+def sinks_recorded(record: Recorder, layer: int, module, query, key, value, attention_mask, **kwargs):
+    """gpt-oss (`s_aux`, its sinks): its own modeling file's eager function runs, the sinks' column in its
+    softmax; the scores seen as it forms them, the probs (the sinks' column dropped) and context as it returns
+    them."""
+    own = sys.modules[type(module).__module__].eager_attention_forward
+    with _ScoresSeen() as seen:
+        attn_output, attn_weights = own(module, query, key, value, attention_mask, **kwargs)  # (1, T, H, D), ...
+    record(layer_point(layer, SCORES), seen.scores)  # (1, H, T, S)
+    record(layer_point(layer, PROBS), attn_weights)  # (1, H, T, S)
+    record(layer_point(layer, CONTEXT), attn_output.reshape(*attn_output.shape[:-2], -1))  # (1, T, H*D)
+    return attn_output, attn_weights
+
+
 def eager_recording(record: Recorder, names: dict[nn.Module, str], cached: bool = False) -> Callable:
     """transformers' `eager_attention_forward`, op for op, recording scores, probs and context.
 
     One function for every family tracer traces: theirs differ only in Gemma's soft-cap (the
     `softcap` argument, applied before the mask; `scores` is recorded after it) and in the scaling
-    the attention module passes (Gemma's query_pre_attn_scalar). Sliding windows arrive in the mask,
-    which transformers builds with the mask function registered under the same name.
+    the attention module passes (Gemma's query_pre_attn_scalar); gpt-oss's sinks (`s_aux`) run its own
+    function (`sinks_recorded`). Sliding windows arrive in the mask, which transformers builds with the
+    mask function registered under the same name.
     """
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
         layer = split_point(names[module])[0]  # the attention module model.layers.{i}.self_attn
         record_qk(record, layer, query, key, value, cached)
+        if kwargs.get("s_aux") is not None:  # gpt-oss's sinks: its own function, observed
+            return sinks_recorded(record, layer, module, query, key, value, attention_mask, scaling=scaling,
+                                  dropout=dropout, **kwargs)
         if scaling is None:  # Gemma's eager function defaults it so
             scaling = module.head_dim**-0.5
         key_states = repeat_kv(key, module.num_key_value_groups)  # (1, H, T, D)

@@ -7,7 +7,8 @@ of `pre_feedforward_layernorm` in Gemma and of the MLP in OLMo-2; the MLP's `act
 the point table as the model's family has it (`tracer.model.points.sub_points(family)`, its `observed`
 field), and so is the layout of a module that returns per-head values (Qwen3's q_norm returns
 (1, T, H, D), Gemma 3's (1, H, T, D); the point is (T, H·D); a module that flattens the batch away,
-a mixture of experts' router, returns (T, X); "output[2]:(T, X)" is the third of the values it returns).
+a mixture of experts' router, returns (T, X); "output[2]:(T, X)" is the third of the values it returns, of
+the module the point is a virtual point under, or of the one "MODULE>output[2]:(T, X)" names).
 Gemma's capped logits are the whole model's output. What a module computes but returns to no one (a
 router's softmax over every expert, Qwen2-MoE's shared expert after its sigmoid gate) is observed inside
 transformers' own forward of that module ("within:MODULE:WHAT", `hooks.within`): never recomputed here.
@@ -73,9 +74,11 @@ def _hook(modules: dict, prefix: str, sub: str, observed: str, point: str, recor
         _, inside, what = observed.split(":")
         module = modules.get(_join(prefix, inside))
         return None if module is None else within(module, what, lambda tensor: record(point, tensor))
-    observed, index = _output_index(observed)
-    # the i-th value a module returns is a virtual point under it (`mlp.gate.top_k_index` of `mlp.gate`)
-    module = modules.get(_join(prefix, sub.rsplit(".", 1)[0] if index else sub))
+    inside, named, returned = observed.rpartition(">")  # "MODULE>output[i]:...": a module named otherwise
+    observed, index = _output_index(returned)
+    # the i-th value a module returns is a virtual point under it (`mlp.gate.top_k_index` of `mlp.gate`), or
+    # of the module named before ">" (gpt-oss's router is `mlp.router`)
+    module = modules.get(_join(prefix, inside if named else sub.rsplit(".", 1)[0] if index else sub))
     if observed not in TO_POINT_LAYOUT or module is None:
         return None
     return module.register_forward_hook(_output_hook(record, point, TO_POINT_LAYOUT[observed], index))

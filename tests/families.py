@@ -45,6 +45,10 @@ TINY_FAMILIES = {
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, head_dim=12, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, norm_topk_prob=True)),
     "olmoe": ("olmoe", dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)),
+    # alternating sliding and full layers (its default layer_types), attention sinks, a biased router; the
+    # SwiGLU's clamp at 1 rather than gpt-oss's 7, so that it bites on activations this small
+    "gpt_oss": ("gpt_oss", dict(num_hidden_layers=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=WINDOW, swiglu_limit=1.0, max_position_embeddings=131072)),
 }
 OFFSET_NORMS = ("gemma2", "gemma3")  # norm weights stored as offsets from 1
 

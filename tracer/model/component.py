@@ -38,10 +38,10 @@ class Point:
         observed: how the hf engine sees it: "output" (the module's output), "output:(T, H, D)" or
             "output:(H, T, D)" (per head, merged into (T, H·D)), "output:(T, X)" (a module that drops
             the batch), "output[i]:(T, X)" (the i-th value returned by the module the point is a virtual
-            point under: a router's top-k indices), "within:MODULE:WHAT" (a value computed inside that
-            module's forward, `tracer.hooks.within`), "input:MODULE" (the first input of that module under
-            the layer), "attention" (the recording attention function), "model:FIELD" (a field of the whole
-            model's output).
+            point under: a router's top-k indices; "MODULE>output[i]:(T, X)": of the module named),
+            "within:MODULE:WHAT" (a value computed inside that module's forward, `tracer.hooks.within`),
+            "input:MODULE" (the first input of that module under the layer), "attention" (the recording
+            attention function), "model:FIELD" (a field of the whole model's output).
         gguf_permuted: its last axis holds q/k RoPE pairs, which GGUF's converter permutes.
     """
 
