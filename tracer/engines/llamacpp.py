@@ -73,6 +73,7 @@ from tracer.model.points import (
     Q_PROJ,
     Q_ROPE,
     SCORES,
+    TOP_K_INDEX,
     all_points,
     layer_point,
     split_point,
@@ -83,9 +84,10 @@ from tracer.names.llamacpp import GGML, ggml_write, unnamed
 from tracer.traces.layouts import from_interleaved, sub_point
 from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
-# ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
-GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
-NUMPY_TYPES = {GGML_F32: np.float32, GGML_F16: np.float16, GGML_BF16: np.uint16}
+# ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed; i32: the
+# experts a mixture of experts' router picks, `ffn_moe_topk`).
+GGML_F32, GGML_F16, GGML_BF16, GGML_I32 = 0, 1, 30, 26
+NUMPY_TYPES = {GGML_F32: np.float32, GGML_F16: np.float16, GGML_BF16: np.uint16, GGML_I32: np.int32}
 
 # kv_cache knob -> ggml type of the K and V cache (llama.cpp's type_k / type_v)
 KV_TYPES = {"f32": GGML_F32, "f16": GGML_F16, "bf16": GGML_BF16, "q8_0": 8}
@@ -170,7 +172,7 @@ class Ggml:
         """The node's data as a 4-D numpy view in row-major order (ggml's ne reversed), strides
         included (views and permutes are read as they lie). Valid until ggml reuses the memory."""
         if node.type not in NUMPY_TYPES:
-            raise TracerError(f"llama.cpp node {node.name.decode()} is ggml type {node.type}, not f32/f16/bf16")
+            raise TracerError(f"llama.cpp node {node.name.decode()} is ggml type {node.type}, not f32/f16/bf16/i32")
         size = self.nbytes(address)  # the whole span, strides included
         if self.is_host(node.buffer):
             raw = (ctypes.c_char * size).from_address(node.data)
@@ -223,6 +225,11 @@ def token_rows(array: np.ndarray, shape: Shape) -> np.ndarray:
     if array.shape[1] == 1 and array.shape[2] <= shape.tokens:
         return array[0, 0]
     return array[0].reshape(array.shape[1], -1)  # (T, heads, D) -> (T, heads·D); copies a strided view
+
+
+def expert_rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
+    """The picked experts, int32 (1, 1, T, k) -> int64 (T, k), in top-k's order (descending score)."""
+    return rows(array, shape).long()
 
 
 def qk_heads(array: np.ndarray, shape: Shape) -> torch.Tensor:
@@ -293,7 +300,7 @@ def joined(point: str, parts: list[torch.Tensor]) -> torch.Tensor:
 # sub-point -> reader; anything else is (T, C) rows. Scores are kept unscaled until their softmax is read.
 READERS: dict[str, Callable[[np.ndarray, Shape], torch.Tensor]] = {
     Q_PROJ: qk_rows, K_PROJ: qk_rows, Q_NORM: qk_rows, K_NORM: qk_rows, Q_ROPE: qk_heads, K_ROPE: qk_heads,
-    SCORES: attention, PROBS: attention,
+    SCORES: attention, PROBS: attention, TOP_K_INDEX: expert_rows,
 }
 
 # q·kᵀ as llama.cpp names it, which the alias table calls not comparable as it is (its softmax scales it):
@@ -570,7 +577,8 @@ class LlamaCppEngine(EngineBase):
         self.head_dim = self._meta_int("attention.key_length") or llama_cpp.llama_model_n_embd(model) // heads
         self.interleaved = llama_cpp.llama_model_rope_type(model) == ROPE_NORM
         self.description = _text(llama_cpp.llama_model_desc, model)
-        family = gguf_family(_meta_text(model, b"general.architecture"))  # llama.cpp's names for its graph
+        # llama.cpp's names for its graph, in the family the architecture is (Mixtral: "llama" with experts)
+        family = gguf_family(_meta_text(model, b"general.architecture"), bool(self._meta_int("expert_count")))
         self.family = family.name if family else None
         self.graph = GraphRecorder(self.ggml, self.family)
         self.final_softcap = bool(self._meta_float("final_logit_softcapping"))  # Gemma's capped logits
@@ -678,6 +686,10 @@ class LlamaCppEngine(EngineBase):
         if not context:
             raise TracerError(f"llama.cpp cannot make a context for {self.gguf} with {self._knobs_text()}: "
                               f"{self.logs.last()}")
+        # llama.cpp's warm-up runs every expert of a mixture (llama-graph.cpp: n_expert_used is n_expert while
+        # cparams.warmup); this context never warms up (its warm-up decode is common_init_from_params', which
+        # the C API does not run) and the flag is said off anyway, so a graph picks top_k experts from its first
+        llama_cpp.llama_set_warmup(context, False)
         self.context, self.context_size = context, size
         self.batch = llama_cpp.llama_batch_init(size, 0, 1)
         self.handles.contexts.append((context, self.batch))

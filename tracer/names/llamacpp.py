@@ -41,7 +41,12 @@ from tracer.model.points import (
     Q_ROPE,
     QKV_PROJ,
     RESID_MID,
+    ROUTER_LOGITS,
+    ROUTER_SCORES,
+    ROUTER_SELECTION,
     SCORES,
+    TOP_K_INDEX,
+    TOP_K_WEIGHTS,
     UP_PROJ,
     V_PROJ,
 )
@@ -94,6 +99,17 @@ GGML = register(Vocabulary(
         BLOCK_OUT: ("l_out-{i}",),
         FINAL_NORM: ("result_norm",),
         LOGITS: ("result_output",),
+        # a mixture of experts' routing (llama-graph.cpp build_moe_ffn), per token: the router's logits and
+        # scores (E, T), the selection scores where a bias is added (DeepSeek-V3), the picked experts (int32, a
+        # view of the descending argsort's first k) and their weights (1, k, T)
+        ROUTER_LOGITS: ("ffn_moe_logits-{i}",),
+        ROUTER_SCORES: ("ffn_moe_probs-{i}",),
+        ROUTER_SELECTION: ("ffn_moe_probs_biased-{i}",),
+        TOP_K_INDEX: ("ffn_moe_topk-{i}",),
+        # the weights applied are the chain's last step: gathered, then renormalized where the graph passes
+        # norm_w, then scaled where it has a w_scale; each is computed from the one before, so the last
+        # written (the recorder keeps it) is the one the experts are multiplied by
+        TOP_K_WEIGHTS: ("ffn_moe_weights-{i}", "ffn_moe_weights_norm-{i}", "ffn_moe_weights_scaled-{i}"),
     },
     families={
         "gemma2": {**GEMMA, SCORES: ("kq_scaled_2-{i}",),  # after the soft-cap's last scale
@@ -113,6 +129,14 @@ GGML = register(Vocabulary(
         "norm-{i}": "llama.cpp's RMS-normalized input before the norm weight",
         "ffn_silu-{i}": "llama.cpp's silu(gate) before the product with up",
         "kqv-{i}": "llama.cpp's per-head attention output before the heads are merged (use kqv_out)",
+        "ffn_moe_argsort-{i}": "llama.cpp's full argsort of the selection scores (ffn_moe_topk is its first k)",
+        "ffn_moe_weights_sum-{i}": "the top-k weights' sum, before the renormalization divides by it",
+        "ffn_moe_weights_sum_clamped-{i}": "the top-k weights' sum clamped to f16's smallest normal",
+        "ffn_moe_gate-{i}": "each picked expert's gate projection (n_ff, k, T): per expert, not a point",
+        "ffn_moe_up-{i}": "each picked expert's up projection (n_ff, k, T): per expert, not a point",
+        "ffn_moe_swiglu-{i}": "each picked expert's silu(gate)·up (n_ff, k, T): per expert, not a point",
+        "ffn_moe_down-{i}": "each picked expert's output (C, k, T): per expert, not a point",
+        "ffn_moe_weighted-{i}": "each picked expert's output times its weight (C, k, T), before the sum",
     },
 ))
 
