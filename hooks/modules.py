@@ -7,7 +7,10 @@ of `pre_feedforward_layernorm` in Gemma and of the MLP in OLMo-2; the MLP's `act
 the point table as the model's family has it (`tracer.model.points.sub_points(family)`, its `observed`
 field), and so is the layout of a module that returns per-head values (Qwen3's q_norm returns
 (1, T, H, D), Gemma 3's (1, H, T, D); the point is (T, H·D); a module that flattens the batch away,
-a mixture of experts' router, returns (T, X)). Gemma's capped logits are the whole model's output.
+a mixture of experts' router, returns (T, X); "output[2]:(T, X)" is the third of the values it returns).
+Gemma's capped logits are the whole model's output. What a module computes but returns to no one (a
+router's softmax over every expert, Qwen2-MoE's shared expert after its sigmoid gate) is observed inside
+transformers' own forward of that module ("within:MODULE:WHAT", `hooks.within`): never recomputed here.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from tracer.core.torch_types import Recorder
+from tracer.hooks.within import within
 from tracer.model.points import model_point_records, sub_points
 
 # How a module's output becomes the point's layout (batch kept): "output:(T, H, D)" -> (1, T, H*D), ...
@@ -29,12 +33,20 @@ TO_POINT_LAYOUT = {
 }
 
 
-def _first_tensor(value) -> torch.Tensor:
-    return value[0] if isinstance(value, (tuple, list)) else value
+def _nth_tensor(value, index: int = 0) -> torch.Tensor:
+    return value[index] if isinstance(value, (tuple, list)) else value
 
 
-def _output_hook(record: Recorder, point: str, to_layout=TO_POINT_LAYOUT["output"]):
-    return lambda module, args, output: record(point, to_layout(_first_tensor(output)))
+def _output_hook(record: Recorder, point: str, to_layout=TO_POINT_LAYOUT["output"], index: int = 0):
+    return lambda module, args, output: record(point, to_layout(_nth_tensor(output, index)))
+
+
+def _output_index(observed: str) -> tuple[str, int]:
+    """"output[2]:(T, X)" -> ("output:(T, X)", 2): the third value a module returns."""
+    head, _, layout = observed.partition(":")
+    if not head.startswith("output[") or not head.endswith("]"):
+        return observed, 0
+    return "output" + (f":{layout}" if layout else ""), int(head[len("output["):-1])
 
 
 def _input_hook(record: Recorder, point: str):
@@ -57,10 +69,16 @@ def _hook(modules: dict, prefix: str, sub: str, observed: str, point: str, recor
         return None if module is None else module.register_forward_pre_hook(_input_hook(record, point))
     if observed.startswith("model:"):  # a field of the whole model's output
         return modules[""].register_forward_hook(_model_output_hook(record, point, observed.removeprefix("model:")))
-    module = modules.get(_join(prefix, sub))
+    if observed.startswith("within:"):
+        _, inside, what = observed.split(":")
+        module = modules.get(_join(prefix, inside))
+        return None if module is None else within(module, what, lambda tensor: record(point, tensor))
+    observed, index = _output_index(observed)
+    # the i-th value a module returns is a virtual point under it (`mlp.gate.top_k_index` of `mlp.gate`)
+    module = modules.get(_join(prefix, sub.rsplit(".", 1)[0] if index else sub))
     if observed not in TO_POINT_LAYOUT or module is None:
         return None
-    return module.register_forward_hook(_output_hook(record, point, TO_POINT_LAYOUT[observed]))
+    return module.register_forward_hook(_output_hook(record, point, TO_POINT_LAYOUT[observed], index))
 
 
 @contextmanager

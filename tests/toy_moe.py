@@ -8,7 +8,9 @@ gate | up projection, act(gate)·up, down, times the routing weight, added back 
 Its points are the modules transformers has (the router's logits, the experts' weighted sum, the
 block's output); its weights are the names `save_pretrained` writes (`block_sparse_moe.*`); its
 config fields are Mixtral's; its one knob is a porting mistake (routing weights not renormalized).
-The family is Mixtral: Llama with this MLP and a sliding window where the config sets one.
+The family is a Mixtral under a model_type of its own ("toy_moe", which `register_toy_config` tells
+transformers to read as Mixtral's config): Llama with this MLP and a sliding window where the config sets
+one. It replaces nothing: tracer's own Mixtral (`tracer.model.moe_families`) stays registered beside it.
 """
 
 from __future__ import annotations
@@ -104,9 +106,27 @@ class SparseMoE(Component):
         return out
 
 
-MIXTRAL = LLAMA.derive(
-    name="mixtral", title="Mixtral (a test's toy)", model_types=("mixtral",), architecture="MixtralForCausalLM",
+TOY_MOE = LLAMA.derive(
+    name="toy_moe", title="a test's toy Mixtral", model_types=("toy_moe",), architecture="MixtralForCausalLM",
     adds="a sparse mixture-of-experts MLP: a router and top-k gated experts",
     attention=Attention(window=True), mlp=SparseMoE(),
     config=FamilyConfig(lambda config: {**rope_fields(config), **every_layer_window(config, None)},
                         {**ROPE_KEYS, "sliding_window": None}, kv_heads=8, rms_norm_eps=1e-5, max_positions=131072))
+
+
+def register_toy_config() -> None:
+    """transformers reads a "toy_moe" config.json as Mixtral's config (its model class is Mixtral's), and its
+    per-expert weights as Mixtral's (fused into gate_up_proj on load, as it loads a Mixtral's)."""
+    from transformers import AutoConfig, MixtralConfig  # transformers: only the tests that load the toy
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    class ToyMoeConfig(MixtralConfig):
+        model_type = TOY_MOE.name
+
+    if get_checkpoint_conversion_mapping(TOY_MOE.name) is not None:  # registered by an earlier test of the session
+        return
+    AutoConfig.register(TOY_MOE.name, ToyMoeConfig)
+    register_checkpoint_conversion_mapping(TOY_MOE.name, get_checkpoint_conversion_mapping("mixtral"))

@@ -2,16 +2,19 @@
 router and two experts) and Mixtral composed of it, and registers nothing else. On a tiny random Mixtral
 written by transformers' own `save_pretrained`: its points, their order, its tensor shapes and its knob
 follow from the declaration, hf and reimpl match at every point, the knob's variant diverges first at
-the experts, and `tracer variants --family mixtral` lists the knob."""
+the experts, and `tracer variants --family toy_moe` lists the knob. Its model_type is its own ("toy_moe",
+registered with transformers as Mixtral's config), so it replaces nothing: tracer's own Mixtral stays."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 import tracer
 from tests.conftest import TOKENS
-from tests.toy_moe import EXPERTS, MIXTRAL, MOE, ROUTER, expert_weight
+from tests.toy_moe import EXPERTS, MOE, ROUTER, TOY_MOE, expert_weight, register_toy_config
 from tracer.cli import main
 from tracer.core.errors import TracerError
 from tracer.model.config import load_config, read_hf
@@ -22,14 +25,15 @@ from tracer.model.points import all_points, layer_order, layer_point, source_poi
 
 @pytest.fixture(scope="module")
 def mixtral():
-    register(MIXTRAL)
-    yield MIXTRAL.name
-    unregister(MIXTRAL.name)
+    register(TOY_MOE)
+    yield TOY_MOE.name
+    unregister(TOY_MOE.name)
 
 
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory, mixtral):
-    """A random Mixtral (2 layers, 2 experts, each token routed to one) saved by transformers."""
+    """A random Mixtral (2 layers, 2 experts, each token routed to one) saved by transformers, its model_type
+    the toy's (transformers reads it as a Mixtral config: `register_toy_config`)."""
     from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -50,6 +54,9 @@ def mixtral_dir(tmp_path_factory, mixtral):
         model.save_pretrained(folder)
     finally:
         hf_logging.enable_progress_bar()
+    register_toy_config()
+    written = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**written, "model_type": TOY_MOE.name}))
     return folder
 
 
@@ -64,7 +71,7 @@ def test_points_and_their_order_follow_the_declaration(mixtral):
 
 def test_shapes_and_config_fields_follow_the_declaration(mixtral_dir):
     spec = read_hf(load_config(mixtral_dir))
-    assert (spec.family, spec.num_local_experts, spec.num_experts_per_tok) == ("mixtral", 2, 1)
+    assert (spec.family, spec.num_local_experts, spec.num_experts_per_tok) == ("toy_moe", 2, 1)
     shapes = expected_shapes(spec)
     assert shapes[layer_point(1, expert_weight(1, "w2"))] == (64, 96)
     assert shapes[layer_point(0, "block_sparse_moe.gate.weight")] == (2, 64)
@@ -78,14 +85,14 @@ def test_its_knob_applies_to_it_alone(mixtral):
     assert "moe_renorm" in names and "window" in names and "norm" in names
     assert not {"gate_up", "qkv_split", "config", "preset", "ops"} & set(names)  # not Llama's graph
     assert "moe_renorm" not in [knob.name for knob in knobs_for("llama")]
-    with pytest.raises(TracerError, match="^knob 'moe_renorm' does not apply to llama models; it applies to mixtral$"):
+    with pytest.raises(TracerError, match="^knob 'moe_renorm' does not apply to llama models; it applies to toy_moe$"):
         check_family({"moe_renorm": "drop"}, "llama")
 
 
 def test_hf_and_reimpl_match_at_every_point(mixtral_dir):
     result = tracer.run(mixtral_dir, tokens=TOKENS, reference="hf", candidate="reimpl", greedy=0, progress=False)
     assert result.verdict == "match"
-    assert [p.point for p in result.points] == all_points(2, "mixtral")
+    assert [p.point for p in result.points] == all_points(2, "toy_moe")
     assert all(p.recorded for p in result.points)
     router = next(p for p in result.points if p.point == layer_point(0, ROUTER))
     assert router.shape == (len(TOKENS), 2) and router.rel_l2 < 1e-6
@@ -100,6 +107,6 @@ def test_the_knob_diverges_first_at_the_experts(mixtral_dir):
 
 
 def test_tracer_variants_lists_its_knob(mixtral, capsys):
-    assert main(["variants", "--family", "mixtral"]) == 0
+    assert main(["variants", "--family", "toy_moe"]) == 0
     out = capsys.readouterr().out
     assert "moe_renorm" in out and f"first divergence layers.0.{EXPERTS}" in out

@@ -22,7 +22,9 @@ def point_pattern() -> re.Pattern:
     """Any registered family's point name (per-layer, or outside the blocks), or the last part of one
     with an underscore (`q_rope`, `o_proj`), as a dotted component of a name-shaped string: a name, a
     pattern (`blocks.{i}.attn.q_rope`), a weight (`lm_head.weight`), an f-string's `.q_rope`."""
-    names = {name for name in (*known_sub_points(), *known_model_points()) if name}
+    # a one-word point (a mixture of experts' output, "mlp") is also the word every runtime's module paths
+    # under it start with ("mlp.act_fn", TransformerLens' "mlp.in"): not scanned, as a leaf without "_" is not
+    names = {name for name in (*known_sub_points(), *known_model_points()) if name and "." in name or "_" in name}
     names |= {name.rsplit(".", 1)[-1] for name in names if "_" in name.rsplit(".", 1)[-1]}
     leaves = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
     return re.compile(rf"(?:^|[.{{}}])({leaves})(?=$|[.])")

@@ -103,6 +103,8 @@ def compare_point(point: str, ref: torch.Tensor, cand: torch.Tensor, tolerance: 
         return PointDiff(point, layer_of(point), tuple(ref.shape), missing_on="neither", reason=INTEGER_POINT)
     if tuple(ref.shape) != tuple(cand.shape):
         raise TracerError(f"shape mismatch at {point}: reference {tuple(ref.shape)}, candidate {tuple(cand.shape)}")
+    if not (ref.is_floating_point() and cand.is_floating_point()):
+        return compare_exactly(point, ref, cand)
     r_all = compared_entries(point, ref).reshape(-1)
     c_all = compared_entries(point, cand).reshape(-1)
     sums = _sums(r_all, c_all, _metric_dtype(r_all, c_all), tolerance)
@@ -121,6 +123,17 @@ def compare_point(point: str, ref: torch.Tensor, cand: torch.Tensor, tolerance: 
         rel_l2=rel_l2, cosine=cosine, diverged=tolerance.exceeded(rel_l2, noise, any_outside),
         noise=noise, threshold=threshold,
     )
+
+
+def compare_exactly(point: str, ref: torch.Tensor, cand: torch.Tensor) -> PointDiff:
+    """An integer point (the experts a router picks): entry by entry, never judged by rel_l2 (the routing
+    diff judges it). Its rel_l2 is the fraction of entries that differ, max_abs the largest |c - r|."""
+    differ = int((ref != cand).sum())
+    max_abs = float((cand.long() - ref.long()).abs().max()) if ref.numel() else 0.0
+    return PointDiff(point, layer_of(point), tuple(ref.shape), max_abs=max_abs,
+                     max_ref=float(ref.abs().max()) if ref.numel() else 0.0,
+                     rel_l2=differ / max(1, ref.numel()), cosine=None,
+                     reason=f"integers, compared exactly: {differ} of {ref.numel()} entries differ")
 
 
 def _metric_dtype(ref: torch.Tensor, cand: torch.Tensor) -> torch.dtype:
@@ -500,4 +513,6 @@ def _finite_metrics(p: PointDiff) -> bool:
 
 
 def _amplification(points: list[PointDiff], family: str | None = None) -> list[dict]:
-    return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None}, family=family)
+    # integer points (compared exactly: no cosine) have no relative error to amplify
+    return amplification({p.point: p.rel_l2 for p in points if p.recorded and p.rel_l2 is not None
+                          and p.cosine is not None}, family=family)

@@ -1,7 +1,11 @@
 """What a model is, as declared parts: the point vocabulary (`points`), the base types (`component`),
-one module per part (`components/`), the families as compositions of them (`families`), the knobs
+one module per part (`components/`), the families as compositions of them (`families`; the mixtures
+of experts in `moe_families`), the knobs
 (`knobs`) and the config readers (`config`); other runtimes' names and switches are theirs
 (`tracer.names`, `tracer.engines.registry`). Importing it never loads torch. Importing any of it
 registers the built-in families first."""
 
-from tracer.model import families  # noqa: F401  (registers the built-in families)
+from tracer.model import (
+    families,  # noqa: F401  (registers the built-in families)
+    moe_families,  # noqa: F401  (then the mixtures of experts, derived from Llama)
+)

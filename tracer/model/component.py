@@ -37,8 +37,11 @@ class Point:
             "" for the embeddings).
         observed: how the hf engine sees it: "output" (the module's output), "output:(T, H, D)" or
             "output:(H, T, D)" (per head, merged into (T, H·D)), "output:(T, X)" (a module that drops
-            the batch), "input:MODULE" (the first input of that module under the layer), "attention"
-            (the recording attention function), "model:FIELD" (a field of the whole model's output).
+            the batch), "output[i]:(T, X)" (the i-th value returned by the module the point is a virtual
+            point under: a router's top-k indices), "within:MODULE:WHAT" (a value computed inside that
+            module's forward, `tracer.hooks.within`), "input:MODULE" (the first input of that module under
+            the layer), "attention" (the recording attention function), "model:FIELD" (a field of the whole
+            model's output).
         gguf_permuted: its last axis holds q/k RoPE pairs, which GGUF's converter permutes.
     """
 
@@ -58,11 +61,14 @@ class Point:
 @dataclass(frozen=True)
 class ConfigField:
     """A config.json key a component reads: its default (`tracer.model.config.REQUIRED`: none) and its
-    kind of value ("positive_int", "positive_number", "bool"), checked as the readers check theirs."""
+    kind of value ("positive_int", "positive_number", "bool", "layers": a list of layer indices), checked as
+    the readers check theirs. `aliases`: other keys transformers reads as this one (its config's
+    `attribute_map`: Qwen3-MoE's `num_experts` is its `num_local_experts`)."""
 
     key: str
     default: Any
-    kind: str = "positive_int"  # "positive_int" | "positive_number" | "bool"
+    kind: str = "positive_int"  # "positive_int" | "positive_number" | "bool" | "layers"
+    aliases: tuple[str, ...] = ()
 
 
 class Component:
@@ -78,6 +84,10 @@ class Component:
     def weights(self, spec) -> dict[str, tuple[int, ...]]:
         """Its weights (HF names, relative to the layer for a block's part) and their shapes."""
         return {}
+
+    def layer_weights(self, spec, layer: int) -> dict[str, tuple[int, ...]]:
+        """Its weights in one layer: `weights`, unless its layers differ (a mixture of experts' dense layers)."""
+        return self.weights(spec)
 
     def steps(self, knobs: dict, spec) -> dict[str, Callable]:
         """Its strategy slots for a variant's knobs (presets expanded): slot name -> function."""
@@ -195,10 +205,10 @@ class Family:
         """Its points outside the blocks in execution order (the capped logits where its head can cap)."""
         return self._model_points
 
-    def layer_weights(self, spec) -> dict[str, tuple[int, ...]]:
-        """One block's tensors (names relative to the layer) with their shapes."""
+    def layer_weights(self, spec, layer: int = 0) -> dict[str, tuple[int, ...]]:
+        """Block `layer`'s tensors (names relative to the layer) with their shapes."""
         return {name: shape for component in (self.block, self.attention, self.mlp)
-                for each in component.all_parts() for name, shape in each.weights(spec).items()}
+                for each in component.all_parts() for name, shape in each.layer_weights(spec, layer).items()}
 
     def knobs(self) -> tuple:
         """The knobs its components declare (the model-wide ones are not listed here)."""

@@ -159,7 +159,7 @@ def read_hf(config: dict) -> LlamaSpec:
         **reads.extras(config),
         extra=component_fields(config, family),
     )
-    used = set(hf_fields(family.name))
+    used = set(hf_fields(family.name)) | {key for declared in family.config_fields() for key in declared.aliases}
     return spec.replace(unused_keys=tuple(sorted(k for k in config if k not in used and k not in NON_FORWARD_KEYS)))
 
 
@@ -167,10 +167,10 @@ def component_fields(config: dict, family) -> dict:
     """The values of the config fields the family's components declare (`ConfigField`), checked."""
     values = {}
     for declared in family.config_fields():
-        if declared.default is REQUIRED and declared.key not in config:
+        key = next((k for k in (declared.key, *declared.aliases) if k in config), declared.key)  # as transformers
+        if declared.default is REQUIRED and key not in config:
             raise TracerError(f"config.json lacks the required key {declared.key!r}")
-        value = config.get(declared.key, declared.default)
-        values[declared.key] = FIELD_CHECKS[declared.kind](declared.key, value)
+        values[declared.key] = FIELD_CHECKS[declared.kind](key, config.get(key, declared.default))
     return values
 
 
@@ -300,8 +300,18 @@ def _object(key: str, value) -> dict:
     return value
 
 
+def _layer_list(key: str, value) -> tuple[int, ...]:
+    """Layer indices (null: none), e.g. Qwen2-MoE's `mlp_only_layers`."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value):
+        raise _refuse(key, value, "a list of layer indices")
+    return tuple(value)
+
+
 # A declared config field's kind -> its checker (`ConfigField.kind`).
-FIELD_CHECKS = {"positive_int": _positive_int, "positive_number": _positive_number, "bool": _boolean}
+FIELD_CHECKS = {"positive_int": _positive_int, "positive_number": _positive_number, "bool": _boolean,
+                "layers": _layer_list}
 
 
 def _kv_heads(config: dict, heads: int, default: int | None = None) -> int:

@@ -198,9 +198,9 @@ def expected_shapes(spec) -> dict[str, tuple[int, ...]]:
     """Every tensor a spec needs, with its shape (HF names, as in the safetensors files), as the
     components of its family declare them."""
     family = family_named(spec.family)
-    layer = family.layer_weights(spec)
     shapes = dict(family.embedding.weights(spec))
     for i in range(spec.num_hidden_layers):
+        layer = family.layer_weights(spec, i)  # a mixture of experts' dense layers differ from its sparse ones
         shapes |= {f"{layer_point(i, BLOCK_OUT)}.{name}": shape for name, shape in layer.items()}
     return shapes | dict(family.head.weights(spec))
 

@@ -57,14 +57,16 @@ GATE_PROJ = "mlp.gate_proj"
 UP_PROJ = "mlp.up_proj"
 MLP_ACT = "mlp.act"
 DOWN_PROJ = "mlp.down_proj"
-# A mixture-of-experts MLP's routing (docs/moe.md): the router's logits (T, E), the scores over all experts
-# (T, E), the scores top-k picks from where a selection bias is added (T, E), the picked experts (T, k) int64 in
-# top-k's order, and their routing weights (T, k), aligned with them.
-ROUTER_LOGITS = "mlp.gate"
-ROUTER_SCORES = "mlp.gate.scores"
-ROUTER_SELECTION = "mlp.gate.selection"
-TOP_K_INDEX = "mlp.gate.top_k_index"
-TOP_K_WEIGHTS = "mlp.gate.top_k_weights"
+# A mixture of experts' MLP (`tracer.model.components.moe`): the router's steps, the experts, the shared expert.
+ROUTER_LOGITS = "mlp.gate"  # (T, E), the router's logits
+ROUTER_SCORES = "mlp.gate.scores"  # (T, E) f32, softmax or sigmoid of the logits
+ROUTER_SELECTION = "mlp.gate.selection"  # (T, E), the scores top-k picks from where a selection bias is added
+TOP_K_INDEX = "mlp.gate.top_k_index"  # (T, k) int64, the picked experts in top-k's order
+TOP_K_WEIGHTS = "mlp.gate.top_k_weights"  # (T, k), the routing weights applied to them
+SHARED_EXPERT = "mlp.shared_expert"  # (T, C), the shared expert's output after its gate
+EXPERTS = "mlp.experts"  # (T, C), the routed experts' weighted sum
+# Points holding integers: compared exactly, never by rel_l2 (`tracer.comparison.diff.compare_point`).
+INTEGER_POINTS = (TOP_K_INDEX,)
 
 # What a layer's KV cache holds after a forward with a cache (`--decode`): every slot's keys (after RoPE)
 # and values, (KV, S, D). Recorded only by a cached run, ranked right after the keys they hold.
@@ -97,6 +99,11 @@ def split_point(point: str) -> tuple[int | None, str]:
     if match is None:
         return None, point
     return int(match.group(1)), match.group(2) or ""
+
+
+def is_integer_point(point: str) -> bool:
+    """A point whose values are integers (the experts a router picks): compared exactly."""
+    return split_point(point)[1] in INTEGER_POINTS
 
 
 def layer_of(point: str) -> int | None:

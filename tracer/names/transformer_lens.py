@@ -38,9 +38,10 @@ def _normalized(point: str, hook_out: str) -> str:
 
 
 # TransformerLens 4 module -> the point its hook_in repeats (a Llama block, TransformerLens 4.3's names)
+_TL_MLP = "mlp"  # TransformerLens' MLP module (its gate is a projection, not a mixture of experts' router)
 _INPUTS = {"ln1": "blocks.{i}.hook_in", "attn": "ln1.hook_out", "attn.q": "ln1.hook_out",
-           "attn.k": "ln1.hook_out", "attn.v": "ln1.hook_out", "mlp": "ln2.hook_out",
-           "mlp.gate": "ln2.hook_out", "mlp.in": "ln2.hook_out"}
+           "attn.k": "ln1.hook_out", "attn.v": "ln1.hook_out", _TL_MLP: "ln2.hook_out",
+           f"{_TL_MLP}.gate": "ln2.hook_out", f"{_TL_MLP}.in": "ln2.hook_out"}
 
 TRANSFORMER_LENS = register(Vocabulary(
     "transformer_lens", "TransformerLens 3 and 4 hook names", "THD",

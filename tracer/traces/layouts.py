@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from tracer.core.errors import TracerError
-from tracer.model.points import Q_ROPE, gguf_permuted, layout_of, split_point
+from tracer.model.points import Q_ROPE, gguf_permuted, is_integer_point, layout_of, split_point
 from tracer.traces.trace import Trace
 
 LAYOUT_NAMES = {"THD": "[T, H, D]", "HTD": "[H, T, D]"}
@@ -168,7 +168,7 @@ def reconcile(point: str, canon: torch.Tensor, other: torch.Tensor, source: dict
         origin = f" (from {name!r})" if name != point else ""
         raise TracerError(f"shape mismatch at {point}: cannot reconcile the {side}'s {original}{origin} with "
                           f"the other side's {tuple(canon.shape)}")
-    if not other.is_floating_point():
+    if not other.is_floating_point() and not is_integer_point(point):
         raise TracerError(f"{point}: the {side} holds {other.dtype}, not a floating-point activation")
     if other.dtype != canon.dtype:
         fixes.add(f"dtype:{str(other.dtype).removeprefix('torch.')}:{str(canon.dtype).removeprefix('torch.')}:{side}",

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tracer.core.errors import TracerError, one_line
 from tracer.core.renderers import render
 from tracer.model.knobs import side_label
-from tracer.model.points import is_causal, layer_of
+from tracer.model.points import is_causal, is_integer_point, layer_of
 from tracer.names.aliases import alias_table, rename, token_names
 
 MANIFEST_KEY = "tracer"
@@ -224,6 +224,7 @@ class Trace:
                 tensors |= {prefix + name: t.detach().contiguous() for name, t in step.tensors.items()}
         if not path.parent.is_dir():
             raise TracerError(f"cannot write trace {path}: no folder {path.parent}")
+        tensors = _own_storage(tensors)
         tmp = path.with_name(path.name + ".partial")
         try:
             save_file(tensors, str(tmp), metadata={MANIFEST_KEY: json.dumps(manifest)})
@@ -302,7 +303,7 @@ def import_foreign(tensors: dict[str, torch.Tensor], header: dict[str, str], pat
         for source in renamed.sources.values():
             source["qk_order"] = header["qk_order"]
     for point, tensor in renamed.tensors.items():
-        if not tensor.is_floating_point():
+        if not tensor.is_floating_point() and not is_integer_point(point):
             raise TracerError(f"{path}: tensor {renamed.sources[point]['name']} ({point}) is {tensor.dtype}, "
                               f"not a floating-point activation")
     layers = [int(p.split(".")[2]) for p in renamed.tensors if p.startswith("model.layers.")]
@@ -363,6 +364,17 @@ def _manifest(path: Path, text: str) -> dict:
 # Attention matrices are (H, T, T): 9 GB per trace for SmolLM2 at 2048 tokens. Past this many
 # tokens only their last query rows are kept, (H, ATTENTION_ROWS, T), by every recorder alike.
 ATTENTION_ROWS = 128
+
+
+def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor in a storage of its own, as safetensors writes them: two points may be views of one
+    value (a mixture of experts' output is its experts' sum reshaped, in transformers as in tracer)."""
+    seen, own = set(), {}
+    for name, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr()
+        own[name] = tensor.clone() if storage in seen and tensor.numel() else tensor
+        seen.add(storage)
+    return own
 
 
 def kept(name: str, tensor: torch.Tensor) -> torch.Tensor:
