@@ -80,7 +80,7 @@ from tracer.model.points import (
 )
 from tracer.names.aliases import AliasTable
 from tracer.names.gguf import gguf_family
-from tracer.names.llamacpp import GGML, ggml_write, unnamed
+from tracer.names.llamacpp import GGML, SAME_NODE, ggml_write, unnamed
 from tracer.traces.layouts import from_interleaved, sub_point
 from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
@@ -347,6 +347,7 @@ class GraphRecorder:
 
     def __init__(self, ggml: Ggml, family: str | None = None):
         self.ggml, self.table = ggml, AliasTable(family=family)  # the family's own graph names (None: any family's)
+        self.same = SAME_NODE.get(family, {})  # sub-point -> the sub-points that are the same node in this graph
         self.unindexed = unindexed_names(family)
         self.points: dict[tuple[str, int], str | None] = {}  # (name, op) -> point, for every graph alike
         self.layer = 0  # the layer of the last node whose name says one (for names written without it)
@@ -455,6 +456,9 @@ class GraphRecorder:
             self.keep(layer_point(layer, SCORES),
                       torch.from_numpy(np.multiply(self.scores.pop(layer).numpy(), scale, dtype=np.float32)))
         self.keep(point, value)
+        for same in self.same.get(sub_point(point), ()):
+            self.names[layer_point(layer, same)] = self.names[point]
+            self.keep(layer_point(layer, same), value.clone())  # its own storage: a trace saves each point apart
 
 
 def _eval_callback(graph: GraphRecorder):

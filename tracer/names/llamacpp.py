@@ -21,6 +21,7 @@ from tracer.model.points import (
     CONTEXT,
     DOWN_PROJ,
     EMBED,
+    EXPERTS,
     FINAL_LOGITS,
     FINAL_NORM,
     GATE_PROJ,
@@ -30,6 +31,7 @@ from tracer.model.points import (
     K_PROJ,
     K_ROPE,
     LOGITS,
+    MLP,
     MLP_ACT,
     O_PROJ,
     POST_ATTENTION_NORM,
@@ -45,6 +47,7 @@ from tracer.model.points import (
     ROUTER_SCORES,
     ROUTER_SELECTION,
     SCORES,
+    SHARED_EXPERT,
     TOP_K_INDEX,
     TOP_K_WEIGHTS,
     UP_PROJ,
@@ -110,6 +113,7 @@ GGML = register(Vocabulary(
         # norm_w, then scaled where it has a w_scale; each is computed from the one before, so the last
         # written (the recorder keeps it) is the one the experts are multiplied by
         TOP_K_WEIGHTS: ("ffn_moe_weights-{i}", "ffn_moe_weights_norm-{i}", "ffn_moe_weights_scaled-{i}"),
+        EXPERTS: ("ffn_moe_out-{i}",),  # the picked experts' weighted outputs summed (C, T)
     },
     families={
         "gemma2": {**GEMMA, SCORES: ("kq_scaled_2-{i}",),  # after the soft-cap's last scale
@@ -119,6 +123,10 @@ GGML = register(Vocabulary(
                   POST_FF_NORM: (Name("ffn_post_norm-{i}", unindexed=True),)},
         # q, k, v are views of one fused product (wqkv); the MLP's up product is gate and up fused, halved
         # by the GLU; the residual add after the attention is unnamed (GET_ROWS first in the last layer)
+        # the shared expert is build_ffn's (ffn_gate, ffn_up, ffn_swiglu: its own steps, not a dense MLP's: every
+        # layer of llama.cpp's qwen2moe is sparse), times sigmoid of its gate; the MLP's output is both summed
+        "qwen2_moe": {SHARED_EXPERT: ("ffn_shexp_out-{i}",), MLP: ("ffn_out-{i}",), GATE_PROJ: (), UP_PROJ: (),
+                      MLP_ACT: (), DOWN_PROJ: ()},
         "phi3": {QKV_PROJ: ("wqkv-{i}",), GATE_UP_PROJ: ("ffn_up-{i}",),
                  RESID_MID: (unnamed("ADD", OUTPUT_PRODUCT), unnamed("ADD", unnamed("GET_ROWS", OUTPUT_PRODUCT)))},
     },
@@ -137,8 +145,17 @@ GGML = register(Vocabulary(
         "ffn_moe_swiglu-{i}": "each picked expert's silu(gate)·up (n_ff, k, T): per expert, not a point",
         "ffn_moe_down-{i}": "each picked expert's output (C, k, T): per expert, not a point",
         "ffn_moe_weighted-{i}": "each picked expert's output times its weight (C, k, T), before the sum",
+        "ffn_shexp-{i}": "Qwen2-MoE's shared expert before its gate (ffn_shexp_out is after it)",
+        "ffn_shexp_gate_inp-{i}": "Qwen2-MoE's shared expert's gate logit (T, 1), before the sigmoid",
+        "ffn_shexp_gate-{i}": "Qwen2-MoE's shared expert's gate, sigmoid of its logit (T, 1)",
     },
 ))
+
+
+# Points that are the same graph node as another where a family's graph has nothing between them: without a
+# shared expert, the experts' sum (`ffn_moe_out`) is what the MLP block returns (src/models/llama.cpp,
+# qwen3moe.cpp, olmoe.cpp add it to the residual as it is).
+SAME_NODE = {family: {EXPERTS: (MLP,)} for family in ("mixtral", "qwen3_moe", "olmoe")}
 
 
 def ggml_writes(family: str | None = None) -> dict[str, dict[str, str]]:
