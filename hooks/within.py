@@ -1,6 +1,8 @@
 """Values a module computes inside its forward and returns to no one, observed as transformers computes
 them: the module's forward runs under a `TorchFunctionMode` that sees each torch call's result.
 
+- "linear": the first linear map the module computes (a router's logits: the same tensor it returns
+  first, seen as it is made, so that the points are recorded in the order transformers computes them);
 - "scores": the first softmax or sigmoid the module takes (a router's scores over every expert, which
   `MixtralTopKRouter` and its kin compute and do not return);
 - "gated": the first product with a sigmoid's result (Qwen2-MoE's shared expert times
@@ -24,7 +26,7 @@ class _Watcher:
     """One point observed inside one forward of the module: the first tensor that matches `what`."""
 
     def __init__(self, what: str, emit: Callable[[torch.Tensor], None]):
-        if what not in ("scores", "gated"):
+        if what not in ("linear", "scores", "gated"):
             raise ValueError(f"nothing to observe as {what!r} inside a module")
         self.what, self.emit = what, emit
         self.done, self.sigmoids = False, []
@@ -35,7 +37,7 @@ class _Watcher:
     def seen(self, name: str, args: tuple, out) -> None:
         if self.done or not isinstance(out, torch.Tensor):
             return
-        if self.what == "scores" and name in _SCORES:
+        if (self.what == "scores" and name in _SCORES) or (self.what == "linear" and name == "linear"):
             self._emit(out)
         elif self.what == "gated":
             if name == "sigmoid":
@@ -75,7 +77,7 @@ class _Handle:
 
 
 def within(module: torch.nn.Module, what: str, emit: Callable[[torch.Tensor], None]) -> _Handle:
-    """Watch `module`'s forward for `what` ("scores" or "gated"), handing each forward's match to `emit`;
+    """Watch `module`'s forward for `what` ("linear", "scores" or "gated"), handing each forward's match to `emit`;
     the handle's `remove()` restores the module's own forward once no watcher is left."""
     watcher = _Watcher(what, emit)
     if "_tracer_watchers" not in module.__dict__:

@@ -34,14 +34,16 @@ TINY_FAMILIES = {
                                    sliding_window_pattern=2)),
     "phi3": ("phi3", dict(sliding_window=WINDOW, tie_word_embeddings=False, partial_rotary_factor=0.5)),
     "olmo2": ("olmo2", dict(tie_word_embeddings=True)),
-    # mixtures of experts: 4 experts, each token routed to 2, as the real configs' proportions scaled down
-    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    # mixtures of experts: 4 experts, each token routed to 2, as the real configs' proportions scaled down;
+    # 2 layers (their expert loops are the slow part of every test that runs each family)
+    "mixtral": ("mixtral", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=WINDOW)),
     # a shared expert behind its sigmoid gate; layer 1 dense (mlp_only_layers), as its config may say
-    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=48, mlp_only_layers=[1])),
-    "qwen3_moe": ("qwen3_moe", dict(head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    norm_topk_prob=True)),
-    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, head_dim=12, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, norm_topk_prob=True)),
+    "olmoe": ("olmoe", dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)),
 }
 OFFSET_NORMS = ("gemma2", "gemma3")  # norm weights stored as offsets from 1
 

@@ -6,6 +6,8 @@ runtime with its RoPE base fixed at 500, and no OLMo-2 model); no file of tracer
 
 from __future__ import annotations
 
+from itertools import takewhile
+
 import pytest
 
 import tracer
@@ -101,7 +103,12 @@ def test_tracer_engines_shows_every_cell(drifted, capsys, monkeypatch):
     assert main(["engines"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("engine × family"))
-    row = next(line for line in lines[lines.index(header):] if line.startswith("drifted "))
-    assert " ".join(row.split()[1:]) == " ".join(ENTRY.cell(family) for family in header.split()[3:])
+    families = header.split()[3:]
+    starts = [header.index(f" {family}") + 1 for family in families]  # each family's column
+    at = next(i for i in range(lines.index(header), len(lines)) if lines[i].startswith("drifted "))
+    row = [lines[at], *takewhile(lambda line: line.startswith(" "), lines[at + 1:])]  # a cell may wrap in its column
+    cells = [" ".join(" ".join(line[start:end].split()) for line in row).strip()
+             for start, end in zip(starts, [*starts[1:], None])]
+    assert cells == [ENTRY.cell(family) for family in families]
     assert "  drifted × llama: differs at self_attn.q_rope: its RoPE base is 500 whatever rope_theta says" in lines
     assert "  the drifted engine cannot trace olmo2: this runtime has no OLMo-2 model" in lines

@@ -59,10 +59,13 @@ class RowRecorders:
         self.rows = [TraceRecorder() for _ in padded.padding]
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        rows, layout = len(self.rows), layout_of(name)
+        flattened = tensor.shape[0] == 1 < rows and tensor.dim() == 3 and tensor.shape[1] == rows * self.width
+        if flattened and layout == "rows":  # a router's (B·T, E): the batch flattened row by row
+            tensor = tensor.view(rows, self.width, -1)  # (B, T, E)
         if tensor.shape[0] != len(self.rows):
             raise TracerError(f"{name} is {tuple(tensor.shape)}, without the batch axis of {len(self.rows)} rows: "
                               "this model's batches are not traced (a layer that flattens the batch away)")
-        layout = layout_of(name)
         axes = {"heads": (2,), "attention": (2, 3)}.get(layout, (1,))  # the token axes, batch first
         for row, (pad, recorder) in enumerate(zip(self.padding, self.rows)):
             value = tensor[row:row + 1]

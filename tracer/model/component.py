@@ -85,6 +85,10 @@ class Component:
         """Its weights (HF names, relative to the layer for a block's part) and their shapes."""
         return {}
 
+    def records_on(self, spec, layer: int, point: str) -> bool:
+        """Whether it records its point `point` in block `layer` (a mixture of experts' dense layers do not route)."""
+        return True
+
     def layer_weights(self, spec, layer: int) -> dict[str, tuple[int, ...]]:
         """Its weights in one layer: `weights`, unless its layers differ (a mixture of experts' dense layers)."""
         return self.weights(spec)

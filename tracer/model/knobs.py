@@ -147,7 +147,8 @@ def ggml_graph(family: Family) -> bool:
 def llama_gguf(family: Family) -> bool:
     """A family whose GGUF a regime reads as llama.cpp wrote it (weights=gguf): its tensor names from
     gguf-py's map for its architecture, q/k rows un-permuted where the converter permuted them (Llama's)."""
-    return family.gguf_arch == "llama" or family.name in GGML_FAMILIES
+    # Llama's graph, not merely llama.cpp's "llama" architecture (which Mixtral's experts share): no MoE yet
+    return llama_graph(family) or family.name in GGML_FAMILIES
 
 
 def _llama_only(text: str) -> Callable[[Any], str]:

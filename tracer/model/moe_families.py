@@ -21,6 +21,7 @@ from tracer.model.points import (
     K_NORM,
     PROBS,
     Q_NORM,
+    ROUTER_LOGITS,
     ROUTER_SCORES,
     SHARED_EXPERT,
     TOP_K_INDEX,
@@ -38,7 +39,10 @@ _EXPERTS_HINT = ("each expert is down(act(gate·x)·(up·x)), gate first in tran
 
 def _routing_hints(title: str, renorm: str) -> dict[str, str]:
     router = f"{title}: " + _ROUTER.format(k="num_experts_per_tok", renorm=renorm)
-    return {ROUTER_SCORES: router, TOP_K_INDEX: router, TOP_K_WEIGHTS: router, EXPERTS: f"{title}: " + _EXPERTS_HINT}
+    logits = (f"{title}: the router's logits are x·Wᵀ in the model's dtype (router_dtype=bf16: a port that runs "
+              "its router in bf16 rounds them here)")
+    return {ROUTER_LOGITS: logits, ROUTER_SCORES: router, TOP_K_INDEX: router, TOP_K_WEIGHTS: router,
+            EXPERTS: f"{title}: " + _EXPERTS_HINT}
 
 
 def _mixtral_extras(file: dict) -> dict:

@@ -182,13 +182,16 @@ def model_points(final_softcap: bool = False, family: str | None = None) -> tupl
     return tuple(model_point_records(family, final_softcap))
 
 
-def all_points(num_layers: int, family: str | None = "llama", *, final_softcap: bool = False) -> list[str]:
+def all_points(num_layers: int, family: str | None = "llama", *, final_softcap: bool = False,
+               spec=None) -> list[str]:
     """Every point of a model with `num_layers` blocks, in execution order; `final_softcap`: its
-    config soft-caps the logits (Gemma 2), which adds the capped logits."""
+    config soft-caps the logits (Gemma 2), which adds the capped logits; `spec`: only the points each
+    layer records (a mixture of experts' dense layers record no routing points; None: every point)."""
     first, *last = model_points(final_softcap, family)
     names = [first]
+    mlp = family_named(family).mlp
     for i in range(num_layers):
-        names += [layer_point(i, sub) for sub in sub_points(family)]
+        names += [layer_point(i, sub) for sub in sub_points(family) if spec is None or mlp.records_on(spec, i, sub)]
     return names + last
 
 

@@ -108,6 +108,8 @@ def shared_weight(which: str) -> str:
 
 SHARED_GATE_WEIGHT = f"{SHARED_EXPERT}_gate{WEIGHT}"  # (1, C)
 _DENSE = GatedMLP()  # a dense layer's MLP (Qwen2-MoE's and Qwen3-MoE's mlp_only_layers)
+_DENSE_POINTS = frozenset(point.name for point in _DENSE.points(""))
+_ROUTED_POINTS = frozenset({ROUTER_LOGITS, ROUTER_SCORES, TOP_K_INDEX, TOP_K_WEIGHTS, EXPERTS, SHARED_EXPERT})
 
 
 # --- the router's steps ------------------------------------------------------------------------
@@ -206,8 +208,9 @@ def routed_experts(flat: torch.Tensor, top: torch.Tensor, picked: torch.Tensor, 
         slot, token = torch.where(mask[e])  # which of its k picks, which token
         stored = steps.expert_index(e, experts)
         gate_up = steps.stack_gate_up(w[moe.names.expert(stored, "gate")], w[moe.names.expert(stored, "up")])
-        gate, up = steps.linear(flat[token], gate_up).chunk(2, dim=-1)  # (n, I) each
-        h = steps.linear(activation(spec.hidden_act)(gate) * up, aligned(w[moe.names.expert(stored, "down")]))  # (n, C)
+        gate, up = steps.linear(flat[token][None], gate_up)[0].chunk(2, dim=-1)  # (n, I) each
+        h = activation(spec.hidden_act)(gate) * up  # (n, I)
+        h = steps.linear(h[None], aligned(w[moe.names.expert(stored, "down")]))[0]  # (n, C)
         h = h * top[token, slot, None]  # (n, C)
         out.index_add_(0, token, h.to(out.dtype))
     return out
@@ -293,7 +296,7 @@ class SparseMoE(Component):
                         "gate", source, f"within:{MLP}:gated"),) if self.shared else ()
         return (*dense,
                 Point(ROUTER_LOGITS, "router", "rows", "router", "router logits, one per expert (T, E)", source,
-                      "output:(T, X)"),
+                      f"within:{ROUTER_LOGITS}:linear"),
                 Point(ROUTER_SCORES, "scores", "rows", "routing", "the router's scores over every expert, f32",
                       ROUTER_LOGITS, f"within:{ROUTER_LOGITS}:scores"),
                 Point(TOP_K_INDEX, "top-k", "rows", "routing", "the picked experts, int64 (T, k), in top-k's order",
@@ -305,6 +308,12 @@ class SparseMoE(Component):
                 *shared,
                 Point(MLP, "moe", "rows", "moe", "the MLP's output (the experts' sum, plus the shared expert's)",
                       EXPERTS))
+
+    def records_on(self, spec, layer: int, point: str) -> bool:
+        """A dense layer records the gated MLP's points, a sparse one the routing points; both the MLP's output."""
+        if not self.dense_layers or point not in _DENSE_POINTS | _ROUTED_POINTS:
+            return True
+        return (point in _ROUTED_POINTS) == self.is_sparse(spec, layer)
 
     def weights(self, spec) -> dict:
         return self.layer_weights(spec, 0)
