@@ -8,6 +8,9 @@ added later, or a cell an engine's entry changes, is tested by itself."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 
 import tracer
@@ -43,10 +46,27 @@ def llamacpp_argument(family: str, model_dir, folder) -> str:
     if family in ("llama", "mistral"):
         write_llama_gguf(model_dir, path)
     elif TOP_K_INDEX in FAMILIES[family].sub_points():
-        converted({family: model_dir}, folder)  # llama.cpp's converter, skipped where it is absent
+        return str(moe_ggufs(folder)[family])
     else:
         write_family_gguf(model_dir, path, no_vocab=True)
     return str(path)
+
+
+def cell_model(engine: str, family: str, root) -> Path:
+    """The model directory a cell runs: the family's tiny model (the `tiny` fixture's), or one written once with
+    the cell's config (`CELL_CONFIGS`)."""
+    if (engine, family) not in CELL_CONFIGS:
+        return root / family
+    path = root / f"{engine}-{family}"
+    return path if (path / "config.json").is_file() else write_tiny_family(path, family, **CELL_CONFIGS[engine, family])
+
+
+@functools.cache
+def moe_ggufs(root) -> dict[str, Path]:
+    """Every mixture of experts' llamacpp cell model as llama.cpp's converter writes it, all in one converter
+    child (skipped where the converter is absent)."""
+    moe = [family for family in FAMILIES if TOP_K_INDEX in FAMILIES[family].sub_points()]
+    return converted({family: cell_model("llamacpp", family, root) for family in moe}, root)
 
 
 def file_argument(family: str, model_dir, folder) -> str:
@@ -79,8 +99,7 @@ def test_cell(engine, family, tiny, monkeypatch):
     if entry.missing_runtime():
         pytest.skip(f"the {engine} runtime is not installed here")
     root, models = tiny
-    if (engine, family) in CELL_CONFIGS:
-        models = {family: write_tiny_family(root / f"{engine}-{family}", family, **CELL_CONFIGS[engine, family])}
+    models = {family: cell_model(engine, family, root)}
     cell = entry.cell(family)
     if cell in (NOT_YET, ABSENT):
         def must_not_load(*args, **kwargs):
