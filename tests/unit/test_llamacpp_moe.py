@@ -109,3 +109,14 @@ def test_a_corrupted_expert_is_found_at_its_layers_experts(tiny, tmp_path):
     assert result.first_divergence.point == layer_point(1, EXPERTS), result.first_divergence
     # the routing up to that layer is untouched: its router reads the layer's input, before the experts
     assert all(set(layer.status) == {AGREE} for layer in result.routing.layers[:2])
+
+
+def test_micro_batches_join_every_routing_point(tiny):
+    """n_ubatch=3: the 7-token prompt in graphs of 3, 3 and 1 tokens; each graph's last step of the weights' chain
+    and of each biased projection kept once (Qwen2-MoE: q/k/v biases, its weights gathered only), a 1-token graph's
+    weights read as (1, k): the same match as the whole prompt's."""
+    model_dir, gguf = tiny["qwen2_moe"]
+    result = tracer.run(model_dir, tokens=TOKENS, candidate=f"llamacpp:{gguf}", variant=CELL + ",n_ubatch=3",
+                        greedy=0, progress=False)
+    assert result.verdict == "match", result.first_divergence
+    assert result.routing.agreement == 1.0 and result.routing.counts()["tokens"] == 2 * len(TOKENS)

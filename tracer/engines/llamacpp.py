@@ -64,6 +64,8 @@ from tracer.model.points import (
     CACHE_K,
     CACHE_POINTS,
     CACHE_V,
+    EMBED,
+    EXPERTS,
     FUSED_AWAY,
     K_NORM,
     K_PROJ,
@@ -74,6 +76,7 @@ from tracer.model.points import (
     Q_ROPE,
     SCORES,
     TOP_K_INDEX,
+    TOP_K_WEIGHTS,
     all_points,
     layer_point,
     split_point,
@@ -205,6 +208,7 @@ class Shape:
     head_dim: int
     interleaved: bool  # q/k in GGUF's permuted order (rope type NORM)
     keys: int  # cells of the KV cache filled after this forward (the cache's first ones, in position order)
+    experts_used: int = 0  # a mixture of experts' k (the GGUF's expert_used_count); 0 without experts
 
 
 def rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
@@ -229,7 +233,14 @@ def token_rows(array: np.ndarray, shape: Shape) -> np.ndarray:
 
 def expert_rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
     """The picked experts, int32 (1, 1, T, k) -> int64 (T, k), in top-k's order (descending score)."""
-    return rows(array, shape).long()
+    return torch.from_numpy(array.reshape(-1, shape.experts_used).astype(np.int64))  # (T, k), one copy
+
+
+def weight_rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
+    """The picked experts' weights -> (T, k): gathered or scaled they are [1, k, T] (numpy (1, T, k, 1)),
+    renormalized [k, T] (numpy (1, 1, T, k)); k runs fastest in both, so k columns say which axis is which
+    whatever T is (one token, a micro-batch's)."""
+    return torch.from_numpy(np.array(array.reshape(-1, shape.experts_used)))  # (T, k), copied out of ggml's memory
 
 
 def qk_heads(array: np.ndarray, shape: Shape) -> torch.Tensor:
@@ -300,7 +311,7 @@ def joined(point: str, parts: list[torch.Tensor]) -> torch.Tensor:
 # sub-point -> reader; anything else is (T, C) rows. Scores are kept unscaled until their softmax is read.
 READERS: dict[str, Callable[[np.ndarray, Shape], torch.Tensor]] = {
     Q_PROJ: qk_rows, K_PROJ: qk_rows, Q_NORM: qk_rows, K_NORM: qk_rows, Q_ROPE: qk_heads, K_ROPE: qk_heads,
-    SCORES: attention, PROBS: attention, TOP_K_INDEX: expert_rows,
+    SCORES: attention, PROBS: attention, TOP_K_INDEX: expert_rows, TOP_K_WEIGHTS: weight_rows,
 }
 
 # q·kᵀ as llama.cpp names it, which the alias table calls not comparable as it is (its softmax scales it):
@@ -352,6 +363,9 @@ class GraphRecorder:
         self.points: dict[tuple[str, int], str | None] = {}  # (name, op) -> point, for every graph alike
         self.layer = 0  # the layer of the last node whose name says one (for names written without it)
         self.scores: dict[int, torch.Tensor] = {}  # layer -> its scores, unscaled, until its softmax is read
+        # layer -> the latest step of its top-k weights' chain (gathered, renormalized, scaled: each a graph node
+        # of its own), kept once the experts' sum that multiplies them is read
+        self.weights: dict[int, torch.Tensor] = {}
         self.active = None  # (recorder, Shape) while recording; None: answer no to everything
         self.cache = False  # whether the cache points are wanted (a decode's forwards)
         self.pending: str | None = None
@@ -368,7 +382,8 @@ class GraphRecorder:
         probabilities are not recorded (each holds its own rows against the keys cached so far)."""
         self.active, self.error, self.pending, self.cache = (recorder, shape), None, None, cache
         self.seen_ops, self.partial, self.parts, self.split = set(), {}, {}, split
-        self.layer, self.scores = 0, {}
+        self.in_graph: set[str] = set()  # the points kept from the current micro-batch's graph
+        self.layer, self.scores, self.weights = 0, {}, {}
 
     def stop(self, flush: bool = True) -> None:
         """Recording ends: in micro-batches, each point's rows joined go to the recorder now (unless
@@ -386,7 +401,14 @@ class GraphRecorder:
         """A point's value in this graph: to the recorder at once (it may spill it to disk), or, in
         micro-batches, kept until the last one's (`stop`)."""
         if self.split:
-            self.parts.setdefault(point, []).append(value)
+            if point == EMBED:  # every micro-batch's graph starts from its embeddings
+                self.in_graph = set()
+            parts = self.parts.setdefault(point, [])
+            if point in self.in_graph:  # a later write in the same graph (Qcur's bias ADD after its MUL_MAT)
+                parts[-1] = value
+            else:
+                parts.append(value)
+            self.in_graph.add(point)
         else:
             self.emit(point, value)
 
@@ -451,6 +473,11 @@ class GraphRecorder:
         if sub_point(point) == SCORES:  # scaled once its softmax says by how much
             self.scores[layer] = value
             return
+        if sub_point(point) == TOP_K_WEIGHTS:  # a later step of the chain may follow
+            self.weights[layer] = value
+            return
+        if sub_point(point) == EXPERTS and layer in self.weights:
+            self.keep(layer_point(layer, TOP_K_WEIGHTS), self.weights.pop(layer))
         if sub_point(point) == PROBS and layer in self.scores:
             scale = np.float32(softmax_scale(node))
             self.keep(layer_point(layer, SCORES),
@@ -584,6 +611,7 @@ class LlamaCppEngine(EngineBase):
         # llama.cpp's names for its graph, in the family the architecture is (Mixtral: "llama" with experts)
         family = gguf_family(_meta_text(model, b"general.architecture"), bool(self._meta_int("expert_count")))
         self.family = family.name if family else None
+        self.experts_used = self._meta_int("expert_used_count") or 0  # k of a mixture of experts
         self.graph = GraphRecorder(self.ggml, self.family)
         self.final_softcap = bool(self._meta_float("final_logit_softcapping"))  # Gemma's capped logits
         self.context, self.context_size, self.flash = None, 0, None
@@ -644,7 +672,7 @@ class LlamaCppEngine(EngineBase):
                               "it cannot record")
         recorder = recorder if recorder is not None else TraceRecorder()
         held = 0 if clear else self.filled
-        shape = Shape(len(tokens), self.head_dim, self.interleaved, held + len(tokens))
+        shape = Shape(len(tokens), self.head_dim, self.interleaved, held + len(tokens), self.experts_used)
         split = len(tokens) > int(self.variant.get("n_ubatch", len(tokens)))
         self.graph.start(recorder, shape, cache, split)
         try:

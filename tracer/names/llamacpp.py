@@ -110,8 +110,8 @@ GGML = register(Vocabulary(
         ROUTER_SELECTION: ("ffn_moe_probs_biased-{i}",),
         TOP_K_INDEX: ("ffn_moe_topk-{i}",),
         # the weights applied are the chain's last step: gathered, then renormalized where the graph passes
-        # norm_w, then scaled where it has a w_scale; each is computed from the one before, so the last
-        # written (the recorder keeps it) is the one the experts are multiplied by
+        # norm_w, then scaled where it has a w_scale; each is computed from the one before, so the last one
+        # read before the experts' sum is the one they are multiplied by (the engine keeps that one)
         TOP_K_WEIGHTS: ("ffn_moe_weights-{i}", "ffn_moe_weights_norm-{i}", "ffn_moe_weights_scaled-{i}"),
         EXPERTS: ("ffn_moe_out-{i}",),  # the picked experts' weighted outputs summed (C, T)
     },
