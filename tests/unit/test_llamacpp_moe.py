@@ -111,11 +111,12 @@ def test_a_corrupted_expert_is_found_at_its_layers_experts(tiny, tmp_path):
     assert all(set(layer.status) == {AGREE} for layer in result.routing.layers[:2])
 
 
-def test_micro_batches_join_every_routing_point(tiny):
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_micro_batches_join_every_routing_point(tiny, family):
     """n_ubatch=3: the 7-token prompt in graphs of 3, 3 and 1 tokens; each graph's last step of the weights' chain
-    and of each biased projection kept once (Qwen2-MoE: q/k/v biases, its weights gathered only), a 1-token graph's
-    weights read as (1, k): the same match as the whole prompt's."""
-    model_dir, gguf = tiny["qwen2_moe"]
+    and of each biased projection kept once (Qwen2-MoE's q/k/v biases), a 1-token graph's weights read as (1, k)
+    and its per-head q/k norms (Qwen3-MoE) as one row: the same match as the whole prompt's."""
+    model_dir, gguf = tiny[family]
     result = tracer.run(model_dir, tokens=TOKENS, candidate=f"llamacpp:{gguf}", variant=CELL + ",n_ubatch=3",
                         greedy=0, progress=False)
     assert result.verdict == "match", result.first_divergence

@@ -383,6 +383,7 @@ class GraphRecorder:
         self.active, self.error, self.pending, self.cache = (recorder, shape), None, None, cache
         self.seen_ops, self.partial, self.parts, self.split = set(), {}, {}, split
         self.in_graph: set[str] = set()  # the points kept from the current micro-batch's graph
+        self.piece: int | None = None  # its tokens (a per-head node of one token has its heads where rows go)
         self.layer, self.scores, self.weights = 0, {}, {}
 
     def stop(self, flush: bool = True) -> None:
@@ -401,8 +402,8 @@ class GraphRecorder:
         """A point's value in this graph: to the recorder at once (it may spill it to disk), or, in
         micro-batches, kept until the last one's (`stop`)."""
         if self.split:
-            if point == EMBED:  # every micro-batch's graph starts from its embeddings
-                self.in_graph = set()
+            if point == EMBED:  # every micro-batch's graph starts from its embeddings: its rows are its tokens
+                self.in_graph, self.piece = set(), value.shape[0]
             parts = self.parts.setdefault(point, [])
             if point in self.in_graph:  # a later write in the same graph (Qcur's bias ADD after its MUL_MAT)
                 parts[-1] = value
@@ -454,6 +455,8 @@ class GraphRecorder:
         if not self.ggml.checked:
             self.ggml.check_layout(node, address)
         shape = self.active[1]
+        if self.split and self.piece:  # the nodes of a micro-batch's graph hold its tokens, not the prompt's
+            shape = dataclasses.replace(shape, tokens=self.piece)
         point = self.pending
         if sub_point(point) in CACHE_POINTS:  # the whole cache tensor the SET_ROWS node is a view of
             cache = GgmlTensor.from_address(node.view_src)
