@@ -138,7 +138,7 @@ SLOW_UNIT_FILES = {"test_user_errors.py", "test_matrix.py", "test_onnx.py", "tes
                    # the native runtimes' children (llama.cpp, candle) and llama.cpp's quantizer
                    "test_llamacpp_decode.py", "test_candle.py", "test_candle_families.py", "test_triangulation.py",
                    "test_regime_view.py", "test_runtime_decode.py", "test_audit.py", "test_ggml_kquants.py",
-                   "test_ggml_candle_kernels.py"}
+                   "test_ggml_candle_kernels.py", "test_llamacpp_moe.py"}
 
 
 # The files that take longest, longest first, as a fresh clone runs them (an empty cache: the files

@@ -8,31 +8,65 @@ added later, or a cell an engine's entry changes, is tested by itself."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 
 import tracer
 from tests.conftest import TOKENS
 from tests.families import TINY_FAMILIES, with_hub_keys, write_tiny_family
+from tests.unit.test_llamacpp_moe import LLAMACPP_HOLDS, converted
 from tracer.core.errors import TracerError
 from tracer.engines.registry import ABSENT, DIFFERS, ENGINES, NOT_YET
 from tracer.model.families import FAMILIES
+from tracer.model.points import TOP_K_INDEX
 
 # Knobs a cell runs an engine with: llama.cpp's exact f32 path (its default f16 KV cache and fused
 # flash attention are a number-format regime, judged by --regime, not a port to hold to f32).
 CELL_VARIANTS = {"llamacpp": "kv_cache=f32,flash_attn=off"}
 
 
+# Configs a cell runs a family on other than its tiny model's: what the runtime holds of the family
+# (`LLAMACPP_HOLDS`: every layer of llama.cpp's qwen2moe sparse, its olmoe with as many KV heads as heads) and the
+# config its declared difference shows on (norm_topk_prob, which llama.cpp's MoE graphs do not read; on the
+# published configs they match: tests/unit/test_llamacpp_moe.py).
+CELL_CONFIGS = {("llamacpp", "qwen2_moe"): dict(LLAMACPP_HOLDS["qwen2_moe"], norm_topk_prob=True),
+                ("llamacpp", "olmoe"): dict(LLAMACPP_HOLDS["olmoe"], norm_topk_prob=True),
+                ("llamacpp", "qwen3_moe"): dict(norm_topk_prob=False)}
+
+
 def llamacpp_argument(family: str, model_dir, folder) -> str:
-    """The tiny model as the f32 GGUF llama.cpp's converter writes (Llama and Mistral: its "llama" architecture)."""
+    """The tiny model as the f32 GGUF llama.cpp's converter writes (Llama and Mistral: its "llama" architecture); a
+    mixture of experts by the converter itself ($LLAMACPP_SOURCE; tracer's writer has no MoE family)."""
     from tests.families import write_tiny_gguf as write_family_gguf
     from tests.tiny_gguf import write_tiny_gguf as write_llama_gguf
 
     path = folder / f"{family}.gguf"
     if family in ("llama", "mistral"):
         write_llama_gguf(model_dir, path)
+    elif TOP_K_INDEX in FAMILIES[family].sub_points():
+        return str(moe_ggufs(folder)[family])
     else:
         write_family_gguf(model_dir, path, no_vocab=True)
     return str(path)
+
+
+def cell_model(engine: str, family: str, root) -> Path:
+    """The model directory a cell runs: the family's tiny model (the `tiny` fixture's), or one written once with
+    the cell's config (`CELL_CONFIGS`)."""
+    if (engine, family) not in CELL_CONFIGS:
+        return root / family
+    path = root / f"{engine}-{family}"
+    return path if (path / "config.json").is_file() else write_tiny_family(path, family, **CELL_CONFIGS[engine, family])
+
+
+@functools.cache
+def moe_ggufs(root) -> dict[str, Path]:
+    """Every mixture of experts' llamacpp cell model as llama.cpp's converter writes it, all in one converter
+    child (skipped where the converter is absent)."""
+    moe = [family for family in FAMILIES if TOP_K_INDEX in FAMILIES[family].sub_points()]
+    return converted({family: cell_model("llamacpp", family, root) for family in moe}, root)
 
 
 def file_argument(family: str, model_dir, folder) -> str:
@@ -73,6 +107,7 @@ def test_cell(engine, family, tiny, monkeypatch):
     if entry.missing_runtime():
         pytest.skip(f"the {engine} runtime is not installed here")
     root, models = tiny
+    models = {family: cell_model(engine, family, root)}
     cell = entry.cell(family)
     if cell in (NOT_YET, ABSENT):
         def must_not_load(*args, **kwargs):

@@ -64,6 +64,8 @@ from tracer.model.points import (
     CACHE_K,
     CACHE_POINTS,
     CACHE_V,
+    EMBED,
+    EXPERTS,
     FUSED_AWAY,
     K_NORM,
     K_PROJ,
@@ -73,19 +75,22 @@ from tracer.model.points import (
     Q_PROJ,
     Q_ROPE,
     SCORES,
+    TOP_K_INDEX,
+    TOP_K_WEIGHTS,
     all_points,
     layer_point,
     split_point,
 )
 from tracer.names.aliases import AliasTable
 from tracer.names.gguf import gguf_family
-from tracer.names.llamacpp import GGML, ggml_write, unnamed
+from tracer.names.llamacpp import GGML, SAME_NODE, ggml_write, unnamed
 from tracer.traces.layouts import from_interleaved, sub_point
 from tracer.traces.trace import ATTENTION_ROWS, Trace, TraceMeta, TraceRecorder
 
-# ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed).
-GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
-NUMPY_TYPES = {GGML_F32: np.float32, GGML_F16: np.float16, GGML_BF16: np.uint16}
+# ggml types an activation can have, as numpy reads them (bf16 read as its bits, then viewed; i32: the
+# experts a mixture of experts' router picks, `ffn_moe_topk`).
+GGML_F32, GGML_F16, GGML_BF16, GGML_I32 = 0, 1, 30, 26
+NUMPY_TYPES = {GGML_F32: np.float32, GGML_F16: np.float16, GGML_BF16: np.uint16, GGML_I32: np.int32}
 
 # kv_cache knob -> ggml type of the K and V cache (llama.cpp's type_k / type_v)
 KV_TYPES = {"f32": GGML_F32, "f16": GGML_F16, "bf16": GGML_BF16, "q8_0": 8}
@@ -170,7 +175,7 @@ class Ggml:
         """The node's data as a 4-D numpy view in row-major order (ggml's ne reversed), strides
         included (views and permutes are read as they lie). Valid until ggml reuses the memory."""
         if node.type not in NUMPY_TYPES:
-            raise TracerError(f"llama.cpp node {node.name.decode()} is ggml type {node.type}, not f32/f16/bf16")
+            raise TracerError(f"llama.cpp node {node.name.decode()} is ggml type {node.type}, not f32/f16/bf16/i32")
         size = self.nbytes(address)  # the whole span, strides included
         if self.is_host(node.buffer):
             raw = (ctypes.c_char * size).from_address(node.data)
@@ -203,6 +208,7 @@ class Shape:
     head_dim: int
     interleaved: bool  # q/k in GGUF's permuted order (rope type NORM)
     keys: int  # cells of the KV cache filled after this forward (the cache's first ones, in position order)
+    experts_used: int = 0  # a mixture of experts' k (the GGUF's expert_used_count); 0 without experts
 
 
 def rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
@@ -223,6 +229,18 @@ def token_rows(array: np.ndarray, shape: Shape) -> np.ndarray:
     if array.shape[1] == 1 and array.shape[2] <= shape.tokens:
         return array[0, 0]
     return array[0].reshape(array.shape[1], -1)  # (T, heads, D) -> (T, heads·D); copies a strided view
+
+
+def expert_rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
+    """The picked experts, int32 (1, 1, T, k) -> int64 (T, k), in top-k's order (descending score)."""
+    return torch.from_numpy(array.reshape(-1, shape.experts_used).astype(np.int64))  # (T, k), one copy
+
+
+def weight_rows(array: np.ndarray, shape: Shape) -> torch.Tensor:
+    """The picked experts' weights -> (T, k): gathered or scaled they are [1, k, T] (numpy (1, T, k, 1)),
+    renormalized [k, T] (numpy (1, 1, T, k)); k runs fastest in both, so k columns say which axis is which
+    whatever T is (one token, a micro-batch's)."""
+    return torch.from_numpy(np.array(array.reshape(-1, shape.experts_used)))  # (T, k), copied out of ggml's memory
 
 
 def qk_heads(array: np.ndarray, shape: Shape) -> torch.Tensor:
@@ -293,7 +311,7 @@ def joined(point: str, parts: list[torch.Tensor]) -> torch.Tensor:
 # sub-point -> reader; anything else is (T, C) rows. Scores are kept unscaled until their softmax is read.
 READERS: dict[str, Callable[[np.ndarray, Shape], torch.Tensor]] = {
     Q_PROJ: qk_rows, K_PROJ: qk_rows, Q_NORM: qk_rows, K_NORM: qk_rows, Q_ROPE: qk_heads, K_ROPE: qk_heads,
-    SCORES: attention, PROBS: attention,
+    SCORES: attention, PROBS: attention, TOP_K_INDEX: expert_rows, TOP_K_WEIGHTS: weight_rows,
 }
 
 # q·kᵀ as llama.cpp names it, which the alias table calls not comparable as it is (its softmax scales it):
@@ -340,10 +358,14 @@ class GraphRecorder:
 
     def __init__(self, ggml: Ggml, family: str | None = None):
         self.ggml, self.table = ggml, AliasTable(family=family)  # the family's own graph names (None: any family's)
+        self.same = SAME_NODE.get(family, {})  # sub-point -> the sub-points that are the same node in this graph
         self.unindexed = unindexed_names(family)
         self.points: dict[tuple[str, int], str | None] = {}  # (name, op) -> point, for every graph alike
         self.layer = 0  # the layer of the last node whose name says one (for names written without it)
         self.scores: dict[int, torch.Tensor] = {}  # layer -> its scores, unscaled, until its softmax is read
+        # layer -> the latest step of its top-k weights' chain (gathered, renormalized, scaled: each a graph node
+        # of its own), kept once the experts' sum that multiplies them is read
+        self.weights: dict[int, torch.Tensor] = {}
         self.active = None  # (recorder, Shape) while recording; None: answer no to everything
         self.cache = False  # whether the cache points are wanted (a decode's forwards)
         self.pending: str | None = None
@@ -360,7 +382,9 @@ class GraphRecorder:
         probabilities are not recorded (each holds its own rows against the keys cached so far)."""
         self.active, self.error, self.pending, self.cache = (recorder, shape), None, None, cache
         self.seen_ops, self.partial, self.parts, self.split = set(), {}, {}, split
-        self.layer, self.scores = 0, {}
+        self.in_graph: set[str] = set()  # the points kept from the current micro-batch's graph
+        self.piece: int | None = None  # its tokens (a per-head node of one token has its heads where rows go)
+        self.layer, self.scores, self.weights = 0, {}, {}
 
     def stop(self, flush: bool = True) -> None:
         """Recording ends: in micro-batches, each point's rows joined go to the recorder now (unless
@@ -378,7 +402,14 @@ class GraphRecorder:
         """A point's value in this graph: to the recorder at once (it may spill it to disk), or, in
         micro-batches, kept until the last one's (`stop`)."""
         if self.split:
-            self.parts.setdefault(point, []).append(value)
+            if point == EMBED:  # every micro-batch's graph starts from its embeddings: its rows are its tokens
+                self.in_graph, self.piece = set(), value.shape[0]
+            parts = self.parts.setdefault(point, [])
+            if point in self.in_graph:  # a later write in the same graph (Qcur's bias ADD after its MUL_MAT)
+                parts[-1] = value
+            else:
+                parts.append(value)
+            self.in_graph.add(point)
         else:
             self.emit(point, value)
 
@@ -424,6 +455,8 @@ class GraphRecorder:
         if not self.ggml.checked:
             self.ggml.check_layout(node, address)
         shape = self.active[1]
+        if self.split and self.piece:  # the nodes of a micro-batch's graph hold its tokens, not the prompt's
+            shape = dataclasses.replace(shape, tokens=self.piece)
         point = self.pending
         if sub_point(point) in CACHE_POINTS:  # the whole cache tensor the SET_ROWS node is a view of
             cache = GgmlTensor.from_address(node.view_src)
@@ -443,11 +476,19 @@ class GraphRecorder:
         if sub_point(point) == SCORES:  # scaled once its softmax says by how much
             self.scores[layer] = value
             return
+        if sub_point(point) == TOP_K_WEIGHTS:  # a later step of the chain may follow
+            self.weights[layer] = value
+            return
+        if sub_point(point) == EXPERTS and layer in self.weights:
+            self.keep(layer_point(layer, TOP_K_WEIGHTS), self.weights.pop(layer))
         if sub_point(point) == PROBS and layer in self.scores:
             scale = np.float32(softmax_scale(node))
             self.keep(layer_point(layer, SCORES),
                       torch.from_numpy(np.multiply(self.scores.pop(layer).numpy(), scale, dtype=np.float32)))
         self.keep(point, value)
+        for same in self.same.get(sub_point(point), ()):
+            self.names[layer_point(layer, same)] = self.names[point]
+            self.keep(layer_point(layer, same), value.clone())  # its own storage: a trace saves each point apart
 
 
 def _eval_callback(graph: GraphRecorder):
@@ -570,8 +611,10 @@ class LlamaCppEngine(EngineBase):
         self.head_dim = self._meta_int("attention.key_length") or llama_cpp.llama_model_n_embd(model) // heads
         self.interleaved = llama_cpp.llama_model_rope_type(model) == ROPE_NORM
         self.description = _text(llama_cpp.llama_model_desc, model)
-        family = gguf_family(_meta_text(model, b"general.architecture"))  # llama.cpp's names for its graph
+        # llama.cpp's names for its graph, in the family the architecture is (Mixtral: "llama" with experts)
+        family = gguf_family(_meta_text(model, b"general.architecture"), bool(self._meta_int("expert_count")))
         self.family = family.name if family else None
+        self.experts_used = self._meta_int("expert_used_count") or 0  # k of a mixture of experts
         self.graph = GraphRecorder(self.ggml, self.family)
         self.final_softcap = bool(self._meta_float("final_logit_softcapping"))  # Gemma's capped logits
         self.context, self.context_size, self.flash = None, 0, None
@@ -632,7 +675,7 @@ class LlamaCppEngine(EngineBase):
                               "it cannot record")
         recorder = recorder if recorder is not None else TraceRecorder()
         held = 0 if clear else self.filled
-        shape = Shape(len(tokens), self.head_dim, self.interleaved, held + len(tokens))
+        shape = Shape(len(tokens), self.head_dim, self.interleaved, held + len(tokens), self.experts_used)
         split = len(tokens) > int(self.variant.get("n_ubatch", len(tokens)))
         self.graph.start(recorder, shape, cache, split)
         try:
@@ -678,6 +721,10 @@ class LlamaCppEngine(EngineBase):
         if not context:
             raise TracerError(f"llama.cpp cannot make a context for {self.gguf} with {self._knobs_text()}: "
                               f"{self.logs.last()}")
+        # llama.cpp's warm-up runs every expert of a mixture (llama-graph.cpp: n_expert_used is n_expert while
+        # cparams.warmup); this context never warms up (its warm-up decode is common_init_from_params', which
+        # the C API does not run) and the flag is said off anyway, so a graph picks top_k experts from its first
+        llama_cpp.llama_set_warmup(context, False)
         self.context, self.context_size = context, size
         self.batch = llama_cpp.llama_batch_init(size, 0, 1)
         self.handles.contexts.append((context, self.batch))

@@ -436,7 +436,8 @@ BUILTINS = (
         install_note="compiles llama.cpp without AMX, about 5 minutes on 2 cores",
         requires=(("llama_cpp", "llama-cpp-python"),), isolated=True, regime="ggml",
         # each family's graph in src/models/<arch>.cpp of llama-cpp-python 0.3.36's llama.cpp
-        # (docs/engine-llamacpp.md "Families")
+        # (docs/engine-llamacpp.md "Families"); the mixtures of experts match on their published configs and
+        # differ where a config says what their graph does not read (below; docs/engine-llamacpp.md "Mixtures")
         families=("llama", "qwen3", "olmo2"),
         differences=(
             Difference("qwen2", PROBS, "a prompt longer than the window on a sliding layer",
@@ -457,6 +458,17 @@ BUILTINS = (
             Difference("gemma3", Q_ROPE, "layer_types other than five sliding layers, then one full",
                        "llama.cpp takes every sixth layer as full, the others sliding (with their rope theta): "
                        "the converter writes no pattern (src/models/gemma3.cpp: load_swa_pattern(ml, 6))"),
+            Difference("mixtral", PROBS, "a prompt longer than sliding_window",
+                       "llama.cpp runs Mixtral as llama, without a sliding window (src/models/llama.cpp; the "
+                       "converter writes none)"),
+            # build_moe_ffn's norm_w is a constant of each graph, not the config's norm_topk_prob
+            Difference("qwen3_moe", TOP_K_WEIGHTS, "norm_topk_prob false",
+                       "llama.cpp's qwen3moe graph always renormalizes the top-k weights (src/models/qwen3moe.cpp: "
+                       "build_moe_ffn(..., norm_w=true))"),
+            *(Difference(family, TOP_K_WEIGHTS, "norm_topk_prob true",
+                         f"llama.cpp's {arch} graph never renormalizes the top-k weights (src/models/{arch}.cpp: "
+                         "build_moe_ffn(..., norm_w=false))") for family, arch in (("qwen2_moe", "qwen2moe"),
+                                                                                  ("olmoe", "olmoe"))),
         ),
     ),
     EngineEntry(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from tracer.model.component import Family, family_named, registered, registry_version
-from tracer.model.points import BLOCK_OUT, folded, known_model_points, layer_point, split_point
+from tracer.model.points import BLOCK_OUT, TOP_K_INDEX, folded, known_model_points, layer_point, split_point
 from tracer.names.vocabulary import Name, Vocabulary, pattern_regex, register
 
 _CACHE: dict[tuple[str, int], dict[str, str]] = {}
@@ -89,6 +89,9 @@ def gguf_block_of(gguf_name: str) -> int | None:
 _BLOCK_RE: list = [None]
 
 
-def gguf_family(arch: str | None) -> Family | None:
-    """The registered family whose llama.cpp architecture `arch` is (the first: Llama for "llama")."""
-    return next((family for family in registered().values() if family.gguf_arch == arch), None)
+def gguf_family(arch: str | None, experts: bool = False) -> Family | None:
+    """The registered family whose llama.cpp architecture `arch` is (the first: Llama for "llama"); with
+    `experts` (the file has `{arch}.expert_count`), the first with a router: llama.cpp's converter writes
+    Mixtral as "llama" with expert tensors."""
+    return next((family for family in registered().values()
+                 if family.gguf_arch == arch and (TOP_K_INDEX in family.sub_points()) == experts), None)

@@ -21,6 +21,7 @@ from tracer.model.points import (
     CONTEXT,
     DOWN_PROJ,
     EMBED,
+    EXPERTS,
     FINAL_LOGITS,
     FINAL_NORM,
     GATE_PROJ,
@@ -30,6 +31,7 @@ from tracer.model.points import (
     K_PROJ,
     K_ROPE,
     LOGITS,
+    MLP,
     MLP_ACT,
     O_PROJ,
     POST_ATTENTION_NORM,
@@ -41,7 +43,13 @@ from tracer.model.points import (
     Q_ROPE,
     QKV_PROJ,
     RESID_MID,
+    ROUTER_LOGITS,
+    ROUTER_SCORES,
+    ROUTER_SELECTION,
     SCORES,
+    SHARED_EXPERT,
+    TOP_K_INDEX,
+    TOP_K_WEIGHTS,
     UP_PROJ,
     V_PROJ,
 )
@@ -94,6 +102,18 @@ GGML = register(Vocabulary(
         BLOCK_OUT: ("l_out-{i}",),
         FINAL_NORM: ("result_norm",),
         LOGITS: ("result_output",),
+        # a mixture of experts' routing (llama-graph.cpp build_moe_ffn), per token: the router's logits and
+        # scores (E, T), the selection scores where a bias is added (DeepSeek-V3), the picked experts (int32, a
+        # view of the descending argsort's first k) and their weights (1, k, T)
+        ROUTER_LOGITS: ("ffn_moe_logits-{i}",),
+        ROUTER_SCORES: ("ffn_moe_probs-{i}",),
+        ROUTER_SELECTION: ("ffn_moe_probs_biased-{i}",),
+        TOP_K_INDEX: ("ffn_moe_topk-{i}",),
+        # the weights applied are the chain's last step: gathered, then renormalized where the graph passes
+        # norm_w, then scaled where it has a w_scale; each is computed from the one before, so the last one
+        # read before the experts' sum is the one they are multiplied by (the engine keeps that one)
+        TOP_K_WEIGHTS: ("ffn_moe_weights-{i}", "ffn_moe_weights_norm-{i}", "ffn_moe_weights_scaled-{i}"),
+        EXPERTS: ("ffn_moe_out-{i}",),  # the picked experts' weighted outputs summed (C, T)
     },
     families={
         "gemma2": {**GEMMA, SCORES: ("kq_scaled_2-{i}",),  # after the soft-cap's last scale
@@ -103,6 +123,10 @@ GGML = register(Vocabulary(
                   POST_FF_NORM: (Name("ffn_post_norm-{i}", unindexed=True),)},
         # q, k, v are views of one fused product (wqkv); the MLP's up product is gate and up fused, halved
         # by the GLU; the residual add after the attention is unnamed (GET_ROWS first in the last layer)
+        # the shared expert is build_ffn's (ffn_gate, ffn_up, ffn_swiglu: its own steps, not a dense MLP's: every
+        # layer of llama.cpp's qwen2moe is sparse), times sigmoid of its gate; the MLP's output is both summed
+        "qwen2_moe": {SHARED_EXPERT: ("ffn_shexp_out-{i}",), MLP: ("ffn_out-{i}",), GATE_PROJ: (), UP_PROJ: (),
+                      MLP_ACT: (), DOWN_PROJ: ()},
         "phi3": {QKV_PROJ: ("wqkv-{i}",), GATE_UP_PROJ: ("ffn_up-{i}",),
                  RESID_MID: (unnamed("ADD", OUTPUT_PRODUCT), unnamed("ADD", unnamed("GET_ROWS", OUTPUT_PRODUCT)))},
     },
@@ -113,8 +137,25 @@ GGML = register(Vocabulary(
         "norm-{i}": "llama.cpp's RMS-normalized input before the norm weight",
         "ffn_silu-{i}": "llama.cpp's silu(gate) before the product with up",
         "kqv-{i}": "llama.cpp's per-head attention output before the heads are merged (use kqv_out)",
+        "ffn_moe_argsort-{i}": "llama.cpp's full argsort of the selection scores (ffn_moe_topk is its first k)",
+        "ffn_moe_weights_sum-{i}": "the top-k weights' sum, before the renormalization divides by it",
+        "ffn_moe_weights_sum_clamped-{i}": "the top-k weights' sum clamped to f16's smallest normal",
+        "ffn_moe_gate-{i}": "each picked expert's gate projection (n_ff, k, T): per expert, not a point",
+        "ffn_moe_up-{i}": "each picked expert's up projection (n_ff, k, T): per expert, not a point",
+        "ffn_moe_swiglu-{i}": "each picked expert's silu(gate)·up (n_ff, k, T): per expert, not a point",
+        "ffn_moe_down-{i}": "each picked expert's output (C, k, T): per expert, not a point",
+        "ffn_moe_weighted-{i}": "each picked expert's output times its weight (C, k, T), before the sum",
+        "ffn_shexp-{i}": "Qwen2-MoE's shared expert before its gate (ffn_shexp_out is after it)",
+        "ffn_shexp_gate_inp-{i}": "Qwen2-MoE's shared expert's gate logit (T, 1), before the sigmoid",
+        "ffn_shexp_gate-{i}": "Qwen2-MoE's shared expert's gate, sigmoid of its logit (T, 1)",
     },
 ))
+
+
+# Points that are the same graph node as another where a family's graph has nothing between them: without a
+# shared expert, the experts' sum (`ffn_moe_out`) is what the MLP block returns (src/models/llama.cpp,
+# qwen3moe.cpp, olmoe.cpp add it to the residual as it is).
+SAME_NODE = {family: {EXPERTS: (MLP,)} for family in ("mixtral", "qwen3_moe", "olmoe")}
 
 
 def ggml_writes(family: str | None = None) -> dict[str, dict[str, str]]:
