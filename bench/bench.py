@@ -6,6 +6,8 @@
     python bench/bench.py --whole-run   # only `tracer run` as a process against a bare transformers script
     python bench/bench.py --decode 64   # only `--decode 64` and the greedy check, against both engines' own
                                         # cached decodes (transformers' generate, the reimplementation's cache)
+    python bench/bench.py --moe         # only recording a tiny Mixtral against recording a tiny Llama of
+                                        # the same sizes, each as a ratio to its own plain forward
 
 Prints a table and writes it to bench/results.md (the machine is named in it). Each timing is
 the best of the repeats after one warm-up (as `timeit` reports: what else runs on the machine
@@ -527,6 +529,53 @@ def decode_rows(model_dir: Path, steps: int, repeats: int) -> dict[str, tuple[fl
     return rows
 
 
+# The tiny models of the MoE rows: one size for both, the Mixtral's MLP four experts (two per token) of it.
+MOE_SIZES = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, max_position_embeddings=512)
+
+
+def moe_rows(tokens: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Recording a tiny random Mixtral (4 experts, top-2) and a tiny random Llama of the same sizes, each
+    engine (hf, reimpl) against its own plain forward of the same model in alternating rounds: what the
+    routing points cost over a dense model's points."""
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    import tracer
+    from tracer.reimpl.forward import Model
+    from tracer.traces.trace import TraceRecorder
+
+    ids = [(7 * i + 3) % MOE_SIZES["vocab_size"] for i in range(tokens)]
+    rows: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        mixtral = MixtralConfig(**MOE_SIZES, num_local_experts=4, num_experts_per_tok=2)
+        for name, config, architecture in (("Llama", LlamaConfig(**MOE_SIZES), LlamaForCausalLM),
+                                           ("Mixtral", mixtral, MixtralForCausalLM)):
+            torch.manual_seed(0)
+            model_dir = Path(folder) / name
+            architecture(config).save_pretrained(model_dir)
+            # the eager experts loop: what the hf engine loads and tracer mirrors
+            experts = {"experts_implementation": "eager"} if name == "Mixtral" else {}
+            hf = architecture.from_pretrained(model_dir, attn_implementation="eager", **experts).eval()
+            reimpl, batch = Model.from_dir(model_dir), torch.tensor([ids])
+
+            def plain(model=hf, batch=batch):
+                with torch.inference_mode():
+                    model(input_ids=batch, use_cache=False)
+
+            recorded = best_times({"plain": plain, "hf": lambda model=hf: tracer.record(model, ids, engine="hf",
+                                                                                       progress=False)}, repeats)
+            rows[f"tiny {name}: tracer.record(engine='hf') against its plain forward"] = (
+                recorded["hf"], recorded["hf"] / recorded["plain"])
+            token_tensor = torch.tensor(ids)
+            own = best_times({"bare": lambda m=reimpl: m.forward(token_tensor),
+                              "recorded": lambda m=reimpl: m.forward(token_tensor, TraceRecorder())}, repeats)
+            rows[f"tiny {name}: reimpl forward, every point recorded, against nothing recorded"] = (
+                own["recorded"], own["recorded"] / own["bare"])
+    return rows
+
+
 def table(timings: dict[str, tuple[float, float] | str]) -> list[str]:
     """Rows of (seconds, ratio), or a tool's error instead of figures."""
     rows = ["| measurement | seconds | ratio |", "|---|--:|--:|"]
@@ -551,6 +600,8 @@ def main() -> None:
     parser.add_argument("--candle", action="store_true", help="only the candle engine's rows and candle's regime")
     parser.add_argument("--exact-tokens", type=int, nargs="+", default=list(EXACT_REGIME_TOKENS),
                         help="prompt lengths of the bit-exact regime rows (default 64 512 2048)")
+    parser.add_argument("--moe", action="store_true", help="only the rows recording a tiny Mixtral beside a tiny "
+                        "Llama of the same sizes")
     parser.add_argument("--decode", type=int, metavar="N", help="only the decode rows: `--decode N` and the greedy "
                         "check against both engines' own cached decodes (N tokens; the greedy check 20)")
     args = parser.parse_args()
@@ -566,6 +617,11 @@ def main() -> None:
     tokens = bench_tokens(model_dir, count)
     if args.whole_run:
         print("\n".join(table(whole_run(model_dir, 5 if not args.quick else 3))))
+        return
+    if args.moe:
+        print("\n".join([f"# a mixture of experts against a dense model ({count} tokens, {torch.get_num_threads()} "
+                         "threads); ratio: to the same engine's plain forward of the same model", ""]
+                        + table(moe_rows(count, repeats))))
         return
     if args.decode:
         print("\n".join([f"# decode ({DECODE_PROMPT!r}, {torch.get_num_threads()} threads); ratio: to generate "

@@ -79,3 +79,11 @@ def test_decode_story_finds_the_cache_bug_by_step(executed):
     assert "model.layers.0.self_attn.q_proj 0.0" in text  # the projection agrees, RoPE does not
     html = [out.get("data", {}).get("text/html", "") for out in shown]
     assert any('class="tracer-nb"' in h and "DIVERGED" in h for h in html)
+
+
+def test_moe_story_shows_the_routing_agreeing_where_the_weights_differ(executed):
+    shown = story(executed, "moe_routing.ipynb")
+    printed = " ".join(out.text for out in shown if out.output_type == "stream" and out.name == "stdout")
+    assert "model.layers.0.mlp.gate.top_k_weights" in printed and "routing: 100% of 14 token-layers agree" in printed
+    assert "model.layers.0.mlp.experts" in printed and "layer 0 routing agreement: 1.0" in printed
+    assert any("image/png" in out.get("data", {}) for out in shown)  # the layer × token map

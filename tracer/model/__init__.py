@@ -5,8 +5,8 @@ of experts in `moe_families`, gpt-oss in `gpt_oss_family`), the knobs
 (`tracer.names`, `tracer.engines.registry`). Importing it never loads torch. Importing any of it
 registers the built-in families first."""
 
-from tracer.model import (
-    families,  # noqa: F401  (registers the built-in families)
-    gpt_oss_family,  # noqa: F401  (gpt-oss, derived from Llama)
-    moe_families,  # noqa: F401  (the other mixtures of experts, derived from Llama)
-)
+# Registration order is the families' order (`tracer variants`, the engine × family matrix, execution order
+# of a sub-point Llama lacks): the dense ones, then the mixtures of experts; so not sorted.
+from tracer.model import families  # noqa: F401, I001  (registers the built-in families)
+from tracer.model import moe_families  # noqa: F401  (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, derived from Llama)
+from tracer.model import gpt_oss_family  # noqa: F401  (gpt-oss, derived from Llama)

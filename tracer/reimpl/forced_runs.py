@@ -143,6 +143,8 @@ def routed_points(model: Model, reference: Trace, recorder=None) -> tuple[dict, 
     """`teacher_forced_points` with each MoE layer's experts on the reference's routing (the router still
     runs and records its own). A layer whose experts still diverge here computes them wrongly; one whose
     experts match here and not in the local run routes wrongly. Returns the points and the layers forced."""
+    if "routing" not in model.steps:  # a family whose experts take no given routing (gpt-oss's own MoE)
+        return {}, []
     given = GivenRouting(reference)
     forced = copy.copy(model)  # the same weights and spec; only the routing step differs
     forced.steps = model.steps.replace(routing=given)
