@@ -39,7 +39,8 @@ class Point:
             "output:(H, T, D)" (per head, merged into (T, H·D)), "output:(T, X)" (a module that drops
             the batch), "output[i]:(T, X)" (the i-th value returned by the module the point is a virtual
             point under: a router's top-k indices), "within:MODULE:WHAT" (a value computed inside that
-            module's forward, `tracer.hooks.within`), "input:MODULE" (the first input of that module under
+            module's forward, `tracer.hooks.within`), "module:MODULE" (the output of another module under
+            the layer), "input:MODULE" (the first input of that module under
             the layer), "attention" (the recording attention function), "model:FIELD" (a field of the whole
             model's output).
         gguf_permuted: its last axis holds q/k RoPE pairs, which GGUF's converter permutes.
