@@ -1,17 +1,17 @@
-"""DeepSeek-V3 on a tiny random model written by transformers' `save_pretrained` (hidden 64, 2 layers, layer 0
-dense by first_k_dense_replace=1, 8 experts in 4 groups of which 2 are kept, top-2, a shared expert, MLA with
-small ranks): hf against reimpl at every point, MLA's and the routing points included, bitwise in f32 with the
-experts picked identical; each of the family's porting mistakes diverging first where it touches."""
+"""DeepSeek-V3 on a tiny random model written by transformers' `save_pretrained` (tests/families.py: hidden 64,
+2 layers, layer 0 dense by first_k_dense_replace=1, 8 experts in 4 groups of which 2 are kept, top-2, a shared
+expert, a random selection bias, MLA with ranks 24 (q) and 16 (kv), 16 + 8 q/k dims per head, 12 v dims): hf
+against reimpl at every point, MLA's and the routing points included, bitwise in f32 with the experts picked
+identical; each of the family's porting mistakes diverging first where it touches."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
 import tracer
 from tests.conftest import TOKENS
+from tests.families import write_tiny_family
 from tracer.comparison.diff import compare
 from tracer.model.config import load_config, read_hf
 from tracer.model.points import (
@@ -33,39 +33,11 @@ from tracer.model.points import (
     layer_point,
 )
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-            routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
-            qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-            max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def write_tiny_deepseek(path: Path, seed: int = 0, **overrides) -> Path:
-    """A random DeepSeek-V3 saved by transformers into `path`, its selection bias drawn too (transformers
-    initializes it to zeros, which would hide a port that misuses it)."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
-
-    model = AutoModelForCausalLM.from_config(DeepseekV3Config(**{**TINY, **overrides}), dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
-            noise = torch.randn(tensor.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                tensor.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("embed_tokens.weight"):
-                tensor.copy_(noise)
-            elif name.endswith("e_score_correction_bias"):
-                tensor.copy_(0.1 * noise)
-            else:
-                tensor.copy_(0.15 * noise)
-    model.save_pretrained(path)
-    return Path(path)
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """The tiny DeepSeek-V3 and its hf trace, written and recorded once for the module."""
-    path = write_tiny_deepseek(tmp_path_factory.mktemp("deepseek") / "model")
+    path = write_tiny_family(tmp_path_factory.mktemp("deepseek") / "model", "deepseek_v3", hidden_size=64)
     return path, tracer.record(path, TOKENS, engine="hf", progress=False)
 
 

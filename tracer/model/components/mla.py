@@ -21,13 +21,22 @@ from dataclasses import dataclass, field
 
 from tracer.core.errors import TracerError
 from tracer.core.lazy import torch
+from tracer.model import kv_cache
 from tracer.model.component import Component, ConfigField, Point
-from tracer.model.components.attention import Visible, attention_eager, mask_additive, repeat_kv
+from tracer.model.components.attention import (
+    Visible,
+    attention_eager,
+    mask_additive,
+    repeat_kv,
+    window_of_layer,
+)
 from tracer.model.components.rope import ROPE_SCALING, SCALING_KNOBS, Rope, rope_half, yarn_mscale
 from tracer.model.config import check
 from tracer.model.knobs import Knob, choice, fixed, setting
 from tracer.model.points import (
     ATTENTION,
+    CACHE_K,
+    CACHE_V,
     CONTEXT,
     K_NOPE,
     K_PE,
@@ -183,7 +192,9 @@ class LatentAttention(Component):
 
     def steps(self, knobs: dict, spec) -> dict:
         scale = None if spec is None else mla_softmax_scale(spec)
-        return {"attention": attention_eager,  # transformers' eager attention, on MLA's keys and scale
+        return {**kv_cache.steps(knobs, spec),  # the cache as every attention keeps it (the latent kv and k_pe here)
+                "window": window_of_layer,  # no layer slides: how a cache is laid out
+                "attention": attention_eager,  # transformers' eager attention, on MLA's keys and scale
                 "mla_split": split_rope_first if setting(knobs, "mla_split") == "rope_first" else split_nope_first,
                 # transformers' eager attention multiplies by the module's scaling
                 "mla_scale": lambda scores, dim: scores * scale}
@@ -191,8 +202,8 @@ class LatentAttention(Component):
     def forward(self, x: torch.Tensor, run) -> torch.Tensor:
         """x (1, T, C) -> (1, T, C), recording the latents, k's parts, RoPE, scores, probs, context, output."""
         spec, steps, w = run.spec, run.steps, run.weights
-        if run.cache is not None or run.positions.real is not None:
-            raise TracerError("tracer's MLA forward runs one unpadded prompt without a cache (no --decode, no batch)")
+        if run.positions.real is not None:
+            raise TracerError("tracer's MLA forward runs one unpadded prompt at a time (no batch of padded prompts)")
         batch, tokens, _ = x.shape
         nope, rope, heads = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.num_attention_heads
         if spec.q_lora_rank is None:
@@ -217,18 +228,24 @@ class LatentAttention(Component):
         k_rot = k_rot.view(batch, 1, tokens, rope)  # (1, 1, T, R)
         cos, sin = run.positions.tables("full_attention")  # (1, T, R) each
         q_rot, k_rot = steps.rope(q_rot, cos, sin), steps.rope(k_rot, cos, sin)
+        queries = keys = run.positions.positions  # (T,)
+        if run.cache is not None:  # transformers caches the latent kv and k's rotated RoPE part, S tokens so far
+            latent, k_rot, keys = run.cache.update(run.index, latent, k_rot, queries)  # (1, 1, S, Lkv), (1, 1, S, R)
         q = torch.cat((q_pass, q_rot), dim=-1)  # (1, H, T, N + R)
-        kv = steps.linear(latent, w["self_attn.kv_b_proj" + WEIGHT])  # (1, 1, T, H·(N + V))
-        kv = kv.view(batch, tokens, -1, nope + spec.v_head_dim).transpose(1, 2)  # (1, H, T, N + V)
-        k_nope, v = torch.split(kv, [nope, spec.v_head_dim], dim=-1)  # (1, H, T, N), (1, H, T, V)
+        held = latent.shape[2]  # S: T without a cache
+        kv = steps.linear(latent, w["self_attn.kv_b_proj" + WEIGHT])  # (1, 1, S, H·(N + V))
+        kv = kv.view(batch, held, -1, nope + spec.v_head_dim).transpose(1, 2)  # (1, H, S, N + V)
+        k_nope, v = torch.split(kv, [nope, spec.v_head_dim], dim=-1)  # (1, H, S, N), (1, H, S, V)
         run.record(K_NOPE, k_nope)
-        k = kv.new_empty(*kv.shape[:-1], nope + rope)  # (1, H, T, N + R), filled as transformers fills it
+        k = kv.new_empty(*kv.shape[:-1], nope + rope)  # (1, H, S, N + R), filled as transformers fills it
         k[..., :nope].copy_(k_nope)
         k[..., nope:].copy_(k_rot.expand(-1, heads, -1, -1))
         run.record(Q_ROPE, q)
-        run.record(K_ROPE, k)
-        context = steps.attention(q, k, v, spec, _EagerSteps(steps), run.record,
-                                  Visible(run.positions.positions, run.positions.positions))  # (1, H, T, V)
+        run.record(K_ROPE, k[:, :, -tokens:])  # this forward's own keys, as hf's attention function records them
+        if run.cache is not None:  # what attention reads of the cache: every key and value so far
+            run.record(CACHE_K, k)
+            run.record(CACHE_V, v)
+        context = steps.attention(q, k, v, spec, _EagerSteps(steps), run.record, Visible(queries, keys))  # (1, H, T, V)
         context = context.transpose(1, 2).contiguous().reshape(batch, tokens, -1)  # (1, T, H·V)
         run.record(CONTEXT, context)
         out = steps.linear(context, w[O_PROJ + WEIGHT])  # (1, T, C)
