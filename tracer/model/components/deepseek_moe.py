@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from tracer.core.errors import TracerError
 from tracer.core.lazy import torch
 from tracer.model.component import ConfigField, Point
-from tracer.model.components.mlp import activation
+from tracer.model.components.mlp import GatedMLP, activation
 from tracer.model.components.moe import (
-    _DENSE,
     EXPERT_GATE_UP,
     EXPERT_ORDER,
     NORM_TOPK,
@@ -50,6 +49,7 @@ from tracer.model.points import (
 _FIRST = "layers.1."  # the knobs' first divergence: layer 1, the first sparse layer of the tests' tiny model
 SELECTION_BIAS = f"{MLP}.gate.e_score_correction_bias"  # (E,), f32
 SHARED_EXPERTS = f"{MLP}.shared_experts"  # transformers' module (plural): the point is `mlp.shared_expert`
+DENSE = GatedMLP()  # the first first_k_dense_replace layers' MLP (intermediate_size)
 GROUP_TOP = 2  # a group's score: the sum of its 2 best selection scores
 
 BIAS_IN_WEIGHTS = Knob("selection_bias", choice("selection", "weights"), "selection | weights", "selection",
@@ -176,7 +176,7 @@ class DeepseekMoE(SparseMoE):
 
     def layer_weights(self, spec, layer: int) -> dict:
         if not self.is_sparse(spec, layer):
-            return _DENSE.weights(spec)
+            return DENSE.weights(spec)
         c, experts, i = spec.hidden_size, self.experts_of(spec), spec.moe_intermediate_size
         shapes = {self.names.router: (experts, c), SELECTION_BIAS: (experts,)}
         for e in range(experts):
@@ -199,7 +199,7 @@ class DeepseekMoE(SparseMoE):
     def forward(self, x: torch.Tensor, run) -> torch.Tensor:
         """x (1, T, C) -> (1, T, C)."""
         if not self.is_sparse(run.spec, run.index):
-            out = _DENSE.forward(x, run)  # (1, T, C)
+            out = DENSE.forward(x, run)  # (1, T, C)
             run.record(MLP, out)
             return out
         batch, tokens, hidden = x.shape
