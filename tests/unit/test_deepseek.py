@@ -13,6 +13,7 @@ import tracer
 from tests.conftest import TOKENS
 from tests.families import write_tiny_family
 from tracer.comparison.diff import compare
+from tracer.model.components.mla import mla_softmax_scale
 from tracer.model.config import load_config, read_hf
 from tracer.model.points import (
     EXPERTS,
@@ -23,6 +24,7 @@ from tracer.model.points import (
     KV_LATENT,
     MLP,
     Q_LATENT,
+    Q_PROJ,
     Q_ROPE,
     ROUTER_SCORES,
     ROUTER_SELECTION,
@@ -93,3 +95,28 @@ def test_each_knob_diverges_first_where_its_mistake_is(model, variant, point, sa
         assert counts["flips"] == 0 and result.routing.layers[0].weight_max_abs > 1e-2
     elif same_experts is False:  # an expert outside the kept groups picked: never called noise
         assert counts["flips"] >= 1 and counts["near_ties"] == 0
+
+
+def test_bitwise_in_bf16_with_the_router_kept_in_f32(model):
+    """transformers keeps the router's weight and selection bias in f32 in a bf16 load; the reimplementation
+    loads them so (else the logits differ by bf16's rounding of the weight)."""
+    path, _ = model
+    reference, candidate = (tracer.record(path, TOKENS, engine=engine, variant="dtype=bf16", progress=False)
+                            for engine in ("hf", "reimpl"))
+    assert reference[layer_point(1, Q_ROPE)].dtype == torch.bfloat16
+    assert reference[layer_point(1, ROUTER_SELECTION)].dtype == torch.float32
+    assert all(torch.equal(reference[p], candidate[p]) for p in reference.points)
+
+
+def test_plain_q_proj_yarn_and_half_split_rope(tmp_path):
+    """q_lora_rank null (one q_proj), YaRN scaling whose mscale_all_dim scales the softmax, RoPE in the half
+    split (rope_interleave false): bitwise in f32, q_proj recorded in the low-rank query's place."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
+    path = write_tiny_family(tmp_path / "model", "deepseek_v3", hidden_size=64, q_lora_rank=None,
+                             rope_parameters=yarn, rope_interleave=False)
+    reference, candidate = (tracer.record(path, TOKENS, engine=engine, progress=False) for engine in ("hf", "reimpl"))
+    assert layer_point(0, Q_PROJ) in reference and layer_point(0, Q_LATENT) not in reference
+    assert reference.points == candidate.points
+    assert all(torch.equal(reference[p], candidate[p]) for p in reference.points)
+    assert mla_softmax_scale(read_hf(load_config(path))) != 24 ** -0.5  # the mscale is in

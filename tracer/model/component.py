@@ -89,6 +89,9 @@ class Component:
     """
 
     knobs: tuple = ()  # the `tracer.model.knobs.Knob` records of the porting mistakes it can make
+    # its weights (relative to the layer) the reference keeps in f32 in a bf16 or f16 load (transformers'
+    # `_keep_in_fp32_modules_strict`: DeepSeek-V3's router)
+    f32_weights: tuple[str, ...] = ()
     config_fields: tuple[ConfigField, ...] = ()
     # spec attribute -> its value in a model whose config does not set it (the feature off); the same
     # in every component that declares it (`spec_field_defaults`)

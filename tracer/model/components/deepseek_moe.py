@@ -46,7 +46,7 @@ from tracer.model.points import (
     WEIGHT,
 )
 
-_FIRST = "layers.1."  # the knobs' first divergence: layer 1, the first sparse layer of the tests' tiny model
+_FIRST = "layers.K."  # the knobs' first divergence: the first sparse layer, K = first_k_dense_replace
 SELECTION_BIAS = f"{MLP}.gate.e_score_correction_bias"  # (E,), f32
 SHARED_EXPERTS = f"{MLP}.shared_experts"  # transformers' module (plural): the point is `mlp.shared_expert`
 DENSE = GatedMLP()  # the first first_k_dense_replace layers' MLP (intermediate_size)
@@ -125,6 +125,7 @@ class DeepseekMoE(SparseMoE):
     expert_size: ConfigField | None = ConfigField("moe_intermediate_size", 2048)
     norm_topk: ConfigField | None = ConfigField("norm_topk_prob", True, "bool")
     dense_layers: bool = True
+    f32_weights = (f"{MLP}.gate{WEIGHT}", SELECTION_BIAS)  # transformers' _keep_in_fp32_modules_strict
 
     @property
     def knobs(self) -> tuple:
