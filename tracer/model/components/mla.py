@@ -191,6 +191,9 @@ class LatentAttention(Component):
                 O_PROJ + WEIGHT: (c, h * spec.v_head_dim)}
 
     def steps(self, knobs: dict, spec) -> dict:
+        if spec is not None and spec.head_dim != spec.qk_rope_head_dim:  # a head_dim knob: nothing MLA reads
+            raise TracerError(f"head_dim={spec.head_dim}: MLA's heads are qk_nope_head_dim + qk_rope_head_dim "
+                              "(keys), v_head_dim (values)")
         scale = None if spec is None else mla_softmax_scale(spec)
         return {**kv_cache.steps(knobs, spec),  # the cache as every attention keeps it (the latent kv and k_pe here)
                 "window": window_of_layer,  # no layer slides: how a cache is laid out
@@ -230,6 +233,8 @@ class LatentAttention(Component):
         q_rot, k_rot = steps.rope(q_rot, cos, sin), steps.rope(k_rot, cos, sin)
         queries = keys = run.positions.positions  # (T,)
         if run.cache is not None:  # transformers caches the latent kv and k's rotated RoPE part, S tokens so far
+            if steps.cache_store is not None:  # a regime's cache format (kv_cache=f16), on what MLA caches
+                latent, k_rot = steps.cache_store(latent), steps.cache_store(k_rot)
             latent, k_rot, keys = run.cache.update(run.index, latent, k_rot, queries)  # (1, 1, S, Lkv), (1, 1, S, R)
         q = torch.cat((q_pass, q_rot), dim=-1)  # (1, H, T, N + R)
         held = latent.shape[2]  # S: T without a cache
