@@ -70,6 +70,9 @@ def _hook(modules: dict, prefix: str, sub: str, observed: str, point: str, recor
         return None if module is None else module.register_forward_pre_hook(_input_hook(record, point))
     if observed.startswith("model:"):  # a field of the whole model's output
         return modules[""].register_forward_hook(_model_output_hook(record, point, observed.removeprefix("model:")))
+    if observed.startswith("module:"):  # another module's output (DeepSeek-V3's mlp.shared_experts)
+        module = modules.get(_join(prefix, observed.removeprefix("module:")))
+        return None if module is None else module.register_forward_hook(_output_hook(record, point))
     if observed.startswith("within:"):
         _, inside, what = observed.split(":")
         module = modules.get(_join(prefix, inside))

@@ -49,6 +49,12 @@ TINY_FAMILIES = {
     # SwiGLU's clamp at 1 rather than gpt-oss's 7, so that it bites on activations this small
     "gpt_oss": ("gpt_oss", dict(num_hidden_layers=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
                                 sliding_window=WINDOW, swiglu_limit=1.0, max_position_embeddings=131072)),
+    # multi-head latent attention (every head its own key: kv heads = heads), 8 experts in 4 groups of which 2
+    # are kept, top-2, a shared expert, layer 0 dense (first_k_dense_replace)
+    "deepseek_v3": ("deepseek_v3", dict(num_hidden_layers=2, num_key_value_heads=4, n_routed_experts=8, n_group=4,
+                                        topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                                        moe_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16,
+                                        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)),
 }
 OFFSET_NORMS = ("gemma2", "gemma3")  # norm weights stored as offsets from 1
 
@@ -78,6 +84,9 @@ def write_tiny_family(path: Path, family: str, *, seed: int = 0, **overrides) ->
                 parameter.copy_(noise)
             else:
                 parameter.copy_(0.15 * noise)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's selection bias (transformers starts it at 0)
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -116,7 +116,7 @@ def test_an_unknown_model_type_is_one_line_naming_the_supported_ones(tmp_path, c
     assert main(["config", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("tracer: error: unsupported model_type 'falcon'; tracer traces: llama, qwen2, qwen3, mistral, "
-                   "gemma2, gemma3_text, phi3, olmo2, mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss")
+                   "gemma2, gemma3_text, phi3, olmo2, mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss, deepseek_v3")
 
 
 def test_config_audit_reads_the_familys_keys_and_keeps_candle_to_llama(tiny, capsys):

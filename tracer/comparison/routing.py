@@ -260,6 +260,7 @@ def _layer(layer: int, reference: Trace, candidate: Trace, family: str | None, d
             continue
         gap = None if overturned is None else float(overturned[token])
         err = None if error is None else float(error[token])
+        gap = None if gap is None or math.isnan(gap) else gap
         kind = UNJUDGED if gap is None or err is None or not judged else \
             NEAR_TIE if gap <= NEAR_TIE_FACTOR * err else STRUCTURAL
         status.append(kind)
@@ -305,7 +306,10 @@ def _overturned(selection: torch.Tensor, ref_set: torch.Tensor, cand_set: torch.
     worst_added = torch.where(added, selection, inf).amin(-1)
     best_unpicked = torch.where(ref_set, -inf, selection).amax(-1)
     worst_added = torch.where(added.any(-1), worst_added, best_unpicked)
-    return (best_dropped - worst_added).clamp(min=0)
+    gap = best_dropped - worst_added  # (T,)
+    # below 0: the candidate added an expert the reference scored above one it picked, so the reference's picks
+    # are not the top-k of these scores (DeepSeek-V3's group limit masked it): no margin to read (nan, unjudged)
+    return torch.where(gap < 0, torch.nan, gap)
 
 
 def _router_error(layer: int, reference: Trace, candidate: Trace, family: str | None):

@@ -40,8 +40,9 @@ class Point:
             the batch), "output[i]:(T, X)" (the i-th value returned by the module the point is a virtual
             point under: a router's top-k indices; "MODULE>output[i]:(T, X)": of the module named),
             "within:MODULE:WHAT" (a value computed inside that module's forward, `tracer.hooks.within`),
-            "input:MODULE" (the first input of that module under the layer), "attention" (the recording
-            attention function), "model:FIELD" (a field of the whole model's output).
+            "module:MODULE" (the output of another module under the layer), "input:MODULE" (the first input
+            of that module under the layer), "attention" (the recording attention function), "model:FIELD"
+            (a field of the whole model's output).
         gguf_permuted: its last axis holds q/k RoPE pairs, which GGUF's converter permutes.
     """
 
@@ -88,6 +89,9 @@ class Component:
     """
 
     knobs: tuple = ()  # the `tracer.model.knobs.Knob` records of the porting mistakes it can make
+    # its weights (relative to the layer) the reference keeps in f32 in a bf16 or f16 load (transformers'
+    # `_keep_in_fp32_modules_strict`: DeepSeek-V3's router)
+    f32_weights: tuple[str, ...] = ()
     config_fields: tuple[ConfigField, ...] = ()
     # spec attribute -> its value in a model whose config does not set it (the feature off); the same
     # in every component that declares it (`spec_field_defaults`)

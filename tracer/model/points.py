@@ -58,6 +58,14 @@ GATE_PROJ = "mlp.gate_proj"
 UP_PROJ = "mlp.up_proj"
 MLP_ACT = "mlp.act"
 DOWN_PROJ = "mlp.down_proj"
+# Multi-head latent attention (DeepSeek-V3, `tracer.model.components.mla`): q and kv through low-rank latents.
+Q_A_PROJ = "self_attn.q_a_proj"  # (T, q_lora_rank), the query's down-projection
+Q_LATENT = "self_attn.q_a_layernorm"  # (T, q_lora_rank), the latent q: q_a_proj RMS-normed (q_b_proj's input)
+Q_B_PROJ = "self_attn.q_b_proj"  # (T, H·(nope + rope)), the queries before RoPE, each head non-RoPE part first
+KV_A_PROJ = "self_attn.kv_a_proj_with_mqa"  # (T, kv_lora_rank + rope), the latent kv and k's shared RoPE part
+K_PE = "self_attn.k_pe"  # (T, rope), k's RoPE part before RoPE: one for every head, the tail of kv_a_proj
+KV_LATENT = "self_attn.kv_a_layernorm"  # (T, kv_lora_rank), the latent kv: kv_a_proj's head RMS-normed
+K_NOPE = "self_attn.k_nope"  # (H, T, nope), k's non-RoPE part per head: the latent kv through kv_b_proj
 # A mixture of experts' MLP (`tracer.model.components.moe`): the router's steps, the experts, the shared expert.
 ROUTER_LOGITS = "mlp.gate"  # (T, E), the router's logits
 ROUTER_SCORES = "mlp.gate.scores"  # (T, E) f32, softmax or sigmoid of the logits
@@ -191,9 +199,10 @@ def all_points(num_layers: int, family: str | None = "llama", *, final_softcap: 
     layer records (a mixture of experts' dense layers record no routing points; None: every point)."""
     first, *last = model_points(final_softcap, family)
     names = [first]
-    mlp = family_named(family).mlp
+    attention, mlp = family_named(family).attention, family_named(family).mlp
     for i in range(num_layers):
-        names += [layer_point(i, sub) for sub in sub_points(family) if spec is None or mlp.records_on(spec, i, sub)]
+        names += [layer_point(i, sub) for sub in sub_points(family)
+                  if spec is None or (attention.records_on(spec, i, sub) and mlp.records_on(spec, i, sub))]
     return names + last
 
 

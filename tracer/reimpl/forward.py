@@ -46,7 +46,7 @@ from tracer.model.components.rope import Positions
 from tracer.model.config import LlamaSpec, apply_overrides, load_config, read_config
 from tracer.model.families import expected_shapes
 from tracer.model.knobs import expand_presets, is_regime, setting
-from tracer.model.points import EMBED, LOGITS, WEIGHT, layer_point
+from tracer.model.points import EMBED, LOGITS, WEIGHT, layer_point, split_point
 
 
 def _no_record(name: str, tensor: torch.Tensor) -> None:
@@ -262,6 +262,15 @@ def check_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor]) -> None:
             raise TracerError(f"shape mismatch, {name}: file {shapes[name]}, model {shape}")
 
 
+def load_dtype(spec: LlamaSpec, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype weight `name` is loaded in: f32 for those the family's reference keeps in f32 in a bf16 or f16
+    load (`Component.f32_weights`, transformers' `_keep_in_fp32_modules_strict`), else `dtype`."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return dtype
+    kept = {w for component in family_named(spec.family).all_components() for w in component.f32_weights}
+    return torch.float32 if split_point(name)[1] in kept else dtype
+
+
 def prepare_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
                     device: torch.device, stream: bool, chunked: tuple[str, ...] = (),
                     narrow_matrices: bool = False) -> Mapping[str, torch.Tensor]:
@@ -274,8 +283,8 @@ def prepare_weights(spec: LlamaSpec, tensors: Mapping[str, torch.Tensor], dtype:
     if spec.tie_word_embeddings:
         names[LOGITS + WEIGHT] = EMBED + WEIGHT
     if stream:
-        return StreamedWeights(tensors, names, dtype, device, chunked, narrow_matrices)
-    converted = {name: tensors[name].to(dtype=dtype, device=device) for name in shapes}
+        return StreamedWeights(tensors, names, dtype, device, chunked, narrow_matrices, spec)
+    converted = {name: tensors[name].to(dtype=load_dtype(spec, name, dtype), device=device) for name in shapes}
     return {name: converted[source] for name, source in names.items()}
 
 
@@ -284,8 +293,9 @@ class StreamedWeights:
     holds the weights of the op it runs, at the price of reading them once per forward."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], dtype: torch.dtype,
-                 device: torch.device, chunked: tuple[str, ...] = (), narrow_matrices: bool = False):
-        self.tensors, self.names, self.dtype, self.device = tensors, names, dtype, device
+                 device: torch.device, chunked: tuple[str, ...] = (), narrow_matrices: bool = False,
+                 spec: LlamaSpec | None = None):
+        self.tensors, self.names, self.dtype, self.device, self.spec = tensors, names, dtype, device, spec
         self.chunked = frozenset(chunked)
         self.narrow_matrices = narrow_matrices
 
@@ -303,7 +313,7 @@ class StreamedWeights:
         lm_head; not the embedding, whose rows are looked up) stored in 32 bits or fewer comes in
         f32, for `upcasting_linear`: every such value is an f32 value, so nothing is rounded."""
         if not self.narrow_matrices or not (name.endswith("_proj" + WEIGHT) or name == LOGITS + WEIGHT):
-            return self.dtype
+            return self.dtype if self.spec is None else load_dtype(self.spec, name, self.dtype)
         source = self.names[name]
         header = self.tensors.header(source) if hasattr(self.tensors, "header") else self.tensors[source]
         narrow = header.dtype.is_floating_point and header.dtype.itemsize <= 4
