@@ -28,6 +28,7 @@ from tracer.files.sources import resolve_source
 
 # The protocol's methods only some engines have, and what in an entry declares each.
 DECLARED_BY = {"draft": lambda entry: entry.draft, "local_trace": lambda entry: entry.local_errors,
+               "routed_trace": lambda entry: entry.local_errors,  # the local run on the reference's routing
                "op_trace": lambda entry: "regime" in entry.kinds,  # the regime view's per-op run
                "decode": lambda entry: entry.decode,
                "local_step_trace": lambda entry: entry.local_errors and entry.decode}

@@ -137,10 +137,18 @@ class RoutingDiff:
     """Two traces' routing compared (`routing_diff`). `bool(diff)`: no structural flip (near-ties are noise;
     unjudged flips are counted and said, never called either).
 
-    Example (tests/unit/test_routing.py's structural pair: layer 1 token 3 sent to expert 3, not 2):
-        >>> diff = routing_diff(reference, candidate)
-        >>> bool(diff), diff.first_structural.token, diff.counts()["structural"], diff.agreement
-        (False, 3, 1, 0.9285714285714286)
+    Example (one layer, two tokens, the same router input on both sides; the candidate's router sends token 1
+    to expert 2 instead of 3, a margin of 0.35 in the reference's scores: a wrong router, structural):
+        >>> def side(logits):
+        ...     points = {"post_attention_layernorm": torch.ones(2, 4), "mlp.gate": logits,
+        ...               "mlp.gate.scores": logits.softmax(-1), "mlp.gate.top_k_index": logits.topk(2).indices}
+        ...     return tracer.Trace({f"model.layers.0.{name}": x for name, x in points.items()},
+        ...                         tracer.TraceMeta(engine="example", variant={}, tokens=[1, 2]))
+        >>> logits = torch.tensor([[0.5, 0.1, 0.3, 0.1], [0.05, 0.5, 0.05, 0.4]]).log()
+        >>> wrong = logits.clone(); wrong[1, 2] = 0.6
+        >>> diff = routing_diff(side(logits), side(wrong))
+        >>> bool(diff), diff.first_structural.token, diff.first_structural.reference, diff.first_structural.candidate
+        (False, 1, (1, 3), (2, 1))
     """
 
     layers: tuple[LayerRouting, ...]

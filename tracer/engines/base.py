@@ -84,7 +84,8 @@ class EngineBase:
     """What every engine class shares. A subclass names its registry entry (`entry = ENGINES[...]`; an
     instance may carry its own) and states only what differs: `record`, its model's sizes where it
     knows them (`vocab_size`, `max_positions`, set when it loads), its `device` where not the CPU,
-    `logits` where its entry says it can, and the methods its entry declares (`draft`, `local_trace`)."""
+    `logits` where its entry says it can, and the methods its entry declares (`draft`, `local_trace`,
+    `routed_trace`)."""
 
     entry: EngineEntry
     variant: dict  # the knobs it runs with
