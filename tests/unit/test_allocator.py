@@ -28,6 +28,7 @@ def freed(mode: str) -> tuple[str, int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.slow  # fresh processes, one per allocator setting
 def test_a_freed_large_block_stays_in_the_heap_only_when_asked():
     tuned, held, after = freed("tuned")
     assert tuned == "True" and after > held - 50  # kept: the next (1, H, T, T) matrix reuses these pages

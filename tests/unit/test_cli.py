@@ -58,6 +58,7 @@ def test_record_then_compare_against_the_saved_trace(tiny_llama, tmp_path, capsy
     assert payload["verdict"] == "match" and payload["greedy"] is None  # a saved trace cannot generate
 
 
+@pytest.mark.slow  # the console entry point in a fresh process
 def test_error_with_json_still_prints_one_json_object(tmp_path):
     code, out, err = run_cli("run", "--model", str(tmp_path / "nope"), "--json", "-")
     assert code == 2 and json.loads(out)["verdict"] == "error"

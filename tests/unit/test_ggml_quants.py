@@ -127,6 +127,7 @@ def test_the_compiled_dot_products_cross_their_tiles_in_ggml_order(kind):
     assert [float(out[t, r]) for t, r in picks] == [_literal_vec_dot(weight, act, r, t) for t, r in picks]
 
 
+@pytest.mark.slow  # a fresh process
 def test_the_compiled_kernels_leave_torchs_thread_count_as_it_was():
     """numba's OpenMP pool, started by the first kernel, sets OpenMP's process-wide thread count to
     every core; torch reads its count from there. In a fresh process asking for one thread."""

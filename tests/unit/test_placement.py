@@ -62,6 +62,7 @@ print({OWN_PEAK_KB} - before)
 """
 
 
+@pytest.mark.slow  # a child process measures its peak
 def test_streaming_holds_one_block_not_the_model(tmp_path):
     """A 143 MB model (8 blocks of 17 MB): loaded, the process grows by the model; streamed, by
     about a block and the activations."""

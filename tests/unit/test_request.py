@@ -100,6 +100,7 @@ def scratch(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow  # a fresh process
 def test_every_bad_argument_is_one_line_exit_2_before_torch_with_nothing_written(scratch):
     cases = [[arg.replace("{tmp}", str(scratch)) for arg in argv] for argv, _ in REFUSED]
     before = sorted(p.relative_to(scratch) for p in scratch.rglob("*"))

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
 # folder -> the package it is installed as (pyproject's package-dir)
@@ -202,6 +204,7 @@ def test_the_function_level_import_finder_finds_one():
         (name, text.split("  #")[0]) for name, _, text, _ in function_level_imports()}
 
 
+@pytest.mark.slow  # a fresh process
 def test_listing_variants_and_engines_leaves_torch_out():
     code = ("import sys, tracer.cli; tracer.cli.main(['variants']); tracer.cli.main(['engines']); "
             "print('torch' in sys.modules)")
@@ -210,6 +213,7 @@ def test_listing_variants_and_engines_leaves_torch_out():
     assert "kv_repeat" in out and "file:PATH" in out
 
 
+@pytest.mark.slow  # a fresh process
 def test_importing_the_model_leaves_torch_out():
     """The model's declarations hold their forward code (torch imported when first used), yet reading
     them (families, points, knobs, config) and other runtimes' names for them never loads torch."""
