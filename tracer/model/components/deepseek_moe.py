@@ -199,9 +199,7 @@ class DeepseekMoE(SparseMoE):
 
     def forward(self, x: torch.Tensor, run) -> torch.Tensor:
         """x (1, T, C) -> (1, T, C)."""
-        if not self.is_sparse(run.spec, run.index):
-            out = DENSE.forward(x, run)  # (1, T, C)
-            run.record(MLP, out)
+        if (out := self.dense_forward(x, run, DENSE)) is not None:
             return out
         batch, tokens, hidden = x.shape
         flat = x.view(-1, hidden)  # (T, C)

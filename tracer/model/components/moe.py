@@ -355,11 +355,17 @@ class SparseMoE(Component):
                 **({"shared_gate": ungated if setting(knobs, "shared_gate") == "drop" else sigmoid_gated}
                    if self.shared else {})}
 
+    def dense_forward(self, x: torch.Tensor, run, dense: Component = _DENSE) -> torch.Tensor | None:
+        """A dense layer's MLP output (1, T, C), recorded as the MLP's; None on a sparse layer."""
+        if self.is_sparse(run.spec, run.index):
+            return None
+        out = dense.forward(x, run)  # (1, T, C)
+        run.record(MLP, out)
+        return out
+
     def forward(self, x: torch.Tensor, run) -> torch.Tensor:
         """x (1, T, C) -> (1, T, C)."""
-        if not self.is_sparse(run.spec, run.index):
-            out = _DENSE.forward(x, run)  # (1, T, C)
-            run.record(MLP, out)
+        if (out := self.dense_forward(x, run)) is not None:
             return out
         batch, tokens, hidden = x.shape
         flat = x.view(-1, hidden)  # (T, C)
