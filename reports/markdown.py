@@ -20,6 +20,7 @@ from tracer.reports.summary import (
     fmt,
     hints,
     next_steps,
+    noise_floor_text,
     outcome_facts,
     points,
     regime_lines,
@@ -133,6 +134,8 @@ def audit_differences(audit) -> str | None:
 def key_table(summary: Summary) -> str:
     rows = divergence_facts(summary)
     rows.append(("tolerance: fails when", tolerance_text(summary)))
+    if noise_floor_text(summary):
+        rows.append(("noise floor", noise_floor_text(summary)))
     rows += [(f"{role} runtime", runtime_text(summary.get(role))) for role in ("reference", "candidate")
              if runtime_text(summary.get(role))]
     rows += outcome_facts(summary)

@@ -144,6 +144,17 @@ def comparison_title(summary: Summary) -> str:
     return f"{sides} — {model_name(summary)} — {input_label(summary)}"
 
 
+def noise_floor_text(summary: Summary) -> str | None:
+    """How the noise floor was measured, and for a match the point closest to its bound (None: no floor)."""
+    floor = summary.get("floor")
+    if not floor:
+        return None
+    closest = floor.get("closest")
+    near = f"; closest to its bound: {closest['point']} at {closest['share']:.2f} of it" \
+        if closest and summary.get("verdict") == "match" else ""
+    return f"{floor.get('text')}{near}"
+
+
 def tolerance_text(summary: Summary) -> str:
     tol = summary.get("tolerance") or {}
     return str(tol.get("text") or tol.get("criterion") or "?")

@@ -312,6 +312,7 @@ recorded on one side (never counted as a divergence). Click a column header to s
   <tr><th>model</th><td><code>{{ model }}</code></td></tr>
   <tr><th>tolerance</th><td><code>{{ tolerance }}</code>{% for key, value in tolerance_params %} \
 <span class="muted">{{ key }}</span> <code>{{ value }}</code>{% endfor %}</td></tr>
+  {% if noise_floor %}<tr><th>noise floor</th><td>{{ noise_floor }}</td></tr>{% endif %}
   {% if prompt is not none %}<tr><th>prompt</th><td><pre>{{ prompt }}</pre></td></tr>{% endif %}
 </table>
 {% if chat %}<p>Fed through the model's chat template\

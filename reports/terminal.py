@@ -19,6 +19,7 @@ from tracer.reports.summary import (
     greedy_text,
     input_label,
     model_name,
+    noise_floor_text,
     nonfinite_text,
     percent,
     regime_lines,
@@ -164,6 +165,8 @@ def summary_lines(s: dict, out_dir=None) -> list[str]:
     recorded = [p for p in s["points"] if p["recorded"]]
     lines.append(f"verdict: {s['verdict'].upper()}  ({len(recorded)} points compared, "
                  f"criterion {tolerance_text(s)})")
+    if noise_floor_text(s):
+        lines.append(f"  noise floor: {noise_floor_text(s)}")
     decoded = steps_line(s)
     if decoded:
         lines.append(f"  {decoded}")

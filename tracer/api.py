@@ -97,7 +97,7 @@ def run(
     rtol: float | None = None,
     greedy: int | None = None,
     regime: str | None = None,
-    noise_floor: bool = True,
+    noise_floor: bool | str = True,
     out: str | Path | None = None,
     command: str | None = None,
     progress: bool = True,
@@ -124,7 +124,9 @@ def run(
             over 128 tokens, where each step reruns the whole prompt on both sides).
         out: write the report folder there (summary.json, points.csv, curve.png, report.html).
         noise_floor: judge each point against the rounding noise measured by an f64 run of the
-            reference model (default); False: against the fixed `Tolerance.rel_l2`.
+            reference model: True or "cheap" (default), a run of the prompt's first quarter, scaled, and the
+            exact floor wherever a verdict rests on it; "exact", a run of the whole prompt (docs/floor.md);
+            False: against the fixed `Tolerance.rel_l2`.
         max_tokens: keep only the first `max_tokens` tokens of the prompt.
         chat, system: feed the prompt through the model's chat template, as an instruct model
             is used (with a system message); the report shows the templated text.
@@ -185,7 +187,7 @@ def sweep(
     atol: float | None = None,
     rtol: float | None = None,
     greedy: int = 0,
-    noise_floor: bool = True,
+    noise_floor: bool | str = True,
     out: str | Path | None = None,
     command: str | None = None,
     progress: bool = True,

@@ -14,7 +14,7 @@ from pathlib import Path
 from tracer.core.errors import TracerError, did_you_mean, unknown_name
 from tracer.model.families import FAMILIES
 from tracer.model.knobs import variant_text
-from tracer.pipeline.request import DEFAULT_CTX, DEFAULT_PROMPT, GREEDY_STEPS, Request
+from tracer.pipeline.request import DEFAULT_CTX, DEFAULT_PROMPT, FLOORS, GREEDY_STEPS, Request
 
 DEFAULT_OUT = "tracer-report"
 DEFAULT_SWEEP_OUT = "tracer-sweep"
@@ -166,7 +166,17 @@ def _noise() -> argparse.ArgumentParser:
     parent = _parent()
     parent.add_argument("--no-noise", action="store_true",
                         help="skip the f64 noise-floor run; judge points by the fixed rel_l2 bound (1e-4)")
+    parent.add_argument("--floor", choices=FLOORS, default=FLOORS[0],
+                        help="cheap (default): an f64 run of the prompt's first quarter, scaled, and the exact floor "
+                             "where a verdict rests on it; exact: an f64 run of the whole prompt (docs/floor.md)")
     return parent
+
+
+def noise_floor_of(args) -> str | None:
+    """The run's noise floor: --floor's, None with --no-noise (both given: the user's error)."""
+    if args.no_noise and args.floor != FLOORS[0]:
+        raise TracerError(f"--floor {args.floor} and --no-noise: the first measures a floor, the second skips it")
+    return None if args.no_noise else args.floor
 
 
 def _json(what: str = "result") -> argparse.ArgumentParser:
@@ -344,6 +354,7 @@ def run_command(request: Request) -> str:
         "variant": [variant_text(request.candidate.variant)] if request.candidate and request.candidate.variant else [],
         "atol": tolerance.atol, "rtol": tolerance.rtol,
         "greedy": request.greedy if request.greedy != GREEDY_STEPS else None, "no_noise": not request.noise_floor,
+        "floor": request.noise_floor or FLOORS[0],
         "device": placement.device, "stream": placement.stream, "no_stream": placement.stream is False,
         "regime": None if regime is None else regime if isinstance(regime, str) else variant_text(regime),
         "offload": placement.offload,

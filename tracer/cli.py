@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser  # noqa: F401 - DEFAULT_OUT: re-exported
+from tracer.arguments import DEFAULT_OUT, DEFAULT_SWEEP_OUT, build_parser, noise_floor_of  # noqa: F401 - DEFAULT_OUT: re-exported
 from tracer.comparison.result import Tolerance
 from tracer.core.allocator import reuse_freed_memory
 from tracer.core.errors import TracerError, printable, unknown_name
@@ -86,7 +86,7 @@ def cmd_run(args) -> int:
     check_tolerance(args.atol, args.rtol)
     one, several = candidate_sides(args.candidate, args.variant)
     request = Request(inputs, placement, Side.of(args.reference, args.reference_variant), one, outputs,
-                      Tolerance(atol=args.atol, rtol=args.rtol), greedy=args.greedy, noise_floor=not args.no_noise,
+                      Tolerance(atol=args.atol, rtol=args.rtol), greedy=args.greedy, noise_floor=noise_floor_of(args),
                       regime=args.regime, command=_command_line(), progress=args.json != "-", candidates=several)
     if outputs.report is not None:
         start_drawers()  # forked while this is one thread with no torch: matplotlib loads beside the run
@@ -242,7 +242,7 @@ def cmd_sweep(args) -> int:
     inputs, placement, outputs = inputs_of(args), placement_of(args), outputs_of(args, SWEEP_REPORT)
     request = Request(inputs, placement, Side.of(args.reference, args.reference_variant),
                       sweep_candidate(args.candidate), outputs, greedy=args.greedy,
-                      noise_floor=not args.no_noise, variants=args.variants, command=_command_line(),
+                      noise_floor=noise_floor_of(args), variants=args.variants, command=_command_line(),
                       progress=args.json != "-")
     from tracer.pipeline import commands  # torch loads only now, every argument checked
 

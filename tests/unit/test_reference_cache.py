@@ -17,6 +17,18 @@ from tracer.pipeline import reference_cache
 FROM_CACHE = "read from the cache"
 
 
+def from_cache(result) -> bool:
+    """Both the greedy continuation and the noise floor read from the cache (the header says each)."""
+    greedy = any(FROM_CACHE in note for note in result.notes)
+    assert greedy == result.floor.from_cache
+    return greedy
+
+
+def entries(cache, model) -> list:
+    """The cache's entries of `model` (one per measurement: its floor, its greedy continuation)."""
+    return [path for path in cache.iterdir() if json.loads(path.read_text())["key"]["model"] == str(model.resolve())]
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "cache"))
@@ -30,8 +42,8 @@ def run(model, **kwargs):
 def test_a_second_run_reads_the_noise_floor_and_greedy_from_the_cache_and_reports_the_same(tiny_llama, cache):
     model = tiny_llama()
     first, second = run(model), run(model)
-    assert not any(FROM_CACHE in note for note in first.notes) and len(list(cache.iterdir())) == 1
-    assert any(FROM_CACHE in note for note in second.notes)
+    assert not from_cache(first) and len(list(cache.iterdir())) == 2  # the floor's entry, the greedy one's
+    assert from_cache(second) and "from the cache" in second.floor.text()
     assert "noise_s" in first.timings and "noise_s" not in second.timings
     assert [p.noise for p in second.points] == [p.noise for p in first.points]
     assert all(p.noise is not None for p in second.points if p.recorded)
@@ -43,49 +55,50 @@ def test_a_model_file_written_since_or_other_tokens_measure_again(tiny_llama, ca
     run(model)
     config = model / "config.json"
     config.write_text(config.read_text())  # the same bytes, written again: its ctime moves
-    assert not any(FROM_CACHE in note for note in run(model).notes)
+    assert not from_cache(run(model))
     other = tracer.run(model, tokens=TOKENS[:-1], variant="theta=500", greedy=4, progress=False)
-    assert not any(FROM_CACHE in note for note in other.notes)
-    assert len(list(cache.iterdir())) == 2  # the entry of the config as it was is removed: no run can read it
+    assert not from_cache(other)
+    assert len(list(cache.iterdir())) == 4  # the entries of the config as it was are removed: no run can read them
 
 
 def test_a_store_removes_the_entries_no_run_can_read_and_keeps_the_rest(tiny_llama, cache):
     kept, rewritten, deleted, unused = (tiny_llama(name) for name in ("kept", "rewritten", "deleted", "unused"))
     for model in (kept, rewritten, deleted, unused):
         run(model)
-    entry_of = {json.loads(path.read_text())["key"]["model"]: path for path in cache.iterdir()}
-    assert len(entry_of) == 4
+    entry_of = {model: entries(cache, model) for model in (kept, rewritten, deleted, unused)}
+    assert [len(paths) for paths in entry_of.values()] == [2] * 4
     weights = rewritten / "model.safetensors"
     weights.write_bytes(weights.read_bytes())
     shutil.rmtree(deleted)
     old = time.time() - (reference_cache.UNUSED_DAYS + 1) * 86400
-    os.utime(entry_of[str(unused.resolve())], (old, old))
-    assert any(FROM_CACHE in note for note in run(kept).notes)  # a read removes nothing
-    assert len(list(cache.iterdir())) == 4
+    for path in entry_of[unused]:
+        os.utime(path, (old, old))
+    assert from_cache(run(kept))  # a read removes nothing
+    assert len(list(cache.iterdir())) == 8
     run(tiny_llama("new"))  # a store: the rewritten, the deleted and the unused model's entries go
     left = sorted(path.name for path in cache.iterdir())
-    assert len(left) == 2 and entry_of[str(kept.resolve())].name in left
-    assert any(FROM_CACHE in note for note in run(kept).notes)
+    assert len(left) == 4 and all(path.name in left for path in entry_of[kept])
+    assert from_cache(run(kept))
 
 
 def test_a_read_keeps_an_entry_in_use(tiny_llama, cache):
     model = tiny_llama()
     run(model)
-    (entry,) = cache.iterdir()
     old = time.time() - (reference_cache.UNUSED_DAYS + 1) * 86400
-    os.utime(entry, (old, old))
-    assert any(FROM_CACHE in note for note in run(model).notes)
-    run(tiny_llama("other"))  # a store prunes: the entry read a moment ago stays
-    assert entry.exists()
+    for entry in cache.iterdir():
+        os.utime(entry, (old, old))
+    assert from_cache(run(model))
+    run(tiny_llama("other"))  # a store prunes: the entries read a moment ago stay
+    assert len(entries(cache, model)) == 2
 
 
 def test_a_damaged_entry_is_measured_again(tiny_llama, cache):
     model = tiny_llama()
     first = run(model)
-    (entry,) = cache.iterdir()
-    entry.write_text("{not json")
+    for entry in cache.iterdir():
+        entry.write_text("{not json")
     again = run(model)
-    assert not any(FROM_CACHE in note for note in again.notes)
+    assert not from_cache(again)
     assert [p.noise for p in again.points] == [p.noise for p in first.points]
 
 

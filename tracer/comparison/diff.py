@@ -34,7 +34,6 @@ from tracer.model.points import (
     Q_ROPE,
     TOP_K_INDEX,
     causal_allowed,
-    has_head_axis,
     is_causal,
     layer_of,
     layer_point,
@@ -43,7 +42,7 @@ from tracer.model.points import (
 )
 from tracer.traces.layouts import align
 from tracer.traces.spill import SpilledTensors
-from tracer.traces.trace import Trace, kept
+from tracer.traces.trace import Trace, kept, rows_before
 
 CHUNK = 1 << 14  # values per chunk: 64 kB of f32, in cache, and below torch's parallel grain (32768)
 BORDERLINE = 1e-4  # rel_l2 this close (relative) to its threshold is recomputed in f64
@@ -235,6 +234,16 @@ def paired(point: str, reference: Trace, candidate: Trace, layout: SlotLayout) -
     return layout.pair(point, ref, cand)
 
 
+def rejudged(diffs: dict[str, PointDiff], tolerance: Tolerance, noise: dict[str, float]) -> dict[str, PointDiff]:
+    """Points an `ErrorRecorder` judged as they came, judged again against `noise` (a floor measured
+    exactly since): their rel_l2 is all a relative-L2 verdict reads."""
+    if tolerance.elementwise:
+        return diffs
+    return {name: dataclasses.replace(d, noise=noise.get(name), threshold=tolerance.threshold(noise.get(name)),
+                                      diverged=tolerance.exceeded(d.rel_l2, noise.get(name)))
+            if d.recorded and d.rel_l2 is not None else d for name, d in diffs.items()}
+
+
 def rel_l2_by_point(reference: Trace, other: Trace) -> dict[str, float]:
     """Per point both traces hold, the rel_l2 of `other` against `reference` (noise floors, local
     errors, a regime's cost, per-op errors)."""
@@ -257,9 +266,12 @@ class ErrorRecorder:
     """
 
     def __init__(self, reference: Trace, tolerance: Tolerance | None = None, noise: dict[str, float] | None = None,
-                 local: dict[str, float] | None = None, store=None):
+                 local: dict[str, float] | None = None, store=None, lowest_noise: dict[str, float] | None = None):
         self.reference, self.tolerance, self.local = reference, tolerance or Tolerance(), local
         self.noise = noise if noise is not None else {}  # (a live mapping may be empty when given)
+        # the lowest the exact floor can be where `noise` is a cheap floor's scaled one: a point over it may
+        # be the first divergence once the exact floor is measured (`tracer.pipeline.noise_floor`), kept as such
+        self.lowest_noise = lowest_noise
         self.store = store
         self.diffs: dict[str, PointDiff] = {}
         self.names: list[str] = []  # every point recorded, in order
@@ -298,6 +310,10 @@ class ErrorRecorder:
         """Will `compare` read this point's tensor (logits, NaN/Inf scan, the first divergence's breakdown)?"""
         if diff.point in (LOGITS, FINAL_LOGITS) or not _finite_metrics(diff) or split_point(diff.point)[1] in ROUTING:
             return True  # (the routing points, (T, E) at most, are what the routing diff reads)
+        if self.lowest_noise is not None and diff.point in self.lowest_noise:
+            lowest = self.lowest_noise[diff.point]
+            diff = dataclasses.replace(diff, diverged=self.tolerance.exceeded(diff.rel_l2, lowest),
+                                       threshold=self.tolerance.threshold(lowest))
         if not diff.diverged:
             return False
         judged = dataclasses.replace(diff, local_rel_l2=self.local.get(diff.point)) if self.local else diff
@@ -561,21 +577,9 @@ def near_tie_note(points: list[PointDiff]) -> list[str]:
 
 
 def before_token(point: str, ref: torch.Tensor, cand: torch.Tensor, cut: int, tokens: int):
-    """Both sides' rows of the tokens before `cut` ((T, X): rows; (H, T, D): axis 1; (H, Q, T) attention: the
-    query rows of those tokens and their keys), or None where none comes before it or the token axis is not
-    the prompt's."""
-    if cut <= 0:
-        return None
-    if is_causal(point):
-        queries, keys = ref.shape[-2:]
-        first_query = keys - queries  # a long prompt keeps its last query rows only
-        if keys != tokens or cut <= first_query:
-            return None
-        return tuple(x[..., :cut - first_query, :cut] for x in (ref, cand))
-    axis = 1 if has_head_axis(point) else 0
-    if ref.dim() <= axis or ref.shape[axis] != tokens:
-        return None
-    return tuple(x.narrow(axis, 0, cut) for x in (ref, cand))
+    """Both sides' rows of the tokens before `cut` (`tracer.traces.trace.rows_before`), or None."""
+    rows = [rows_before(point, x, cut, tokens) for x in (ref, cand)]
+    return None if any(x is None for x in rows) else tuple(rows)
 
 
 def _finite_metrics(p: PointDiff) -> bool:

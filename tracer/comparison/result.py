@@ -30,8 +30,9 @@ NOISE_FACTOR = 10.0
 # The version of summary.json's contract (docs/design.md): 2 added the decode steps (`step`, `steps`), 3 each
 # step's local errors and status per layer (`layer_max_local_rel_l2`, `layer_status`, `local`, `inherited_from`),
 # 4 the triangulation (`kind` "triangulation": several candidates on one reference run, `Triangulation.to_dict`),
-# 5 the routing diff of a mixture of experts (`routing`, `tracer.comparison.routing.RoutingDiff.to_dict`).
-CONTRACT_VERSION = 5
+# 5 the routing diff of a mixture of experts (`routing`, `tracer.comparison.routing.RoutingDiff.to_dict`),
+# 6 how the noise floor was measured (`floor`, `FloorSummary.to_dict`).
+CONTRACT_VERSION = 6
 NOISE_FLOOR = 1e-6
 
 
@@ -75,6 +76,43 @@ class Tolerance:
                 "noise_floor": self.noise_floor,
                 "text": f"rel_l2 > max({self.noise_floor:.0e}, {self.noise_factor:g} × noise), "
                         f"else > {self.rel_l2:.0e}"}
+
+
+@dataclass(frozen=True)
+class FloorSummary:
+    """How the noise floor the points were judged against was measured (`tracer.pipeline.noise_floor`):
+    "exact", an f64 run of all `tokens`; "cheap", of the first `rows`, each point's floor `scale` times
+    that, and exact through `exact_through` (the last point whose verdict rested on it) where a
+    confirmation measured it. `closest`: the point whose error came closest to its bound without leaving
+    it, and the fraction of the bound it reached."""
+
+    mode: str
+    tokens: int
+    rows: int
+    scale: float = 1.0
+    exact_through: str | None = None
+    from_cache: bool = False
+    closest: tuple[str, float] | None = None
+
+    def text(self) -> str:
+        cached = ", from the cache" if self.from_cache else ""
+        if self.rows >= self.tokens:
+            return f"exact (an f64 run of all {self.tokens} tokens{cached})"
+        confirmed = f"exact through {self.exact_through}" if self.exact_through else "no verdict rested on it"
+        return f"cheap (an f64 run of the first {self.rows} of {self.tokens} tokens{cached}, × {self.scale:g}; " \
+               f"{confirmed})"
+
+    def closest_text(self) -> str | None:
+        if self.closest is None:
+            return None
+        point, share = self.closest
+        return f"closest to its bound: {point} at {share:.2f} of it"
+
+    def to_dict(self) -> dict:
+        closest = None if self.closest is None else {"point": self.closest[0], "share": self.closest[1]}
+        return {"mode": self.mode, "tokens": self.tokens, "rows": self.rows, "scale": self.scale,
+                "exact_through": self.exact_through, "from_cache": self.from_cache, "closest": closest,
+                "text": self.text()}
 
 
 @dataclass(frozen=True)
@@ -380,6 +418,7 @@ class Result:
     # flip a near-tie or structural: a `tracer.comparison.routing.RoutingDiff` (its module, which imports this
     # one, holds the value beside the diff, as `tracer.ggml.audit` holds `WeightAudit`); None where they carry none.
     routing: object | None = None
+    floor: FloorSummary | None = None  # how the noise floor was measured (None: none, the fixed bound)
 
     def __bool__(self) -> bool:
         return self.verdict == "match"
@@ -414,6 +453,7 @@ class Result:
             "view": "raw" if self.regime is None else "regime", "regime": dict_or_none(self.regime),
             "step": self.step, "steps": [step.to_dict() for step in self.steps],
             "row": self.row, "batch": [row.to_dict() for row in self.batch], "routing": dict_or_none(self.routing),
+            "floor": dict_or_none(self.floor),
         })
 
     def to_json(self, indent: int | None = 2) -> str:

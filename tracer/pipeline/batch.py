@@ -16,6 +16,7 @@ from tracer.comparison.result import Result
 from tracer.core.errors import TracerError
 from tracer.core.progress import stage
 from tracer.engines.base import Engine
+from tracer.pipeline.noise_floor import floor_rows
 from tracer.pipeline.request import Inputs, Side
 from tracer.pipeline.run import check_tokens, reference_noise, timed, token_ids
 from tracer.traces.spill import SPILL_TOKENS
@@ -47,8 +48,10 @@ def reference_alone(prepared, reference: Side, rows: list[list[int]]) -> tuple[l
     for ids in rows:
         if tuple(ids) not in runs:
             trace = prepared.engine.record(ids)
-            noise = None if prepared.noise is None else reference_noise(prepared.target, reference,
-                                                                        prepared.engine, trace)[0]
+            mode = prepared.request.noise_floor
+            floor = None if prepared.noise is None else reference_noise(
+                prepared.target, reference, prepared.engine, trace, mode, floor_rows(len(ids), mode))[0]
+            noise = None if floor is None else floor.noise  # a cheap floor's scaled values: never below it
             runs[tuple(ids)] = (trace, noise)
     return [runs[tuple(ids)][0] for ids in rows], [runs[tuple(ids)][1] for ids in rows]
 

@@ -37,11 +37,11 @@ from tracer.core.progress import stage
 from tracer.engines.base import Engine, at_positions
 from tracer.engines.reimpl import from_parts
 from tracer.model.knobs import expand_presets, is_regime
-from tracer.pipeline.noise_floor import NOISE_TOKENS
+from tracer.pipeline.noise_floor import FLOOR_LOW, FLOOR_SCALE, NoiseFloor
 from tracer.pipeline.request import Side
 from tracer.reimpl.unit_runs import FreeRun, TeacherForced
 from tracer.traces.spill import read_point
-from tracer.traces.trace import Trace, TraceMeta, TraceRecorder, kept
+from tracer.traces.trace import ATTENTION_ROWS, FirstRows, Trace, TraceMeta, TraceRecorder, kept
 
 
 @dataclass
@@ -72,53 +72,60 @@ def applies(reference_engine: Engine, reference: Side, candidate: Side | None) -
 
 
 def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candidate: Side, tolerance,
-        noise_floor: bool, known_noise: dict[str, float] | None = None, local: bool = True,
+        floor_rows: int | None, known: NoiseFloor | None = None, local: bool = True,
         offset: int = 0) -> Lockstep:
     """The reference `engine` recorded on `ids` with the candidate (`candidate`'s knobs on tracer's
-    forward), its local run and, when `noise_floor`, the noise floor's f64 run stepped beside it.
-    `sink(side)`: the run's recorder for a side (a long prompt's spill folder). Past
-    `NOISE_TOKENS` tokens the noise floor is measured on the first ones, in a pass of its own
-    before (the candidate's judged points need it). `known_noise`: a floor already measured (the
-    reference cache's), for those judged points."""
+    forward), its local run and, when `floor_rows`, the noise floor's f64 run of the first `floor_rows`
+    tokens stepped beside it, compared with the reference's rows of them (all of `ids`: the exact floor;
+    fewer: the cheap floor, `tracer.pipeline.noise_floor`). Where the reference keeps only some of those
+    rows (attention past ATTENTION_ROWS tokens) the floor runs in a pass of its own before, on the first
+    tokens alone (the candidate's judged points need it). `sink(side)`: the run's recorder for a side (a
+    long prompt's spill folder). `known`: a floor already measured (the reference cache's), for
+    those judged points."""
     files = engine.model.tracer_weight_files
     config, device = source.config(), engine.device
     timings: dict[str, float] = {}
     candidate_engine = from_parts(config, files, candidate.variant, source.name, device=device, stream=True)
-    noise, noise_notes, noise_model = known_noise, [], None
-    if noise_floor:
+    noise, noise_notes, noise_model = known.noise if known is not None else None, [], None
+    scale = FLOOR_SCALE if floor_rows is not None and floor_rows < len(ids) else 1.0
+    if floor_rows is not None:
         try:
             noise_model = from_parts(config, files, {**reference.variant, "dtype": "f64"}, source.name,
                                      device=device, stream=True).model
         except TracerError as exc:  # as `estimate_noise` says it
             noise_notes = [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
-    if noise_model is not None and len(ids) > NOISE_TOKENS:
+    if noise_model is not None and floor_rows < len(ids) and len(ids) > ATTENTION_ROWS:
         stage("noise floor")
-        first = ids[:NOISE_TOKENS]
+        first = ids[:floor_rows]
         recorder = TraceRecorder()
         errors = ErrorRecorder(_live(recorder, engine, first))
         followers = [("noise_s", FreeRun(noise_model, first, errors, _positions(offset, len(first))))]
         _stepped(engine, first, recorder, offset, followers, timings, "noise_s")
-        noise = errors.rel_l2
-        noise_notes = [f"noise floor measured on the first {NOISE_TOKENS} tokens (an f64 run of all of them "
-                       "would double the memory)"]
-        noise_model = None
+        noise, noise_model = errors.rel_l2, None
+        known = NoiseFloor("cheap", len(ids), floor_rows, prefix=noise)  # what its judged points are held to
     stage("reference")
     recorder = sink("reference")
     recorder = _UnitPoints(recorder) if recorder is not None else TraceRecorder()
     live = _live(recorder, engine, ids)
     positions = _positions(offset, len(ids))
     followers = []
-    noise_errors = ErrorRecorder(live) if noise_model is not None else None
-    if noise_errors is not None:
-        followers.append(("noise_s", FreeRun(noise_model, ids, noise_errors, positions)))
+    noise_errors = None
+    if noise_model is not None:  # the reference's rows of the floor's tokens, as they come
+        noise_errors = ErrorRecorder(live if floor_rows == len(ids) else
+                                     Trace(FirstRows(live.tensors, floor_rows, len(ids)), live.meta))
+        followers.append(("noise_s", FreeRun(noise_model, ids[:floor_rows], noise_errors,
+                                             _positions(offset, floor_rows))))
     local_errors = ErrorRecorder(live) if local and candidate_engine.entry.local_errors else None
     store = sink("candidate")
     compared = None
     if store is not None:  # a spilled candidate is judged as it comes (`compare_candidate` says why)
         local_so_far = _RelL2(local_errors) if local_errors is not None else None
         # a floor measured in this pass: each unit's, by the f64 run stepped before the candidate through it
-        floor = _RelL2(noise_errors) if noise_errors is not None else noise
-        compared = ErrorRecorder(live, tolerance, floor, local_so_far, store=store)
+        if noise_errors is not None:
+            floor, lowest = _RelL2(noise_errors, scale), _RelL2(noise_errors, FLOOR_LOW if scale != 1 else 1.0)
+        else:
+            floor, lowest = (known.noise, known.lowest()) if known is not None else (None, None)
+        compared = ErrorRecorder(live, tolerance, floor, local_so_far, store=store, lowest_noise=lowest)
     candidate_recorder = compared if compared is not None else TraceRecorder()
     free = FreeRun(candidate_engine.model, ids, candidate_recorder, positions)
     forced = None
@@ -132,7 +139,7 @@ def run(engine: Engine, source, ids: list[int], sink, *, reference: Side, candid
     return Lockstep(reference=trace, engine=candidate_engine,
                     candidate=candidate_engine.trace(candidate_recorder.tensors, ids, offset),
                     compared=compared, local=local_errors.rel_l2 if local_errors is not None else None,
-                    noise=noise, noise_notes=noise_notes, noise_measured=noise_floor, timings=timings,
+                    noise=noise, noise_notes=noise_notes, noise_measured=floor_rows is not None, timings=timings,
                     shared_blocks=forced.shared if forced is not None else 0)
 
 
@@ -252,14 +259,14 @@ class _UnitPoints:
 
 
 class _RelL2(Mapping):
-    """point -> rel_l2 of an `ErrorRecorder` still recording (the local run or the noise floor's, one
-    unit ahead of the candidate)."""
+    """point -> `scale` × rel_l2 of an `ErrorRecorder` still recording (the local run or the noise floor's,
+    one unit ahead of the candidate; a cheap floor scaled as `tracer.pipeline.noise_floor.NoiseFloor` does)."""
 
-    def __init__(self, errors: ErrorRecorder):
-        self.errors = errors
+    def __init__(self, errors: ErrorRecorder, scale: float = 1.0):
+        self.errors, self.scale = errors, scale
 
     def __getitem__(self, point: str) -> float:
-        return self.errors.diffs[point].rel_l2
+        return self.scale * self.errors.diffs[point].rel_l2
 
     def __iter__(self):
         return iter(self.errors.diffs)

@@ -99,6 +99,23 @@ def token_rows(tokens) -> tuple[tuple[int, ...], ...] | None:
     return None
 
 
+# How the noise floor is measured (docs/floor.md): "cheap", an f64 run of the prompt's first quarter scaled
+# by its calibration, with the exact floor measured wherever a verdict rests on it; "exact", an f64 run of
+# the whole prompt.
+FLOORS = ("cheap", "exact")
+
+
+def floor_mode(noise_floor: bool | str | None) -> str | None:
+    """A request's `noise_floor` as one of FLOORS, or None (no floor: the fixed bound)."""
+    if noise_floor is True:
+        return FLOORS[0]
+    if noise_floor is False or noise_floor is None:
+        return None
+    if noise_floor not in FLOORS:
+        raise TracerError(f"unknown noise floor {noise_floor!r}: {' or '.join(FLOORS)} (or False: none)")
+    return noise_floor
+
+
 @dataclass(frozen=True)
 class Inputs:
     """What the model is fed: a model (a directory, a .gguf file, None for the bundled SmolLM2,
@@ -457,7 +474,7 @@ class Request:
     outputs: Outputs = field(default_factory=Outputs)
     tolerance: Tolerance = field(default_factory=Tolerance)
     greedy: int | None = None
-    noise_floor: bool = True
+    noise_floor: bool | str | None = True  # True: "cheap" (FLOORS); False, None: no floor
     regime: dict | str | None = None
     variants: tuple[dict, ...] | None = None
     command: str | None = None
@@ -479,6 +496,7 @@ class Request:
         check_decode(self.inputs.decode, *sides)
         check_batch(self.inputs.batch, *sides)
         check_greedy(self.greedy)
+        object.__setattr__(self, "noise_floor", floor_mode(self.noise_floor))
         object.__setattr__(self, "regime", regime_knobs(self.regime))
         if self.regime is not None and not self.candidates:
             check_regime_run(self.reference.engine, self.candidate.engine)

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from tracer.comparison.diff import ErrorRecorder, compare
+from tracer.comparison.diff import ErrorRecorder, compare, rejudged
 from tracer.comparison.result import Greedy, Result, Tolerance
 from tracer.core.allocator import map_streamed_weights
 from tracer.core.errors import TracerError
@@ -38,10 +38,10 @@ from tracer.files.sources import ModelSource
 from tracer.files.tokenizer import chat_text, chat_tokens, detokenize, tokenize
 from tracer.files.weights import WeightFiles, read_weights
 from tracer.model.config import audit, unchanging_knobs
-from tracer.model.knobs import setting, variant_text
+from tracer.model.knobs import expand_presets, is_regime, setting, variant_text
 from tracer.pipeline import greedy, lockstep, reference_cache
 from tracer.pipeline.lockstep import Lockstep
-from tracer.pipeline.noise_floor import NOISE_TOKENS, estimate_noise
+from tracer.pipeline.noise_floor import NoiseFloor, estimate_noise, floor_rows, prefix_noise
 from tracer.pipeline.request import Request, Side
 from tracer.reimpl.forced_runs import after_routing, routes
 from tracer.traces.spill import SPILL_TOKENS, spill_folder
@@ -68,7 +68,7 @@ class Prepared:
     engine: Engine | None
     variant: dict
     trace: Trace
-    noise: dict | None
+    noise: dict | None  # each point's floor, judged against (`floor.noise`; None: no floor)
     tolerance: Tolerance
     greedy_steps: int
     reference_greedy: list[int] | None
@@ -78,6 +78,7 @@ class Prepared:
     notes: tuple[str, ...] = ()
     timings: dict = field(default_factory=dict)
     lockstep: Lockstep | None = None  # the candidate, already run beside the reference (streamed runs)
+    floor: NoiseFloor | None = None  # how `noise` was measured, and its exact values measured on demand
 
     @property
     def source(self) -> ModelSource | None:
@@ -134,8 +135,11 @@ def prepared_reference(request: Request, *, lockstep_with: Side | None = None):
     with reference_side(request, lockstep_with) as side:
         prepared, measurements = measured(side)
         yield prepared
-    if measurements is not None:  # kept only once the run has succeeded: a failed run writes nothing
+    # kept only once the run has succeeded: a failed run writes nothing
+    if measurements is not None:
         reference_cache.store(side.key, measurements)
+    if prepared.floor is not None and prepared.floor.unsaved and side.key is not None:
+        store_floor(side, prepared.floor)
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,7 @@ def reference_side(request: Request, lockstep_with: Side | None = None):
             notes.append(f"no greedy continuation {why} (pass greedy=N to force)")
     key = None if source.loaded else reference_cache.entry_key(
         source.directory, ids, engine=str(reference.engine), variant=reference.variant,
-        placement=repr(request.placement), noise_floor=request.noise_floor, greedy_steps=greedy_steps,
-        position_offset=offset)
+        placement=repr(request.placement), greedy_steps=greedy_steps, position_offset=offset)
     kept = reference_cache.load(key) if key is not None else None
     # a streamed run spills too: its points, 25 MB a layer per side at the 8B width and 64 tokens, would
     # otherwise be the one thing in its memory that grows with depth
@@ -203,18 +206,22 @@ def reference_side(request: Request, lockstep_with: Side | None = None):
 
 def measured(side: ReferenceSide) -> tuple[Prepared, dict | None]:
     """Record the reference (beside its lockstep candidate where one applies), measure its noise floor and
-    decode its greedy continuation, or take both from the cache: the `Prepared` reference, and what the
-    reference cache is to keep of it (None: read from there, or a loaded model's)."""
+    decode its greedy continuation, or take either from the cache: the `Prepared` reference, and what the
+    reference cache is to keep of its greedy continuation (None: read from there, or a loaded model's)."""
     request, engine, ids, kept = side.request, side.engine, side.ids, side.kept
     reference, target, tolerance, offset = request.reference, request.target, request.tolerance, \
         request.inputs.position_offset
     timings, notes = dict(side.timings), list(side.notes)
+    mode = request.noise_floor
+    rows = None if mode is None else len(ids) if is_regime(expand_presets(reference.variant)) \
+        else floor_rows(len(ids), mode)
+    floor = cached_floor(side, mode, rows)
     together = None
     if target.stream and side.lockstep_with is not None and lockstep.applies(engine, reference, side.lockstep_with):
         together = lockstep.run(engine, target.source, ids, side.sink, reference=reference,
                                 candidate=side.lockstep_with, tolerance=tolerance,
-                                noise_floor=request.noise_floor and kept is None,
-                                known_noise=kept["noise"] if kept is not None else None, offset=offset)
+                                floor_rows=rows if floor is None else None,
+                                known=floor, offset=offset)
     if together is not None:
         trace = together.reference
         timings.update(together.timings)
@@ -222,31 +229,86 @@ def measured(side: ReferenceSide) -> tuple[Prepared, dict | None]:
         with timed(timings, "reference_s"):
             stage("reference")
             trace = engine.record(ids, side.sink("reference"), **at_positions(offset, len(ids)))
-    if kept is not None:
-        noise, noise_notes, reference_greedy = kept["noise"], kept["noise_notes"], kept["greedy"]
-        notes.append("noise floor and reference greedy continuation read from the cache (an earlier run "
-                     "of this model and these tokens measured them)")
-    else:
+    noise_notes = []
+    if floor is None and mode is not None:
         with timed(timings, "noise_s"):
             stage("noise floor")
             if together is not None and together.noise_measured:
-                noise, noise_notes = together.noise, together.noise_notes
+                noise_notes = together.noise_notes
+                floor = None if together.noise is None else floor_of(mode, len(ids), rows, together.noise)
             else:
-                noise, noise_notes = reference_noise(target, reference, engine, trace) \
-                    if request.noise_floor else (None, [])
+                floor, noise_notes = reference_noise(target, reference, engine, trace, mode, rows)
+    if floor is not None and reference.entry.noise_floor:
+        source, variant, device = target.source, reference.variant, engine.device
+        floor.family = trace.meta.family
+        floor.measure_exact = lambda point: estimate_noise(source, trace, variant, device, through=point)
+    if kept is not None:
+        reference_greedy = kept["greedy"]
+        notes.append("reference greedy continuation read from the cache (an earlier run of this model and these "
+                     "tokens decoded it)")
+    else:
         with timed(timings, "reference_greedy_s"):
             stage("reference greedy")
             reference_greedy = greedy.generated(engine, ids, side.greedy_steps, offset=offset) \
                 if side.greedy_steps else None
     prepared = Prepared(
         request=request, target=target, ids=ids, prompt=request.inputs.text, chat=side.chat,
-        reference=str(reference.engine), engine=engine, variant=reference.variant, trace=trace, noise=noise,
+        reference=str(reference.engine), engine=engine, variant=reference.variant, trace=trace,
+        noise=floor.noise if floor is not None else None,
         tolerance=tolerance, greedy_steps=side.greedy_steps, reference_greedy=reference_greedy,
         detokenize=detokenizer(target.source), sink=side.sink, position_offset=offset,
-        notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings, lockstep=together,
+        notes=(*notes, *noise_notes, *memory_notes(len(ids))), timings=timings, lockstep=together, floor=floor,
     )
-    keep = side.key is not None and kept is None
-    return prepared, {"noise": noise, "noise_notes": noise_notes, "greedy": reference_greedy} if keep else None
+    keep = side.key is not None and kept is None and side.greedy_steps
+    return prepared, {"greedy": reference_greedy} if keep else None
+
+
+def floor_of(mode: str, tokens: int, rows: int, measured: dict[str, float], **kept) -> NoiseFloor:
+    """A floor measured on the first `rows` of `tokens` tokens: exact where that is all of them."""
+    if rows >= tokens:
+        return NoiseFloor(mode, tokens, tokens, exact=dict(measured), **kept)
+    return NoiseFloor(mode, tokens, rows, prefix=dict(measured), **kept)
+
+
+def floor_keys(side: ReferenceSide, rows: int) -> tuple[dict, dict]:
+    """The reference cache's keys of a floor: its exact values (the whole prompt's tokens), and its cheap
+    ones (the first `rows` tokens only: a prompt that extends a measured one shares them)."""
+    request, ids = side.request, side.ids
+    context = dict(engine=str(request.reference.engine), variant=request.reference.variant,
+                   placement=repr(request.placement), position_offset=request.inputs.position_offset)
+    directory = request.target.source.directory
+    return (reference_cache.entry_key(directory, ids, measure="exact floor", **context),
+            reference_cache.entry_key(directory, ids[:rows], measure="cheap floor", rows=rows, **context))
+
+
+def cached_floor(side: ReferenceSide, mode: str | None, rows: int | None) -> NoiseFloor | None:
+    """The floor an earlier run measured (None: none kept): the whole prompt's exact floor where a run
+    measured it, else the cheap floor of the first `rows` tokens with the exact values measured so far."""
+    if mode is None or side.key is None:
+        return None
+    exact_key, cheap_key = floor_keys(side, rows)
+    exact = reference_cache.load(exact_key) or {}
+    tokens = len(side.ids)
+    if exact.get("complete"):
+        return NoiseFloor(mode, tokens, tokens, exact=exact["noise"], from_cache=True, unsaved=False)
+    if rows >= tokens:
+        return None
+    cheap = reference_cache.load(cheap_key)
+    if cheap is None:
+        return None
+    return NoiseFloor(mode, tokens, rows, prefix=cheap["noise"], exact=exact.get("noise") or {},
+                      exact_through=exact.get("through"), from_cache=True, unsaved=False)
+
+
+def store_floor(side: ReferenceSide, floor: NoiseFloor) -> None:
+    """Keep what `floor` measured: its cheap values under the first rows' key, its exact ones under the
+    whole prompt's (complete, or through the last point a confirmation measured)."""
+    exact_key, cheap_key = floor_keys(side, floor.rows)
+    if floor.prefix:
+        reference_cache.store(cheap_key, {"noise": floor.prefix})
+    if floor.exact:
+        complete = floor.rows >= floor.tokens
+        reference_cache.store(exact_key, {"noise": floor.exact, "complete": complete, "through": floor.exact_through})
 
 
 def stream_notes(stream: bool, engine: EngineRef) -> list[str]:
@@ -284,7 +346,7 @@ def candidate_compared(prepared: Prepared, engine: Engine, *, command: str | Non
     each other afterwards (a triangulation): its whole trace is kept, under that name where the run spills,
     rather than judged as it comes and kept in part."""
     check_tokens(prepared.ids, engine, prepared.position_offset)
-    timings = dict(prepared.timings)
+    timings, floor = dict(prepared.timings), prepared.floor
     together = prepared.lockstep if prepared.lockstep is not None and prepared.lockstep.engine is engine else None
     with timed(timings, "local_s"):
         errors = (together.local if together is not None else local_errors(engine, prepared.trace)) if local else None
@@ -301,11 +363,18 @@ def candidate_compared(prepared: Prepared, engine: Engine, *, command: str | Non
             # straight into the spill folder instead, which that would not save.
             if recorder is not None and not engine.entry.isolated and kept_as is None:
                 recorder = compared = ErrorRecorder(prepared.trace, prepared.tolerance, prepared.noise, errors,
-                                                    store=recorder)
+                                                    store=recorder, lowest_noise=floor and floor.lowest())
             trace = engine.record(prepared.ids, recorder,
                                   **at_positions(prepared.position_offset, len(prepared.ids)))
-    result = compare(prepared.trace, trace, prepared.tolerance, noise=prepared.noise, local=errors, routed=routed,
-                     compared=compared.diffs if compared is not None else None)
+
+    def judged(noise: dict[str, float] | None) -> Result:
+        diffs = None if compared is None else rejudged(compared.diffs, prepared.tolerance, noise or {})
+        return compare(prepared.trace, trace, prepared.tolerance, noise=noise, local=errors, routed=routed,
+                       compared=diffs)
+
+    with timed(timings, "compare_s"):
+        stage("compare")
+        result = judged(prepared.noise) if floor is None else floor.settled(judged, prepared.tolerance)
     with timed(timings, "greedy_s"):
         stage("greedy")
         continuations = greedy_comparison(prepared, engine, prepared.tolerance)
@@ -315,6 +384,7 @@ def candidate_compared(prepared: Prepared, engine: Engine, *, command: str | Non
         prompt=prepared.prompt, chat=prepared.chat, greedy=continuations,
         token_texts=[detokenize([t]) for t in prepared.ids] if prepared.ids and detokenize(prepared.ids[:1]) else None,
         environment=environment(), command=command, timings=timings, config_audit=config_audit,
+        floor=floor.summary(result) if floor is not None else None,
     ), trace
 
 
@@ -416,26 +486,24 @@ def candidate_loader(candidate: EngineRef, prepared: Prepared) -> Callable[[dict
     return load_candidate
 
 
-def reference_noise(target: LoadTarget, reference: Side, engine: Engine, trace: Trace):
-    """(noise per point, notes): what f32 rounding alone makes at each point of the reference.
-
-    Past NOISE_TOKENS tokens the noise is measured on the prompt's first NOISE_TOKENS: an f64
-    forward costs twice the memory of the f32 one, and rounding noise is a per-op property.
-    """
+def reference_noise(target: LoadTarget, reference: Side, engine: Engine, trace: Trace, mode: str,
+                    rows: int) -> tuple[NoiseFloor | None, list[str]]:
+    """(the floor, notes): what f32 rounding alone makes at each point of the reference, measured by an
+    f64 run of the first `rows` tokens (`tracer.pipeline.noise_floor`: all of them, the exact floor)."""
     entry, variant = reference.entry, reference.variant
     if entry.argument_required:
         return None, ["no noise floor for a saved reference trace: points judged by the fixed rel_l2 bound"]
     if not entry.noise_floor:
         return None, [f"no noise floor for a {entry.name} reference (an f64 run of tracer's model does not measure "
                       "its rounding): points judged by the fixed rel_l2 bound"]
-    notes = []
-    if len(trace.tokens) > NOISE_TOKENS:
-        trace = engine.record(trace.tokens[:NOISE_TOKENS],
-                              **at_positions(trace.meta.position_offset or 0, NOISE_TOKENS))
-        notes.append(f"noise floor measured on the first {NOISE_TOKENS} tokens (an f64 run of all of them "
-                     "would double the memory)")
+    tokens, offset = len(trace.tokens), trace.meta.position_offset or 0
     try:
-        return estimate_noise(target.source, trace, variant, engine.device), notes
+        if rows >= tokens:
+            return floor_of(mode, tokens, rows, estimate_noise(target.source, trace, variant, engine.device)), []
+        prefix = prefix_noise(target.source, trace, variant, rows,
+                              lambda count: engine.record(trace.tokens[:count], **at_positions(offset, count)),
+                              engine.device)
+        return floor_of(mode, tokens, rows, prefix), []
     except TracerError as exc:
         return None, [f"no noise floor ({exc}): points judged by the fixed rel_l2 bound"]
 

@@ -310,14 +310,17 @@ class StreamedWeights:
 
     def _dtype(self, name: str) -> torch.dtype:
         """Where the matrices are narrowed, one that the steps' `linear` multiplies (a projection,
-        lm_head; not the embedding, whose rows are looked up) stored in 32 bits or fewer comes in
-        f32, for `upcasting_linear`: every such value is an f32 value, so nothing is rounded."""
+        lm_head; not the embedding, whose rows are looked up) stored in 32 bits or fewer comes as it is
+        stored, for `upcasting_linear` to widen a chunk at a time (every such value is exact in the wider
+        type: nothing is rounded); in f32 inside a lockstep unit, whose f32 conversion the reference has
+        made already (`WeightFiles.holding`)."""
         if not self.narrow_matrices or not (name.endswith("_proj" + WEIGHT) or name == LOGITS + WEIGHT):
             return self.dtype if self.spec is None else load_dtype(self.spec, name, self.dtype)
         source = self.names[name]
         header = self.tensors.header(source) if hasattr(self.tensors, "header") else self.tensors[source]
-        narrow = header.dtype.is_floating_point and header.dtype.itemsize <= 4
-        return torch.float32 if narrow else self.dtype
+        if not (header.dtype.is_floating_point and header.dtype.itemsize <= 4):
+            return self.dtype
+        return torch.float32 if getattr(self.tensors, "hold", None) is not None else header.dtype
 
     def stored(self, name: str):
         """A context: the tensor in its stored dtype, a view of the file's pages where the weights

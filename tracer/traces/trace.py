@@ -7,8 +7,10 @@ safetensors file whose metadata holds a JSON manifest; never pickle.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from safetensors.torch import save_file
 from tracer.core.errors import TracerError, one_line
 from tracer.core.renderers import render
 from tracer.model.knobs import side_label
-from tracer.model.points import is_causal, is_integer_point, layer_of
+from tracer.model.points import has_head_axis, is_causal, is_integer_point, layer_of
 from tracer.names.aliases import alias_table, rename, token_names
 
 MANIFEST_KEY = "tracer"
@@ -385,6 +387,61 @@ def kept(name: str, tensor: torch.Tensor) -> torch.Tensor:
         # A view would keep (H, T, T) alive; a point from an accelerator comes to the CPU anyway.
         return value.clone() if value.device.type == "cpu" else value.cpu()
     return value.cpu()  # traces live on the CPU: compared, saved and kept apart from the device's memory
+
+
+def rows_before(point: str, tensor: torch.Tensor, cut: int, tokens: int, *,
+                every_row: bool = False) -> torch.Tensor | None:
+    """A point's rows of the prompt's first `cut` tokens, as a view ((T, X): rows; (H, T, D): axis 1;
+    (H, Q, T) attention: the query rows of those tokens it kept and their keys), or None where none
+    comes before `cut` or its token axis is not the prompt's (`tokens` long). `every_row`: None as well
+    where an attention matrix kept only some of them (a long prompt keeps its last query rows)."""
+    if cut <= 0:
+        return None
+    if is_causal(point):
+        queries, keys = tensor.shape[-2:]
+        first_query = keys - queries  # a long prompt keeps its last query rows only
+        if keys != tokens or cut <= first_query or (every_row and first_query > 0):
+            return None
+        return tensor[..., :cut - first_query, :cut]
+    axis = 1 if has_head_axis(point) else 0
+    if tensor.dim() <= axis or tensor.shape[axis] != tokens:
+        return None
+    return tensor.narrow(axis, 0, cut)
+
+
+class FirstRows(Mapping):
+    """point -> its rows of the prompt's first `cut` tokens (`rows_before`), of a trace or of a recorder's
+    points as they come; a point with no such rows is not held. A causal model's first rows depend on the
+    first tokens only: they are what a run of those tokens alone records, up to the summation order."""
+
+    def __init__(self, points: Mapping, cut: int, tokens: int):
+        self.points, self.cut, self.tokens = points, cut, tokens
+
+    def __getitem__(self, point: str) -> torch.Tensor:
+        rows = rows_before(point, self.points[point], self.cut, self.tokens, every_row=True) \
+            if point in self.points else None
+        if rows is None:
+            raise KeyError(point)
+        return rows
+
+    def __contains__(self, point) -> bool:
+        try:
+            self[point]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self):
+        return (point for point in self.points if point in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def first_rows(trace: Trace, cut: int) -> Trace:
+    """`trace` as a run of its first `cut` tokens would have recorded it (`FirstRows`), nothing copied."""
+    tokens = list(trace.tokens or ())
+    return Trace(FirstRows(trace.tensors, cut, len(tokens)), dataclasses.replace(trace.meta, tokens=tokens[:cut]))
 
 
 class TraceRecorder:
