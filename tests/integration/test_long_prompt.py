@@ -2,7 +2,8 @@
 
 Long enough for everything a long prompt changes (the points spilled to a temporary folder past 256
 tokens, attention matrices kept for their last 128 query rows, the cheap noise floor measured on the
-first 256 tokens in a run of their own and the first divergence confirmed by the exact floor of layer 0), and for the bound to tell: a run that kept its attention matrices whole would hold
+first 256 tokens in a run of their own, the first divergence confirmed by the exact floor of layer 0),
+and for the bound to tell: a run that kept its attention matrices whole would hold
 4.5 GB of them (two traces of 30 layers, each with two 9 × 1024 × 1024 f32 matrices). The bound
 holds with the allocator setting the `tracer` command makes (`tracer.core.allocator`: freed attention
 matrices are kept for reuse); docs/memory.md has the measured peaks at 2048 tokens.

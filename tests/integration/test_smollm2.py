@@ -105,7 +105,8 @@ def without_cache_note(lines: list[str]) -> list[str]:
     "from the cache" on the noise floor's line."""
     kept, in_note = [], False
     for line in lines:
-        in_note = line.startswith("  note: reference greedy continuation read") or (in_note and line.startswith(" " * 6))
+        in_note = line.startswith("  note: reference greedy continuation read") or \
+            (in_note and line.startswith(" " * 6))
         if not in_note:
             kept.append(line.replace(", from the cache)", ")") if line.startswith("  noise floor: ") else line)
     return kept

@@ -104,3 +104,26 @@ def test_a_floor_read_from_the_cache_is_said_and_a_longer_prompt_shares_its_firs
 def test_the_floor_flag_is_checked_and_said():
     with pytest.raises(tracer.TracerError, match="unknown noise floor 'full': cheap or exact"):
         tracer.run(noise_floor="full", progress=False)
+
+
+def test_a_confirmation_that_cannot_run_is_said_and_the_scaled_floor_stands(measured, tmp_path, monkeypatch):
+    """Where the exact floor of the stretch cannot be measured, the verdict rests on the scaled floor (never
+    below the exact one on any calibrated model) and the header says it was not confirmed."""
+    from tracer.pipeline import run as run_module
+
+    model, _, _ = measured
+    monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "cache"))
+    measure = run_module.estimate_noise
+
+    def failing(*args, through=None, **kwargs):
+        if through is not None:
+            raise tracer.TracerError("out of memory for the f64 run")
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "estimate_noise", failing)
+    result = tracer.run(model, tokens=IDS, variant="theta=500", greedy=0, progress=False)
+    assert result.first_divergence.point == "model.layers.0.self_attn.q_rope"
+    assert result.floor.exact_through is None
+    assert result.floor.unconfirmed == ("the exact floor through model.layers.0.self_attn.q_rope could not be "
+                                        "measured (out of memory for the f64 run)")
+    assert "not confirmed: the exact floor through" in result.floor.text()

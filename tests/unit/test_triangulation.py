@@ -84,7 +84,7 @@ def test_a_candidate_alone_against_the_others_is_the_odd_one(llama_dir):
     assert same.rel_l2 == 0 and same.agree  # hf against itself
 
     summary = json.loads(tri.to_json())  # the JSON contract: one object, each candidate's whole result in it
-    assert summary["kind"] == "triangulation" and summary["contract"] == CONTRACT_VERSION == 5
+    assert summary["kind"] == "triangulation" and summary["contract"] == CONTRACT_VERSION == 6
     assert summary["verdict"] == "diverged" and summary["sides"] == list(tri.sides)
     assert [c["candidate"]["label"] for c in summary["candidates"]] == ["reimpl", "reimpl[theta=500000]", "hf"]
     assert summary["candidates"][1] == json.loads(tri.results[1].to_json())

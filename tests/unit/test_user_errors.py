@@ -118,6 +118,16 @@ def _(tmp):
     return run_args(tmp, m, "--variant", "rope=interleave"), api_run(m, tmp, variant="rope=interleave")
 
 
+@row("floor typo", r"--floor: invalid choice 'full'; choose from cheap, exact")
+def _(tmp):
+    return run_args(tmp, model(tmp), "--floor", "full"), None
+
+
+@row("floor and no noise", r"--floor exact and --no-noise: the first measures a floor, the second skips it")
+def _(tmp):
+    return run_args(tmp, model(tmp), "--floor", "exact", "--no-noise"), None
+
+
 @row("flag typo", r"unrecognized arguments: --variantt theta=10000; did you mean --variant\?")
 def _(tmp):
     return run_args(tmp, model(tmp), "--variantt", "theta=10000"), None

@@ -93,12 +93,15 @@ class FloorSummary:
     exact_through: str | None = None
     from_cache: bool = False
     closest: tuple[str, float] | None = None
+    unconfirmed: str | None = None  # why a verdict resting on the scaled floor could not be confirmed
 
     def text(self) -> str:
         cached = ", from the cache" if self.from_cache else ""
         if self.rows >= self.tokens:
             return f"exact (an f64 run of all {self.tokens} tokens{cached})"
         confirmed = f"exact through {self.exact_through}" if self.exact_through else "no verdict rested on it"
+        if self.unconfirmed:
+            confirmed = f"not confirmed: {self.unconfirmed}"
         return f"cheap (an f64 run of the first {self.rows} of {self.tokens} tokens{cached}, × {self.scale:g}; " \
                f"{confirmed})"
 
@@ -112,7 +115,7 @@ class FloorSummary:
         closest = None if self.closest is None else {"point": self.closest[0], "share": self.closest[1]}
         return {"mode": self.mode, "tokens": self.tokens, "rows": self.rows, "scale": self.scale,
                 "exact_through": self.exact_through, "from_cache": self.from_cache, "closest": closest,
-                "text": self.text()}
+                "unconfirmed": self.unconfirmed, "text": self.text()}
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import torch
 
 from tracer.comparison.diff import ErrorRecorder
 from tracer.comparison.result import FloorSummary, Result, Tolerance
+from tracer.core.errors import TracerError
 from tracer.engines.base import at_positions
 from tracer.engines.load import LoadTarget, load_engine
 from tracer.engines.registry import EngineRef
@@ -85,6 +86,7 @@ class NoiseFloor:
     family: str | None = None  # the traced family, whose order the points run in
     noise: dict[str, float] = field(default_factory=dict)
     unsaved: bool = True  # measured by this run, not yet in the reference cache
+    unconfirmed: str | None = None  # why a verdict resting on the scaled floor was not confirmed
 
     def __post_init__(self):
         self.noise.update({point: FLOOR_SCALE * value for point, value in self.prefix.items()})
@@ -107,7 +109,11 @@ class NoiseFloor:
         (`unsettled`), the exact floor through that point is measured and the run judged again."""
         result = judge(self.noise)
         while (point := self.unsettled(result, tolerance)) is not None and self.measure_exact is not None:
-            measured = self.measure_exact(point)
+            try:
+                measured = self.measure_exact(point)
+            except TracerError as exc:  # said in the header: the verdict then rests on the scaled floor
+                self.unconfirmed = f"the exact floor through {point} could not be measured ({exc})"
+                break
             new = {name: value for name, value in measured.items() if name not in self.exact}
             if not new:
                 break  # the point is not one the f64 run records: its scaled floor stands (`summary` says)
@@ -143,7 +149,7 @@ class NoiseFloor:
                   if p.recorded and not p.diverged and p.threshold and p.rel_l2]
         closest = max(shares, key=lambda share: share[1], default=None)
         return FloorSummary(self.mode, self.tokens, self.rows, self.scale, self.exact_through, self.from_cache,
-                            closest)
+                            closest, self.unconfirmed)
 
     def to_cache(self) -> dict:
         return {"mode": self.mode, "tokens": self.tokens, "rows": self.rows, "prefix": self.prefix,

@@ -6,15 +6,17 @@ than the reference's own forward (an f64 forward; a decode of 20 steps, each rea
 weight). A porting session runs the same model and prompt again and again with another candidate
 or variant: from the second run they are read from `<cache>/reference/` instead.
 
-An entry is keyed by everything the measurements depend on: the model folder's files as they are
-on disk (size, mtime, ctime, inode of each: any write moves ctime), the token ids, the reference
-engine, its variant and placement, whether a noise floor and how many greedy steps were asked
-for, the versions of torch and transformers, and tracer's own source files (their stats: an
-edited tracer measures again). An entry that cannot be read is measured again; one that cannot
-be written is not kept (a read-only cache costs time, never a wrong answer). Each store removes
-the entries that can never be read again, their model folder gone (a temporary one, a deleted
-download) or its files written since, and those no run has read for UNUSED_DAYS (an edited
-tracer's are never read again; another checkout sharing the cache keeps its own by using them).
+An entry is keyed by everything its measurement depends on: the model folder's files as they are on
+disk (size, mtime, ctime, inode of each: any write moves ctime), the token ids (a cheap floor's: the
+first rows it ran, so that a prompt starting with them shares it; `tracer.pipeline.run.floor_keys`),
+the reference engine, its variant and placement, what was measured (the floor's exact values, its
+cheap ones, or the greedy continuation of so many steps), the versions of torch and transformers,
+and tracer's own source files (their stats: an edited tracer measures again). An entry that cannot
+be read is measured again; one that cannot be written is not kept (a read-only cache costs time,
+never a wrong answer). Each store removes the entries that can never be read again, their model
+folder gone (a temporary one, a deleted download) or its files written since, and those no run has
+read for UNUSED_DAYS (an edited tracer's are never read again; another checkout sharing the cache
+keeps its own by using them).
 No torch here.
 """
 
