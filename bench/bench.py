@@ -45,6 +45,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -422,11 +423,8 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:
     """`tracer run --variant theta=10000` as a process against a bare transformers script (import,
     load, one forward): (median seconds, median ratio) of alternating rounds, with the reference's
     noise floor and greedy continuation in the cache (every run after the first of a model and
-    prompt) and without them (the first run: this prompt's entry removed before each round)."""
-    from tracer.files.tokenizer import tokenize
-    from tracer.pipeline.reference_cache import entry_key, entry_path
-    from tracer.pipeline.request import Placement
-
+    prompt) and without them (the first run: an empty tracer cache each round, the model given by its
+    folder)."""
     bare = (
         "import torch, transformers; from transformers import LlamaForCausalLM, AutoTokenizer\n"
         f"m = LlamaForCausalLM.from_pretrained({str(model_dir)!r}, attn_implementation='eager').eval()\n"
@@ -438,16 +436,13 @@ def whole_run(model_dir: Path, repeats: int) -> dict[str, tuple[float, float]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "tracer", "run", "--model", str(model_dir), "--variant", "theta=10000",
                "--out", str(out), "--json", str(HERE / ".bench-summary.json")]
-    ids = tokenize(model_dir, "The capital of France is")
-    entry = entry_path(entry_key(model_dir, ids, engine="hf", variant={}, placement=repr(Placement()),
-                                 noise_floor=True, greedy_steps=20))
 
-    def process(cmd):
-        return subprocess.run(cmd, check=True, capture_output=True, env=env)
+    def process(cmd, **changed):
+        return subprocess.run(cmd, check=True, capture_output=True, env={**env, **changed})
 
     def first_run():
-        entry.unlink(missing_ok=True)
-        process(command)
+        with tempfile.TemporaryDirectory() as cache:
+            process(command, TRACER_CACHE=cache)
 
     bare_seconds = []
 

@@ -86,18 +86,28 @@ def test_a_thin_margin_is_settled_by_the_exact_floor(measured, tmp_path, monkeyp
         assert f"closest to its bound: {point} at 0.90 of it" in header
 
 
-def test_a_floor_read_from_the_cache_is_said_and_a_longer_prompt_shares_its_first_rows(tmp_path, monkeypatch):
-    """The cheap floor is keyed by its rows' tokens: a prompt of 60 tokens after one of 64 with the same first 16
-    reads it from the cache; the exact values a confirmation measured are kept for the same prompt."""
+def test_a_floor_read_from_the_cache_is_said_and_prompts_sharing_its_rows_share_it(tmp_path, monkeypatch):
+    """The cheap floor is keyed by its rows' tokens: a prompt of 64 tokens after one of 40 with the same first
+    16 reads it from the cache (an extension of a measured prompt), and one of 64 after one of 128 that measured
+    32 rows takes those: more rows than it needs. The exact values a confirmation measured are kept for the same
+    prompt."""
     monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "cache"))
-    model = write_tiny_llama(tmp_path / "m")
-    first = tracer.run(model, tokens=IDS, variant="theta=500", greedy=0, progress=False)
-    again = tracer.run(model, tokens=IDS, variant="theta=500", greedy=0, progress=False)
-    shorter = tracer.run(model, tokens=IDS[:60], variant="theta=500", greedy=0, progress=False)
-    assert not first.floor.from_cache and again.floor.from_cache and shorter.floor.from_cache
-    assert first.floor.exact_through == again.floor.exact_through == "model.layers.0.self_attn.q_rope"
-    assert [p.noise for p in again.points] == [p.noise for p in first.points]
+    model = write_tiny_llama(tmp_path / "m", max_position_embeddings=256)
+    ids = IDS + IDS[:64]
+
+    def run(count):
+        return tracer.run(model, tokens=ids[:count], variant="theta=500", greedy=0, progress=False)
+
+    first, extended, again = run(40), run(64), run(64)
+    assert not first.floor.from_cache and extended.floor.from_cache and again.floor.from_cache
+    assert (first.floor.rows, extended.floor.rows) == (16, 16)
+    assert first.floor.exact_through == extended.floor.exact_through == "model.layers.0.self_attn.q_rope"
+    assert [p.noise for p in again.points] == [p.noise for p in extended.points]
     assert "from the cache" in again.floor.text() and "from the cache" not in first.floor.text()
+    monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "another cache"))
+    longer, shorter = run(128), run(64)
+    assert (longer.floor.rows, longer.floor.from_cache) == (32, False)
+    assert (shorter.floor.rows, shorter.floor.from_cache) == (32, True)
     assert shorter.first_divergence.point == first.first_divergence.point
 
 

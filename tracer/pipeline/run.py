@@ -283,21 +283,22 @@ def floor_keys(side: ReferenceSide, rows: int) -> tuple[dict, dict]:
 
 def cached_floor(side: ReferenceSide, mode: str | None, rows: int | None) -> NoiseFloor | None:
     """The floor an earlier run measured (None: none kept): the whole prompt's exact floor where a run
-    measured it, else the cheap floor of the first `rows` tokens with the exact values measured so far."""
+    measured it, else a cheap floor of its first `rows` tokens or more (more rows: closer to the exact
+    floor, within the calibration still) with the exact values measured so far."""
     if mode is None or side.key is None:
         return None
-    exact_key, cheap_key = floor_keys(side, rows)
-    exact = reference_cache.load(exact_key) or {}
     tokens = len(side.ids)
+    exact_key, _ = floor_keys(side, rows)
+    exact = reference_cache.load(exact_key) or {}
     if exact.get("complete"):
         return NoiseFloor(mode, tokens, tokens, exact=exact["noise"], from_cache=True, unsaved=False)
-    if rows >= tokens:
-        return None
-    cheap = reference_cache.load(cheap_key)
-    if cheap is None:
-        return None
-    return NoiseFloor(mode, tokens, rows, prefix=cheap["noise"], exact=exact.get("noise") or {},
-                      exact_through=exact.get("through"), from_cache=True, unsaved=False)
+    while rows < tokens:
+        cheap = reference_cache.load(floor_keys(side, rows)[1])
+        if cheap is not None:
+            return NoiseFloor(mode, tokens, rows, prefix=cheap["noise"], exact=exact.get("noise") or {},
+                              exact_through=exact.get("through"), from_cache=True, unsaved=False)
+        rows *= 2
+    return None
 
 
 def store_floor(side: ReferenceSide, floor: NoiseFloor) -> None:
