@@ -26,7 +26,8 @@ def from_cache(result) -> bool:
 
 def entries(cache, model) -> list:
     """The cache's entries of `model` (one per measurement: its floor, its greedy continuation)."""
-    return [path for path in cache.iterdir() if json.loads(path.read_text())["key"]["model"] == str(model.resolve())]
+    return [path for path in cache.iterdir()
+            if json.loads(path.read_text().split("\n")[0])["model"] == str(model.resolve())]
 
 
 @pytest.fixture
@@ -127,3 +128,18 @@ def test_two_weight_formats_of_one_kind_share_the_quantized_blocks(tiny_llama):
     one, other = QuantizedWeights(weights, "q8_0"), QuantizedWeights(weights, "q8_0")
     assert one[name] is other[name] and QuantizedWeights(weights, "q4_0")[name] is not one[name]
     assert one["model.norm.weight"] is weights["model.norm.weight"]
+
+
+def test_a_store_reads_each_entrys_first_line_and_removes_the_earlier_formats(tiny_llama, cache):
+    """An entry's first line names its model folder and files, all a store's pruning reads; an entry in the
+    earlier one-line format, which no run reads any more, is removed."""
+    model = tiny_llama()
+    cache.mkdir(parents=True)
+    old = cache / ("0" * 40 + ".json")
+    old.write_text(json.dumps({"key": {"model": str(model.resolve()), "files": {}}, "measured": {"noise": {}}}))
+    run(model)
+    assert not old.exists()
+    for path in entries(cache, model):
+        header, key, measured = (json.loads(line) for line in path.read_text().split("\n"))
+        assert header == {"model": key["model"], "files": key["files"]} and key["format"] == 2
+        assert set(measured) in ({"greedy"}, {"noise", "complete", "through"})

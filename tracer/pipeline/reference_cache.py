@@ -22,6 +22,7 @@ No torch here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -32,7 +33,7 @@ from pathlib import Path
 from tracer.files.convert import cache_root, package_version
 from tracer.files.hashes import stats
 
-FORMAT = 1
+FORMAT = 2  # an entry is three lines of JSON: its model folder and files (what `prune` reads), its key, its values
 UNUSED_DAYS = 30  # an entry no run has read (or written) for this long is removed by the next store
 # tracer's own code, whose edits change what it measures: the package and the hf engine's
 # `tracer.hooks` (a folder of its own in a source checkout, inside the package in a wheel).
@@ -44,16 +45,22 @@ def folder_state(folder: Path) -> dict[str, list[int]]:
     return stats(folder, sorted(p.name for p in folder.iterdir() if p.is_file()))
 
 
+@functools.cache
+def tracer_code() -> dict[str, list[int]]:
+    """path -> [size, mtime_ns] of each of tracer's own source files, as this process found them (what it
+    runs is what it imported)."""
+    folders = {Path(location).resolve() for name in _SOURCES
+               for location in importlib.util.find_spec(name).submodule_search_locations}
+    return {str(path): [path.stat().st_size, path.stat().st_mtime_ns]
+            for folder in sorted(folders) for path in sorted(folder.rglob("*.py"))}
+
+
 def entry_key(model_dir: Path, tokens: list[int], **context) -> dict:
     """The key of one reference's measurements: the model's files, the tokens and `context`
     (engine, variant, placement, what was asked for), with the versions that shape the numbers."""
-    folders = {Path(location).resolve() for name in _SOURCES
-               for location in importlib.util.find_spec(name).submodule_search_locations}
-    code = {str(path): [path.stat().st_size, path.stat().st_mtime_ns]
-            for folder in sorted(folders) for path in sorted(folder.rglob("*.py"))}
     return {"format": FORMAT, "model": str(model_dir.resolve()), "files": folder_state(model_dir),
             "tokens": list(tokens), "context": context,
-            "versions": {name: package_version(name) for name in ("torch", "transformers")}, "tracer": code}
+            "versions": {name: package_version(name) for name in ("torch", "transformers")}, "tracer": tracer_code()}
 
 
 def entry_path(key: dict) -> Path:
@@ -65,36 +72,43 @@ def load(key: dict) -> dict | None:
     """The measurements stored under `key`, or None (none stored, or unreadable)."""
     path = entry_path(key)
     try:
-        entry = json.loads(path.read_text())
+        _, stored, measured = path.read_text().split("\n")[:3]
+        stored, measured = json.loads(stored), json.loads(measured)
     except (OSError, ValueError):
         return None
-    if not isinstance(entry, dict) or entry.get("key") != json.loads(json.dumps(key, default=str)):
+    if stored != json.loads(json.dumps(key, default=str)):
         return None  # a digest collision or a garbled file: measure again
     try:
         os.utime(path)  # used: its modification time is when a run last read it
     except OSError:
         pass  # a read-only cache
-    return entry.get("measured")
+    return measured
 
 
-def store(key: dict, measured: dict) -> None:
-    """Keep `measured` (JSON values) under `key`, atomically; a cache that cannot be written keeps nothing."""
-    path = entry_path(key)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"key": key, "measured": measured}, default=str))
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        return
-    prune(path.parent)
+def store(*entries: tuple[dict, dict]) -> None:
+    """Keep each (key, measured: JSON values) entry, atomically, then prune the folder once; a cache that
+    cannot be written keeps nothing."""
+    folder = None
+    for key, measured in entries:
+        path = entry_path(key)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        lines = [{"model": key["model"], "files": key["files"]}, key, measured]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text("\n".join(json.dumps(line, default=str) for line in lines))
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            return
+        folder = path.parent
+    if folder is not None:
+        prune(folder)
 
 
 def prune(folder: Path) -> list[Path]:
-    """Remove the entries in `folder` that no run will read: unused for UNUSED_DAYS, or whose model
-    folder is gone or has been written since their measurement; the removed paths. An entry another
-    run is writing or removing at the same time is skipped."""
+    """Remove the entries in `folder` that no run will read: unused for UNUSED_DAYS, written in an earlier
+    FORMAT, or whose model folder is gone or has been written since their measurement; the removed
+    paths. An entry another run is writing or removing at the same time is skipped."""
     states: dict[str, dict | None] = {}  # model folder -> its files now (None: gone), looked at once
     oldest = time.time() - UNUSED_DAYS * 86400
     removed = []
@@ -103,11 +117,15 @@ def prune(folder: Path) -> list[Path]:
             if path.stat().st_mtime < oldest:
                 stale = True
             else:
-                key = json.loads(path.read_text())["key"]
-                model = key["model"]
-                if model not in states:
-                    states[model] = folder_state(Path(model)) if Path(model).is_dir() else None
-                stale = states[model] != key.get("files")
+                with path.open() as opened:
+                    header = json.loads(opened.readline())  # the model folder and its files, not the whole entry
+                model = header.get("model") if isinstance(header, dict) else None
+                if model is None:
+                    stale = "key" in header  # FORMAT 1's one line: no run reads it any more
+                else:
+                    if model not in states:
+                        states[model] = folder_state(Path(model)) if Path(model).is_dir() else None
+                    stale = states[model] != header.get("files")
         except (OSError, ValueError, KeyError, TypeError):
             continue  # unreadable: `load` measures again and `store` replaces it
         if stale:

@@ -136,10 +136,10 @@ def prepared_reference(request: Request, *, lockstep_with: Side | None = None):
         prepared, measurements = measured(side)
         yield prepared
     # kept only once the run has succeeded: a failed run writes nothing
-    if measurements is not None:
-        reference_cache.store(side.key, measurements)
+    entries = [(side.key, measurements)] if measurements is not None else []
     if prepared.floor is not None and prepared.floor.unsaved and side.key is not None:
-        store_floor(side, prepared.floor)
+        entries += floor_entries(side, prepared.floor)
+    reference_cache.store(*entries)
 
 
 @dataclass(frozen=True)
@@ -301,15 +301,15 @@ def cached_floor(side: ReferenceSide, mode: str | None, rows: int | None) -> Noi
     return None
 
 
-def store_floor(side: ReferenceSide, floor: NoiseFloor) -> None:
-    """Keep what `floor` measured: its cheap values under the first rows' key, its exact ones under the
-    whole prompt's (complete, or through the last point a confirmation measured)."""
+def floor_entries(side: ReferenceSide, floor: NoiseFloor) -> list[tuple[dict, dict]]:
+    """What the reference cache keeps of `floor`: its cheap values under the first rows' key, its exact ones
+    under the whole prompt's (complete, or through the last point a confirmation measured)."""
     exact_key, cheap_key = floor_keys(side, floor.rows)
-    if floor.prefix:
-        reference_cache.store(cheap_key, {"noise": floor.prefix})
+    entries = [(cheap_key, {"noise": floor.prefix})] if floor.prefix else []
     if floor.exact:
         complete = floor.rows >= floor.tokens
-        reference_cache.store(exact_key, {"noise": floor.exact, "complete": complete, "through": floor.exact_through})
+        entries.append((exact_key, {"noise": floor.exact, "complete": complete, "through": floor.exact_through}))
+    return entries
 
 
 def stream_notes(stream: bool, engine: EngineRef) -> list[str]:
