@@ -116,7 +116,8 @@ class NoiseFloor:
                 break
             new = {name: value for name, value in measured.items() if name not in self.exact}
             if not new:
-                break  # the point is not one the f64 run records: its scaled floor stands (`summary` says)
+                self.unconfirmed = f"the exact floor's run did not record {point}"
+                break
             self.exact.update(new)
             self.noise.update(new)
             self.unsaved = True
@@ -150,10 +151,6 @@ class NoiseFloor:
         closest = max(shares, key=lambda share: share[1], default=None)
         return FloorSummary(self.mode, self.tokens, self.rows, self.scale, self.exact_through, self.from_cache,
                             closest, self.unconfirmed)
-
-    def to_cache(self) -> dict:
-        return {"mode": self.mode, "tokens": self.tokens, "rows": self.rows, "prefix": self.prefix,
-                "exact": self.exact, "exact_through": self.exact_through}
 
 
 def estimate_noise(source: ModelSource, reference: Trace, reference_variant: dict, device="cpu",
