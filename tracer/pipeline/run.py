@@ -263,11 +263,11 @@ def measured(side: ReferenceSide) -> tuple[Prepared, dict | None]:
     return prepared, {"greedy": reference_greedy} if keep else None
 
 
-def floor_of(mode: str, tokens: int, rows: int, measured: dict[str, float], **kept) -> NoiseFloor:
+def floor_of(mode: str, tokens: int, rows: int, measured: dict[str, float]) -> NoiseFloor:
     """A floor measured on the first `rows` of `tokens` tokens: exact where that is all of them."""
     if rows >= tokens:
-        return NoiseFloor(mode, tokens, tokens, exact=dict(measured), **kept)
-    return NoiseFloor(mode, tokens, rows, prefix=dict(measured), **kept)
+        return NoiseFloor(mode, tokens, tokens, exact=dict(measured))
+    return NoiseFloor(mode, tokens, rows, prefix=dict(measured))
 
 
 def floor_keys(side: ReferenceSide, rows: int) -> tuple[dict, dict]:
