@@ -133,6 +133,9 @@ def triangulation_lines(s: dict, out_dir=None) -> list[str]:
     lines = [f"tracer: {s['reference']['label']} vs {len(candidates)} candidates{on}"]
     lines += [f"  {letter}  {name} ({what})" for letter, name, what in side_rows(s)]
     lines.append(f"  {input_label(s)}")
+    floors = [one["floor"] for one in candidates if one.get("floor")]
+    if floors:  # one reference floor; the last candidate's summary holds every confirmation made for any
+        lines.append(f"  noise floor: {floors[-1]['text']}")
     lines.append(f"verdict: {s['verdict'].upper()}  ({len(candidates)} candidates, each against the reference; "
                  f"criterion {tolerance_text(s)})")
     lines += [f"  {marks[name]}: {candidate_text(one)}" for name, one in zip(s["sides"][1:], candidates)]

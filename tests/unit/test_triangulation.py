@@ -20,6 +20,7 @@ from tracer.comparison.triangulation import odd_one, triangulation
 from tracer.core.errors import TracerError
 from tracer.engines.registry import ENGINES
 from tracer.model.points import LOGITS
+from tracer.reports.terminal import terminal_summary
 from tracer.traces.trace import Trace
 
 Q_ROPE = "model.layers.0.self_attn.q_rope"
@@ -90,6 +91,10 @@ def test_a_candidate_alone_against_the_others_is_the_odd_one(llama_dir):
     assert summary["candidates"][1] == json.loads(tri.results[1].to_json())
     assert summary["agreement"][0]["odd_one"] == "reimpl[theta=500000]"
     assert summary["agreement"][0]["floor"] == "noise" and summary["agreement"][0]["noise"] > 0
+    header = terminal_summary(tri).splitlines()
+    floor = next(n for n, line in enumerate(header) if line.startswith("  noise floor: "))
+    assert header[floor] == f"  noise floor: exact (an f64 run of all {len(TOKENS)} tokens)"
+    assert header[floor - 1].startswith("  token ids") and header[floor + 1].startswith("verdict: DIVERGED")
     page = tri._repr_html_()  # the notebook's view: the odd one and a matrix per point shown
     assert "odd one: B reimpl[theta=500000] at model.layers.0.self_attn.q_rope" in page
     assert page.count('<table class="tn">') == 3
