@@ -134,8 +134,9 @@ def audit_differences(audit) -> str | None:
 def key_table(summary: Summary) -> str:
     rows = divergence_facts(summary)
     rows.append(("tolerance: fails when", tolerance_text(summary)))
-    if noise_floor_text(summary):
-        rows.append(("noise floor", noise_floor_text(summary)))
+    floor = noise_floor_text(summary)
+    if floor:
+        rows.append(("noise floor", floor))
     rows += [(f"{role} runtime", runtime_text(summary.get(role))) for role in ("reference", "candidate")
              if runtime_text(summary.get(role))]
     rows += outcome_facts(summary)

@@ -168,8 +168,9 @@ def summary_lines(s: dict, out_dir=None) -> list[str]:
     recorded = [p for p in s["points"] if p["recorded"]]
     lines.append(f"verdict: {s['verdict'].upper()}  ({len(recorded)} points compared, "
                  f"criterion {tolerance_text(s)})")
-    if noise_floor_text(s):
-        lines.append(f"  noise floor: {noise_floor_text(s)}")
+    floor = noise_floor_text(s)
+    if floor:
+        lines.append(f"  noise floor: {floor}")
     decoded = steps_line(s)
     if decoded:
         lines.append(f"  {decoded}")

@@ -105,12 +105,6 @@ class FloorSummary:
         return f"cheap (an f64 run of the first {self.rows} of {self.tokens} tokens{cached}, × {self.scale:g}; " \
                f"{confirmed})"
 
-    def closest_text(self) -> str | None:
-        if self.closest is None:
-            return None
-        point, share = self.closest
-        return f"closest to its bound: {point} at {share:.2f} of it"
-
     def to_dict(self) -> dict:
         closest = None if self.closest is None else {"point": self.closest[0], "share": self.closest[1]}
         return {"mode": self.mode, "tokens": self.tokens, "rows": self.rows, "scale": self.scale,
