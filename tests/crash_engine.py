@@ -7,6 +7,8 @@
 - {"die": "error"}: a TracerError (not a death: the engine's own one-line error);
 - anything else: a trace of one point, as a healthy engine would.
 
+{"echo": NAME} adds "echoed": the child's value of the variable NAME when the engine loaded.
+
 torch is imported only on the healthy path, so a child that is to die starts in a blink.
 """
 
@@ -27,7 +29,7 @@ class CrashEngine:
     vocab_size, max_positions = 100, 64
 
     def __init__(self, variant: dict):
-        self.variant = variant
+        self.variant = variant if "echo" not in variant else {**variant, "echoed": os.environ.get(variant["echo"])}
 
     def record(self, tokens, recorder=None):
         how = self.variant.get("die")

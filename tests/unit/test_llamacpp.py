@@ -280,10 +280,25 @@ def test_an_ended_engines_child_serves_the_next_load_and_a_dead_one_never_does(m
     del second
     third = crash_engine({})
     assert third.process.pid != pid and third.record([1, 2])["model.embed_tokens"].shape == (2, 4)
-    monkeypatch.setenv("TRACER_TEST_OTHER_ENVIRONMENT", "1")  # a child started with another environment is not it
+    monkeypatch.setenv("TEST_OTHER_ENVIRONMENT", "1")  # a child started with another environment is not it
     other = crash_engine({})
     assert other.process.pid != third.process.pid
     assert other._call({"op": "draft", "tokens": [1], "steps": 1}) == {"tokens": [7]}
+
+
+def test_tracers_own_variables_reach_the_child_on_each_load_and_do_not_start_another(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "first"))
+    first = crash_engine({"echo": "TRACER_CACHE"})
+    pid = first.process.pid
+    assert first.variant["echoed"] == str(tmp_path / "first")
+    first.close()
+    monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "second"))
+    second = crash_engine({"echo": "TRACER_CACHE"})
+    assert second.process.pid == pid and second.variant["echoed"] == str(tmp_path / "second")
+    second.close()
+    monkeypatch.delenv("TRACER_CACHE")
+    third = crash_engine({"echo": "TRACER_CACHE"})  # unset in the parent: unset in the child too
+    assert third.process.pid == pid and third.variant["echoed"] is None
 
 
 def test_a_child_whose_call_was_interrupted_is_not_reused():

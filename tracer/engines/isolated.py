@@ -18,7 +18,8 @@ else as a RuntimeError carrying the child's traceback.
 
 An engine module may set `CHILD_ENVIRONMENT`: variables set in the child unless the user set
 them. When the engine object ends (`close`, or garbage), its child drops the engine and waits,
-one per environment, for the next `load` in the same environment: starting a child and
+one per environment, for the next `load` in the same environment (tracer's own variables, which a
+child reads only when a call needs them, do not count: each `load` brings the parent's): starting a child and
 importing torch and the runtime there is ~1.5 s, which a notebook or a sweep that loads one
 engine after another would pay each time. A child that died, or whose call was interrupted (its
 reply still to come), is never reused; idle children end with tracer. Cost (measured on the
@@ -70,8 +71,19 @@ class Child:
         return self.process.poll() is None
 
 
+# Variables a child takes on each load instead of at its start: tracer's own (read when a call needs them,
+# such as TRACER_CACHE) and pytest's name of the running test. A child started under other values of these
+# is still the same child; each `load` sets the parent's values of them there (`Server.load`).
+PER_LOAD = ("TRACER_", "PYTEST_CURRENT_TEST")
+
+
+def _per_load(name: str) -> bool:
+    return name.startswith(PER_LOAD)
+
+
 def _environment_key(environment: dict[str, str]) -> tuple:
-    return tuple(sorted(environment.items()))
+    """What a child's environment is keyed by: every variable but those it takes on each load."""
+    return tuple(sorted((name, value) for name, value in environment.items() if not _per_load(name)))
 
 
 _IDLE: dict[tuple, Child] = {}  # environment -> a child whose engine ended, kept for the next load
@@ -227,6 +239,7 @@ def load(entry: EngineEntry, source: ModelSource, variant: dict, *, argument: st
     info = engine._call({
         "op": "load", "module": entry.module, "directory": str(source.directory),
         "variant": variant, "argument": argument, "device": str(device), "stream": stream, "path": sys.path,
+        "environment": {name: value for name, value in environment.items() if _per_load(name)},
     })
     engine.variant, engine.device = info["variant"], info["device"]
     engine.vocab_size, engine.max_positions = info["vocab_size"], info["max_positions"]
@@ -284,6 +297,9 @@ class Server:
     def load(self, request: dict) -> dict:
         self.unload(request)
         sys.path[:0] = [p for p in request["path"] if p not in sys.path]
+        for name in [name for name in os.environ if _per_load(name)]:
+            del os.environ[name]
+        os.environ.update(request["environment"])  # the parent's values now, not those the child started with
         module = importlib.import_module(request["module"])
         source = ModelSource(Path(request["directory"]))  # resolved by the parent
         self.engine = module.load(source, request["variant"], argument=request["argument"],
