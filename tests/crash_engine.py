@@ -7,7 +7,8 @@
 - {"die": "error"}: a TracerError (not a death: the engine's own one-line error);
 - anything else: a trace of one point, as a healthy engine would.
 
-{"echo": NAME} adds "echoed": the child's value of the variable NAME when the engine loaded.
+{"echo": NAME} adds "echoed": the child's value of the variable NAME when the engine loaded; {"cwd": True}
+replaces it with the child's working folder then.
 
 torch is imported only on the healthy path, so a child that is to die starts in a blink.
 """
@@ -30,6 +31,8 @@ class CrashEngine:
 
     def __init__(self, variant: dict):
         self.variant = variant if "echo" not in variant else {**variant, "echoed": os.environ.get(variant["echo"])}
+        if variant.get("cwd"):
+            self.variant = {**variant, "cwd": os.getcwd()}
 
     def record(self, tokens, recorder=None):
         how = self.variant.get("die")

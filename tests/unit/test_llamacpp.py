@@ -299,6 +299,10 @@ def test_tracers_own_variables_reach_the_child_on_each_load_and_do_not_start_ano
     monkeypatch.delenv("TRACER_CACHE")
     third = crash_engine({"echo": "TRACER_CACHE"})  # unset in the parent: unset in the child too
     assert third.process.pid == pid and third.variant["echoed"] is None
+    third.close()
+    monkeypatch.chdir(tmp_path)
+    fourth = crash_engine({"cwd": True})  # and its working folder is the parent's at each load
+    assert fourth.process.pid == pid and fourth.variant["cwd"] == str(tmp_path)
 
 
 def test_a_child_whose_call_was_interrupted_is_not_reused():
