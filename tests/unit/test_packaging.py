@@ -45,10 +45,12 @@ def test_the_distribution_name_is_not_the_unrelated_tracer_on_the_index():
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """Built from a copy of the source alone: setuptools' in-tree build/ folder of an earlier build
-    would otherwise lend the wheel files the package list leaves out."""
+    would otherwise lend the wheel files the package list leaves out (and bench/'s written models, gigabytes,
+    have no place in it)."""
     source, out = tmp_path_factory.mktemp("source") / "tree", tmp_path_factory.mktemp("wheel")
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
-                                                               ".pytest_cache", ".hypothesis", "tracer-*"))
+                                                               ".pytest_cache", ".hypothesis", "tracer-*",
+                                                               ".bench-*"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                             "-w", str(out), str(source)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-2000:]
