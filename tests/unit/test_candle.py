@@ -232,8 +232,10 @@ def test_config_knobs_are_refused_on_a_gguf_whose_metadata_candle_reads(quantize
 
 
 def test_through_its_child_process_with_one_thread_nothing_changes(candle, tiny_llama):
-    """The registered path: the isolated child, rayon sized by threads=1, the same values."""
+    """The registered path: the isolated child, rayon sized by threads=1, the same values; a child whose pool
+    runs another size (an earlier load's) is not the one that serves it."""
     model = tiny_llama("m", rope_theta=500.0)
+    tracer.record(model, TOKENS, engine="candle", variant={"threads": 2})
     child = tracer.record(model, TOKENS, engine="candle", variant={"threads": 1})
     assert child.meta.candle["threads"] == 1
     here = record(model)

@@ -884,6 +884,12 @@ def load(source: ModelSource, variant: dict, *, argument: str | None = None, dev
     return CandleEngine(label, variant, shape, Forward(shape, weights, linear, candle), facts, gguf)
 
 
+def child_environment(variant: dict) -> dict[str, str]:
+    """The isolated child's variables for `variant`: the rayon pool's size, which candle reads once per process."""
+    threads = variant.get("threads")
+    return {} if threads is None else {"RAYON_NUM_THREADS": str(threads)}
+
+
 def import_candle(threads: int | None):
     """candle, its rayon pool sized by `threads` (RAYON_NUM_THREADS, read once when candle first
     computes); a pool already running with another size is said, not ignored."""

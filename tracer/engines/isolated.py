@@ -17,9 +17,11 @@ Errors the engine raises come back as messages: a `TracerError` is raised again 
 else as a RuntimeError carrying the child's traceback.
 
 An engine module may set `CHILD_ENVIRONMENT`: variables set in the child unless the user set
-them. When the engine object ends (`close`, or garbage), its child drops the engine and waits,
-one per environment, for the next `load` in the same environment (tracer's own variables, which a
-child reads only when a call needs them, do not count: each `load` brings the parent's): starting a child and
+them; and `child_environment(variant)`: those a knob sets once per process (candle's threads), so
+that a load asking for another value gets a child started with it. When the engine object ends
+(`close`, or garbage), its child drops the engine and waits, one per environment, for the next
+`load` in the same environment (tracer's own variables, which a child reads only when a call needs
+them, do not count: each `load` brings the parent's, and its working folder): starting a child and
 importing torch and the runtime there is ~1.5 s, which a notebook or a sweep that loads one
 engine after another would pay each time. A child that died, or whose call was interrupted (its
 reply still to come), is never reused; idle children end with tracer. Cost (measured on the
@@ -233,6 +235,8 @@ def load(entry: EngineEntry, source: ModelSource, variant: dict, *, argument: st
         raise TracerError(f"the {entry.name} engine runs in its own process and needs a model path, not a loaded model")
     module = importlib.import_module(entry.module)
     environment = {**getattr(module, "CHILD_ENVIRONMENT", {}), **os.environ}
+    if hasattr(module, "child_environment"):  # what the variant sets once per process: a child started with it
+        environment.update(module.child_environment(variant))
     if hasattr(module, "parent_argument"):  # resolved here, so that what it says reaches the user's terminal
         argument = module.parent_argument(source, argument)
     engine = IsolatedEngine(entry, _child(environment))
