@@ -1,7 +1,8 @@
 """The greedy check on each side's own KV cache, and `--decode N` on `sweep` and `diagnose` (tiny random Llama).
 
 The continuation of an engine that decodes is its cached decode with nothing recorded (one forward per
-token, as generating costs); where the sides part, the step whose argmax flips is recorded from each
+token, as generating costs; tracer's own forward with no cache knob checks the other side's continuation
+first, in one forward, and decodes only past where it parts); where the sides part, the step whose argmax flips is recorded from each
 side's cache and names the same point as the uncached forwards over the same tokens do, and a bug that
 lives only in the cache is now seen by the greedy check, with its layer and op."""
 
@@ -35,6 +36,18 @@ def engines(llama_dir):
     return source, resolve_and_load("hf", source, {})
 
 
+def counted(engine) -> list[int]:
+    """The lengths of the token lists `engine`'s model runs from now on, one per forward."""
+    fed, forward = [], engine.model.forward
+
+    def counting(tokens, *args, **kwargs):
+        fed.append(len(tokens))
+        return forward(tokens, *args, **kwargs)
+
+    engine.model.forward = counting
+    return fed
+
+
 def test_the_cached_continuation_is_what_transformers_generates_one_forward_per_token(engines):
     source, hf = engines
     with torch.inference_mode():
@@ -42,16 +55,35 @@ def test_the_cached_continuation_is_what_transformers_generates_one_forward_per_
                                       min_new_tokens=STEPS)[0, len(TOKENS):].tolist()
     assert greedy.generated(hf, TOKENS, STEPS) == generated
     reimpl = resolve_and_load("reimpl", source, {})
-    fed = []
-    forward = reimpl.model.forward
-
-    def counting(tokens, *args, **kwargs):
-        fed.append(len(tokens))
-        return forward(tokens, *args, **kwargs)
-
-    reimpl.model.forward = counting
-    assert greedy.generated(reimpl, TOKENS, STEPS, guess=generated) == generated
+    fed = counted(reimpl)
+    assert greedy.generated(reimpl, TOKENS, STEPS) == generated
     assert fed == [len(TOKENS)] + [1] * (STEPS - 1)  # the prompt once, then one token per step: no recompute
+
+
+def test_a_guess_is_checked_in_one_forward_and_the_cache_decodes_only_past_where_it_parts(engines):
+    source, hf = engines
+    reference = greedy.generated(hf, TOKENS, STEPS)
+    reimpl = resolve_and_load("reimpl", source, {})
+    fed = counted(reimpl)
+    assert greedy.generated(reimpl, TOKENS, STEPS, guess=reference) == reference
+    assert fed == [len(TOKENS) + STEPS - 1]  # the prompt and the guess, once
+    parting = 3
+    wrong = reference[:parting] + [(token + 1) % 97 for token in reference[parting:]]
+    fed.clear()
+    assert greedy.generated(reimpl, TOKENS, STEPS, guess=wrong) == reference
+    # the check, then the prompt and the 3 agreed tokens into the cache, then one token per step
+    assert fed == [len(TOKENS) + STEPS - 1, len(TOKENS) + parting] + [1] * (STEPS - parting - 1)
+
+
+def test_a_cache_knob_decodes_every_step_with_the_cache_whatever_the_guess(engines):
+    source, hf = engines
+    reference = greedy.generated(hf, TOKENS, STEPS)
+    restarted = resolve_and_load("reimpl", source, parse_variant("decode_positions=restart"))
+    assert not restarted.decode_is_forward and resolve_and_load("reimpl", source, {}).decode_is_forward
+    fed = counted(restarted)
+    continuation = greedy.generated(restarted, TOKENS, STEPS, guess=reference)
+    assert fed == [len(TOKENS)] + [1] * (STEPS - 1)
+    assert continuation != reference  # the bug lives in the cache: a forward over the guess would not see it
 
 
 @pytest.mark.parametrize("variant, flip_point", [

@@ -12,7 +12,7 @@ from tracer.engines.batch import RowRecorders, left_padded
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
 from tracer.model.components.rope import rope_type
-from tracer.model.kv_cache import KVCache, ring_slot
+from tracer.model.kv_cache import KVCache, decode_is_forward, ring_slot
 from tracer.reimpl.forced_runs import cached_step_points, op_forced_points, routed_points, teacher_forced_points
 from tracer.reimpl.forward import Model
 from tracer.traces.trace import Trace, TraceMeta, TraceRecorder
@@ -57,6 +57,11 @@ class ReimplEngine(EngineBase):
             return Trace(recorder.tensors, self._meta(ids, start or None)), logits
 
         return decode_steps(forward, tokens, count, forced, offset, recorded)
+
+    @property
+    def decode_is_forward(self) -> bool:
+        """Its cached decode computes what its forward computes, rounding apart (no cache knob in the variant)."""
+        return decode_is_forward(self.model.steps)
 
     def record_batch(self, rows: list[list[int]]) -> list[Trace]:
         """The rows left-padded into one batched forward with an attention mask (`Model.forward_batch`); one

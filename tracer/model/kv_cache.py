@@ -384,3 +384,11 @@ def steps(knobs: dict, spec=None) -> dict:
             "cache_left_over": setting(knobs, "cache_reset") == "kept",
             "cache_store": None}  # K, V -> what the cache keeps (a regime's kv_cache format: tracer.ggml.strategies)
 
+
+def decode_is_forward(steps) -> bool:
+    """Whether a cached decode with these `steps` computes what a forward over the whole sequence computes (no
+    cache knob set, the cache keeping what it is given): the two then differ by rounding alone."""
+    if "decode_start" not in steps:
+        return False
+    return (steps.decode_start is true_start and not steps.cache_unrotated and steps.ring_slot is None
+            and steps.cached_window is exact_window and not steps.cache_left_over and steps.cache_store is None)

@@ -4,8 +4,10 @@ An engine that decodes with its own KV cache (registry `greedy="decode"`: hf, re
 continuation as its users do, with that cache and nothing recorded, so following it costs what
 generating it costs; where the two sides part, the step whose argmax flips is run again on both sides,
 fed the reference's tokens, with its own cache, and that step alone is recorded and compared
-(`flip_step`). A decode the engine refuses (a regime's own attention, a sliding window it would run
-past) takes the uncached path instead.
+(`flip_step`). Where that decode computes what the engine's forward computes (tracer's own forward with
+no cache knob), the other side's continuation is checked first with one forward, and the cache decodes
+only from where they part (`generated`). A decode the engine refuses (a regime's own attention, a
+sliding window it would run past) takes the uncached path instead.
 
 The uncached path, for the other engines: a side's continuation is what step-by-step decoding without a
 cache gives (the whole sequence recomputed each step), obtained cheaply: a guess (a cached decode, or
@@ -68,10 +70,22 @@ def continuation(engine, tokens: list[int], steps: int, guess: list[int] | None 
 def generated(engine, tokens: list[int], steps: int, guess: list[int] | None = None,
               offset: int = 0) -> list[int] | None:
     """A side's continuation: its own cached decode where that is its greedy continuation (`decoded`), else
-    `continuation`, checking `guess` (the other side's continuation; None: the engine's own `draft`)."""
+    `continuation`, checking `guess` (the other side's continuation; None: the engine's own `draft`).
+
+    An engine whose cached decode computes what its forward does (`decode_is_forward`: tracer's own forward
+    with no cache knob set) checks `guess` first, with one forward over the prompt and the guess, and decodes
+    with its cache only from the first token it would pick otherwise: the same tokens for a fraction of the
+    steps (a port that parts at token 18 of 20 decodes 3 steps, not 20)."""
     steps = _fitting(engine, tokens, steps, offset)
-    if steps > 0 and engine.entry.logits and (cached := decoded(engine, tokens, steps, offset)) is not None:
-        return cached
+    if steps > 0 and engine.entry.logits and engine.entry.greedy == "decode":
+        agreeing = None
+        if guess is not None and len(guess) >= steps and getattr(engine, "decode_is_forward", False):
+            agreeing = agreeing_prefix(engine, tokens, [], guess[:steps], offset)
+        if agreeing == steps:
+            return guess[:steps]
+        agreed = guess[:agreeing] if agreeing else []
+        if (cached := decoded(engine, tokens + agreed, steps - len(agreed), offset)) is not None:
+            return agreed + cached
     guess = guess if guess is not None else draft(engine, tokens, steps, offset)
     return continuation(engine, tokens, steps, guess=guess, offset=offset)
 
