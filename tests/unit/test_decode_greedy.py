@@ -2,9 +2,9 @@
 
 The continuation of an engine that decodes is its cached decode with nothing recorded (one forward per
 token, as generating costs; tracer's own forward with no cache knob checks the other side's continuation
-first, in one forward, and decodes only past where it parts); where the sides part, the step whose argmax flips is recorded from each
-side's cache and names the same point as the uncached forwards over the same tokens do, and a bug that
-lives only in the cache is now seen by the greedy check, with its layer and op."""
+first, in one forward, and decodes only past where they part). Where the sides part, the step whose argmax
+flips is recorded from each side's cache and names the same point as the uncached forwards over the same
+tokens do, and a bug that lives only in the cache is now seen by the greedy check, with its layer and op."""
 
 from __future__ import annotations
 
