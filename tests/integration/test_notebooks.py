@@ -14,8 +14,14 @@ REQUIRES = {"candle_port.ipynb": "candle"}  # notebooks that run an optional run
 @pytest.fixture(scope="module")
 def executed(default_model, tmp_path_factory):
     """name -> the notebook executed top to bottom, each executed once in the module and kept (its story
-    test reads what `test_notebook_runs_without_errors` ran)."""
-    done = {}
+    test reads what `test_notebook_runs_without_errors` ran).
+
+    The notebooks run one after another in one kernel, as a user's Jupyter session would run them: before
+    each, the kernel's namespace is reset (`%reset -f`: a name one notebook defined is not there for the next)
+    and its working folder is the notebook's own; the imports a kernel already made are not made again."""
+    from jupyter_client import KernelManager
+
+    done, kernel = {}, KernelManager(kernel_name="python3")
 
     def execute(name: str):
         if name in REQUIRES:
@@ -26,12 +32,17 @@ def executed(default_model, tmp_path_factory):
             assert all(not cell.get("outputs") for cell in code), "strip outputs"
             assert all(cell.get("execution_count") is None for cell in code)
             workdir = tmp_path_factory.mktemp(Path(name).stem)
-            NotebookClient(notebook, timeout=600, kernel_name="python3",
-                           resources={"metadata": {"path": str(workdir)}}).execute()
+            fresh = nbformat.v4.new_code_cell(f"%reset -f\nimport os as _os\n_os.chdir({str(workdir)!r})\ndel _os")
+            notebook.cells.insert(0, fresh)
+            NotebookClient(notebook, km=kernel, timeout=600, resources={"metadata": {"path": str(workdir)}}).execute()
+            assert not fresh.outputs, fresh.outputs
+            del notebook.cells[0]
             done[name] = notebook
         return done[name]
 
-    return execute
+    yield execute
+    if kernel.has_kernel:
+        kernel.shutdown_kernel(now=True)
 
 
 def outputs(notebook) -> list:
