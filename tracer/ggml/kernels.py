@@ -5,8 +5,9 @@ Why compiled: ggml accumulates every output's 8 lanes by one f32 FMA per 32-valu
 that no BLAS call can reorder. In tensor ops that chain is B elementwise passes over (8, T, R), plus
 the lane dot products of inner length 4, an order of magnitude slower than a plain forward.
 numba compiles these loops with LLVM, which numba ships (no C compiler at run time); the compiled
-code is cached on disk (`cache=True`), so only the first run on a machine pays the compilation
-(docs/measured.md has both costs).
+code is cached on disk (`cache=True`), so only the first run of an installed copy pays the compilation
+(numba keys its cache by the source file's path and time: a new clone or a new virtual environment's
+copy compiles again; docs/measured.md has both costs).
 
 Exactness does not depend on how LLVM vectorises: the lane sums are integer, the FMA is LLVM's
 `llvm.fma.f32` (one rounding, a hardware FMA or the C library's `fmaf`), and numba does not
