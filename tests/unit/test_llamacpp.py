@@ -303,6 +303,13 @@ def test_tracers_own_variables_reach_the_child_on_each_load_and_do_not_start_ano
     monkeypatch.chdir(tmp_path)
     fourth = crash_engine({"cwd": True})  # and its working folder is the parent's at each load
     assert fourth.process.pid == pid and fourth.variant["cwd"] == str(tmp_path)
+    fourth.close()
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()  # a working folder deleted under the parent: the child keeps its own
+    fifth = crash_engine({"cwd": True})
+    assert fifth.process.pid == pid and fifth.variant["cwd"] == str(tmp_path)
 
 
 def test_a_child_whose_call_was_interrupted_is_not_reused():

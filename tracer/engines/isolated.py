@@ -244,11 +244,19 @@ def load(entry: EngineEntry, source: ModelSource, variant: dict, *, argument: st
         "op": "load", "module": entry.module, "directory": str(source.directory),
         "variant": variant, "argument": argument, "device": str(device), "stream": stream, "path": sys.path,
         "environment": {name: value for name, value in environment.items() if _per_load(name)},
-        "cwd": os.getcwd(),  # a relative path means the same in the child as here, wherever it started
+        "cwd": _working_folder(),  # a relative path means the same in the child as here, wherever it started
     })
     engine.variant, engine.device = info["variant"], info["device"]
     engine.vocab_size, engine.max_positions = info["vocab_size"], info["max_positions"]
     return engine
+
+
+def _working_folder() -> str | None:
+    """This process's working folder; None where it was deleted (no relative path can name a file then)."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        return None
 
 
 def _drain(stream, lines: collections.deque) -> None:
@@ -305,7 +313,8 @@ class Server:
         for name in [name for name in os.environ if _per_load(name)]:
             del os.environ[name]
         os.environ.update(request["environment"])  # the parent's values now, not those the child started with
-        os.chdir(request["cwd"])
+        if request["cwd"] is not None:
+            os.chdir(request["cwd"])
         module = importlib.import_module(request["module"])
         source = ModelSource(Path(request["directory"]))  # resolved by the parent
         self.engine = module.load(source, request["variant"], argument=request["argument"],
