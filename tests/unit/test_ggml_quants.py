@@ -143,3 +143,29 @@ def test_the_compiled_kernels_leave_torchs_thread_count_as_it_was():
                          env={**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "1"]
+
+
+def test_the_compiled_kernels_are_cached_by_their_sources_content_not_their_place(tmp_path, monkeypatch):
+    """A new clone or virtual environment of the same tracer finds the kernels compiled; an edit to any
+    module they compile in (a constant, an inlined function) compiles them again."""
+    import shutil
+
+    from numba.core import config
+
+    from tracer.ggml import candle_kernels, kernel_cache, kernels, kquant_kernels
+
+    folder = kernel_cache.cache_folder()
+    assert folder.name == f"tracer-kernels-{kernel_cache.DIGEST}"
+    for kernel in (kernels._vec_dot_blocks, kquant_kernels._kquant_dot, candle_kernels._quantize):
+        assert kernel._cache._cache_path == str(folder)
+    copy = tmp_path / "elsewhere" / "ggml"
+    shutil.copytree(kernel_cache.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert kernel_cache.kernels_digest(copy) == kernel_cache.kernels_digest() == kernel_cache.DIGEST
+    (copy / "kquants.py").write_text((copy / "kquants.py").read_text().replace("QK_K = 256", "QK_K = 255"))
+    assert kernel_cache.kernels_digest(copy) != kernel_cache.kernels_digest()
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path / "numba"))  # NUMBA_CACHE_DIR, numba's own setting
+    assert kernel_cache.cache_folder().parent == tmp_path / "numba"
+    foreign = tmp_path / "foreign.py"
+    foreign.write_text("def f():\n    return 1\n")
+    assert kernel_cache.ContentLocator.from_function(test_q8_k_scales_by_the_first_value_of_largest_magnitude,
+                                                     str(foreign)) is None

@@ -93,6 +93,28 @@ def test_a_read_keeps_an_entry_in_use(tiny_llama, cache):
     assert len(entries(cache, model)) == 2
 
 
+def test_the_code_in_a_key_is_its_content_not_its_place(tmp_path):
+    """Another checkout of the same tracer reads the same entries; an edit, even one that keeps the
+    file's size and time, or a renamed file, does not."""
+    source = tmp_path / "one" / "pkg"
+    (source / "sub").mkdir(parents=True)
+    (source / "a.py").write_text("x = 1\n")
+    (source / "sub" / "b.py").write_text("y = 2\n")
+    copy = tmp_path / "two" / "pkg"
+    shutil.copytree(source, copy)
+    digest = reference_cache.code_digest([("pkg", source)])
+    assert reference_cache.code_digest([("pkg", copy)]) == digest
+    stat = (copy / "a.py").stat()
+    (copy / "a.py").write_text("x = 2\n")
+    os.utime(copy / "a.py", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert reference_cache.code_digest([("pkg", copy)]) != digest
+    (copy / "a.py").write_text("x = 1\n")
+    (copy / "sub" / "b.py").rename(copy / "sub" / "c.py")
+    assert reference_cache.code_digest([("pkg", copy)]) != digest
+    (copy / "sub" / "c.py").rename(copy / "sub" / "b.py")
+    assert reference_cache.code_digest([("pkg", copy)]) == digest
+
+
 def test_a_damaged_entry_is_measured_again(tiny_llama, cache):
     model = tiny_llama()
     first = run(model)

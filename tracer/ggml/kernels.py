@@ -5,9 +5,9 @@ Why compiled: ggml accumulates every output's 8 lanes by one f32 FMA per 32-valu
 that no BLAS call can reorder. In tensor ops that chain is B elementwise passes over (8, T, R), plus
 the lane dot products of inner length 4, an order of magnitude slower than a plain forward.
 numba compiles these loops with LLVM, which numba ships (no C compiler at run time); the compiled
-code is cached on disk (`cache=True`), so only the first run of an installed copy pays the compilation
-(numba keys its cache by the source file's path and time: a new clone or a new virtual environment's
-copy compiles again; docs/measured.md has both costs).
+code is cached on disk (`cache=True`) in a folder named after the kernels' source content
+(`tracer.ggml.kernel_cache`), so only a machine's first run of this code pays the compilation, not
+every clone or virtual environment again (docs/measured.md has both costs).
 
 Exactness does not depend on how LLVM vectorises: the lane sums are integer, the FMA is LLVM's
 `llvm.fma.f32` (one rounding, a hardware FMA or the C library's `fmaf`), and numba does not
@@ -49,6 +49,8 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, prange  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
+
+from tracer.ggml import kernel_cache  # noqa: E402, F401  (before any kernel is defined: where they are compiled to)
 
 ZERO = np.float32(0.0)  # a lane starts at +0, as the lane array did
 ROW_TILE = 192  # outputs per inner loop (vectorised): long loops amortise each block's set-up

@@ -11,12 +11,12 @@ disk (size, mtime, ctime, inode of each: any write moves ctime), the token ids (
 first rows it ran, so that a prompt starting with them shares it; `tracer.pipeline.run.floor_keys`),
 the reference engine, its variant and placement, what was measured (the floor's exact values, its
 cheap ones, or the greedy continuation of so many steps), the versions of torch and transformers,
-and tracer's own source files (their stats: an edited tracer measures again). An entry that cannot
-be read is measured again; one that cannot be written is not kept (a read-only cache costs time,
-never a wrong answer). Each store removes the entries that can never be read again, their model
-folder gone (a temporary one, a deleted download) or its files written since, and those no run has
-read for UNUSED_DAYS (an edited tracer's are never read again; another checkout sharing the cache
-keeps its own by using them).
+and tracer's own source files (their contents: an edited tracer measures again, another checkout
+of the same code does not). An entry that cannot be read is measured again; one that cannot be
+written is not kept (a read-only cache costs time, never a wrong answer). Each store removes the
+entries that can never be read again, their model folder gone (a temporary one, a deleted download)
+or its files written since, and those no run has read for UNUSED_DAYS (an edited tracer's are never
+read again; another version sharing the cache keeps its own by using them).
 No torch here.
 """
 
@@ -46,13 +46,23 @@ def folder_state(folder: Path) -> dict[str, list[int]]:
 
 
 @functools.cache
-def tracer_code() -> dict[str, list[int]]:
-    """path -> [size, mtime_ns] of each of tracer's own source files, as this process found them (what it
-    runs is what it imported)."""
-    folders = {Path(location).resolve() for name in _SOURCES
-               for location in importlib.util.find_spec(name).submodule_search_locations}
-    return {str(path): [path.stat().st_size, path.stat().st_mtime_ns]
-            for folder in sorted(folders) for path in sorted(folder.rglob("*.py"))}
+def tracer_code() -> str:
+    """The digest of tracer's own source files as this process found them (what it runs is what it
+    imported)."""
+    return code_digest([(name, Path(location)) for name in _SOURCES
+                        for location in importlib.util.find_spec(name).submodule_search_locations])
+
+
+def code_digest(packages: list[tuple[str, Path]]) -> str:
+    """sha256 of each (package name, folder)'s .py files: their names within the package and their
+    contents, not where they lie, so that another checkout or install of the same code reads the same
+    entries (0.02 s for tracer's 2.5 MB)."""
+    digest = hashlib.sha256()
+    for name, folder in packages:
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(f"{name}/{path.relative_to(folder).as_posix()}\0".encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def entry_key(model_dir: Path, tokens: list[int], **context) -> dict:
