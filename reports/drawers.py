@@ -8,7 +8,7 @@ the summary. `report_images` hands the summary to them; the curve and the breakd
 one, the two-panel heatmap by the other, side by side, and the command itself never imports matplotlib. A drawer that
 fails or takes longer than `SECONDS` is given up, and its figures are drawn in the process. Where
 nothing started drawers (the Python API, Jupyter, one core, not Linux) the figures are drawn in
-the process, one after another.
+the process, one after another. A command that ends without a report kills its drawers.
 
 No torch and no matplotlib here.
 """
@@ -77,6 +77,24 @@ def _serve(names: tuple[str, ...], summary_read: int, images_write: int) -> None
         code = 0
     finally:
         os._exit(code)
+
+
+def stop_drawers() -> None:
+    """End the drawers no summary was handed to (the command failed before its report): killed now,
+    not left importing matplotlib (about a core-second) for nothing after the command has returned."""
+    drawers = list(_started)
+    _started.clear()
+    for drawer in drawers:
+        for fd in (drawer.to_child, drawer.from_child):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.kill(drawer.pid, signal.SIGKILL)
+            os.waitpid(drawer.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
 
 
 def report_images(summary) -> dict[str, bytes]:

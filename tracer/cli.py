@@ -39,7 +39,7 @@ from tracer.pipeline.request import (
     sweep_candidate,
     writable_file,
 )
-from tracer.reports.drawers import start_drawers
+from tracer.reports.drawers import start_drawers, stop_drawers
 from tracer.reports.terminal import (
     command_lines,
     sweep_summary,
@@ -395,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tracer: interrupted", file=sys.stderr)
         return 130
+    finally:
+        stop_drawers()  # those a failed run never handed its report to
 
 
 def console_main() -> int:

@@ -615,6 +615,32 @@ def test_a_drawer_that_dies_leaves_its_figures_to_the_process(monkeypatch):
     assert list(images) == ["curve.png", "heatmap.png"] and images["curve.png"][:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_that_fails_after_forking_its_drawers_kills_them_before_it_returns(monkeypatch, tmp_path, capsys):
+    """Not left importing matplotlib for a report that will never come, after the command has ended."""
+    import json
+    import os
+    import threading
+
+    import tracer.reports.drawers as drawers
+    from tests.conftest import write_tiny_llama
+    from tracer.cli import main
+
+    model = write_tiny_llama(tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"rms_norm_eps": -1e-5}))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    forked = []
+    start = drawers.start_drawers
+    monkeypatch.setattr("tracer.cli.start_drawers", lambda: (start(), forked.extend(d.pid for d in drawers._started)))
+    assert main(["run", "--model", str(model), "--tokens", "1,2,3", "--out", str(tmp_path / "report")]) == 2
+    assert "rms_norm_eps" in capsys.readouterr().err
+    assert len(forked) == len(drawers.GROUPS) and drawers._started == []
+    for pid in forked:  # killed and waited for
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
 # --- the first screen, the points that matter, what to run next -------------------------------
 
 
