@@ -1,30 +1,11 @@
-"""One pipeline: a sweep row says what `tracer run --variant V` says; chat templates are fed as
-transformers feeds them."""
+"""Chat templates are fed as transformers feeds them (that a sweep row says what `tracer run --variant V`
+says is held by tests/integration/test_variants_smollm2.py, on its sweep)."""
 
 from __future__ import annotations
 
 import pytest
 
 import tracer
-from tracer.model.config import load_config, read_hf
-from tracer.pipeline.catalogue import default_variants
-
-
-def test_every_default_sweep_row_names_the_first_divergence_run_names(default_model):
-    variants = default_variants(read_hf(load_config(default_model)))
-    assert len(variants) >= 15
-    sweep = tracer.sweep(default_model, variants=variants, progress=False)
-    for row in sweep.rows:
-        result = None
-        try:
-            result = tracer.run(default_model, variant=row.variant, greedy=0, progress=False)
-        except tracer.TracerError as exc:
-            assert row.verdict == "error" and row.error == str(exc), row.variant
-            continue
-        assert row.verdict == result.verdict, row.variant
-        in_sweep, alone = row.first_divergence, result.first_divergence
-        assert (in_sweep and in_sweep.point) == (alone and alone.point), row.variant
-        assert (in_sweep and in_sweep.localized_by) == (alone and alone.localized_by)
 
 
 def test_chat_feeds_what_transformers_apply_chat_template_gives(default_model, tmp_path):

@@ -1,13 +1,18 @@
 """The issue's table on the bundled SmolLM2 (f32): each porting-note mistake and where it first shows.
 
-One sweep records the reference once and runs every variant against it, as `tracer sweep` does.
+One sweep records the reference once and runs every variant against it, as `tracer sweep` does; each
+row is what a run of its variant alone says.
 """
 
 import json
 
 import pytest
 
+import tracer
 from tracer import sweep
+from tracer.model.config import load_config, read_hf
+from tracer.model.knobs import parse_variant
+from tracer.pipeline.catalogue import default_variants
 
 PROMPT = "The capital of France is"
 L0 = "model.layers.0.self_attn."
@@ -31,7 +36,26 @@ LOAD_ERRORS = {
 
 @pytest.fixture(scope="module")
 def smollm2_sweep(default_model):
-    return sweep(default_model, PROMPT, variants=[*FIRST_DIVERGENCE, *MATCH, *LOAD_ERRORS], greedy=0, progress=False)
+    """The default sweep (what `tracer sweep` runs) and the table's variants it does not hold."""
+    variants = default_variants(read_hf(load_config(default_model)))
+    held = [parse_variant(v) for v in variants]
+    variants += [v for v in [*FIRST_DIVERGENCE, *MATCH, *LOAD_ERRORS] if parse_variant(v) not in held]
+    return sweep(default_model, PROMPT, variants=variants, greedy=0, progress=False)
+
+
+def test_every_row_names_the_first_divergence_a_run_alone_names(default_model, smollm2_sweep):
+    """A sweep records the reference once for all its rows; each row is what `tracer run` of its
+    variant alone finds."""
+    for row in smollm2_sweep.rows:
+        try:
+            result = tracer.run(default_model, PROMPT, variant=row.variant, greedy=0, progress=False)
+        except tracer.TracerError as exc:
+            assert row.verdict == "error" and row.error == str(exc), row.variant
+            continue
+        assert row.verdict == result.verdict, row.variant
+        in_sweep, alone = row.first_divergence, result.first_divergence
+        assert (in_sweep and in_sweep.point) == (alone and alone.point), row.variant
+        assert (in_sweep and in_sweep.localized_by) == (alone and alone.localized_by)
 
 
 @pytest.mark.parametrize("variant", FIRST_DIVERGENCE)
