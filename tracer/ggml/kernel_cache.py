@@ -15,23 +15,20 @@ A folder that cannot be written leaves the kernels to numba's own locators.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 from numba.core import caching, config
 from numba.misc.appdirs import AppDirs
 
+from tracer.files.hashes import code_digest
+
 PACKAGE = Path(__file__).resolve().parent  # tracer/ggml: the kernels and the code they compile in
 
 
 def kernels_digest(folder: Path = PACKAGE) -> str:
-    """sha256 (16 hex digits) of `folder`'s .py files, their names and contents."""
-    digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.py")):
-        digest.update(f"{path.name}\0".encode())
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()[:16]
+    """16 hex digits of the digest of `folder`'s .py files, their names and contents."""
+    return code_digest([("tracer.ggml", folder)])[:16]
 
 
 DIGEST = kernels_digest()  # the code this process imported, as the kernels are compiled from it
