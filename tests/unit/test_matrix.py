@@ -90,10 +90,10 @@ ARGUMENTS = {"llamacpp": llamacpp_argument, "file": file_argument}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """The tiny models, the same bytes every run: the onnx cells' exports, keyed by the models' contents,
+    are made by the first run and reused by every later one, in the user's cache as a user's are."""
     root = tmp_path_factory.mktemp("matrix")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRACER_CACHE", str(root / "cache"))  # the cells' ONNX exports, not the user's cache
-        yield root, {family: write_tiny_family(root / family, family) for family in FAMILIES}
+    return root, {family: write_tiny_family(root / family, family) for family in FAMILIES}
 
 
 def test_every_family_has_a_tiny_model():

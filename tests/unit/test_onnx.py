@@ -1,8 +1,10 @@
 """The onnx engine on a tiny random Llama: ONNX Runtime on tracer's cached dynamo export.
 
-One export per dtype serves the whole module (a few seconds each on the tiny model), in a cache of
-its own so that the user's cache is left alone. The model has three layers, so its exports are the
-two-layer export with layer 1 repeated (`tracer.engines.onnx_layers`), which every test here runs.
+One export per dtype serves the whole module (a few seconds each on the tiny model). They are kept in
+the user's cache, as a user's are: an export is keyed by the model's contents, and the tiny model is
+the same every run, so a second run of the suite reuses them rather than adding more. The model has
+three layers, so its exports are the two-layer export with layer 1 repeated
+(`tracer.engines.onnx_layers`), which every test here runs.
 """
 
 import os
@@ -21,12 +23,9 @@ LAYERS = 3  # one layer more than the export traces: the third is layer 1's node
 
 
 @pytest.fixture(scope="module")
-def onnx_cache(tmp_path_factory):
+def onnx_cache():
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRACER_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -98,21 +97,31 @@ def test_the_plain_export_gives_the_recorded_logits(engine):
     assert [output.name for output in plain.output] == ["lm_head"]
 
 
-def test_the_export_is_cached_per_model_files_and_dtype(onnx_cache, model):
+def test_the_export_is_cached_per_model_contents_and_dtype(onnx_cache, model, tmp_path, monkeypatch):
+    import shutil
+
     from tracer.engines.onnx import export_path, exported
+    from tracer.files import hashes
 
     path = exported(model, "f32")
     made = (path / "export.json").stat().st_mtime_ns
     assert exported(model, "f32") == path and (path / "export.json").stat().st_mtime_ns == made  # not rebuilt
     assert export_path(model, "f16") != path
-    assert not list(path.parent.glob(".*tmp-*"))  # built aside, renamed into place
-    weights = model / "model.safetensors"
+    assert not list(path.parent.glob(f".{path.name}.tmp-*"))  # built aside, renamed into place
+    hashed = []
+    monkeypatch.setattr(hashes, "file_hash", lambda file, real=hashes.file_hash: hashed.append(file.name) or real(file))
+    assert export_path(model, "f32") == path and hashed == []  # files not written since: not hashed again
+    copy = shutil.copytree(model, tmp_path / "downloaded")  # the same files elsewhere, under another name
+    assert export_path(copy, "f32") == path and sorted(hashed) == ["config.json", "model.safetensors"]
+    weights = copy / "model.safetensors"
     stat = weights.stat()
-    try:
-        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # a re-saved checkpoint
-        assert export_path(model, "f32") != path
-    finally:
-        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the other tests' export stays valid
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # touched, the same bytes
+    assert export_path(copy, "f32") == path
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # a re-saved checkpoint with one weight changed, its size and mtime kept
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert export_path(copy, "f32") != path
 
 
 def test_a_repeated_layer_export_is_the_whole_export_bit_for_bit(engine, model, tmp_path):

@@ -19,8 +19,10 @@ matrices at 2048 tokens) of a value that does. Attention is exported in
 its eager form (transformers' `eager_attention_forward`, op for op), which is what makes scores and
 probabilities exist as values.
 
-The export is made once per model directory (its path, file sizes and times), dtype and exporter
-versions (torch, transformers, onnx, onnxscript) and kept under `tracer.files.convert.cache_root()/onnx`,
+The export is made once per model (the contents of its config and weights, wherever they lie: a copied
+or re-downloaded folder reuses it; `tracer.files.hashes.content_hashes` hashes a file again only
+after it is written), dtype and exporter versions (torch, transformers, onnx, onnxscript) and kept
+under `tracer.files.convert.cache_root()/onnx`,
 built in a temporary folder renamed into place when complete (`tracer.files.convert.cached_build`, as the
 GGUF conversion). A model whose layers are one computation is exported at two layers and layer 1's
 nodes are repeated for the rest (`tracer.engines.onnx_layers`: SmolLM2 36.7 s -> 8.6 s, the same
@@ -60,6 +62,7 @@ from tracer.engines.hf import load as load_hf
 from tracer.engines.onnx_layers import NotRepeatable
 from tracer.engines.registry import ENGINES
 from tracer.files.convert import cache_root, cached_build
+from tracer.files.hashes import content_hashes
 from tracer.files.sources import ModelSource
 from tracer.hooks import recording_attention, recording_modules
 from tracer.model.config import read_hf
@@ -181,12 +184,14 @@ class RecordingExport(torch.nn.Module):
 
 
 def export_path(model_dir: Path, dtype: str) -> Path:
-    """Where the export of this model directory (as its files are now) in `dtype` is cached."""
-    files = sorted(p for p in model_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
-    identity = [str(model_dir.resolve()), dtype, EXPORT_FORMAT,
-                *[(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+    """Where the export of this model directory's files (their contents, wherever they lie) in `dtype` is cached."""
+    files = sorted(p.name for p in model_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    identity = [dtype, EXPORT_FORMAT, sorted(content_hashes(model_dir, files, cache_root()).items()),
                 *[(dist, importlib.metadata.version(dist)) for dist in EXPORTER]]
     key = hashlib.sha1(json.dumps(identity).encode()).hexdigest()[:12]
+    built = sorted((cache_root() / "onnx").glob(f"*-{dtype}-{key}"))  # the same files in a folder of another name
+    if built:
+        return built[0]
     stem = re.sub(r"[^a-z0-9._-]+", "-", model_dir.name.lower()).strip("-.") or "model"
     return cache_root() / "onnx" / f"{stem}-{dtype}-{key}"
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 RECORD_VERSION = 1
+MEMOS = "sources"  # content_hashes' memos, one per folder, under a cache's root
 
 
 def seal(folder: Path, marker: str) -> None:
@@ -81,6 +82,49 @@ def stats(folder: Path, names) -> dict[str, list[int]]:
 def file_hash(path: Path) -> str:
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def content_hashes(folder: Path, names: list[str], cache: Path) -> dict[str, str]:
+    """name -> SHA-256 of each named file in `folder`, hashed again only where its stat (size, mtime,
+    ctime, inode) moved since the folder's memo under `cache/sources/` recorded it, so that the
+    common case costs one `stat` per file. A cache keyed by these serves a copy of the same files
+    (another folder, a new download) as it serves the original. A memo that cannot be read or
+    written costs the hashing, never a wrong hash; writing one removes the memos of folders that
+    are gone (a temporary folder's)."""
+    memo = cache / MEMOS / f"{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]}.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = None
+    if not isinstance(known, dict) or known.get("folder") != str(folder.resolve()):
+        known = {"folder": str(folder.resolve()), "files": {}}
+    now = stats(folder, names)
+    files = known["files"] if isinstance(known.get("files"), dict) else {}
+    hashes, hashed = {}, False
+    for name in names:
+        seen = files.get(name)
+        if isinstance(seen, dict) and seen.get("stat") == now.get(name) and isinstance(seen.get("sha256"), str):
+            hashes[name] = seen["sha256"]
+        else:
+            hashes[name] = file_hash(folder / name)  # stat taken first: a write during hashing moves it again
+            files[name], hashed = {"stat": now.get(name), "sha256": hashes[name]}, True
+    if hashed:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            _write_record(memo, {"folder": known["folder"], "files": files})
+            _prune_memos(memo.parent)
+        except OSError:
+            pass
+    return hashes
+
+
+def _prune_memos(folder: Path) -> None:
+    for memo in folder.glob("*.json"):
+        try:
+            if not Path(json.loads(memo.read_text())["folder"]).is_dir():
+                memo.unlink(missing_ok=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
 
 
 def code_digest(packages: list[tuple[str, Path]]) -> str:

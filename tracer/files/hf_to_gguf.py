@@ -82,7 +82,8 @@ def converted_gguf(directory: Path, cache_dir=None, outtype: str = "f32") -> Pat
         _architecture(config)  # refused before anything is hashed or written
     check_weight_files(directory)  # a folder without weights: one line, not an empty GGUF
     how = f"llama.cpp's {script}" if script else f"gguf-py's writer (no {SCRIPT} found: ${CONVERTER_ENV})"
-    target = cache_root(cache_dir) / "gguf" / _cache_name(directory, script, outtype)
+    root = cache_root(cache_dir)
+    target = root / "gguf" / _cache_name(directory, script, outtype, root)
     cached = (target / GGUF_NAME).is_file()
     build = functools.partial(_build, directory, script=script, outtype=outtype)
     path = cached_build(target, build, progress=False) / GGUF_NAME
@@ -364,14 +365,14 @@ def _architecture(config: dict) -> tuple[str, str]:
     return FAMILIES[model_type]
 
 
-def _cache_name(directory: Path, script: Path | None, outtype: str) -> str:
+def _cache_name(directory: Path, script: Path | None, outtype: str, root: Path) -> str:
     # The directory's content (config, weights), the converter's own bytes and the file type: a
     # retrained model, another llama.cpp or another type each get their own file.
     digest = hashlib.sha256(f"{outtype}\0{hashes.file_hash(script) if script else 'gguf-py'}\0".encode())
-    files = sorted(p for p in directory.iterdir()
+    files = sorted(p.name for p in directory.iterdir()
                    if p.is_file() and (p.suffix == ".safetensors" or p.name == CONFIG_FILE))
-    for path in files:
-        digest.update(f"{path.name}\0{hashes.file_hash(path)}\0".encode())
+    for name, sha256 in sorted(hashes.content_hashes(directory, files, root).items()):
+        digest.update(f"{name}\0{sha256}\0".encode())
     return f"{directory.name.lower()}-{digest.hexdigest()[:12]}"
 
 
