@@ -144,6 +144,27 @@ def test_a_second_diagnosis_of_the_same_tokens_reuses_the_catalogues_rows(tiny_l
     assert next(iter(commands._CATALOGUE_ROWS.values())) is not rows
 
 
+def test_a_later_process_reads_the_catalogues_rows_from_the_cache_and_ranks_the_same(tiny_llama, cache,
+                                                                                     monkeypatch):
+    from tracer.pipeline import commands
+
+    model = tiny_llama()
+    variants = "theta=500; eps=1e-3; rope=interleaved"
+    observed = tracer.record(model, TOKENS, engine="reimpl", variant="theta=700")
+    first = tracer.diagnose(observed, model, variants=variants, progress=False)
+    commands._CATALOGUE_ROWS.clear()  # what a new process starts with
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a catalogue row ran again")
+
+    monkeypatch.setattr(commands, "sweep_row", must_not_run)
+    again = tracer.diagnose(observed, model, variants=variants, progress=False)
+    assert again.ranking == first.ranking and again.best["variant"] == "theta=500"
+    assert 0.5 < first.best["score"] < 1 and first.ranking[-1]["score"] < first.best["score"]
+    with pytest.raises(AssertionError, match="ran again"):  # another catalogue is another entry
+        tracer.diagnose(observed, model, variants="theta=500; eps=1e-3", progress=False)
+
+
 def test_two_weight_formats_of_one_kind_share_the_quantized_blocks(tiny_llama):
     weights = read_weights(tiny_llama())
     name = "model.layers.0.self_attn.q_proj.weight"

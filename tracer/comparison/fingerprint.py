@@ -8,6 +8,7 @@ each variant's fingerprint to an observed trace's: "your port behaves like theta
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from tracer.comparison.result import Result
 
@@ -30,17 +31,38 @@ def position_profile(result: Result) -> list[float] | None:
     return [v / norm for v in values] if norm else None
 
 
-def resemblance(observed: Result, variant: Result) -> float:
+@dataclass(frozen=True)
+class Signature:
+    """What `resemblance` reads of one comparison: its fingerprint, the point it first diverges at and that
+    divergence's position profile. Small, and plain JSON (`to_dict`), so a diagnosis's catalogue keeps its
+    rows' signatures, not their comparisons (in memory and in the reference cache)."""
+
+    errors: dict[str, float]
+    first: str | None
+    profile: list[float] | None
+
+    @classmethod
+    def of(cls, result: Result) -> Signature:
+        first = result.first_divergence
+        return cls(fingerprint(result), first.point if first else None, position_profile(result))
+
+    def to_dict(self) -> dict:
+        return {"errors": self.errors, "first": self.first, "profile": self.profile}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Signature:
+        return cls(dict(data["errors"]), data["first"], data["profile"])
+
+
+def resemblance(observed: Result | Signature, variant: Result | Signature) -> float:
     """1 for the same fingerprint, towards 0 as the per-point errors part (in decades)."""
-    seen, tried = fingerprint(observed), fingerprint(variant)
-    common = [p for p in seen if p in tried]
+    seen, tried = (Signature.of(side) if isinstance(side, Result) else side for side in (observed, variant))
+    common = [p for p in seen.errors if p in tried.errors]
     if not common:
         return 0.0
-    distance = sum(abs(seen[p] - tried[p]) for p in common) / len(common)
-    seen_first, tried_first = observed.first_divergence, variant.first_divergence
-    same_start = (seen_first and seen_first.point) == (tried_first and tried_first.point)
+    distance = sum(abs(seen.errors[p] - tried.errors[p]) for p in common) / len(common)
     shape = 0.5
-    if same_start and seen_first:
-        a, b = position_profile(observed), position_profile(variant)
+    if seen.first is not None and seen.first == tried.first:
+        a, b = seen.profile, tried.profile
         shape = sum(x * y for x, y in zip(a, b)) if a and b and len(a) == len(b) else 0.5
     return (0.5 + 0.5 * shape) / (1.0 + distance)

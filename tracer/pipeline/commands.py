@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tracer.comparison.fingerprint import resemblance
+from tracer.comparison.fingerprint import Signature, resemblance
 from tracer.comparison.perplexity import Statistics, chunk_tokens, fitting_ctx, mean_and_uncertainty
 from tracer.comparison.result import Diagnosis, Result, Sweep, SweepRow, Tolerance, Triangulation
 from tracer.comparison.steps import compare_steps, with_steps
@@ -42,6 +42,7 @@ from tracer.model.config import read_hf
 from tracer.model.knobs import variant_text
 from tracer.model.points import is_coarse
 from tracer.names.aliases import alias_table
+from tracer.pipeline import reference_cache
 from tracer.pipeline.attribution import Attributor, emulation
 from tracer.pipeline.batch import compare_batched
 from tracer.pipeline.catalogue import default_variants, diagnosis_variants, parse_variants
@@ -55,7 +56,6 @@ from tracer.pipeline.corpus import (
     text_tokens,
 )
 from tracer.pipeline.decode import compare_decoded, decoded_tokens, reference_decode, with_decoded
-from tracer.pipeline.reference_cache import folder_state
 from tracer.pipeline.regime_view import check_regime_decode, compare_in_regime
 from tracer.pipeline.regime_view import resolve as resolve_regime
 from tracer.pipeline.request import DEFAULT_CTX, Inputs, Outputs, Placement, Request, Side
@@ -231,9 +231,8 @@ def model_spec(source: ModelSource):
     return read_hf(source.config())
 
 
-# The catalogue's rows for the last model, tokens and placement diagnosed: diagnosing several
-# dumps of one prompt (a notebook, a porting CI job) runs the catalogue once per process.
-_CATALOGUE_ROWS: dict[tuple, list] = {}
+# The catalogue's rows for the last model, tokens and placement diagnosed (`catalogue_rows`).
+_CATALOGUE_ROWS: dict[str, list] = {}
 
 
 def observed_trace_of(trace, steps: int = 0) -> Trace:
@@ -264,45 +263,60 @@ def diagnose(request: Request, trace) -> Diagnosis:
         with prepared_reference(replay) as prepared:
             observed = compare_candidate(prepared, FileEngine(observed_trace))
             decoded = None
+            forced = None
             if steps:  # the reference and every variant fed the observed trace's tokens
                 stage("decode")
                 started = time.perf_counter()
                 observed_steps = dataclasses.replace(observed_trace, steps=observed_trace.steps[:steps])
-                decoded = (steps, reference_decode(prepared, steps, forced=decoded_tokens(observed_steps)))
+                forced = decoded_tokens(observed_steps)
+                decoded = (steps, reference_decode(prepared, steps, forced=forced))
                 observed = with_decoded(observed, prepared, *decoded[1], observed_steps, started,
                                         fed="the reference fed the trace's tokens")
             tried = request.variants
             if tried is None:
                 tried = parse_variants(diagnosis_variants(model_spec(prepared.source), decode=bool(steps)))
             stage("candidate")
-            key = catalogue_key(prepared, request.placement, tried, steps)
-            rows = _CATALOGUE_ROWS.get(key) if key is not None else None
-            if rows is None:
-                load_candidate = candidate_loader(EngineRef.named("reimpl"), prepared)
-                # Without local errors: the observed trace has none (a file cannot rerun a block), so
-                # both sides' first divergences are where the total error leaves the floor.
-                rows = [sweep_row(prepared, load_candidate, knobs, local=False, decoded=decoded) for knobs in tried]
-                _CATALOGUE_ROWS.clear()  # the last catalogue only: its rows hold every point's comparison
-                if key is not None:
-                    _CATALOGUE_ROWS[key] = rows
+            rows = catalogue_rows(prepared, request.placement, tried, decoded, forced)
     ranking = sorted((
-        {"variant": row.variant, "score": resemblance(observed, row.result) if row.result is not None else 0.0,
-         "verdict": row.verdict, "first_divergence": row.first_divergence and row.first_divergence.point,
-         "error": row.error}
+        {"variant": row["variant"],
+         "score": 0.0 if row["signature"] is None else resemblance(observed, Signature.from_dict(row["signature"])),
+         "verdict": row["verdict"], "first_divergence": row["first_divergence"], "error": row["error"]}
         for row in rows), key=lambda entry: entry["score"], reverse=True)
     return Diagnosis(observed, tuple(ranking))
 
 
-def catalogue_key(prepared: Prepared, placement: Placement, tried, steps: int = 0) -> tuple | None:
-    """What the catalogue's rows depend on: the model's files as they are on disk now (size, mtime,
-    ctime, inode of each), the tokens, the placement, the variants and the decode steps; None for a
-    loaded model."""
-    if prepared.source.loaded:
-        return None
-    model_dir = prepared.source.directory
-    files = json.dumps(folder_state(model_dir), sort_keys=True)
-    return (str(model_dir.resolve()), files, tuple(prepared.ids), repr(placement),
-            tuple(variant_text(knobs) for knobs in tried), steps)
+def catalogue_rows(prepared: Prepared, placement: Placement, tried, decoded, forced) -> list[dict]:
+    """Each variant tried against the prepared reference, as the ranking reads it: its verdict, first
+    divergence, error and `Signature`. Run once per model (its files as they are on disk), tokens,
+    reference, placement, catalogue and decode steps, then read from this process's memory or from the
+    reference cache (`tracer.pipeline.reference_cache`): diagnosing several dumps of one prompt (a
+    notebook, a porting CI job, a port after each fix) runs the catalogue once. A loaded model's
+    catalogue runs every time."""
+    key = None if prepared.source.loaded else reference_cache.entry_key(
+        prepared.source.directory, prepared.ids, measure="catalogue", engine=prepared.reference,
+        variant=prepared.variant, placement=repr(placement), tolerance=repr(prepared.tolerance),
+        noise_floor=prepared.floor and prepared.floor.mode, variants=[variant_text(knobs) for knobs in tried],
+        forced=forced)
+    memo = key and json.dumps(key, sort_keys=True, default=str)
+    rows = _CATALOGUE_ROWS.get(memo) if key is not None else None
+    if rows is None and key is not None:
+        rows = (reference_cache.load(key) or {}).get("rows")
+    if rows is None:
+        load_candidate = candidate_loader(EngineRef.named("reimpl"), prepared)
+        # Without local errors: the observed trace has none (a file cannot rerun a block), so
+        # both sides' first divergences are where the total error leaves the floor.
+        rows = []
+        for knobs in tried:
+            row = sweep_row(prepared, load_candidate, knobs, local=False, decoded=decoded)
+            rows.append({"variant": row.variant, "verdict": row.verdict, "error": row.error,
+                         "first_divergence": row.first_divergence.point if row.first_divergence else None,
+                         "signature": None if row.result is None else Signature.of(row.result).to_dict()})
+        if key is not None:
+            reference_cache.store((key, {"rows": rows}))
+    if key is not None:
+        _CATALOGUE_ROWS.clear()  # the last catalogue only
+        _CATALOGUE_ROWS[memo] = rows
+    return rows
 
 
 def record(request: Request) -> Trace | list[Trace]:
