@@ -16,8 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# What a run imports before it can fail: a name that does not import is skipped by the forkserver
+# without a word, so `tests/unit/test_user_errors.py` checks that each of these imports.
 PRELOAD = ["tracer.cli", "tracer.api", "torch", "transformers", "transformers.models.llama.modeling_llama",
-           "hooks.engine", "safetensors.torch"]
+           "tracer.engines.hf", "tracer.pipeline.commands", "safetensors.torch"]
 
 
 def _context():

@@ -630,3 +630,14 @@ def test_user_text_is_escaped_in_the_html_report(tmp_path):
     assert "<img src=x" not in page and "<script>alert" not in page
     assert "&lt;img src=x onerror=alert(1)&gt;" in page  # shown, escaped
     assert "&lt;script&gt;alert(2)&lt;/script&gt;" in page
+
+
+def test_every_module_the_cli_children_start_with_imports():
+    """The forkserver skips a preloaded name that does not import without a word (each child would then
+    import it itself, every row); so each must import."""
+    import importlib
+
+    from tests.warm_cli import PRELOAD
+
+    for name in PRELOAD:
+        importlib.import_module(name)
