@@ -146,7 +146,8 @@ SLOW_UNIT_FILES = {"test_user_errors.py", "test_matrix.py", "test_onnx.py", "tes
 # whole files in collection order (`--dist loadfile --no-loadscope-reorder`): started first, they run
 # beside the many short files instead of leaving one worker alone with a long one at the end.
 LONGEST_FILES = ("test_long_prompt.py", "test_matrix.py", "test_explain_smollm2.py", "test_examples.py",
-                 "test_notebooks.py", "test_ggml_smollm2.py", "test_onnx.py", "test_pipeline_smollm2.py",
+                 "test_notebooks.py", "test_ggml_smollm2.py", "test_onnx.py", "test_variants_smollm2.py",
+                 "test_pipeline_smollm2.py",
                  "test_user_errors.py", "test_smollm2.py", "test_catalogue.py", "test_audit_smollm2.py",
                  "test_runtimes_smollm2.py", "test_cache_smollm2.py", "test_kquants_smollm2.py", "test_llamacpp.py",
                  "test_browser.py")
