@@ -62,7 +62,7 @@ from tracer.engines.hf import load as load_hf
 from tracer.engines.onnx_layers import NotRepeatable
 from tracer.engines.registry import ENGINES
 from tracer.files.convert import cache_root, cached_build
-from tracer.files.hashes import content_hashes
+from tracer.files.hashes import model_contents
 from tracer.files.sources import ModelSource
 from tracer.hooks import recording_attention, recording_modules
 from tracer.model.config import read_hf
@@ -185,8 +185,7 @@ class RecordingExport(torch.nn.Module):
 
 def export_path(model_dir: Path, dtype: str) -> Path:
     """Where the export of this model directory's files (their contents, wherever they lie) in `dtype` is cached."""
-    files = sorted(p.name for p in model_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
-    identity = [dtype, EXPORT_FORMAT, sorted(content_hashes(model_dir, files, cache_root()).items()),
+    identity = [dtype, EXPORT_FORMAT, model_contents(model_dir, cache_root()),
                 *[(dist, importlib.metadata.version(dist)) for dist in EXPORTER]]
     key = hashlib.sha1(json.dumps(identity).encode()).hexdigest()[:12]
     built = sorted((cache_root() / "onnx").glob(f"*-{dtype}-{key}"))  # the same files in a folder of another name

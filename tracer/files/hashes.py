@@ -91,15 +91,14 @@ def content_hashes(folder: Path, names: list[str], cache: Path) -> dict[str, str
     (another folder, a new download) as it serves the original. A memo that cannot be read or
     written costs the hashing, never a wrong hash; writing one removes the memos of folders that
     are gone (a temporary folder's)."""
-    memo = cache / MEMOS / f"{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]}.json"
+    where = str(folder.resolve())
+    memo = cache / MEMOS / f"{hashlib.sha256(where.encode()).hexdigest()[:24]}.json"
     try:
         known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        known = None
-    if not isinstance(known, dict) or known.get("folder") != str(folder.resolve()):
-        known = {"folder": str(folder.resolve()), "files": {}}
+        files = known["files"] if known["folder"] == where and isinstance(known["files"], dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        files = {}
     now = stats(folder, names)
-    files = known["files"] if isinstance(known.get("files"), dict) else {}
     hashes, hashed = {}, False
     for name in names:
         seen = files.get(name)
@@ -111,11 +110,19 @@ def content_hashes(folder: Path, names: list[str], cache: Path) -> dict[str, str
     if hashed:
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
-            _write_record(memo, {"folder": known["folder"], "files": files})
+            _write_record(memo, {"folder": where, "files": files})
             _prune_memos(memo.parent)
         except OSError:
             pass
     return hashes
+
+
+def model_contents(folder: Path, cache: Path) -> list[tuple[str, str]]:
+    """(name, SHA-256) of a model folder's `config.json` and safetensors files, by name: what an export
+    or a conversion made from the folder is keyed by (`content_hashes`, under `cache`)."""
+    names = sorted(p.name for p in folder.iterdir()
+                   if p.is_file() and (p.name == "config.json" or p.suffix == ".safetensors"))
+    return sorted(content_hashes(folder, names, cache).items())
 
 
 def _prune_memos(folder: Path) -> None:

@@ -369,9 +369,7 @@ def _cache_name(directory: Path, script: Path | None, outtype: str, root: Path) 
     # The directory's content (config, weights), the converter's own bytes and the file type: a
     # retrained model, another llama.cpp or another type each get their own file.
     digest = hashlib.sha256(f"{outtype}\0{hashes.file_hash(script) if script else 'gguf-py'}\0".encode())
-    files = sorted(p.name for p in directory.iterdir()
-                   if p.is_file() and (p.suffix == ".safetensors" or p.name == CONFIG_FILE))
-    for name, sha256 in sorted(hashes.content_hashes(directory, files, root).items()):
+    for name, sha256 in hashes.model_contents(directory, root):
         digest.update(f"{name}\0{sha256}\0".encode())
     return f"{directory.name.lower()}-{digest.hexdigest()[:12]}"
 

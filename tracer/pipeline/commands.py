@@ -295,12 +295,12 @@ def catalogue_rows(prepared: Prepared, placement: Placement, tried, decoded, for
     key = None if prepared.source.loaded else reference_cache.entry_key(
         prepared.source.directory, prepared.ids, measure="catalogue", engine=prepared.reference,
         variant=prepared.variant, placement=repr(placement), tolerance=repr(prepared.tolerance),
-        noise_floor=prepared.floor and prepared.floor.mode, variants=[variant_text(knobs) for knobs in tried],
-        forced=forced)
-    memo = key and json.dumps(key, sort_keys=True, default=str)
-    rows = _CATALOGUE_ROWS.get(memo) if key is not None else None
-    if rows is None and key is not None:
-        rows = (reference_cache.load(key) or {}).get("rows")
+        noise_floor=prepared.floor.mode if prepared.floor else None,
+        variants=[variant_text(knobs) for knobs in tried], forced=forced)
+    memo = json.dumps(key, sort_keys=True, default=str)
+    rows = None
+    if key is not None:
+        rows = _CATALOGUE_ROWS.get(memo) or (reference_cache.load(key) or {}).get("rows")
     if rows is None:
         load_candidate = candidate_loader(EngineRef.named("reimpl"), prepared)
         # Without local errors: the observed trace has none (a file cannot rerun a block), so
