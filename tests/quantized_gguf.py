@@ -4,7 +4,11 @@ through llama-cpp-python's binding), which picks each tensor's type as `llama-qu
 takes an importance matrix (`imatrix`: tensor name -> one weight per input column).
 
 The quantizer runs in a child process (`python -m tests.quantized_gguf`), as every native runtime
-does in the suite: a native crash fails the test instead of hanging its worker.
+does in the suite: a native crash fails the test instead of hanging its worker. What it writes is
+kept in tracer's cache (`<cache>/quantized/`, a `tracer.files.convert.cached_build` entry, sealed
+and checked like a conversion), keyed by the source file's contents, the type, the importance
+matrix and llama-cpp-python's version: the same file quantized again is copied from there (the
+bundled SmolLM2 to Q4_K_M is ~4 s of llama.cpp's quantizer, and three test files ask for it).
 
 `write_kquant_llama` writes a tiny random Llama whose widths are multiples of 256, so that
 k-quant types apply to every projection (a 64-wide model gets only fallbacks).
@@ -12,6 +16,10 @@ k-quant types apply to every projection (a 64-wide model gets only fallbacks).
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,18 +40,45 @@ def quantize_gguf(source: Path, target: Path, ftype: str, *, imatrix: dict[str, 
     Raises:
         RuntimeError: the quantizer failed (its output in the message).
     """
-    command = [sys.executable, "-m", "tests.quantized_gguf", str(source), str(target), ftype,
-               "1" if requantize else "0"]
-    if imatrix is not None:
-        matrix_file = target.with_suffix(".imatrix.npz")
-        np.savez(matrix_file, **{name: np.asarray(values, dtype=np.float32) for name, values in imatrix.items()})
-        command.append(str(matrix_file))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          cwd=Path(__file__).resolve().parents[1])
-    if done.returncode != 0 or not target.is_file():
-        raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype} failed ({done.returncode}): "
-                           f"{done.stderr[-2000:]}")
+    from tracer.files.convert import cache_root, cached_build
+
+    source, target = Path(source), Path(target)
+    matrix = None if imatrix is None else {name: np.asarray(values, np.float32) for name, values in imatrix.items()}
+    key = _key(source, ftype, matrix, requantize, cache_root())
+
+    def build(folder: Path) -> None:
+        command = [sys.executable, "-m", "tests.quantized_gguf", str(source), str(folder / QUANTIZED), ftype,
+                   "1" if requantize else "0"]
+        if matrix is not None:
+            np.savez(folder / "imatrix.npz", **matrix)
+            command.append(str(folder / "imatrix.npz"))
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              cwd=Path(__file__).resolve().parents[1])
+        if done.returncode != 0 or not (folder / QUANTIZED).is_file():
+            raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype} failed ({done.returncode}): "
+                               f"{done.stderr[-2000:]}")
+
+    built = cached_build(cache_root() / "quantized" / key, build, progress=False)
+    try:  # the same bytes under the test's name: a file a test writes in place would fail the entry's hash
+        os.link(built / QUANTIZED, target)  # check and be made again, never be used damaged
+    except OSError:  # another file system
+        shutil.copyfile(built / QUANTIZED, target)
     return target
+
+
+QUANTIZED = "model.gguf"
+
+
+def _key(source: Path, ftype: str, matrix: dict[str, np.ndarray] | None, requantize: bool, cache: Path) -> str:
+    """What a quantized file depends on: the source's bytes, the type, the matrix, llama.cpp's version."""
+    from tracer.files.hashes import content_hashes
+
+    digest = hashlib.sha256()
+    digest.update(content_hashes(source.parent, [source.name], cache)[source.name].encode())
+    digest.update(f"{ftype}|{requantize}|{importlib.metadata.version('llama_cpp_python')}".encode())
+    for name, values in sorted((matrix or {}).items()):
+        digest.update(name.encode() + values.tobytes())
+    return f"{source.stem.lower()}-{ftype.lower()}-{digest.hexdigest()[:12]}"
 
 
 def write_kquant_llama(folder: Path, *, seed: int = 0, dtype: str = "f32") -> tuple[Path, Path]:

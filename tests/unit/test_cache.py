@@ -110,11 +110,12 @@ def test_a_damaged_gguf_conversion_is_rebuilt_never_used(tmp_path, monkeypatch, 
 def test_a_damaged_onnx_export_is_rebuilt_and_the_verdict_stays_right(tmp_path, monkeypatch, capsys):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    from tracer.engines.onnx import DATA_FILE, MANIFEST_FILE, exported, read_manifest
+    from tracer.engines.onnx import DATA_FILE, MANIFEST_FILE, export_path, exported, read_manifest
 
-    monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "cache"))
     model = write_tiny_llama(tmp_path / "m")
-    export = exported(model, "f32")
+    built = exported(model, "f32")  # in the user's cache: the tiny model is the same bytes every run, built once
+    monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "cache"))
+    export = shutil.copytree(built, export_path(model, "f32"))  # a copy of the cache: checked by its hashes
     flip_in_place(export / DATA_FILE, offset=(export / DATA_FILE).stat().st_size // 2)  # same size, mtime kept
     result = tracer.run(model, tokens=TOKENS, candidate="onnx", greedy=0, progress=False)
     assert f"the cache entry {export} is damaged ({DATA_FILE} changed since it was built" in capsys.readouterr().err

@@ -194,21 +194,21 @@ def test_f32_shortest_keeps_non_f32_values():
 
 def test_a_conversion_parses_the_gguf_once_and_writes_the_same_bytes(tmp_path, monkeypatch):
     """transformers reads a GGUF once for the config, once for the weights and once for the
-    tokenizer; `convert._gguf_parsed_once` hands all three one parse, and what is written is
-    byte for byte what three parses write."""
+    tokenizer; `convert._gguf_parsed_once` hands all three one parse, read through plain views of
+    the file's memory map, and what is written is byte for byte what three stock parses write."""
     gguf = pytest.importorskip("gguf")
     from tests.conftest import write_tiny_llama
     from tests.tiny_gguf import write_tiny_gguf
 
     gguf_file = write_tiny_gguf(write_tiny_llama(tmp_path / "hf"), tmp_path / "tiny.gguf")
     parses = []
-    reader = gguf.GGUFReader
 
-    def counted(*args, **kwargs):
-        parses.append(args[0])
-        return reader(*args, **kwargs)
+    class Counted(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parses.append(path)
+            super().__init__(path, *args, **kwargs)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
     written, parse_counts = {}, {}
     for name, context in (("once", convert._gguf_parsed_once), ("each", contextlib.nullcontext)):
         monkeypatch.setattr(convert, "_gguf_parsed_once", context)
@@ -220,4 +220,4 @@ def test_a_conversion_parses_the_gguf_once_and_writes_the_same_bytes(tmp_path, m
         parse_counts[name] = len(parses)
     assert parse_counts["once"] == 1 and parse_counts["each"] >= 2
     assert "model.safetensors" in written["once"] and written["once"] == written["each"]
-    assert gguf.GGUFReader is counted  # the package's own name is back after the conversion
+    assert gguf.GGUFReader is Counted  # the package's own name is back after the conversion
