@@ -153,6 +153,35 @@ def test_metrics_in_f32_chunks_are_the_f64_definitions():
     assert compare_point("x", ref, ref.clone(), Tolerance()).rel_l2 == 0.0
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunks_summed_a_block_at_a_time_are_the_sums_of_one_call_per_chunk(threads):
+    """Each chunk's sums are one row of a block: the same numbers, to the last bit, as one torch call per
+    chunk, whatever the thread count, across block and chunk boundaries, in f32 and f64, NaN included."""
+    from tracer.comparison import diff
+
+    def per_chunk(r_all, c_all, dtype):
+        sums = [0.0] * 4
+        for start in range(0, r_all.numel(), diff.CHUNK):
+            r, c = r_all[start:start + diff.CHUNK].to(dtype), c_all[start:start + diff.CHUNK].to(dtype)
+            d = c - r
+            for k, (a, b) in enumerate(((r, r), (d, d), (c, c), (r, d))):
+                sums[k] += float((a * b).sum())
+        return sums
+
+    generator, before = torch.Generator().manual_seed(3), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (5, diff.CHUNK, diff.CHUNK + 1, diff.BLOCK_CHUNKS * diff.CHUNK + 7, 150_001):
+            ref = torch.randn(n, generator=generator) * 10
+            cand = ref + 1e-3 * torch.randn(n, generator=generator)
+            for dtype in (torch.float32, torch.float64):
+                assert list(diff._sums(ref, cand, dtype, Tolerance())[:4]) == per_chunk(ref, cand, dtype), (n, dtype)
+        cand[n // 2] = math.nan
+        assert all(math.isnan(x) for x in diff._sums(ref, cand, torch.float32, Tolerance())[1:4])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_rel_l2_at_its_threshold_is_decided_in_f64(monkeypatch):
     """Within BORDERLINE of the threshold the sums are redone in f64 (the f32 ones could round across it)."""
     from tracer.comparison import diff

@@ -45,6 +45,7 @@ from tracer.traces.spill import SpilledTensors
 from tracer.traces.trace import Trace, kept, rows_before
 
 CHUNK = 1 << 14  # values per chunk: 64 kB of f32, in cache, and below torch's parallel grain (32768)
+BLOCK_CHUNKS = 64  # chunks summed per call (4 MB of f32): each chunk's sum is still one row's, on one thread
 BORDERLINE = 1e-4  # rel_l2 this close (relative) to its threshold is recomputed in f64
 # An integer point (the experts a router picked) is compared by the routing diff, never by rel_l2.
 INTEGER_POINT = "integer ids: the routing diff compares them"
@@ -131,19 +132,43 @@ def _metric_dtype(ref: torch.Tensor, cand: torch.Tensor) -> torch.dtype:
 
 def _sums(r_all: torch.Tensor, c_all: torch.Tensor, dtype: torch.dtype, tolerance: Tolerance) -> tuple:
     """(Σr², Σd², Σc², Σr·d, max|d|, max|r|, any entry outside atol/rtol, dtype) over d = c − r in
-    `dtype`, chunk by chunk: each chunk's sums by torch's cascade summation, the chunks' in f64
-    (a 2048-token lm_head is 100M values: no whole-tensor copy in any dtype)."""
-    sq_ref = sq_diff = sq_cand = ref_dot_diff = max_abs = max_ref = 0.0
+    `dtype`, chunk by chunk: each chunk's sums by torch's cascade summation, the chunks' in f64, in
+    order (a 2048-token lm_head is 100M values: no whole-tensor copy in any dtype). Up to
+    BLOCK_CHUNKS chunks go through torch at once as the rows of one block: the same sums as one
+    call per chunk (tests/unit/test_diff.py), for a fiftieth of the calls."""
+    totals = [0.0, 0.0, 0.0, 0.0]  # Σr², Σd², Σc², Σr·d
+    max_abs = max_ref = 0.0
     any_outside = False
-    for start in range(0, r_all.numel(), CHUNK):
-        r, c = r_all[start:start + CHUNK].to(dtype), c_all[start:start + CHUNK].to(dtype)
+    for start, stop in _blocks(r_all.numel()):
+        r, c = _block(r_all, start, stop).to(dtype), _block(c_all, start, stop).to(dtype)
         diff = c - r
-        sq_ref, sq_diff = sq_ref + float((r * r).sum()), sq_diff + float((diff * diff).sum())
-        sq_cand, ref_dot_diff = sq_cand + float((c * c).sum()), ref_dot_diff + float((r * diff).sum())
+        for k, (a, b) in enumerate(((r, r), (diff, diff), (c, c), (r, diff))):
+            for chunk_sum in _row_sums(a * b):
+                totals[k] += chunk_sum
         max_abs, max_ref = _nan_max(max_abs, _max_magnitude(diff)), _nan_max(max_ref, _max_magnitude(r))
         if tolerance.elementwise and not any_outside:  # a bound crossed by one rounding: decided in f64
             any_outside = outside(tolerance, c.double() - r.double(), r.double())
-    return sq_ref, sq_diff, sq_cand, ref_dot_diff, max_abs, max_ref, any_outside, dtype
+    return *totals, max_abs, max_ref, any_outside, dtype
+
+
+def _blocks(n: int):
+    """(start, stop) over a flat tensor of `n` values: blocks of whole chunks, then the last, shorter chunk."""
+    whole = n - n % CHUNK
+    for start in range(0, whole, BLOCK_CHUNKS * CHUNK):
+        yield start, min(start + BLOCK_CHUNKS * CHUNK, whole)
+    if whole < n:
+        yield whole, n
+
+
+def _block(flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Whole chunks as rows (chunks, CHUNK); the last, shorter chunk as it is (n,)."""
+    values = flat[start:stop]
+    return values.reshape(-1, CHUNK) if (stop - start) % CHUNK == 0 else values
+
+
+def _row_sums(values: torch.Tensor) -> list[float]:
+    """The sum of each row of a block (one value for the last chunk)."""
+    return values.sum(dim=-1).tolist() if values.dim() > 1 else [float(values.sum())]
 
 
 def _cosine(u: float, v: float) -> float:
