@@ -51,6 +51,31 @@ def test_a_second_run_reads_the_noise_floor_and_greedy_from_the_cache_and_report
     assert second.greedy == first.greedy and second.first_divergence == first.first_divergence
 
 
+def test_a_second_decode_reads_its_step_floors_from_the_cache_and_judges_every_step_the_same(tiny_llama, cache,
+                                                                                             monkeypatch):
+    """A decode's step floors (its uncached and f64 forwards over the decoded tokens) are kept: the same decode
+    run again makes neither run, and every step reads as before; another number of steps measures its own."""
+    from tracer.pipeline import decode
+
+    model = tiny_llama()
+
+    def decoded(steps):
+        return tracer.run(model, tokens=TOKENS, variant="decode_positions=restart", decode=steps, greedy=0,
+                          progress=False)
+
+    first = decoded(3)
+    kept = [json.loads(path.read_text().split("\n")[1]) for path in entries(cache, model)]
+    assert [key["context"]["steps"] for key in kept if key["context"].get("measure") == "step floors"] == [3]
+    f64_runs = []
+    real = decode.load_engine
+    monkeypatch.setattr(decode, "load_engine", lambda *args: f64_runs.append(args) or real(*args))
+    second = decoded(3)
+    assert f64_runs == [] and second.steps == first.steps and len(first.steps) == 4
+    assert first.verdict == "diverged" and first.step == 1  # the restarted position, found at its step
+    decoded(2)
+    assert len(f64_runs) == 1
+
+
 def test_a_model_file_written_since_or_other_tokens_measure_again(tiny_llama, cache):
     model = tiny_llama()
     run(model)

@@ -249,7 +249,6 @@ def step_floors(decoded: Trace, uncached: Trace, prefill_noise: dict[str, float]
     (for the cache, of what it holds), the rel_l2 between the reference's cached step and the same
     position of `uncached` (its forward over the prompt and every decoded token, without a cache), and
     `step_noise[step]` (`StepNoise`: the f64 noise of the step's own rows)."""
-    prefill_noise = prefill_noise or {}
     start = step_position(decoded)
     floors = []
     for step in decoded_steps(decoded):
@@ -259,9 +258,16 @@ def step_floors(decoded: Trace, uncached: Trace, prefill_noise: dict[str, float]
                       if (tensor := _rows(point, uncached, first, rows, step)) is not None}, step.meta)
         gaps = rel_l2_by_point(step, same) if len(same) else {}
         own = step_noise[len(floors)] if step_noise else {}
-        floors.append({point: max(gaps.get(point, 0.0), prefill_noise.get(_held(point)) or 0.0,
-                                  own.get(point, 0.0)) for point in step.points})
-    return floors
+        floors.append({point: max(gaps.get(point, 0.0), own.get(point, 0.0)) for point in step.points})
+    return raised_to(floors, prefill_noise)
+
+
+def raised_to(floors: list[dict[str, float]], prefill_noise: dict[str, float] | None) -> list[dict[str, float]]:
+    """Each step's floors, none below the prefill's f64 noise of the point (for a cache point, of what it
+    holds): what a step's own measurements (kept in the reference cache) become in a run."""
+    prefill_noise = prefill_noise or {}
+    return [{point: max(value, prefill_noise.get(_held(point)) or 0.0) for point, value in step.items()}
+            for step in floors]
 
 
 class StepNoise:

@@ -5,7 +5,9 @@ The reference decodes first, greedily; the candidate is teacher-forced on the re
 both see the same inputs at every step and a flipped argmax does not end the comparison. The truth
 of a step is the reference's cached decode; its floor comes from the reference too: its uncached
 forward over the prompt and every decoded token (one more forward) gives each step's rows computed
-without a cache, and the two differ by f32 rounding only (`tracer.comparison.steps.step_floors`).
+without a cache, and the two differ by f32 rounding only (`tracer.comparison.steps.step_floors`), and
+an f64 run over the same tokens gives each step's own rounding. What these measure is kept in the
+reference cache (`step_floors_key`), so that a second run of the same decode pays for neither.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tracer.comparison.steps import (
     StepNoise,
     compare_steps,
     decoded_steps,
+    raised_to,
     step_floors,
     step_position,
     with_steps,
@@ -38,6 +41,7 @@ from tracer.engines.load import load_engine
 from tracer.engines.registry import EngineRef
 from tracer.model.knobs import expand_presets, is_regime
 from tracer.model.points import CACHE_POINTS, K_ROPE, Q_ROPE, split_point
+from tracer.pipeline import reference_cache
 from tracer.traces.spill import SPILL_TOKENS, DiskRecorder
 from tracer.traces.trace import Trace
 
@@ -57,14 +61,33 @@ def reference_decode(prepared, steps: int, forced: list[int] | None = None
         return reference, None
     sequence = prepared.ids + decoded_tokens(reference)
     at = at_positions(prepared.position_offset, len(sequence))
-    uncached = prepared.engine.record(sequence, **at)
     if is_regime(expand_presets(prepared.variant)):  # its prefill's floor is the regime's own (regime_noise)
-        return reference, step_floors(reference, uncached, prepared.noise)
+        return reference, step_floors(reference, prepared.engine.record(sequence, **at), prepared.noise)
+    key = step_floors_key(prepared, steps, forced)
+    kept = reference_cache.load(key) if key is not None else None
+    if kept is not None and kept.get("tokens") == sequence:
+        return reference, raised_to(kept["floors"], prepared.noise)
+    uncached = prepared.engine.record(sequence, **at)
     # each step's own rows in f64 (a streamed reimpl run, as the prefill's noise): their f32 rounding
     noise = StepNoise(reference, uncached)
     load_engine(EngineRef.named("reimpl"), {**prepared.variant, "dtype": "f64"},
                 dataclasses.replace(prepared.target, stream=True)).record(sequence, noise, **at)
-    return reference, step_floors(reference, uncached, prepared.noise, noise.noise)
+    floors = step_floors(reference, uncached, None, noise.noise)
+    if key is not None:
+        reference_cache.store((key, {"tokens": sequence, "floors": floors}))
+    return reference, raised_to(floors, prepared.noise)
+
+
+def step_floors_key(prepared, steps: int, forced: list[int] | None) -> dict | None:
+    """The reference cache's key of a decode's step floors (what the steps measure apart from the
+    prefill's floor, which each run adds: `raised_to`); None for a loaded model."""
+    request = prepared.request
+    if request is None or request.target.source.loaded:
+        return None
+    return reference_cache.entry_key(
+        request.target.source.directory, prepared.ids, measure="step floors", steps=steps, forced=forced,
+        engine=str(request.reference.engine), variant=request.reference.variant, placement=repr(request.placement),
+        position_offset=prepared.position_offset)
 
 
 def decoded_tokens(trace: Trace) -> list[int]:

@@ -1,10 +1,11 @@
 """What a run measures on the reference side besides its trace, kept between runs: the f64 noise
-floor and the reference's greedy continuation.
+floor, the reference's greedy continuation and a decode's step floors.
 
-Both depend only on the model, the tokens and the reference (not on the candidate), yet cost more
+All depend only on the model, the tokens and the reference (not on the candidate), yet cost more
 than the reference's own forward (an f64 forward; a decode of 20 steps, each reading every
-weight). A porting session runs the same model and prompt again and again with another candidate
-or variant: from the second run they are read from `<cache>/reference/` instead.
+weight; an uncached and an f64 forward over a decode's tokens). A porting session runs the same
+model and prompt again and again with another candidate or variant: from the second run they are
+read from `<cache>/reference/` instead.
 
 An entry is keyed by everything its measurement depends on: the model folder's files as they are on
 disk (size, mtime, ctime, inode of each: any write moves ctime), the token ids (a cheap floor's: the
