@@ -6,9 +6,11 @@ takes an importance matrix (`imatrix`: tensor name -> one weight per input colum
 The quantizer runs in a child process (`python -m tests.quantized_gguf`), as every native runtime
 does in the suite: a native crash fails the test instead of hanging its worker. What it writes is
 kept in tracer's cache (`<cache>/quantized/`, a `tracer.files.convert.cached_build` entry, sealed
-and checked like a conversion), keyed by the source file's contents, the type, the importance
-matrix and llama-cpp-python's version: the same file quantized again is copied from there (the
-bundled SmolLM2 to Q4_K_M is ~4 s of llama.cpp's quantizer, and three test files ask for it).
+and checked like a conversion) where the source is large, keyed by the source file's contents, the
+type, the importance matrix and llama-cpp-python's version: the same file quantized again is linked
+from there (the bundled SmolLM2 to Q4_K_M is ~4 s of llama.cpp's quantizer, and three test files
+ask for it). A tiny model's file is quantized each time, in well under a second: kept, the tiny
+models whose bytes differ from run to run (a random `imatrix`, a seed) would pile up entries.
 
 `write_kquant_llama` writes a tiny random Llama whose widths are multiples of 256, so that
 k-quant types apply to every projection (a 64-wide model gets only fallbacks).
@@ -44,21 +46,25 @@ def quantize_gguf(source: Path, target: Path, ftype: str, *, imatrix: dict[str, 
 
     source, target = Path(source), Path(target)
     matrix = None if imatrix is None else {name: np.asarray(values, np.float32) for name, values in imatrix.items()}
-    key = _key(source, ftype, matrix, requantize, cache_root())
 
-    def build(folder: Path) -> None:
-        command = [sys.executable, "-m", "tests.quantized_gguf", str(source), str(folder / QUANTIZED), ftype,
+    def build(folder: Path, made: Path) -> None:
+        command = [sys.executable, "-m", "tests.quantized_gguf", str(source), str(made), ftype,
                    "1" if requantize else "0"]
         if matrix is not None:
-            np.savez(folder / "imatrix.npz", **matrix)
-            command.append(str(folder / "imatrix.npz"))
+            np.savez(folder / f"{made.stem}.imatrix.npz", **matrix)
+            command.append(str(folder / f"{made.stem}.imatrix.npz"))
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               cwd=Path(__file__).resolve().parents[1])
-        if done.returncode != 0 or not (folder / QUANTIZED).is_file():
+        if done.returncode != 0 or not made.is_file():
             raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype} failed ({done.returncode}): "
                                f"{done.stderr[-2000:]}")
 
-    built = cached_build(cache_root() / "quantized" / key, build, progress=False)
+    if source.stat().st_size < KEPT_FROM_BYTES:  # a tiny model's: made again, in well under a second
+        build(target.parent, target)
+        return target
+    key = _key(source, ftype, matrix, requantize, cache_root())
+    built = cached_build(cache_root() / "quantized" / key, lambda folder: build(folder, folder / QUANTIZED),
+                         progress=False)
     try:  # the same bytes under the test's name: a file a test writes in place would fail the entry's hash
         os.link(built / QUANTIZED, target)  # check and be made again, never be used damaged
     except OSError:  # another file system
@@ -67,6 +73,7 @@ def quantize_gguf(source: Path, target: Path, ftype: str, *, imatrix: dict[str, 
 
 
 QUANTIZED = "model.gguf"
+KEPT_FROM_BYTES = 16 << 20  # sources from this size on (SmolLM2's) are quantized once into the cache
 
 
 def _key(source: Path, ftype: str, matrix: dict[str, np.ndarray] | None, requantize: bool, cache: Path) -> str:
