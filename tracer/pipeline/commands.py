@@ -292,11 +292,9 @@ def catalogue_rows(prepared: Prepared, placement: Placement, tried, decoded, for
     reference cache (`tracer.pipeline.reference_cache`): diagnosing several dumps of one prompt (a
     notebook, a porting CI job, a port after each fix) runs the catalogue once. A loaded model's
     catalogue runs every time."""
-    key = None if prepared.source.loaded else reference_cache.entry_key(
-        prepared.source.directory, prepared.ids, measure="catalogue", engine=prepared.reference,
-        variant=prepared.variant, placement=repr(placement), tolerance=repr(prepared.tolerance),
-        noise_floor=prepared.floor.mode if prepared.floor else None,
-        variants=[variant_text(knobs) for knobs in tried], forced=forced)
+    key = prepared.cache_key(placement, measure="catalogue", tolerance=repr(prepared.tolerance),
+                             noise_floor=prepared.floor.mode if prepared.floor else None,
+                             variants=[variant_text(knobs) for knobs in tried], forced=forced)
     memo = json.dumps(key, sort_keys=True, default=str)
     rows = None
     if key is not None:

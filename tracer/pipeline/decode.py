@@ -81,13 +81,9 @@ def reference_decode(prepared, steps: int, forced: list[int] | None = None
 def step_floors_key(prepared, steps: int, forced: list[int] | None) -> dict | None:
     """The reference cache's key of a decode's step floors (what the steps measure apart from the
     prefill's floor, which each run adds: `raised_to`); None for a loaded model."""
-    request = prepared.request
-    if request is None or request.target.source.loaded:
+    if prepared.request is None:
         return None
-    return reference_cache.entry_key(
-        request.target.source.directory, prepared.ids, measure="step floors", steps=steps, forced=forced,
-        engine=str(request.reference.engine), variant=request.reference.variant, placement=repr(request.placement),
-        position_offset=prepared.position_offset)
+    return prepared.cache_key(prepared.request.placement, measure="step floors", steps=steps, forced=forced)
 
 
 def decoded_tokens(trace: Trace) -> list[int]:

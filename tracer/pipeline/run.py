@@ -85,6 +85,16 @@ class Prepared:
         """The model the run traces (None for two saved traces)."""
         return self.target.source if self.target is not None else None
 
+    def cache_key(self, placement, **measured) -> dict | None:
+        """The reference cache's key of what was `measured` on this reference over its tokens (a decode's
+        step floors, a diagnosis's catalogue): the reference, its variant, `placement` and the position
+        offset, with what `measured` names; None for a loaded model or a saved trace."""
+        source = self.source
+        if source is None or source.loaded:
+            return None
+        return reference_cache.entry_key(source.directory, self.ids, engine=self.reference, variant=self.variant,
+                                         placement=repr(placement), position_offset=self.position_offset, **measured)
+
 
 def token_ids(source: ModelSource, prompt: str | None = None, tokens=None, *, chat: bool = False,
               system: str | None = None) -> tuple[list[int], dict | None]:
