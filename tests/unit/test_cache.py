@@ -93,6 +93,34 @@ def test_cached_build_rebuilds_a_damaged_entry_and_says_so(tmp_path, capsys):
     assert convert.cached_build(target, build, progress=False) == target and len(builds) == 2  # intact now: used
 
 
+def test_a_new_entry_removes_those_beside_it_unused_for_thirty_days_and_no_other(tmp_path):
+    import fcntl
+    import time
+
+    def build(out):
+        (out / "weights.bin").write_bytes(b"\x02" * 4096)
+
+    folder = tmp_path / "cache"
+    entries = {name: convert.cached_build(folder / name, build, progress=False)
+               for name in ("unused", "used", "building", "recent")}
+    (folder / "not-an-entry").mkdir()  # a folder of another kind (the reference cache's) beside them
+    (folder / ".not-an-entry.lock").touch()
+    days_ago = time.time() - (convert.UNUSED_DAYS + 1) * 86400
+    for name in ("unused", "used", "building", "not-an-entry"):
+        os.utime(folder / f".{name}.lock", (days_ago, days_ago))
+    os.utime(folder / ".recent.lock", (days_ago + 2 * 86400,) * 2)  # 29 days: kept
+    assert convert.cached_build(entries["used"], build, progress=False) == entries["used"]  # a use touches it
+    assert (folder / ".used.lock").stat().st_mtime > time.time() - 60
+    with open(folder / ".building.lock", "a+") as held:  # another process holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        convert.cached_build(folder / "new", build, progress=False)
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [
+        "building", "new", "not-an-entry", "recent", "used"]
+    assert (folder / ".unused.lock").exists()  # lock files stay
+    assert not [p for p in folder.iterdir() if ".tmp-" in p.name]
+    assert convert.prune_unused(folder) == [folder / "building"]  # no longer held
+
+
 def test_a_damaged_gguf_conversion_is_rebuilt_never_used(tmp_path, monkeypatch, capsys):
     from tests.tiny_gguf import write_tiny_gguf
 

@@ -1,10 +1,12 @@
 """Building cached model directories once, and the GGUF conversion that is built that way.
 
 ``cached_build`` runs a build at most once per target, across threads and processes (an flock),
-in a temporary sibling renamed into place when complete. ``convert_gguf`` is the build that
-dequantizes a GGUF into f32 safetensors, ``tokenizer.json`` and a ``config.json``. A Llama's
-config is written transformers-4-style with top-level ``rope_theta``, the file candle and our own
-reader expect; another family transformers can load from GGUF (Qwen2, Qwen3, Mistral, Gemma 2,
+in a temporary sibling renamed into place when complete. Each use of an entry touches its lock file,
+and each new build removes the entries beside it that no run has used for UNUSED_DAYS (an export or
+a conversion made by an earlier version, or of a model long deleted, is never used again).
+``convert_gguf`` is the build that dequantizes a GGUF into f32 safetensors, ``tokenizer.json`` and a
+``config.json``. A Llama's config is written transformers-4-style with top-level ``rope_theta``, the
+file candle and our own reader expect; another family transformers can load from GGUF (Qwen2, Qwen3, Mistral, Gemma 2,
 Gemma 3, Phi-3: ``tracer.model.families``) gets the config its loaded transformers config saves.
 
 Only the conversion imports transformers; reading weights (``tracer.files.weights``) and tokenizing
@@ -25,6 +27,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,10 @@ __all__ = ["cache_root", "cached_build", "convert_gguf", "is_complete", "package
 COMPLETE_MARKER = ".tracer-complete"
 
 CONFIG_FILE = "config.json"
+
+# A cache entry (a build here, a reference measurement) no run has used for this long is removed the next time
+# one beside it is made: another version sharing the cache keeps the entries it uses.
+UNUSED_DAYS = 30
 
 _STAGES = ("load + dequantize", "write weights", "write tokenizer", "write config")
 
@@ -75,14 +82,17 @@ def cached_build(target: Path, build: Callable[[Path], None], progress: bool = T
     """Run ``build(tmp_dir)`` at most once per ``target``, across threads and processes.
 
     The build writes into a temporary sibling that is renamed into place only when complete,
-    so an interrupted run never leaves a directory that later runs would trust.
+    so an interrupted run never leaves a directory that later runs would trust. A new entry then
+    removes those beside it unused for UNUSED_DAYS (`prune_unused`).
     """
     if is_complete(target):
+        _mark_used(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{target.name}.lock", target, progress):
+    with _exclusive_lock(_lock_file(target), target, progress):
         # Whoever held the lock before us may have finished the job while we waited.
         if is_complete(target):
+            _mark_used(target)
             return target
         _say_damage(target)
         _remove_leftovers(target)
@@ -96,7 +106,49 @@ def cached_build(target: Path, build: Callable[[Path], None], progress: bool = T
             # BaseException too: Ctrl-C during the ~10 s conversion must not leave a temp dir.
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        _mark_used(target)
+    prune_unused(target.parent)
     return target
+
+
+def _lock_file(target: Path) -> Path:
+    return target.parent / f".{target.name}.lock"
+
+
+def _mark_used(target: Path) -> None:
+    """The entry's lock file's mtime is when a run last used it (what `prune_unused` reads)."""
+    try:
+        os.utime(_lock_file(target))
+    except OSError:  # a read-only cache: its entries are never pruned by this process either
+        pass
+
+
+def prune_unused(folder: Path) -> list[Path]:
+    """Remove the complete entries in `folder` whose lock file says no run has used them for UNUSED_DAYS;
+    the removed paths. An entry another process holds (building it, or removing it) is skipped, and the
+    lock files stay (removing one would let two processes lock different files for the same entry)."""
+    oldest = time.time() - UNUSED_DAYS * 86400
+    removed = []
+    for lock in folder.glob(".*.lock"):
+        entry = folder / lock.name[1:-len(".lock")]
+        try:
+            if lock.stat().st_mtime >= oldest or not (entry / COMPLETE_MARKER).is_file():
+                continue
+            with open(lock, "a+") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                if lock.stat().st_mtime >= oldest:  # used while this process looked
+                    continue
+                # out of the way first (a name `_remove_leftovers` cleans if this process dies), then removed
+                doomed = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=folder))
+                os.replace(entry, doomed / entry.name)
+                shutil.rmtree(doomed, ignore_errors=True)
+                removed.append(entry)
+        except OSError:  # a read-only cache, or another process removed it first
+            continue
+    return removed
 
 
 def _say_damage(target: Path) -> None:

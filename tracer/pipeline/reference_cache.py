@@ -31,11 +31,10 @@ import os
 import time
 from pathlib import Path
 
-from tracer.files.convert import cache_root, package_version
+from tracer.files.convert import UNUSED_DAYS, cache_root, package_version
 from tracer.files.hashes import code_digest, stats
 
 FORMAT = 2  # an entry is three lines of JSON: its model folder and files (what `prune` reads), its key, its values
-UNUSED_DAYS = 30  # an entry no run has read (or written) for this long is removed by the next store
 # tracer's own code, whose edits change what it measures: the package and the hf engine's
 # `tracer.hooks` (a folder of its own in a source checkout, inside the package in a wheel).
 _SOURCES = ("tracer", "tracer.hooks")
