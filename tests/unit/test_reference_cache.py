@@ -32,7 +32,9 @@ def entries(cache, model) -> list:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """An empty cache whose every store prunes (a process prunes at most once in PRUNE_EVERY_S)."""
     monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(reference_cache, "PRUNE_EVERY_S", 0.0)
     return tmp_path / "cache" / "reference"
 
 
@@ -211,3 +213,28 @@ def test_a_store_reads_each_entrys_first_line_and_removes_the_earlier_formats(ti
         header, key, measured = (json.loads(line) for line in path.read_text().split("\n"))
         assert header == {"model": key["model"], "files": key["files"]} and key["format"] == 2
         assert set(measured) in ({"greedy"}, {"noise", "complete", "through"})
+
+
+def test_a_process_that_stores_again_and_again_prunes_at_most_once_a_minute(tmp_path, monkeypatch):
+    """Each prune reads every entry's first line: a notebook's or a sweep's stores share one a minute."""
+    monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "cache"))
+    clock = [1000.0]
+    monkeypatch.setattr(reference_cache.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(reference_cache, "_pruned", {})
+    (tmp_path / "gone").mkdir()
+
+    def store(name):
+        model = tmp_path / name
+        model.mkdir(exist_ok=True)
+        key = reference_cache.entry_key(model, TOKENS, measure=name)
+        reference_cache.store((key, {"value": 1}))
+        return reference_cache.entry_path(key)
+
+    doomed = store("gone")
+    shutil.rmtree(tmp_path / "gone")  # its entry can never be read again
+    clock[0] += reference_cache.PRUNE_EVERY_S / 2
+    kept = store("a")
+    assert doomed.exists() and kept.exists()  # pruned a moment ago: not again yet
+    clock[0] += reference_cache.PRUNE_EVERY_S
+    store("b")
+    assert not doomed.exists() and kept.exists()

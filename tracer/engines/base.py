@@ -14,12 +14,12 @@ import functools
 import platform
 from contextlib import contextmanager
 from contextvars import ContextVar
-from importlib import metadata
 from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
 from tracer.core.errors import TracerError
 from tracer.core.lazy import torch  # the isolated engines' handle imports this module; its child starts torch-free
 from tracer.core.progress import detail
+from tracer.core.versions import installed_version
 from tracer.engines.registry import EngineEntry
 from tracer.model.points import LOGITS, layer_point
 
@@ -123,13 +123,8 @@ def environment() -> dict:
 def _environment() -> dict:
     """Read once per process: every trace's metadata carries it, a decode's every step too, and reading
     the installed packages' metadata takes tens of milliseconds."""
-    versions = {"python": platform.python_version(), "platform": platform.platform()}
-    for package in ("torch", "transformers", "safetensors"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    return versions
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            **{package: installed_version(package) for package in ("torch", "transformers", "safetensors")}}
 
 
 def trace_meta(engine, model: str, tokens: list[int], dtype: torch.dtype | str, not_recorded: dict,

@@ -35,7 +35,6 @@ child process of `tracer.engines.isolated`, as every native runtime does.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
 import os
@@ -52,6 +51,7 @@ import torch
 from safetensors.torch import load_file
 
 from tracer.core.errors import TracerError
+from tracer.core.versions import installed_version
 from tracer.engines.base import EngineBase, at_positions, decode_steps
 from tracer.engines.candle_models import MODEL_FILES, flash_note
 from tracer.engines.registry import ENGINES
@@ -159,7 +159,7 @@ def check_platform(system: str | None = None, machine: str | None = None, flags:
 
 def runtime() -> dict:
     """How reports name the runtime: "candle-nn 0.4.2 (candle kernels of March 2024)"."""
-    return {"name": "candle-nn", "version": f"{importlib.metadata.version('candle-nn')} (candle kernels of March 2024)"}
+    return {"name": "candle-nn", "version": f"{installed_version('candle-nn')} (candle kernels of March 2024)"}
 
 
 def composed(shape: Shape | None = None) -> dict[str, tuple[str, ...]]:

@@ -39,7 +39,6 @@ import collections
 import ctypes
 import dataclasses
 import functools
-import importlib.metadata
 import math
 import os
 import re
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 
 from tracer.core.errors import TracerError
+from tracer.core.versions import installed_version
 from tracer.engines.base import EngineBase, decode_steps
 from tracer.engines.registry import ENGINES
 from tracer.files.hf_to_gguf import converted_gguf
@@ -818,7 +818,7 @@ class LlamaCppEngine(EngineBase):
 
 @functools.lru_cache(maxsize=1)
 def _distribution_version() -> str:
-    return importlib.metadata.version("llama-cpp-python")
+    return installed_version("llama-cpp-python")
 
 
 def _meta_text(model, key: bytes) -> str | None:

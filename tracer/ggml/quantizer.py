@@ -22,11 +22,11 @@ import functools
 import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 
+from tracer.core.versions import installed_version
 from tracer.files.gguffile import GGML_TYPES
 
 TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
@@ -133,8 +133,6 @@ def ggml_quantizer() -> GgmlQuantizer | None:
 
 def quantizer_name(quantizer: GgmlQuantizer) -> str:
     """"llama.cpp 0.3.36 (ggml 0.9.4)": the package and the library, as reports name them."""
-    try:
-        package = f"llama-cpp-python {version('llama_cpp_python')}"
-    except PackageNotFoundError:
-        package = "llama-cpp-python"
+    installed = installed_version("llama_cpp_python")
+    package = "llama-cpp-python" if installed is None else f"llama-cpp-python {installed}"
     return f"{package} (ggml {quantizer.version})"

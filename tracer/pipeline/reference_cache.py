@@ -14,10 +14,11 @@ the reference engine, its variant and placement, what was measured (the floor's 
 cheap ones, or the greedy continuation of so many steps), the versions of torch and transformers,
 and tracer's own source files (their contents: an edited tracer measures again, another checkout
 of the same code does not). An entry that cannot be read is measured again; one that cannot be
-written is not kept (a read-only cache costs time, never a wrong answer). Each store removes the
-entries that can never be read again, their model folder gone (a temporary one, a deleted download)
-or its files written since, and those no run has read for UNUSED_DAYS (an edited tracer's are never
-read again; another version sharing the cache keeps its own by using them).
+written is not kept (a read-only cache costs time, never a wrong answer). A store removes (at most
+once a minute in a process that stores again and again) the entries that can never be read again,
+their model folder gone (a temporary one, a deleted download) or its files written since, and those
+no run has read for UNUSED_DAYS (an edited tracer's are never read again; another version sharing
+the cache keeps its own by using them).
 No torch here.
 """
 
@@ -31,10 +32,15 @@ import os
 import time
 from pathlib import Path
 
-from tracer.files.convert import UNUSED_DAYS, cache_root, package_version
+from tracer.core.versions import installed_version
+from tracer.files.convert import UNUSED_DAYS, cache_root
 from tracer.files.hashes import code_digest, stats
 
 FORMAT = 2  # an entry is three lines of JSON: its model folder and files (what `prune` reads), its key, its values
+# A prune reads every entry's first line (about 30 ms with 1,000 entries): a process that stores again and again
+# (a notebook, a sweep, the suite's workers) prunes at most this often; a `tracer` command stores once.
+PRUNE_EVERY_S = 60.0
+_pruned: dict[Path, float] = {}  # folder -> when this process last pruned it (time.monotonic)
 # tracer's own code, whose edits change what it measures: the package and the hf engine's
 # `tracer.hooks` (a folder of its own in a source checkout, inside the package in a wheel).
 _SOURCES = ("tracer", "tracer.hooks")
@@ -58,7 +64,7 @@ def entry_key(model_dir: Path, tokens: list[int], **context) -> dict:
     (engine, variant, placement, what was asked for), with the versions that shape the numbers."""
     return {"format": FORMAT, "model": str(model_dir.resolve()), "files": folder_state(model_dir),
             "tokens": list(tokens), "context": context,
-            "versions": {name: package_version(name) for name in ("torch", "transformers")}, "tracer": tracer_code()}
+            "versions": {name: installed_version(name) for name in ("torch", "transformers")}, "tracer": tracer_code()}
 
 
 def entry_path(key: dict) -> Path:
@@ -84,8 +90,8 @@ def load(key: dict) -> dict | None:
 
 
 def store(*entries: tuple[dict, dict]) -> None:
-    """Keep each (key, measured: JSON values) entry, atomically, then prune the folder once; a cache that
-    cannot be written keeps nothing."""
+    """Keep each (key, measured: JSON values) entry, atomically, then prune the folder (at most once in
+    PRUNE_EVERY_S per process); a cache that cannot be written keeps nothing."""
     folder = None
     for key, measured in entries:
         path = entry_path(key)
@@ -99,7 +105,8 @@ def store(*entries: tuple[dict, dict]) -> None:
             tmp.unlink(missing_ok=True)
             return
         folder = path.parent
-    if folder is not None:
+    if folder is not None and time.monotonic() - _pruned.get(folder, -PRUNE_EVERY_S) >= PRUNE_EVERY_S:
+        _pruned[folder] = time.monotonic()
         prune(folder)
 
 
