@@ -320,9 +320,16 @@ def regime_lines(summary: Summary) -> list[str]:
 
 def audit_lines(audit: Mapping | None) -> list[str]:
     """The audit of the GGUF a regime took its tensors from: one line when every tensor is
-    identical, legitimate or not audited, one line per damaged tensor."""
+    identical, legitimate or not audited, one line per damaged tensor; one more where it was read from
+    the cache."""
     if not audit:
         return []
+    cached = ["audit read from the cache (an earlier run audited this file against these weights)"] \
+        if audit.get("cached") else []
+    return _audit_verdict_lines(audit) + cached
+
+
+def _audit_verdict_lines(audit: Mapping) -> list[str]:
     name = PurePath(audit.get("file") or "?").name
     counts, total = audit.get("counts") or {}, len(audit.get("tensors") or {})
     verdict = audit.get("verdict")

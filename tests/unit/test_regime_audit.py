@@ -74,3 +74,24 @@ def test_a_damaged_block_shows_at_its_op_with_everything_before_it_within_its_fl
     assert summary["regime"]["variant"]["gguf_file"] == str(files["damaged"].resolve())  # the file, exactly
     assert line in (tmp_path / "report" / "summary.md").read_text()
     assert line in (tmp_path / "report" / "report.html").read_text()
+
+
+def test_a_second_run_reads_the_audit_from_the_cache_and_a_rewritten_file_is_audited_again(kquant, tmp_path,
+                                                                                            monkeypatch):
+    import dataclasses
+    import shutil
+
+    monkeypatch.setenv("TRACER_CACHE", str(tmp_path / "cache"))
+    model, files = kquant
+    gguf = shutil.copy(files["damaged"], tmp_path / "file.gguf")
+    first, second = (regime_run(model, gguf) for _ in range(2))
+    assert not first.regime.audit.cached and second.regime.audit.cached
+    assert dataclasses.replace(second.regime.audit, cached=False) == first.regime.audit
+    assert second.regime.variant == first.regime.variant  # the damaged tensor requantized, as audited
+    assert second.first_divergence.point == first.first_divergence.point == "model.layers.1.self_attn.k_proj"
+    said = "audit read from the cache (an earlier run audited this file against these weights)"
+    assert said in " ".join(terminal_summary(second).split()) and "from the cache (an earlier run audited" \
+        not in " ".join(terminal_summary(first).split())
+    shutil.copy(files["Q4_K_M-imatrix"], gguf)  # the same path, other bytes: audited again
+    third = regime_run(model, gguf).regime.audit
+    assert not third.cached and third.verdict == "legitimate" and not third.damaged

@@ -109,6 +109,7 @@ class WeightAudit:
     why: str | None = None  # not_audited: why
     tensors: tuple[TensorAudit, ...] = ()
     seconds: float = 0.0
+    cached: bool = False  # read from the reference cache: an earlier run audited this file against these weights
 
     @property
     def damaged(self) -> tuple[str, ...]:
@@ -129,7 +130,17 @@ class WeightAudit:
                                            "error_ratio": worst.error_ratio},
             "tensors": {t.tensor: {k: v for k, v in t.to_dict().items() if k != "tensor"} for t in self.tensors},
             "seconds": self.seconds,
+            "cached": self.cached,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> WeightAudit:
+        """The audit `to_dict` wrote (what the reference cache keeps)."""
+        tensors = tuple(TensorAudit(tensor=name, **{"kind" if key == "type" else key: value
+                                                    for key, value in fields.items()})
+                        for name, fields in data["tensors"].items())
+        return cls(data["file"], data["verdict"], data["quantizer"], why=data["why"], tensors=tensors,
+                   seconds=data["seconds"], cached=data.get("cached", False))
 
 
 

@@ -33,10 +33,13 @@ from tracer.comparison.result import RawView, RegimeView, Result
 from tracer.core.errors import TracerError
 from tracer.engines.load import load_engine
 from tracer.engines.registry import EngineRef, check_engine
+from tracer.files.hashes import stats
 from tracer.files.sources import ModelSource, check_gguf_header
 from tracer.files.weights import WeightFiles
 from tracer.ggml.audit import WeightAudit, audit_gguf
+from tracer.ggml.quantizer import ggml_quantizer, quantizer_name
 from tracer.model.knobs import expand_presets, parse_variant, setting, variant_label, variant_text
+from tracer.pipeline import reference_cache
 from tracer.pipeline.decode import compare_decoded
 from tracer.pipeline.request import Inputs, Placement, Request, Side
 from tracer.pipeline.run import compare_candidate, prepared_reference, timed
@@ -94,8 +97,30 @@ def audit_weights(knobs: dict, source: ModelSource) -> WeightAudit:
 
     path = Path(knobs["gguf_file"]) if knobs.get("gguf_file") else gguf_path(source.config().get("tracer_source"))
     check_gguf_header(path)
-    reference = dict(source.module.state_dict()) if source.loaded else WeightFiles(source.directory)
-    return audit_gguf(path, reference)
+    if source.loaded:  # weights in memory, which no cache key can name
+        return audit_gguf(path, dict(source.module.state_dict()))
+    return cached_audit(path, source.directory)
+
+
+def cached_audit(path: Path, model_dir: Path) -> WeightAudit:
+    """The audit of the GGUF at `path` against `model_dir`'s weights, kept in the reference cache: keyed by
+    both files' stats (any write moves a ctime), llama.cpp's quantizer and tracer's code. An audit reads
+    every tensor of both and requantizes the file's: seconds at 1B, minutes at 8B, the same on every run."""
+    quantizer = ggml_quantizer()
+    if quantizer is None:
+        return audit_gguf(path, WeightFiles(model_dir))  # "not_audited", saying why
+    where = path.resolve()
+    key = reference_cache.entry_key(model_dir, [], measure="gguf audit", gguf=str(where),
+                                    gguf_file=stats(where.parent, [where.name]), quantizer=quantizer_name(quantizer))
+    kept = reference_cache.load(key)
+    if kept is not None:
+        try:
+            return dataclasses.replace(WeightAudit.from_dict(kept["audit"]), cached=True)
+        except (KeyError, TypeError, AttributeError):  # unreadable: audited again, and replaced
+            pass
+    audit = audit_gguf(path, WeightFiles(model_dir), quantizer)
+    reference_cache.store((key, {"audit": audit.to_dict()}))
+    return audit
 
 
 def implied(candidate: EngineRef, variant: dict, source: ModelSource) -> tuple[dict, list[str]]:
