@@ -1,7 +1,8 @@
 """What tracing costs, as ratios to a plain transformers eager forward measured in the same run.
 
     python bench/bench.py            # full: 512 tokens, 5 repeats, whole-run timings
-    python bench/bench.py --quick    # CI-sized: 256 tokens, 3 repeats (well under two minutes)
+    python bench/bench.py --quick    # fewer tokens and repeats: 256 tokens, 3 repeats (every row still runs: the
+                                     # regimes, engines and whole runs took over ten minutes on 2 cores)
     python bench/bench.py --threads 1   # steadier figures on a small, busy machine
     python bench/bench.py --whole-run   # only `tracer run` as a process against a bare transformers script
     python bench/bench.py --decode 64   # only `--decode 64` and the greedy check, against both engines' own
@@ -582,7 +583,7 @@ def table(timings: dict[str, tuple[float, float] | str]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized: fewer tokens and repeats")
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (every row still runs)")
     parser.add_argument("--tokens", type=int, help="prompt length (default 512, quick 256)")
     parser.add_argument("--threads", type=int, help="torch and llama.cpp threads, here and in the timed processes "
                         "(default: each runtime's own)")
