@@ -19,9 +19,14 @@ from tracer.files.convert import COMPLETE_MARKER
 # A child process: build `target` with a build that appends its pid to `runs`, writes half a file,
 # and finishes it once the file `release` exists (the test decides when a build may end).
 CHILD = r"""
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
 from tracer.files.convert import cached_build
+
+# Ctrl-C as a terminal delivers it, whatever the test worker's own state: a child inherits its parent's
+# signal mask and an ignored SIGINT (once in a suite run, the interrupted child never saw the signal).
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 target, runs, release = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 
