@@ -782,7 +782,7 @@ class LlamaCppEngine(EngineBase):
         return self.meta(
             tokens, "float32", not_recorded, num_layers=self.num_layers, position_offset=start or None,
             runtime={"name": "llama.cpp", "version": f"{self.ggml.commit} (ggml {self.ggml.version})",
-                     "package": f"llama-cpp-python {_distribution_version()}",
+                     "package": f"llama-cpp-python {installed_version('llama-cpp-python')}",
                      "type_k": self.kv_type, "type_v": self.kv_type},
             weights=self.description, flash_attn="on" if self.flash else "off", outputs=self.outputs,
             sources=sources or None, system_info=llama_cpp.llama_print_system_info().decode().strip(),
@@ -814,11 +814,6 @@ class LlamaCppEngine(EngineBase):
 
     def _knobs_text(self) -> str:
         return variant_text(self.variant) or "its defaults"
-
-
-@functools.lru_cache(maxsize=1)
-def _distribution_version() -> str:
-    return installed_version("llama-cpp-python")
 
 
 def _meta_text(model, key: bytes) -> str | None:

@@ -6,8 +6,9 @@ and each new build removes the entries beside it that no run has used for UNUSED
 a conversion made by an earlier version, or of a model long deleted, is never used again).
 ``convert_gguf`` is the build that dequantizes a GGUF into f32 safetensors, ``tokenizer.json`` and a
 ``config.json``. A Llama's config is written transformers-4-style with top-level ``rope_theta``, the
-file candle and our own reader expect; another family transformers can load from GGUF (Qwen2, Qwen3, Mistral, Gemma 2,
-Gemma 3, Phi-3: ``tracer.model.families``) gets the config its loaded transformers config saves.
+file candle and our own reader expect; another family transformers can load from GGUF (Qwen2, Qwen3,
+Mistral, Gemma 2, Gemma 3, Phi-3: ``tracer.model.families``) gets the config its loaded transformers
+config saves.
 
 Only the conversion imports transformers; reading weights (``tracer.files.weights``) and tokenizing
 (``tracer.files.tokenizer``) use ``safetensors`` and ``tokenizers`` directly, so the reimplementation

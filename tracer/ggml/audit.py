@@ -143,7 +143,6 @@ class WeightAudit:
                    seconds=data["seconds"], cached=data.get("cached", False))
 
 
-
 @dataclass(frozen=True)
 class Levels:
     """Where a block type keeps its quants, and the levels they mean.
