@@ -291,6 +291,8 @@ def regime_lines(summary: Summary) -> list[str]:
         return []
     judged = ("each op on the candidate's own inputs" if regime.get("verdict_view") == "per_op"
               else "free-running")
+    if regime.get("floor_at_bound"):  # the caveats name this CPU's own code paths
+        judged += f", every op against at least {fmt(regime.get('per_op_bound'))} (the paths a caveat names)"
     lines = [f"view: the regime {regime.get('label')} (the reference is tracer's model in the candidate's number "
              f"formats, judged {judged}; the verdict above speaks of it)"]
     raw = regime.get("raw") or {}

@@ -16,6 +16,7 @@ import pytest
 
 import tracer
 from tests.audited_gguf import damage_block
+from tests.cpu_builds import skip_unless_exact_here
 from tests.quantized_gguf import quantize_gguf
 from tracer.engines.registry import parse_engine
 from tracer.files.sources import ModelSource, bundled_gguf
@@ -46,9 +47,11 @@ def test_one_damaged_block_of_blk_5_attn_k_shows_at_layer_5_k_proj(default_model
     first = result.first_divergence
     assert first.point == "model.layers.5.self_attn.k_proj"
     upstream = [p for p in result.points[:first.index] if p.recorded]
-    assert upstream and all(p.rel_l2 == 0 for p in upstream)
+    assert upstream and all(p.rel_l2 <= p.threshold for p in upstream)
     # the raw view, against f32, has it at the first projection of layer 0: the file's formats
     assert regime.raw.first_divergence.point.startswith("model.layers.0.self_attn.")
+    skip_unless_exact_here(regime.caveats)  # last: the rest holds on any CPU
+    assert all(p.rel_l2 == 0 for p in upstream)
 
 
 def test_regime_auto_on_an_f16_file_takes_its_f16_tensors(default_model, tmp_path):

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import tracer
-from tests.cpu_builds import skip_unless_exact_here
+from tests.cpu_builds import skip_unless_exact_here, this_cpu_caveats
 from tests.readme import run_recipe
 from tracer.engines.load import resolve_and_load
+from tracer.ggml.strategies import emulates_this_cpu
 from tracer.traces.layouts import sub_point
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
@@ -32,6 +33,7 @@ def llamacpp_trace(default_model):
 
 
 def test_the_llamacpp_regime_is_llama_cpp_to_the_bit(default_model, llamacpp_trace):
+    skip_unless_exact_here(this_cpu_caveats())
     ours = tracer.record(default_model, PROMPT_IDS, engine="reimpl", variant=LLAMACPP, progress=False)
     result = tracer.compare(ours, llamacpp_trace)
     compared = [p for p in result.points if p.recorded]
@@ -49,9 +51,12 @@ def test_per_op_on_llama_cpps_inputs_is_exact_here_and_within_1e_4_in_another_or
             if p.recorded:
                 kind = sub_point(p.point)
                 worst[accumulate][kind] = max(worst[accumulate].get(kind, 0.0), p.rel_l2)
-    assert set(worst["ggml"].values()) == {0.0}
     assert max(worst["f32"].values()) < 1e-4  # measured 3.8e-5, at self_attn.context (f16 accumulator)
     assert worst["f32"]["self_attn.q_proj"] < 1e-6 and worst["f32"]["mlp.down_proj"] < 1e-6
+    # an AVX2-only CPU: 1.7e-5 at self_attn.context, 4e-8 at mlp.act (another exp), its Q4_1 matmuls exact
+    assert max(worst["ggml"].values()) < 1e-4 and worst["ggml"]["mlp.down_proj"] == 0.0
+    skip_unless_exact_here(this_cpu_caveats())  # last: the rest holds on any CPU
+    assert set(worst["ggml"].values()) == {0.0}
 
 
 def _corrupt(source, target, tensor: str = "blk.7.ffn_down.weight", every: int = 20) -> float:
@@ -119,7 +124,12 @@ def test_regime_auto_names_a_corrupted_tensor_alone_and_the_raw_view_hides_it(de
     assert result.regime.audit.damaged == ("blk.7.ffn_down.weight",)
     first = result.first_divergence
     assert result.verdict == "diverged" and first.point == "model.layers.7.mlp.down_proj"
-    assert first.upstream_max_rel_l2 == 0.0 and first.rel_l2 > 1e-3  # every point before it: exactly llama.cpp's
+    assert first.rel_l2 > 1e-3
+    if emulates_this_cpu(result.regime.caveats):  # every point before it: exactly llama.cpp's
+        assert first.upstream_max_rel_l2 == 0.0
+    else:  # this CPU's paths not emulated: every point before it within the per-op bound
+        upstream = [p for p in result.points[:first.index] if p.recorded]
+        assert all(p.rel_l2 <= p.threshold and p.threshold >= 0.999 * result.regime.per_op_bound for p in upstream)
     assert result.regime.per_op_over == ("model.layers.7.mlp.down_proj",)  # per op: that matmul alone
     assert result.regime.raw.first_divergence.layer == 0  # quantization itself diverges at the first projection
     # against f32, the corrupted matmul reads about what the file's formats cost there (the regime's cost:
@@ -133,6 +143,7 @@ def test_regime_auto_judges_free_running_past_the_old_64_tokens_and_every_point_
     """140 tokens: 3 tiles of 64 keys in llama.cpp's tiled flash attention, the last one partial,
     and a last pass of 4 tokens in the compiled matmul kernels (8 tokens a pass)."""
     pytest.importorskip("llama_cpp")
+    skip_unless_exact_here(this_cpu_caveats())
     tokens = (PROMPT_IDS * 40)[:140]
     result = tracer.run(default_model, tokens=tokens, candidate="llamacpp", regime="auto", greedy=0, progress=False)
     assert result.regime.verdict_view == "free" and result.regime.variant == LLAMACPP

@@ -263,6 +263,9 @@ def test_llama_cpp_on_k_quant_ggufs_is_the_regime_to_the_bit(kquant_ggufs, ftype
     """One token (gemv / vec_dot), 5 (gemm + gemv / vec_dot, one-chunk flash attention) and 70
     (gemm + gemv / tiled, the tiled flash attention): every one of llama.cpp's points equal."""
     pytest.importorskip("llama_cpp")
+    from tests.cpu_builds import skip_unless_exact_here, this_cpu_caveats
+
+    skip_unless_exact_here(this_cpu_caveats())
     import tracer
     from tests.conftest import TOKENS
     from tracer.engines import llamacpp

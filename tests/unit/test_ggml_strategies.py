@@ -11,7 +11,7 @@ import torch
 
 import tracer
 from tests.conftest import TOKENS
-from tests.cpu_builds import AMD, AMD_CPU, INTEL, INTEL_CPU
+from tests.cpu_builds import AMD, AMD_CPU, INTEL, INTEL_CPU, skip_unless_exact_here, this_cpu_caveats
 from tests.ggml_gguf import quantized_models
 from tracer.core.errors import TracerError
 from tracer.engines.registry import engines_honouring
@@ -108,6 +108,7 @@ def test_the_llamacpp_preset_is_llama_cpp_to_the_bit_on_a_quantized_gguf(quantiz
     """Q4_1 projections, a Q8_0 embedding and lm_head, an f16 KV cache and flash attention, at 7
     tokens (one-chunk flash attention) and at 70 (the tiled path): every recorded point equal."""
     pytest.importorskip("llama_cpp")
+    skip_unless_exact_here(this_cpu_caveats())
     from tracer.engines import llamacpp
 
     _, gguf, converted = quantized
@@ -131,6 +132,7 @@ def test_flash_attention_off_is_llama_cpps_unfused_attention_to_the_bit(quantize
     CPU with AVX512-BF16 (the test's id says which path this machine takes) tinyBLAS and
     ggml_vec_dot_bf16 run _mm512_dpbf16_ps, which the regime then emulates."""
     pytest.importorskip("llama_cpp")
+    skip_unless_exact_here(this_cpu_caveats())
     from tracer.engines import llamacpp
 
     _, gguf, converted = quantized

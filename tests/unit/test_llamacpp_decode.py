@@ -16,6 +16,7 @@ import torch
 
 import tracer
 from tests.conftest import TOKENS, write_tiny_llama
+from tests.cpu_builds import skip_unless_exact_here, this_cpu_caveats
 from tests.ggml_gguf import quantized_models
 from tests.tiny_gguf import write_tiny_gguf
 from tracer.comparison.steps import compare_steps
@@ -110,6 +111,7 @@ def quantized(tmp_path_factory):
 
 @pytest.mark.parametrize("switches", [{}, {"flash_attn": "off"}], ids=["flash", "unfused"])
 def test_in_llamacpps_regime_every_point_of_every_step_is_exactly_0(quantized, switches):
+    skip_unless_exact_here(this_cpu_caveats())
     gguf, converted = quantized
     regime = resolve_and_load(EngineRef.named("reimpl"), ModelSource(converted), {**REGIME, **switches})
     reference = regime.decode(TOKENS, STEPS)
@@ -124,6 +126,11 @@ def test_in_llamacpps_regime_every_point_of_every_step_is_exactly_0(quantized, s
 # the whole pipeline twice (raw and regime views, their floors): 8.6 s here
 def test_run_with_regime_and_decode_matches_at_every_step(quantized):
     gguf, converted = quantized
+    if this_cpu_caveats():  # judged per op here, which decode steps are not: refused in one line
+        with pytest.raises(TracerError, match=r"judged per op here \(this CPU lacks"):
+            tracer.run(converted, tokens=TOKENS, candidate=f"llamacpp:{gguf}", regime="auto", decode=STEPS,
+                       greedy=0, progress=False)
+        return
     result = tracer.run(converted, tokens=TOKENS, candidate=f"llamacpp:{gguf}", variant="threads=1", regime="auto",
                         decode=STEPS, greedy=0, progress=False)
     assert result.regime is not None and result.regime.verdict_view == "free"

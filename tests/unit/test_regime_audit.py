@@ -13,6 +13,7 @@ import tracer
 from tests.audited_gguf import activation_imatrix, damage_block
 from tests.conftest import TOKENS
 from tests.quantized_gguf import quantize_gguf, write_kquant_llama
+from tracer.ggml.strategies import emulates_this_cpu
 from tracer.reports.terminal import terminal_summary
 
 pytest.importorskip("llama_cpp")
@@ -65,7 +66,8 @@ def test_a_damaged_block_shows_at_its_op_with_everything_before_it_within_its_fl
         assert first.upstream_max_rel_l2 == 0.0
     else:  # Q4_K judged per op: the ops whose kernels are emulated exactly 0, the others within their floor
         assert all(p.rel_l2 <= p.threshold for p in upstream)
-        assert all(p.rel_l2 == 0.0 for p in upstream if not p.point.endswith("_proj"))
+        if emulates_this_cpu(regime.caveats):  # else this CPU's exp and lanes are not the ones emulated
+            assert all(p.rel_l2 == 0.0 for p in upstream if not p.point.endswith("_proj"))
     assert first.rel_l2 > 100 * first.threshold
     line = "audit: blk.1.attn_k.weight (Q4_K) damaged: one block of 128 at "
     assert line in terminal_summary(result) and "requantize=blk.1.attn_k" in terminal_summary(result)

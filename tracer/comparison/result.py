@@ -300,13 +300,16 @@ class RegimeView:
     verdict_view: str  # "free" or "per_op": how the verdict was judged (`tracer.pipeline.regime_view.verdict_view`)
     # the GGUF file whose tensors the regime takes (weights=gguf), audited against the reference's weights
     audit: WeightAudit | None = None
+    # every point judged against at least per_op_bound: a caveat names this CPU's or build's own code paths,
+    # so the ops emulated in the runtime's order are not its arithmetic here either
+    floor_at_bound: bool = False
 
     def to_dict(self) -> dict:
         return {
             "variant": self.variant, "label": self.label, "caveats": list(self.caveats), "raw": self.raw.to_dict(),
             "cost": self.cost, "per_op": self.per_op, "per_op_worst": self.per_op_worst,
             "per_op_bound": self.per_op_bound, "per_op_over": list(self.per_op_over),
-            "verdict_view": self.verdict_view, "audit": dict_or_none(self.audit),
+            "verdict_view": self.verdict_view, "audit": dict_or_none(self.audit), "floor_at_bound": self.floor_at_bound,
         }
 
 

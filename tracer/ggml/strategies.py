@@ -32,7 +32,7 @@ engine runs like any other (`tracer.record(..., engine="reimpl", variant=...)`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -661,6 +661,9 @@ KQUANT_WEIGHT_TYPES = set(KQUANT_TYPES)
 KQUANT_NOT_EXACT = ("this llama.cpp build lacks AVX2 or FMA: its k-quant kernels (the AVX, ARM or scalar ones) "
                     "are not the x86 AVX2 ones emulated; summed in the x86 order instead")
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
+# How the caveats that name this CPU's or build's own code paths begin (`emulates_this_cpu`): the ops tracer
+# emulates then run other arithmetic in llama.cpp, not only the kernels a caveat on a weight type names.
+CPU_PATH_CAVEATS = ("this CPU lacks ", "this llama.cpp build accumulates ", "this llama.cpp build multiplies ")
 # A native build on a CPU with AMX multiplies these weight types in its AMX buffer (ggml-cpu/amx; f16
 # too: amx.cpp's supports_op): not emulated.
 AMX_WEIGHT_TYPES = {"f16", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"}
@@ -714,16 +717,22 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): {why}")
     missing = [flag for flag in CPU_FLAGS if flag not in (ops.cpu_flags() if flags is None else flags)]
     if missing:
-        caveats.append(f"this CPU lacks {', '.join(missing)}: llama.cpp takes other code paths here "
+        caveats.append(f"{CPU_PATH_CAVEATS[0]}{', '.join(missing)}: llama.cpp takes other code paths here "
                        "(exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated")
     fp16 = ops.native_f16_columns(head_dim or 0, build)
     if fp16 and kv_cache == "f16" and variant.get("flash_attn") != "off":
-        caveats.append(f"this llama.cpp build accumulates flash attention's values in AVX512-FP16 arithmetic "
+        caveats.append(f"{CPU_PATH_CAVEATS[1]}flash attention's values in AVX512-FP16 arithmetic "
                        f"({fp16} of {head_dim} columns): emulated from the instructions' definition, not yet "
                        "measured against llama.cpp")
     amx = sorted(set(weight_types.values()) & AMX_WEIGHT_TYPES)
     if amx and "AMX_INT8" in build:
-        caveats.append(f"this llama.cpp build multiplies {', '.join(t.upper() for t in amx)} weights in AMX "
+        caveats.append(f"{CPU_PATH_CAVEATS[2]}{', '.join(t.upper() for t in amx)} weights in AMX "
                        "tiles (AMX_INT8), which are not emulated: build llama-cpp-python without AMX "
                        "(docs/engine-llamacpp.md)")
     return variant, caveats
+
+
+def emulates_this_cpu(caveats: Sequence[str]) -> bool:
+    """Whether the ops tracer emulates in ggml's order are llama.cpp's own arithmetic here: no caveat of
+    `implied_regime` names this CPU's or this build's code paths (another exp, other lanes, AMX tiles)."""
+    return not any(caveat.startswith(CPU_PATH_CAVEATS) for caveat in caveats)

@@ -32,7 +32,7 @@ Measured figures (SmolLM2, preset=llamacpp): docs/regimes.md, "The noise floor i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -95,6 +95,14 @@ class NoiseFloor:
     @property
     def scale(self) -> float:
         return FLOOR_SCALE if self.rows < self.tokens else 1.0
+
+    def judged_against(self, noise: dict[str, float]) -> NoiseFloor:
+        """This floor with `noise` in place of its own, per point: what the regime's per-op view judges
+        against (`tracer.pipeline.regime_view.per_op_noise`, which this floor's values are part of). Described
+        as this one was measured; nothing more is measured through it."""
+        floor = replace(self, measure_exact=None, noise={})
+        floor.noise = dict(noise)
+        return floor
 
     def lowest(self) -> dict[str, float]:
         """Per point, the lowest its exact floor can be: FLOOR_LOW times its cheap floor where only that is known."""

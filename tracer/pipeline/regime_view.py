@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 
 from tracer.comparison.diff import ErrorRecorder, rel_l2_by_point
-from tracer.comparison.result import RawView, RegimeView, Result
+from tracer.comparison.result import NOISE_FACTOR, RawView, RegimeView, Result
 from tracer.core.errors import TracerError
 from tracer.engines.load import load_engine
 from tracer.engines.registry import EngineRef, check_engine
@@ -206,7 +206,7 @@ def regime_context(knobs: dict, caveats: list[str], raw: Result, cost: dict[str,
         per_op=per_op, per_op_worst=worst_op and {"point": worst_op[0], "rel_l2": worst_op[1]},
         per_op_bound=bound,
         per_op_over=tuple(point for point, error in (per_op or {}).items() if bound is not None and error > bound),
-        verdict_view=view_kind, audit=audit,
+        verdict_view=view_kind, audit=audit, floor_at_bound=view_kind == "per_op" and floor_at_bound(knobs, caveats),
     )
 
 
@@ -219,12 +219,14 @@ def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
     free-running is a verdict only where the emulation is bit-exact: ggml's own summation order
     (accumulate=ggml), on this CPU and these weight types (no caveat), and on prompts up to
     EXACT_TOKENS (about 2-3× a plain forward with the compiled loops of `tracer.ggml.kernels`;
-    EXACT_TOKENS_UNFUSED with flash_attn=off); otherwise the per-op view decides.
+    EXACT_TOKENS_UNFUSED with flash_attn=off); otherwise the per-op view decides. It decides too
+    where a caveat names this CPU's own code paths (`floor_at_bound`), chaotic or not: free-running, those
+    paths' differences add up across layers, and no floor measured here covers them.
     """
     expanded = expand_presets(knobs)
     chaotic = setting(expanded, "act_quant") != "none" or expanded.get("kv_cache") == "q8_0"
     exact = not caveats and exact_order(expanded, num_tokens)
-    return "free" if not chaotic or exact else "per_op"
+    return "free" if (not chaotic and not floor_at_bound(knobs, caveats)) or exact else "per_op"
 
 
 def exact_order(knobs: dict, num_tokens: int) -> bool:
@@ -249,16 +251,35 @@ def order_spread(prepared, knobs: dict) -> dict[str, float]:
     return errors.rel_l2
 
 
-def per_op_noise(prepared, knobs: dict) -> dict[str, float] | None:
+def per_op_noise(prepared, knobs: dict, caveats: list[str] = ()) -> dict[str, float] | None:
     """The per-op view's noise floor: per point, the larger of the regime's own (its f64 sums
     against its order, `tracer.pipeline.noise_floor.regime_noise`) and `order_spread`. Measured on SmolLM2's
     Q4_K_M at 5 tokens: without the second, 4 of 30 flash-attention outputs of a correct file read
     over their floor (llama.cpp's f16 accumulator rounds differently once its q·k sums take another
-    order, rel_l2 up to 5.7e-5 against floors of 4e-6)."""
-    if prepared.noise is None or setting(expand_presets(knobs), "accumulate") == "f32":
-        return prepared.noise  # a regime summed by torch in f32 already: its noise floor is that spread
+    order, rel_l2 up to 5.7e-5 against floors of 4e-6).
+
+    Where a caveat names this CPU's or build's own code paths (`strategies.emulates_this_cpu`), even
+    the ops emulated in ggml's order are not llama.cpp's arithmetic here: every point's floor is then
+    at least the per-op bound over NOISE_FACTOR, so that its threshold is the bound (PER_OP_BOUNDS).
+    Measured on an AVX2-only AMD EPYC (Zen 3) against the AVX-512 arithmetic emulated, SmolLM2 Q4_1 at
+    5 tokens: 1.7e-5 at flash attention's outputs (another exp, 8 lanes), 4e-8 at SwiGLU, against
+    floors of 6e-7 before (a correct file read DIVERGED)."""
+    if prepared.noise is None:
+        return None
+    expanded = expand_presets(knobs)
+    floor = PER_OP_BOUNDS[setting(expanded, "dtype")] / NOISE_FACTOR if floor_at_bound(knobs, caveats) else 0.0
+    if setting(expanded, "accumulate") == "f32":  # summed by torch in f32 already: its noise is that spread
+        return {point: max(noise, floor) for point, noise in prepared.noise.items()}
     spread = order_spread(prepared, knobs)
-    return {point: max(noise, spread.get(point, 0.0)) for point, noise in prepared.noise.items()}
+    return {point: max(noise, spread.get(point, 0.0), floor) for point, noise in prepared.noise.items()}
+
+
+def floor_at_bound(knobs: dict, caveats: list[str]) -> bool:
+    """Whether the per-op view judges every point against at least the per-op bound: a caveat names this
+    CPU's or build's own code paths (`strategies.emulates_this_cpu`) and the regime has a bound."""
+    from tracer.ggml.strategies import emulates_this_cpu  # numba, for ggml's kernels: a regime's only
+
+    return PER_OP_BOUNDS.get(setting(expand_presets(knobs), "dtype")) is not None and not emulates_this_cpu(caveats)
 
 
 def check_regime_decode(knobs: dict, caveats: list[str], num_tokens: int, decode: int) -> None:
@@ -315,7 +336,9 @@ def compare_in_regime(raw: Result, prepared, engine, knobs: dict, caveats: list[
             judged = in_regime
         else:
             with timed(timings, "regime_order_spread_s"):
-                judged = dataclasses.replace(in_regime, trace=forced, noise=per_op_noise(in_regime, knobs))
+                noise = per_op_noise(in_regime, knobs, caveats)
+                judged = dataclasses.replace(in_regime, trace=forced, noise=noise,
+                                             floor=in_regime.floor and in_regime.floor.judged_against(noise))
         view = compare_candidate(judged, engine, trace=candidate)
         if decode:
             view = compare_decoded(view, in_regime, engine, decode)
