@@ -10,8 +10,8 @@ is not exact (`skip_unless_exact_here`).
 - INTEL: a Sapphire-Rapids-class Xeon (AVX-512 with BF16, VNNI and FP16; AVX-VNNI; AMX, which the
   README's build leaves out with -mno-amx-int8).
 
-CI has also run on an AVX2-only AMD EPYC (Zen 3): there the regime names this CPU's paths in a caveat
-(another exp, 8-lane vectors) and judges per op against its bound; the bit-exact tests skip there.
+- ZEN3: an AMD EPYC without AVX-512 (Zen 3: AVX2, FMA, F16C), where CI has run too: ggml's AVX2 code,
+  8-lane vectors and AVX2's exp (`tracer.ggml.ops.f32_lanes`, `avx512_exp`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,16 @@ AMD_REPORT = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA 
 INTEL_REPORT = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
                 "AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | LLAMAFILE = 1 | OPENMP = 1 | "
                 "REPACK = 1 | ")
+ZEN3_REPORT = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | LLAMAFILE = 1 | "
+               "OPENMP = 1 | REPACK = 1 | ")
 AMD_CPU = {"vendor_id": "AuthenticAMD", "flags": "fma f16c avx2 avx512f avx512dq avx512_bf16 avx512_vnni"}
 INTEL_CPU = {"vendor_id": "GenuineIntel",
              "flags": "fma f16c avx2 avx512f avx512dq avx512_bf16 avx512_vnni avx512_fp16 avx_vnni amx_int8 amx_tile"}
+ZEN3_CPU = {"vendor_id": "AuthenticAMD", "flags": "fma f16c avx2"}
 AMD = report_features(AMD_REPORT, AMD_CPU)
 INTEL = report_features(INTEL_REPORT, INTEL_CPU)
-BUILDS = {"amd": AMD, "intel": INTEL}
+ZEN3 = report_features(ZEN3_REPORT, ZEN3_CPU)
+BUILDS = {"amd": AMD, "intel": INTEL}  # the two AVX-512 builds the repack paths are measured on
 
 
 def this_cpu_caveats(head_dim: int | None = None) -> list[str]:
@@ -43,7 +47,7 @@ def this_cpu_caveats(head_dim: int | None = None) -> list[str]:
 
 def skip_unless_exact_here(caveats) -> None:
     """Skip a bit-for-bit comparison with this machine's llama.cpp (or candle) where the regime
-    names a path here that it does not claim (a CPU without AVX-512, an AMX build): there is no
+    names a path here that it does not claim (a CPU without AVX2 or FMA, an AMX build): there is no
     exact answer to check on this machine; the unit tests check each CPU's paths from its report."""
     if caveats:
         pytest.skip("the regime is not exact on this machine: " + "; ".join(caveats))

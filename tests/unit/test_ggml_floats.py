@@ -103,17 +103,34 @@ def test_cosf_sinf_powf_come_from_the_c_library():
     assert floats.libm("sinf", x)[1].item() == pytest.approx(math.sin(1.0), rel=1e-7)
 
 
-def test_ggml_v_expf_is_within_its_documented_error_and_saturates():
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_ggml_v_expf_is_within_its_documented_error_and_saturates(avx512):
     x = torch.linspace(-87, 88, 20_001)
-    ratio = floats.ggml_v_expf(x).to(F64) / torch.exp(x.to(F64))
+    ratio = floats.ggml_v_expf(x, avx512).to(F64) / torch.exp(x.to(F64))
     assert float((ratio - 1).abs().max()) < 2.0 * 2**-23  # "max error 1.45358 plus 0.5 ulps"
-    edge = floats.ggml_v_expf(torch.tensor([0.0, float("-inf"), -200.0, 200.0]))
-    assert edge.tolist() == [1.0, 0.0, 0.0, float("inf")]
-    assert floats.ggml_v_expf(torch.tensor([-100.0])).item() > 0  # subnormal, not flushed (scalef)
+    edge = floats.ggml_v_expf(torch.tensor([0.0, float("-inf"), -200.0, 200.0, float("nan")]), avx512)
+    assert edge[:4].tolist() == [1.0, 0.0, 0.0, float("inf")] and edge[4].isnan()
+    # past |n| = 126 (AVX2: two powers of two) and into the subnormals: exp within its error, not flushed
+    far = torch.tensor([-100.0, -95.0, -88.0, 88.0])
+    got, exact = floats.ggml_v_expf(far, avx512), torch.exp(far.to(F64)).to(F32)  # the first two subnormal
+    assert (got.view(torch.int32) - exact.view(torch.int32)).abs().max().item() <= 1  # one unit of f32 at most
+    assert floats.ggml_v_expf(torch.tensor([88.8]), avx512).item() == float("inf")
 
 
-def test_silu_vector_and_scalar_forms_agree_with_f64():
+def test_the_avx2_and_avx512_exps_are_one_polynomial_rounded_differently():
+    """AVX-512 adds the 1 inside the polynomial's last FMA and scales by scalef; AVX2 leaves it out and
+    takes fma(j, 2^n, 2^n): equal at most inputs, one unit apart at some."""
+    x = torch.linspace(-20, 20, 100_001)
+    wide, narrow = floats.ggml_v_expf(x, True), floats.ggml_v_expf(x, False)
+    apart = (wide != narrow).double().mean().item()
+    assert 0 < apart < 0.5
+    ulps = (wide.view(torch.int32).long() - narrow.view(torch.int32).long()).abs()
+    assert int(ulps.max()) == 1
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_silu_vector_and_scalar_forms_agree_with_f64(avx512):
     x = torch.linspace(-10, 10, 1001)
     exact = x.to(F64) / (1 + torch.exp(-x.to(F64)))
-    assert float(((floats.ggml_v_silu(x) - exact) / exact.abs().clamp(min=1e-3)).abs().max()) < 1e-6
+    assert float(((floats.ggml_v_silu(x, avx512) - exact) / exact.abs().clamp(min=1e-3)).abs().max()) < 1e-6
     assert float(((floats.silu_scalar(x) - exact) / exact.abs().clamp(min=1e-3)).abs().max()) < 1e-6

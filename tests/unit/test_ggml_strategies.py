@@ -210,7 +210,10 @@ def test_implied_regime_names_what_is_not_bit_exact():
     variant, caveats = implied_regime({**exact_types, "x": "q4_k"}, {"kv_cache": "bf16", "flash_attn": "off"},
                                       {"avx2"}, build)
     assert variant == {"preset": "llamacpp", "weights": "gguf", "kv_cache": "bf16", "flash_attn": "off"}
-    assert len(caveats) == 2 and "Q4_K weights" in caveats[0] and "lacks fma, f16c, avx512f" in caveats[1]
+    assert len(caveats) == 2 and "Q4_K weights" in caveats[0] and "lacks fma, f16c:" in caveats[1]
+    # AVX2 alone is emulated (8 lanes, its exp); AVX-512F without DQ takes AVX2's exp with 16 lanes: not
+    assert implied_regime(exact_types, {}, {"avx2", "fma", "f16c"}, frozenset({"AVX2"}))[1] == []
+    assert "lacks avx512dq:" in implied_regime(exact_types, {}, {"avx2", "fma", "f16c", "avx512f"}, build)[1][0]
     # A build with AMX multiplies Q4_1 and Q8_0 in AMX tiles: a caveat, so the per-op view decides.
     _, caveats = implied_regime(exact_types, {}, flags, build | {"AMX_INT8"})
     assert caveats == ["this llama.cpp build multiplies Q4_1, Q8_0 weights in AMX tiles (AMX_INT8), which are not "

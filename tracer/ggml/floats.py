@@ -165,28 +165,38 @@ def expf(x: torch.Tensor) -> torch.Tensor:
 
 # --- ggml's vectorised exp --------------------------------------------------------------------
 
-# ggml_v_expf (ggml-cpu/vec.h), adapted from ARM's optimized routines; the AVX-512 variant.
+# ggml_v_expf (ggml-cpu/vec.h), adapted from ARM's optimized routines: an AVX-512F/DQ build's variant and an
+# AVX2/FMA build's, the same polynomial put together differently (`exp_constants`).
 EXP_SHIFT = float.fromhex("0x1.8p23")
 LOG2E = float.fromhex("0x1.715476p+0")
 LN2_HI, LN2_LO = float.fromhex("0x1.62e4p-1"), float.fromhex("0x1.7f7d1cp-20")
 EXP_POLY = [float.fromhex(h) for h in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2",
                                        "0x1.ffffecp-1")]
-EXP_CONSTANTS = np.array([EXP_SHIFT, LOG2E, LN2_HI, LN2_LO, *EXP_POLY], dtype=np.float32)  # for the compiled loops
+EXP_AVX512, EXP_AVX2 = 1.0, 0.0  # the last of the compiled loops' constants: which variant
 
 
-def ggml_v_expf(x: torch.Tensor) -> torch.Tensor:
-    """ggml_v_expf, AVX-512F/DQ variant (vec.h): exp(x) = 2^n * poly(b), b = x - n*ln2 in two fused
-    steps, `_mm512_scalef_ps` for 2^n; |n| > 192 gives 0 (n <= 0) or inf. Max error 1.45 + 0.5 ulp.
+def exp_constants(avx512: bool) -> np.ndarray:
+    """The compiled loops' constants of ggml_v_expf (`tracer.ggml.kernels.v_expf1`): shift, log2(e), ln2's
+    two parts, the 5 coefficients and the variant, AVX-512's (`avx512`) or AVX2's."""
+    return np.array([EXP_SHIFT, LOG2E, LN2_HI, LN2_LO, *EXP_POLY, EXP_AVX512 if avx512 else EXP_AVX2], dtype=np.float32)
+
+
+def ggml_v_expf(x: torch.Tensor, avx512: bool) -> torch.Tensor:
+    """ggml_v_expf (vec.h): exp(x) = 2^n * poly(b), b = x - n*ln2 in two fused steps; max error 1.45 + 0.5
+    ulp. AVX-512F/DQ (`avx512`): poly(b) = fma(..., fma(c4, b, 1)), times 2^n by `_mm512_scalef_ps`; |n| >
+    192 gives 0 (n <= 0) or inf. AVX2/FMA: j = fma(..., c4 * b), then fma(j, 2^n, 2^n), 2^n from the
+    exponent bits; 126 < |n| <= 192 through two powers of two, past 192 0 or inf.
     Computed per element by `tracer.ggml.kernels._v_expf` (the same steps, compiled)."""
     from tracer.ggml import kernels  # numba compiles these kernels: loaded by the ops that run them
 
-    return torch.from_numpy(kernels.v_expf(x.detach().to("cpu", F32).numpy(), EXP_CONSTANTS, torch.get_num_threads()))
+    return torch.from_numpy(kernels.v_expf(x.detach().to("cpu", F32).numpy(), exp_constants(avx512),
+                                           torch.get_num_threads()))
 
 
-def ggml_v_silu(x: torch.Tensor) -> torch.Tensor:
-    """ggml_v_silu (vec.h, AVX-512): x / (1 + ggml_v_expf(0 - x)), each step rounded to f32."""
+def ggml_v_silu(x: torch.Tensor, avx512: bool) -> torch.Tensor:
+    """ggml_v_silu (vec.h): x / (1 + ggml_v_expf(0 - x)), each step rounded to f32."""
     x = x.to(F32)
-    return x / (1.0 + ggml_v_expf(0.0 - x))  # tensor / tensor: IEEE
+    return x / (1.0 + ggml_v_expf(0.0 - x, avx512))  # tensor / tensor: IEEE
 
 
 def silu_scalar(x: torch.Tensor) -> torch.Tensor:

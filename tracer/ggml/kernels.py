@@ -304,6 +304,15 @@ def reduce_add16(v, start):  # pragma: no cover - compiled
     return (u0 + u2) + (u1 + u3)
 
 
+@njit(inline="always")
+def hsum8(v, start):  # pragma: no cover - compiled
+    """ggml_vec_soft_max_f32's AVX2 sum of v[start:start + 8]: ((v0+v4) + (v2+v6)) + ((v1+v5) + (v3+v7))
+    (`tracer.ggml.floats.hsum8`)."""
+    q0, q1, q2, q3 = v[start + 4] + v[start], v[start + 5] + v[start + 1], v[start + 6] + v[start + 2], \
+        v[start + 7] + v[start + 3]
+    return (q2 + q0) + (q3 + q1)
+
+
 @njit(cache=True, parallel=True)
 def _tile_softmax(raw, scale, constants, tile, p, ms, grows, total):  # pragma: no cover - compiled
     """The online softmax of ggml's tiled flash attention per query row, its tiles of `tile` keys
@@ -311,7 +320,8 @@ def _tile_softmax(raw, scale, constants, tile, p, ms, grows, total):  # pragma: 
     `scale` -> p (H, T, T) the weights ggml_v_expf(s - M) (0 past the query), ms / grows (H, T,
     tiles) the factor expf(M_old - M) (1 where the maximum stayed) and whether the tile raised the
     maximum M, total (H, T) the sum S: on a new maximum S = S * ms, then S += the tile's sum (per 16
-    weights `_mm512_reduce_add_ps`, the four added in f64, added to S in f64)."""
+    weights `_mm512_reduce_add_ps`, on an AVX2 build (constants[9] 0) per 8 `hsum8`, added in f64, added
+    to S in f64)."""
     heads, tokens = raw.shape[0], raw.shape[1]
     tiles = ms.shape[2]
     neg_inf = np.float32(-np.inf)
@@ -337,9 +347,13 @@ def _tile_softmax(raw, scale, constants, tile, p, ms, grows, total):  # pragma: 
             grows[h, t, i], ms[h, t, i] = grew, factor
             for k in range(tile):
                 weights[k] = v_expf1(weights[k] - best, constants)
-            sums = np.float64(reduce_add16(weights, 0))
-            for c in range(16, tile, 16):
-                sums = sums + np.float64(reduce_add16(weights, c))
+            sums = np.float64(0.0)
+            if constants[9] == 0:  # an AVX2 build: 8 lanes a vector
+                for c in range(0, tile, 8):
+                    sums = sums + np.float64(hsum8(weights, c))
+            else:
+                for c in range(0, tile, 16):
+                    sums = sums + np.float64(reduce_add16(weights, c))
             if grew:
                 s_total = s_total * factor
             s_total = np.float32(np.float64(s_total) + sums)
@@ -374,7 +388,7 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(torch_threads)
 
 
-# --- ggml_v_expf (vec.h, AVX-512F/DQ) ----------------------------------------------------------
+# --- ggml_v_expf (vec.h, AVX-512F/DQ and AVX2/FMA) ----------------------------------------------------------
 
 
 @intrinsic
@@ -402,6 +416,8 @@ def v_expf1(v, constants):  # pragma: no cover - compiled
     n = z - shift
     b = fma32(-n, ln2_lo, fma32(-n, ln2_hi, v))
     u = b * b
+    if constants[9] == 0:  # the AVX2 variant
+        return _v_expf1_avx2(n, fma32(fma32(fma32(p0, b, p1), u, fma32(p2, b, p3)), u, p4 * b))
     j = fma32(fma32(fma32(p0, b, p1), u, fma32(p2, b, p3)), u, fma32(p4, b, one))
     in_range = abs(n) <= 192  # _mm512_scalef_ps' range check in ggml: else 0 or inf (NaN: not in range)
     # scalef: j * 2^n rounded once (exact in f64, then one rounding to f32); selects, not
@@ -409,6 +425,25 @@ def v_expf1(v, constants):  # pragma: no cover - compiled
     scaled = np.float32(np.float64(j) * pow2_f64(np.int64(n if in_range else zero)))
     out_of_range = n if np.isnan(n) else (zero if n <= 0 else np.float32(np.inf))
     return scaled if in_range else out_of_range
+
+
+@njit(inline="always")
+def _v_expf1_avx2(n, j):  # pragma: no cover - compiled
+    """The AVX2 variant's last steps on n (the rounded x·log2 e) and j (its polynomial less 1): k = 2^n
+    from the exponent bits, fma(j, k, k) where |n| <= 126; past it s2 = 2^(n-127) (n > 0) or 2^(n+125),
+    fma(s2, j, s2) times s1 = 2^127 or 2^-125, one rounding each (a power of two: exact in f64, then one
+    rounding to f32, subnormals included); past 192, s1·s1: inf or 0. NaN stays NaN."""
+    zero = np.float32(0.0)
+    if np.isnan(n):
+        return n
+    if abs(n) <= 126:
+        k = np.float32(pow2_f64(np.int64(n)))
+        return fma32(j, k, k)
+    if abs(n) > 192:
+        return zero if n <= 0 else np.float32(np.inf)
+    low = n <= 0
+    s2 = np.float32(pow2_f64(np.int64(n + 125 if low else n - 127)))
+    return np.float32(np.float64(fma32(s2, j, s2)) * pow2_f64(np.int64(-125 if low else 127)))
 
 
 @njit(cache=True, parallel=True)
@@ -548,9 +583,9 @@ LANE_UNROLL = 4  # steps of a lane chain per accumulator load: the chain runs in
 
 @njit(cache=True, parallel=True)
 def _lane_chains(x, w, out, row_tile, token_tile, unroll):  # pragma: no cover - compiled
-    """x (T, S, 16) f32, w (S, 16, R) f32 -> out (T, R): per output 16 lane accumulators from +0,
-    lane l taking acc = fma(w[s, l], x[s, l], acc) for s in order (tinyBLAS' madd), then
-    `_mm512_reduce_add_ps`. T a multiple of token_tile, R of row_tile (callers pad); `unroll`
+    """x (T, S, L) f32, w (S, L, R) f32 -> out (T, R): per output L lane accumulators from +0 (16, or 8
+    on AVX2), lane l taking acc = fma(w[s, l], x[s, l], acc) for s in order (tinyBLAS' madd), then
+    `_mm512_reduce_add_ps` (AVX2: tinyBLAS' hsum). T a multiple of token_tile, R of row_tile (callers pad); `unroll`
     steps per pass, so that each chain runs that far in a register."""
     tokens, steps, lanes = x.shape
     rows = w.shape[2]
@@ -577,9 +612,15 @@ def _lane_chains(x, w, out, row_tile, token_tile, unroll):  # pragma: no cover -
                         x0, a = x[t0 + u, s, lane], acc[u, lane]
                         for j in range(row_tile):
                             a[j] = fma32(w0[j], x0, a[j])
-            for u in range(token_tile):  # _mm512_reduce_add_ps: halves 8, 4, then (t0 + t2) + (t1 + t3)
+            for u in range(token_tile):
                 a = acc[u]
-                for j in range(row_tile):
+                if lanes == 8:  # AVX2, tinyBLAS' hsum(__m256): halves 4, then (q0 + q2) + (q1 + q3)
+                    for j in range(row_tile):
+                        q0, q1 = a[0, j] + a[4, j], a[1, j] + a[5, j]
+                        q2, q3 = a[2, j] + a[6, j], a[3, j] + a[7, j]
+                        out[t0 + u, r0 + j] = (q0 + q2) + (q1 + q3)
+                    continue
+                for j in range(row_tile):  # _mm512_reduce_add_ps: halves 8, 4, then (t0 + t2) + (t1 + t3)
                     h0 = (a[0, j] + a[8, j]) + (a[4, j] + a[12, j])
                     h1 = (a[1, j] + a[9, j]) + (a[5, j] + a[13, j])
                     h2 = (a[2, j] + a[10, j]) + (a[6, j] + a[14, j])
@@ -588,7 +629,7 @@ def _lane_chains(x, w, out, row_tile, token_tile, unroll):  # pragma: no cover -
 
 
 def lane_chains(x: np.ndarray, w: np.ndarray, threads: int | None = None) -> np.ndarray:
-    """(T, R) f32: `_lane_chains` on x (T, S, 16) and w (S, 16, R), any T and R, on `threads`."""
+    """(T, R) f32: `_lane_chains` on x (T, S, L) and w (S, L, R), any T and R, on `threads`."""
     tokens, rows = x.shape[0], w.shape[2]
     x = pad_rows(np.ascontiguousarray(x, dtype=np.float32), TOKEN_TILE, 0)
     w = pad_rows(w, LANE_ROW_TILE, 2)

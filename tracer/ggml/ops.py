@@ -1,12 +1,14 @@
 """RMSNorm, RoPE, SwiGLU and attention as llama.cpp's CPU backend computes them (ggml-cpu/ops.cpp,
-vec.h, vec.cpp, simd-gemm.h), for x86 with AVX-512F/DQ (a `GGML_NATIVE` build by GCC 12;
-AVX2-only machines differ in `ggml_v_expf` and in the lane count of the f16 dot products).
+vec.h, vec.cpp, simd-gemm.h), for x86 with AVX-512F/DQ or AVX2/FMA (a `GGML_NATIVE` build by GCC 12):
+the two differ in `ggml_v_expf` and in the lanes of their vectors (`f32_lanes`: 16 or 8), which decide
+the sums of the f16 and f32 dot products, of softmax and the vector part of SwiGLU.
 
 What the build's code is, is read from its feature report and the CPU (`llamacpp_cpu_features`):
 AVX512_BF16 (`_mm512_dpbf16_ps`), LLAMAFILE (tinyBLAS), AVX512_FP16 (f16 arithmetic in flash
 attention's accumulator, from 128 columns) and ZNVER (GCC's tuning for AMD Zen: RoPE's pairs
-vectorised 4 at a time, loop accumulators not fused). Measured against llama.cpp on an Intel Xeon
-and an AMD EPYC (Zen 4), every path but AVX512-FP16's (docs/regimes.md).
+vectorised 4 at a time, loop accumulators not fused). Measured against llama.cpp on an Intel Xeon,
+an AMD EPYC with AVX-512 (Zen 4) and one without (Zen 3, AVX2), every path but AVX512-FP16's
+(docs/regimes.md).
 
 Shapes as in `tracer.reimpl.forward`: x (1, T, C); q (1, H, T, D), k/v (1, KV, T, D) in HF's half-split
 order. ggml holds q/k rows in GGUF's interleaved order; where that order decides a summation
@@ -24,14 +26,15 @@ import torch
 
 from tracer.core.errors import TracerError
 from tracer.ggml.floats import (
-    EXP_CONSTANTS,
     F32,
     F64,
+    exp_constants,
     expf,
     fma,
     fma_f16,
     ggml_v_expf,
     ggml_v_silu,
+    hsum8,
     libm,
     powf,
     rdiv,
@@ -44,7 +47,7 @@ from tracer.model.points import PROBS, SCORES
 from tracer.traces.layouts import to_interleaved
 
 SIMD_F32 = 16  # f32 lanes of an AVX-512 register (GGML_F32_EPR)
-F16_DOT_STEP = 64  # GGML_F16_STEP: 4 registers of 16 lanes per step of ggml_vec_dot_f16
+F16_DOT_STEP = 64  # GGML_F16_STEP: 4 registers of 16 lanes per step of ggml_vec_dot_f16 (AVX2: 4 of 8)
 FA_TILE = 64  # GGML_FA_TILE_Q = GGML_FA_TILE_KV
 F16_NATIVE_STEP = 128  # GGML_F16_STEP with AVX512-FP16: 4 registers of 32 f16 lanes
 
@@ -160,11 +163,13 @@ def rope_exact(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --- SwiGLU -----------------------------------------------------------------------------------
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """ggml_vec_swiglu_f32 per row: ggml_v_silu(gate) * up on whole 16-lane vectors, the scalar
-    ggml_silu_f32 (libm expf) on a row's last I % 16 values. gate/up (1, T, I)."""
-    width = gate.shape[-1] - gate.shape[-1] % SIMD_F32
-    vector = ggml_v_silu(gate[..., :width]) * up[..., :width].to(F32)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, features: frozenset[str] | None = None) -> torch.Tensor:
+    """ggml_vec_swiglu_f32 per row: ggml_v_silu(gate) * up on whole vectors (16 lanes, AVX2 8), the
+    scalar ggml_silu_f32 (libm expf) on a row's last values. gate/up (1, T, I); `features`: the
+    build's (default: this one's)."""
+    features = llamacpp_cpu_features() if features is None else features
+    width = gate.shape[-1] - gate.shape[-1] % f32_lanes(features)
+    vector = ggml_v_silu(gate[..., :width], avx512_exp(features)) * up[..., :width].to(F32)
     if width == gate.shape[-1]:
         return vector
     return torch.cat((vector, silu_scalar(gate[..., width:]) * up[..., width:].to(F32)), dim=-1)
@@ -221,43 +226,65 @@ def softcap_logits(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 # --- attention --------------------------------------------------------------------------------
 
 
-def vec_dot_f16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """ggml_vec_dot_f16 (vec.cpp, AVX-512F without FP16): x (..., D), y (..., D) f16 values held
-    in f32, broadcast against each other -> (...). Four 16-lane f32 accumulators take one FMA per
-    64 values; reduced (a0+a2) + (a1+a3), then `_mm512_reduce_add_ps`; values past the last whole
-    64 are added in f64 one by one."""
-    width = x.shape[-1] - x.shape[-1] % F16_DOT_STEP
+def f32_lanes(features: frozenset[str]) -> int:
+    """GGML_F32_EPR of a build with these features: 16 f32 lanes with AVX-512, else 8 (AVX2)."""
+    return SIMD_F32 if "AVX512" in features else SIMD_F32 // 2
+
+
+def avx512_exp(features: frozenset[str]) -> bool:
+    """Whether the build's ggml_v_expf is the AVX-512F/DQ variant (else AVX2's; `floats.ggml_v_expf`)."""
+    return "AVX512" in features
+
+
+def reduce_lanes(v: torch.Tensor) -> torch.Tensor:
+    """(..., 16) -> (...) `_mm512_reduce_add_ps`, or (..., 8) -> (...) GGML_F32x8_REDUCE's last steps:
+    the halves added, then two `_mm_hadd_ps`: ((v0+v4) + (v1+v5)) + ((v2+v6) + (v3+v7))."""
+    if v.shape[-1] == SIMD_F32:
+        return reduce_add16(v)
+    t = v[..., :4] + v[..., 4:]  # (..., 4)
+    return (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
+
+
+def vec_dot_f16(x: torch.Tensor, y: torch.Tensor, features: frozenset[str] | None = None) -> torch.Tensor:
+    """ggml_vec_dot_f16 (vec.cpp, AVX-512F without FP16, or AVX2): x (..., D), y (..., D) f16 values
+    held in f32, broadcast against each other -> (...). Four f32 accumulators of 16 lanes (AVX2: 8) take
+    one FMA per 64 values (32); reduced (a0+a2) + (a1+a3), then across the lanes (`reduce_lanes`);
+    values past the last whole step are added in f64 one by one."""
+    lanes = f32_lanes(llamacpp_cpu_features() if features is None else features)
+    step = 4 * lanes
+    width = x.shape[-1] - x.shape[-1] % step
     acc = None
-    for start in range(0, width, F16_DOT_STEP):
-        xs = x[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))  # (..., 4, 16)
-        ys = y[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))
+    for start in range(0, width, step):
+        xs = x[..., start:start + step].unflatten(-1, (4, lanes))  # (..., 4, lanes)
+        ys = y[..., start:start + step].unflatten(-1, (4, lanes))
         acc = xs * ys if acc is None else fma(xs, ys, acc)  # the first FMA adds to 0: the exact product
     if acc is None:
         total = torch.zeros(torch.broadcast_shapes(x.shape[:-1], y.shape[:-1]), dtype=F64)
     else:
-        lanes = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])  # (..., 16)
-        total = reduce_add16(lanes).to(F64)
+        total = reduce_lanes((acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])).to(F64)
     for i in range(width, x.shape[-1]):
         total = total + (x[..., i] * y[..., i]).to(F64)
     return total.to(F32)
 
 
-def vec_dot_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """ggml_vec_dot_f32 (vec.cpp, AVX-512): the register scheme of `vec_dot_f16` on f32 values (an
-    FMA per step), but an f32 total: the values past the last whole 64 are added to it in f32 one
+def vec_dot_f32(x: torch.Tensor, y: torch.Tensor, features: frozenset[str] | None = None) -> torch.Tensor:
+    """ggml_vec_dot_f32 (vec.cpp, AVX-512 or AVX2): the register scheme of `vec_dot_f16` on f32 values
+    (an FMA per step), but an f32 total: the values past the last whole step are added to it in f32 one
     by one, each product rounded first (GCC vectorizes that loop as an in-order reduction, so the
     multiply is not fused; measured against llama.cpp)."""
-    width = x.shape[-1] - x.shape[-1] % F16_DOT_STEP
+    lanes = f32_lanes(llamacpp_cpu_features() if features is None else features)
+    step = 4 * lanes
+    width = x.shape[-1] - x.shape[-1] % step
     shape = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
     acc = None
-    for start in range(0, width, F16_DOT_STEP):
-        xs = x[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))  # (..., 4, 16)
-        ys = y[..., start:start + F16_DOT_STEP].unflatten(-1, (4, SIMD_F32))
+    for start in range(0, width, step):
+        xs = x[..., start:start + step].unflatten(-1, (4, lanes))  # (..., 4, lanes)
+        ys = y[..., start:start + step].unflatten(-1, (4, lanes))
         acc = xs * ys if acc is None else fma(xs, ys, acc)
     if acc is None:
         total = torch.zeros(shape, dtype=F32)
     else:
-        total = reduce_add16((acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :]))
+        total = reduce_lanes((acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :]))
     for i in range(width, x.shape[-1]):
         total = total + x[..., i] * y[..., i]
     return total
@@ -370,7 +397,7 @@ def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
     K and V are widened from the f16 cache; per tile of 64 keys the scores are FMA chains over D,
     scaled, masked (-inf); a row with nothing visible in the tile skips it; on a new maximum the
     f32 accumulator and S are scaled by expf(M_old - M); weights are ggml_v_expf(s - M), their sum
-    (f64, per 16) is added to S; V is accumulated by FMA chains over the tile's keys. Output:
+    (f64, per 16 lanes, AVX2 8) is added to S; V is accumulated by FMA chains over the tile's keys. Output:
     acc * (1/S). q/k (H, T, D) GGUF order, v (H, T, D) -> (H, T, D) f32.
 
     Three compiled passes (`tracer.ggml.kernels`): the q·k FMA chains, the online softmax per
@@ -381,7 +408,8 @@ def flash_attn_tiled(q, k, v, scale: float) -> torch.Tensor:
     k32, v32 = round_f16(k), round_f16(v)
     raw = kernels.fma_chains(q.to(F32).numpy(), k32.numpy().transpose(0, 2, 1), causal=True,
                              threads=threads)  # (H, T, T)
-    p, ms, grows, total = kernels.tile_softmax(raw, scale, EXP_CONSTANTS, FA_TILE, threads)
+    constants = exp_constants(avx512_exp(llamacpp_cpu_features()))
+    p, ms, grows, total = kernels.tile_softmax(raw, scale, constants, FA_TILE, threads)
     acc = torch.from_numpy(kernels.context_chains(p, v32.numpy(), ms, grows, FA_TILE, threads))
     total = torch.from_numpy(total)  # (H, T)
     inverse = torch.where(total == 0, 0.0, rdiv(1.0, total))
@@ -556,14 +584,18 @@ def dpbf16(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (acc + xp[..., 1] * yp[..., 1]) + xp[..., 0] * yp[..., 0]
 
 
-def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor, use_dpbf16: bool | None = None) -> torch.Tensor:
+def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor, use_dpbf16: bool | None = None,
+                 features: frozenset[str] | None = None) -> torch.Tensor:
     """ggml_vec_dot_bf16 (vec.cpp) on bf16 values held in f32, x/y (..., K) broadcast -> (...).
 
     AVX512-BF16 (`use_dpbf16`, default: what llama.cpp takes here): two 16-lane accumulators over
     steps of 64, `_mm512_dpbf16_ps` on each half. AVX-512F without it: two accumulators over steps
     of 32, an f32 add of each product. Then each is reduced by `_mm512_reduce_add_ps` and added in
-    f64, and the values past the last whole step one by one in f64."""
+    f64, and the values past the last whole step one by one in f64. AVX2 (`features` without AVX512;
+    default: this build's): four 8-lane accumulators over steps of 32 (`vec_dot_bf16_avx2`)."""
     use_dpbf16 = takes_dpbf16() if use_dpbf16 is None else use_dpbf16
+    if not use_dpbf16 and f32_lanes(llamacpp_cpu_features() if features is None else features) != SIMD_F32:
+        return vec_dot_bf16_avx2(x, y)
     step = 64 if use_dpbf16 else 32
     width = x.shape[-1] - x.shape[-1] % step
     shape = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
@@ -577,6 +609,21 @@ def vec_dot_bf16(x: torch.Tensor, y: torch.Tensor, use_dpbf16: bool | None = Non
             c1, c2 = (c1 + x[..., start:half] * y[..., start:half],
                       c2 + x[..., half:start + step] * y[..., half:start + step])
     total = reduce_add16(c1).to(F64) + reduce_add16(c2).to(F64)
+    for i in range(width, x.shape[-1]):
+        total = total + (x[..., i] * y[..., i]).to(F64)
+    return total.to(F32)
+
+
+def vec_dot_bf16_avx2(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_dot_bf16's AVX2 path: per 32 values four 8-lane accumulators, each adding its 8 products
+    (a multiply and an add, each rounded); (c1+c3) + (c2+c4), `hsum8`, in f64; the values past the last
+    whole 32 one by one in f64. x/y (..., K) broadcast -> (...)."""
+    width = x.shape[-1] - x.shape[-1] % 32
+    shape = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+    acc = torch.zeros(*shape, 4, 8, dtype=F32)  # c1..c4
+    for start in range(0, width, 32):
+        acc = x[..., start:start + 32].unflatten(-1, (4, 8)) * y[..., start:start + 32].unflatten(-1, (4, 8)) + acc
+    total = hsum8((acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])).to(F64)
     for i in range(width, x.shape[-1]):
         total = total + (x[..., i] * y[..., i]).to(F64)
     return total.to(F32)
@@ -604,15 +651,17 @@ def flash_attn_one_chunk_f32(scores: torch.Tensor, v: torch.Tensor) -> torch.Ten
 # --- unfused attention (flash_attn=off) -------------------------------------------------------
 
 
-def tinyblas_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def tinyblas_dot(x: torch.Tensor, y: torch.Tensor, features: frozenset[str] | None = None) -> torch.Tensor:
     """llamafile's tinyBLAS (sgemm.cpp `gemm_bloc`, AVX-512) for one output: a 16-lane f32
     accumulator takes one FMA per 16 values of the inner axis, in order, then
-    `_mm512_reduce_add_ps`. x, y (..., K) broadcast, K a multiple of 16 -> (...)."""
+    `_mm512_reduce_add_ps`; AVX2 8 lanes, then tinyBLAS' `hsum(__m256)` (`hsum8`). x, y (..., K)
+    broadcast, K a multiple of the lanes -> (...); `features`: the build's (default: this one's)."""
+    lanes = f32_lanes(llamacpp_cpu_features() if features is None else features)
     acc = None
-    for start in range(0, x.shape[-1], SIMD_F32):
-        a, b = x[..., start:start + SIMD_F32], y[..., start:start + SIMD_F32]
+    for start in range(0, x.shape[-1], lanes):
+        a, b = x[..., start:start + lanes], y[..., start:start + lanes]
         acc = a * b if acc is None else fma(a, b, acc)
-    return reduce_add16(acc)
+    return reduce_add16(acc) if lanes == SIMD_F32 else hsum8(acc)
 
 
 def tinyblas_dot_dpbf16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -648,17 +697,21 @@ def _pad16(x: torch.Tensor, multiple: int = SIMD_F32) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, -x.shape[-1] % multiple))
 
 
-def soft_max(scores: torch.Tensor) -> torch.Tensor:
+def soft_max(scores: torch.Tensor, features: frozenset[str] | None = None) -> torch.Tensor:
     """ggml_compute_forward_soft_max_f32 on scaled scores with the causal mask (-inf): the row
-    maximum, ggml_v_expf(s - max) per 16 values with their `_mm512_reduce_add_ps` added in f64,
-    then p * f32(1.0/sum) (the reciprocal taken in f64). scores (H, T, N) -> (H, T, N)."""
+    maximum, ggml_v_expf(s - max) per vector with its lanes' sum added in f64 (16 lanes,
+    `_mm512_reduce_add_ps`; AVX2 8, `hsum8`), then p * f32(1.0/sum) (the reciprocal taken in f64).
+    scores (H, T, N) -> (H, T, N); `features`: the build's (default: this one's)."""
+    features = llamacpp_cpu_features() if features is None else features
+    lanes = f32_lanes(features)
     tokens = scores.shape[-1]
     masked = scores + torch.where(causal(*scores.shape[-2:]), 0.0, float("-inf"))  # (H, T, S)
     best = masked.amax(-1, keepdim=True)
-    p = _pad16(ggml_v_expf(masked - best))  # (H, T, N padded)
+    p = _pad16(ggml_v_expf(masked - best, avx512_exp(features)), lanes)  # (H, T, N padded)
     total = torch.zeros(p.shape[:-1], dtype=F64)
-    for start in range(0, p.shape[-1], SIMD_F32):
-        total = total + reduce_add16(p[..., start:start + SIMD_F32]).to(F64)
+    for start in range(0, p.shape[-1], lanes):
+        vector = p[..., start:start + lanes]  # (H, T, lanes)
+        total = total + (reduce_add16(vector) if lanes == SIMD_F32 else hsum8(vector)).to(F64)
     return (p * (1.0 / total).to(F32)[..., None])[..., :tokens]
 
 

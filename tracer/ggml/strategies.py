@@ -660,7 +660,9 @@ NOT_MULTIPLIED = ("norm.weight", ".bias")
 KQUANT_WEIGHT_TYPES = set(KQUANT_TYPES)
 KQUANT_NOT_EXACT = ("this llama.cpp build lacks AVX2 or FMA: its k-quant kernels (the AVX, ARM or scalar ones) "
                     "are not the x86 AVX2 ones emulated; summed in the x86 order instead")
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq")  # the code paths emulated (GGML_NATIVE build)
+# The code paths emulated (a GGML_NATIVE build): AVX2's with FMA and F16C, and AVX-512F/DQ's beside them, the
+# build's feature report saying which (`ops.f32_lanes`, `ops.avx512_exp`).
+CPU_FLAGS = ("avx2", "fma", "f16c")
 # How the caveats that name this CPU's or build's own code paths begin (`emulates_this_cpu`): the ops tracer
 # emulates then run other arithmetic in llama.cpp, not only the kernels a caveat on a weight type names.
 CPU_PATH_CAVEATS = ("this CPU lacks ", "this llama.cpp build accumulates ", "this llama.cpp build multiplies ")
@@ -697,7 +699,7 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         ({'preset': 'llamacpp', 'weights': 'gguf'}, [])
         >>> implied_regime(GGUFWeights(bundled_gguf()).types(), {"kv_cache": "q8_0"},
         ...                flags={"avx2"})[1]  # doctest: +NORMALIZE_WHITESPACE
-        ['this CPU lacks fma, f16c, avx512f, avx512dq: llama.cpp takes other code paths here (exp, f16 dot products,
+        ['this CPU lacks fma, f16c: llama.cpp takes other code paths here (exp, f16 dot products,
           lane orders) than the AVX2/AVX-512 ones emulated']
     """
     knobs = dict(llamacpp_variant or {})
@@ -715,7 +717,10 @@ def implied_regime(weight_types: Mapping[str, str], llamacpp_variant: Mapping[st
         names = [name for name, t in matrices.items() if t == kind]
         why = KQUANT_NOT_EXACT if kind in KQUANT_WEIGHT_TYPES else "no emulated kernel; accumulated in f64"
         caveats.append(f"{kind.upper()} weights ({len(names)} tensors, e.g. {names[0]}): {why}")
-    missing = [flag for flag in CPU_FLAGS if flag not in (ops.cpu_flags() if flags is None else flags)]
+    flags = ops.cpu_flags() if flags is None else flags
+    missing = [flag for flag in CPU_FLAGS if flag not in flags]
+    if "avx512f" in flags and "avx512dq" not in flags:  # ggml_v_expf's AVX-512 variant needs both: AVX2's then
+        missing.append("avx512dq")
     if missing:
         caveats.append(f"{CPU_PATH_CAVEATS[0]}{', '.join(missing)}: llama.cpp takes other code paths here "
                        "(exp, f16 dot products, lane orders) than the AVX2/AVX-512 ones emulated")

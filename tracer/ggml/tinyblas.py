@@ -1,5 +1,5 @@
 """llama.cpp's matmuls on float weights (f32, f16, bf16) as its x86 CPU backend computes them
-with AVX-512 (ggml-cpu.c `ggml_compute_forward_mul_mat`, llamafile/sgemm.cpp, vec.cpp).
+with AVX-512 or AVX2 (ggml-cpu.c `ggml_compute_forward_mul_mat`, llamafile/sgemm.cpp, vec.cpp).
 
 mul_mat first converts the activations to the weight type's vec-dot type (f16: F16C's round to
 nearest even; bf16: `ggml_compute_fp32_to_bf16`, round to nearest even; f32: as they are: the
@@ -12,7 +12,8 @@ caller does that, `tracer.ggml.floats.ROUND`), then multiplies by:
   (`tinyBLAS<32, __m512, __m512bh, ...>`, an inner axis in whole 32s): one `_mm512_dpbf16_ps`
   per 32 values, whose lane j adds the product of elements 2j+1, then of 2j, each add rounded
   to f32. A bf16 product is exact in f32, so that is the same 16-lane chain over the inner axis
-  taken in another order (`dpbf16_order`), and one compiled loop computes both;
+  taken in another order (`dpbf16_order`), and one compiled loop computes both. An AVX2 build:
+  `tinyBLAS<8, __m256, ...>`, 8 lanes per step and tinyBLAS' `hsum(__m256)` (`ops.f32_lanes`);
 - otherwise every output is one `ggml_vec_dot_f16` / `ggml_vec_dot_bf16` / `ggml_vec_dot_f32`
   (`tracer.ggml.ops`): one activation row, a refused shape, or a build without LLAMAFILE.
 
@@ -32,7 +33,7 @@ from tracer.ggml import kernels, ops
 from tracer.ggml.floats import F32
 from tracer.ggml.quants import Blocks
 
-LANES = 16  # f32 lanes of an AVX-512 register: tinyBLAS' KN for f32/f16 (and bf16 without AVX512-BF16)
+LANES = 16  # f32 lanes of an AVX-512 register: tinyBLAS' KN for f32/f16 (and bf16 without AVX512-BF16; AVX2: 8)
 DPBF16_STEP = 32  # bf16 values per `_mm512_dpbf16_ps`: tinyBLAS' KN for bf16 with AVX512-BF16
 
 # weight -> {order: its (S, 16, R) layout}: transposed once per weight
@@ -43,7 +44,7 @@ def takes_tinyblas(kind: str, shape: tuple[int, int], tokens: int, features: fro
     """Whether llamafile_sgemm takes a (R, K) `kind` weight times `tokens` activation rows on a
     build with `features` (tinyBLAS::matmul refuses K % KN and R % 4; sgemm refuses one row)."""
     rows, inner = shape
-    step = DPBF16_STEP if kind == "bf16" and "AVX512_BF16" in features else LANES
+    step = DPBF16_STEP if kind == "bf16" and "AVX512_BF16" in features else ops.f32_lanes(features)
     return "LLAMAFILE" in features and tokens >= 2 and inner % step == 0 and rows % 4 == 0
 
 
@@ -55,17 +56,18 @@ def matmul(x: torch.Tensor, weight: Blocks, features: frozenset[str] | None = No
     if not takes_tinyblas(weight.kind, weight.shape, x.shape[0], features):
         return vec_dot(x, values, weight.kind, features)
     order = "dpbf16" if weight.kind == "bf16" and "AVX512_BF16" in features else "lanes"
-    layout = _layout(weight, values, order)  # (S, 16, R)
+    width = LANES if order == "dpbf16" else ops.f32_lanes(features)
+    layout = _layout(weight, values, order, width)  # (S, L, R)
     columns = x.to(F32)[:, dpbf16_order(x.shape[1])] if order == "dpbf16" else x.to(F32)  # (T, K)
-    lanes = columns.contiguous().numpy().reshape(x.shape[0], -1, LANES)  # (T, S, 16)
+    lanes = columns.contiguous().numpy().reshape(x.shape[0], -1, width)  # (T, S, L)
     return torch.from_numpy(kernels.lane_chains(lanes, layout, torch.get_num_threads()))
 
 
 def vec_dot(x: torch.Tensor, values: torch.Tensor, kind: str, features: frozenset[str]) -> torch.Tensor:
     """(T, R): one ggml_vec_dot_<kind> per output (`tracer.ggml.ops`), in slices of tokens that
     keep the broadcast (T, R, 64) products near 64 MB."""
-    dot = {"f16": ops.vec_dot_f16, "f32": ops.vec_dot_f32,
-           "bf16": lambda a, b: ops.vec_dot_bf16(a, b, "AVX512_BF16" in features)}[kind]
+    dot = {"f16": lambda a, b: ops.vec_dot_f16(a, b, features), "f32": lambda a, b: ops.vec_dot_f32(a, b, features),
+           "bf16": lambda a, b: ops.vec_dot_bf16(a, b, "AVX512_BF16" in features, features)}[kind]
     per_slice = max(1, (1 << 24) // (values.shape[0] * ops.F16_DOT_STEP))
     w = values.to(F32)[None]  # (1, R, K)
     return torch.cat([dot(x[start:start + per_slice, None, :].to(F32), w)
@@ -79,10 +81,10 @@ def dpbf16_order(inner: int) -> torch.Tensor:
     return pairs.flip(-1).transpose(1, 2).reshape(-1)  # (S/2, [2j+1, 2j], 16 lanes) flattened
 
 
-def _layout(weight, values: torch.Tensor, order: str) -> np.ndarray:
-    """(S, 16, R) f32 of the weight, inner axis in `order`, outputs last (cached per weight)."""
+def _layout(weight, values: torch.Tensor, order: str, lanes: int) -> np.ndarray:
+    """(S, L, R) f32 of the weight, inner axis in `order` as `lanes` lanes, outputs last (cached per weight)."""
     layouts = _LAYOUTS.setdefault(weight, {})
-    if order not in layouts:
+    if (order, lanes) not in layouts:
         columns = values.to(F32)[:, dpbf16_order(values.shape[1])] if order == "dpbf16" else values.to(F32)
-        layouts[order] = columns.T.contiguous().numpy().reshape(-1, LANES, values.shape[0])  # (S, 16, R)
-    return layouts[order]
+        layouts[order, lanes] = columns.T.contiguous().numpy().reshape(-1, lanes, values.shape[0])  # (S, L, R)
+    return layouts[order, lanes]
