@@ -95,6 +95,27 @@ def test_regime_auto_on_a_llama_cpp_candidate_is_its_cpu_regime_to_the_bit(quant
     assert "the regime's own cost over f32" in markdown_summary(result)
 
 
+def test_on_a_cpu_whose_paths_are_not_emulated_every_op_is_judged_against_the_per_op_bound(quantized, monkeypatch):
+    """A CPU without F16C (its llama.cpp would take other code paths): per op, every point's threshold the
+    per-op bound (what the caveat's paths can differ by: 1.7e-5 at flash attention on an AVX2 CPU before its
+    paths were emulated, against floors of 6e-7), said in the view's line; the regime's floor, not the f64
+    run's, reaches the verdict."""
+    pytest.importorskip("llama_cpp")
+    from tracer.ggml import ops
+
+    monkeypatch.setattr(ops, "cpu_flags", lambda: {"avx2", "fma"})
+    _, gguf, converted = quantized
+    result = tracer.run(converted, tokens=TOKENS, candidate=f"llamacpp:{gguf}", regime="auto", greedy=0,
+                        progress=False)
+    regime = result.regime
+    assert regime.caveats[0].startswith("this CPU lacks f16c:")
+    assert regime.verdict_view == "per_op" and regime.floor_at_bound and result.verdict == "match"
+    thresholds = {p.threshold for p in result.points if p.recorded}
+    assert min(thresholds) == pytest.approx(regime.per_op_bound) and regime.per_op_bound == 1e-4
+    assert "every op against at least 0.0001 (the paths a caveat names)" in " ".join(terminal_summary(result).split())
+    assert result.to_dict()["regime"]["floor_at_bound"] is True
+
+
 def test_a_gguf_the_directory_was_not_converted_from_lends_the_regime_its_own_tensors(quantized):
     """Each tensor in the file's own type (Q4_1 projections, Q8_0 embedding), whatever directory the
     model came from; the file is named, and audited against the directory's weights first."""
@@ -143,7 +164,10 @@ def test_the_per_op_view_judges_where_the_emulation_cannot_be_bit_exact():
     unfused = {**llamacpp, "flash_attn": "off"}
     assert verdict_view(unfused, [], EXACT_TOKENS_UNFUSED) == "free"
     assert verdict_view(unfused, [], EXACT_TOKENS_UNFUSED + 1) == "per_op"
-    assert verdict_view(llamacpp, ["this CPU lacks avx512f: ..."], 5) == "per_op"
+    assert verdict_view(llamacpp, ["this CPU lacks f16c: ..."], 5) == "per_op"
+    # not chaotic, but this CPU's own paths: free-running their differences add up, per op they do not
+    assert verdict_view({"weights": "q4_0"}, ["this CPU lacks f16c: ..."], 512) == "per_op"
+    assert verdict_view({"weights": "q4_0"}, ["Q6_K weights (1 tensors, e.g. x): ..."], 512) == "free"
     assert verdict_view({"weights": "q8_0", "act_quant": "q8_0", "accumulate": "f32"}, [], 5) == "per_op"
     assert verdict_view({"weights": "q4_0"}, [], 512) == "free"  # no 8-bit activations: not chaotic
     assert verdict_view({"dtype": "bf16"}, [], 512) == "free"
