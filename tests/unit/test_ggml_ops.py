@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cpu_builds import AMD, BUILDS, INTEL
+from tests.cpu_builds import AMD, BUILDS, INTEL, ZEN3
 from tracer.ggml import ops
-from tracer.ggml.floats import F32, F64, fma, libm, powf, round_f16
+from tracer.ggml.floats import F32, F64, fma, ggml_v_silu, libm, powf, round_f16, silu_scalar
 from tracer.model.config import LlamaSpec
 from tracer.traces.layouts import to_interleaved
 
@@ -109,6 +109,25 @@ def test_vec_dot_f16_adds_registers_0_and_2_then_1_and_3():
     assert float(seq) == 1.0  # in order, 2^24 + 1 would lose the first 1
     tail = torch.ones(70)  # 64 in registers, 6 added one by one in f64
     assert ops.vec_dot_f16(tail, tail).item() == 70.0
+
+
+def test_an_avx2_builds_dot_products_take_8_lanes_reduced_by_two_hadds():
+    x, y = torch.zeros(32), torch.zeros(32)  # one AVX2 step (4 registers of 8); an AVX-512 build's tail
+    x[:4], y[:4] = torch.tensor([4096.0, 1.0, -4096.0, 1.0]), torch.tensor([4096.0, 1.0, 4096.0, 1.0])
+    # lanes 0-3 of register 0: (v0 + v1) + (v2 + v3), `_mm_hadd_ps` twice: 2^24 + 1 loses its 1
+    assert ops.vec_dot_f16(x, y, ZEN3).item() == 1.0 and ops.vec_dot_f32(x, y, ZEN3).item() == 1.0
+    assert ops.vec_dot_f16(x, y, AMD).item() == 2.0  # AVX-512: 32 values are a tail, added in f64
+    assert ops.f32_lanes(ZEN3) == 8 and not ops.avx512_exp(ZEN3) and ops.f32_lanes(AMD) == 16
+
+
+def test_swiglus_vectors_are_the_builds_width():
+    """24 values: three AVX2 vectors (its exp), or one AVX-512 vector and 8 values of libm's expf."""
+    gate, up = _randn(1, 64, 24, seed=6, scale=3), _randn(1, 64, 24, seed=7)
+    assert torch.equal(ops.swiglu(gate, up, ZEN3), ggml_v_silu(gate, False) * up)
+    avx512 = ops.swiglu(gate, up, AMD)
+    assert torch.equal(avx512[..., 16:], silu_scalar(gate[..., 16:]) * up[..., 16:])
+    assert torch.equal(avx512[..., :16], ggml_v_silu(gate[..., :16], True) * up[..., :16])
+    assert not torch.equal(avx512, ops.swiglu(gate, up, ZEN3))
 
 
 def _attention_inputs(heads: int, kv: int, tokens: int, dim: int, seed: int = 0):
