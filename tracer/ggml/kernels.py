@@ -51,6 +51,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from tracer.ggml import kernel_cache  # noqa: E402, F401  (before any kernel is defined: where they are compiled to)
+from tracer.ggml.floats import EXP_AVX2, EXP_VARIANT  # noqa: E402
 
 ZERO = np.float32(0.0)  # a lane starts at +0, as the lane array did
 ROW_TILE = 192  # outputs per inner loop (vectorised): long loops amortise each block's set-up
@@ -320,7 +321,7 @@ def _tile_softmax(raw, scale, constants, tile, p, ms, grows, total):  # pragma: 
     `scale` -> p (H, T, T) the weights ggml_v_expf(s - M) (0 past the query), ms / grows (H, T,
     tiles) the factor expf(M_old - M) (1 where the maximum stayed) and whether the tile raised the
     maximum M, total (H, T) the sum S: on a new maximum S = S * ms, then S += the tile's sum (per 16
-    weights `_mm512_reduce_add_ps`, on an AVX2 build (constants[9] 0) per 8 `hsum8`, added in f64, added
+    weights `_mm512_reduce_add_ps`, on an AVX2 build (its exp's constants say so) per 8 `hsum8`, added in f64, added
     to S in f64)."""
     heads, tokens = raw.shape[0], raw.shape[1]
     tiles = ms.shape[2]
@@ -348,7 +349,7 @@ def _tile_softmax(raw, scale, constants, tile, p, ms, grows, total):  # pragma: 
             for k in range(tile):
                 weights[k] = v_expf1(weights[k] - best, constants)
             sums = np.float64(0.0)
-            if constants[9] == 0:  # an AVX2 build: 8 lanes a vector
+            if constants[EXP_VARIANT] == EXP_AVX2:  # an AVX2 build: 8 lanes a vector
                 for c in range(0, tile, 8):
                     sums = sums + np.float64(hsum8(weights, c))
             else:
@@ -408,7 +409,7 @@ def pow2_f64(typingctx, n):
 @njit(inline="always")
 def v_expf1(v, constants):  # pragma: no cover - compiled
     """`tracer.ggml.floats.ggml_v_expf` of one f32; constants: shift, log2(e), ln2 high and low
-    parts, the 5 polynomial coefficients (f32)."""
+    parts, the 5 polynomial coefficients and the variant, AVX-512's or AVX2's (f32, `floats.exp_constants`)."""
     shift, log2e, ln2_hi, ln2_lo = constants[0], constants[1], constants[2], constants[3]
     p0, p1, p2, p3, p4 = constants[4], constants[5], constants[6], constants[7], constants[8]
     one, zero = np.float32(1.0), np.float32(0.0)
@@ -416,7 +417,7 @@ def v_expf1(v, constants):  # pragma: no cover - compiled
     n = z - shift
     b = fma32(-n, ln2_lo, fma32(-n, ln2_hi, v))
     u = b * b
-    if constants[9] == 0:  # the AVX2 variant
+    if constants[EXP_VARIANT] == EXP_AVX2:
         return _v_expf1_avx2(n, fma32(fma32(fma32(p0, b, p1), u, fma32(p2, b, p3)), u, p4 * b))
     j = fma32(fma32(fma32(p0, b, p1), u, fma32(p2, b, p3)), u, fma32(p4, b, one))
     in_range = abs(n) <= 192  # _mm512_scalef_ps' range check in ggml: else 0 or inf (NaN: not in range)

@@ -33,10 +33,10 @@ from tracer.ggml import kernels, ops
 from tracer.ggml.floats import F32
 from tracer.ggml.quants import Blocks
 
-LANES = 16  # f32 lanes of an AVX-512 register: tinyBLAS' KN for f32/f16 (and bf16 without AVX512-BF16; AVX2: 8)
+LANES = 16  # f32 lanes of an AVX-512 register: the accumulator of AVX512-BF16's chain (the others: `ops.f32_lanes`)
 DPBF16_STEP = 32  # bf16 values per `_mm512_dpbf16_ps`: tinyBLAS' KN for bf16 with AVX512-BF16
 
-# weight -> {order: its (S, 16, R) layout}: transposed once per weight
+# weight -> {(order, lanes): its (S, L, R) layout}: transposed once per weight
 _LAYOUTS = WeakIdKeyDictionary()
 
 

@@ -223,10 +223,12 @@ def verdict_view(knobs: dict, caveats: list[str], num_tokens: int) -> str:
     where a caveat names this CPU's own code paths (`floor_at_bound`), chaotic or not: free-running, those
     paths' differences add up across layers, and no floor measured here covers them.
     """
+    if floor_at_bound(knobs, caveats):
+        return "per_op"
     expanded = expand_presets(knobs)
     chaotic = setting(expanded, "act_quant") != "none" or expanded.get("kv_cache") == "q8_0"
     exact = not caveats and exact_order(expanded, num_tokens)
-    return "free" if (not chaotic and not floor_at_bound(knobs, caveats)) or exact else "per_op"
+    return "free" if not chaotic or exact else "per_op"
 
 
 def exact_order(knobs: dict, num_tokens: int) -> bool:
