@@ -172,13 +172,13 @@ LOG2E = float.fromhex("0x1.715476p+0")
 LN2_HI, LN2_LO = float.fromhex("0x1.62e4p-1"), float.fromhex("0x1.7f7d1cp-20")
 EXP_POLY = [float.fromhex(h) for h in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2",
                                        "0x1.ffffecp-1")]
-EXP_AVX512, EXP_AVX2 = 1.0, 0.0  # the variant, the compiled loops' last constant
-EXP_VARIANT = 4 + len(EXP_POLY)  # its index: after the shift, log2(e), ln2's two parts and the coefficients
 
 
 def exp_constants(avx512: bool) -> np.ndarray:
     """The compiled loops' constants of ggml_v_expf (`tracer.ggml.kernels.v_expf1`): shift, log2(e), ln2's
     two parts, the 5 coefficients and the variant, AVX-512's (`avx512`) or AVX2's."""
+    from tracer.ggml.kernels import EXP_AVX2, EXP_AVX512  # numba compiles the kernels: loaded by the ops that run them
+
     return np.array([EXP_SHIFT, LOG2E, LN2_HI, LN2_LO, *EXP_POLY, EXP_AVX512 if avx512 else EXP_AVX2], dtype=np.float32)
 
 

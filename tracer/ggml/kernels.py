@@ -51,11 +51,12 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from tracer.ggml import kernel_cache  # noqa: E402, F401  (before any kernel is defined: where they are compiled to)
-from tracer.ggml.floats import EXP_AVX2, EXP_VARIANT  # noqa: E402
 
 ZERO = np.float32(0.0)  # a lane starts at +0, as the lane array did
 ROW_TILE = 192  # outputs per inner loop (vectorised): long loops amortise each block's set-up
 TOKEN_TILE = 8  # tokens per pass over a tile of weights, written out: each weight loaded once for 8 tokens
+EXP_AVX512, EXP_AVX2 = 1.0, 0.0  # ggml_v_expf's variant: the last of its constants (`floats.exp_constants`)
+EXP_VARIANT = 9  # its index: after the shift, log2(e), ln2's two parts and the 5 coefficients
 
 
 @intrinsic
