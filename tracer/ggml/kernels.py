@@ -436,16 +436,13 @@ def _v_expf1_avx2(n, j):  # pragma: no cover - compiled
     fma(s2, j, s2) times s1 = 2^127 or 2^-125, one rounding each (a power of two: exact in f64, then one
     rounding to f32, subnormals included); past 192, s1·s1: inf or 0. NaN stays NaN."""
     zero = np.float32(0.0)
-    if np.isnan(n):
-        return n
-    if abs(n) <= 126:
-        k = np.float32(pow2_f64(np.int64(n)))
-        return fma32(j, k, k)
-    if abs(n) > 192:
-        return zero if n <= 0 else np.float32(np.inf)
-    low = n <= 0
-    s2 = np.float32(pow2_f64(np.int64(n + 125 if low else n - 127)))
-    return np.float32(np.float64(fma32(s2, j, s2)) * pow2_f64(np.int64(-125 if low else 127)))
+    low, near, reach = n <= 0, abs(n) <= 126, abs(n) <= 192  # NaN: none of them
+    # selects, not branches, so that loops vectorise; an exponent not used is 0 (no conversion of NaN)
+    k = np.float32(pow2_f64(np.int64(n if near else zero)))
+    s2 = np.float32(pow2_f64(np.int64((n + 125 if low else n - 127) if reach and not near else zero)))
+    far = np.float32(np.float64(fma32(s2, j, s2)) * pow2_f64(np.int64(-125 if low else 127)))
+    out = fma32(j, k, k) if near else (far if reach else (zero if low else np.float32(np.inf)))
+    return n if np.isnan(n) else out
 
 
 @njit(cache=True, parallel=True)
