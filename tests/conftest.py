@@ -15,10 +15,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-import torch  # noqa: E402 - after the thread count is set
-from safetensors.torch import save_file
-
-from tracer.core.errors import TracerError
+from tracer.core.errors import TracerError  # noqa: E402 - after the thread count is set
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -32,6 +29,9 @@ def write_tiny_llama(path: Path, *, seed: int = 0, rope_format: str = "v4", **ov
     """
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
               "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, **TINY, **overrides}
+    import torch  # the workers' import: pytest's own process, which only hands out the tests, needs none
+    from safetensors.torch import save_file
+
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     generator = torch.Generator().manual_seed(seed)
 
@@ -153,14 +153,43 @@ LONGEST_FILES = ("test_long_prompt.py", "test_matrix.py", "test_explain_smollm2.
                  "test_browser.py")
 
 
+def file_markers(path: Path) -> set[str]:
+    """The markers every test of a file carries (`pytest_collection_modifyitems` adds them)."""
+    if "integration" in path.parts:
+        return {"integration"}
+    return {"slow"} if path.name in SLOW_UNIT_FILES else set()
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A test file that `-m` leaves out whole is not imported: the quick tier (`-m "not integration and not
+    slow"`) does not pay for the modules whose tests it would deselect. Left out only when the expression is
+    false whatever markers a test inside adds (each name it tests, other than the file's, tried both ways)."""
+    import itertools
+    import re
+
+    from _pytest.mark.expression import Expression
+
+    expression = config.getoption("markexpr")
+    if not expression or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    fixed = file_markers(collection_path)
+    if not fixed:
+        return None
+    free = sorted(set(re.findall(r"[A-Za-z_][\w.]*", expression)) - fixed - {"and", "or", "not", "True", "False"})
+    compiled = Expression.compile(expression)
+    for values in itertools.product((False, True), repeat=len(free)):
+        on = fixed | {name for name, value in zip(free, values) if value}
+        if compiled.evaluate(lambda name, /, **kwargs: name in on):
+            return None
+    return True
+
+
 def pytest_collection_modifyitems(items):
     """Every test under tests/integration runs the bundled SmolLM2: marked `integration` here, in one
     place; the longest files go first."""
     for item in items:
-        if "integration" in item.path.parts:
-            item.add_marker(pytest.mark.integration)
-        elif item.path.name in SLOW_UNIT_FILES:
-            item.add_marker(pytest.mark.slow)
+        for name in file_markers(item.path):
+            item.add_marker(getattr(pytest.mark, name))
     rank = {name: n for n, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order
 
