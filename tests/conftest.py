@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
+from _pytest.mark.expression import Expression
 
 # The suite's workers (pytest-xdist) share the machine's cores: each worker, and every process it
 # starts, takes its share of threads: two workers of two OpenMP threads each on two cores spin-wait
@@ -164,11 +167,6 @@ def pytest_ignore_collect(collection_path, config):
     """A test file that `-m` leaves out whole is not imported: the quick tier (`-m "not integration and not
     slow"`) does not pay for the modules whose tests it would deselect. Left out only when the expression is
     false whatever markers a test inside adds (each name it tests, other than the file's, tried both ways)."""
-    import itertools
-    import re
-
-    from _pytest.mark.expression import Expression
-
     expression = config.getoption("markexpr")
     if not expression or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
