@@ -101,7 +101,7 @@ class NoiseFloor:
         against (`tracer.pipeline.regime_view.per_op_noise`, which this floor's values are part of). Described
         as this one was measured; nothing more is measured through it."""
         floor = replace(self, measure_exact=None, noise={})
-        floor.noise = dict(noise)
+        floor.noise = dict(noise)  # after: `__post_init__` fills `noise` from the prefix and exact floors
         return floor
 
     def lowest(self) -> dict[str, float]:
