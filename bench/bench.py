@@ -632,8 +632,8 @@ def main() -> None:
         print("\n".join([f"# candle ({count} tokens; its bit-exact regime on 64)", ""] + table(rows) + [""]
                         + table(candle_regime)))
         return
-    # A 2048-token bit-exact forward costs minutes on a 2-core host (docs/measured.md): not what --quick is for.
-    exact_counts = tuple(args.exact_tokens or ((64, count) if args.quick else EXACT_REGIME_TOKENS))
+    # The 2048-token bit-exact rows take minutes on a 2-core host (docs/measured.md): not what --quick is for.
+    exact_counts = tuple(sorted(set(args.exact_tokens or ((64, count) if args.quick else EXACT_REGIME_TOKENS))))
     regime_rows = regimes(model_dir, tokens, repeats, exact_counts)
     regime_lines = [("| regime (reimpl forward, nothing recorded) | seconds (median) | ratio to the plain reimpl "
                      "forward (median of alternating rounds) |"),
